@@ -1,0 +1,1 @@
+"""Load generator: workloads, arrivals, an async streaming client, and bench_serving-compatible metrics."""

@@ -1,0 +1,130 @@
+"""Trial records: what one trial asked for, what SGLang resolved, and what was measured.
+
+This is the contract between the writer (:mod:`tuner.study` / :mod:`tuner.trial`) and the readers
+(:mod:`tuner.report`, :mod:`tuner.apply`). A record is stored as the JSON user attribute
+:data:`RECORD_ATTR` of its Optuna trial; study-level facts under :data:`STUDY_ATTR`.
+
+Objectives (Optuna ``directions = ["maximize", "maximize"]``): ``values[0]`` is the context
+capacity (requests of the workload's context length resident at once), ``values[1]`` the output
+throughput in tokens/s. Constraints (Optuna ``constraints_func``; feasible when every value ≤ 0):
+see :data:`CONSTRAINT_NAMES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.sglang.failures import FailureClass
+
+__all__ = [
+    "RECORD_ATTR",
+    "STUDY_ATTR",
+    "CONSTRAINT_NAMES",
+    "PhaseResult",
+    "TrialRecord",
+    "StudyInfo",
+]
+
+RECORD_ATTR = "tuner.record"
+"""Optuna trial user attribute holding ``TrialRecord.model_dump(mode="json")``."""
+STUDY_ATTR = "tuner.study"
+"""Optuna study user attribute holding ``StudyInfo.model_dump(mode="json")``."""
+CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress")
+"""Order of the constraint values stored with ``optuna.samplers._base._CONSTRAINTS_KEY``:
+``oom_or_crash`` is 1.0 on any startup/runtime failure else -1.0; ``slo`` is the largest relative
+SLO overshoot (``measured/target - 1``; ≤ 0 when met); ``stress`` is 1.0 when the stress phase
+failed (OOM, errors, retraction storm) else -1.0."""
+
+
+class PhaseResult(BaseModel):
+    """One load phase of a trial (``warmup``, ``measure``, ``stress``, ``capacity_probe``).
+
+    ``metrics`` uses bench_serving's key names (``shared/sglang-reference.md`` §6.2):
+    ``request_throughput`` (req/s), ``output_throughput`` (tok/s), ``mean_ttft_ms``,
+    ``p99_ttft_ms``, ``p99_itl_ms``, ``p99_tpot_ms``, ``p99_e2e_latency_ms``, ``concurrency``,
+    plus ``goodput`` (req/s meeting every SLO), ``slo_attainment`` (0-1), ``error_rate`` (0-1),
+    ``cache_hit_rate`` (0-1).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    duration_s: float
+    completed: int = 0
+    errored: int = 0
+    incomplete: int = 0
+    stopped_early: bool = False
+    stop_reason: str | None = None
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+
+
+class TrialRecord(BaseModel):
+    """Everything known about one trial.
+
+    Units are in the names: ``_gib`` (2^30 bytes), ``_tokens``, ``_ms``, ``_s``, ``_tok_s``.
+
+    Attributes:
+        params: What the tuner asked for, by SGLang field name (``mem_fraction_static``,
+            ``max_running_requests``, ``chunked_prefill_size`` (-1 = disabled),
+            ``enable_hierarchical_cache``, ``hicache_ratio``, ...).
+        argv: The full server command line that was launched.
+        resolved: What SGLang resolved, with its source, e.g. ``{"max_total_num_tokens":
+            {"value": 159277, "source": "log:scheduler"}}``.
+        kind: ``baseline`` (the unit's current flags), ``predicted`` (memory-model candidate),
+            ``sampled`` (the sampler), ``enqueued`` (re-run after a killed run).
+        outcome: ``ok`` (measured), ``failed`` (startup or runtime failure), ``skipped``
+            (proved infeasible without a restart), ``budget`` (not started: no time left).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    params: dict[str, Any] = Field(default_factory=dict)
+    argv: list[str] = Field(default_factory=list)
+    resolved: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    kind: Literal["baseline", "predicted", "sampled", "enqueued"] = "sampled"
+    outcome: Literal["ok", "failed", "skipped", "budget"] = "ok"
+    context_tokens: int | None = None
+    context_capacity: int | None = None
+    token_capacity: int | None = None
+    free_gib_after_graphs: float | None = None
+    output_throughput_tok_s: float | None = None
+    goodput_req_s: float | None = None
+    p99_ttft_ms: float | None = None
+    p99_itl_ms: float | None = None
+    feasible: bool = False
+    constraints: dict[str, float] = Field(default_factory=dict)
+    failure_class: FailureClass | None = None
+    failure_evidence: str | None = None
+    skipped_reason: str | None = None
+    proved_by_trial: int | None = None
+    prediction: dict[str, Any] = Field(default_factory=dict)
+    memory: dict[str, Any] = Field(default_factory=dict)
+    phases: list[PhaseResult] = Field(default_factory=list)
+    artifacts: dict[str, str] = Field(default_factory=dict)
+    log_excerpt: list[str] = Field(default_factory=list)
+    started_at: str | None = None
+    duration_s: float | None = None
+
+
+class StudyInfo(BaseModel):
+    """Study-level facts: the environment every trial ran in and how "best" is chosen.
+
+    Attributes:
+        environment: ``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``,
+            ``model`` (path or name); a study refuses to mix environments unless told to.
+        target: ``launcher`` (``systemd`` / ``process``), ``unit`` or ``command``, ``url``.
+        baseline_argv: The command line the service ran before the study.
+        policy: The "best" selection policy (see :mod:`tuner.config`).
+        context_tokens: The workload's context length used for context capacity.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    environment: dict[str, Any] = Field(default_factory=dict)
+    target: dict[str, Any] = Field(default_factory=dict)
+    baseline_argv: list[str] = Field(default_factory=list)
+    policy: dict[str, Any] = Field(default_factory=dict)
+    context_tokens: int | None = None
+    config_path: str | None = None
