@@ -1,0 +1,940 @@
+"""SGLang server log parsing: memory accounting per rank, scheduler facts, runtime events, failures.
+
+One concept: turn SGLang's own output (a file, a ``journalctl`` stream or a live pipe) into a typed
+:class:`LogReport`. The parser reads every format of ``shared/sglang-reference.md`` §4 (0.5.5,
+0.5.10, 0.5.16, 0.5.23) and tolerates what real logs carry: journald prefixes (``short`` and
+``short-iso``), ANSI colour, rank prefixes (``[ts TP3]``, ``[ts DP0 TP0]``), interleaved ranks,
+truncated lines and unrelated lines, which are ignored. A number that is not in the log is
+``None``, never 0.
+
+Failures are classified into :class:`~tuner.sglang.failures.FailureClass` from their evidence line
+(§4.3, §4.4, §1.1); the most specific evidence wins (a ``Capture cuda graph failed: CUDA out of
+memory`` beats the ``Scheduler hit an exception`` that follows it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.errors import LogError
+from tuner.sglang.failures import Failure, FailureClass
+
+__all__ = [
+    "RankMemory",
+    "SchedulerInfo",
+    "Retraction",
+    "BatchLine",
+    "BatchSummary",
+    "InputRejection",
+    "OOMDetail",
+    "LogReport",
+    "LogWatcher",
+    "parse_log",
+    "read_log",
+    "classify",
+    "clean_line",
+    "outcome_of",
+]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+_MAX_BATCH_LINES = 2000
+_NUM = r"(-?\d+(?:\.\d+)?)"
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+
+class RankMemory(BaseModel):
+    """GPU memory accounting of one rank, in startup order (§4.2). GiB = 2^30 bytes (§0 Units).
+
+    Every field is ``None`` when its line is absent from the log.
+
+    Attributes:
+        rank: The rank prefix (``"TP3"``, ``"DP0 TP0"``), ``None`` without a prefix (tp = 1).
+        baseline_gib: ``mem usage=`` of ``Init torch distributed ends`` (0.5.5/0.5.10) or
+            ``Memory baseline taken`` (0.5.23): memory taken by distributed init (§4.2 item 1).
+        load_begin_avail_gib: ``Load weight begin. avail mem=``: free memory at the baseline,
+            the ``B`` of the capacity model (§8).
+        weight_gib: ``Load weight end ... mem usage=``: weights ``W`` (§4.2 item 3).
+        weight_end_avail_gib: ``Load weight end ... avail mem=``.
+        model_class: ``type=`` of the weight line (``DeepseekV3ForCausalLM``).
+        weight_dtype: ``dtype=`` (0.5.5) or the ``quant=`` part (0.5.10+).
+        kv_tokens: ``KV Cache is allocated. #tokens:``: ``max_total_num_tokens`` (§4.2 item 5).
+        k_size_gib, v_size_gib: MHA pools; kv_size_gib: MLA / single-buffer pools.
+        kv_dtype: ``dtype:`` of the KV line (0.5.16+) or ``Using KV cache dtype:``.
+        memory_pool_end_avail_gib: ``Memory pool end. avail mem=`` (§4.2 item 6).
+        graph_begin_avail_gib: ``avail mem=`` of the first graph-capture begin line.
+        graph_gib: sum of ``mem usage=`` over every capture end line (§4.2 item 7).
+        graph_end_avail_gib: ``avail mem=`` of the last capture end line.
+        graph_capture_s: summed capture time in seconds.
+        graph_bs: the captured decode batch sizes, when the log lists them (0.5.23).
+        draft: the draft model's own lines with speculative decoding (§4.1), else ``None``.
+    """
+
+    model_config = _FROZEN
+
+    rank: str | None = None
+    baseline_gib: float | None = None
+    load_begin_avail_gib: float | None = None
+    weight_gib: float | None = None
+    weight_end_avail_gib: float | None = None
+    model_class: str | None = None
+    weight_dtype: str | None = None
+    kv_tokens: int | None = None
+    k_size_gib: float | None = None
+    v_size_gib: float | None = None
+    kv_size_gib: float | None = None
+    kv_dtype: str | None = None
+    memory_pool_end_avail_gib: float | None = None
+    graph_begin_avail_gib: float | None = None
+    graph_gib: float | None = None
+    graph_end_avail_gib: float | None = None
+    graph_capture_s: float | None = None
+    graph_bs: list[int] | None = None
+    draft: RankMemory | None = None
+
+    @property
+    def kv_pool_gib(self) -> float | None:
+        """KV pool size in GiB: ``KV size`` or ``K size + V size``; ``None`` when not logged."""
+        if self.kv_size_gib is not None:
+            return self.kv_size_gib
+        if self.k_size_gib is not None and self.v_size_gib is not None:
+            return self.k_size_gib + self.v_size_gib
+        return None
+
+    @property
+    def kv_pool_consumed_gib(self) -> float | None:
+        """Drop of free memory from ``Load weight end`` to ``Memory pool end`` (KV + req_to_token)."""
+        if self.weight_end_avail_gib is None or self.memory_pool_end_avail_gib is None:
+            return None
+        return round(self.weight_end_avail_gib - self.memory_pool_end_avail_gib, 2)
+
+    @property
+    def cuda_graph_max_bs(self) -> int | None:
+        """Largest captured decode batch size, when the log lists the sizes (case-21)."""
+        return max(self.graph_bs) if self.graph_bs else None
+
+
+class SchedulerInfo(BaseModel):
+    """The scheduler line ``max_total_num_tokens=..., available_gpu_mem=...`` (§4.2 item 8).
+
+    ``max_running_requests`` is the *effective* value (§2.3); ``available_gpu_mem_gib`` is the
+    free memory after graphs, the runtime headroom (§8).
+    """
+
+    model_config = _FROZEN
+
+    max_total_num_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int | None = None
+    max_running_requests: int | None = None
+    context_len: int | None = None
+    available_gpu_mem_gib: float | None = None
+
+
+class Retraction(BaseModel):
+    """``KV cache pool is full. Retract requests.`` (§4.4): the soft capacity signal."""
+
+    model_config = _FROZEN
+
+    retracted_reqs: int
+    new_tokens_gained: int | None = None
+    new_token_ratio_before: float | None = None
+    new_token_ratio_after: float | None = None
+    timestamp: str | None = None
+    rank: str | None = None
+
+
+class BatchLine(BaseModel):
+    """One ``Prefill batch`` / ``Decode batch`` line (§4.5). Absent fields are ``None``."""
+
+    model_config = _FROZEN
+
+    kind: Literal["prefill", "decode"]
+    timestamp: str | None = None
+    rank: str | None = None
+    new_seq: int | None = None
+    new_token: int | None = None
+    cached_token: int | None = None
+    running_req: int | None = None
+    queue_req: int | None = None
+    num_token: int | None = None
+    """``#token`` (decode) or ``#full token`` (hybrid SWA): KV tokens held by running requests."""
+    token_usage: float | None = None
+    full_token_usage: float | None = None
+    swa_token_usage: float | None = None
+    cuda_graph: bool | None = None
+    gen_throughput_tok_s: float | None = None
+    input_throughput_tok_s: float | None = None
+    accept_len: float | None = None
+    cache_hit_rate_pct: float | None = None
+
+
+class BatchSummary(BaseModel):
+    """Summary over every batch line of the log (the kept ``batches`` list is bounded)."""
+
+    model_config = _FROZEN
+
+    prefill_lines: int = 0
+    decode_lines: int = 0
+    max_running_req: int | None = None
+    max_token_usage: float | None = None
+    decode_lines_without_cuda_graph: int = 0
+    max_running_req_without_cuda_graph: int | None = None
+
+
+class InputRejection(BaseModel):
+    """A request rejected as too long (§1.4, §4.4); the server stays up."""
+
+    model_config = _FROZEN
+
+    input_tokens: int
+    max_allowed_tokens: int
+    limit: Literal["max_req_input_len", "context_length"]
+    rank: str | None = None
+
+
+class OOMDetail(BaseModel):
+    """Numbers of torch's ``CUDA out of memory. Tried to allocate X. GPU n has a total capacity of Y``."""
+
+    model_config = _FROZEN
+
+    tried_to_allocate_mib: float | None = None
+    gpu_index: int | None = None
+    total_capacity_gib: float | None = None
+
+
+class LogReport(BaseModel):
+    """Everything one SGLang log says about memory, capacity, events and failure.
+
+    Attributes:
+        version_format: Newest §4 log format recognized (``"0.5.5"``, ``"0.5.10"``,
+            ``"0.5.16"``, ``"0.5.23"``), ``None`` when no version-specific line was seen.
+        ranks: Memory accounting per rank prefix (``""`` for lines without one).
+        scheduler: The scheduler line, if logged.
+        host_pool_gb: HiCache host pool per rank in decimal GB (§7, §4.2 item 9).
+        host_pool_tokens: HiCache host pool in tokens (0.5.23 line only).
+        ready: ``The server is fired up and ready to roll!`` was seen.
+        retractions: Every retraction line.
+        batches: The last batch lines (bounded); ``batch_summary`` covers all of them.
+        failure: The classified failure, with its evidence, if any.
+        warnings: What the parser noticed and the reader should know (missing lines, caps).
+        kv_cache_dtype: ``Using KV cache dtype: torch.bfloat16`` → ``"torch.bfloat16"``.
+        max_total_tokens_requested / max_total_tokens_profiled: the ``max_total_tokens=X is
+            larger than the profiled value Y`` warning (§1.4).
+        max_running_requests_reset_for_speculative: the ``reset to 48`` warning was seen (§1.5).
+        max_running_requests_requested / max_running_requests_reduced_to: the 0.5.16+ reduction
+            warning (§2.3).
+        input_rejections: Too-long requests (case-26).
+        oom: Numbers of a CUDA OOM message, if any.
+        req_slots_available / req_slots_requested: ``alloc_req_slots`` numbers (case-29).
+        server_args: ``key=value`` pairs of a logged ``server_args=ServerArgs(...)`` line and
+            flags of a logged launch command, as strings.
+        exit_status: The process exit status, when a systemd line reports it.
+        sglang_lines: How many lines were recognized as SGLang output.
+    """
+
+    model_config = _FROZEN
+
+    version_format: str | None = None
+    ranks: dict[str, RankMemory] = Field(default_factory=dict)
+    scheduler: SchedulerInfo | None = None
+    host_pool_gb: float | None = None
+    host_pool_tokens: int | None = None
+    ready: bool = False
+    retractions: list[Retraction] = Field(default_factory=list)
+    batches: list[BatchLine] = Field(default_factory=list)
+    batch_summary: BatchSummary = Field(default_factory=BatchSummary)
+    failure: Failure | None = None
+    warnings: list[str] = Field(default_factory=list)
+    kv_cache_dtype: str | None = None
+    max_total_tokens_requested: int | None = None
+    max_total_tokens_profiled: int | None = None
+    max_running_requests_reset_for_speculative: bool = False
+    max_running_requests_requested: int | None = None
+    max_running_requests_reduced_to: int | None = None
+    input_rejections: list[InputRejection] = Field(default_factory=list)
+    oom: OOMDetail | None = None
+    server_args: dict[str, str] = Field(default_factory=dict)
+    req_slots_available: int | None = None
+    req_slots_requested: int | None = None
+    exit_status: int | None = None
+    sglang_lines: int = 0
+
+    def primary(self) -> RankMemory | None:
+        """The binding rank: the one with the least free memory after weights (both SGLang
+        readings are a MIN over ranks, §1.1), else TP0, else the first rank seen."""
+        if not self.ranks:
+            return None
+        with_avail = [r for r in self.ranks.values() if r.weight_end_avail_gib is not None]
+        if with_avail:
+            return min(with_avail, key=lambda r: r.weight_end_avail_gib)  # type: ignore[arg-type,return-value]
+        for key in ("TP0", "DP0 TP0", ""):
+            if key in self.ranks:
+                return self.ranks[key]
+        return next(iter(self.ranks.values()))
+
+    @property
+    def max_total_num_tokens(self) -> int | None:
+        """Effective ``max_total_num_tokens``: the scheduler line, else the KV line of the primary rank."""
+        if self.scheduler and self.scheduler.max_total_num_tokens is not None:
+            return self.scheduler.max_total_num_tokens
+        prim = self.primary()
+        return prim.kv_tokens if prim else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Line cleaning: journald prefixes, ANSI colour, SGLang's [timestamp rank] prefix
+# ---------------------------------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+_JOURNAL_SHORT = re.compile(
+    r"^[A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d(?:\.\d+)? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: "
+)
+_JOURNAL_ISO = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: "
+)
+_HEAD = re.compile(r"^\[?(?P<head>[^\[\]]{0,120})\]\s?")
+_TIME = re.compile(r"\d\d:\d\d:\d\d")
+_RANK_TOKEN = re.compile(r"\b(?:DP|PP|TP|EP|CP)\d+\b")
+_SYSTEMD_EXIT = re.compile(r"Main process exited, code=(?P<code>\w+), status=(?P<status>\d+)")
+
+
+def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
+    """Strip ANSI colour, a journald prefix and SGLang's ``[timestamp rank]`` prefix (§4.1).
+
+    Args:
+        raw: One line as read (may end in a newline, may be truncated).
+
+    Returns:
+        ``(message, rank, timestamp, journal_ident)``: ``rank`` like ``"TP3"`` or ``"DP0 TP0"``
+        (``None`` without one), ``timestamp`` the SGLang timestamp text, ``journal_ident`` the
+        journald identifier (``python``, ``systemd``) when a journald prefix was present.
+    """
+    line = _ANSI.sub("", raw).rstrip("\r\n").replace("\x00", "")
+    ident = None
+    for pat in (_JOURNAL_SHORT, _JOURNAL_ISO):
+        m = pat.match(line)
+        if m:
+            ident = m.group("ident")
+            line = line[m.end():]
+            break
+    line = _ANSI.sub("", line)
+    rank = ts = None
+    m = _HEAD.match(line)
+    if m:
+        head = m.group("head")
+        ranks = _RANK_TOKEN.findall(head)
+        tm = _TIME.search(head)
+        if tm or ranks or head.startswith("gpu="):
+            ts = head.split(" TP")[0].split(" DP")[0].strip() if tm else None
+            rank = " ".join(ranks) if ranks else None
+            line = line[m.end():]
+    return line.strip(), rank, ts, ident
+
+
+# ---------------------------------------------------------------------------------------------
+# Patterns
+# ---------------------------------------------------------------------------------------------
+
+_P = {
+    "dist_end": re.compile(r"Init torch distributed ends\.(?:.*?elapsed=" + _NUM + r" s,)?.*?mem usage=" + _NUM + " GB"),
+    "baseline": re.compile(r"Memory baseline taken\..*?mem usage=" + _NUM + " GB"),
+    "load_begin": re.compile(r"Load weight begin\..*?avail mem=" + _NUM + " GB"),
+    "load_end": re.compile(r"Load weight end\.(?P<body>.*?)avail mem=" + _NUM + r" GB(?:, mem usage=" + _NUM + " GB)?"),
+    "kv_dtype": re.compile(r"Using KV cache dtype: (\S+)"),
+    "kv_alloc": re.compile(
+        r"KV Cache (?:is allocated|VA upper bound)\.\s*(?:dtype: (?P<dtype>[\w.]+), )?#tokens: (?P<tokens>-?\d+)"
+        r"(?:, K size: (?P<k>" + _NUM[1:-1] + r") GB, V size: (?P<v>" + _NUM[1:-1] + r") GB"
+        r"|, KV size: (?P<kv>" + _NUM[1:-1] + r") GB)?"
+    ),
+    "pool_end": re.compile(r"Memory pool end\..*?avail mem=" + _NUM + " GB"),
+    "cap_begin": re.compile(r"Capture (?P<name>.*?) begin\.(?P<body>.*)"),
+    "cap_end": re.compile(r"Capture (?P<name>.*?) end\.(?P<body>.*)"),
+    "scheduler": re.compile(r"max_total_num_tokens=(?P<tokens>-?\d+)(?P<rest>.*)"),
+    "host_pool_old": re.compile(r"Allocating " + _NUM + r" GB host memory for hierarchical KV cache"),
+    "host_pool_new": re.compile(r"Allocating (?:.*?)hierarchical KV host pool: (\d+) tokens, " + _NUM + " GB host memory"),
+    "ready": re.compile(r"The server is fired up and ready to roll"),
+    "retract": re.compile(r"KV cache pool is full\. Retract requests\.\s*#retracted_reqs: (\d+)(?:, #new_tokens_gained: (\d+))?(?:, #new_token_ratio: " + _NUM + r" -> " + _NUM + ")?"),
+    "batch": re.compile(r"(?P<kind>Prefill|Decode) batch(?: \[\d+\])?[.,]\s*(?P<body>.*)"),
+    "mtt_larger": re.compile(r"max_total_tokens=(-?\d+) is larger than the profiled value (-?\d+)"),
+    "mrr_spec": re.compile(r"Max running requests is reset to (\d+) for speculative decoding"),
+    "mrr_reduced": re.compile(r"max_running_requests was reduced from the requested (\d+) to (\d+)"),
+    "input_long": re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)"),
+    "input_ctx": re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"),
+    "server_args": re.compile(r"server_args=ServerArgs\((.*)\)?"),
+    "req_slots": re.compile(r"available_size\(\)=(\d+)(?:, num_reqs=(\d+))?"),
+    "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" (MiB|GiB|KiB|B)"),
+    "oom_gpu": re.compile(r"GPU (\d+) has a total capacity of " + _NUM),
+}
+
+_BATCH_FIELDS = {
+    "#new-seq": ("new_seq", int),
+    "#new-token": ("new_token", int),
+    "#cached-token": ("cached_token", int),
+    "#running-req": ("running_req", int),
+    "#queue-req": ("queue_req", int),
+    "#token": ("num_token", int),
+    "#full token": ("num_token", int),
+    "token usage": ("token_usage", float),
+    "full token usage": ("full_token_usage", float),
+    "swa token usage": ("swa_token_usage", float),
+    "cuda graph": ("cuda_graph", bool),
+    "gen throughput (token/s)": ("gen_throughput_tok_s", float),
+    "input throughput (token/s)": ("input_throughput_tok_s", float),
+    "accept len": ("accept_len", float),
+    "cache hit rate": ("cache_hit_rate_pct", float),
+}
+
+# Version markers (§4.2): the newest one seen names the format.
+_VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
+    ("0.5.23", re.compile(r"Memory baseline taken|Init parallel ends|Capture (?:target|draft) \w+ CUDA graph|hierarchical KV host pool:")),
+    ("0.5.16", re.compile(r"KV Cache is allocated\. dtype:|Capture \S+ \S+ end\. elapsed=")),
+    ("0.5.10", re.compile(r"Init torch distributed ends\. elapsed=|Load weight end\. elapsed=|Capture piecewise CUDA graph|#new_tokens_gained")),
+    ("0.5.5", re.compile(r"Init torch distributed ends\. mem usage|Load weight end\. type=.*dtype=|Capture cuda graph end\. Time elapsed")),
+]
+
+
+def _vkey(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("."))
+
+
+# Failure evidence, most specific first: (priority, class, pattern). Generic CUDA OOM text is
+# classified by the startup phase it occurred in (see LogWatcher._oom_class).
+_FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
+    (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")),
+    (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Loaded weights leave no GPU memory for the KV cache")),
+    (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Memory pool size is too small")),
+    (90, FailureClass.CUDA_GRAPH_OOM, re.compile(r"Capture cuda graph failed", re.I)),
+    (90, FailureClass.HOST_MEMORY, re.compile(r"Not enough host memory available")),
+    (90, FailureClass.HOST_MEMORY, re.compile(r"The host memory should be larger than the device memory")),
+    (90, FailureClass.UNBALANCED_MEMORY, re.compile(r"The memory capacity is unbalanced")),
+    (90, FailureClass.REQUEST_SLOT_EXHAUSTION, re.compile(r"alloc_req_slots runs out of memory")),
+    (85, FailureClass.INVALID_ARGUMENTS, re.compile(r"(?:launch_server(?:\.py)?|sglang(?: serve)?|\S+\.py): error: |error: unrecognized arguments|error: ambiguous option|error: argument --")),
+    (80, FailureClass.RUNTIME_OOM, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size")),
+    (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|CUDA error: out of memory")),
+    (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|scheduler is dead|Initialization failed|Watchdog timeout|watchdog", re.I)),
+]
+
+
+def _float(x: str | None) -> float | None:
+    return None if x is None else float(x)
+
+
+def _int(x: str | None) -> int | None:
+    return None if x is None else int(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The incremental parser
+# ---------------------------------------------------------------------------------------------
+
+
+class LogWatcher:
+    """Incremental SGLang log parser, for a launcher watching a live server or a whole file.
+
+    Feed lines one at a time; :attr:`ready` and :attr:`failure` are current after each line
+    (the failure is set as soon as the first failure line arrives and upgraded when more
+    specific evidence follows). :meth:`report` freezes what was seen into a :class:`LogReport`.
+    Holds no global state; one watcher per server start.
+    """
+
+    def __init__(self) -> None:
+        self.ready: bool = False
+        self.failure: Failure | None = None
+        self._failure_prio = -1
+        self._ranks: dict[str, dict[str, Any]] = {}
+        self._scheduler: dict[str, Any] | None = None
+        self._version: str | None = None
+        self._phase = "init"
+        self._serving = False
+        self._fields: dict[str, Any] = {}
+        self._retractions: list[Retraction] = []
+        self._batches: deque[BatchLine] = deque(maxlen=_MAX_BATCH_LINES)
+        self._summary: dict[str, Any] = {"prefill_lines": 0, "decode_lines": 0, "decode_lines_without_cuda_graph": 0}
+        self._rejections: list[InputRejection] = []
+        self._oom: OOMDetail | None = None
+        self._server_args: dict[str, str] = {}
+        self._warnings: list[str] = []
+        self._exit_status: int | None = None
+        self._last_sglang_line: str | None = None
+        self._sglang_lines = 0
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def feed(self, line: str) -> None:
+        """Parse one line (any prefix, colour, or truncation); unknown lines are ignored."""
+        msg, rank, ts, ident = clean_line(line)
+        if not msg:
+            return
+        if ident == "systemd" or "Main process exited" in msg:
+            m = _SYSTEMD_EXIT.search(msg)
+            if m:
+                status = int(m.group("status"))
+                self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
+            return
+        if self._parse(msg, rank, ts):
+            self._sglang_lines += 1
+            self._last_sglang_line = msg
+
+    def feed_many(self, lines: Iterable[str]) -> None:
+        """Feed every line of an iterable (a file, a list, a pipe)."""
+        for line in lines:
+            self.feed(line)
+
+    def report(self, *, exit_status: int | None = None) -> LogReport:
+        """Freeze what was seen so far.
+
+        Args:
+            exit_status: The process exit status if known; with no failure line, a non-zero
+                status still yields a failure (see :func:`classify`).
+
+        Returns:
+            The :class:`LogReport`.
+        """
+        status = exit_status if exit_status is not None else self._exit_status
+        failure = self.failure
+        if failure is not None and status is not None and failure.exit_status is None:
+            failure = failure.model_copy(update={"exit_status": status})
+        if failure is None and status not in (None, 0):
+            failure = self._failure_from_exit(status)
+        ranks = {key: self._freeze_rank(key, d) for key, d in self._ranks.items()}
+        warnings = list(self._warnings)
+        if ranks and not self._scheduler and self._sglang_lines:
+            warnings.append("no scheduler line (max_total_num_tokens=...): the start did not finish or the log is partial")
+        if self.ready is False and self._scheduler and failure is None:
+            warnings.append("no ready line: the log ends before 'The server is fired up and ready to roll!'")
+        summary = dict(self._summary)
+        usage = summary.get("max_token_usage")
+        if usage is not None and usage >= 0.9:
+            warnings.append(
+                f"KV pool nearly full: token usage reached {usage:.2f}; expect retractions and slow decode "
+                "(more KV capacity: raise mem_fraction_static or lower the offered concurrency)"
+            )
+        return LogReport(
+            version_format=self._version,
+            ranks=ranks,
+            scheduler=SchedulerInfo(**self._scheduler) if self._scheduler else None,
+            host_pool_gb=self._fields.get("host_pool_gb"),
+            host_pool_tokens=self._fields.get("host_pool_tokens"),
+            ready=self.ready,
+            retractions=list(self._retractions),
+            batches=list(self._batches),
+            batch_summary=BatchSummary(**summary),
+            failure=failure,
+            warnings=warnings,
+            kv_cache_dtype=self._fields.get("kv_cache_dtype"),
+            max_total_tokens_requested=self._fields.get("mtt_requested"),
+            max_total_tokens_profiled=self._fields.get("mtt_profiled"),
+            max_running_requests_reset_for_speculative=bool(self._fields.get("mrr_spec")),
+            max_running_requests_requested=self._fields.get("mrr_requested"),
+            max_running_requests_reduced_to=self._fields.get("mrr_reduced"),
+            input_rejections=list(self._rejections),
+            oom=self._oom,
+            req_slots_available=self._fields.get("req_slots_available"),
+            req_slots_requested=self._fields.get("req_slots_requested"),
+            server_args=dict(self._server_args),
+            exit_status=status,
+            sglang_lines=self._sglang_lines,
+        )
+
+    # -- parsing --------------------------------------------------------------------------------
+
+    def _rank(self, rank: str | None) -> dict[str, Any]:
+        key = rank or ""
+        if key not in self._ranks:
+            self._ranks[key] = {"rank": rank, "draft": None}
+        return self._ranks[key]
+
+    def _target_or_draft(self, rank: str | None, field: str) -> dict[str, Any]:
+        """The target's dict, or the draft's once the target already has ``field``: with
+        speculative decoding the draft ModelRunner prints a second set of lines (§4.1)."""
+        d = self._rank(rank)
+        if d.get(field) is None:
+            return d
+        if d["draft"] is None:
+            d["draft"] = {"rank": rank, "draft": None}
+        return d["draft"]
+
+    def _new_start(self, rank: str | None) -> None:
+        """A distributed-init line for a rank that already loaded weights: a restart in the same
+        log (a journal over several starts). The report covers the last start."""
+        d = self._ranks.get(rank or "")
+        if d is None or d.get("weight_gib") is None:
+            return
+        warnings = [*self._warnings, "the log holds more than one server start; the report covers the last one"]
+        self.__init__()  # type: ignore[misc]
+        self._warnings = list(dict.fromkeys(warnings))
+
+    def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:  # noqa: C901 - one dispatch table
+        for version, pat in _VERSION_MARKERS:
+            if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
+                self._version = version
+        known = self._parse_failure(msg, rank)
+        if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
+            self._new_start(rank)
+            self._rank(rank)["baseline_gib"] = float(m.groups()[-1])
+            return True
+        if m := _P["load_begin"].search(msg):
+            self._phase = "weights"
+            self._target_or_draft(rank, "load_begin_avail_gib")["load_begin_avail_gib"] = float(m.group(1))
+            return True
+        if m := _P["load_end"].search(msg):
+            self._phase = "after_weights"
+            d = self._target_or_draft(rank, "weight_end_avail_gib")
+            body = m.group("body")
+            d["weight_end_avail_gib"] = float(m.group(2))
+            d["weight_gib"] = _float(m.group(3))
+            if t := re.search(r"type=([\w.]+)", body):
+                d["model_class"] = t.group(1)
+            if t := re.search(r"dtype=([\w.]+)", body):
+                d["weight_dtype"] = t.group(1)
+            elif t := re.search(r"quant=([\w.]+)", body):
+                d["weight_dtype"] = t.group(1)
+            return True
+        if m := _P["kv_dtype"].search(msg):
+            self._fields["kv_cache_dtype"] = m.group(1)
+            return True
+        if m := _P["kv_alloc"].search(msg):
+            self._phase = "kv_pool"
+            d = self._target_or_draft(rank, "kv_tokens")
+            d["kv_tokens"] = int(m.group("tokens"))
+            d["k_size_gib"] = _float(m.group("k"))
+            d["v_size_gib"] = _float(m.group("v"))
+            d["kv_size_gib"] = _float(m.group("kv"))
+            if m.group("dtype"):
+                d["kv_dtype"] = m.group("dtype")
+            return True
+        if m := _P["pool_end"].search(msg):
+            self._phase = "after_pool"
+            d = self._target_or_draft(rank, "memory_pool_end_avail_gib")
+            d["memory_pool_end_avail_gib"] = float(m.group(1))
+            return True
+        if m := _P["cap_end"].search(msg):
+            self._capture(rank, m.group("name"), m.group("body"), end=True)
+            self._phase = "after_capture"
+        elif m := _P["cap_begin"].search(msg):
+            self._phase = "capture"
+            self._capture(rank, m.group("name"), m.group("body"), end=False)
+            return True
+        if m := _P["scheduler"].search(msg):
+            self._scheduler_line(int(m.group("tokens")), m.group("rest"))
+            return True
+        if m := _P["host_pool_old"].search(msg):
+            self._phase = "host_pool"
+            self._fields.setdefault("host_pool_gb", float(m.group(1)))
+            return True
+        if m := _P["host_pool_new"].search(msg):
+            self._phase = "host_pool"
+            self._fields.setdefault("host_pool_tokens", int(m.group(1)))
+            self._fields.setdefault("host_pool_gb", float(m.group(2)))
+            return True
+        if _P["ready"].search(msg):
+            self.ready = True
+            self._serving = True
+            self._phase = "serving"
+            return True
+        if m := _P["retract"].search(msg):
+            self._serving = True
+            self._retractions.append(Retraction(
+                retracted_reqs=int(m.group(1)), new_tokens_gained=_int(m.group(2)),
+                new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
+                timestamp=ts, rank=rank,
+            ))
+            return True
+        if m := _P["batch"].search(msg):
+            self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
+            return True
+        if m := _P["mtt_larger"].search(msg):
+            self._fields["mtt_requested"] = int(m.group(1))
+            self._fields["mtt_profiled"] = int(m.group(2))
+            return True
+        if m := _P["mrr_spec"].search(msg):
+            self._fields["mrr_spec"] = int(m.group(1))
+            return True
+        if m := _P["mrr_reduced"].search(msg):
+            self._fields["mrr_requested"] = int(m.group(1))
+            self._fields["mrr_reduced"] = int(m.group(2))
+            return True
+        if (m := _P["input_long"].search(msg)) or (m2 := _P["input_ctx"].search(msg)):
+            mm = m or m2  # type: ignore[possibly-undefined]
+            limit = "max_req_input_len" if m else "context_length"
+            rej = InputRejection(input_tokens=int(mm.group(1)), max_allowed_tokens=int(mm.group(2)), limit=limit, rank=rank)
+            if rej not in self._rejections:
+                self._rejections.append(rej)
+            self._serving = True
+            return True
+        if m := _P["server_args"].search(msg):
+            for k, v in re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group(1)):
+                self._server_args.setdefault(k, v.strip("'\""))
+            return True
+        if "sglang.launch_server" in msg or "sglang serve" in msg or re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
+            self._command_flags(msg)
+            return known or "sglang" in msg
+        return known
+
+    def _capture(self, rank: str | None, name: str, body: str, *, end: bool) -> None:
+        lname = name.lower()
+        d = self._rank(rank)
+        if "draft" in lname or ("target" not in lname and d.get("draft") is not None):
+            if d["draft"] is None:
+                d["draft"] = {"rank": rank, "draft": None}
+            d = d["draft"]
+        bs = re.search(r"bs=\[([\d,\s]*)\]", body)
+        if bs and not ("prefill" in name.lower() or "verify" in name.lower()):
+            sizes = [int(x) for x in bs.group(1).replace(" ", "").split(",") if x]
+            if sizes:
+                d["graph_bs"] = sizes
+        avail = re.search(r"avail mem=" + _NUM + " GB", body)
+        if not end:
+            if avail and d.get("graph_begin_avail_gib") is None:
+                d["graph_begin_avail_gib"] = float(avail.group(1))
+            return
+        usage = re.search(r"mem usage=" + _NUM + " GB", body)
+        elapsed = re.search(r"(?:Time elapsed: |elapsed=)" + _NUM + " ?s", body)
+        if usage:
+            d["graph_gib"] = round((d.get("graph_gib") or 0.0) + float(usage.group(1)), 4)
+        if avail:
+            d["graph_end_avail_gib"] = float(avail.group(1))
+        if elapsed:
+            d["graph_capture_s"] = round((d.get("graph_capture_s") or 0.0) + float(elapsed.group(1)), 4)
+
+    def _scheduler_line(self, tokens: int, rest: str) -> None:
+        info: dict[str, Any] = {"max_total_num_tokens": tokens}
+        for key in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests", "context_len"):
+            if m := re.search(key + r"=(-?\d+)", rest):
+                info[key] = int(m.group(1))
+        if m := re.search(r"available_gpu_mem=" + _NUM + " GB", rest):
+            info["available_gpu_mem_gib"] = float(m.group(1))
+        self._scheduler = info
+
+    def _batch(self, kind: str, body: str, rank: str | None, ts: str | None) -> None:
+        self._serving = True
+        values: dict[str, Any] = {}
+        for part in body.split(","):
+            if ":" not in part:
+                continue
+            key, _, raw = part.partition(":")
+            key, raw = key.strip(), raw.strip().rstrip("%").strip()
+            spec = _BATCH_FIELDS.get(key)
+            if spec is None:
+                continue
+            name, typ = spec
+            try:
+                values[name] = raw == "True" if typ is bool else typ(raw)
+            except ValueError:
+                continue  # truncated value
+            if raw not in ("True", "False") and typ is bool:
+                values.pop(name)
+        line = BatchLine(kind=kind, timestamp=ts, rank=rank, **values)  # type: ignore[arg-type]
+        self._batches.append(line)
+        s = self._summary
+        s[f"{kind}_lines"] += 1
+        usage = line.token_usage if line.token_usage is not None else line.full_token_usage
+        if line.running_req is not None:
+            s["max_running_req"] = max(s.get("max_running_req") or 0, line.running_req)
+        if usage is not None:
+            s["max_token_usage"] = max(s.get("max_token_usage") or 0.0, usage)
+        if kind == "decode" and line.cuda_graph is False:
+            s["decode_lines_without_cuda_graph"] += 1
+            if line.running_req is not None:
+                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, line.running_req)
+
+    def _command_flags(self, msg: str) -> None:
+        tokens = msg.split()
+        for i, tok in enumerate(tokens):
+            if not tok.startswith("--") or len(tok) < 3:
+                continue
+            if "=" in tok:
+                k, v = tok[2:].split("=", 1)
+            elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                k, v = tok[2:], tokens[i + 1]
+            else:
+                k, v = tok[2:], "True"
+            self._server_args.setdefault(k.replace("-", "_"), v)
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def _parse_failure(self, msg: str, rank: str | None) -> bool:
+        for prio, cls, pat in _FAILURES:
+            if not pat.search(msg):
+                continue
+            if cls is None:
+                cls = self._oom_class(msg)
+            self._oom_numbers(msg)
+            if m := _P["req_slots"].search(msg):
+                self._fields["req_slots_available"] = int(m.group(1))
+                self._fields["req_slots_requested"] = _int(m.group(2))
+            if prio > self._failure_prio:
+                self._failure_prio = prio
+                self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank)
+            return True
+        if m := _P["mtt_larger"].search(msg):
+            if int(m.group(2)) <= 0 and self._failure_prio < 90:
+                self._failure_prio = 90
+                self.failure = Failure(failure_class=FailureClass.STARTUP_KV_OOM, evidence=msg[:500], rank=rank)
+            return False
+        if self.failure is not None and self._oom is None:
+            self._oom_numbers(msg)
+        return False
+
+    def _oom_class(self, msg: str) -> FailureClass:
+        """Class of a generic CUDA OOM by the phase it happened in (§4.3 vs §4.4)."""
+        if "capture" in msg.lower() or "cuda_graph" in msg:
+            return FailureClass.CUDA_GRAPH_OOM
+        if self._serving:
+            return FailureClass.RUNTIME_OOM
+        if self._phase == "weights":
+            return FailureClass.WEIGHT_LOAD_OOM
+        if self._phase in ("kv_pool", "after_pool", "capture", "after_capture", "host_pool"):
+            return FailureClass.CUDA_GRAPH_OOM
+        return FailureClass.RUNTIME_OOM
+
+    def _oom_numbers(self, msg: str) -> None:
+        tried = _P["oom_tried"].search(msg)
+        gpu = _P["oom_gpu"].search(msg)
+        if not tried and not gpu:
+            return
+        scale = {"MiB": 1.0, "GiB": 1024.0, "KiB": 1 / 1024, "B": 1 / 2**20}
+        self._oom = OOMDetail(
+            tried_to_allocate_mib=float(tried.group(1)) * scale[tried.group(2)] if tried else None,
+            gpu_index=int(gpu.group(1)) if gpu else None,
+            total_capacity_gib=float(gpu.group(2)) if gpu else None,
+        )
+
+    def _failure_from_exit(self, status: int) -> Failure:
+        last = self._last_sglang_line
+        if status == 2 and not self._ranks:
+            return Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence=f"exited with status 2 (argparse) before any startup line", exit_status=status)
+        if not self.ready and self._phase == "host_pool":
+            return Failure(
+                failure_class=FailureClass.HOST_MEMORY,
+                evidence=f"exited with status {status} right after allocating the hierarchical-cache host pool: {last}",
+                exit_status=status,
+            )
+        where = "while serving" if self._serving else f"during startup (phase {self._phase})"
+        return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; last SGLang line: {last}", exit_status=status)
+
+    def _freeze_rank(self, key: str, d: dict[str, Any]) -> RankMemory:
+        draft = d.get("draft")
+        fields = {k: v for k, v in d.items() if k != "draft"}
+        return RankMemory(**fields, draft=self._freeze_rank(key, draft) if draft else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_log(lines: Iterable[str], *, exit_status: int | None = None) -> LogReport:
+    """Parse SGLang output (any §4 format, any prefixes) into a :class:`LogReport`.
+
+    Args:
+        lines: Lines of a file, a ``journalctl`` stream or a pipe; newlines optional. A single
+            string is split into lines.
+        exit_status: The process exit status, if known.
+
+    Returns:
+        The report; never raises on odd input (unknown lines are ignored).
+    """
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    watcher = LogWatcher()
+    watcher.feed_many(lines)
+    return watcher.report(exit_status=exit_status)
+
+
+def read_log(path: Path | str, *, exit_status: int | None = None) -> LogReport:
+    """Read and parse an SGLang log file.
+
+    Args:
+        path: The log file (plain text; a journald export with ``-o short`` or ``short-iso``).
+        exit_status: The process exit status, if known.
+
+    Returns:
+        The :class:`LogReport`.
+
+    Raises:
+        LogError: The file is missing, empty, binary, or holds no SGLang line.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise LogError(f"cannot read log file {path}: {err.strerror}", hint="pass an existing SGLang log file with --log") from err
+    return parse_log_bytes(data, source=str(path), exit_status=exit_status)
+
+
+def parse_log_bytes(data: bytes, *, source: str, exit_status: int | None = None) -> LogReport:
+    """Parse raw bytes of SGLang output, rejecting empty, binary and foreign input.
+
+    Args:
+        data: The bytes (UTF-8; invalid sequences are replaced).
+        source: What the bytes came from (a path, ``journalctl -u NAME``), for messages.
+        exit_status: The process exit status, if known.
+
+    Returns:
+        The :class:`LogReport`.
+
+    Raises:
+        LogError: Empty, binary, or no SGLang line.
+    """
+    if not data.strip():
+        raise LogError(f"log {source} is empty", hint="pass the SGLang server's output (journalctl -u UNIT, or the file it logs to)")
+    head = data[:65536]
+    if b"\x00" in head or sum(b < 9 or 13 < b < 32 for b in head) > len(head) // 100:
+        raise LogError(f"log {source} is binary, not text", hint="pass the SGLang server's text output, not a binary file")
+    report = parse_log(data.decode("utf-8", errors="replace").splitlines(), exit_status=exit_status)
+    if report.sglang_lines == 0:
+        raise LogError(
+            f"log {source} holds no SGLang line (no memory, scheduler, batch or failure line)",
+            hint="pass the output of `python -m sglang.launch_server` (e.g. journalctl -u UNIT)",
+        )
+    return report
+
+
+def classify(lines: Iterable[str], *, exit_status: int | None = None) -> Failure | None:
+    """Classify why an SGLang start or run failed, with the evidence line (§4.3, §4.4, §1.1).
+
+    The most specific evidence wins: ``Not enough memory`` / ``Capture cuda graph failed`` /
+    ``Not enough host memory`` / ``memory capacity is unbalanced`` / ``alloc_req_slots`` /
+    argparse errors beat a generic CUDA OOM, which beats ``Scheduler hit an exception``. A
+    generic CUDA OOM is classed by its phase: during weight loading → weight-load OOM; after
+    the KV pool and before ready (graphs, draft model, warm-up, all from the ``1 − mfs``
+    reserve) → CUDA-graph OOM; while serving or in an unknown phase → runtime OOM. A negative
+    profiled token count in the ``max_total_tokens=... is larger than the profiled value`` line
+    is a startup KV OOM (case-03). With no failure line, a non-zero ``exit_status`` gives
+    ``invalid_arguments`` for status 2 before any startup line, ``host_memory`` right after the
+    host-pool allocation (case-16), else ``crash``.
+
+    Args:
+        lines: The log lines.
+        exit_status: The process exit status when known.
+
+    Returns:
+        The :class:`Failure`, or ``None`` when nothing failed.
+    """
+    return parse_log(lines, exit_status=exit_status).failure
+
+
+_OUTCOMES = {
+    FailureClass.STARTUP_KV_OOM: "startup_oom",
+    FailureClass.WEIGHT_LOAD_OOM: "startup_oom",
+    FailureClass.CUDA_GRAPH_OOM: "startup_oom",
+    FailureClass.RUNTIME_OOM: "runtime_oom",
+}
+
+
+def outcome_of(failure: Failure | None) -> str:
+    """Coarse outcome (``started``, ``startup_oom``, ``runtime_oom``, ``other_error``) of a failure,
+    the vocabulary of ``shared/cases/README.md``."""
+    if failure is None:
+        return "started"
+    return _OUTCOMES.get(failure.failure_class, "other_error")
