@@ -1,0 +1,675 @@
+"""Trial history: read a stored study, its trials, its Pareto front and its "best" trial.
+
+The readers' side of :mod:`tuner.records`: everything here reads what :mod:`tuner.study` stored
+(Optuna trials with the ``tuner.record`` user attribute, the study's ``tuner.study`` attribute) and
+never writes to the study. Rendering lives in :mod:`tuner.report`; applying in :mod:`tuner.apply`.
+
+Objectives are ``values = [context_capacity, output_throughput]`` (both maximized); a trial is
+feasible when it is COMPLETE and every stored constraint is ≤ 0 (Optuna's rule,
+:data:`tuner.records.CONSTRAINT_NAMES`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import optuna
+import sqlalchemy
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from tuner import study as study_module
+from tuner.config import ObjectiveSection, load_config
+from tuner.errors import ConfigError, StudyError
+from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, StudyInfo, TrialRecord
+
+__all__ = [
+    "STUDIES_DIR",
+    "METRICS",
+    "SORT_KEYS",
+    "StudyLocation",
+    "TrialView",
+    "StoredStudy",
+    "stored_policy",
+    "MetricDelta",
+    "BestChoice",
+    "default_storage_url",
+    "resolve_location",
+    "check_storage",
+    "list_studies",
+    "open_study",
+    "select_trials",
+    "choose_best",
+    "override_policy",
+    "storage_urls",
+]
+
+STUDIES_DIR = Path("studies")
+"""Default home of study databases and artifacts, relative to the working directory."""
+
+METRICS: dict[str, tuple[str, Literal["max", "min"]]] = {
+    "context_capacity": ("context capacity (requests)", "max"),
+    "token_capacity": ("token capacity (tokens)", "max"),
+    "output_throughput_tok_s": ("output throughput (tok/s)", "max"),
+    "goodput_req_s": ("goodput (req/s)", "max"),
+    "p99_ttft_ms": ("p99 TTFT (ms)", "min"),
+    "p99_itl_ms": ("p99 ITL (ms)", "min"),
+    "free_gib_after_graphs": ("free after CUDA graphs (GiB)", "min"),
+}
+"""The measured fields of a :class:`~tuner.records.TrialRecord` shown in tables and deltas:
+field name → (label with unit, which direction is better)."""
+
+SORT_KEYS: dict[str, str] = {
+    "number": "number",
+    "capacity": "context_capacity",
+    "context_capacity": "context_capacity",
+    "tokens": "token_capacity",
+    "token_capacity": "token_capacity",
+    "throughput": "output_throughput_tok_s",
+    "output_throughput_tok_s": "output_throughput_tok_s",
+    "goodput": "goodput_req_s",
+    "goodput_req_s": "goodput_req_s",
+    "ttft": "p99_ttft_ms",
+    "p99_ttft_ms": "p99_ttft_ms",
+    "itl": "p99_itl_ms",
+    "p99_itl_ms": "p99_itl_ms",
+}
+"""``tuner trials --sort`` keys (short aliases and field names) → :class:`TrialView` field."""
+
+
+class StudyLocation(BaseModel):
+    """Where a study lives.
+
+    Attributes:
+        storage_url: SQLAlchemy URL of the Optuna storage (``sqlite:///studies/demo.db``).
+        study_name: The study's name; ``None`` means "the only study in that storage".
+        artifacts_dir: The artifact folder when a config names it (``[storage] artifacts_dir``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    storage_url: str
+    study_name: str | None = None
+    artifacts_dir: Path | None = None
+
+
+def default_storage_url(study_name: str) -> str:
+    """The default storage of a study: ``sqlite:///studies/<study_name>.db`` (relative path)."""
+    return f"sqlite:///{STUDIES_DIR / (study_name + '.db')}"
+
+
+def _location_from_config(config_path: Path, study: str | None) -> StudyLocation:
+    """Read ``[study]``/``[storage]`` through :mod:`tuner.config` (the writer owns that schema)."""
+    cfg = load_config(config_path)
+    return StudyLocation(
+        storage_url=cfg.storage_url(),
+        study_name=study or cfg.study.name,
+        artifacts_dir=cfg.artifacts_dir(),
+    )
+
+
+def resolve_location(
+    *, study: str | None = None, storage: str | None = None, config: Path | None = None
+) -> StudyLocation:
+    """Resolve which study the history commands read.
+
+    Order: an explicit ``--storage`` URL; else the ``--config`` file's ``[study]``/``[storage]``;
+    else ``sqlite:///studies/<study>.db`` for ``--study``; else the only ``studies/*.db``.
+
+    Args:
+        study: ``--study NAME`` or ``None``.
+        storage: ``--storage URL`` or ``None``.
+        config: ``--config FILE`` or ``None``.
+
+    Returns:
+        The location; its ``study_name`` may be ``None`` (resolved by :func:`open_study`).
+
+    Raises:
+        StudyError: Nothing says which study, and ``studies/`` holds no single database.
+        ConfigError: The config file is invalid (from :mod:`tuner.config`).
+    """
+    if storage:
+        return StudyLocation(storage_url=storage, study_name=study)
+    if config is not None:
+        return _location_from_config(config, study)
+    if study:
+        return StudyLocation(storage_url=default_storage_url(study), study_name=study)
+    candidates = sorted(STUDIES_DIR.glob("*.db")) if STUDIES_DIR.is_dir() else []
+    if len(candidates) == 1:
+        return StudyLocation(storage_url=f"sqlite:///{candidates[0]}")
+    found = ", ".join(p.stem for p in candidates) or "none"
+    raise StudyError(
+        f"no study given and {STUDIES_DIR}/ holds {len(candidates)} study databases ({found})",
+        hint="pass --study NAME, --storage URL or --config FILE",
+    )
+
+
+def storage_urls(*, storage: str | None = None, config: Path | None = None) -> list[str]:
+    """The storages ``tuner studies`` lists: ``--storage``, else the ``--config`` file's, else
+    every ``studies/*.db``.
+
+    Raises:
+        StudyError: Nothing given and ``studies/`` holds no database.
+        ConfigError: The config file is invalid.
+    """
+    if storage:
+        return [storage]
+    if config is not None:
+        return [load_config(config).storage_url()]
+    found = sorted(STUDIES_DIR.glob("*.db")) if STUDIES_DIR.is_dir() else []
+    if not found:
+        raise StudyError(
+            f"no study databases in {STUDIES_DIR}/",
+            hint="pass --storage URL or --config FILE, or run `tuner run` first",
+        )
+    return [f"sqlite:///{path}" for path in found]
+
+
+def check_storage(storage_url: str) -> None:
+    """Check that ``storage_url`` names an existing Optuna storage, creating nothing.
+
+    An SQLite URL must name an existing file; any other URL must connect and hold Optuna's
+    ``studies`` table (Optuna would otherwise create an empty schema on open).
+
+    Raises:
+        StudyError: The URL is malformed, the file is missing, the database is unreachable, or it
+            holds no Optuna study tables.
+    """
+    try:
+        url = make_url(storage_url)
+    except ArgumentError as err:
+        raise StudyError(
+            f"storage URL {storage_url!r} is not a SQLAlchemy URL",
+            hint="use e.g. --storage sqlite:///studies/demo.db",
+        ) from err
+    if url.get_backend_name() == "sqlite":
+        database = url.database or ""
+        if database in ("", ":memory:") or not Path(database).is_file():
+            raise StudyError(
+                f"storage {storage_url} does not exist (no file {database or '(none)'})",
+                hint="check --storage/--study, or run `tuner run` first to create the study",
+            )
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            has_studies = sqlalchemy.inspect(conn).has_table("studies")
+    except SQLAlchemyError as err:
+        raise StudyError(
+            f"storage {storage_url} cannot be read: {str(err).splitlines()[0]}",
+            hint="check the URL, the database server and its credentials",
+        ) from err
+    finally:
+        engine.dispose()
+    if not has_studies:
+        raise StudyError(
+            f"storage {storage_url} holds no Optuna study",
+            hint="point --storage at the database `tuner run` wrote",
+        )
+
+
+def _rdb_storage(storage_url: str) -> optuna.storages.RDBStorage:
+    check_storage(storage_url)
+    try:
+        return optuna.storages.RDBStorage(storage_url, skip_table_creation=True)
+    except (SQLAlchemyError, RuntimeError, ValueError) as err:
+        raise StudyError(
+            f"storage {storage_url} cannot be opened by Optuna: {str(err).splitlines()[0]}",
+            hint="run `optuna storage upgrade --storage URL` if it was written by an older Optuna",
+        ) from err
+
+
+def list_studies(storage_url: str) -> list[optuna.study.StudySummary]:
+    """The studies in a storage, oldest first.
+
+    Raises:
+        StudyError: See :func:`check_storage`.
+    """
+    return optuna.get_all_study_summaries(_rdb_storage(storage_url), include_best_trial=False)
+
+
+def _constraint_name(key: str) -> str:
+    """Optuna's list-format constraints come back keyed ``"0"``, ``"1"``...: name them."""
+    if key.isdigit() and int(key) < len(CONSTRAINT_NAMES):
+        return CONSTRAINT_NAMES[int(key)]
+    return key
+
+
+class TrialView(BaseModel):
+    """One stored trial as the readers see it: Optuna's state and values plus the tuner's record.
+
+    Attributes:
+        number: Optuna trial number.
+        state: Optuna state name (``COMPLETE``, ``PRUNED``, ``FAIL``, ``RUNNING``, ``WAITING``).
+        values: ``[context_capacity, output_throughput_tok_s]`` when COMPLETE, else ``None``.
+        constraints: Constraint name → value (feasible when ≤ 0), as Optuna stored them.
+        feasible: COMPLETE, with values, and every constraint ≤ 0 (the record's own ``feasible``
+            when no constraint was stored).
+        params: The parameters by SGLang field name (the record's, else Optuna's).
+        record: The parsed ``tuner.record`` attribute; ``None`` for a trial written by something
+            else (it is still listed).
+        started_at: ISO start time (the record's, else Optuna's ``datetime_start``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    state: str
+    values: list[float] | None = None
+    constraints: dict[str, float] = Field(default_factory=dict)
+    feasible: bool = False
+    params: dict[str, Any] = Field(default_factory=dict)
+    record: TrialRecord | None = None
+    started_at: str | None = None
+
+    @classmethod
+    def from_frozen(cls, trial: optuna.trial.FrozenTrial) -> TrialView:
+        """Build a view from an Optuna trial; a malformed record is dropped, not fatal."""
+        raw = trial.user_attrs.get(RECORD_ATTR)
+        record: TrialRecord | None = None
+        if isinstance(raw, dict):
+            try:
+                record = TrialRecord.model_validate(raw)
+            except ValidationError:
+                record = None
+        constraints = {
+            _constraint_name(str(k)): float(v) for k, v in trial.constraints.items()
+        }
+        complete = trial.state == optuna.trial.TrialState.COMPLETE and trial.values is not None
+        if constraints:
+            feasible = complete and all(v <= 0.0 for v in constraints.values())
+        else:
+            feasible = complete and (record.feasible if record is not None else True)
+        started = record.started_at if record and record.started_at else None
+        if started is None and trial.datetime_start is not None:
+            started = trial.datetime_start.isoformat(timespec="seconds")
+        return cls(
+            number=trial.number,
+            state=trial.state.name,
+            values=list(trial.values) if trial.values is not None else None,
+            constraints=constraints,
+            feasible=feasible,
+            params=dict(record.params) if record and record.params else dict(trial.params),
+            record=record,
+            started_at=started,
+        )
+
+    def metric(self, name: str) -> Any:
+        """A measured field of the record (see :data:`METRICS`), ``None`` when unknown.
+
+        ``context_capacity`` and ``output_throughput_tok_s`` fall back to Optuna's values.
+        """
+        value = getattr(self.record, name, None) if self.record is not None else None
+        if value is None and self.values is not None and self.state == "COMPLETE":
+            if name == "context_capacity":
+                value = self.values[0]
+            elif name == "output_throughput_tok_s" and len(self.values) > 1:
+                value = self.values[1]
+        return value
+
+    @property
+    def kind(self) -> str | None:
+        """``baseline`` / ``predicted`` / ``sampled`` / ``enqueued``, or ``None`` without a record."""
+        return self.record.kind if self.record else None
+
+    @property
+    def outcome(self) -> str | None:
+        """``ok`` / ``failed`` / ``skipped`` / ``budget``, or ``None`` without a record."""
+        return self.record.outcome if self.record else None
+
+    @property
+    def failure_class(self) -> str | None:
+        """The stored failure class value (``startup_kv_oom``, ...) or ``None``."""
+        if self.record is None or self.record.failure_class is None:
+            return None
+        return self.record.failure_class.value
+
+    @property
+    def failed(self) -> bool:
+        """True for a startup/runtime failure, an Optuna FAIL, or a proven-infeasible skip."""
+        return (
+            self.state == "FAIL"
+            or self.outcome in ("failed", "skipped")
+            or self.failure_class is not None
+        )
+
+    def row(self) -> dict[str, Any]:
+        """A flat JSON-ready summary (``tuner trials --json``): number, state, kind, outcome,
+        params, the :data:`METRICS` fields, feasible, failure_class, values, constraints."""
+        row: dict[str, Any] = {
+            "number": self.number,
+            "state": self.state,
+            "kind": self.kind,
+            "outcome": self.outcome,
+            "params": self.params,
+        }
+        row.update({name: self.metric(name) for name in METRICS})
+        row.update(
+            feasible=self.feasible,
+            failure_class=self.failure_class,
+            values=self.values,
+            constraints=self.constraints,
+            started_at=self.started_at,
+        )
+        return row
+
+
+@dataclass(frozen=True)
+class StoredStudy:
+    """A study read from its storage, with every trial as a :class:`TrialView`.
+
+    Attributes:
+        location: Where it was read from (``study_name`` resolved).
+        study: The loaded Optuna study (read it, never tell or enqueue through it).
+        info: The ``tuner.study`` attribute, or ``None`` for a study the tuner did not write.
+        trials: Every trial, by number.
+    """
+
+    location: StudyLocation
+    study: optuna.Study
+    info: StudyInfo | None
+    trials: tuple[TrialView, ...]
+
+    @property
+    def name(self) -> str:
+        """The study's name."""
+        return self.study.study_name
+
+    def trial(self, number: int) -> TrialView:
+        """The trial with this number.
+
+        Raises:
+            StudyError: No such trial in the study.
+        """
+        for view in self.trials:
+            if view.number == number:
+                return view
+        last = self.trials[-1].number if self.trials else None
+        span = f"trials 0-{last}" if last is not None else "no trials"
+        raise StudyError(
+            f"study {self.name!r} has no trial {number} ({span})",
+            hint="list them with `tuner trials`",
+        )
+
+    def baseline(self) -> TrialView | None:
+        """The first trial of kind ``baseline`` (the unit's flags before the study), if any."""
+        return next((v for v in self.trials if v.kind == "baseline"), None)
+
+    def pareto_front(self) -> list[TrialView]:
+        """Feasible trials on the Pareto front of (context capacity, throughput).
+
+        Optuna's ``study.best_trials`` (which already keeps only trials whose constraints are all
+        ≤ 0), restricted to :attr:`TrialView.feasible`; sorted by capacity, highest first.
+        """
+        numbers = {t.number for t in self.study.best_trials}
+        front = [v for v in self.trials if v.number in numbers and v.feasible]
+        return sorted(front, key=lambda v: (-(v.metric("context_capacity") or 0), v.number))
+
+    def artifacts_dir(self) -> Path:
+        """Where the study's ``FileSystemArtifactStore`` keeps files.
+
+        The config's ``[storage] artifacts_dir`` when the study was located through a config;
+        else ``studies/<study>/artifacts`` (the writer's default, relative to the working
+        directory) or, when only that exists, ``<db dir>/<study>/artifacts`` next to an SQLite
+        file.
+        """
+        if self.location.artifacts_dir is not None:
+            return self.location.artifacts_dir
+        default = STUDIES_DIR / self.name / "artifacts"
+        url = make_url(self.location.storage_url)
+        if url.get_backend_name() == "sqlite" and url.database and not default.is_dir():
+            beside = Path(url.database).parent / self.name / "artifacts"
+            if beside.is_dir():
+                return beside
+        return default
+
+    def artifact_paths(self, view: TrialView) -> dict[str, Path]:
+        """Artifact name → file path of one trial (paths may be missing if files were moved)."""
+        if view.record is None:
+            return {}
+        base = self.artifacts_dir()
+        return {name: base / artifact_id for name, artifact_id in view.record.artifacts.items()}
+
+
+def open_study(location: StudyLocation) -> StoredStudy:
+    """Load a study and all its trials, read-only.
+
+    Raises:
+        StudyError: The storage does not exist or cannot be read; the study name is unknown; no
+            name was given and the storage holds zero or several studies.
+    """
+    storage = _rdb_storage(location.storage_url)
+    names = [s.study_name for s in optuna.get_all_study_summaries(storage, False)]
+    name = location.study_name
+    if name is None:
+        if len(names) != 1:
+            raise StudyError(
+                f"storage {location.storage_url} holds {len(names)} studies "
+                f"({', '.join(names) or 'none'})",
+                hint="pick one with --study NAME (see `tuner studies`)",
+            )
+        name = names[0]
+    elif name not in names:
+        raise StudyError(
+            f"storage {location.storage_url} has no study {name!r} "
+            f"(it has: {', '.join(names) or 'none'})",
+            hint="check --study, or list them with `tuner studies`",
+        )
+    study = optuna.load_study(study_name=name, storage=storage)
+    raw_info = study.user_attrs.get(STUDY_ATTR)
+    info: StudyInfo | None = None
+    if isinstance(raw_info, dict):
+        try:
+            info = StudyInfo.model_validate(raw_info)
+        except ValidationError:
+            info = None
+    trials = tuple(TrialView.from_frozen(t) for t in study.get_trials(deepcopy=False))
+    return StoredStudy(
+        location=location.model_copy(update={"study_name": name}),
+        study=study,
+        info=info,
+        trials=trials,
+    )
+
+
+def _sort_key(field: str) -> Any:
+    better = METRICS.get(field, ("", "min"))[1]
+
+    def key(view: TrialView) -> tuple[int, float, int]:
+        value = view.number if field == "number" else view.metric(field)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return (1, 0.0, view.number)
+        signed = -float(value) if better == "max" and field != "number" else float(value)
+        return (0, signed, view.number)
+
+    return key
+
+
+def select_trials(
+    trials: Iterable[TrialView],
+    *,
+    feasible: bool = False,
+    failed: bool = False,
+    sort: str | None = None,
+) -> list[TrialView]:
+    """Filter and sort trials for ``tuner trials``.
+
+    Args:
+        trials: The study's trials.
+        feasible: Keep only feasible trials.
+        failed: Keep only failed or proven-infeasible trials (see :attr:`TrialView.failed`).
+        sort: A :data:`SORT_KEYS` key; "better" first (highest capacity/throughput, lowest
+            latency), unknown values last; ``None`` keeps trial order.
+
+    Raises:
+        ConfigError: Unknown sort key, or both ``feasible`` and ``failed``.
+    """
+    if feasible and failed:
+        raise ConfigError(
+            "--feasible and --failed exclude each other", hint="pass at most one of them"
+        )
+    out = [v for v in trials if (not feasible or v.feasible) and (not failed or v.failed)]
+    if sort is not None:
+        field = SORT_KEYS.get(sort)
+        if field is None:
+            raise ConfigError(
+                f"--sort {sort!r} is not a sort key",
+                hint=f"use one of: {', '.join(sorted(SORT_KEYS))}",
+            )
+        out.sort(key=_sort_key(field))
+    return out
+
+
+def stored_policy(info: StudyInfo | None) -> ObjectiveSection:
+    """The study's "best" policy: its stored ``[objective]`` (:attr:`StudyInfo.policy`), or the
+    config's defaults when the study stored none.
+
+    Raises:
+        StudyError: The stored policy is not a valid ``[objective]`` section.
+    """
+    raw = dict(info.policy) if info is not None else {}
+    known = {k: v for k, v in raw.items() if k in ObjectiveSection.model_fields}
+    try:
+        return ObjectiveSection.model_validate(known)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise StudyError(
+            f"the study's stored [objective] is invalid: {'.'.join(map(str, first['loc']))}: "
+            f"{first['msg']}",
+            hint="pass --policy and --tolerance to choose explicitly",
+        ) from err
+
+
+class MetricDelta(BaseModel):
+    """One metric of the chosen trial against the baseline.
+
+    Attributes:
+        baseline: The baseline's value (``None`` when unknown).
+        best: The chosen trial's value.
+        delta: ``best - baseline`` in the metric's unit.
+        ratio: ``best / baseline`` (``None`` when the baseline is 0 or unknown).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    baseline: float | None
+    best: float | None
+    delta: float | None
+    ratio: float | None
+
+
+class BestChoice(BaseModel):
+    """The chosen trial, why, and how it compares with the baseline.
+
+    Attributes:
+        trial: The chosen trial.
+        front: The feasible Pareto front it was chosen from (highest capacity first).
+        policy: The ``[objective]`` policy applied.
+        reason: One sentence saying why this trial won.
+        baseline: The baseline trial, if the study has one.
+        deltas: :data:`METRICS` field → :class:`MetricDelta`.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    trial: TrialView
+    front: list[TrialView]
+    policy: ObjectiveSection
+    reason: str
+    baseline: TrialView | None = None
+    deltas: dict[str, MetricDelta] = Field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready form (``tuner best --json``)."""
+        return {
+            "trial": self.trial.row(),
+            "reason": self.reason,
+            "policy": self.policy.model_dump(),
+            "front": [v.row() for v in self.front],
+            "baseline": self.baseline.row() if self.baseline else None,
+            "deltas": {k: d.model_dump() for k, d in self.deltas.items()},
+        }
+
+
+def _deltas(best: TrialView, baseline: TrialView | None) -> dict[str, MetricDelta]:
+    out: dict[str, MetricDelta] = {}
+    for name in METRICS:
+        new = best.metric(name)
+        old = baseline.metric(name) if baseline is not None else None
+        delta = new - old if new is not None and old is not None else None
+        ratio = new / old if new is not None and old not in (None, 0) else None
+        out[name] = MetricDelta(baseline=old, best=new, delta=delta, ratio=ratio)
+    return out
+
+
+def override_policy(
+    stored: StoredStudy, policy: str | None = None, tolerance: float | None = None
+) -> ObjectiveSection:
+    """The study's stored policy with ``--policy``/``--tolerance`` applied.
+
+    Raises:
+        ConfigError: An unknown policy name or a tolerance outside [0, 1).
+    """
+    base = stored_policy(stored.info)
+    update = {"policy": policy or base.policy}
+    update["capacity_tolerance"] = base.capacity_tolerance if tolerance is None else tolerance
+    try:
+        return ObjectiveSection.model_validate({**base.model_dump(), **update})
+    except ValidationError as err:
+        first = err.errors()[0]
+        flag = "--policy" if first["loc"][0] == "policy" else "--tolerance"
+        raise ConfigError(
+            f"{flag} {update[str(first['loc'][0])]!r} is invalid: {first['msg']}",
+            hint="use --policy throughput_within_capacity|max_capacity|max_throughput and "
+            "--tolerance between 0 and 1",
+        ) from err
+
+
+def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> BestChoice:
+    """Choose the best trial of a study under a policy.
+
+    The choice itself is :func:`tuner.study.choose_best` (the policy ``tuner run`` applies at the
+    end of a run), fed with the feasible Pareto front (:meth:`StoredStudy.pareto_front`).
+
+    Args:
+        stored: The study.
+        policy: The ``[objective]`` policy; ``None`` reads the study's stored one.
+
+    Returns:
+        The choice, with the reason and the deltas against the baseline trial.
+
+    Raises:
+        StudyError: The study has no feasible trial, or its stored policy is invalid.
+    """
+    policy = policy or stored_policy(stored.info)
+    front = stored.pareto_front()
+    pairs = [(v.number, v.record) for v in front if v.record is not None]
+    choice = (
+        study_module.choose_best(
+            pairs, policy=policy.policy, capacity_tolerance=policy.capacity_tolerance
+        )
+        if pairs
+        else None
+    )
+    if choice is None:
+        done = sum(1 for v in stored.trials if v.state == "COMPLETE")
+        raise StudyError(
+            f"study {stored.name!r} has no feasible trial ({len(stored.trials)} trials, "
+            f"{done} complete, none met every constraint)",
+            hint="see why with `tuner trials --failed`, then widen [space] or relax [slo] "
+            "and run again",
+        )
+    best = stored.trial(choice.number)
+    baseline = stored.baseline()
+    return BestChoice(
+        trial=best,
+        front=front,
+        policy=policy,
+        reason=f"trial {best.number}: {choice.reason} (policy {policy.policy})",
+        baseline=baseline,
+        deltas=_deltas(best, baseline),
+    )
