@@ -1,0 +1,337 @@
+"""HTTP client for a running SGLang server: readiness, server info, model info, metrics, cache flush.
+
+One concept: talking to SGLang's management endpoints (``shared/sglang-reference.md`` §5) with
+``requests``, normalising what differs between versions (``/get_server_info`` vs ``/server_info``,
+``memory_usage.graph`` a number before 0.5.23 and a dict per phase after, §5.2). Every transport
+error becomes a :class:`~tuner.errors.ServerError` whose message names the URL and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.errors import ServerError
+from tuner.sglang.failures import Failure, FailureClass
+
+__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady"]
+
+log = logging.getLogger(__name__)
+
+
+class ServerNotReady(ServerError):
+    """The server did not become ready: it failed (``failure`` says how) or timed out.
+
+    Attributes:
+        failure: The classified failure: from the caller's ``failure_check`` (a log line, an
+            exited process), or ``startup_timeout`` when the wait ran out.
+    """
+
+    def __init__(self, message: str, *, failure: Failure | None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.failure = failure
+
+
+def _num(x: Any) -> float | None:
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, dict):
+        vals = [_num(v) for v in x.values()]
+        vals = [v for v in vals if v is not None]
+        return round(sum(vals), 6) if vals else None
+    return None
+
+
+def _int(x: Any) -> int | None:
+    return int(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+class ServerInfo(BaseModel):
+    """``/get_server_info`` normalised across versions (§5.2). Absent values are ``None``.
+
+    Attributes:
+        version: SGLang's ``version``.
+        max_total_num_tokens: KV pool tokens (top level, else ``memory_usage.token_capacity``).
+        effective_max_running_requests: ``internal_states[0].effective_max_running_requests_per_dp``
+            (0.5.10+); ``None` on 0.5.5, read it from the scheduler log line there (§2.3).
+        max_running_requests: The *input* server arg (``None`` = auto).
+        chunked_prefill_size, max_prefill_tokens, page_size, context_length, max_req_input_len,
+        mem_fraction_static, cuda_graph_max_bs, tp_size, dp_size, kv_cache_dtype,
+        speculative_algorithm, enable_hierarchical_cache, hicache_ratio, hicache_size,
+        disable_radix_cache, max_total_tokens: server args (0.5.23 names mapped to the canonical
+        ones: ``cuda_graph_max_bs_decode`` → ``cuda_graph_max_bs``).
+        weight_gib, kvcache_gib: ``memory_usage.weight`` / ``.kvcache`` of ``internal_states[0]``.
+        graph_gib: ``memory_usage.graph``, summed over phases when it is a dict (0.5.23).
+        startup_available_gib: ``memory_usage.startup_available`` (0.5.23).
+        raw: The whole JSON.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: str | None = None
+    max_total_num_tokens: int | None = None
+    effective_max_running_requests: int | None = None
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int | None = None
+    page_size: int | None = None
+    context_length: int | None = None
+    max_req_input_len: int | None = None
+    mem_fraction_static: float | None = None
+    cuda_graph_max_bs: int | None = None
+    tp_size: int | None = None
+    dp_size: int | None = None
+    kv_cache_dtype: str | None = None
+    speculative_algorithm: str | None = None
+    enable_hierarchical_cache: bool | None = None
+    hicache_ratio: float | None = None
+    hicache_size: float | None = None
+    disable_radix_cache: bool | None = None
+    max_total_tokens: int | None = None
+    model_path: str | None = None
+    weight_gib: float | None = None
+    kvcache_gib: float | None = None
+    graph_gib: float | None = None
+    startup_available_gib: float | None = None
+    raw: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServerInfo:
+        """Normalise a ``/get_server_info`` or ``/server_info`` body of any version (§5.2)."""
+        states = data.get("internal_states") or [{}]
+        state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+        mem = state.get("memory_usage") if isinstance(state.get("memory_usage"), dict) else {}
+
+        def arg(*names: str) -> Any:
+            for name in names:
+                for src in (data, state):
+                    if src.get(name) is not None:
+                        return src[name]
+            return None
+
+        tokens = _int(data.get("max_total_num_tokens")) or _int(mem.get("token_capacity"))
+        return cls(
+            version=str(data["version"]) if data.get("version") is not None else None,
+            max_total_num_tokens=tokens,
+            effective_max_running_requests=_int(state.get("effective_max_running_requests_per_dp")),
+            max_running_requests=_int(arg("max_running_requests")),
+            chunked_prefill_size=_int(arg("chunked_prefill_size")),
+            max_prefill_tokens=_int(arg("max_prefill_tokens")),
+            page_size=_int(arg("page_size")),
+            context_length=_int(arg("context_length")),
+            max_req_input_len=_int(arg("max_req_input_len")),
+            mem_fraction_static=_num(arg("mem_fraction_static")),
+            cuda_graph_max_bs=_int(arg("cuda_graph_max_bs", "cuda_graph_max_bs_decode")),
+            tp_size=_int(arg("tp_size", "tensor_parallel_size")),
+            dp_size=_int(arg("dp_size", "data_parallel_size")),
+            kv_cache_dtype=arg("kv_cache_dtype"),
+            speculative_algorithm=arg("speculative_algorithm"),
+            enable_hierarchical_cache=arg("enable_hierarchical_cache"),
+            hicache_ratio=_num(arg("hicache_ratio")),
+            hicache_size=_num(arg("hicache_size")),
+            disable_radix_cache=arg("disable_radix_cache"),
+            max_total_tokens=_int(arg("max_total_tokens")),
+            model_path=arg("model_path"),
+            weight_gib=_num(mem.get("weight")),
+            kvcache_gib=_num(mem.get("kvcache")),
+            graph_gib=_num(mem.get("graph")),
+            startup_available_gib=_num(mem.get("startup_available")),
+            raw=data,
+        )
+
+
+class SGLangClient:
+    """A client of one SGLang server's management endpoints.
+
+    Args:
+        url: Base URL, e.g. ``http://127.0.0.1:30000``.
+        timeout_s: Timeout of each HTTP request.
+
+    Raises:
+        ServerError: ``url`` is not an http(s) URL.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ServerError(f"server URL {url!r} is not an http(s) URL", hint="pass one like http://127.0.0.1:30000")
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._session = requests.Session()
+
+    def close(self) -> None:
+        """Close the HTTP session."""
+        self._session.close()
+
+    def __enter__(self) -> SGLangClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport --------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, *, timeout_s: float | None = None) -> requests.Response:
+        try:
+            return self._session.request(method, self.url + path, timeout=timeout_s or self.timeout_s)
+        except requests.Timeout as err:
+            raise ServerError(
+                f"cannot reach the SGLang server at {self.url}: {path} timed out after {timeout_s or self.timeout_s:.0f} s",
+                hint="check that the server is up and not overloaded, or raise the timeout",
+            ) from err
+        except requests.RequestException as err:
+            reason = type(err).__name__
+            if isinstance(err, requests.ConnectionError):
+                reason = "connection refused or host unreachable"
+            raise ServerError(
+                f"cannot reach the SGLang server at {self.url}: {reason}",
+                hint="check that it runs and listens there (systemctl status UNIT), or pass the right --url",
+            ) from err
+
+    def _json(self, *paths: str) -> dict[str, Any]:
+        """GET the first path that exists (404 → try the next) and decode its JSON."""
+        resp = None
+        for path in paths:
+            resp = self._request("GET", path)
+            if resp.status_code != 404:
+                break
+        assert resp is not None
+        if resp.status_code != 200:
+            raise ServerError(
+                f"SGLang server at {self.url} answered {resp.status_code} on {resp.request.path_url}",
+                hint="is this an SGLang server, and has it finished starting?",
+            )
+        try:
+            data = resp.json()
+        except ValueError as err:
+            raise ServerError(f"SGLang server at {self.url} sent non-JSON on {resp.request.path_url}", hint="is this an SGLang server?") from err
+        if not isinstance(data, dict):
+            raise ServerError(f"SGLang server at {self.url} sent a JSON {type(data).__name__} on {resp.request.path_url}, not an object", hint="is this an SGLang server?")
+        return data
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """``GET /health`` (§5.1): True on 200; False on 503 or while nothing listens yet.
+
+        Unlike the other calls this does not raise when the server cannot be reached: during a
+        start that is the normal state.
+        """
+        try:
+            resp = self._session.get(self.url + "/health", timeout=self.timeout_s)
+        except requests.RequestException:
+            return False
+        return resp.status_code == 200
+
+    def server_info(self) -> ServerInfo:
+        """``GET /get_server_info``, falling back to ``/server_info`` (0.5.10+; §5.2).
+
+        Raises:
+            ServerError: Unreachable, non-200, or not JSON.
+        """
+        return ServerInfo.from_json(self._json("/get_server_info", "/server_info"))
+
+    def model_info(self) -> dict[str, Any]:
+        """``GET /get_model_info``, falling back to ``/model_info`` (§5.1).
+
+        Raises:
+            ServerError: Unreachable, non-200, or not JSON.
+        """
+        return self._json("/get_model_info", "/model_info")
+
+    def metrics(self) -> dict[str, float]:
+        """Scrape ``/metrics`` (§5.5) with ``prometheus_client``'s parser.
+
+        Returns:
+            Sample name → value, summed over label sets (ranks). Histogram buckets and summary
+            quantiles keep their bound in the key: ``name{le="0.5"}``, ``name{quantile="0.99"}``.
+
+        Raises:
+            ServerError: Unreachable, ``/metrics`` missing (launch with ``--enable-metrics``), or
+                unparsable.
+        """
+        resp = self._request("GET", "/metrics")
+        if resp.status_code == 404:
+            raise ServerError(f"SGLang server at {self.url} has no /metrics", hint="launch it with --enable-metrics")
+        if resp.status_code != 200:
+            raise ServerError(f"SGLang server at {self.url} answered {resp.status_code} on /metrics", hint="check the server log")
+        out: dict[str, float] = {}
+        try:
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    key = sample.name
+                    for bound in ("le", "quantile"):
+                        if bound in sample.labels:
+                            key = f'{sample.name}{{{bound}="{sample.labels[bound]}"}}'
+                    out[key] = out.get(key, 0.0) + float(sample.value)
+        except ValueError as err:
+            raise ServerError(f"cannot parse /metrics of {self.url}: {err}", hint="is this an SGLang server with --enable-metrics?") from err
+        return out
+
+    def flush_cache(self) -> bool:
+        """``POST /flush_cache`` (§5.4): True when flushed, False when refused (requests pending).
+
+        Raises:
+            ServerError: Unreachable or another status.
+        """
+        resp = self._request("POST", "/flush_cache")
+        if resp.status_code == 200:
+            return True
+        if resp.status_code == 400:
+            return False
+        raise ServerError(f"SGLang server at {self.url} answered {resp.status_code} on /flush_cache", hint="check the server log")
+
+    def wait_ready(
+        self,
+        timeout_s: float,
+        *,
+        failure_check: Callable[[], Failure | None] | None = None,
+        poll_s: float = 0.5,
+    ) -> ServerInfo:
+        """Wait until ``/health`` answers 200, then return the server info.
+
+        Fails fast: ``failure_check`` (e.g. a :class:`~tuner.sglang.logs.LogWatcher`'s failure, or
+        an exited process) is called before every poll, and a failure it returns ends the wait
+        at once instead of waiting out the timeout.
+
+        Args:
+            timeout_s: Longest wait (a large model loads for minutes; §4.2 item 10).
+            failure_check: Returns a :class:`Failure` when the server is known to have failed.
+            poll_s: Pause between polls.
+
+        Returns:
+            :meth:`server_info` of the ready server.
+
+        Raises:
+            ServerNotReady: The check reported a failure (``.failure`` is it), or ``timeout_s``
+                passed (``.failure`` is a ``startup_timeout``).
+            ServerError: Ready but ``/get_server_info`` failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        max_polls = int(timeout_s / max(poll_s, 0.01)) + 2
+        for _ in range(max_polls):
+            if failure_check is not None and (failure := failure_check()) is not None:
+                raise ServerNotReady(
+                    f"SGLang server at {self.url} failed while starting: {failure.failure_class.value}: {failure.evidence}",
+                    failure=failure,
+                    hint="see `tuner explain` on its log",
+                )
+            if self.health():
+                return self.server_info()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            time.sleep(min(poll_s, remaining))
+        failure = Failure(failure_class=FailureClass.STARTUP_TIMEOUT, evidence=f"/health not ready after {timeout_s:.0f} s")
+        raise ServerNotReady(
+            f"SGLang server at {self.url} not ready after {timeout_s:.0f} s",
+            failure=failure,
+            hint="raise the start timeout (large models load for minutes) or check the server log",
+        )
