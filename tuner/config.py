@@ -1,0 +1,390 @@
+"""The tuning config: one TOML file validated into frozen pydantic models.
+
+Sections: ``[study]``, ``[service]``, ``[model]``, ``[space]``, ``[workload]``, ``[slo]``,
+``[objective]``, ``[budget]``, ``[storage]``. Unknown keys are errors (``extra="forbid"``), and
+every error is one line that names the key, the bad value and the fix. ``[workload]`` and
+``[slo]`` are the load generator's own models (:mod:`tuner.load`), embedded as they are.
+
+Ranges left out of ``[space]`` are derived at run time from the GPU, the model and the SGLang
+version (see :func:`tuner.search.resolve_space`).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tuner.budget import parse_duration_s
+from tuner.errors import ConfigError
+from tuner.load.metrics import SLO
+from tuner.load.workloads import WorkloadSpec
+
+__all__ = [
+    "StudySection",
+    "ServiceSection",
+    "ModelSection",
+    "SpaceSection",
+    "ObjectiveSection",
+    "BudgetSection",
+    "StorageSection",
+    "TunerConfig",
+    "load_config",
+    "parse_config",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+FloatRange = Annotated[tuple[float, float], Field(description="[low, high]")]
+IntRange = Annotated[tuple[int, int], Field(description="[low, high]")]
+
+
+class StudySection(_Section):
+    """``[study]``: the Optuna study's name, seed and sampler.
+
+    Attributes:
+        name: Study name; also names the default SQLite file ``studies/<name>.db``.
+        seed: Sampler seed (the same config and seed replay the same candidates).
+        sampler: ``tpe`` (multi-objective TPE with constraints, the default), ``nsga2`` or
+            ``random`` (for comparison).
+        predicted_candidates: How many memory-model candidates are enqueued after the baseline.
+    """
+
+    name: str = "tuner"
+    seed: int = 0
+    sampler: Literal["tpe", "nsga2", "random"] = "tpe"
+    predicted_candidates: int = Field(default=3, ge=0, le=20)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError("use letters, digits, '.', '_' and '-' only")
+        return value
+
+
+class ServiceSection(_Section):
+    """``[service]``: the SGLang server the study relaunches.
+
+    Attributes:
+        launcher: ``systemd`` (production: a drop-in, ``systemctl``, ``journalctl``) or
+            ``process`` (the server as a child process; the demo and hosts without systemd).
+        unit: The systemd unit (``sglang.service``); required for ``systemd``.
+        command: The baseline server command line for ``process`` (argv list or one string).
+        url: Base URL of the server.
+        systemctl: The systemctl command (a list, so a prefix such as ``nsenter -t PID -m -p``
+            works).
+        journalctl: The journalctl command, likewise.
+        dropin_dir: Where drop-ins go (default ``/etc/systemd/system/<unit>.d``).
+        python: The Python that runs SGLang, used to read its flags and version.
+        sglang_version: Override the detected SGLang version.
+        start_timeout_s: How long a start may take until ready (weights load for minutes).
+        stop_timeout_s: How long a stop may take until GPU memory is free.
+        workdir: Working directory of the ``process`` launcher.
+    """
+
+    launcher: Literal["systemd", "process"] = "systemd"
+    unit: str | None = None
+    command: list[str] | None = None
+    url: str = "http://127.0.0.1:30000"
+    systemctl: list[str] = Field(default_factory=lambda: ["systemctl"])
+    journalctl: list[str] = Field(default_factory=lambda: ["journalctl"])
+    dropin_dir: str | None = None
+    python: str | None = None
+    sglang_version: str | None = None
+    start_timeout_s: float = Field(default=900.0, gt=0)
+    stop_timeout_s: float = Field(default=120.0, gt=0)
+    workdir: str | None = None
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_command(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import shlex
+
+            return shlex.split(value)
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("write it like http://127.0.0.1:30000")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _target_given(self) -> ServiceSection:
+        if self.launcher == "systemd" and not self.unit:
+            raise ValueError("the systemd launcher needs unit = \"sglang.service\"")
+        if self.launcher == "process" and not self.command:
+            raise ValueError("the process launcher needs command = [\"python\", \"-m\", ...]")
+        return self
+
+
+class ModelSection(_Section):
+    """``[model]``: optional facts about the served model.
+
+    Attributes:
+        config_json: Path of the model's Hugging Face ``config.json`` (default: read from the
+            server's ``--model-path`` when it is a local directory).
+        name: A display name for reports.
+    """
+
+    config_json: str | None = None
+    name: str | None = None
+
+
+class SpaceSection(_Section):
+    """``[space]``: the knobs the study searches, by SGLang field name.
+
+    Any range left out is derived from the baseline, the GPU and the SGLang version.
+
+    Attributes:
+        mem_fraction_static: ``[low, high]``.
+        mem_fraction_step: Resolution of ``mem_fraction_static`` (0.005 ≈ 0.47 GiB on a 94 GiB
+            baseline, §1.8).
+        max_running_requests: ``[low, high]`` (searched on a log scale).
+        chunked_prefill_size: Choices; ``-1`` disables chunked prefill (§2.1).
+        hierarchical_cache: Search ``enable_hierarchical_cache`` (and, when on, its ratio and
+            write policy) (§7).
+        hicache_ratio: ``[low, high]`` host/device pool ratio when the hierarchical cache is on.
+        hicache_write_policy: Choices when the hierarchical cache is on.
+        page_size: Choices (optional).
+        cuda_graph_max_bs: Choices (optional; rendered per version, §3.2).
+        schedule_conservativeness: ``[low, high]`` (optional, §2.4).
+    """
+
+    mem_fraction_static: FloatRange | None = None
+    mem_fraction_step: float = Field(default=0.005, gt=0, le=0.05)
+    max_running_requests: IntRange | None = None
+    chunked_prefill_size: list[int] | None = None
+    hierarchical_cache: bool = False
+    hicache_ratio: FloatRange = (2.0, 4.0)
+    hicache_write_policy: list[Literal["write_through", "write_through_selective", "write_back"]] = (
+        Field(default_factory=lambda: ["write_through"])
+    )
+    page_size: list[int] | None = None
+    cuda_graph_max_bs: list[int] | None = None
+    schedule_conservativeness: FloatRange | None = None
+
+    @field_validator("mem_fraction_static")
+    @classmethod
+    def _mfs_ok(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None:
+            low, high = value
+            if not 0.05 <= low <= high < 1.0:
+                raise ValueError("give [low, high] with 0.05 <= low <= high < 1.0, e.g. [0.80, 0.95]")
+        return value
+
+    @field_validator("max_running_requests")
+    @classmethod
+    def _mrr_ok(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not 1 <= value[0] <= value[1]:
+            raise ValueError("give [low, high] with 1 <= low <= high, e.g. [8, 512]")
+        return value
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _cps_ok(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one size, e.g. [-1, 4096, 8192] (-1 disables)")
+            if any(v == 0 or v < -1 for v in value):
+                raise ValueError("sizes must be positive, or -1 to disable chunked prefill")
+        return value
+
+    @field_validator("hicache_ratio", "schedule_conservativeness")
+    @classmethod
+    def _positive_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0 < value[0] <= value[1]:
+            raise ValueError("give [low, high] with 0 < low <= high")
+        return value
+
+    @field_validator("page_size", "cuda_graph_max_bs")
+    @classmethod
+    def _positive_choices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(v < 1 for v in value)):
+            raise ValueError("give a non-empty list of positive integers")
+        return value
+
+
+class ObjectiveSection(_Section):
+    """``[objective]``: how "best" is chosen from the Pareto front of (capacity, throughput).
+
+    Attributes:
+        policy: ``throughput_within_capacity`` (default: among feasible trials whose context
+            capacity is within ``capacity_tolerance`` of the best, the highest throughput),
+            ``max_capacity`` (highest capacity, throughput breaks ties) or ``max_throughput``.
+        capacity_tolerance: Relative tolerance (0.05 = within 5 % of the best capacity).
+        context_tokens: The context length a "context" means for context capacity (default:
+            the workload's longest request, input plus output).
+    """
+
+    policy: Literal["throughput_within_capacity", "max_capacity", "max_throughput"] = (
+        "throughput_within_capacity"
+    )
+    capacity_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
+    context_tokens: int | None = Field(default=None, gt=0)
+
+
+class BudgetSection(_Section):
+    """``[budget]``: time limits of the run and of each load phase.
+
+    Attributes:
+        total: Default wall-clock budget when ``--budget`` is not given (``4h``, ``90m``).
+        trials: Default cap on the number of trials (``--trials`` overrides).
+        warmup_s: Warm-up phase length (not measured).
+        measure_s: Measured window length.
+        stress_s: Stress phase length (longest contexts at the highest admitted concurrency).
+        max_requests: Cap on requests per measured window (optional).
+        concurrency: Client concurrency of the measured window (default: the config's context
+            capacity, at least 1).
+        request_rate: Poisson arrival rate in req/s of the measured window (default: unbounded).
+        early_stop: Stop a load phase early once its SLO is clearly lost.
+        probe_only_below: Capacity-first fidelity: a candidate whose context capacity is below
+            this share of the best feasible capacity gets no full load (0 disables).
+        restore_reserve_s: Seconds kept at the end for restoring the service.
+    """
+
+    total: str | None = None
+    trials: int | None = Field(default=None, ge=1)
+    warmup_s: float = Field(default=10.0, ge=0)
+    measure_s: float = Field(default=60.0, gt=0)
+    stress_s: float = Field(default=30.0, ge=0)
+    max_requests: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1)
+    request_rate: float | None = Field(default=None, gt=0)
+    early_stop: bool = True
+    probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
+    restore_reserve_s: float = Field(default=0.0, ge=0)
+
+    @field_validator("total")
+    @classmethod
+    def _total_ok(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration_s(value, name="budget.total")
+        return value
+
+
+class StorageSection(_Section):
+    """``[storage]``: where trials and artifacts go.
+
+    Attributes:
+        url: SQLAlchemy URL of the Optuna storage (default ``sqlite:///studies/<study>.db``,
+            relative to the working directory).
+        artifacts_dir: Artifact folder (default ``studies/<study>/artifacts``).
+    """
+
+    url: str | None = None
+    artifacts_dir: str | None = None
+
+
+class TunerConfig(_Section):
+    """The whole config.
+
+    Attributes:
+        path: The file it was read from (set by :func:`load_config`).
+    """
+
+    study: StudySection = Field(default_factory=StudySection)
+    service: ServiceSection
+    model: ModelSection = Field(default_factory=ModelSection)
+    space: SpaceSection = Field(default_factory=SpaceSection)
+    workload: WorkloadSpec
+    slo: SLO = Field(default_factory=SLO)
+    objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
+    path: str | None = None
+
+    def storage_url(self) -> str:
+        """The Optuna storage URL (``[storage] url`` or ``sqlite:///studies/<study>.db``)."""
+        return self.storage.url or f"sqlite:///studies/{self.study.name}.db"
+
+    def artifacts_dir(self) -> Path:
+        """The artifact folder (``[storage] artifacts_dir`` or ``studies/<study>/artifacts``)."""
+        return Path(self.storage.artifacts_dir or f"studies/{self.study.name}/artifacts")
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    # Discriminated unions add the tag (``random``) to the location; the user wrote ``workload.x``.
+    if len(parts) >= 3 and parts[0] == "workload":
+        parts = [parts[0], *parts[2:]]
+    return ".".join(parts) or "(top level)"
+
+
+def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig:
+    """Validate a config already read from TOML.
+
+    Args:
+        data: The TOML document as a dict.
+        source: The file name, for error messages.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: A key is unknown, missing or out of range (the first problem, one line).
+    """
+    try:
+        return TunerConfig.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = _location(first["loc"])
+        kind = first["type"]
+        if kind == "extra_forbidden":
+            raise ConfigError(
+                f"{source}: unknown key {where}",
+                hint="remove it or fix its spelling (see configs/demo-sim.toml for every key)",
+            ) from None
+        if kind == "missing":
+            raise ConfigError(
+                f"{source}: missing key {where}",
+                hint="add it (see configs/demo-sim.toml for an example)",
+            ) from None
+        value = first.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{source}: {where}{shown} is invalid: {message}", hint=None) from None
+
+
+def load_config(path: str | Path) -> TunerConfig:
+    """Read and validate a TOML config file.
+
+    Args:
+        path: The file.
+
+    Returns:
+        The validated config, with :attr:`TunerConfig.path` set.
+
+    Raises:
+        ConfigError: The file is missing, is not TOML, or does not validate.
+    """
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file {str(file)!r} does not exist",
+            hint="pass --config with an existing file, or write one with `tuner init`",
+        ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(file)!r} cannot be read: {err}", hint=None) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(
+            f"config file {str(file)!r} is not valid TOML: {err}",
+            hint="fix the syntax at that line",
+        ) from None
+    config = parse_config(data, source=str(file))
+    return config.model_copy(update={"path": str(file)})

@@ -1,0 +1,602 @@
+"""The candidate strategy: the search space, and which config to launch next.
+
+The space is the set of SGLang knobs the study may change (by SGLang field name). Ranges the config
+leaves out are derived from the baseline the unit runs now, its GPU and its SGLang version.
+
+The strategy is capacity-first and learns from memory facts rather than by trial and error:
+
+1. The baseline (the unit's current flags) is measured first.
+2. The memory model, calibrated on measured trials, predicts for a knob set the token capacity of
+   every ``mem_fraction_static`` and the GPU memory left free after CUDA graphs; the activation peak
+   measured under the stress load says how much of that headroom serving needs. The planner aims
+   at the largest fraction whose predicted headroom still covers that peak with a margin
+   (``shared/sglang-reference.md`` §1.2, §1.6, §1.8, §8), and proposes the smallest fraction that
+   reaches the predicted best context capacity (capacity is an integer: more KV than that buys
+   nothing for the objective and costs headroom).
+3. Each result recalibrates the model: a success moves the calibration point to the new config, a
+   memory failure raises the measured need above what that fraction left (and every larger fraction
+   with equal or larger other knobs is skipped without a restart, :func:`tuner.sglang.memory.must_fail`).
+4. When the capacity frontier stops moving, the planner tries one neighbour per other knob
+   (chunked prefill size, max running requests, hierarchical cache, ...) at its own predicted
+   frontier; then the Optuna sampler explores the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.config import SpaceSection
+from tuner.records import TrialRecord
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
+
+__all__ = [
+    "SEARCHED_FIELDS",
+    "Space",
+    "resolve_space",
+    "Candidate",
+    "Planner",
+    "default_chunked_prefill_size",
+    "context_capacity",
+]
+
+SEARCHED_FIELDS = (
+    "mem_fraction_static",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+    "hicache_write_policy",
+    "page_size",
+    "cuda_graph_max_bs",
+    "schedule_conservativeness",
+)
+"""Every knob the study can change, by SGLang field name."""
+
+_GIB = float(2**30)
+_MEMORY_FAILURES = STARTUP_MEMORY_FAILURES | {FailureClass.RUNTIME_OOM}
+
+
+def context_capacity(effective_max_running_requests: int | None, max_total_num_tokens: int, context_tokens: int) -> int:
+    """Requests of ``context_tokens`` that can be resident at once.
+
+    ``min(effective max_running_requests, floor(max_total_num_tokens / context_tokens))``, with
+    both numbers as the server resolved them (§2.3, §4.2 line 8).
+    """
+    by_tokens = max_total_num_tokens // max(1, context_tokens)
+    if effective_max_running_requests is None:
+        return by_tokens
+    return min(effective_max_running_requests, by_tokens)
+
+
+def default_chunked_prefill_size(gpu_total_mib: float | None) -> int:
+    """SGLang's default ``chunked_prefill_size`` for a GPU size in MiB (§2.1, 0.5.5 ≈ 0.5.10)."""
+    if gpu_total_mib is None:
+        return 4096
+    for limit_mib, size in ((20480, 2048), (35840, 2048), (61440, 4096), (163840, 8192)):
+        if gpu_total_mib < limit_mib:
+            return size
+    return 16384
+
+
+class Space(BaseModel):
+    """The resolved search space.
+
+    Attributes:
+        mem_fraction_static: ``(low, high, step)``.
+        max_running_requests: ``(low, high)``, log scale.
+        chunked_prefill_size: Choices (-1 disables chunked prefill).
+        hierarchical_cache: Whether ``enable_hierarchical_cache`` is searched.
+        hicache_ratio: ``(low, high)`` when the hierarchical cache is on.
+        hicache_write_policy: Choices when the hierarchical cache is on.
+        page_size: Choices, or ``None`` (left as the baseline has it).
+        cuda_graph_max_bs: Choices, or ``None``.
+        schedule_conservativeness: ``(low, high)``, or ``None``.
+        fixed: Knobs not searched, kept at the baseline's value.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    mem_fraction_static: tuple[float, float, float]
+    max_running_requests: tuple[int, int]
+    chunked_prefill_size: tuple[int, ...]
+    hierarchical_cache: bool = False
+    hicache_ratio: tuple[float, float] = (2.0, 4.0)
+    hicache_write_policy: tuple[str, ...] = ("write_through",)
+    page_size: tuple[int, ...] | None = None
+    cuda_graph_max_bs: tuple[int, ...] | None = None
+    schedule_conservativeness: tuple[float, float] | None = None
+    fixed: dict[str, Any] = Field(default_factory=dict)
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Optuna distributions of every searched knob (conditional ones included)."""
+        low, high, step = self.mem_fraction_static
+        dists: dict[str, BaseDistribution] = {
+            "mem_fraction_static": FloatDistribution(low, high, step=step),
+            "max_running_requests": IntDistribution(*self.max_running_requests, log=True),
+            "chunked_prefill_size": CategoricalDistribution(list(self.chunked_prefill_size)),
+        }
+        if self.hierarchical_cache:
+            dists["enable_hierarchical_cache"] = CategoricalDistribution([False, True])
+            dists["hicache_ratio"] = FloatDistribution(*self.hicache_ratio, step=0.5)
+            dists["hicache_write_policy"] = CategoricalDistribution(list(self.hicache_write_policy))
+        if self.page_size:
+            dists["page_size"] = CategoricalDistribution(list(self.page_size))
+        if self.cuda_graph_max_bs:
+            dists["cuda_graph_max_bs"] = CategoricalDistribution(list(self.cuda_graph_max_bs))
+        if self.schedule_conservativeness:
+            dists["schedule_conservativeness"] = FloatDistribution(
+                *self.schedule_conservativeness, step=0.1
+            )
+        return dists
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """Ask ``trial`` for every knob (enqueued values come back as they were enqueued).
+
+        Returns:
+            The candidate's params by SGLang field name (searched knobs plus :attr:`fixed`).
+        """
+        dists = self.distributions()
+        params: dict[str, Any] = dict(self.fixed)
+        for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
+            params[name] = trial._suggest(name, dists[name])  # noqa: SLF001 - one call per distribution
+        if self.hierarchical_cache:
+            on = trial._suggest("enable_hierarchical_cache", dists["enable_hierarchical_cache"])  # noqa: SLF001
+            params["enable_hierarchical_cache"] = bool(on)
+            if on:
+                for name in ("hicache_ratio", "hicache_write_policy"):
+                    params[name] = trial._suggest(name, dists[name])  # noqa: SLF001
+        for name in ("page_size", "cuda_graph_max_bs", "schedule_conservativeness"):
+            if name in dists:
+                params[name] = trial._suggest(name, dists[name])  # noqa: SLF001
+        return params
+
+    def snap(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Clip and align a proposed candidate onto the space (for enqueueing).
+
+        Only searched knobs are returned (Optuna's enqueued params); conditional knobs of a
+        disabled hierarchical cache are dropped.
+        """
+        low, high, step = self.mem_fraction_static
+        mfs = float(params.get("mem_fraction_static", low))
+        mfs = min(high, max(low, low + round((mfs - low) / step) * step))
+        out: dict[str, Any] = {"mem_fraction_static": round(mfs, 6)}
+        mrr = int(params.get("max_running_requests", self.max_running_requests[1]))
+        out["max_running_requests"] = min(self.max_running_requests[1], max(self.max_running_requests[0], mrr))
+        cps = params.get("chunked_prefill_size", self.chunked_prefill_size[0])
+        out["chunked_prefill_size"] = cps if cps in self.chunked_prefill_size else _nearest(self.chunked_prefill_size, cps)
+        if self.hierarchical_cache:
+            on = bool(params.get("enable_hierarchical_cache", False))
+            out["enable_hierarchical_cache"] = on
+            if on:
+                ratio = float(params.get("hicache_ratio", self.hicache_ratio[0]))
+                lo, hi = self.hicache_ratio
+                out["hicache_ratio"] = min(hi, max(lo, lo + round((ratio - lo) / 0.5) * 0.5))
+                policy = params.get("hicache_write_policy", self.hicache_write_policy[0])
+                out["hicache_write_policy"] = policy if policy in self.hicache_write_policy else self.hicache_write_policy[0]
+        for name in ("page_size", "cuda_graph_max_bs"):
+            choices = getattr(self, name)
+            if choices:
+                value = params.get(name, choices[0])
+                out[name] = value if value in choices else _nearest(choices, value)
+        if self.schedule_conservativeness:
+            lo, hi = self.schedule_conservativeness
+            value = float(params.get("schedule_conservativeness", 1.0))
+            out["schedule_conservativeness"] = round(min(hi, max(lo, lo + round((value - lo) / 0.1) * 0.1)), 6)
+        return out
+
+    def fractions(self) -> list[float]:
+        """Every ``mem_fraction_static`` on the grid, ascending."""
+        low, high, step = self.mem_fraction_static
+        count = int(round((high - low) / step)) + 1
+        return [round(low + i * step, 6) for i in range(count)]
+
+
+def _nearest(choices: Sequence[Any], value: Any) -> Any:
+    try:
+        return min(choices, key=lambda c: abs(float(c) - float(value)))
+    except (TypeError, ValueError):
+        return choices[0]
+
+
+def _align_down(value: float, low: float, step: float) -> float:
+    return round(low + math.floor((value - low) / step + 1e-9) * step, 6)
+
+
+def resolve_space(
+    section: SpaceSection,
+    baseline: Mapping[str, Any],
+    *,
+    gpu_total_mib: float | None = None,
+    capacity_hint: int | None = None,
+) -> Space:
+    """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
+
+    Defaults, each widened so the baseline's own value is inside (the baseline is trial 0):
+
+    * ``mem_fraction_static``: from 0.05 below the baseline to 0.97.
+    * ``max_running_requests``: from a quarter of the baseline's effective value (at least 1) to
+      the larger of the baseline's and 1.5 × ``capacity_hint`` (the capacity predicted at the
+      highest fraction), log scale.
+    * ``chunked_prefill_size``: half, once and twice the baseline's (or the GPU default of §2.1).
+
+    Args:
+        section: The ``[space]`` table.
+        baseline: The baseline's resolved knobs by SGLang field name (``mem_fraction_static``,
+            ``max_running_requests`` (effective), ``chunked_prefill_size``, ...).
+        gpu_total_mib: GPU size (nvidia-smi MiB) for the chunked-prefill default.
+        capacity_hint: The context capacity predicted at the top of the fraction range.
+
+    Returns:
+        The space.
+    """
+    step = section.mem_fraction_step
+    base_mfs = float(baseline.get("mem_fraction_static") or 0.88)
+    low, high = section.mem_fraction_static or (max(0.05, base_mfs - 0.05), max(0.97, base_mfs))
+    low = min(low, base_mfs)
+    high = max(high, base_mfs)
+    # Align the grid on the baseline so its value is a grid point.
+    low = round(base_mfs - math.floor((base_mfs - low) / step + 1e-9) * step, 6)
+    high = _align_down(high, low, step)
+
+    base_mrr = int(baseline.get("max_running_requests") or 0) or None
+    if section.max_running_requests:
+        mrr_low, mrr_high = section.max_running_requests
+    else:
+        reference = base_mrr or capacity_hint or 64
+        mrr_low = max(1, reference // 4)
+        mrr_high = max(reference, int(1.5 * (capacity_hint or reference)), 8)
+        if capacity_hint:
+            mrr_low = max(1, min(mrr_low, capacity_hint // 4))
+    if base_mrr:
+        mrr_low, mrr_high = min(mrr_low, base_mrr), max(mrr_high, base_mrr)
+
+    base_cps = baseline.get("chunked_prefill_size")
+    if base_cps is None:
+        base_cps = default_chunked_prefill_size(gpu_total_mib)
+    base_cps = int(base_cps)
+    if section.chunked_prefill_size:
+        cps = list(dict.fromkeys(section.chunked_prefill_size))
+    elif base_cps <= 0:
+        cps = [-1, 4096, 8192]
+    else:
+        cps = [max(512, base_cps // 2), base_cps, base_cps * 2]
+    if base_cps not in cps:
+        cps.append(base_cps)
+
+    page_size = _with_baseline(section.page_size, baseline.get("page_size"))
+    graph_bs = _with_baseline(section.cuda_graph_max_bs, baseline.get("cuda_graph_max_bs"))
+    conservativeness = section.schedule_conservativeness
+    if conservativeness:
+        base_c = float(baseline.get("schedule_conservativeness") or 1.0)
+        conservativeness = (min(conservativeness[0], base_c), max(conservativeness[1], base_c))
+    fixed = {}
+    if not section.hierarchical_cache and baseline.get("enable_hierarchical_cache"):
+        fixed["enable_hierarchical_cache"] = True
+    return Space(
+        mem_fraction_static=(low, high, step),
+        max_running_requests=(int(mrr_low), int(mrr_high)),
+        chunked_prefill_size=tuple(sorted(dict.fromkeys(cps))),
+        hierarchical_cache=section.hierarchical_cache,
+        hicache_ratio=section.hicache_ratio,
+        hicache_write_policy=tuple(section.hicache_write_policy),
+        page_size=page_size,
+        cuda_graph_max_bs=graph_bs,
+        schedule_conservativeness=conservativeness,
+        fixed=fixed,
+    )
+
+
+def _with_baseline(choices: Sequence[int] | None, value: Any) -> tuple[int, ...] | None:
+    if not choices:
+        return None
+    out = list(dict.fromkeys(choices))
+    if value is not None and int(value) not in out:
+        out.append(int(value))
+    return tuple(sorted(out))
+
+
+class Candidate(BaseModel):
+    """A config the planner wants launched next.
+
+    Attributes:
+        params: Searched knobs, on the space's grid.
+        kind: ``predicted`` (from the memory model).
+        prediction: What the model expects (``token_capacity``, ``context_capacity``,
+            ``free_gib_after_graphs``, ``need_gib``, ``why``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    params: dict[str, Any]
+    kind: str = "predicted"
+    prediction: dict[str, Any] = Field(default_factory=dict)
+
+
+class _Point(BaseModel):
+    """One measured trial as the planner sees it (memory facts per rank, GiB and tokens)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    params: dict[str, Any]
+    token_capacity: int
+    free_gib: float
+    startup_gib: float
+    cell_bytes: float
+    req_slot_bytes: float
+    peak_gib: float | None
+    feasible: bool
+    capacity: int
+
+
+def _family(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(
+        sorted((k, v) for k, v in params.items() if k not in ("mem_fraction_static", "max_running_requests"))
+    )
+
+
+def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(params.items()))
+
+
+class Planner:
+    """Proposes the next config from the memory model and the trials measured so far.
+
+    Args:
+        space: The resolved space.
+        context_tokens: The context length of context capacity (tokens).
+        capacity_tolerance: The policy's capacity band (configs within it may win on throughput).
+        peak_safety: Factor on the measured activation peak.
+        margin_gib: Extra GiB kept free above the scaled peak.
+        longest_input_tokens: The workload's longest prompt (activation peak with chunking off).
+    """
+
+    def __init__(
+        self,
+        space: Space,
+        context_tokens: int,
+        *,
+        capacity_tolerance: float = 0.05,
+        peak_safety: float = 1.15,
+        margin_gib: float = 0.25,
+        longest_input_tokens: int | None = None,
+    ) -> None:
+        self.space = space
+        self.context_tokens = context_tokens
+        self.capacity_tolerance = capacity_tolerance
+        self.peak_safety = peak_safety
+        self.margin_gib = margin_gib
+        self.longest_input_tokens = longest_input_tokens or context_tokens
+
+    # -- calibration ---------------------------------------------------------------------------
+
+    def _points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:
+        points = []
+        for number, record in history:
+            memory = record.memory
+            if (
+                record.outcome != "ok"
+                or record.token_capacity is None
+                or record.free_gib_after_graphs is None
+                or record.constraints.get("oom_or_crash", 1.0) > 0
+                or record.constraints.get("stress", -1.0) > 0
+            ):
+                continue
+            startup = memory.get("startup_available_gib")
+            cell = memory.get("cell_size_bytes")
+            if not startup or not cell:
+                continue
+            params = self.space.snap(record.params)
+            points.append(
+                _Point(
+                    number=number,
+                    params=params,
+                    token_capacity=record.token_capacity,
+                    free_gib=record.free_gib_after_graphs,
+                    startup_gib=float(startup),
+                    cell_bytes=float(cell),
+                    req_slot_bytes=float(memory.get("req_slot_bytes") or 0.0),
+                    peak_gib=memory.get("peak_activation_gib"),
+                    feasible=record.feasible,
+                    capacity=record.context_capacity or 0,
+                )
+            )
+        return points
+
+    def _effective_prefill(self, cps: Any) -> float:
+        cps = int(cps)
+        return float(cps) if cps > 0 else float(min(16384, max(self.longest_input_tokens, 1)))
+
+    def _need_gib(
+        self,
+        family: tuple[tuple[str, Any], ...],
+        ref: _Point,
+        points: Sequence[_Point],
+        failures: Sequence[tuple[dict[str, Any], float]],
+    ) -> float:
+        """GiB that must stay free after graphs for configs of ``family``."""
+        fam = dict(family)
+        peaks = [p for p in points if p.peak_gib is not None]
+        same = [p for p in peaks if _family(p.params) == family]
+        source = max(same or peaks, key=lambda p: p.peak_gib or 0.0, default=None)
+        if source is None:
+            need = max(1.0, 0.5 * ref.free_gib)
+        else:
+            scale = self._effective_prefill(fam.get("chunked_prefill_size", 1)) / self._effective_prefill(
+                source.params.get("chunked_prefill_size", 1)
+            )
+            need = (source.peak_gib or 0.0) * max(scale, 0.25) * self.peak_safety + self.margin_gib
+        for params, predicted_free in failures:
+            if _family(params) == family:
+                need = max(need, predicted_free + self.margin_gib)
+        return need
+
+    def _predict(self, ref: _Point, mfs: float, mrr: int) -> tuple[int, float]:
+        """Predicted ``(max_total_num_tokens, free GiB after graphs)`` of ``mfs``, ``mrr`` (§1.2, §1.6)."""
+        delta = mfs - float(ref.params["mem_fraction_static"])
+        tokens = int(ref.token_capacity + delta * ref.startup_gib * _GIB / ref.cell_bytes)
+        slots = (mrr - int(ref.params["max_running_requests"])) * ref.req_slot_bytes / _GIB
+        return tokens, ref.free_gib - delta * ref.startup_gib - slots
+
+    # -- proposals -----------------------------------------------------------------------------
+
+    def _frontier(
+        self,
+        family: tuple[tuple[str, Any], ...],
+        ref: _Point,
+        mrr: int,
+        need: float,
+        ceiling: float,
+    ) -> tuple[float, int, int, float] | None:
+        """Highest grid fraction below ``ceiling`` whose predicted headroom covers ``need``."""
+        best = None
+        for mfs in self.space.fractions():
+            if mfs >= ceiling - 1e-9:
+                break
+            tokens, free = self._predict(ref, mfs, mrr)
+            if tokens <= 0 or free < need:
+                continue
+            best = (mfs, tokens, min(mrr, tokens // self.context_tokens), free)
+        return best
+
+    def next(
+        self,
+        history: Sequence[tuple[int, TrialRecord]],
+        tried: set[tuple[tuple[str, Any], ...]],
+    ) -> Candidate | None:
+        """The next config to launch, or ``None`` to hand over to the sampler.
+
+        Args:
+            history: ``(trial number, record)`` of every finished trial, baseline included.
+            tried: Keys (``sorted(params.items())``) of configs already run or queued.
+
+        Returns:
+            A candidate on the space's grid, with its prediction.
+        """
+        points = self._points(history)
+        if not points:
+            return None
+        feasible = [p for p in points if p.feasible] or points
+        incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
+        best_capacity = incumbent.capacity
+        failures: list[tuple[dict[str, Any], float]] = []
+        ceilings: dict[tuple[tuple[str, Any], ...], list[tuple[float, int]]] = {}
+        for number, record in history:
+            if record.failure_class in _MEMORY_FAILURES and record.params:
+                params = self.space.snap(record.params)
+                family = _family(params)
+                refs = [p for p in points if _family(p.params) == family] or [incumbent]
+                ref = max(refs, key=lambda p: p.params["mem_fraction_static"])
+                _, free = self._predict(ref, params["mem_fraction_static"], params["max_running_requests"])
+                failures.append((params, free))
+                ceilings.setdefault(family, []).append(
+                    (params["mem_fraction_static"], params["max_running_requests"])
+                )
+
+        def ceiling_of(family: tuple[tuple[str, Any], ...], mrr: int) -> float:
+            # Monotone: a memory failure at (mfs, mrr) proves every mfs' >= mfs with mrr' >= mrr fails.
+            return min((m for m, r in ceilings.get(family, []) if mrr >= r), default=2.0)
+
+        proposals: list[tuple[tuple[int, int], Candidate]] = []
+        base_family = _family(incumbent.params)
+        families = [base_family, *self._neighbours(incumbent.params)]
+        for rank, family in enumerate(families):
+            refs = [p for p in points if _family(p.params) == family]
+            ref = max(refs, key=lambda p: p.params["mem_fraction_static"]) if refs else incumbent
+            need = self._need_gib(family, ref, points, failures)
+            mrr_low, mrr_high = self.space.max_running_requests
+            base_mrr = int(incumbent.params["max_running_requests"])
+            options = []
+            # Tight: just enough request slots for the capacity (frees req_to_token memory, §1.6).
+            tight = base_mrr
+            for _ in range(3):
+                found = self._frontier(family, ref, tight, need, ceiling_of(family, tight))
+                if found is None:
+                    break
+                tight = min(mrr_high, max(mrr_low, found[1] // self.context_tokens))
+            options.append(tight)
+            options.append(max(base_mrr, tight))
+            for mrr in dict.fromkeys(options):
+                found = self._frontier(family, ref, mrr, need, ceiling_of(family, mrr))
+                if found is None:
+                    continue
+                mfs, tokens, capacity, free = found
+                params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
+                if _key(params) in tried:
+                    continue
+                if rank == 0 and capacity <= best_capacity:
+                    continue
+                if rank > 0 and capacity < best_capacity * (1.0 - self.capacity_tolerance):
+                    continue
+                why = (
+                    "raise capacity at the predicted memory frontier"
+                    if capacity > best_capacity
+                    else "same capacity band with another " + self._changed(base_family, family)
+                )
+                proposals.append(
+                    (
+                        (0 if capacity > best_capacity else 1, rank, -capacity),
+                        Candidate(
+                            params=params,
+                            prediction={
+                                "token_capacity": tokens,
+                                "context_capacity": capacity,
+                                "free_gib_after_graphs": round(free, 3),
+                                "need_gib": round(need, 3),
+                                "calibrated_on_trial": ref.number,
+                                "why": why,
+                            },
+                        ),
+                    )
+                )
+        if not proposals:
+            return None
+        proposals.sort(key=lambda item: item[0])
+        return proposals[0][1]
+
+    @staticmethod
+    def _changed(base: tuple[tuple[str, Any], ...], other: tuple[tuple[str, Any], ...]) -> str:
+        a, b = dict(base), dict(other)
+        names = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        return ", ".join(names) or "max_running_requests"
+
+    def _neighbours(self, params: Mapping[str, Any]) -> list[tuple[tuple[str, Any], ...]]:
+        """Knob sets one step from ``params`` (memory knobs excluded), in a stable order."""
+        base = {k: v for k, v in params.items() if k not in ("mem_fraction_static", "max_running_requests")}
+        out: list[dict[str, Any]] = []
+        for cps in self.space.chunked_prefill_size:
+            if cps != base.get("chunked_prefill_size"):
+                out.append({**base, "chunked_prefill_size": cps})
+        if self.space.hierarchical_cache:
+            if base.get("enable_hierarchical_cache"):
+                out.append({k: v for k, v in base.items() if not k.startswith("hicache_")} | {"enable_hierarchical_cache": False})
+            else:
+                out.append({**base, "enable_hierarchical_cache": True, "hicache_ratio": self.space.hicache_ratio[0],
+                            "hicache_write_policy": self.space.hicache_write_policy[0]})
+        for name in ("page_size", "cuda_graph_max_bs"):
+            for value in getattr(self.space, name) or ():
+                if value != base.get(name):
+                    out.append({**base, name: value})
+        if self.space.schedule_conservativeness:
+            lo, hi = self.space.schedule_conservativeness
+            current = float(base.get("schedule_conservativeness", 1.0))
+            for value in (current - 0.3, current + 0.3):
+                if lo <= value <= hi:
+                    out.append({**base, "schedule_conservativeness": round(value, 6)})
+        families = []
+        for item in out:
+            snapped = self.space.snap({**item, "mem_fraction_static": self.space.mem_fraction_static[0],
+                                       "max_running_requests": self.space.max_running_requests[0]})
+            families.append(_family(snapped))
+        return list(dict.fromkeys(families))
