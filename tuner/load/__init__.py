@@ -1,1 +1,47 @@
-"""Load generator: workloads, arrivals, an async streaming client, and bench_serving-compatible metrics."""
+"""Load generator: workloads, arrivals, an async streaming client, and bench_serving-compatible metrics.
+
+The public API is :data:`__all__`; see ``README.md`` § Load generator for ``tuner load``.
+"""
+
+from tuner.load.arrivals import PhasePlan, arrival_offsets_s
+from tuner.load.client import StreamClient
+from tuner.load.metrics import SLO, LoadSummary, RequestRecord, request_itls_s, summarize
+from tuner.load.runner import LiveStats, LoadResult, PhaseWindow, run_load, run_load_sync
+from tuner.load.workloads import (
+    MultiTurnSpec,
+    RandomSpec,
+    Request,
+    SharedPrefixSpec,
+    TraceSpec,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    capacity_probe,
+    designed_hit_rate,
+)
+
+__all__ = [
+    "RandomSpec",
+    "SharedPrefixSpec",
+    "MultiTurnSpec",
+    "TraceSpec",
+    "WorkloadSpec",
+    "Request",
+    "Workload",
+    "build_workload",
+    "capacity_probe",
+    "designed_hit_rate",
+    "PhasePlan",
+    "arrival_offsets_s",
+    "StreamClient",
+    "SLO",
+    "RequestRecord",
+    "LoadSummary",
+    "summarize",
+    "request_itls_s",
+    "LiveStats",
+    "PhaseWindow",
+    "LoadResult",
+    "run_load",
+    "run_load_sync",
+]

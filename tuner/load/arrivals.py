@@ -1,0 +1,132 @@
+"""Arrivals: when requests are sent, and which phase of a run (warm-up, measured window, cool-down) they belong to.
+
+Three ways to pace a run:
+
+* closed loop — ``concurrency`` workers, each sends its next request when its last one finished
+  (bench_serving's ``--max-concurrency`` with ``--request-rate inf``, §6.1);
+* open loop — arrivals of a gamma process with mean rate ``rate`` requests/s; ``burstiness`` 1.0
+  is Poisson, lower is burstier, higher steadier (bench_serving's ``--request-rate`` and
+  ``--burstiness``); an optional ``concurrency`` caps requests in flight;
+* trace replay — each request's own ``arrival_s``.
+
+A :class:`PhasePlan` labels every send: ``warmup`` before ``warmup_s``, then ``measure`` until the
+window ends (after ``duration_s``, after ``max_requests`` measured sends, or when the workload runs
+out), then ``cooldown``: load continues, excluded from the summary, for at most ``cooldown_s``
+while the measured requests finish.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+
+from tuner.errors import LoadError
+
+__all__ = ["Phase", "arrival_offsets_s", "PhasePlan"]
+
+Phase = Literal["warmup", "measure", "cooldown"]
+
+
+def arrival_offsets_s(rate: float, *, burstiness: float = 1.0, seed: int = 0) -> Iterator[float]:
+    """Send times (s from the start) of an open-loop arrival process, without end.
+
+    Intervals are gamma distributed with shape ``burstiness`` and mean ``1/rate`` (Poisson when
+    ``burstiness == 1``), as bench_serving draws them (§6.1). ``rate == inf`` sends everything at 0.
+
+    Args:
+        rate: Mean requests per second, > 0.
+        burstiness: Gamma shape, > 0.
+        seed: Seed of the draws.
+
+    Raises:
+        LoadError: ``rate`` or ``burstiness`` not > 0.
+    """
+    if not rate > 0 or not burstiness > 0:
+        raise LoadError(
+            f"rate {rate} / burstiness {burstiness} must both be > 0",
+            hint="pass --rate R with R > 0 (requests/s) and --burstiness B with B > 0",
+        )
+    if math.isinf(rate):
+        while True:
+            yield 0.0
+    rng = np.random.default_rng([seed, 7])
+    scale = 1.0 / (rate * burstiness)
+    t = 0.0
+    while True:
+        for interval in rng.gamma(burstiness, scale, size=1024).tolist():
+            yield t
+            t += interval
+
+
+class PhasePlan:
+    """The phase state machine of one run; times are seconds from the run's start.
+
+    Args:
+        warmup_s: Sends before this time are ``warmup``.
+        duration_s: Length of the measured window, or ``None`` (ends by count or exhaustion).
+        max_requests: Measured sends after which the window ends, or ``None``.
+        cooldown_s: How long sending continues after the window while measured requests finish.
+
+    Raises:
+        LoadError: A negative time, ``max_requests < 1``, or ``duration_s <= 0``.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup_s: float = 0.0,
+        duration_s: float | None = None,
+        max_requests: int | None = None,
+        cooldown_s: float = 0.0,
+    ) -> None:
+        if warmup_s < 0 or cooldown_s < 0 or (duration_s is not None and duration_s <= 0):
+            raise LoadError(
+                f"warmup_s={warmup_s}, duration_s={duration_s}, cooldown_s={cooldown_s} are invalid",
+                hint="use --warmup/--cooldown >= 0 and --duration > 0 seconds",
+            )
+        if max_requests is not None and max_requests < 1:
+            raise LoadError(f"max_requests={max_requests} is invalid", hint="use --max-requests >= 1")
+        self.warmup_s = warmup_s
+        self.duration_s = duration_s
+        self.max_requests = max_requests
+        self.cooldown_s = cooldown_s
+        self.measured_sent = 0
+        self.measure_end_s: float | None = None
+        self.sending_stopped = False
+
+    def end_measure(self, t: float) -> None:
+        """End the measured window at ``t`` (no-op when it has ended)."""
+        if self.measure_end_s is None:
+            self.measure_end_s = max(t, self.warmup_s)
+
+    def advance(self, t: float) -> None:
+        """Apply the time-based ends: the window after ``duration_s``, sending after cool-down."""
+        if self.measure_end_s is None and self.duration_s is not None and t >= self.warmup_s + self.duration_s:
+            self.end_measure(self.warmup_s + self.duration_s)
+        if self.measure_end_s is not None and t >= self.measure_end_s + self.cooldown_s:
+            self.sending_stopped = True
+
+    def phase_for_send(self, t: float) -> Phase | None:
+        """The phase of a request sent now (and count it), or ``None`` when sending is over."""
+        self.advance(t)
+        if self.sending_stopped:
+            return None
+        if self.measure_end_s is None:
+            if t < self.warmup_s:
+                return "warmup"
+            self.measured_sent += 1
+            if self.max_requests is not None and self.measured_sent >= self.max_requests:
+                self.end_measure(t)
+            return "measure"
+        return "cooldown"
+
+    def current(self, t: float) -> str:
+        """The phase at time ``t`` for live statistics (``drain`` once sending stopped)."""
+        if self.sending_stopped:
+            return "drain"
+        if self.measure_end_s is None:
+            return "warmup" if t < self.warmup_s else "measure"
+        return "cooldown"

@@ -1,0 +1,378 @@
+"""Metrics: per-request records and their bench_serving-compatible summary, SLOs and goodput.
+
+Definitions follow ``sglang.bench_serving``'s ``calculate_metrics`` (``shared/sglang-reference.md``
+§6.2) exactly:
+
+* throughputs = totals / duration; ``input`` uses the requested prompt length (exact here, token
+  ids are sent), ``output`` the server's ``completion_tokens``;
+* TTFT = time from send to the first non-empty streamed chunk;
+* ITL = for every later chunk, the gap to the previous non-empty chunk divided by the chunk's new
+  tokens, repeated once per new token (the first chunk's extra tokens add no ITL);
+* TPOT = (E2E latency − TTFT) / (output_len − 1), only for output_len > 1;
+* E2E latency = send to end of stream (the ``[DONE]`` line);
+* ``concurrency`` = Σ E2E latency / duration (mean requests in flight);
+* percentiles are ``numpy.percentile`` (linear), ``median`` is p50, ``std`` the population std.
+
+Added here (GuideLLM-style, failures kept visible): ``errored`` / ``incomplete`` counts, error
+rate, the prefix-cache hit rate Σ cached_tokens / Σ prompt_tokens from the server's own usage
+fields (§5.3), and SLOs: a limit per percentile of TTFT / ITL / TPOT / E2E, goodput (requests/s
+meeting every per-request limit, bench_serving's ``--goodput``), attainment and violations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tuner.errors import ConfigError
+
+__all__ = [
+    "PERCENTILE_KEYS",
+    "SLO_METRICS",
+    "SLO",
+    "RequestRecord",
+    "LoadSummary",
+    "summarize",
+    "request_itls_s",
+]
+
+PERCENTILE_KEYS: tuple[str, ...] = ("mean", "median", "p50", "p90", "p95", "p99", "max")
+"""Keys an SLO limit may use; ``p50`` is stored as ``median``."""
+SLO_METRICS: tuple[str, ...] = ("ttft", "itl", "tpot", "e2e_latency")
+"""Latency metrics an SLO may bound."""
+_STAT_KEYS = ("mean", "median", "std", "p90", "p95", "p99", "max")
+
+
+def _canonical(key: str) -> str:
+    return "median" if key == "p50" else key
+
+
+class SLO(BaseModel):
+    """Latency limits, in ms, keyed by percentile per metric.
+
+    ``SLO(ttft_ms={"p99": 2000}, itl_ms={"p99": 100})`` means p99 TTFT ≤ 2000 ms and p99 ITL ≤ 100 ms.
+
+    Per request (goodput and attainment), a request meets the SLO when it completed and its own
+    TTFT, TPOT and E2E latency are within the *loosest* limit given for that metric (bench_serving's
+    ``--goodput`` checks these three), and, when ITL limits are given, its own ITL at each limit's
+    percentile is within that limit.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_ms: dict[str, float] = Field(default_factory=dict)
+    itl_ms: dict[str, float] = Field(default_factory=dict)
+    tpot_ms: dict[str, float] = Field(default_factory=dict)
+    e2e_latency_ms: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms")
+    @classmethod
+    def _check_limits(cls, value: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, limit in value.items():
+            if key not in PERCENTILE_KEYS:
+                raise ValueError(f"percentile {key!r} is not one of {', '.join(PERCENTILE_KEYS)}")
+            if not limit > 0:
+                raise ValueError(f"limit {limit} for {key!r} must be > 0 ms")
+            out[_canonical(key)] = float(limit)
+        return out
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """Parse ``"p99_ttft_ms=2000,p99_itl_ms=100"`` (keys: ``<percentile>_<metric>_ms``).
+
+        Raises:
+            ConfigError: A malformed item, an unknown percentile or metric, or a limit ≤ 0.
+        """
+        limits: dict[str, dict[str, float]] = {m: {} for m in SLO_METRICS}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, raw = item.partition("=")
+            pct, _, rest = name.strip().partition("_")
+            metric = rest.removesuffix("_ms")
+            try:
+                if not sep or not rest.endswith("_ms") or metric not in SLO_METRICS:
+                    raise ValueError(item)
+                limits[metric][pct] = float(raw)
+            except ValueError as err:
+                raise ConfigError(
+                    f"SLO item {item!r} is not <percentile>_<metric>_ms=<limit>",
+                    hint="write e.g. --slo \"p99_ttft_ms=2000,p99_itl_ms=100\" (metrics: ttft, itl, tpot, e2e_latency)",
+                ) from err
+        try:
+            return cls(**{f"{m}_ms": v for m, v in limits.items()})
+        except ValueError as err:
+            first = str(err).splitlines()[2].strip() if len(str(err).splitlines()) > 2 else str(err)
+            raise ConfigError(
+                f"SLO {text!r} is invalid: {first}", hint="use percentiles mean, p50, p90, p95, p99, max and limits > 0"
+            ) from err
+
+    def items(self) -> list[tuple[str, str, float]]:
+        """``(metric, percentile_key, limit_ms)`` for every limit, e.g. ``("ttft", "p99", 2000.0)``."""
+        return [
+            (metric, key, limit)
+            for metric in SLO_METRICS
+            for key, limit in getattr(self, f"{metric}_ms").items()
+        ]
+
+    def is_empty(self) -> bool:
+        """Whether no limit is set."""
+        return not self.items()
+
+
+class RequestRecord(BaseModel):
+    """What happened to one request. Times are seconds since the run's start (monotonic clock).
+
+    Attributes:
+        rid: The request id.
+        phase: ``warmup``, ``measure`` or ``cooldown`` (the phase it was sent in).
+        status: ``ok`` (stream finished), ``error`` (HTTP, transport or server error),
+            ``incomplete`` (cancelled: the run stopped or the server died before it finished).
+        send_time_s: When the request was sent.
+        first_token_time_s: Arrival of the first non-empty chunk, ``None`` when none arrived.
+        end_time_s: End of the stream, the error, or the cancellation.
+        chunk_times_s: Arrival time of every non-empty chunk.
+        chunk_tokens: New output tokens in each chunk (from the server's ``completion_tokens``).
+        prompt_tokens: The server's ``prompt_tokens`` (never counted client-side).
+        completion_tokens: The server's ``completion_tokens``.
+        cached_tokens: The server's ``cached_tokens`` (prefix-cache hit), if reported.
+        finish_reason: ``length``, ``stop``, ``abort``, ... as the server said.
+        error: The error, one line, when ``status != "ok"``.
+        error_kind: ``connect``, ``disconnect``, ``timeout``, ``http``, ``server``, ``cancelled``.
+        input_len: Requested prompt length in tokens.
+        max_new_tokens: Requested output length in tokens.
+        e2e_latency_s: ``end_time_s - send_time_s`` for finished requests.
+        group: The request's prefix group or session.
+        server_rid: The server's id of the request (``meta_info.id`` / ``id``), to find it in logs.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str
+    phase: Literal["warmup", "measure", "cooldown"] = "measure"
+    status: Literal["ok", "error", "incomplete"] = "ok"
+    send_time_s: float
+    first_token_time_s: float | None = None
+    end_time_s: float | None = None
+    chunk_times_s: list[float] = Field(default_factory=list)
+    chunk_tokens: list[int] = Field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    input_len: int = 0
+    max_new_tokens: int = 0
+    e2e_latency_s: float | None = None
+    group: str | None = None
+    server_rid: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (s), ``None`` without a non-empty chunk."""
+        if self.first_token_time_s is None:
+            return None
+        return self.first_token_time_s - self.send_time_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E − TTFT)/(output_len − 1) (s); ``None`` unless finished with output_len > 1."""
+        ttft = self.ttft_s
+        n = self.completion_tokens
+        if self.status != "ok" or ttft is None or self.e2e_latency_s is None or not n or n <= 1:
+            return None
+        return (self.e2e_latency_s - ttft) / (n - 1)
+
+
+def request_itls_s(record: RequestRecord) -> list[float]:
+    """The ITL values of one request (s), bench_serving's way (§6.2).
+
+    Every chunk after the first non-empty one contributes ``gap / new_tokens``, once per new token.
+    """
+    times, tokens = record.chunk_times_s, record.chunk_tokens
+    out: list[float] = []
+    for i in range(1, len(times)):
+        n = tokens[i]
+        if n > 0:
+            out.extend([(times[i] - times[i - 1]) / n] * n)
+    return out
+
+
+class LoadSummary(BaseModel):
+    """bench_serving's result keys (§6.2) plus failure counts, cache hit rate and SLO results.
+
+    Latency fields are ms; ``None`` when nothing was measured. Throughputs: requests/s, tokens/s.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    duration: float
+    completed: int
+    errored: int
+    incomplete: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    input_throughput: float
+    output_throughput: float
+    total_throughput: float
+    mean_ttft_ms: float | None = None
+    median_ttft_ms: float | None = None
+    std_ttft_ms: float | None = None
+    p90_ttft_ms: float | None = None
+    p95_ttft_ms: float | None = None
+    p99_ttft_ms: float | None = None
+    max_ttft_ms: float | None = None
+    mean_itl_ms: float | None = None
+    median_itl_ms: float | None = None
+    std_itl_ms: float | None = None
+    p90_itl_ms: float | None = None
+    p95_itl_ms: float | None = None
+    p99_itl_ms: float | None = None
+    max_itl_ms: float | None = None
+    mean_tpot_ms: float | None = None
+    median_tpot_ms: float | None = None
+    std_tpot_ms: float | None = None
+    p90_tpot_ms: float | None = None
+    p95_tpot_ms: float | None = None
+    p99_tpot_ms: float | None = None
+    max_tpot_ms: float | None = None
+    mean_e2e_latency_ms: float | None = None
+    median_e2e_latency_ms: float | None = None
+    std_e2e_latency_ms: float | None = None
+    p90_e2e_latency_ms: float | None = None
+    p95_e2e_latency_ms: float | None = None
+    p99_e2e_latency_ms: float | None = None
+    max_e2e_latency_ms: float | None = None
+    concurrency: float
+    error_rate: float
+    total_prompt_tokens: int | None = None
+    total_cached_tokens: int | None = None
+    cache_hit_rate: float | None = None
+    goodput: float | None = None
+    slo_attainment: float | None = None
+    slo_met: bool | None = None
+    slo_violations: dict[str, float | None] = Field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float | None]:
+        """The numeric fields as a flat dict (for :class:`tuner.records.PhaseResult.metrics`)."""
+        return {
+            k: (float(v) if v is not None else None)
+            for k, v in self.model_dump(exclude={"slo_violations", "slo_met"}).items()
+        }
+
+
+def _stats(values_ms: np.ndarray) -> dict[str, float | None]:
+    if values_ms.size == 0:
+        return dict.fromkeys(_STAT_KEYS)
+    p90, p95, p99 = np.percentile(values_ms, [90, 95, 99])
+    return {
+        "mean": float(values_ms.mean()),
+        "median": float(np.median(values_ms)),
+        "std": float(values_ms.std()),
+        "p90": float(p90),
+        "p95": float(p95),
+        "p99": float(p99),
+        "max": float(values_ms.max()),
+    }
+
+
+def _stat_of(values_ms: Sequence[float], key: str) -> float:
+    arr = np.asarray(values_ms, dtype=float)
+    if key == "mean":
+        return float(arr.mean())
+    if key == "max":
+        return float(arr.max())
+    return float(np.percentile(arr, 50 if key == "median" else int(key[1:])))
+
+
+def _meets(record: RequestRecord, slo: SLO, itls_ms: list[float]) -> bool:
+    if record.status != "ok":
+        return False
+    per_request = {
+        "ttft": None if record.ttft_s is None else record.ttft_s * 1000,
+        # bench_serving: a request with output_len <= 1 has TPOT 0 for goodput.
+        "tpot": (record.tpot_s or 0.0) * 1000,
+        "e2e_latency": None if record.e2e_latency_s is None else record.e2e_latency_s * 1000,
+    }
+    for metric, value in per_request.items():
+        limits = getattr(slo, f"{metric}_ms")
+        if limits and (value is None or value > max(limits.values())):
+            return False
+    for key, limit in slo.itl_ms.items():
+        if itls_ms and _stat_of(itls_ms, key) > limit:
+            return False
+    return True
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> LoadSummary:
+    """Summarize the measured requests of one window.
+
+    Args:
+        records: The records to count (the caller picks the phase; every record given counts).
+        duration_s: The window's length in seconds (the throughput denominator, §6.2).
+        slo: Latency limits; adds goodput, attainment, ``slo_met`` and ``slo_violations``.
+
+    Returns:
+        The :class:`LoadSummary`.
+    """
+    duration = max(duration_s, 1e-9)
+    done = [r for r in records if r.status == "ok"]
+    errored = sum(1 for r in records if r.status == "error")
+    incomplete = sum(1 for r in records if r.status == "incomplete")
+    ttft, tpot, e2e, itl = [], [], [], []
+    per_request_itls: list[list[float]] = []
+    total_input = total_output = 0
+    for r in done:
+        total_input += r.input_len
+        total_output += r.completion_tokens or 0
+        if r.ttft_s is not None:
+            ttft.append(r.ttft_s * 1000)
+        if r.tpot_s is not None:
+            tpot.append(r.tpot_s * 1000)
+        if r.e2e_latency_s is not None:
+            e2e.append(r.e2e_latency_s * 1000)
+        own = [x * 1000 for x in request_itls_s(r)]
+        per_request_itls.append(own)
+        itl.extend(own)
+    fields: dict[str, object] = {}
+    for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
+        for key, value in _stats(np.asarray(values, dtype=float)).items():
+            fields[f"{key}_{name}_ms"] = value
+    reporting = [r for r in done if r.prompt_tokens is not None and r.cached_tokens is not None]
+    prompt_total = sum(r.prompt_tokens or 0 for r in reporting)
+    cached_total = sum(r.cached_tokens or 0 for r in reporting)
+    fields.update(
+        duration=duration_s,
+        completed=len(done),
+        errored=errored,
+        incomplete=incomplete,
+        total_input_tokens=total_input,
+        total_output_tokens=total_output,
+        request_throughput=len(done) / duration,
+        input_throughput=total_input / duration,
+        output_throughput=total_output / duration,
+        total_throughput=(total_input + total_output) / duration,
+        concurrency=sum(e2e) / 1000 / duration,
+        error_rate=errored / (len(done) + errored) if done or errored else 0.0,
+        total_prompt_tokens=prompt_total if reporting else None,
+        total_cached_tokens=cached_total if reporting else None,
+        cache_hit_rate=cached_total / prompt_total if reporting and prompt_total else None,
+    )
+    if slo is not None and not slo.is_empty():
+        good = sum(1 for r, own in zip(done, per_request_itls) if _meets(r, slo, own))
+        judged = len(done) + errored
+        violations: dict[str, float | None] = {}
+        for metric, key, limit in slo.items():
+            measured = fields[f"{key}_{metric}_ms"]
+            violations[f"{key}_{metric}_ms"] = None if measured is None else measured / limit - 1
+        fields.update(
+            goodput=good / duration,
+            slo_attainment=good / judged if judged else None,
+            slo_met=bool(done) and all(v is not None and v <= 0 for v in violations.values()),
+            slo_violations=violations,
+        )
+    return LoadSummary(**fields)
