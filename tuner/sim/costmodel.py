@@ -1,0 +1,355 @@
+"""The simulator's cost model: how long one forward step (prefill, decode or mixed) takes on a GPU,
+and how much activation memory a step needs.
+
+Step time is a roofline per kind of work, summed over the kinds that run one after another in a
+layer, plus launch and communication overheads:
+
+- **Linear layers** (attention projections, MLP / MoE experts, LM head):
+  ``max(weight bytes read / (HBM B/W × eff_hbm), 2 × active params × tokens / (peak × eff_gemm))``.
+  A MoE step reads every dense weight plus the share of expert weights its tokens touch,
+  ``1 − (1 − k/E)^tokens`` (each token picks k of E experts).
+- **Attention**: ``max(KV bytes read / (HBM B/W × eff_hbm), attention FLOPs / (peak × eff_attn))``.
+  KV bytes read = the KV cell (``kv_cell_bytes``, §1.3, per GPU) × every cached token each
+  sequence of the step attends to. FLOPs per (query, key) pair = ``2 × heads per rank × (d_qk +
+  d_v) × layers`` (MHA/GQA: ``d_qk = d_v = head_dim``; MLA in its absorbed form: ``d_qk =
+  kv_lora_rank + qk_rope_head_dim``, ``d_v = kv_lora_rank``).
+- **Tensor parallelism**: two all-reduces of ``tokens × hidden × 2 B`` per layer, ring cost
+  ``2 (tp − 1)/tp × bytes / link B/W`` plus a fixed latency each. Link B/W is NVLink for the SXM
+  parts (H100, H200, A100) and PCIe for the others (L40S, L4, RTX PRO 6000).
+- **Launch overhead**: a CUDA-graph decode step (batch ≤ ``cuda_graph_max_bs``, §2.1) pays a small
+  fixed cost; an eager step (prefill, or a decode batch above the largest captured graph, §2.1
+  "Decode batches larger than the largest captured size run eagerly") is bounded below by the CPU
+  time to launch every layer's kernels: ``max(GPU time, layers × eager_layer_overhead_s)``.
+  Case-21 (``shared/cases/case-21.json``: a 0.5B model, median TPOT 30.6 ms beyond a bs-48 graph
+  vs 5.3 ms with bs-128 graphs) gives about 1 ms per layer; the model uses 0.8 ms after taking
+  the larger batch into account.
+- **Speculative decoding** (optional): a decode step runs ``num_steps`` draft passes of a
+  one-layer draft at the batch size, then one target verify pass over ``batch ×
+  num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average.
+
+The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-step overhead were
+fitted once to aiconfigurator 0.12.0's offline SGLang estimates for Llama-3.1-8B (tp 1) and
+Llama-3.1-70B (tp 4, 8) on H100-SXM and H200-SXM; ``tuner/sim/data/calibration.json`` keeps those
+figures, the fit and its error. The constants below are the fitted values, so nothing is read at
+run time.
+
+Activation memory (for the runtime OOM of §1.6 / §4.4) is a stated model, not an SGLang fact:
+the peak transient bytes of one layer's forward over ``n`` tokens, since a layer's temporaries are
+freed before the next layer runs::
+
+    act(n) = n × 2 B × (4 × hidden + (q + 2 kv) heads × head_dim / tp + 3 × I_dense / tp
+                        + topk × (3 × I_moe / tp + hidden))
+             + n_seqs × vocab / tp × 4 B                      (fp32 logits of the last tokens)
+
+``4 × hidden`` is the residual stream, its normed copy, the attention output and the MLP output;
+the qkv term is the projection output; ``3 × I`` is the gate/up output (2 I) and the activated
+product (I) of a dense MLP. A MoE layer materialises per-token copies for each of its ``topk``
+experts: the gate/up and activated intermediates and one ``hidden``-wide output per expert before
+the weighted sum (the shapes of a fused-MoE kernel's intermediate caches). So a bigger prefill
+chunk needs proportionally more memory, which is what makes a large ``chunked_prefill_size`` at a
+high ``mem_fraction_static`` fail under load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["CostFactors", "CostInputs", "StepShape", "step_time_s", "activation_bytes", "load_back_s", "NVLINK_GB_S"]
+
+NVLINK_GB_S = {"H100": 450.0, "H200": 450.0, "A100": 300.0}
+"""Effective NVLink all-reduce bandwidth per GPU, decimal GB/s, for GPU names starting with the
+key (half the datasheet's bidirectional 900/600 GB/s). Other GPUs use their PCIe bandwidth."""
+
+
+@dataclass(frozen=True)
+class CostFactors:
+    """Efficiency factors and overheads of the cost model (fitted; see the module docstring).
+
+    Attributes:
+        eff_hbm: Achieved fraction of HBM bandwidth for weight and KV reads.
+        eff_gemm: Achieved fraction of dense bf16 peak for linear layers.
+        eff_attn: Achieved fraction of dense bf16 peak for attention.
+        graph_step_overhead_s: Fixed cost of a CUDA-graph decode step (replay, sampling), seconds.
+        eager_layer_overhead_s: CPU launch time per layer of an eager step, seconds.
+        step_overhead_s: Scheduler cost of every step, seconds.
+        per_seq_overhead_s: Scheduler cost per sequence in a step, seconds.
+        allreduce_latency_s: Fixed latency of one tp all-reduce, seconds.
+    """
+
+    eff_hbm: float = 0.80
+    eff_gemm: float = 0.65
+    eff_attn: float = 0.45
+    graph_step_overhead_s: float = 0.6e-3
+    eager_layer_overhead_s: float = 0.8e-3
+    step_overhead_s: float = 0.3e-3
+    per_seq_overhead_s: float = 2e-6
+    allreduce_latency_s: float = 8e-6
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """Model, GPU, parallelism and speculative-decoding facts the cost model needs.
+
+    Build it with :meth:`from_specs` from the simulator's model and GPU presets.
+
+    Attributes:
+        num_layers: Transformer layers.
+        hidden_size: Hidden width.
+        intermediate_size: Dense MLP width (0 for all-MoE models).
+        num_attention_heads: Query heads.
+        num_kv_heads: KV heads (1 latent head for MLA).
+        head_dim: Per-head dim.
+        vocab_size: Vocabulary size.
+        params_total: Parameters of the whole model.
+        params_active: Parameters used per token (MoE: dense + topk experts).
+        weight_bytes_per_gpu: Resident weight bytes on each GPU.
+        kv_cell_bytes: KV bytes per token per GPU (§1.3).
+        tp_size: Tensor-parallel size.
+        gpu_name: GPU preset name.
+        gpu_memory_bytes: Total device memory, bytes (for the torch OOM text).
+        hbm_gb_s: HBM bandwidth, decimal GB/s.
+        bf16_tflops: Dense bf16 peak, TFLOP/s.
+        pcie_gb_s: Host<->device bandwidth, decimal GB/s (HiCache load-back, §7).
+        interconnect_gb_s: All-reduce link bandwidth, decimal GB/s.
+        is_mla: Multi-head latent attention (DeepSeek-V3 family).
+        kv_lora_rank: MLA latent rank.
+        qk_rope_head_dim: MLA rope dim.
+        num_experts: Routed experts (0 = dense).
+        experts_per_token: Experts per token (topk).
+        moe_intermediate_size: Expert MLP width.
+        dtype_bytes: Activation element size, bytes.
+        spec_num_steps: Speculative draft steps (0 = off).
+        spec_num_draft_tokens: Tokens verified per request per step.
+        spec_accept_length: Mean tokens accepted per request per step.
+        factors: Efficiency factors.
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    params_total: int
+    params_active: int
+    weight_bytes_per_gpu: int
+    kv_cell_bytes: int
+    tp_size: int = 1
+    gpu_name: str = "H100-80GB"
+    gpu_memory_bytes: int = 81559 << 20
+    hbm_gb_s: float = 3350.0
+    bf16_tflops: float = 989.0
+    pcie_gb_s: float = 64.0
+    interconnect_gb_s: float = 450.0
+    is_mla: bool = False
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    dtype_bytes: int = 2
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_accept_length: float = 1.0
+    factors: CostFactors = CostFactors()
+
+    @classmethod
+    def from_specs(
+        cls,
+        model: Any,
+        gpu: Any,
+        *,
+        tp_size: int,
+        kv_cell_bytes: int,
+        weight_bytes_per_gpu: int,
+        spec_num_steps: int = 0,
+        spec_num_draft_tokens: int = 0,
+        spec_accept_length: float | None = None,
+    ) -> CostInputs:
+        """Build the inputs from a ``tuner.sim.models.ModelSpec`` and ``tuner.sim.gpus.GpuSpec``.
+
+        Args:
+            model: Model spec (read by attribute: layers, hidden, heads, MoE and MLA sizes, params).
+            gpu: GPU spec (``name``, ``memory_mib``, ``hbm_gb_s``, ``bf16_tflops``, ``pcie_gb_s``).
+            tp_size: Tensor-parallel size.
+            kv_cell_bytes: KV bytes per token per GPU, as the memory ledger computed it (§1.3).
+            weight_bytes_per_gpu: Resident weight bytes per GPU.
+            spec_num_steps: Speculative draft steps (0 when speculative decoding is off).
+            spec_num_draft_tokens: Draft tokens verified per request per step.
+            spec_accept_length: Mean accepted tokens per step; default ``min(steps + 1, 1 +
+                0.7 × steps)``, a typical EAGLE figure (an assumption, not an SGLang fact).
+        """
+        name = str(gpu.name)
+        link = next((bw for prefix, bw in NVLINK_GB_S.items() if name.upper().startswith(prefix)), float(gpu.pcie_gb_s))
+        if spec_accept_length is None:
+            spec_accept_length = min(spec_num_steps + 1.0, 1.0 + 0.7 * spec_num_steps) if spec_num_steps else 1.0
+        is_mla = bool(getattr(model, "is_mla", False))
+        return cls(
+            num_layers=int(model.num_layers),
+            hidden_size=int(model.hidden_size),
+            intermediate_size=int(model.intermediate_size or 0),
+            num_attention_heads=int(model.num_attention_heads),
+            num_kv_heads=int(model.num_kv_heads or 1),
+            head_dim=int(model.head_dim),
+            vocab_size=int(model.vocab_size),
+            params_total=int(model.params_total),
+            params_active=int(model.params_active),
+            weight_bytes_per_gpu=int(weight_bytes_per_gpu),
+            kv_cell_bytes=int(kv_cell_bytes),
+            tp_size=int(tp_size),
+            gpu_name=name,
+            gpu_memory_bytes=int(gpu.memory_mib) << 20,
+            hbm_gb_s=float(gpu.hbm_gb_s),
+            bf16_tflops=float(gpu.bf16_tflops),
+            pcie_gb_s=float(gpu.pcie_gb_s),
+            interconnect_gb_s=link,
+            is_mla=is_mla,
+            kv_lora_rank=int(getattr(model, "kv_lora_rank", 0) or 0),
+            qk_rope_head_dim=int(getattr(model, "qk_rope_head_dim", 0) or 0),
+            num_experts=int(getattr(model, "num_experts", 0) or 0),
+            experts_per_token=int(getattr(model, "experts_per_token", 0) or 0),
+            moe_intermediate_size=int(getattr(model, "moe_intermediate_size", 0) or 0),
+            spec_num_steps=int(spec_num_steps),
+            spec_num_draft_tokens=int(spec_num_draft_tokens),
+            spec_accept_length=float(spec_accept_length),
+        )
+
+    def with_factors(self, factors: CostFactors) -> CostInputs:
+        """A copy with other efficiency factors (used by the calibration fit)."""
+        return replace(self, factors=factors)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether decode steps are speculative."""
+        return self.spec_num_steps > 0 and self.spec_num_draft_tokens > 0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The work in one forward step.
+
+    Attributes:
+        num_tokens: Tokens computed (prefill extend tokens + decode tokens).
+        num_seqs: Sequences in the step.
+        attn_pairs: Σ over computed tokens of the context length each attends to (query-key
+            pairs per layer per head).
+        kv_read_tokens: Σ over sequences of the KV tokens read from the pool.
+        eager: Whether the step runs without a CUDA graph.
+    """
+
+    num_tokens: int
+    num_seqs: int
+    attn_pairs: float
+    kv_read_tokens: int
+    eager: bool
+
+
+def _moe_split(c: CostInputs) -> tuple[float, float]:
+    """(dense bytes, expert bytes) of the weights on one GPU."""
+    if c.num_experts <= 0 or c.experts_per_token <= 0 or c.moe_intermediate_size <= 0:
+        return float(c.weight_bytes_per_gpu), 0.0
+    expert_params = c.num_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    share = min(0.98, expert_params / max(1, c.params_total))
+    return c.weight_bytes_per_gpu * (1 - share), c.weight_bytes_per_gpu * share
+
+
+def _linear_s(c: CostInputs, num_tokens: int) -> float:
+    f = c.factors
+    dense_b, expert_b = _moe_split(c)
+    if expert_b:
+        touched = 1.0 - (1.0 - c.experts_per_token / c.num_experts) ** num_tokens
+        read = dense_b + expert_b * touched
+    else:
+        read = dense_b
+    flops = 2.0 * c.params_active / c.tp_size * num_tokens
+    return max(read / (c.hbm_gb_s * 1e9 * f.eff_hbm), flops / (c.bf16_tflops * 1e12 * f.eff_gemm))
+
+
+def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int) -> float:
+    f = c.factors
+    heads = max(1, c.num_attention_heads // c.tp_size)
+    if c.is_mla:
+        d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
+    else:
+        d_qk = d_v = c.head_dim
+    flops = 2.0 * heads * (d_qk + d_v) * c.num_layers * attn_pairs
+    read = float(c.kv_cell_bytes) * kv_read_tokens
+    return max(read / (c.hbm_gb_s * 1e9 * f.eff_hbm), flops / (c.bf16_tflops * 1e12 * f.eff_attn))
+
+
+def _comm_s(c: CostInputs, num_tokens: int) -> float:
+    if c.tp_size <= 1:
+        return 0.0
+    nbytes = num_tokens * c.hidden_size * c.dtype_bytes
+    one = 2.0 * (c.tp_size - 1) / c.tp_size * nbytes / (c.interconnect_gb_s * 1e9) + c.factors.allreduce_latency_s
+    return 2 * c.num_layers * one
+
+
+def step_time_s(c: CostInputs, shape: StepShape) -> float:
+    """Time of one forward step, seconds.
+
+    Args:
+        c: Model, GPU and parallelism facts.
+        shape: The tokens, sequences, attention pairs and KV reads of the step.
+
+    Returns:
+        Seconds; 0 for an empty step.
+    """
+    if shape.num_tokens <= 0:
+        return 0.0
+    f = c.factors
+    gpu_s = _linear_s(c, shape.num_tokens) + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens) + _comm_s(c, shape.num_tokens)
+    if shape.eager:
+        gpu_s = max(gpu_s, c.num_layers * f.eager_layer_overhead_s)
+    else:
+        gpu_s += f.graph_step_overhead_s
+    return gpu_s + f.step_overhead_s + f.per_seq_overhead_s * shape.num_seqs
+
+
+def decode_step_s(c: CostInputs, batch_size: int, kv_tokens: int, *, eager: bool) -> float:
+    """Time of one decode step (speculative when ``c`` says so), seconds.
+
+    Args:
+        c: Cost inputs.
+        batch_size: Running requests.
+        kv_tokens: Σ of their current sequence lengths (KV read per step), tokens.
+        eager: True when the batch is above the largest captured CUDA graph.
+    """
+    if batch_size <= 0:
+        return 0.0
+    if not c.speculative:
+        return step_time_s(c, StepShape(batch_size, batch_size, float(kv_tokens), kv_tokens, eager))
+    k = c.spec_num_draft_tokens
+    verify = step_time_s(c, StepShape(batch_size * k, batch_size, float(kv_tokens) * k, kv_tokens, eager))
+    draft_one = c.weight_bytes_per_gpu / max(1, c.num_layers) / (c.hbm_gb_s * 1e9 * c.factors.eff_hbm)
+    draft = c.spec_num_steps * (draft_one + c.factors.graph_step_overhead_s)
+    return verify + draft
+
+
+def load_back_s(c: CostInputs, num_tokens: int) -> float:
+    """Time to copy ``num_tokens`` tokens of KV from the host tier over PCIe (§7), seconds."""
+    return num_tokens * c.kv_cell_bytes / (c.pcie_gb_s * 1e9)
+
+
+def activation_bytes(c: CostInputs, num_tokens: int, num_seqs: int = 1) -> int:
+    """Peak activation bytes of a forward step over ``num_tokens`` tokens (see module docstring).
+
+    Args:
+        c: Cost inputs.
+        num_tokens: Tokens computed in the step.
+        num_seqs: Sequences whose last token produces logits.
+
+    Returns:
+        Bytes; monotone in ``num_tokens``.
+    """
+    tp = c.tp_size
+    if c.is_mla:
+        qkv = c.num_attention_heads * (c.kv_lora_rank + c.qk_rope_head_dim) / tp + c.kv_lora_rank + c.qk_rope_head_dim
+    else:
+        qkv = (c.num_attention_heads + 2 * c.num_kv_heads) * c.head_dim / tp
+    dense_mlp = 3 * c.intermediate_size / tp
+    moe = c.experts_per_token * (3 * c.moe_intermediate_size / tp + c.hidden_size) if c.num_experts else 0.0
+    per_token = 4 * c.hidden_size + qkv + max(dense_mlp, moe)
+    return int(num_tokens * c.dtype_bytes * per_token + num_seqs * c.vocab_size / tp * 4)
