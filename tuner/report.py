@@ -174,6 +174,11 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
     return table
 
 
+def trials_json(trials: Sequence[TrialView]) -> str:
+    """``tuner trials --json``: a JSON list of :meth:`TrialView.row` objects."""
+    return json_text([v.row() for v in trials])
+
+
 def json_text(data: Any) -> str:
     """Indented JSON of a JSON-ready object (what every ``--json`` prints)."""
     return json.dumps(data, indent=2, default=str)

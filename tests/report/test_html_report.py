@@ -1,0 +1,91 @@
+"""The HTML report: self-contained, escaped, and rendered by headless Chromium offline."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import plotly.offline
+import pytest
+import requests
+
+from conftest import HTML_LOG_LINE, run_tuner
+from study_factory import make_study, ok_trial
+from tuner.history import StudyLocation, open_study
+from tuner.report import build_html_report, dashboard_argv
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_report_escapes_logs_and_inlines_plotly(demo_study: str, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    proc = run_tuner("report", "--storage", demo_study, "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text(encoding="utf-8")
+    assert '<script>alert("pwned")</script>' not in text
+    assert "&lt;script&gt;alert(&quot;pwned&quot;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in text
+    assert plotly.offline.get_plotlyjs() in text  # plotly.js inlined, once
+    own = text.replace(plotly.offline.get_plotlyjs(), "")
+    assert "<script src" not in own and "<link" not in own and "https://" not in own
+    for div in ("pareto-front", "history", "importance", "capacity-vs-mfs"):
+        assert f'id="{div}"' in text, div
+    assert "failure boundary (fails above: cuda_graph_oom)" in text
+
+
+def test_importance_is_guarded_on_a_small_study(tmp_path: Path) -> None:
+    url = make_study(tmp_path / "small.db", "small", [ok_trial(0.8, 64, 10, 1000.0, kind="baseline")])
+    text = build_html_report(open_study(StudyLocation(storage_url=url)), None, "no best")
+    assert "Parameter importance needs at least 4 completed trials" in text
+    assert 'id="importance"' not in text
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
+def test_report_renders_in_headless_chromium_offline(demo_study: str, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    assert run_tuner("report", "--storage", demo_study, "-o", str(out)).returncode == 0
+    argv = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+        "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--dump-dom",
+        out.as_uri(),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    # plotly drew every figure: each plot div holds rendered <svg class="main-svg"> elements
+    for div in ("pareto-front", "history", "importance", "capacity-vs-mfs"):
+        start = dom.index(f'id="{div}"')
+        assert 'class="main-svg"' in dom[start : start + 20000], div
+    assert dom.count('class="main-svg"') >= 8
+    assert "&lt;script&gt;alert" in dom and "<script>alert" not in dom
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_dashboard_serves_the_storage(demo_study: str) -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        dashboard_argv(demo_study, host="127.0.0.1", port=port),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        body = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = requests.get(f"http://127.0.0.1:{port}/api/studies", timeout=2).json()
+                break
+            except requests.RequestException:
+                time.sleep(0.5)
+        assert body is not None, "optuna-dashboard did not answer within 60 s"
+        assert [s["study_name"] for s in body["study_summaries"]] == ["demo"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
