@@ -1,0 +1,233 @@
+"""The systemd launcher: a trial is a drop-in that replaces the unit's ExecStart, then a restart.
+
+For each candidate the launcher writes ``<dropin_dir>/<unit>.d/90-tuner-trial.conf`` atomically
+(an empty ``ExecStart=`` then the candidate command, quoted by systemd's rules, see
+:mod:`tuner.launch.unit`), runs ``daemon-reload``, stops the unit, waits until the old server's
+GPU memory is released (``shared/sglang-reference.md`` §1.2: a server that has not fully exited
+lowers the next one's baseline and so its KV pool), and starts it again.
+
+It never trusts ``systemctl start``'s exit code (real systemd returns 0 for a ``Type=simple``
+unit that dies right after exec; ``shared/systemd-sandbox.md`` §1). Instead it polls
+``systemctl show -p MainPID,ActiveState,SubState,Result,ExecMainStatus,NRestarts`` and reads the
+unit's journal from a cursor taken before the start, feeding every line to the SGLang log parser
+so a failure line (§4.3) ends the wait at once. A unit that systemd keeps restarting
+(``SubState=auto-restart`` or a growing ``NRestarts``) is a crash loop: it is classified and
+stopped, not waited out.
+
+Restore removes the trial drop-in, puts back every drop-in the unit had (byte for byte) and
+restarts it on its original command, waiting until ``/health`` answers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import shlex
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import LaunchError
+from tuner.launch.safety import GuardedLauncher, SessionState, _Poll
+from tuner.launch.unit import DEFAULT_DROPIN_DIR, SystemdUnit
+
+__all__ = ["TRIAL_DROPIN", "SystemdLauncher"]
+
+log = logging.getLogger(__name__)
+
+TRIAL_DROPIN = "90-tuner-trial.conf"
+"""File name of the per-trial drop-in (sorts after the operator's own and ``80-tuner.conf``)."""
+
+_DEAD_STATES = ("inactive", "failed")
+
+
+class SystemdLauncher(GuardedLauncher):
+    """Relaunch a systemd service with candidate commands through a trial drop-in.
+
+    Args:
+        unit: The service name (``sglang`` or ``sglang.service``) or a :class:`SystemdUnit`.
+        url: Base URL of the server (``http://127.0.0.1:30000``).
+        systemctl: argv prefix of systemctl (ignored when ``unit`` is a :class:`SystemdUnit`).
+        journalctl: argv prefix of journalctl (idem).
+        dropin_dir: Folder of the unit's drop-in folder (idem).
+        state_dir: Folder for the lock and the state file.
+        **kwargs: Passed to :class:`~tuner.launch.safety.GuardedLauncher` (``gpu``,
+            ``allow_foreign``, ``poll_s``, ``release_timeout_s``, ``evidence_grace_s``).
+
+    .. note:: Writes under ``dropin_dir`` and restarts the unit; use inside :meth:`session`.
+    """
+
+    kind = "systemd"
+
+    def __init__(
+        self,
+        unit: str | SystemdUnit,
+        *,
+        url: str,
+        systemctl: Sequence[str] = ("systemctl",),
+        journalctl: Sequence[str] = ("journalctl",),
+        dropin_dir: Path | str = DEFAULT_DROPIN_DIR,
+        state_dir: Path | str,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(unit, SystemdUnit):
+            unit = SystemdUnit(unit, systemctl=systemctl, journalctl=journalctl, dropin_dir=dropin_dir)
+        self.unit = unit
+        super().__init__(key=unit.name, url=url, state_dir=state_dir, **kwargs)
+        self._cursor = ""
+        self._restarts0 = 0
+        self._stopped_by_us = False
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def _read_argv(self) -> list[str]:
+        return list(self.unit.exec_command().argv)
+
+    def _record_original(self) -> SessionState:
+        """Read command, drop-ins and activity, checking up front that the tuner can change them."""
+        cmd = self.unit.exec_command()  # also checks the unit exists
+        self.unit.check_writable()
+        dropins = self.unit.dropins()
+        if TRIAL_DROPIN in dropins:
+            log.warning("%s already has %s from an earlier run; it is not part of the original",
+                        self.unit.name, TRIAL_DROPIN)  # fmt: skip
+            dropins.pop(TRIAL_DROPIN)
+            cmd = self._argv_without_trial()
+        active = self.unit.properties().active_state in ("active", "activating", "reloading")
+        return SessionState(
+            launcher="systemd",
+            key=self.unit.name,
+            original_argv=cmd.argv,
+            original_prefix=cmd.prefix,
+            original_dropins=dropins,
+            dropin_folder_existed=self.unit.dropin_folder.is_dir(),
+            was_running=active,
+            extra={"dropin_dir": str(self.unit.dropin_dir), "url": self.url},
+        )
+
+    def _argv_without_trial(self) -> Any:
+        """The unit's command with a stale trial drop-in ignored (moved aside, read, put back)."""
+        text = self.unit.read_dropin(TRIAL_DROPIN) or ""
+        self.unit.remove_dropin(TRIAL_DROPIN)
+        try:
+            return self.unit.exec_command()
+        finally:
+            self.unit.write_dropin(TRIAL_DROPIN, text)
+
+    def dry_run(self, argv: list[str]) -> str:
+        """The drop-in :meth:`start` would write and the change of command, as text.
+
+        Raises:
+            LaunchError: The unit's current command cannot be read, or ``argv`` is not valid.
+        """
+        before = self.current_argv()
+        prefix = self._state.original_prefix if self._state else self.unit.exec_command().prefix
+        text = self.unit.exec_start_dropin(argv, prefix=prefix, header=self._header())
+        diff = difflib.unified_diff(
+            [f"{a}\n" for a in before], [f"{a}\n" for a in argv], "current argv", "trial argv", n=1
+        )
+        change = "".join(diff) or "(none)\n"
+        return (
+            f"would write {self.unit.dropin_folder / TRIAL_DROPIN}:\n{text}\n"
+            f"then: daemon-reload, stop {self.unit.name}, wait for GPU memory release, "
+            f"start {self.unit.name}\ncommand change:\n{change}"
+            f"as a shell line: {shlex.join(argv)}"
+        )
+
+    def _header(self) -> str:
+        return (
+            "Written by sglang-tuner for one trial; removed by the tuner at the end of the run.\n"
+            f"If it is left over, run: tuner restore --unit {self.unit.name}"
+        )
+
+    # ---- control ----------------------------------------------------------------------------
+
+    def _launch(self, argv: list[str]) -> None:
+        prefix = self._state.original_prefix if self._state else ""
+        self.unit.check_writable()
+        self.unit.write_dropin(TRIAL_DROPIN, self.unit.exec_start_dropin(argv, prefix=prefix,
+                                                                        header=self._header()))  # fmt: skip
+        self.unit.daemon_reload()
+        self._start_unit()
+
+    def _start_unit(self) -> None:
+        """Start (after reset-failed) with a journal cursor and NRestarts baseline taken first."""
+        self.unit.reset_failed()
+        self._cursor = self.unit.journal_cursor()
+        self._restarts0 = self.unit.properties().n_restarts or 0
+        self._stopped_by_us = False
+        self.unit.start()
+
+    def stop(self) -> None:
+        """``systemctl stop`` the unit (never a host ``kill``: MainPID may be in another PID
+        namespace).
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        self._stopped_by_us = True
+        self.unit.stop()
+
+    def _poll(self) -> _Poll:
+        props = self.unit.properties()
+        lines, self._cursor = self.unit.journal_after(self._cursor)
+        restarts = max(0, (props.n_restarts or 0) - self._restarts0)
+        looping = props.sub_state == "auto-restart" or restarts > 0
+        dead = props.active_state in _DEAD_STATES or looping
+        if dead:
+            lines += self._drain_journal()
+        crash_loop = ""
+        if looping:
+            crash_loop = (
+                f"crash loop: {self.unit.name} is being restarted by systemd (Restart=; "
+                f"NRestarts +{restarts}, SubState={props.sub_state}, "
+                f"last ExecMainStatus={props.exec_main_status})"
+            )
+            log.warning("%s; stopping it", crash_loop)
+        return _Poll(
+            lines=lines,
+            alive=not dead,
+            pid=props.main_pid,
+            exit_status=props.exec_main_status if dead else None,
+            restarts=restarts,
+            crash_loop=crash_loop,
+            stopped_by_us=dead and self._stopped_by_us and not looping,
+        )
+
+    def _drain_journal(self, rounds: int = 4, pause_s: float = 0.15) -> list[str]:
+        """Read the journal until it stops growing (journald may lag the process's death)."""
+        out: list[str] = []
+        for _ in range(rounds):
+            time.sleep(pause_s)
+            more, self._cursor = self.unit.journal_after(self._cursor)
+            if not more:
+                break
+            out += more
+        return out
+
+    def _put_back(self, state: SessionState) -> None:
+        """Remove the trial drop-in, rewrite the original drop-ins, reload, start or stop."""
+        current = self.unit.dropins()
+        for name in current:
+            if name not in state.original_dropins:
+                if name == TRIAL_DROPIN or "tuner" in name:
+                    self.unit.remove_dropin(name)
+                else:
+                    log.warning("leaving %s/%s: it appeared during the session and is not the "
+                                "tuner's", self.unit.dropin_folder, name)  # fmt: skip
+        for name, text in state.original_dropins.items():
+            if current.get(name) != text:
+                self.unit.write_dropin(name, text)
+        self.unit.daemon_reload()
+        now = self.unit.exec_command()
+        if now.argv != state.original_argv:
+            raise LaunchError(
+                f"after restoring the drop-ins, {self.unit.name} runs {shlex.join(now.argv)!r}, "
+                f"not the original {shlex.join(state.original_argv)!r}",
+                hint=f"check the unit file and {self.unit.dropin_folder}, then 'tuner restore'",
+            )
+        if state.was_running:
+            self._start_unit()
+        else:
+            self.stop()

@@ -1,0 +1,678 @@
+"""A systemd unit as the tuner drives it: ExecStart, drop-ins, systemctl verbs, properties, journal.
+
+These are the low-level primitives shared by the trial launcher (:mod:`tuner.launch.systemd`, the
+``90-tuner-trial.conf`` drop-in) and ``tuner apply`` (the persistent ``80-tuner.conf`` drop-in).
+Nothing here holds a lock or restores anything; that is :mod:`tuner.launch.safety`'s job.
+
+The ``systemctl`` and ``journalctl`` commands are argv prefixes taken from configuration, so tests
+and unusual hosts point them elsewhere without code changes: ``["systemctl"]`` on a normal host,
+``["nsenter", "-t", "4242", "-m", "-p", "systemctl"]`` for systemd booted in a private PID namespace
+(``shared/systemd-sandbox.md`` §1), ``["systemctl3", "--root=/r/a/b", ...]`` for the
+docker-systemctl-replacement emulator (§2). The drop-in folder is configuration too
+(``/etc/systemd/system`` by default; the sandbox's ``SYSTEMD_UNIT_PATH`` in tests).
+
+Quoting follows systemd's own rules (``systemd.service(5)``, "Command lines"; ``systemd.syntax(7)``):
+a word is double-quoted when it needs it, with C escapes inside; ``%`` is written ``%%`` (specifiers)
+and ``$`` is written ``$$`` (environment expansion), so no value can inject a second command or an
+expansion. Reading goes the other way and refuses what it cannot read exactly (specifiers other
+than ``%%``, ``$VAR`` references, several commands): the tuner never guesses a command line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from tuner.errors import LaunchError
+
+__all__ = [
+    "DEFAULT_DROPIN_DIR",
+    "ExecCommand",
+    "UnitProperties",
+    "SystemdUnit",
+    "quote_exec_word",
+    "format_exec_command",
+    "split_exec_command",
+    "atomic_write_text",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DROPIN_DIR = Path("/etc/systemd/system")
+"""Where drop-in folders ``<unit>.d/`` live on a normal host."""
+
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+_UNESCAPES = {
+    "a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+    "\\": "\\", '"': '"', "'": "'", "s": " ",
+}  # fmt: skip
+_EXEC_PREFIXES = "-:+!"
+_SHOW_PROPS = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus",
+               "NRestarts")  # fmt: skip
+_FIX_SYSTEMCTL = (
+    "install systemd, or set launch.systemctl / launch.journalctl to the commands that reach it "
+    "(e.g. 'nsenter -t PID -m -p systemctl'), or use launcher = \"process\""
+)
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
+    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, rename).
+
+    Args:
+        path: Destination; its folder must exist.
+        text: Content (UTF-8).
+        mode: Permission bits of the new file.
+
+    Raises:
+        OSError: The folder is missing or not writable (callers map it to a TunerError).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_oserror():
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, OSError)
+
+
+def quote_exec_word(word: str) -> str:
+    """Quote one argv word for an ``ExecStart=`` line by systemd's rules.
+
+    Plain words (letters, digits, ``_@+=:,./-``) stay as they are; anything else is double-quoted
+    with C escapes. ``%`` becomes ``%%`` and ``$`` becomes ``$$`` in every word, so a value never
+    expands a specifier or an environment variable, and a ``;`` inside quotes is data, not a
+    command separator.
+
+    Args:
+        word: One argument, any text.
+
+    Returns:
+        The word as it must appear in the unit file.
+    """
+    word = word.replace("%", "%%").replace("$", "$$")
+    if _PLAIN_WORD.fullmatch(word):
+        return word
+    out = []
+    for ch in word:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def format_exec_command(argv: Sequence[str], prefix: str = "") -> str:
+    """The value of an ``ExecStart=`` line running ``argv`` (see :func:`quote_exec_word`).
+
+    Args:
+        argv: The command; ``argv[0]`` must be an absolute path.
+        prefix: systemd's executable prefixes (``-``, ``:``, ``+``, ``!``) kept from the original.
+
+    Raises:
+        LaunchError: ``argv`` is empty or ``argv[0]`` is not absolute.
+    """
+    if not argv:
+        raise LaunchError("empty command for ExecStart", hint="pass the full server command line")
+    if not argv[0].startswith("/"):
+        raise LaunchError(
+            f"ExecStart executable {argv[0]!r} is not an absolute path",
+            hint="use the absolute path of the server's python (e.g. /opt/venv/bin/python)",
+        )
+    return prefix + " ".join(quote_exec_word(w) for w in argv)
+
+
+class ExecCommand(BaseModel):
+    """One parsed ``ExecStart=`` command.
+
+    Attributes:
+        argv: The words as the process receives them.
+        prefix: systemd's executable prefix characters (``-``, ``:``, ``+``, ``!``), usually empty.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    argv: list[str]
+    prefix: str = ""
+
+
+def _unescape(text: str, i: int) -> tuple[str, int]:
+    """Decode the C escape starting after the backslash at ``text[i]``; return (char, next i)."""
+    c = text[i] if i < len(text) else ""
+    if c in _UNESCAPES:
+        return _UNESCAPES[c], i + 1
+    if c == "x" and re.fullmatch(r"[0-9a-fA-F]{2}", text[i + 1 : i + 3]):
+        return chr(int(text[i + 1 : i + 3], 16)), i + 3
+    if c in "uU":
+        n = 4 if c == "u" else 8
+        digits = text[i + 1 : i + 1 + n]
+        if re.fullmatch(rf"[0-9a-fA-F]{{{n}}}", digits):
+            return chr(int(digits, 16)), i + 1 + n
+    if re.fullmatch(r"[0-7]{3}", text[i : i + 3]):
+        return chr(int(text[i : i + 3], 8)), i + 3
+    raise ValueError(f"unknown escape '\\{c}'")
+
+
+def _split_words(value: str) -> list[tuple[str, bool]]:
+    """Split like systemd's ``extract_first_word(UNQUOTE|CUNESCAPE)``: (word, was_quoted) pairs."""
+    words: list[tuple[str, bool]] = []
+    i, n = 0, len(value)
+    while True:
+        while i < n and value[i] in " \t\n\r":
+            i += 1
+        if i >= n:
+            return words
+        buf: list[str] = []
+        quoted = False
+        quote = ""
+        while i < n:
+            ch = value[i]
+            if quote:
+                if ch == quote:
+                    quote = ""
+                    i += 1
+                elif ch == "\\":
+                    decoded, i = _unescape(value, i + 1)
+                    buf.append(decoded)
+                else:
+                    buf.append(ch)
+                    i += 1
+            elif ch in "'\"":
+                quote, quoted = ch, True
+                i += 1
+            elif ch == "\\":
+                decoded, i = _unescape(value, i + 1)
+                buf.append(decoded)
+                quoted = True
+            elif ch in " \t\n\r":
+                break
+            else:
+                buf.append(ch)
+                i += 1
+        if quote:
+            raise ValueError("unterminated quote")
+        words.append(("".join(buf), quoted))
+
+
+def split_exec_command(value: str) -> ExecCommand:
+    """Parse the value of an ``ExecStart=`` line into the argv systemd would run.
+
+    Args:
+        value: Text after ``ExecStart=`` (line continuations already joined).
+
+    Returns:
+        The command with its prefix.
+
+    Raises:
+        ValueError: Something the tuner cannot read exactly: a specifier other than ``%%``, an
+            environment reference (``$VAR``), several commands, the ``@`` prefix, bad quoting.
+    """
+    if re.search(r"%[^%]", value.replace("%%", "")):
+        raise ValueError("it uses systemd specifiers (%i, %n, ...)")
+    value = value.replace("%%", "%")
+    pairs = _split_words(value)
+    if not pairs:
+        raise ValueError("it is empty")
+    if any(word == ";" and not quoted for word, quoted in pairs):
+        raise ValueError("it holds several commands separated by ';'")
+    argv = []
+    for word, _ in pairs:
+        if re.search(r"\$(?!\$)", word.replace("$$", "")):
+            raise ValueError(f"it uses an environment variable ({word!r})")
+        argv.append(word.replace("$$", "$"))
+    first = argv[0]
+    prefix = ""
+    while first and first[0] in _EXEC_PREFIXES + "@":
+        if first[0] == "@":
+            raise ValueError("it uses the '@' prefix (argv[0] differs from the executable)")
+        prefix += first[0]
+        first = first[1:]
+    argv[0] = first
+    return ExecCommand(argv=argv, prefix=prefix)
+
+
+def _exec_start_values(texts: Sequence[str]) -> list[str]:
+    """The ``ExecStart=`` values in effect after reading unit files in order (resets honoured)."""
+    values: list[str] = []
+    for text in texts:
+        section = ""
+        lines = text.splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i].strip()
+            i += 1
+            while line.endswith("\\") and i < len(lines):
+                line = line[:-1] + " " + lines[i].strip()
+                i += 1
+            if not line or line[0] in "#;":
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1]
+                continue
+            key, sep, val = line.partition("=")
+            if section == "Service" and sep and key.strip() == "ExecStart":
+                val = val.strip()
+                if val:
+                    values.append(val)
+                else:
+                    values.clear()
+    return values
+
+
+class UnitProperties(BaseModel):
+    """What ``systemctl show`` says about a service (the fields the launcher polls).
+
+    Attributes:
+        load_state: ``loaded`` or ``not-found`` ...
+        active_state: ``active``, ``activating``, ``deactivating``, ``inactive``, ``failed``.
+        sub_state: ``running``, ``auto-restart``, ``dead``, ``failed`` ...
+        result: ``success``, ``exit-code``, ``signal``, ``start-limit-hit`` ... (empty if unknown).
+        main_pid: MainPID as seen inside systemd's PID namespace; ``None`` when not running.
+        exec_main_status: Exit status of the last main process (``None`` when unknown).
+        n_restarts: systemd's ``NRestarts`` (``None`` when the manager does not report it).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    load_state: str = ""
+    active_state: str = ""
+    sub_state: str = ""
+    result: str = ""
+    main_pid: int | None = None
+    exec_main_status: int | None = None
+    n_restarts: int | None = None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return int(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+class SystemdUnit:
+    """One systemd service, driven through configurable ``systemctl`` / ``journalctl`` commands.
+
+    Args:
+        name: Unit name; ``.service`` is appended when it has no suffix.
+        systemctl: argv prefix of systemctl (``["systemctl"]``, or with ``nsenter ...``).
+        journalctl: argv prefix of journalctl.
+        dropin_dir: Folder holding ``<unit>.d/`` drop-in folders (``/etc/systemd/system``).
+        command_timeout_s: Limit for one systemctl/journalctl call (``stop`` gets 3x).
+
+    .. note:: :meth:`write_dropin`, :meth:`remove_dropin`, :meth:`daemon_reload`, :meth:`start`,
+       :meth:`restart`, :meth:`stop` and :meth:`kill` change the production service.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        systemctl: Sequence[str] = ("systemctl",),
+        journalctl: Sequence[str] = ("journalctl",),
+        dropin_dir: Path | str = DEFAULT_DROPIN_DIR,
+        command_timeout_s: float = 60.0,
+    ) -> None:
+        if not name or "/" in name or name.startswith("-"):
+            raise LaunchError(f"bad unit name {name!r}", hint="pass a unit name like sglang.service")
+        self.name = name if "." in name else f"{name}.service"
+        self.systemctl = list(systemctl)
+        self.journalctl = list(journalctl)
+        self.dropin_dir = Path(dropin_dir)
+        self.command_timeout_s = command_timeout_s
+        self._journal_line_mode = False
+
+    def __repr__(self) -> str:
+        return f"SystemdUnit({self.name!r}, dropin_dir={str(self.dropin_dir)!r})"
+
+    # ---- running commands ---------------------------------------------------------------
+
+    def _run(
+        self, prefix: list[str], args: Sequence[str], *, timeout_s: float | None = None,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        cmd = [*prefix, *args]
+        timeout_s = timeout_s or self.command_timeout_s
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+            )
+        except FileNotFoundError as err:
+            raise LaunchError(f"command not found: {cmd[0]!r} (running {' '.join(cmd)})",
+                              hint=_FIX_SYSTEMCTL) from err  # fmt: skip
+        except PermissionError as err:
+            raise LaunchError(f"no permission to run {cmd[0]!r}",
+                              hint="run the tuner as root or with sudo rights for systemctl") from err  # fmt: skip
+        except subprocess.TimeoutExpired as err:
+            raise LaunchError(f"'{' '.join(cmd)}' did not answer within {timeout_s:.0f} s",
+                              hint="check that the service manager is responsive") from err  # fmt: skip
+        if check and proc.returncode != 0:
+            detail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            if "System has not been booted with systemd" in proc.stderr:
+                raise LaunchError(f"systemctl cannot reach systemd: {detail}", hint=_FIX_SYSTEMCTL)
+            if "Access denied" in proc.stderr or "Interactive authentication" in proc.stderr:
+                raise LaunchError(f"no permission for 'systemctl {' '.join(args)}': {detail}",
+                                  hint="run the tuner as root or grant it polkit rights for the unit")  # fmt: skip
+            raise LaunchError(f"'systemctl {' '.join(args)}' failed: {detail}",
+                              hint=f"see 'journalctl -u {self.name}'")  # fmt: skip
+        return proc
+
+    def systemctl_run(self, *args: str, timeout_s: float | None = None) -> str:
+        """Run ``systemctl ARGS`` and return its stdout.
+
+        Raises:
+            LaunchError: systemctl is missing, not permitted, timed out, or failed.
+        """
+        return self._run(self.systemctl, args, timeout_s=timeout_s).stdout
+
+    # ---- properties -----------------------------------------------------------------------
+
+    def show(self, *props: str) -> dict[str, str]:
+        """``systemctl show -p A,B unit`` as a dict (missing properties are absent).
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        out = self.systemctl_run("show", "-p", ",".join(props), self.name)
+        result: dict[str, str] = {}
+        for line in out.splitlines():
+            key, sep, val = line.partition("=")
+            if sep:
+                result[key] = val
+        return result
+
+    def properties(self) -> UnitProperties:
+        """The polled state: LoadState, ActiveState, SubState, Result, MainPID, ExecMainStatus,
+        NRestarts.
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        p = self.show(*_SHOW_PROPS)
+        pid = _int_or_none(p.get("MainPID"))
+        return UnitProperties(
+            load_state=p.get("LoadState", ""),
+            active_state=p.get("ActiveState", ""),
+            sub_state=p.get("SubState", ""),
+            result=p.get("Result", ""),
+            main_pid=pid or None,
+            exec_main_status=_int_or_none(p.get("ExecMainStatus")),
+            n_restarts=_int_or_none(p.get("NRestarts")),
+        )
+
+    def check_exists(self) -> None:
+        """Raise unless systemd knows the unit.
+
+        Raises:
+            LaunchError: ``LoadState`` is not ``loaded`` (unknown unit, bad unit file), or
+                systemctl failed.
+        """
+        state = self.show("LoadState").get("LoadState", "")
+        if state != "loaded":
+            raise LaunchError(
+                f"unit {self.name} is unknown to systemd (LoadState={state or 'n/a'})",
+                hint="check the name with 'systemctl list-units --type=service' or set launch.unit",
+            )
+
+    # ---- unit files ------------------------------------------------------------------------
+
+    @property
+    def dropin_folder(self) -> Path:
+        """``<dropin_dir>/<unit>.d`` — where the tuner's drop-ins go."""
+        return self.dropin_dir / f"{self.name}.d"
+
+    def unit_files(self) -> list[Path]:
+        """The unit file then its drop-ins, in the order systemd reads them.
+
+        Uses ``FragmentPath`` / ``DropInPaths`` when the manager reports them, else the unit file
+        and ``*.conf`` under :attr:`dropin_dir` (the docker-systemctl-replacement case).
+
+        Raises:
+            LaunchError: The unit is unknown, or systemctl failed.
+        """
+        self.check_exists()
+        p = self.show("FragmentPath", "DropInPaths")
+        fragment = p.get("FragmentPath") or str(self.dropin_dir / self.name)
+        if "DropInPaths" in p and p.get("FragmentPath"):
+            dropins = [Path(x) for x in p["DropInPaths"].split()]
+        else:
+            dropins = sorted(self.dropin_folder.glob("*.conf"))
+        return [Path(fragment), *dropins]
+
+    def exec_command(self) -> ExecCommand:
+        """The command the unit runs, read from its unit file and drop-ins.
+
+        Returns:
+            The parsed ``ExecStart=`` in effect.
+
+        Raises:
+            LaunchError: Unknown unit; a unit file cannot be read; no ``ExecStart=``, several, or
+                one the tuner cannot read exactly (specifiers, ``$VAR``, ``;``).
+        """
+        texts = []
+        for path in self.unit_files():
+            try:
+                texts.append(path.read_text(encoding="utf-8"))
+            except OSError as err:
+                raise LaunchError(f"cannot read {path} of unit {self.name}: {err.strerror}",
+                                  hint="run the tuner as a user that can read the unit files") from err  # fmt: skip
+        values = _exec_start_values(texts)
+        if len(values) != 1:
+            raise LaunchError(
+                f"unit {self.name} has {len(values)} ExecStart= commands; the tuner needs exactly one",
+                hint="give the unit a single ExecStart= running the SGLang server",
+            )
+        try:
+            return split_exec_command(values[0])
+        except ValueError as err:
+            raise LaunchError(
+                f"cannot read the ExecStart= of {self.name} exactly: {err}",
+                hint="write the server command with literal values in ExecStart=, "
+                "or use launcher = \"process\" with the command",
+            ) from err
+
+    def read_dropin(self, filename: str) -> str | None:
+        """Content of ``<unit>.d/<filename>``, or ``None`` when absent.
+
+        Raises:
+            LaunchError: The file exists but cannot be read.
+        """
+        path = self.dropin_folder / filename
+        try:
+            return path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise LaunchError(f"cannot read drop-in {path}: {err.strerror}",
+                              hint="run the tuner as root") from err  # fmt: skip
+
+    def dropins(self) -> dict[str, str]:
+        """Every ``*.conf`` in :attr:`dropin_folder`: file name → content (empty when no folder).
+
+        Raises:
+            LaunchError: A drop-in cannot be read.
+        """
+        if not self.dropin_folder.is_dir():
+            return {}
+        return {p.name: self.read_dropin(p.name) or "" for p in sorted(self.dropin_folder.glob("*.conf"))}
+
+    def check_writable(self) -> None:
+        """Raise unless the tuner may create, replace and remove files in :attr:`dropin_folder`.
+
+        Raises:
+            LaunchError: The folder (or its parent, when it does not exist yet) is not writable.
+        """
+        target = self.dropin_folder if self.dropin_folder.exists() else self.dropin_dir
+        if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
+            raise LaunchError(
+                f"no permission to write drop-ins in {target}",
+                hint="run the tuner as root, or set launch.dropin_dir to the folder holding the unit",
+            )
+
+    def write_dropin(self, filename: str, text: str) -> Path:
+        """Write ``<unit>.d/<filename>`` atomically, creating the folder if needed.
+
+        Raises:
+            LaunchError: No permission or the folder cannot be created.
+        """
+        path = self.dropin_folder / filename
+        try:
+            self.dropin_folder.mkdir(mode=0o755, parents=False, exist_ok=True)
+            atomic_write_text(path, text)
+        except OSError as err:
+            raise LaunchError(f"cannot write drop-in {path}: {err.strerror}",
+                              hint="run the tuner as root, or set launch.dropin_dir") from err  # fmt: skip
+        return path
+
+    def remove_dropin(self, filename: str) -> bool:
+        """Remove ``<unit>.d/<filename>``; return whether it existed. Removes the folder if empty.
+
+        Raises:
+            LaunchError: No permission.
+        """
+        path = self.dropin_folder / filename
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise LaunchError(f"cannot remove drop-in {path}: {err.strerror}",
+                              hint="run the tuner as root") from err  # fmt: skip
+        with _suppress_oserror():
+            self.dropin_folder.rmdir()
+        return True
+
+    @staticmethod
+    def exec_start_dropin(argv: Sequence[str], *, prefix: str = "", header: str = "") -> str:
+        """Text of a drop-in replacing the unit's command: ``ExecStart=`` then the new one.
+
+        Args:
+            argv: The full command.
+            prefix: Executable prefix kept from the original (see :class:`ExecCommand`).
+            header: Comment lines (without ``#``) put on top.
+
+        Raises:
+            LaunchError: ``argv`` is empty or its executable is not absolute.
+        """
+        comments = "".join(f"# {line}\n" for line in header.splitlines())
+        return f"{comments}[Service]\nExecStart=\nExecStart={format_exec_command(argv, prefix)}\n"
+
+    # ---- verbs -----------------------------------------------------------------------------
+
+    def daemon_reload(self) -> None:
+        """``systemctl daemon-reload``. Raises LaunchError on failure."""
+        self.systemctl_run("daemon-reload")
+
+    def start(self) -> None:
+        """``systemctl start``; its exit code says only that the start was issued (§ sandbox doc)."""
+        self.systemctl_run("start", self.name)
+
+    def restart(self) -> None:
+        """``systemctl restart`` (see :meth:`start` on what its exit code means)."""
+        self.systemctl_run("restart", self.name)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """``systemctl stop``: returns when systemd considers the unit stopped."""
+        self.systemctl_run("stop", self.name, timeout_s=timeout_s or 3 * self.command_timeout_s)
+
+    def reset_failed(self) -> None:
+        """``systemctl reset-failed`` (clears the start-limit counter); failures are ignored."""
+        self._run(self.systemctl, ["reset-failed", self.name], check=False)
+
+    def kill(self, signal_name: str = "SIGTERM") -> None:
+        """``systemctl kill -s SIG`` — signal the service inside its PID namespace."""
+        self.systemctl_run("kill", "-s", signal_name, self.name)
+
+    # ---- journal ---------------------------------------------------------------------------
+
+    def journal_cursor(self) -> str:
+        """A cursor at the current end of the journal; pass it to :meth:`journal_after`.
+
+        Returns ``"line:N"`` with managers whose journalctl has no cursors (the emulator), and
+        ``""`` when the journal is empty (then everything of the unit counts as new).
+        """
+        if not self._journal_line_mode:
+            proc = self._run(self.journalctl, ["-n", "1", "--show-cursor", "-o", "cat", "--no-pager"],
+                             check=False)  # fmt: skip
+            if proc.returncode == 0:
+                return _last_cursor(proc.stdout) or ""
+            self._journal_line_mode = True
+            log.info("journalctl has no cursors (%s); counting lines instead",
+                     proc.stderr.strip().splitlines()[-1:] or proc.returncode)  # fmt: skip
+        return f"line:{len(self._unit_lines_plain())}"
+
+    def _unit_lines_plain(self) -> list[str]:
+        proc = self._run(self.journalctl, ["-u", self.name, "--no-pager"], check=False)
+        return proc.stdout.splitlines() if proc.returncode == 0 else []
+
+    def journal_after(self, cursor: str) -> tuple[list[str], str]:
+        """The unit's journal lines after ``cursor`` (message text only), and the new cursor.
+
+        Reads ``journalctl -u UNIT -o json --cursor C`` and drops the entry at ``C`` itself:
+        ``--after-cursor`` with a ``-u`` match skips the first matching entry when the cursor's
+        own entry does not match (it belongs to another unit), losing a line.
+
+        Raises:
+            LaunchError: journalctl is missing or failed.
+        """
+        if cursor.startswith("line:"):
+            lines = self._unit_lines_plain()
+            seen = int(cursor[5:])
+            return lines[seen:], f"line:{max(seen, len(lines))}"
+        args = ["-u", self.name, "-o", "json", "--no-pager"]
+        args += ["--cursor", cursor] if cursor else []
+        proc = self._run(self.journalctl, args)
+        lines: list[str] = []
+        new_cursor = cursor
+        for raw in proc.stdout.splitlines():
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(entry, dict) or entry.get("__CURSOR") == cursor:
+                continue
+            new_cursor = entry.get("__CURSOR", new_cursor)
+            lines.extend(_message_text(entry.get("MESSAGE")).splitlines() or [""])
+        return lines, new_cursor
+
+
+def _message_text(message: object) -> str:
+    """A journal MESSAGE field as text (journalctl writes non-UTF-8 ones as byte arrays)."""
+    if isinstance(message, list):
+        return bytes(int(b) & 0xFF for b in message).decode("utf-8", "replace")
+    return "" if message is None else str(message)
+
+
+def _last_cursor(text: str) -> str | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith("-- cursor: "):
+            return line[len("-- cursor: ") :].strip()
+    return None
