@@ -1,0 +1,149 @@
+"""Model architecture facts read from a Hugging Face ``config.json``: what decides KV memory.
+
+One concept: :class:`ModelArch`, the typed subset of a model config that SGLang's KV-cache
+sizing uses (``shared/sglang-reference.md`` §1.3): attention kind (MHA/GQA or MLA), layers, KV
+heads, head dims, MLA ranks, the DeepSeek NSA indexer, the model dtype, a checkpoint-level FP8
+KV-cache quantization, and the MTP layers used as a draft (§1.5).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from tuner.errors import ModelConfigError
+
+__all__ = ["ModelArch", "load_model_config", "model_arch_from_dict"]
+
+
+class ModelArch(BaseModel):
+    """Architecture facts of one model (text tower), as SGLang's KV sizing reads them (§1.3).
+
+    Attributes:
+        name: A label (the config's directory name or ``model_type``).
+        model_type: HF ``model_type``.
+        architectures: HF ``architectures``.
+        attention: ``"mla"`` when the config has ``kv_lora_rank`` (DeepSeek-V2/V3, Kimi-K2), else
+            ``"mha"`` (MHA and GQA).
+        num_layers: ``num_hidden_layers``.
+        num_attention_heads: Query heads.
+        num_kv_heads: ``num_key_value_heads`` (defaults to the query heads, plain MHA).
+        head_dim: ``head_dim``, else ``hidden_size // num_attention_heads``.
+        v_head_dim: Value head dim (MHA: ``head_dim``).
+        kv_lora_rank, qk_rope_head_dim: MLA latent sizes.
+        index_head_dim: DeepSeek-V3.2 NSA indexer head dim, if any.
+        torch_dtype: Model dtype (``bfloat16``).
+        kv_cache_quant_algo: ``"FP8"`` when the checkpoint's quant config says so (§1.3: ``auto``
+            KV dtype then becomes fp8_e4m3).
+        num_nextn_predict_layers: MTP layers (the NEXTN/EAGLE draft of DeepSeek-family models).
+        max_position_embeddings: The model's context length.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    model_type: str | None = None
+    architectures: list[str] = []
+    attention: Literal["mha", "mla"]
+    num_layers: int
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    index_head_dim: int | None = None
+    torch_dtype: str = "bfloat16"
+    kv_cache_quant_algo: str | None = None
+    num_nextn_predict_layers: int | None = None
+    max_position_embeddings: int | None = None
+
+
+def _need(cfg: Mapping[str, Any], key: str, source: str) -> Any:
+    value = cfg.get(key)
+    if value is None:
+        raise ModelConfigError(
+            f"model config {source} lacks {key}",
+            hint="pass the model's own Hugging Face config.json (--model-config PATH)",
+        )
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"model config {source} has {key}={value!r}, not a positive integer", hint="pass the model's own Hugging Face config.json")
+    return value
+
+
+def model_arch_from_dict(cfg: Mapping[str, Any], *, source: str = "config.json", name: str | None = None) -> ModelArch:
+    """Read :class:`ModelArch` from a parsed HF config (wrappers with ``text_config`` included).
+
+    Args:
+        cfg: The JSON object.
+        source: What it came from, for messages.
+        name: A label; defaults to ``model_type``.
+
+    Returns:
+        The architecture facts.
+
+    Raises:
+        ModelConfigError: A field the KV model needs is missing or not a positive integer.
+    """
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "quantization_config": cfg.get("quantization_config") or cfg["text_config"].get("quantization_config")}
+    layers = _need(cfg, "num_hidden_layers", source)
+    quant = cfg.get("quantization_config") or {}
+    kv_algo = quant.get("kv_cache_quant_algo") if isinstance(quant, Mapping) else None
+    common: dict[str, Any] = {
+        "name": name or str(cfg.get("model_type") or "model"),
+        "model_type": cfg.get("model_type"),
+        "architectures": list(cfg.get("architectures") or []),
+        "num_layers": layers,
+        "torch_dtype": str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        "kv_cache_quant_algo": str(kv_algo).upper() if kv_algo else None,
+        "num_nextn_predict_layers": cfg.get("num_nextn_predict_layers"),
+        "max_position_embeddings": cfg.get("max_position_embeddings"),
+        "num_attention_heads": cfg.get("num_attention_heads"),
+    }
+    if cfg.get("kv_lora_rank") is not None:
+        return ModelArch(
+            attention="mla",
+            kv_lora_rank=_need(cfg, "kv_lora_rank", source),
+            qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", source),
+            index_head_dim=cfg.get("index_head_dim"),
+            num_kv_heads=1,
+            **common,
+        )
+    heads = _need(cfg, "num_attention_heads", source)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = _need(cfg, "hidden_size", source) // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return ModelArch(attention="mha", num_kv_heads=int(kv_heads), head_dim=int(head_dim), v_head_dim=int(cfg.get("v_head_dim") or head_dim), **common)
+
+
+def load_model_config(path: Path | str) -> ModelArch:
+    """Read a Hugging Face ``config.json`` (or the model directory holding it).
+
+    Args:
+        path: ``.../config.json`` or the directory.
+
+    Returns:
+        The :class:`ModelArch`, named after the directory.
+
+    Raises:
+        ModelConfigError: Missing, unreadable, not JSON, or lacking a needed field.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text())
+    except FileNotFoundError as err:
+        raise ModelConfigError(f"model config {file} does not exist", hint="pass the model's config.json or its directory") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ModelConfigError(f"cannot read model config {file}", hint="pass a readable Hugging Face config.json") from err
+    except json.JSONDecodeError as err:
+        raise ModelConfigError(f"model config {file} is not JSON (line {err.lineno})", hint="pass a Hugging Face config.json") from err
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"model config {file} is not a JSON object", hint="pass a Hugging Face config.json")
+    return model_arch_from_dict(cfg, source=str(file), name=file.parent.name or None)
