@@ -89,6 +89,11 @@ class ServiceSection(_Section):
         start_timeout_s: How long a start may take until ready (weights load for minutes).
         stop_timeout_s: How long a stop may take until GPU memory is free.
         workdir: Working directory of the ``process`` launcher.
+        gpu_monitor: ``nvml`` (real GPUs), ``sim`` (the simulator's ledger at ``url``), ``none``,
+            or ``auto`` (``sim`` when the command runs ``tuner.sim``, else ``nvml``).
+        allow_foreign: Start even when a foreign process holds GPU memory.
+        state_dir: Folder of the unit lock and the restore state (default: the launcher's,
+            ``/var/lib/sglang-tuner`` for root).
     """
 
     launcher: Literal["systemd", "process"] = "systemd"
@@ -103,6 +108,9 @@ class ServiceSection(_Section):
     start_timeout_s: float = Field(default=900.0, gt=0)
     stop_timeout_s: float = Field(default=120.0, gt=0)
     workdir: str | None = None
+    gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
+    allow_foreign: bool = False
+    state_dir: str | None = None
 
     @field_validator("command", mode="before")
     @classmethod
@@ -248,6 +256,7 @@ class BudgetSection(_Section):
         concurrency: Client concurrency of the measured window (default: the config's context
             capacity, at least 1).
         request_rate: Poisson arrival rate in req/s of the measured window (default: unbounded).
+        max_concurrency: Upper bound of the derived concurrency (client streams).
         early_stop: Stop a load phase early once its SLO is clearly lost.
         probe_only_below: Capacity-first fidelity: a candidate whose context capacity is below
             this share of the best feasible capacity gets no full load (0 disables).
@@ -262,6 +271,7 @@ class BudgetSection(_Section):
     max_requests: int | None = Field(default=None, ge=1)
     concurrency: int | None = Field(default=None, ge=1)
     request_rate: float | None = Field(default=None, gt=0)
+    max_concurrency: int = Field(default=256, ge=1)
     early_stop: bool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
     restore_reserve_s: float = Field(default=0.0, ge=0)

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import optuna
+from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +27,8 @@ from tuner.config import TunerConfig
 from tuner.errors import StudyError
 from tuner.records import StudyInfo, TrialRecord
 from tuner.search import Planner, Space, resolve_space
-from tuner.sglang.memory import must_fail
+from tuner.sglang.failures import FailureClass
+from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study import (
     KIND_ATTR,
     BestChoice,
@@ -173,7 +175,7 @@ def _skip_reason(
             return f"the same config was measured by trial {number}", number
     failures = [(n, r) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
     if failures:
-        proved, index = must_fail(dict(params), [(dict(r.params), r.failure_class) for _, r in failures])
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(r.failure_class)) for _, r in failures])
         if proved and index is not None:
             number, record = failures[index]
             return (
@@ -183,6 +185,17 @@ def _skip_reason(
                 number,
             )
     return None
+
+
+def _monotone_class(failure_class: FailureClass) -> FailureClass:
+    """A runtime OOM under the stress load bounds the reserve exactly like a CUDA-graph OOM.
+
+    Both say the ``(1 − mfs) × B`` reserve was too small for what runs out of it (§1.6, §8): a
+    larger fraction, or larger reserve knobs (``max_running_requests``, ``chunked_prefill_size``,
+    ``cuda_graph_max_bs``), leaves less headroom for a stress load that is at least as heavy
+    (capacity, and with it the stress concurrency, only grows with the fraction).
+    """
+    return FailureClass.CUDA_GRAPH_OOM if failure_class is FailureClass.RUNTIME_OOM else failure_class
 
 
 def _set_params(study: optuna.Study, trial: optuna.Trial, space: Space, params: Mapping[str, Any]) -> None:
@@ -260,6 +273,11 @@ def run_study(
     context_tokens = info.context_tokens or context_tokens
 
     budget = Budget(budget_s, reserve_s=config.budget.restore_reserve_s, clock=clock)
+    artifact_store = None
+    if url != ":memory:":
+        folder = config.artifacts_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        artifact_store = FileSystemArtifactStore(str(folder))
     launched = 0
     handled = 0
 
@@ -301,6 +319,7 @@ def run_study(
                 study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
             raise
         launched += 1
+        record = _upload_artifacts(trial, record, artifact_store)
         if record.duration_s is None:
             record = record.model_copy(update={"duration_s": clock() - begun})
         if before_tell is not None:
@@ -402,6 +421,19 @@ def run_study(
     return summary
 
 
+def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
+    """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id."""
+    if store is None or not record.artifacts:
+        return record
+    ids = {}
+    for name, path in record.artifacts.items():
+        try:
+            ids[name] = upload_artifact(artifact_store=store, file_path=path, study_or_trial=trial)
+        except (OSError, ValueError) as err:
+            _log.warning("artifact %s of trial %d not stored: %s", name, trial.number, err)
+    return record.model_copy(update={"artifacts": ids})
+
+
 def _kind(kind: str) -> Any:
     return kind if kind in ("baseline", "predicted", "sampled", "enqueued") else "sampled"
 
@@ -427,12 +459,10 @@ def _longest_input(config: TunerConfig) -> int | None:
 def _resolve(config: TunerConfig, record: TrialRecord, environment: Mapping[str, Any], context_tokens: int) -> Space:
     """Resolve the space from the baseline's resolved knobs and the predicted capacity ceiling."""
     hint = None
-    memory = record.memory
-    if record.token_capacity and memory.get("startup_available_gib") and memory.get("cell_size_bytes"):
-        mfs = float(record.params.get("mem_fraction_static") or 0.88)
-        top = 0.97
-        tokens = record.token_capacity + (top - mfs) * memory["startup_available_gib"] * 2**30 / memory["cell_size_bytes"]
-        hint = int(tokens // max(1, context_tokens))
+    data = record.memory.get("capacity_model")
+    if data:
+        model = KVCapacityModel.model_validate(data)
+        hint = max(1, model.tokens(0.97) // max(1, context_tokens))
     return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"), capacity_hint=hint)
 
 

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.config import SpaceSection
 from tuner.records import TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
+from tuner.sglang.memory import KVCapacityModel
 
 __all__ = [
     "SEARCHED_FIELDS",
@@ -63,7 +64,6 @@ SEARCHED_FIELDS = (
 )
 """Every knob the study can change, by SGLang field name."""
 
-_GIB = float(2**30)
 _MEMORY_FAILURES = STARTUP_MEMORY_FAILURES | {FailureClass.RUNTIME_OOM}
 
 
@@ -324,17 +324,15 @@ class Candidate(BaseModel):
 
 
 class _Point(BaseModel):
-    """One measured trial as the planner sees it (memory facts per rank, GiB and tokens)."""
+    """One measured trial as the planner sees it: its knobs, its calibrated memory model, its peak."""
 
     model_config = ConfigDict(frozen=True)
 
     number: int
     params: dict[str, Any]
-    token_capacity: int
-    free_gib: float
-    startup_gib: float
-    cell_bytes: float
-    req_slot_bytes: float
+    model: KVCapacityModel
+    context_len: int
+    page_size: int
     peak_gib: float | None
     feasible: bool
     capacity: int
@@ -387,26 +385,20 @@ class Planner:
             memory = record.memory
             if (
                 record.outcome != "ok"
-                or record.token_capacity is None
-                or record.free_gib_after_graphs is None
+                or memory.get("probe_only")
+                or not memory.get("capacity_model")
+                or not memory.get("context_len")
                 or record.constraints.get("oom_or_crash", 1.0) > 0
                 or record.constraints.get("stress", -1.0) > 0
             ):
                 continue
-            startup = memory.get("startup_available_gib")
-            cell = memory.get("cell_size_bytes")
-            if not startup or not cell:
-                continue
-            params = self.space.snap(record.params)
             points.append(
                 _Point(
                     number=number,
-                    params=params,
-                    token_capacity=record.token_capacity,
-                    free_gib=record.free_gib_after_graphs,
-                    startup_gib=float(startup),
-                    cell_bytes=float(cell),
-                    req_slot_bytes=float(memory.get("req_slot_bytes") or 0.0),
+                    params=self.space.snap(record.params),
+                    model=KVCapacityModel.model_validate(memory["capacity_model"]),
+                    context_len=int(memory["context_len"]),
+                    page_size=int(memory.get("page_size") or 1),
                     peak_gib=memory.get("peak_activation_gib"),
                     feasible=record.feasible,
                     capacity=record.context_capacity or 0,
@@ -431,7 +423,8 @@ class Planner:
         same = [p for p in peaks if _family(p.params) == family]
         source = max(same or peaks, key=lambda p: p.peak_gib or 0.0, default=None)
         if source is None:
-            need = max(1.0, 0.5 * ref.free_gib)
+            observed = ref.model.observed_free_after_graphs_gib or 2.0
+            need = max(1.0, 0.5 * observed)
         else:
             scale = self._effective_prefill(fam.get("chunked_prefill_size", 1)) / self._effective_prefill(
                 source.params.get("chunked_prefill_size", 1)
@@ -442,12 +435,15 @@ class Planner:
                 need = max(need, predicted_free + self.margin_gib)
         return need
 
-    def _predict(self, ref: _Point, mfs: float, mrr: int) -> tuple[int, float]:
-        """Predicted ``(max_total_num_tokens, free GiB after graphs)`` of ``mfs``, ``mrr`` (§1.2, §1.6)."""
-        delta = mfs - float(ref.params["mem_fraction_static"])
-        tokens = int(ref.token_capacity + delta * ref.startup_gib * _GIB / ref.cell_bytes)
-        slots = (mrr - int(ref.params["max_running_requests"])) * ref.req_slot_bytes / _GIB
-        return tokens, ref.free_gib - delta * ref.startup_gib - slots
+    def _predict(self, ref: _Point, mfs: float, mrr: int, family: tuple[tuple[str, Any], ...]) -> tuple[int, float]:
+        """Predicted ``(max_total_num_tokens, free GiB after graphs)`` (§1.2, §1.6, §8)."""
+        graph_bs = dict(family).get("cuda_graph_max_bs")
+        tokens = ref.model.tokens(mfs, page_size=ref.page_size)
+        free = ref.model.headroom_gib(
+            mfs, max_running_requests=mrr, context_len=ref.context_len,
+            cuda_graph_max_bs=int(graph_bs) if graph_bs else None,
+        )
+        return tokens, free
 
     # -- proposals -----------------------------------------------------------------------------
 
@@ -464,7 +460,7 @@ class Planner:
         for mfs in self.space.fractions():
             if mfs >= ceiling - 1e-9:
                 break
-            tokens, free = self._predict(ref, mfs, mrr)
+            tokens, free = self._predict(ref, mfs, mrr, family)
             if tokens <= 0 or free < need:
                 continue
             best = (mfs, tokens, min(mrr, tokens // self.context_tokens), free)
@@ -498,7 +494,7 @@ class Planner:
                 family = _family(params)
                 refs = [p for p in points if _family(p.params) == family] or [incumbent]
                 ref = max(refs, key=lambda p: p.params["mem_fraction_static"])
-                _, free = self._predict(ref, params["mem_fraction_static"], params["max_running_requests"])
+                _, free = self._predict(ref, params["mem_fraction_static"], params["max_running_requests"], family)
                 failures.append((params, free))
                 ceilings.setdefault(family, []).append(
                     (params["mem_fraction_static"], params["max_running_requests"])

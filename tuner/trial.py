@@ -1,0 +1,799 @@
+"""One trial, end to end: the composition root that wires flags, launcher, client, GPU monitor and load.
+
+The ordered phases of a trial (one list, like SGLang's own pipeline)::
+
+    render   candidate knobs → argv for the detected SGLang version (replace only the tuned flags)
+    start    launcher restart with that argv; wait until ready, or a classified failure
+    probe    memory report: startup log lines + /get_server_info + the GPU monitor (§4.2, §5.2)
+             → token capacity, context capacity, headroom after graphs
+    measure  warm-up and measured window of the configured workload (early stop when the SLO is
+             clearly lost); skipped when the probe shows the candidate cannot matter
+    stress   the workload's worst case: the longest contexts at the highest concurrency the config
+             admits; a runtime OOM here makes the config infeasible
+    record   objectives, constraints, record, artifacts (server log, per-request results, server info)
+
+Nothing here decides which config to try (:mod:`tuner.search`) or tells Optuna (:mod:`tuner.run`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TunerConfig
+from tuner.errors import LaunchError, LoadError, ServerError, TunerError
+from tuner.launch.base import LaunchPhase, Launcher
+from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
+from tuner.records import PhaseResult, TrialRecord
+from tuner.run import TrialJob
+from tuner.search import SEARCHED_FIELDS, context_capacity
+from tuner.sglang.client import SGLangClient, ServerInfo
+from tuner.sglang.failures import Failure, FailureClass
+from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
+from tuner.sglang.logs import LogReport, parse_log
+from tuner.sglang.memory import KVCapacityModel
+
+__all__ = ["TrialExecutor", "slo_clearly_lost"]
+
+_log = logging.getLogger(__name__)
+_GIB = float(2**30)
+_PROBE_OUTPUT_TOKENS = 16
+
+
+def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, factor: float = 2.0) -> bool:
+    """Whether a running load phase has clearly lost its SLO (stop it early to save the budget).
+
+    Clearly lost: in the measured window, at least ``min_completed`` requests finished and the
+    p99 TTFT so far exceeds ``factor`` times the loosest TTFT limit; or more than half of the
+    requests errored.
+
+    Args:
+        stats: The live statistics of the tick.
+        slo: The limits.
+        min_completed: Requests needed before judging.
+        factor: How far over the limit counts as clearly lost.
+    """
+    if stats.completed + stats.errored >= min_completed and stats.errored > stats.completed:
+        return True
+    if stats.phase != "measure" or stats.completed < min_completed or stats.p99_ttft_ms_so_far is None:
+        return False
+    limits = list(slo.ttft_ms.values())
+    return bool(limits) and stats.p99_ttft_ms_so_far > factor * max(limits)
+
+
+class TrialExecutor:
+    """Runs trials against one service (implements :class:`tuner.run.TrialRunner`).
+
+    Args:
+        config: The validated config.
+        launcher: The service's launcher, inside its :meth:`~tuner.launch.base.Launcher.session`.
+        table: SGLang's flag table for the installed version.
+        gpu: A :class:`tuner.gpu.GPUMonitor`, or ``None`` (then no activation peak is measured).
+        work_dir: Folder for per-trial artifact files before they are uploaded.
+        environment: The environment facts (see :meth:`environment`).
+
+    .. note:: :meth:`run` restarts the production service; call it inside the launcher's session.
+    """
+
+    def __init__(
+        self,
+        config: TunerConfig,
+        launcher: Launcher,
+        table: FlagTable,
+        *,
+        gpu: Any | None = None,
+        work_dir: Path | None = None,
+        environment: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.launcher = launcher
+        self.table = table
+        self.gpu = gpu
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="tuner-trial-"))
+        self._environment = dict(environment or {})
+        self._baseline_argv = list(launcher.current_argv())
+        self._workload = build_workload(config.workload, seed=config.study.seed)
+
+    # ---- the TrialRunner facts ---------------------------------------------------------------
+
+    def environment(self) -> dict[str, Any]:
+        """``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``, ``model``, ``gpu_total_mib``."""
+        return dict(self._environment)
+
+    def target(self) -> dict[str, Any]:
+        """``launcher``, ``unit`` or ``command``, ``url``."""
+        service = self.config.service
+        out: dict[str, Any] = {"launcher": service.launcher, "url": service.url}
+        if service.launcher == "systemd":
+            out["unit"] = service.unit
+        else:
+            out["command"] = list(service.command or [])
+        return out
+
+    def baseline_argv(self) -> list[str]:
+        """The command the service ran before the study."""
+        return list(self._baseline_argv)
+
+    def prior_cost_s(self) -> float:
+        """A first trial's expected cost: a third of the start timeout plus the load phases."""
+        budget = self.config.budget
+        start = min(self.config.service.start_timeout_s / 3.0, 600.0)
+        return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
+
+    # ---- one trial -----------------------------------------------------------------------------
+
+    def argv_for(self, params: Mapping[str, Any]) -> list[str]:
+        """The full server command for ``params`` (only the tuned flags replaced).
+
+        Raises:
+            FlagError: A knob this SGLang version lacks, or a value outside its choices.
+        """
+        if not params:
+            return list(self._baseline_argv)
+        rendered = dict(params)
+        if rendered.get("enable_hierarchical_cache") is False:
+            rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
+        return replace_flags(self._baseline_argv, rendered, self.table)
+
+    def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
+        """Run one trial; a failed server is a record with ``outcome="failed"``, never an exception.
+
+        Args:
+            job: What to run.
+            on_phase: Called with each phase name as it starts.
+
+        Returns:
+            The record, with objectives, constraints and artifact files (``artifacts`` maps a name
+            to a local file; :func:`tuner.run.run_study` uploads them and stores the ids).
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C / SIGTERM (the caller records the trial as far as it got).
+        """
+        begun = time.monotonic()
+        trial_dir = self.work_dir / f"trial-{job.number}"
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        asked = dict(job.params)
+        record = TrialRecord(
+            params=asked,
+            kind=job.kind,  # type: ignore[arg-type]
+            prediction=dict(job.prediction),
+            context_tokens=job.context_tokens,
+            started_at=job.started_at or None,
+        )
+
+        on_phase("render")
+        reasons = validate(asked, self.table) if asked else []
+        try:
+            argv = self.argv_for(asked)
+        except TunerError as err:
+            reasons.append(str(err))
+            argv = []
+        if reasons:
+            return self._failed(
+                record, Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="; ".join(reasons)),
+                None, begun, trial_dir,
+            ).model_copy(update={"argv": argv})
+        record = record.model_copy(update={"argv": argv})
+
+        on_phase("start")
+        try:
+            self.launcher.start(argv)
+            state = self.launcher.wait(timeout_s=self.config.service.start_timeout_s)
+        except (LaunchError, ServerError) as err:
+            return self._failed(
+                record, Failure(failure_class=FailureClass.CRASH, evidence=str(err)), None, begun, trial_dir
+            )
+        lines = self.launcher.logs()
+        report = parse_log(lines)
+        if state.phase != LaunchPhase.READY:
+            failure = state.failure or report.failure or Failure(
+                failure_class=FailureClass.CRASH, evidence=f"server {state.phase.value} before ready"
+            )
+            return self._failed(record, failure, report, begun, trial_dir, lines=lines)
+
+        on_phase("probe")
+        try:
+            info = SGLangClient(self.config.service.url, timeout_s=10.0).server_info()
+        except ServerError as err:
+            return self._failed(
+                record, Failure(failure_class=FailureClass.CRASH, evidence=str(err)), report, begun, trial_dir,
+                lines=lines,
+            )
+        after_start = self._gpu_used_mib()
+        resolved, facts = self._resolve(report, info, argv)
+        if job.kind == "baseline":
+            record = record.model_copy(update={"params": facts["params"]})
+        capacity = facts["context_capacity"]
+        record = record.model_copy(
+            update={
+                "resolved": resolved,
+                "token_capacity": facts["max_total_num_tokens"],
+                "context_capacity": capacity,
+                "free_gib_after_graphs": facts["free_gib_after_graphs"],
+            }
+        )
+        (trial_dir / "server_info.json").write_text(json.dumps(info.raw, indent=2, default=str))
+        memory = self._memory(report, info, facts)
+
+        if job.capacity_floor and capacity is not None and capacity < job.capacity_floor:
+            memory["probe_only"] = True
+            record = record.model_copy(
+                update={
+                    "memory": memory,
+                    "skipped_reason": (
+                        f"probe only: context capacity {capacity} is below {job.capacity_floor} "
+                        "(the share of the best feasible capacity that can still matter); full load not run"
+                    ),
+                    "constraints": {"oom_or_crash": -1.0, "slo": 1.0, "stress": 1.0},
+                    "feasible": False,
+                    "output_throughput_tok_s": 0.0,
+                }
+            )
+            return self._finish(record, report, lines, begun, trial_dir, None)
+
+        phases: list[PhaseResult] = []
+        runtime_failure: Failure | None = None
+        peak_used = after_start
+        measure: LoadResult | None = None
+        slo = self.config.slo
+
+        on_phase("measure")
+        concurrency = self._concurrency(capacity, facts)
+        with self._window() as window:
+            try:
+                measure = run_load_sync(
+                    self.config.service.url, self._workload, concurrency=concurrency,
+                    rate=self.config.budget.request_rate, warmup_s=self.config.budget.warmup_s,
+                    duration_s=self.config.budget.measure_s, max_requests=self.config.budget.max_requests,
+                    slo=slo,
+                    on_tick=(lambda s: slo_clearly_lost(s, slo)) if self.config.budget.early_stop else None,
+                    timeout_s=self.config.budget.warmup_s + 4 * self.config.budget.measure_s + 120.0,
+                    request_timeout_s=max(60.0, 4 * self.config.budget.measure_s),
+                    seed=self.config.study.seed,
+                )
+            except LoadError as err:
+                runtime_failure = self._runtime_failure() or Failure(
+                    failure_class=FailureClass.CRASH, evidence=f"load could not run: {err}"
+                )
+            peak_used = max(peak_used, self._window_peak(window))
+        if measure is not None:
+            phase = measure.phase_result("measure")
+            if measure.stopped_early:
+                phase = phase.model_copy(update={"stop_reason": "SLO clearly lost (early stop)"})
+            phases.append(phase)
+            (trial_dir / "requests-measure.json").write_text(
+                json.dumps({"result": measure.to_json_dict(),
+                            "requests": [r.model_dump(mode="json") for r in measure.records]}, default=str)
+            )
+        runtime_failure = runtime_failure or self._runtime_failure()
+
+        stress_failed = False
+        if runtime_failure is None and self.config.budget.stress_s > 0 and capacity:
+            on_phase("stress")
+            stress, stress_failure, stress_peak = self._stress(capacity, facts, job)
+            peak_used = max(peak_used, stress_peak)
+            if stress is not None:
+                phases.append(stress.phase_result("stress"))
+                stress_failed = stress.summary.errored > 0 or stress.partial
+            if stress_failure is not None:
+                runtime_failure = stress_failure
+                stress_failed = True
+
+        on_phase("record")
+        if peak_used and after_start and facts["free_gib_after_graphs"] is not None:
+            memory["gpu_used_gib_after_start"] = round(after_start / 1024, 3)
+            memory["gpu_peak_used_gib_under_load"] = round(peak_used / 1024, 3)
+            memory["peak_activation_gib"] = round(max(0.0, (peak_used - after_start) / 1024), 3)
+        report_after = parse_log(self.launcher.logs())
+        memory["retractions"] = len(report_after.retractions)
+        summary = measure.summary if measure is not None else None
+        violations = [v for v in (summary.slo_violations.values() if summary else []) if v is not None]
+        slo_value = max(violations) if violations else (-1.0 if summary is not None else 1.0)
+        if summary is not None and summary.error_rate > 0:
+            slo_value = max(slo_value, summary.error_rate)
+        if summary is not None and summary.completed == 0:
+            slo_value = max(slo_value, 1.0)
+        constraints = {
+            "oom_or_crash": 1.0 if runtime_failure is not None else -1.0,
+            "slo": float(slo_value),
+            "stress": 1.0 if stress_failed else -1.0,
+        }
+        update: dict[str, Any] = {
+            "memory": memory,
+            "phases": phases,
+            "constraints": constraints,
+            "feasible": all(v <= 0 for v in constraints.values()),
+            "output_throughput_tok_s": summary.output_throughput if summary else None,
+            "goodput_req_s": summary.goodput if summary else None,
+            "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
+            "p99_itl_ms": summary.p99_itl_ms if summary else None,
+        }
+        if runtime_failure is not None:
+            update.update(outcome="failed", failure_class=runtime_failure.failure_class,
+                          failure_evidence=runtime_failure.evidence)
+        record = record.model_copy(update=update)
+        return self._finish(record, report_after, self.launcher.logs(), begun, trial_dir, measure)
+
+    # ---- pieces ------------------------------------------------------------------------------
+
+    def _resolve(self, report: LogReport, info: ServerInfo, argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """What SGLang resolved, with sources, and the derived facts of the trial."""
+        resolved: dict[str, dict[str, Any]] = {}
+
+        def put(name: str, *candidates: tuple[Any, str]) -> Any:
+            for value, source in candidates:
+                if value is not None:
+                    resolved[name] = {"value": value, "source": source}
+                    return value
+            return None
+
+        sched = report.scheduler
+        tokens = put("max_total_num_tokens", (info.max_total_num_tokens, "server_info"),
+                     (report.max_total_num_tokens, "log:scheduler"))
+        mrr = put("max_running_requests", (info.effective_max_running_requests, "server_info:effective"),
+                  (sched.max_running_requests if sched else None, "log:scheduler"),
+                  (info.max_running_requests, "server_info:arg"))
+        cps = put("chunked_prefill_size", (sched.chunked_prefill_size if sched else None, "log:scheduler"),
+                  (info.chunked_prefill_size, "server_info"))
+        put("mem_fraction_static", (info.mem_fraction_static, "server_info"))
+        context_len = put("context_length", (sched.context_len if sched else None, "log:scheduler"),
+                          (info.context_length, "server_info"))
+        put("page_size", (info.page_size, "server_info"))
+        put("cuda_graph_max_bs", (info.cuda_graph_max_bs, "server_info"))
+        put("max_prefill_tokens", (sched.max_prefill_tokens if sched else None, "log:scheduler"),
+            (info.max_prefill_tokens, "server_info"))
+        free = put("available_gpu_mem_gib", (sched.available_gpu_mem_gib if sched else None, "log:scheduler"))
+        rank = report.primary()
+        if free is None and rank is not None:
+            free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
+        context_tokens = self._context_tokens()
+        capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
+        explicit = parse_argv(argv, self.table)
+        params: dict[str, Any] = {}
+        for name in SEARCHED_FIELDS:
+            value = explicit.get(name)
+            if value is None and name in resolved:
+                value = resolved[name]["value"]
+            if value is None and name == "enable_hierarchical_cache":
+                value = bool(info.enable_hierarchical_cache)
+            if value is None and name == "hicache_ratio" and info.enable_hierarchical_cache:
+                value = info.hicache_ratio
+            if value is None and name == "schedule_conservativeness":
+                value = info.raw.get("schedule_conservativeness")
+            if value is not None:
+                params[name] = value
+        if not params.get("enable_hierarchical_cache"):
+            params.pop("hicache_ratio", None)
+            params.pop("hicache_write_policy", None)
+        return resolved, {
+            "max_total_num_tokens": tokens,
+            "effective_max_running_requests": mrr,
+            "chunked_prefill_size": cps,
+            "context_len": context_len,
+            "context_capacity": capacity,
+            "free_gib_after_graphs": free,
+            "params": params,
+        }
+
+    def _context_tokens(self) -> int:
+        return self.config.objective.context_tokens or self._workload.context_tokens
+
+    def _memory(self, report: LogReport, info: ServerInfo, facts: Mapping[str, Any]) -> dict[str, Any]:
+        """The per-rank memory report, plus the memory model calibrated on it (§1.2, §1.6, §8)."""
+        rank = report.primary()
+        memory: dict[str, Any] = {
+            "ranks": {key: r.model_dump(mode="json") for key, r in report.ranks.items()},
+            "server_info": {
+                "weight_gib": info.weight_gib, "kvcache_gib": info.kvcache_gib, "graph_gib": info.graph_gib,
+                "startup_available_gib": info.startup_available_gib,
+            },
+            "scheduler": report.scheduler.model_dump(mode="json") if report.scheduler else None,
+        }
+        memory["context_len"] = facts.get("context_len")
+        memory["page_size"] = info.page_size or 1
+        memory["weight_gib"] = (rank.weight_gib if rank else None) or info.weight_gib
+        memory["kv_pool_gib"] = (rank.kv_pool_gib if rank else None) or info.kvcache_gib
+        memory["graph_gib"] = (rank.graph_gib if rank else None) or info.graph_gib
+        mfs = info.mem_fraction_static
+        if mfs is not None:
+            try:
+                model = KVCapacityModel.from_report(report, None, float(mfs), max_total_tokens=info.max_total_tokens)
+            except TunerError as err:
+                memory["capacity_model_error"] = str(err)
+            else:
+                memory["capacity_model"] = model.model_dump(mode="json")
+        return memory
+
+    def _concurrency(self, capacity: int | None, facts: Mapping[str, Any]) -> int:
+        budget = self.config.budget
+        if budget.concurrency:
+            return budget.concurrency
+        mrr = facts.get("effective_max_running_requests") or capacity or 1
+        avg = max(1, self._workload.context_tokens)
+        by_tokens = (facts.get("max_total_num_tokens") or 0) // avg
+        return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
+
+    def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob) -> tuple[LoadResult | None, Failure | None, float]:
+        """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
+        budget = self.config.budget
+        n = max(1, min(capacity, budget.max_concurrency))
+        output = min(_PROBE_OUTPUT_TOKENS * 8, max(1, job.context_tokens // 4))
+        workload = capacity_probe(n, job.context_tokens, output_len=output, seed=self.config.study.seed + job.number)
+        result = None
+        peak = 0.0
+        with self._window() as window:
+            try:
+                result = run_load_sync(
+                    self.config.service.url, workload, concurrency=n, duration_s=budget.stress_s,
+                    timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
+                    seed=self.config.study.seed,
+                )
+            except LoadError as err:
+                failure = self._runtime_failure() or Failure(
+                    failure_class=FailureClass.CRASH, evidence=f"stress load could not run: {err}"
+                )
+                return None, failure, self._window_peak(window)
+            peak = self._window_peak(window)
+        return result, self._runtime_failure(), peak
+
+    def _runtime_failure(self) -> Failure | None:
+        state = self.launcher.state()
+        if state.phase in (LaunchPhase.FAILED, LaunchPhase.EXITED):
+            failure = state.failure or parse_log(self.launcher.logs()).failure
+            return failure or Failure(failure_class=FailureClass.CRASH, evidence=f"server {state.phase.value} under load")
+        return None
+
+    def _gpu_used_mib(self) -> float:
+        if self.gpu is None:
+            return 0.0
+        try:
+            return max((g.used_mib for g in self.gpu.snapshot()), default=0.0)
+        except TunerError:
+            return 0.0
+
+    def _window(self) -> Any:
+        if self.gpu is None:
+            import contextlib
+
+            return contextlib.nullcontext(None)
+        return self.gpu.window()
+
+    @staticmethod
+    def _window_peak(window: Any) -> float:
+        if window is None:
+            return 0.0
+        return max((p.peak_used_mib for p in window.peaks), default=0.0)
+
+    def _failed(
+        self,
+        record: TrialRecord,
+        failure: Failure,
+        report: LogReport | None,
+        begun: float,
+        trial_dir: Path,
+        *,
+        lines: list[str] | None = None,
+    ) -> TrialRecord:
+        memory = {}
+        if report is not None:
+            memory = {"ranks": {k: r.model_dump(mode="json") for k, r in report.ranks.items()}}
+        record = record.model_copy(
+            update={
+                "outcome": "failed",
+                "failure_class": failure.failure_class,
+                "failure_evidence": failure.evidence,
+                "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
+                "feasible": False,
+                "memory": memory,
+            }
+        )
+        return self._finish(record, report, lines or [], begun, trial_dir, None)
+
+    def _finish(
+        self,
+        record: TrialRecord,
+        report: LogReport | None,
+        lines: list[str],
+        begun: float,
+        trial_dir: Path,
+        measure: LoadResult | None,
+    ) -> TrialRecord:
+        artifacts = {}
+        if lines:
+            path = trial_dir / "server.log"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            artifacts["server_log"] = str(path)
+        for name, file in (("server_info", "server_info.json"), ("requests", "requests-measure.json")):
+            if (trial_dir / file).exists():
+                artifacts[name] = str(trial_dir / file)
+        excerpt = _excerpt(lines, record.failure_evidence)
+        return record.model_copy(
+            update={"artifacts": artifacts, "log_excerpt": excerpt, "duration_s": time.monotonic() - begun}
+        )
+
+
+def _excerpt(lines: list[str], evidence: str | None, *, limit: int = 20) -> list[str]:
+    """The memory lines of the log (and the failure evidence), at most ``limit`` lines."""
+    keys = ("avail mem", "KV Cache", "max_total_num_tokens", "Capture", "Not enough memory", "out of memory",
+            "Retract", "fired up", "Scheduler hit an exception", "Error")
+    picked = [line for line in lines if any(k in line for k in keys)]
+    if evidence and not any(evidence in line for line in picked):
+        picked.append(evidence)
+    return [line[:400] for line in picked[-limit:]]
+
+
+
+# ---- wiring a run: launcher, flag table, GPU monitor, environment -----------------------------
+
+
+def _gpu_monitor(config: TunerConfig) -> Any | None:
+    """The GPU monitor the config asks for (``auto``: the simulator's ledger for ``tuner.sim``)."""
+    from tuner.gpu import GPUMonitor
+
+    kind = config.service.gpu_monitor
+    if kind == "auto":
+        command = " ".join(config.service.command or [])
+        kind = "sim" if "tuner.sim" in command else "nvml"
+    if kind == "none":
+        return None
+    try:
+        return GPUMonitor.for_target(kind, config.service.url)
+    except TunerError as err:
+        _log.warning("no GPU monitor (%s); activation peaks will not be measured", err)
+        return None
+
+
+def build_launcher(config: TunerConfig, *, gpu: Any | None = None) -> Launcher:
+    """The launcher of ``[service]`` (systemd unit or plain process).
+
+    Raises:
+        LaunchError: The unit or command is unusable.
+    """
+    from tuner.launch.safety import default_state_dir
+
+    service = config.service
+    state_dir = Path(service.state_dir) if service.state_dir else default_state_dir()
+    common: dict[str, Any] = {"url": service.url, "state_dir": state_dir, "gpu": gpu,
+                              "allow_foreign": service.allow_foreign,
+                              "release_timeout_s": service.stop_timeout_s}
+    if service.launcher == "process":
+        from tuner.launch.process import ProcessLauncher
+
+        return ProcessLauncher(service.command or [], cwd=service.workdir, **common)
+    from tuner.launch.systemd import SystemdLauncher
+
+    kwargs: dict[str, Any] = {"systemctl": service.systemctl, "journalctl": service.journalctl}
+    if service.dropin_dir:
+        kwargs["dropin_dir"] = service.dropin_dir
+    return SystemdLauncher(service.unit or "", **kwargs, **common)
+
+
+def flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
+    """SGLang's flag table: ``[service] python`` introspected live, else ``sglang_version``'s bundled
+    table, else the simulator's ``--sglang-version``, else the newest bundled one (§3)."""
+    service = config.service
+    if service.python and not service.sglang_version:
+        return FlagTable.from_python(service.python)
+    version = service.sglang_version
+    if version is None and "--sglang-version" in argv:
+        version = argv[argv.index("--sglang-version") + 1]
+    return FlagTable.for_version(version or FlagTable.bundled_versions()[-1])
+
+
+def detect_environment(config: TunerConfig, argv: list[str], table: FlagTable, gpu: Any | None) -> dict[str, Any]:
+    """SGLang version, GPU name/count/size, driver and model: what a study refuses to mix."""
+    explicit = parse_argv(argv, table)
+    env: dict[str, Any] = {
+        "sglang_version": table.version,
+        "model": config.model.name or explicit.get("model_path"),
+        "gpu_count": int(explicit.get("tp_size") or 1) * int(explicit.get("pp_size") or 1),
+    }
+    if "--sim-gpu" in argv:
+        env["gpu_name"] = argv[argv.index("--sim-gpu") + 1]
+        env["driver_version"] = "simulated"
+    if gpu is not None and config.service.launcher == "systemd" or (gpu is not None and "gpu_name" not in env):
+        try:
+            snapshot = gpu.snapshot()
+        except TunerError:
+            snapshot = []
+        if snapshot:
+            env["gpu_name"] = snapshot[0].name
+            env["gpu_count"] = len(snapshot)
+            env["gpu_total_mib"] = min(g.total_mib for g in snapshot)
+        backend = getattr(gpu, "backend", None)
+        driver = getattr(backend, "driver_version", None)
+        if callable(driver):
+            driver = driver()
+        if driver:
+            env["driver_version"] = str(driver)
+    if "gpu_total_mib" not in env and env.get("gpu_name"):
+        from re import search
+
+        match = search(r"(\d+)GB", str(env["gpu_name"]))
+        if match:
+            env["gpu_total_mib"] = int(match.group(1)) * 1024
+    return env
+
+
+def tune(
+    config: TunerConfig,
+    *,
+    budget_s: float | None,
+    max_trials: int | None = None,
+    allow_mixed_environment: bool = False,
+    storage_url: str | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+) -> Any:
+    """``tuner run``: hold the service, run the study, put the service back as it was.
+
+    Args:
+        config: The validated config.
+        budget_s: Wall-clock budget (s), or ``None`` with ``max_trials``.
+        max_trials: Cap on trials in this run.
+        allow_mixed_environment: Add to a study recorded in another environment.
+        storage_url: Override of ``[storage] url``.
+        on_progress: Receives :class:`tuner.run.Progress` events.
+
+    Returns:
+        The :class:`tuner.run.RunSummary`.
+
+    Raises:
+        TunerError: Bad config, unit, storage or environment (nothing was changed then).
+        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored.
+
+    .. note:: Restarts the production service for every trial and restores it at the end, on
+       Ctrl-C, on SIGTERM and on any error.
+    """
+    from tuner.run import run_study
+
+    gpu = _gpu_monitor(config)
+    launcher = build_launcher(config, gpu=gpu)
+    argv = launcher.current_argv()
+    table = flag_table(config, argv)
+    environment = detect_environment(config, argv, table, gpu)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"tuner-{config.study.name}-"))
+    with launcher.session():
+        executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=work_dir, environment=environment)
+        return run_study(
+            config, executor, budget_s=budget_s, max_trials=max_trials,
+            allow_mixed_environment=allow_mixed_environment, storage_url=storage_url, on_progress=on_progress,
+        )
+
+
+def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None) -> str:
+    """``tuner run --dry-run``: the plan and the first candidate's launch, changing nothing."""
+    from tuner.budget import format_duration
+    from tuner.search import resolve_space
+
+    launcher = build_launcher(config, gpu=None)
+    argv = launcher.current_argv()
+    table = flag_table(config, argv)
+    explicit = parse_argv(argv, table)
+    baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
+    space = resolve_space(config.space, baseline)
+    workload = build_workload(config.workload, seed=config.study.seed)
+    budget = config.budget
+    per_trial = min(config.service.start_timeout_s / 3.0, 600.0) + budget.warmup_s + budget.measure_s + budget.stress_s
+    lines = [
+        f"study {config.study.name!r} in {config.storage_url()} (artifacts {config.artifacts_dir()})",
+        f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
+        f"SGLang flags of {table.version}",
+        f"workload: {workload.describe()}",
+        f"objectives: context capacity at {config.objective.context_tokens or workload.context_tokens} tokens, "
+        f"output throughput; best = {config.objective.policy} (tolerance {config.objective.capacity_tolerance:.0%})",
+        f"budget: {format_duration(budget_s) if budget_s else 'none'}, trials cap {max_trials or 'none'}, "
+        f"first-trial estimate {format_duration(per_trial)}"
+        + (f" → about {int(budget_s // per_trial)} trials" if budget_s else ""),
+        "space (baseline-derived ranges are widened once the baseline is measured):",
+    ]
+    for name, dist in space.distributions().items():
+        lines.append(f"  {name}: {dist}")
+    lines.append("first candidate: the baseline (the service's current flags), launched as:")
+    lines.append(launcher.dry_run(argv))
+    return "\n".join(lines)
+
+
+_SIM_STARTER = """\
+# Starter config for the simulated SGLang server (no GPU needed). `tuner run --config FILE --budget 3m`.
+[study]
+name = "sim"
+
+[service]
+launcher = "process"
+command = ["{python}", "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L40S-48GB",
+           "--mem-fraction-static", "0.80", "--host", "127.0.0.1", "--port", "30000",
+           "--sim-time-scale", "0.02", "--enable-metrics"]
+url = "http://127.0.0.1:30000"
+start_timeout_s = 60
+
+[workload]
+kind = "random"
+input_len = 3072
+output_len = 256
+
+[slo]
+ttft_ms = {{ p99 = 4000 }}
+itl_ms = {{ p99 = 200 }}
+
+[budget]
+warmup_s = 2
+measure_s = 8
+stress_s = 4
+"""
+
+_UNIT_STARTER = """\
+# Starter config read from {unit} ({when}). Check [workload] and [slo] against your traffic.
+[study]
+name = "{name}"
+
+[service]
+launcher = "systemd"
+unit = "{unit}"
+url = "{url}"
+{python_line}start_timeout_s = 1200
+
+[model]
+{model_line}
+[workload]
+# The longest contexts your users send matter most for context capacity.
+kind = "random"
+input_len = 8192
+output_len = 1024
+
+[slo]
+ttft_ms = {{ p99 = 10000 }}
+itl_ms = {{ p99 = 100 }}
+
+[budget]
+total = "4h"
+warmup_s = 30
+measure_s = 120
+stress_s = 60
+"""
+
+
+def starter_config(*, unit: str | None, sim: bool) -> str:
+    """A starter config: for the simulator, or read from a running systemd unit.
+
+    From a unit it reads ``ExecStart`` (the interpreter, ``--model-path``, ``--port``) and names the
+    Python that runs SGLang, so flags and version are introspected from the installed SGLang.
+
+    Raises:
+        LaunchError: The unit is unknown or its ExecStart unreadable.
+    """
+    import sys
+    from datetime import datetime, timezone
+
+    if sim or not unit:
+        return _SIM_STARTER.format(python=sys.executable)
+    from tuner.launch.unit import SystemdUnit
+
+    systemd_unit = SystemdUnit(unit)
+    systemd_unit.check_exists()
+    argv = list(systemd_unit.exec_command().argv)
+
+    def flag(name: str) -> str | None:
+        for i, word in enumerate(argv):
+            if word == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if word.startswith(name + "="):
+                return word.split("=", 1)[1]
+        return None
+
+    python = argv[0] if argv and "python" in Path(argv[0]).name else None
+    model = flag("--model-path") or flag("--model")
+    config_json = Path(model) / "config.json" if model else None
+    port = flag("--port") or "30000"
+    name = unit.removesuffix(".service").replace("@", "-")
+    return _UNIT_STARTER.format(
+        unit=unit, when=datetime.now(timezone.utc).date().isoformat(), name=name,
+        url=f"http://127.0.0.1:{port}",
+        python_line=f'python = "{python}"\n' if python else "",
+        model_line=(f'config_json = "{config_json}"\n' if config_json and config_json.exists() else "")
+        + (f'name = "{model}"\n' if model else ""),
+    )
