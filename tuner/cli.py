@@ -38,6 +38,128 @@ err_console = Console(stderr=True)
 
 # ---- run / init (issue: tuner run) ----------------------------------------------------------
 
+from pathlib import Path as _RunPath  # noqa: E402
+from typing import Annotated as _RunAnn  # noqa: E402
+
+
+def _print_best_vs_baseline(summary) -> None:  # noqa: ANN001 - tuner.run.RunSummary
+    from rich.table import Table
+
+    def fmt(value, spec: str = ".0f") -> str:  # noqa: ANN001
+        return "-" if value is None else format(value, spec)
+
+    console.print(
+        f"study [bold]{summary.study_name}[/] ({summary.storage_url}): {summary.trials_run} trial(s) launched, "
+        f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
+        + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
+        highlight=False,
+    )
+    base = summary.baseline[1] if summary.baseline else None
+    best = summary.best
+    if best is None:
+        console.print("no feasible trial yet: nothing beats the baseline (see `tuner trials`)")
+        return
+    table = Table(title=f"best (trial {best.number}) vs baseline"
+                  + (f" (trial {summary.baseline[0]})" if summary.baseline else ""))
+    for column in ("", "baseline", "best", "change"):
+        table.add_column(column, justify="right" if column else "left")
+    rows = [
+        ("context capacity (requests)", "context_capacity", "d"),
+        ("token capacity (tokens)", "token_capacity", "d"),
+        ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
+        ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
+        ("p99 ITL (ms)", "p99_itl_ms", ".1f"),
+        ("free after graphs (GiB)", "free_gib_after_graphs", ".2f"),
+    ]
+    for label, field, spec in rows:
+        old = getattr(base, field, None) if base else None
+        new = getattr(best.record, field, None)
+        change = f"{new / old:.2f}×" if old and new is not None and old > 0 else "-"
+        table.add_row(label, fmt(old, spec), fmt(new, spec), change)
+    console.print(table)
+    changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
+    console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
+    console.print(f"why: {best.reason}", highlight=False)
+
+
+class _RunProgress:
+    """Renders :class:`tuner.run.Progress` events: one line per trial, a live phase line."""
+
+    def __init__(self) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True)
+        self.task = self.progress.add_task("starting", total=None)
+
+    def __call__(self, event) -> None:  # noqa: ANN001
+        from tuner.budget import format_duration
+
+        eta = "" if event.eta_s is None or event.eta_s == float("inf") else f" · {format_duration(event.eta_s)} left"
+        of = f" of ~{event.expected}" if event.expected else ""
+        if event.event == "phase":
+            self.progress.update(self.task, description=f"trial {event.index}{of} · {event.phase}{eta}")
+        elif event.event in ("trial_end", "skip", "stop"):
+            self.progress.console.print(f"  {event.message}", highlight=False)
+        elif event.event == "trial_start":
+            self.progress.update(self.task, description=f"trial {event.index}{of} · starting{eta}")
+
+
+@app.command("run")
+def run_cmd(
+    config: _RunAnn[_RunPath, typer.Option("--config", "-c", help="The tuning config (TOML).")],
+    budget: _RunAnn[str | None, typer.Option("--budget", "-b", help="Wall-clock budget: 4h, 90m, 1h30m, 3m.")] = None,
+    trials: _RunAnn[int | None, typer.Option("--trials", "-n", min=1, help="Cap on trials in this run.")] = None,
+    dry_run: _RunAnn[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
+    storage: _RunAnn[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
+    allow_mixed_environment: _RunAnn[bool, typer.Option(
+        "--allow-mixed-environment", help="Add trials to a study recorded with another SGLang/GPU/driver/model.")] = False,
+) -> None:
+    """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
+    from tuner.budget import parse_duration_s
+    from tuner.config import load_config
+    from tuner.errors import ConfigError
+
+    cfg = load_config(config)
+    text = budget or cfg.budget.total
+    budget_s = parse_duration_s(text) if text else None
+    max_trials = trials or cfg.budget.trials
+    if budget_s is None and max_trials is None:
+        raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
+                          hint="pass e.g. --budget 4h")
+    from tuner import trial as trial_mod
+
+    if dry_run:
+        console.print(trial_mod.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
+        return
+    renderer = _RunProgress()
+    with renderer.progress:
+        summary = trial_mod.tune(cfg, budget_s=budget_s, max_trials=max_trials,
+                                 allow_mixed_environment=allow_mixed_environment, storage_url=storage,
+                                 on_progress=renderer)
+    console.print("service restored to its original flags", highlight=False)
+    _print_best_vs_baseline(summary)
+
+
+@app.command("init")
+def init_cmd(
+    output: _RunAnn[_RunPath, typer.Option("--output", "-o", help="Where to write the config.")] = _RunPath("tuner.toml"),
+    unit: _RunAnn[str | None, typer.Option("--unit", help="Read a running systemd unit (ExecStart, model, GPU, version).")] = None,
+    sim: _RunAnn[bool, typer.Option("--sim", help="Write a config for the simulated server instead.")] = False,
+    force: _RunAnn[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a starter config from a running unit (--unit sglang.service) or for the simulator (--sim)."""
+    from tuner.errors import ConfigError
+    from tuner.trial import starter_config
+
+    if output.exists() and not force:
+        raise ConfigError(f"{output} already exists", hint="pass --force to overwrite it, or --output another file")
+    if not unit and not sim:
+        raise ConfigError("tell init what to tune", hint="pass --unit sglang.service or --sim")
+    text = starter_config(unit=unit, sim=sim)
+    output.write_text(text, encoding="utf-8")
+    console.print(f"wrote {output}; check [workload] and [slo], then `tuner run --config {output} --dry-run`",
+                  highlight=False)
+
 # ---- trials / show / best / studies / report / dashboard / apply / applies (issue: history) -
 
 from pathlib import Path as _Path  # noqa: E402
