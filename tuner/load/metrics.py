@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tuner.errors import ConfigError
 
@@ -103,10 +103,11 @@ class SLO(BaseModel):
                 ) from err
         try:
             return cls(**{f"{m}_ms": v for m, v in limits.items()})
-        except ValueError as err:
-            first = str(err).splitlines()[2].strip() if len(str(err).splitlines()) > 2 else str(err)
+        except ValidationError as err:
+            reason = err.errors()[0]["msg"].removeprefix("Value error, ")
             raise ConfigError(
-                f"SLO {text!r} is invalid: {first}", hint="use percentiles mean, p50, p90, p95, p99, max and limits > 0"
+                f"SLO {text!r} is invalid: {reason}",
+                hint="fix --slo: percentiles mean, p50, p90, p95, p99, max; limits > 0 ms",
             ) from err
 
     def items(self) -> list[tuple[str, str, float]]:
@@ -342,7 +343,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
         for key, value in _stats(np.asarray(values, dtype=float)).items():
             fields[f"{key}_{name}_ms"] = value
-    reporting = [r for r in done if r.prompt_tokens is not None and r.cached_tokens is not None]
+    # /v1/completions reports cached_tokens only when > 0 (§5.3): once any request reported it,
+    # a request that did not had no hit.
+    any_cached = any(r.cached_tokens is not None for r in done)
+    reporting = [r for r in done if r.prompt_tokens is not None and any_cached]
     prompt_total = sum(r.prompt_tokens or 0 for r in reporting)
     cached_total = sum(r.cached_tokens or 0 for r in reporting)
     fields.update(

@@ -200,6 +200,7 @@ class _Run:
         self.phase_sent: dict[str, int] = {}
         self.phase_start: dict[str, float] = {}
         self.exhausted = False
+        self.pending = 0
         self.fatal: str | None = None
         self.probing = False
         self.t0 = 0.0
@@ -213,11 +214,13 @@ class _Run:
         if self.exhausted:
             return None
         try:
-            return next(self.requests)
+            request = next(self.requests)
         except StopIteration:
+            # The window ends once every request taken so far has been sent (see execute()).
             self.exhausted = True
-            self.plan.end_measure(self.now())
             return None
+        self.pending += 1
+        return request
 
     async def _after(self, request: Request) -> None:
         if request.after is not None:
@@ -226,6 +229,7 @@ class _Run:
 
     def _claim_phase(self) -> Phase | None:
         t = self.now()
+        self.pending -= 1
         phase = self.plan.phase_for_send(t)
         if phase is not None:
             self.sent += 1
@@ -382,6 +386,8 @@ class _Run:
                 await asyncio.sleep(_POLL_S)
                 t = self.now()
                 self.plan.advance(t)
+                if self.exhausted and self.pending == 0:
+                    self.plan.end_measure(t)
                 if t >= next_tick:
                     stats = self._live(t, last_tokens, last_completed, t - last_tick)
                     self.live.append(stats)

@@ -337,7 +337,11 @@ def _read_trace(path: Path) -> list[_TraceRow]:
         try:
             rows.append(_TraceRow.model_validate(orjson.loads(line)))
         except (orjson.JSONDecodeError, ValidationError) as err:
-            first = str(err).splitlines()[-1 if isinstance(err, orjson.JSONDecodeError) else 2].strip()
+            if isinstance(err, ValidationError):
+                problem = err.errors()[0]
+                first = f"{'.'.join(map(str, problem['loc'])) or 'row'}: {problem['msg']}"
+            else:
+                first = f"not JSON ({err})"
             raise LoadError(
                 f"trace {path} line {number} is invalid: {first}",
                 hint="each line must be a JSON object with timestamp_s, input_len, output_len",

@@ -1,0 +1,140 @@
+"""run_load against a real SSE server process on 127.0.0.1: pacing, phases, stops, failures."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from tuner.errors import LoadError
+from tuner.load import (
+    SLO,
+    LiveStats,
+    MultiTurnSpec,
+    RandomSpec,
+    SharedPrefixSpec,
+    arrival_offsets_s,
+    build_workload,
+    run_load_sync,
+)
+
+
+def _max_in_flight(records: list) -> int:
+    events = sorted([(r.send_time_s, 1) for r in records] + [(r.end_time_s, -1) for r in records],
+                    key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def test_closed_loop_runs_every_request_with_server_counts(sse_url: str) -> None:
+    wl = build_workload(RandomSpec(input_len=64, output_len=12, num_requests=30), seed=1)
+    result = run_load_sync(sse_url, wl, concurrency=4, slo=SLO(ttft_ms={"p99": 60_000}))
+    s = result.summary
+    assert (s.completed, s.errored, s.incomplete) == (30, 0, 0) and not result.partial
+    assert s.total_input_tokens == 30 * 64 and s.total_output_tokens == 30 * 12
+    assert all(r.prompt_tokens == 64 and r.completion_tokens == 12 and r.finish_reason == "length" for r in result.records)
+    assert all(sum(r.chunk_tokens) == 12 and r.server_rid for r in result.records)
+    assert _max_in_flight(result.records) <= 4
+    assert s.slo_met is True and s.slo_attainment == 1.0 and s.goodput == pytest.approx(s.request_throughput)
+    assert s.concurrency == pytest.approx(sum(r.e2e_latency_s for r in result.records) / s.duration)
+
+
+def test_phases_window_and_max_requests(sse_url: str) -> None:
+    wl = build_workload(RandomSpec(input_len=16, output_len=5), seed=2)
+    ticks: list[LiveStats] = []
+    result = run_load_sync(sse_url, wl, concurrency=3, warmup_s=0.3, duration_s=1.2, on_tick=ticks.append, tick_s=0.25)
+    names = [p.name for p in result.phases]
+    assert names[:2] == ["warmup", "measure"]
+    measure = result.phases[1]
+    measured = result.measured()
+    assert measured and result.summary.completed == len(measured)
+    assert all(measure.start_s - 1e-6 <= r.send_time_s <= 0.3 + 1.2 + 0.1 for r in measured)
+    assert all(r.send_time_s < 0.3 + 1e-6 for r in result.records if r.phase == "warmup")
+    assert ticks and ticks[-1].sent >= len(measured) and {t.phase for t in ticks} >= {"measure"}
+    counted = run_load_sync(sse_url, wl, concurrency=3, max_requests=7)
+    assert len(counted.measured()) == 7 and counted.summary.completed == 7
+
+
+def test_open_loop_follows_arrival_offsets_and_endless_needs_a_stop(sse_url: str) -> None:
+    offsets = list(zip(range(4000), arrival_offsets_s(100.0, burstiness=1.0, seed=5)))
+    gaps = np.diff([t for _, t in offsets])
+    assert gaps.mean() == pytest.approx(0.01, rel=0.1) and gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.15)
+    steady = np.diff([t for _, t in zip(range(4000), arrival_offsets_s(100.0, burstiness=4.0, seed=5))])
+    assert steady.std() / steady.mean() == pytest.approx(0.5, rel=0.15)
+    wl = build_workload(RandomSpec(input_len=16, output_len=4), seed=3)
+    result = run_load_sync(sse_url, wl, rate=40.0, max_requests=12, seed=5)
+    sends = sorted(r.send_time_s for r in result.records)
+    planned = [t for _, t in zip(range(12), arrival_offsets_s(40.0, seed=5))]
+    assert len(sends) == 12 and all(s >= p - 0.005 for s, p in zip(sends, planned))
+    with pytest.raises(LoadError, match="endless"):
+        run_load_sync(sse_url, wl, rate=10.0)
+    with pytest.raises(LoadError, match="--concurrency"):
+        run_load_sync(sse_url, build_workload(RandomSpec(num_requests=2), seed=0))
+
+
+def test_multi_turn_waits_for_previous_turn_and_reuses_prefix(sse_url: str) -> None:
+    wl = build_workload(MultiTurnSpec(num_sessions=3, turns=3, first_input_len=128, turn_input_len=64, output_len=4), seed=4)
+    result = run_load_sync(sse_url, wl, concurrency=8)
+    by_rid = {r.rid: r for r in result.records}
+    assert len(by_rid) == 9 and result.summary.completed == 9
+    for s in range(3):
+        for t in (1, 2):
+            later, earlier = by_rid[f"multi_turn-0-s{s}-t{t}"], by_rid[f"multi_turn-0-s{s}-t{t - 1}"]
+            assert later.send_time_s >= earlier.end_time_s
+            assert later.cached_tokens >= 128  # the server's block cache hit the previous prompt
+    assert result.summary.cache_hit_rate > 0.4
+
+
+def test_completions_api_reads_usage_and_cached_tokens(sse_url: str) -> None:
+    spec = SharedPrefixSpec(num_groups=2, prompts_per_group=4, system_prompt_len=256, question_len=64, output_len=6)
+    result = run_load_sync(sse_url, build_workload(spec, seed=1), concurrency=1, api="completions")
+    assert result.summary.completed == 8
+    assert all(r.prompt_tokens == 320 and r.completion_tokens == 6 for r in result.records)
+    # Sequential: each group's first request misses, the other three hit the 256-token prefix.
+    assert result.summary.cache_hit_rate == pytest.approx(6 * 256 / (8 * 320))
+
+
+def test_on_tick_true_stops_promptly(start_server) -> None:
+    slow = start_server("--ttft-ms", "5", "--itl-ms", "50")
+    wl = build_workload(RandomSpec(input_len=16, output_len=2000), seed=0)
+    started = time.monotonic()
+    result = run_load_sync(slow.url, wl, concurrency=5, duration_s=120, on_tick=lambda s: s.elapsed_s >= 0.5, tick_s=0.25)
+    assert time.monotonic() - started < 30  # a bound against hanging, not a speed target
+    assert result.stopped_early and result.stop_reason == "stopped by on_tick"
+    assert result.summary.incomplete == 5 and result.summary.completed == 0
+
+
+def test_server_down_or_wrong_url_is_one_line_load_error(sse_url: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]
+    wl = build_workload(RandomSpec(input_len=8, output_len=2, num_requests=1), seed=0)
+    with pytest.raises(LoadError) as info:
+        run_load_sync(f"http://127.0.0.1:{closed_port}", wl, concurrency=1, check_timeout_s=10)
+    assert "cannot connect" in str(info.value) and "--url" in str(info.value)
+    with pytest.raises(LoadError) as info:
+        run_load_sync(sse_url + "/not-sglang", wl, concurrency=1)
+    assert "404" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(LoadError, match="not an http"):
+        run_load_sync("127.0.0.1:30000", wl, concurrency=1)
+
+
+def test_server_crash_mid_run_ends_promptly_with_partial_results(start_server) -> None:
+    server = start_server("--ttft-ms", "5", "--itl-ms", "20")
+    wl = build_workload(RandomSpec(input_len=16, output_len=500), seed=0)
+
+    def crash(stats: LiveStats) -> None:
+        if stats.elapsed_s >= 0.6:
+            server.kill()
+
+    started = time.monotonic()
+    result = run_load_sync(server.url, wl, concurrency=6, duration_s=120, on_tick=crash, tick_s=0.2)
+    assert time.monotonic() - started < 30  # never hangs on a dead server
+    assert result.partial and "server" in (result.stop_reason or "")
+    assert result.summary.completed == 0 and result.summary.errored + result.summary.incomplete >= 6
+    assert any(r.error_kind in ("disconnect", "connect") for r in result.records)
