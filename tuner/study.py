@@ -112,9 +112,7 @@ def make_sampler(kind: str, seed: int) -> BaseSampler:
     return TPESampler(
         seed=seed,
         multivariate=True,
-        group=True,
         n_startup_trials=4,
-        warn_independent_sampling=False,
     )
 
 

@@ -1,0 +1,106 @@
+"""Study plumbing on a real SQLite storage: telling records, resume, environments, best, budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tuner.budget import Budget
+from tuner.errors import StudyError
+from tuner.records import TrialRecord
+from tuner.sglang.failures import FailureClass
+from tuner.study import (
+    KIND_ATTR,
+    check_environment,
+    choose_best,
+    make_sampler,
+    open_storage,
+    open_study,
+    records,
+    recover_interrupted,
+    tell_record,
+)
+
+OK = {"oom_or_crash": -1.0, "slo": -0.2, "stress": -1.0}
+
+
+def _study(tmp_path: Path) -> optuna.Study:
+    return open_study("s", open_storage(f"sqlite:///{tmp_path}/s.db"), make_sampler("tpe", 0))
+
+
+
+def test_failed_start_is_complete_with_violated_constraint_and_skips_are_pruned(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    ok = TrialRecord(params={"mem_fraction_static": 0.88}, outcome="ok", context_capacity=4,
+                     output_throughput_tok_s=900.0, constraints=OK, feasible=True)
+    failed = TrialRecord(params={"mem_fraction_static": 0.97}, outcome="failed",
+                         failure_class=FailureClass.CUDA_GRAPH_OOM, failure_evidence="Capture cuda graph failed",
+                         constraints={"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0})
+    skipped = TrialRecord(params={"mem_fraction_static": 0.98}, outcome="skipped", skipped_reason="must fail",
+                          proved_by_trial=1, constraints={"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0})
+    for record in (ok, failed, skipped):
+        tell_record(study, study.ask(), record)
+    again = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db")
+    states = [t.state for t in again.trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
+    assert again.trials[0].values == [4.0, 900.0]
+    assert again.trials[1].values == [0.0, 0.0]
+    assert again.trials[1].constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0}
+    assert again.trials[0].constraints["slo"] == -0.2
+    stored = records(again)
+    assert [r.failure_class for _, r in stored] == [None, FailureClass.CUDA_GRAPH_OOM, None]
+    assert stored[2][1].proved_by_trial == 1
+
+
+def test_recover_interrupted_marks_fail_and_reenqueues(tmp_path: Path) -> None:
+    study = _study(tmp_path)
+    tell_record(study, study.ask(), TrialRecord(outcome="ok", constraints=OK, feasible=True, context_capacity=1))
+    running = study.ask()
+    running._suggest("mem_fraction_static", optuna.distributions.FloatDistribution(0.5, 0.99))  # noqa: SLF001
+    params = dict(running.params)
+    # A new process (the killed run is gone) opens the same storage.
+    resumed = _study(tmp_path)
+    assert recover_interrupted(resumed) == [1]
+    assert resumed.trials[1].state == TrialState.FAIL
+    waiting = resumed.get_trials(states=(TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].user_attrs[KIND_ATTR] == "enqueued"
+    nxt = resumed.ask()
+    value = nxt._suggest("mem_fraction_static", optuna.distributions.FloatDistribution(0.5, 0.99))  # noqa: SLF001
+    assert value == params["mem_fraction_static"]
+    assert resumed.trials[0].state == TrialState.COMPLETE
+
+
+def test_environment_mismatch_refused_unless_allowed() -> None:
+    stored = {"sglang_version": "0.5.5", "gpu_name": "H100", "model": "m"}
+    check_environment(stored, dict(stored), allow_mixed=False)
+    with pytest.raises(StudyError, match="sglang_version"):
+        check_environment(stored, {**stored, "sglang_version": "0.5.10"}, allow_mixed=False)
+    check_environment(stored, {**stored, "sglang_version": "0.5.10"}, allow_mixed=True)
+
+
+def _rec(cap: int, tput: float, feasible: bool = True) -> TrialRecord:
+    return TrialRecord(outcome="ok", context_capacity=cap, output_throughput_tok_s=tput, feasible=feasible,
+                       constraints=OK if feasible else {"oom_or_crash": -1, "slo": 0.5, "stress": -1})
+
+
+def test_best_policies() -> None:
+    finished = [(0, _rec(10, 500.0)), (1, _rec(20, 400.0)), (2, _rec(19, 450.0)), (3, _rec(30, 900.0, False))]
+    best = choose_best(finished, policy="throughput_within_capacity", capacity_tolerance=0.05)
+    assert best is not None and best.number == 2 and "within 5%" in best.reason
+    assert choose_best(finished, policy="max_capacity").number == 1
+    assert choose_best(finished, policy="max_throughput").number == 0
+    assert choose_best([(3, _rec(30, 900.0, False))]) is None
+
+
+def test_budget_estimate_and_fit() -> None:
+    now = [0.0]
+    budget = Budget(600.0, clock=lambda: now[0])
+    assert Budget.estimate([], prior_s=120.0).source == "prior"
+    estimate = Budget.estimate([100.0, 5.0, 110.0, 120.0], prior_s=999.0)
+    assert estimate.source == "history" and 100.0 <= estimate.seconds <= 120.0
+    now[0] = 500.0
+    assert budget.fits(90.0) and not budget.fits(110.0)
+    assert budget.trials_left(50.0) == 2
