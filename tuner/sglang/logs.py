@@ -221,6 +221,7 @@ class LogReport(BaseModel):
         scheduler: The scheduler line, if logged.
         host_pool_gb: HiCache host pool per rank in decimal GB (§7, §4.2 item 9).
         host_pool_tokens: HiCache host pool in tokens (0.5.23 line only).
+        host_pool_ranks: The ranks that logged a host-pool allocation (each allocates its own, §7).
         ready: ``The server is fired up and ready to roll!`` was seen.
         retractions: Every retraction line.
         batches: The last batch lines (bounded); ``batch_summary`` covers all of them.
@@ -248,6 +249,7 @@ class LogReport(BaseModel):
     scheduler: SchedulerInfo | None = None
     host_pool_gb: float | None = None
     host_pool_tokens: int | None = None
+    host_pool_ranks: list[str] = Field(default_factory=list)
     ready: bool = False
     retractions: list[Retraction] = Field(default_factory=list)
     batches: list[BatchLine] = Field(default_factory=list)
@@ -524,6 +526,7 @@ class LogWatcher:
             scheduler=SchedulerInfo(**self._scheduler) if self._scheduler else None,
             host_pool_gb=self._fields.get("host_pool_gb"),
             host_pool_tokens=self._fields.get("host_pool_tokens"),
+            host_pool_ranks=list(self._fields.get("host_pool_ranks", [])),
             ready=self.ready,
             retractions=list(self._retractions),
             batches=list(self._batches),
@@ -630,11 +633,13 @@ class LogWatcher:
         if m := _P["host_pool_old"].search(msg):
             self._phase = "host_pool"
             self._fields.setdefault("host_pool_gb", float(m.group(1)))
+            self._host_rank(rank)
             return True
         if m := _P["host_pool_new"].search(msg):
             self._phase = "host_pool"
             self._fields.setdefault("host_pool_tokens", int(m.group(1)))
             self._fields.setdefault("host_pool_gb", float(m.group(2)))
+            self._host_rank(rank)
             return True
         if _P["ready"].search(msg):
             self.ready = True
@@ -679,6 +684,11 @@ class LogWatcher:
             self._command_flags(msg)
             return known or "sglang" in msg
         return known
+
+    def _host_rank(self, rank: str | None) -> None:
+        ranks = self._fields.setdefault("host_pool_ranks", [])
+        if (rank or "") not in ranks:
+            ranks.append(rank or "")
 
     def _capture(self, rank: str | None, name: str, body: str, *, end: bool) -> None:
         lname = name.lower()

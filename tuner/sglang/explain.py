@@ -1,0 +1,749 @@
+"""``tuner explain``: where a server's GPU memory went, what limits capacity, what would change it.
+
+One concept: an :class:`Explanation` built from what SGLang itself reported (a log, a unit's
+journal, a running server's ``/get_server_info``) and, optionally, the model's ``config.json``.
+It holds the memory waterfall (``shared/sglang-reference.md`` §1.2, §1.6, §4.2), the capacity
+limit (§2.3, §8), predictions at other fractions (§1.8, :mod:`tuner.sglang.memory`) and the known
+traps with their evidence. ``--json`` prints :meth:`Explanation.model_dump`; the schema is in
+``docs/explain-schema.md``. :func:`renderables` gives the rich text view the CLI prints.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import subprocess
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from tuner.errors import LogError
+from tuner.sglang.client import ServerInfo
+from tuner.sglang.failures import Failure, FailureClass
+from tuner.sglang.logs import LogReport, parse_log_bytes
+from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, max_req_input_len, req_to_token_gib
+from tuner.sglang.modelconfig import ModelArch
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Setting",
+    "WaterfallStep",
+    "RequestFit",
+    "Capacity",
+    "Prediction",
+    "Trap",
+    "Explanation",
+    "explain",
+    "read_journal",
+    "renderables",
+]
+
+SCHEMA_VERSION = 1
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+IDLE_RESERVE_GIB = 2.0
+"""Free memory after graphs above which the reserve is called idle (activations of one chunk of
+a few thousand tokens take well under this on the GPUs of §2.1; the tuner measures the peak)."""
+
+
+class Setting(BaseModel):
+    """One server setting with where its value came from."""
+
+    model_config = _FROZEN
+
+    value: Any
+    source: str
+    """``log:scheduler``, ``log:server_args``, ``server_info``, ``model_config``, ``derived``, ``cli``."""
+
+
+class WaterfallStep(BaseModel):
+    """One line of the memory waterfall (per GPU, GiB = 2^30 bytes)."""
+
+    model_config = _FROZEN
+
+    item: str
+    """``baseline_free``, ``weights``, ``kv_pool``, ``other_static``, ``reserve``,
+    ``req_to_token``, ``cuda_graphs``, ``draft_model``, ``other_reserve``, ``free_after_graphs``."""
+    label: str
+    gib: float | None
+    tokens: int | None = None
+    source: str
+    note: str | None = None
+
+
+class RequestFit(BaseModel):
+    """How many requests of one length are resident at once (design: context capacity)."""
+
+    model_config = _FROZEN
+
+    request_tokens: int
+    resident_requests: int
+    limited_by: Literal["kv_pool", "max_running_requests"]
+
+
+class Capacity(BaseModel):
+    """What limits concurrent context capacity."""
+
+    model_config = _FROZEN
+
+    max_total_num_tokens: int | None
+    effective_max_running_requests: int | None
+    context_len: int | None
+    max_req_input_len: int | None
+    kv_bound_above_tokens: float | None
+    """Requests longer than ``max_total_num_tokens / max_running_requests`` are limited by the KV
+    pool, shorter ones by max_running_requests."""
+    limit: Literal["kv_pool", "max_running_requests", "unknown"]
+    statement: str
+    fits: list[RequestFit] = Field(default_factory=list)
+
+
+class Prediction(BaseModel):
+    """Predicted pool and headroom at one ``mem_fraction_static``."""
+
+    model_config = _FROZEN
+
+    mem_fraction_static: float
+    max_total_num_tokens: int
+    delta_tokens: int | None
+    kv_pool_gib: float
+    free_after_graphs_gib: float | None
+    starts: bool
+    note: str | None = None
+
+
+class Trap(BaseModel):
+    """A known trap that applies, with its evidence."""
+
+    model_config = _FROZEN
+
+    id: str
+    """``fraction_misread``, ``idle_reserve``, ``cuda_graph_bs_below_max_running_requests``,
+    ``hicache_per_rank``, ``speculative_max_running_requests_48``, ``max_total_tokens_cap``,
+    ``context_exceeds_pool``, ``retractions``, ``max_running_requests_reduced``, ``failure``."""
+    severity: Literal["info", "warning", "error"]
+    title: str
+    detail: str
+    evidence: list[str] = Field(default_factory=list)
+    fix: str | None = None
+
+
+class Explanation(BaseModel):
+    """Everything ``tuner explain`` says; ``--json`` prints this (``docs/explain-schema.md``)."""
+
+    model_config = _FROZEN
+
+    schema_version: int = SCHEMA_VERSION
+    sources: list[str]
+    sglang_version: str | None
+    log_format: str | None
+    state: Literal["ready", "failed", "starting", "unknown"]
+    failure: Failure | None
+    settings: dict[str, Setting]
+    waterfall: list[WaterfallStep]
+    capacity: Capacity
+    model: dict[str, Any] | None
+    predictions: list[Prediction]
+    traps: list[Trap]
+    findings: list[str]
+    warnings: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def read_journal(unit: str, *, journalctl: str = "journalctl", timeout_s: float = 60.0) -> LogReport:
+    """Read a systemd unit's journal and parse it (the last start in it is reported).
+
+    Args:
+        unit: The unit name (``sglang`` or ``sglang.service``).
+        journalctl: The journalctl command prefix, e.g. ``"nsenter -t PID -m -p journalctl"``;
+            ``-u UNIT -o short-iso --no-pager`` is appended.
+        timeout_s: Limit for the command.
+
+    Returns:
+        The parsed report.
+
+    Raises:
+        LogError: The command is missing, failed, timed out, or printed no SGLang line.
+    """
+    cmd = [*shlex.split(journalctl), "-u", unit, "-o", "short-iso", "--no-pager"]
+    source = f"`{' '.join(cmd)}`"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
+    except FileNotFoundError as err:
+        raise LogError(f"cannot run {cmd[0]}: not found", hint="install systemd's journalctl or pass --journalctl COMMAND / --log FILE") from err
+    except subprocess.TimeoutExpired as err:
+        raise LogError(f"{source} took longer than {timeout_s:.0f} s", hint="pass --log FILE with an exported journal") from err
+    if proc.returncode != 0:
+        last = (proc.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        raise LogError(f"{source} failed: {last}", hint="check the unit name and your permission to read its journal")
+    return parse_log_bytes(proc.stdout, source=f"journal of unit {unit}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembly
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_num(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    t = text.strip().strip("'\"")
+    if t in ("None", "null", ""):
+        return None
+    if t in ("True", "False"):
+        return t == "True"
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return t
+
+
+_ARG_ALIASES = {"tensor_parallel_size": "tp_size", "tp": "tp_size", "cuda_graph_max_bs_decode": "cuda_graph_max_bs", "model": "model_path"}
+_SETTING_KEYS = (
+    "mem_fraction_static", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "context_length",
+    "cuda_graph_max_bs", "page_size", "tp_size", "dp_size", "kv_cache_dtype", "speculative_algorithm",
+    "speculative_num_draft_tokens", "max_total_tokens", "enable_hierarchical_cache", "hicache_size", "hicache_ratio",
+    "disable_radix_cache", "model_path",
+)
+
+
+def _settings(report: LogReport | None, info: ServerInfo | None, overrides: dict[str, Any]) -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    if report is not None:
+        for key, raw in report.server_args.items():
+            name = _ARG_ALIASES.get(key, key)
+            if name in _SETTING_KEYS and _to_num(raw) is not None:
+                out[name] = Setting(value=_to_num(raw), source="log:server_args")
+    if info is not None:
+        for name in _SETTING_KEYS:
+            value = getattr(info, name, None)
+            if value is not None:
+                out[name] = Setting(value=value, source="server_info")
+    for key, value in overrides.items():
+        if value is not None:
+            out[key] = Setting(value=value, source="cli")
+    return out
+
+
+def _val(settings: dict[str, Setting], key: str) -> Any:
+    s = settings.get(key)
+    return s.value if s is not None else None
+
+
+def explain(
+    report: LogReport | None = None,
+    *,
+    info: ServerInfo | None = None,
+    model: ModelArch | None = None,
+    sources: Sequence[str] = (),
+    mem_fraction_static: float | None = None,
+    fractions: Sequence[float] | None = None,
+) -> Explanation:
+    """Explain one server start.
+
+    Args:
+        report: A parsed log (file, journal), if any.
+        info: ``/get_server_info`` of the running server, if any.
+        model: The model's architecture, for the KV cell size (otherwise derived from the logged
+            KV size / token count).
+        sources: Descriptions of the inputs, for the output.
+        mem_fraction_static: The fraction, when neither the log nor the server says it.
+        fractions: Fractions to predict (default: around the current one).
+
+    Returns:
+        The :class:`Explanation`.
+
+    Raises:
+        LogError: Neither a log nor server info was given.
+    """
+    if report is None and info is None:
+        raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
+    settings = _settings(report, info, {"mem_fraction_static": mem_fraction_static})
+    findings: list[str] = []
+    warnings = list(report.warnings) if report else []
+    prim = report.primary() if report else None
+    sched = report.scheduler if report else None
+
+    # -- facts -------------------------------------------------------------------------------
+    tokens = (report.max_total_num_tokens if report else None) or (info.max_total_num_tokens if info else None)
+    if sched and sched.max_running_requests is not None:
+        settings["effective_max_running_requests"] = Setting(value=sched.max_running_requests, source="log:scheduler")
+    elif info and info.effective_max_running_requests is not None:
+        settings["effective_max_running_requests"] = Setting(value=info.effective_max_running_requests, source="server_info")
+    if sched and sched.context_len is not None:
+        settings["context_len"] = Setting(value=sched.context_len, source="log:scheduler")
+    elif _val(settings, "context_length") is not None:
+        settings["context_len"] = Setting(value=_val(settings, "context_length"), source=settings["context_length"].source)
+    elif model and model.max_position_embeddings:
+        settings["context_len"] = Setting(value=model.max_position_embeddings, source="model_config")
+    if sched and sched.chunked_prefill_size is not None:
+        settings["chunked_prefill_size"] = Setting(value=sched.chunked_prefill_size, source="log:scheduler")
+    if prim and prim.cuda_graph_max_bs is not None:
+        settings["cuda_graph_max_bs"] = Setting(value=prim.cuda_graph_max_bs, source="log:capture bs list")
+    mrr = _val(settings, "effective_max_running_requests")
+    ctx = _val(settings, "context_len")
+    tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
+    page = _val(settings, "page_size") or 1
+
+    # -- fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed) ---------------------
+    mfs = _val(settings, "mem_fraction_static")
+    baseline = min((r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None), default=None) if report else None
+    if mfs is None and prim and baseline and prim.weight_gib is not None and prim.kv_pool_gib is not None:
+        mfs = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
+        settings["mem_fraction_static"] = Setting(value=mfs, source="derived")
+        findings.append(
+            f"mem_fraction_static is not in the input; (weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / "
+            f"baseline {baseline:.2f} GiB gives ≈{mfs:.3f} (assumes nothing else was allocated before profiling)."
+        )
+
+    # -- cell size -------------------------------------------------------------------------------
+    cell: int | None = None
+    cell_source = None
+    if model is not None:
+        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"),
+                               version=(info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")),
+                               speculative_algorithm=_val(settings, "speculative_algorithm"))
+        cell_source = "model_config"
+    if prim and tokens and prim.kv_pool_gib is not None:
+        logged_cell = prim.kv_pool_gib * GIB / (tokens + page)
+        if cell is None:
+            cell, cell_source = int(round(logged_cell)), "log:KV size / #tokens"
+        elif abs(logged_cell - cell) / cell > 0.02:
+            warnings.append(f"the KV cell from the model config ({cell} B/token) differs from the logged one ({logged_cell:.0f} B/token); check --model-config and --tp")
+    elif info and tokens and info.kvcache_gib and cell is None:
+        cell, cell_source = int(round(info.kvcache_gib * GIB / (tokens + page))), "server_info:kvcache / token_capacity"
+
+    # -- capacity model --------------------------------------------------------------------------
+    kv_model: KVCapacityModel | None = None
+    cap = _val(settings, "max_total_tokens")
+    if mfs is not None and cell and report is not None and prim is not None:
+        try:
+            kv_model = KVCapacityModel.from_report(report, cell, float(mfs), max_total_tokens=cap)
+        except LogError as err:
+            warnings.append(f"memory model not calibrated: {err.message}")
+    if kv_model is None and info is not None and mfs and cell and info.weight_gib is not None and info.kvcache_gib is not None and tokens:
+        base = (info.weight_gib + info.kvcache_gib) / float(mfs)
+        kv_model = KVCapacityModel(baseline_gib=base, static_gib=float(mfs) * base - tokens * cell / GIB, weight_gib=info.weight_gib,
+                                   cell_bytes=cell, source="server_info", observed_mem_fraction_static=float(mfs), observed_tokens=tokens,
+                                   observed_free_after_graphs_gib=info.startup_available_gib, observed_graph_gib=info.graph_gib, max_total_tokens=cap)
+        findings.append(f"baseline {base:.2f} GiB derived from server info as (weight + kvcache) / mem_fraction_static (no log given).")
+
+    waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
+    capacity = _capacity(tokens, mrr, ctx)
+    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions)
+    traps = _traps(report, info, kv_model, settings, tokens, mrr, ctx, mfs, tp, prim)
+    findings += _findings(kv_model, capacity, mfs, traps)
+
+    failure = report.failure if report else None
+    state: Literal["ready", "failed", "starting", "unknown"]
+    if failure is not None:
+        state = "failed"
+    elif (report and report.ready) or info is not None:
+        state = "ready"
+    elif report and report.ranks:
+        state = "starting"
+    else:
+        state = "unknown"
+    model_out = None
+    if kv_model is not None:
+        model_out = {
+            "source": kv_model.source, "baseline_gib": round(kv_model.baseline_gib, 3), "static_gib": round(kv_model.static_gib, 3),
+            "weight_gib": kv_model.weight_gib, "cell_bytes": kv_model.cell_bytes, "cell_source": cell_source,
+            "tokens_per_hundredth": round(kv_model.tokens_per_hundredth()), "gib_per_hundredth": round(kv_model.baseline_gib / 100, 3),
+            "min_fraction": round(kv_model.min_fraction(page_size=page), 4),
+        }
+    elif cell:
+        model_out = {"source": None, "cell_bytes": cell, "cell_source": cell_source}
+    return Explanation(
+        sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
+        state=state, failure=failure, settings=settings, waterfall=waterfall, capacity=capacity, model=model_out,
+        predictions=predictions, traps=traps, findings=findings, warnings=warnings,
+    )
+
+
+def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,
+               mrr: int | None, ctx: int | None, mfs: float | None) -> list[WaterfallStep]:
+    steps: list[WaterfallStep] = []
+    prim = report.primary() if report else None
+    add = steps.append
+    if m is not None:
+        add(WaterfallStep(item="baseline_free", label="free GPU memory at the baseline (B, min over ranks)", gib=round(m.baseline_gib, 2),
+                          source="log:Load weight begin" if m.source == "log" else m.source))
+    if prim and prim.baseline_gib is not None:
+        add(WaterfallStep(item="distributed_init", label="taken by distributed init (already outside B)", gib=prim.baseline_gib, source="log:Init torch distributed / Memory baseline"))
+    weight = prim.weight_gib if prim and prim.weight_gib is not None else (info.weight_gib if info else None)
+    if weight is not None:
+        add(WaterfallStep(item="weights", label="weights (W)", gib=weight, source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
+    kv = prim.kv_pool_gib if prim and prim.kv_pool_gib is not None else (info.kvcache_gib if info else None)
+    if kv is not None or tokens is not None:
+        add(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=tokens, source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info"))
+    if m is not None and mfs is not None and weight is not None and kv is not None:
+        other = mfs * m.baseline_gib - weight - kv
+        add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
+                          note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
+    if m is not None and mfs is not None:
+        add(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
+                          note="everything below comes out of this"))
+    if mrr and ctx:
+        add(WaterfallStep(item="req_to_token", label=f"req_to_token table ({mrr} × ({ctx} + 4) × 4 B)", gib=round(req_to_token_gib(mrr, ctx), 2), source="derived"))
+    if prim and prim.graph_gib is not None:
+        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=prim.graph_gib, source="log:Capture ... end"))
+    elif info and info.graph_gib is not None:
+        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=info.graph_gib, source="server_info"))
+    if prim and prim.draft is not None:
+        d = prim.draft
+        total = sum(x for x in (d.weight_gib, d.kv_pool_gib, d.graph_gib) if x is not None)
+        add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
+                          source="log:draft Load weight/KV/Capture", note=f"weights {d.weight_gib}, KV {d.kv_pool_gib}, graphs {d.graph_gib}"))
+    if m is not None and m.other_reserve_gib is not None:
+        draft = sum(x for x in (prim.draft.weight_gib, prim.draft.kv_pool_gib) if x is not None) if prim and prim.draft else 0.0
+        add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft, 2) + 0.0, source="derived"))
+    free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
+    free_src = "log:scheduler available_gpu_mem"
+    if free is None and prim and (prim.draft and prim.draft.graph_end_avail_gib or prim.graph_end_avail_gib) is not None:
+        free = prim.draft.graph_end_avail_gib if prim.draft and prim.draft.graph_end_avail_gib is not None else prim.graph_end_avail_gib
+        free_src = "log:Capture ... end avail mem"
+    if free is None and info and info.startup_available_gib is not None:
+        free, free_src = info.startup_available_gib, "server_info:startup_available"
+    if free is not None:
+        add(WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src))
+    return steps
+
+
+def _capacity(tokens: int | None, mrr: int | None, ctx: int | None) -> Capacity:
+    if not tokens or tokens <= 0:
+        return Capacity(max_total_num_tokens=tokens, effective_max_running_requests=mrr, context_len=ctx, max_req_input_len=None,
+                        kv_bound_above_tokens=None, limit="unknown", statement="no KV pool size in the input")
+    lengths = sorted({n for n in (1024, 4096, 8192, 32768, ctx) if n})
+    fits = []
+    for n in lengths:
+        by_kv = tokens // n
+        if mrr is not None and mrr < by_kv:
+            fits.append(RequestFit(request_tokens=n, resident_requests=mrr, limited_by="max_running_requests"))
+        else:
+            fits.append(RequestFit(request_tokens=n, resident_requests=by_kv, limited_by="kv_pool"))
+    bound = tokens / mrr if mrr else None
+    if mrr and bound is not None:
+        statement = (f"the KV pool ({tokens:,} tokens, set by mem_fraction_static) limits concurrency for requests longer than "
+                     f"{bound:,.0f} tokens; max_running_requests={mrr} binds only for shorter ones")
+        limit: Literal["kv_pool", "max_running_requests", "unknown"] = "kv_pool" if bound < 1024 else "max_running_requests"
+        if limit == "max_running_requests":
+            statement = (f"max_running_requests={mrr} limits concurrency for requests shorter than {bound:,.0f} tokens; "
+                         f"longer ones are limited by the KV pool ({tokens:,} tokens)")
+    else:
+        statement = f"the KV pool holds {tokens:,} tokens (max_running_requests unknown)"
+        limit = "kv_pool"
+    return Capacity(max_total_num_tokens=tokens, effective_max_running_requests=mrr, context_len=ctx,
+                    max_req_input_len=max_req_input_len(tokens, ctx) if ctx else None, kv_bound_above_tokens=bound,
+                    limit=limit, statement=statement, fits=fits)
+
+
+def _predictions(m: KVCapacityModel | None, mfs: float | None, mrr: int | None, ctx: int | None, page: int,
+                 graph_bs: int | None, fractions: Sequence[float] | None) -> list[Prediction]:
+    if m is None or mfs is None:
+        return []
+    mfs = float(mfs)
+    if fractions is None:
+        fractions = [mfs + d for d in (-0.04, -0.02, 0.0, 0.01, 0.02, 0.04, 0.05)]
+    base_tokens = m.tokens(mfs, page_size=page)
+    out = []
+    for f in sorted({round(x, 3) for x in fractions if 0.0 < x < 1.0}):
+        t = m.tokens(f, page_size=page)
+        free = None
+        if m.observed_free_after_graphs_gib is not None and m.observed_mem_fraction_static is not None:
+            free = m.observed_free_after_graphs_gib - (f - m.observed_mem_fraction_static) * m.baseline_gib
+        elif mrr and ctx:
+            free = m.headroom_gib(f, max_running_requests=mrr, context_len=ctx, cuda_graph_max_bs=graph_bs)
+        starts = t > 0 and (free is None or free > 0)
+        note = None
+        if t <= 0:
+            note = "startup KV OOM: Not enough memory (§4.3)"
+        elif free is not None and free <= 0:
+            note = "no room for graphs/activations: CUDA-graph or runtime OOM"
+        elif free is not None and free < 1.0:
+            note = "under 1 GiB headroom: a long prefill is likely to OOM"
+        out.append(Prediction(mem_fraction_static=f, max_total_num_tokens=t, delta_tokens=t - base_tokens if base_tokens > 0 else None,
+                              kv_pool_gib=round(max(t, 0) * m.cell_bytes / GIB, 2), free_after_graphs_gib=round(free, 2) if free is not None else None,
+                              starts=starts, note=note))
+    return out
+
+
+def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, settings: dict[str, Setting],
+           tokens: int | None, mrr: int | None, ctx: int | None, mfs: float | None, tp: int | None, prim: Any) -> list[Trap]:
+    traps: list[Trap] = []
+    if report is not None and report.failure is not None:
+        traps.append(_failure_trap(report.failure, m))
+    # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
+    if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
+        after = m.baseline_gib - prim.weight_gib
+        wrong = float(mfs) * after
+        traps.append(Trap(
+            id="fraction_misread", severity="info",
+            title="mem_fraction_static covers weights plus KV of the whole baseline, not a share of what is left after the weights",
+            detail=(f"{mfs:g} × baseline {m.baseline_gib:.2f} GiB = {float(mfs) * m.baseline_gib:.2f} GiB holds weights {prim.weight_gib:.2f} + "
+                    f"KV {prim.kv_pool_gib:.2f} GiB. Read as a share of the {after:.2f} GiB left after weights, KV would be "
+                    f"{wrong:.2f} GiB; the log shows {prim.kv_pool_gib:.2f}. Each +0.01 moves {m.baseline_gib / 100:.2f} GiB from "
+                    f"the reserve into KV (≈{m.tokens_per_hundredth():,.0f} tokens)."),
+            evidence=[f"Load weight begin. avail mem={m.baseline_gib:.2f} GB", f"Load weight end ... mem usage={prim.weight_gib:.2f} GB",
+                      f"KV Cache is allocated. #tokens: {tokens}, KV size: {prim.kv_pool_gib:.2f} GB"],
+        ))
+    free = next((s.gib for s in _waterfall(report, info, m, tokens, mrr, ctx, mfs) if s.item == "free_after_graphs"), None)
+    if free is not None and free >= IDLE_RESERVE_GIB and m is not None:
+        hundredths = int((free - 1.0) / (m.baseline_gib / 100))
+        traps.append(Trap(
+            id="idle_reserve", severity="warning",
+            title=f"about {free:.1f} GiB per GPU sits idle after CUDA graphs",
+            detail=(f"{free:.2f} GiB is free after graphs; only activations use it. Keeping ~1 GiB, +{hundredths / 100:.2f} of fraction "
+                    f"would add ≈{hundredths * m.tokens_per_hundredth():,.0f} tokens; the safe ceiling is the activation peak of the "
+                    "largest prefill chunk, found under a stress load (tuner run)."),
+            evidence=[f"available_gpu_mem={free:.2f} GB"], fix="raise --mem-fraction-static step by step under peak-prefill load (tuner run does this)",
+        ))
+    graph_bs = _val(settings, "cuda_graph_max_bs")
+    if graph_bs and mrr and graph_bs < mrr:
+        s = report.batch_summary if report else None
+        ev = [f"captured decode batch sizes up to {graph_bs} ({settings['cuda_graph_max_bs'].source})", f"max_running_requests={mrr}"]
+        reached = None
+        if s and s.decode_lines_without_cuda_graph:
+            ev.append(f"{s.decode_lines_without_cuda_graph} decode lines ran without CUDA graph (up to {s.max_running_req_without_cuda_graph} running)")
+            reached = True
+        elif s and s.decode_lines and s.max_running_req is not None:
+            reached = s.max_running_req > graph_bs
+            ev.append(f"the logged decode batches reached {s.max_running_req} running requests")
+        traps.append(Trap(
+            id="cuda_graph_bs_below_max_running_requests", severity="info" if reached is False else "warning",
+            title=f"CUDA graphs cover decode batches up to {graph_bs}, but up to {mrr} requests are admitted",
+            detail="Decode batches above the largest captured size run eagerly and slower, so the batch grows and stays large (case-21)."
+            + (" The logged batches stayed below it so far." if reached is False else ""),
+            evidence=ev, fix="raise --cuda-graph-max-bs (0.5.23: --cuda-graph-max-bs-decode); graphs for 128 cost ~0.15 GB on a small model",
+        ))
+    if report is not None and report.host_pool_gb is not None:
+        ranks = report.host_pool_ranks
+        idx = [int(r.split("TP")[-1]) for r in ranks if "TP" in r and r.split("TP")[-1].isdigit()]
+        n = max(int(tp or 1), len(ranks), (max(idx) + 1) if idx else 1)
+        traps.append(Trap(
+            id="hicache_per_rank", severity="warning" if n > 1 else "info",
+            title=f"the hierarchical cache's host pool is per rank: {report.host_pool_gb:g} GB × {n} ranks = {report.host_pool_gb * n:g} GB of pinned host RAM",
+            detail="--hicache-size (decimal GB) and --hicache-ratio size each TP rank's own host pool; it must fit psutil available − 10 GiB (§7, case-16).",
+            evidence=[f"Allocating {report.host_pool_gb:.2f} GB host memory ({', '.join(r or 'no rank' for r in ranks)})"],
+            fix="size --hicache-size as (host RAM budget) / tp",
+        ))
+    spec = _val(settings, "speculative_algorithm")
+    if (report is not None and report.max_running_requests_reset_for_speculative) or (spec and mrr == 48 and _val(settings, "max_running_requests") in (None, 48)):
+        traps.append(Trap(
+            id="speculative_max_running_requests_48", severity="warning",
+            title="speculative decoding reset max_running_requests to 48",
+            detail="With --speculative-algorithm and no --max-running-requests, SGLang admits at most 48 requests (§1.5), whatever the KV pool holds.",
+            evidence=["Max running requests is reset to 48 for speculative decoding" if report and report.max_running_requests_reset_for_speculative else f"speculative_algorithm={spec}, max_running_requests=48"],
+            fix="set --max-running-requests explicitly",
+        ))
+    if report is not None and report.max_total_tokens_requested is not None:
+        prof = report.max_total_tokens_profiled
+        traps.append(Trap(
+            id="max_total_tokens_cap", severity="error" if prof is not None and prof <= 0 else "info",
+            title=f"--max-total-tokens {report.max_total_tokens_requested} is larger than the profiled pool ({prof})",
+            detail="The cap only lowers the pool; the profiled value is used (§1.4)." + (" The profiled value is ≤ 0: startup KV OOM." if prof is not None and prof <= 0 else ""),
+            evidence=[f"max_total_tokens={report.max_total_tokens_requested} is larger than the profiled value {prof}"],
+        ))
+    cap = _val(settings, "max_total_tokens")
+    if cap and tokens and tokens >= int(cap) - 1 and m is not None and mfs is not None:
+        uncapped = math.floor(m.kv_budget_gib(float(mfs)) * GIB / m.cell_bytes)
+        if uncapped > tokens:
+            traps.append(Trap(
+                id="max_total_tokens_cap", severity="warning",
+                title=f"--max-total-tokens {cap} caps the pool below what the fraction gives (~{uncapped:,} tokens)",
+                detail="Memory freed by a lower cap is not given to anything else; it stays idle (§1.4).",
+                evidence=[f"max_total_tokens={cap} ({settings['max_total_tokens'].source})", f"#tokens: {tokens}"],
+                fix="drop --max-total-tokens, or lower --mem-fraction-static to hand the memory to the reserve",
+            ))
+    rejections = report.input_rejections if report else []
+    if (ctx and tokens and ctx > tokens) or rejections:
+        ev = [f"context_len={ctx}, max_total_num_tokens={tokens}"] if ctx and tokens else []
+        ev += [f"Input length ({r.input_tokens} tokens) exceeds the maximum allowed length ({r.max_allowed_tokens} tokens)" for r in rejections[:3]]
+        traps.append(Trap(
+            id="context_exceeds_pool", severity="warning",
+            title="the context length is larger than the KV pool" if ctx and tokens and ctx > tokens else "requests were rejected as longer than the pool allows",
+            detail=("The longest accepted input is min(context_len − 1, max_total_num_tokens − 1) − 5"
+                    + (f" = {max_req_input_len(tokens, ctx):,} tokens" if ctx and tokens else "") + ", so long requests are rejected although --context-length accepts them (§1.4, case-26)."),
+            evidence=ev, fix="enlarge the KV pool (higher --mem-fraction-static, more GPUs, fp8 KV) or lower --context-length to what fits",
+        ))
+    if report is not None and report.retractions:
+        n = sum(r.retracted_reqs for r in report.retractions)
+        traps.append(Trap(
+            id="retractions", severity="warning", title=f"the KV pool filled up: {len(report.retractions)} retraction(s), {n} request(s) retracted",
+            detail="Retraction is the soft signal that KV capacity binds (§4.4, §8); decode slows while requests are re-queued (case-27).",
+            evidence=[f"KV cache pool is full. Retract requests. #retracted_reqs: {report.retractions[-1].retracted_reqs}"],
+        ))
+    if report is not None and report.max_running_requests_reduced_to is not None:
+        traps.append(Trap(
+            id="max_running_requests_reduced", severity="info",
+            title=f"max_running_requests was reduced from {report.max_running_requests_requested} to {report.max_running_requests_reduced_to}",
+            detail="From 0.5.16 SGLang caps it at max_total_num_tokens // 2 per DP worker (§2.3).",
+            evidence=[f"max_running_requests was reduced from the requested {report.max_running_requests_requested} to {report.max_running_requests_reduced_to}"],
+        ))
+    return traps
+
+
+_FIXES = {
+    FailureClass.STARTUP_KV_OOM: "raise --mem-fraction-static (weights did not leave a KV budget)",
+    FailureClass.WEIGHT_LOAD_OOM: "the weights do not fit: more GPUs (tp), a quantized checkpoint, or free the GPUs first",
+    FailureClass.CUDA_GRAPH_OOM: "lower --mem-fraction-static or --cuda-graph-max-bs (the reserve did not hold graphs/draft)",
+    FailureClass.HOST_MEMORY: "lower --hicache-size / --hicache-ratio (per rank) to fit host RAM",
+    FailureClass.UNBALANCED_MEMORY: "another process holds GPU memory; free it (wait for a stopped server to exit)",
+    FailureClass.RUNTIME_OOM: "lower --chunked-prefill-size or --mem-fraction-static to leave activation headroom",
+    FailureClass.REQUEST_SLOT_EXHAUSTION: "the req_to_token pool ran out of request slots; see the SGLang issue for your version",
+    FailureClass.INVALID_ARGUMENTS: "fix the flag for this SGLang version (tuner knows each version's spellings)",
+    FailureClass.STARTUP_TIMEOUT: "raise the start timeout, or look for a hang in the log",
+    FailureClass.CRASH: "read the traceback above the evidence line",
+}
+
+
+def _failure_trap(failure: Failure, m: KVCapacityModel | None) -> Trap:
+    fix = _FIXES.get(failure.failure_class)
+    if failure.failure_class is FailureClass.STARTUP_KV_OOM and m is not None and m.source == "log":
+        fix = f"raise --mem-fraction-static above {m.min_fraction():.3f}"
+    return Trap(id="failure", severity="error", title=f"the server failed: {failure.failure_class.value}", detail=failure.evidence,
+                evidence=[failure.evidence], fix=fix)
+
+
+def _findings(m: KVCapacityModel | None, cap: Capacity, mfs: float | None, traps: list[Trap]) -> list[str]:
+    out = []
+    if m is not None and mfs is not None:
+        out.append(f"mem_fraction_static={float(mfs):g} is a share of the {m.baseline_gib:.2f} GiB free at the baseline for weights plus the KV pool; "
+                   f"the other {m.reserve_gib(float(mfs)):.2f} GiB is the reserve.")
+        out.append(f"each +0.01 of mem_fraction_static adds ≈{m.tokens_per_hundredth():,.0f} tokens (+{m.baseline_gib / 100:.2f} GiB of KV) and takes as much from the headroom.")
+    out.append(f"capacity: {cap.statement}.")
+    for t in traps:
+        if t.id == "idle_reserve":
+            out.append(t.title + ".")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Text view
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, unit: str = "GiB") -> str:
+    return "—" if x is None else f"{x:,.2f} {unit}"
+
+
+def renderables(e: Explanation) -> RenderableType:
+    """The rich text view of an explanation (the CLI prints it)."""
+    parts: list[RenderableType] = []
+    head = Text()
+    head.append("SGLang memory explained", style="bold")
+    head.append(f"  state: {e.state}")
+    if e.sglang_version:
+        head.append(f"  version: {e.sglang_version}")
+    if e.log_format:
+        head.append(f"  log format: {e.log_format}")
+    parts.append(head)
+    if e.sources:
+        parts.append(Text("from: " + "; ".join(e.sources), style="dim"))
+    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
+    for col in ("item", "GiB", "tokens", "source"):
+        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
+    for s in e.waterfall:
+        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
+    parts.append(wf)
+    parts.append(Text("Capacity: " + e.capacity.statement, style="bold"))
+    if e.capacity.fits:
+        ft = Table(title="Requests resident at once", title_justify="left")
+        for col in ("request tokens", "requests", "limited by"):
+            ft.add_column(col, justify="right" if col != "limited by" else "left")
+        for f in e.capacity.fits:
+            ft.add_row(f"{f.request_tokens:,}", f"{f.resident_requests:,}", f.limited_by)
+        parts.append(ft)
+    if e.predictions:
+        pt = Table(title="At other mem_fraction_static values", title_justify="left")
+        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "free after graphs", "note"):
+            pt.add_column(col, justify="left" if col == "note" else "right")
+        for p in e.predictions:
+            pt.add_row(f"{p.mem_fraction_static:.3f}", f"{p.max_total_num_tokens:,}", f"{p.delta_tokens:+,}" if p.delta_tokens is not None else "",
+                       f"{p.kv_pool_gib:.2f}", _fmt(p.free_after_graphs_gib), p.note or "")
+        parts.append(pt)
+    if e.traps:
+        parts.append(Text("Traps", style="bold"))
+        colours = {"info": "cyan", "warning": "yellow", "error": "red"}
+        for t in e.traps:
+            line = Text()
+            line.append(f"[{t.severity}] ", style=colours[t.severity])
+            line.append(t.title, style="bold")
+            parts.append(line)
+            parts.append(Text("  " + t.detail))
+            for ev in t.evidence:
+                parts.append(Text("  evidence: " + ev, style="dim"))
+            if t.fix:
+                parts.append(Text("  fix: " + t.fix, style="green"))
+    if e.findings:
+        parts.append(Text("Findings", style="bold"))
+        for f in e.findings:
+            parts.append(Text("  - " + f))
+    for w in e.warnings:
+        parts.append(Text("note: " + w, style="dim"))
+    return Group(*parts)
+
+
+def explain_from(
+    *,
+    log: str | None = None,
+    unit: str | None = None,
+    url: str | None = None,
+    model_config: str | None = None,
+    journalctl: str = "journalctl",
+    mem_fraction_static: float | None = None,
+    timeout_s: float = 10.0,
+) -> Explanation:
+    """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
+
+    Args:
+        log: A log file path.
+        unit: A systemd unit whose journal to read.
+        url: A running server's base URL.
+        model_config: A Hugging Face ``config.json`` (or its directory).
+        journalctl: The journalctl command prefix for ``unit``.
+        mem_fraction_static: The fraction, if no input states it.
+        timeout_s: HTTP timeout for ``url``.
+
+    Returns:
+        The :class:`Explanation`.
+
+    Raises:
+        LogError: No input, or a log that is empty, binary or not SGLang's.
+        ServerError: ``url`` unreachable or not SGLang.
+        ModelConfigError: A bad ``config.json``.
+    """
+    from pathlib import Path
+
+    from tuner.sglang.client import SGLangClient
+    from tuner.sglang.logs import read_log
+    from tuner.sglang.modelconfig import load_model_config
+
+    if not (log or unit or url):
+        raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
+    sources: list[str] = []
+    report = None
+    if log:
+        report = read_log(Path(log))
+        sources.append(f"log {log}")
+    elif unit:
+        report = read_journal(unit, journalctl=journalctl)
+        sources.append(f"journal of unit {unit}")
+    info = None
+    if url:
+        with SGLangClient(url, timeout_s=timeout_s) as client:
+            info = client.server_info()
+        sources.append(f"server {url}")
+    model = load_model_config(model_config) if model_config else None
+    if model_config:
+        sources.append(f"model config {model_config}")
+    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static)
