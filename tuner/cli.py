@@ -32,6 +32,30 @@ err_console = Console(stderr=True)
 
 # ---- explain (issue: SGLang knowledge) ------------------------------------------------------
 
+from typing import Annotated as _ExplainAnn  # noqa: E402
+
+
+@app.command("explain")
+def explain_cmd(
+    log: _ExplainAnn[str | None, typer.Option("--log", help="SGLang log file (plain, or journalctl -o short / short-iso).")] = None,
+    unit: _ExplainAnn[str | None, typer.Option("--unit", help="systemd unit whose journal to read.")] = None,
+    url: _ExplainAnn[str | None, typer.Option("--url", help="running server, e.g. http://127.0.0.1:30000.")] = None,
+    model_config: _ExplainAnn[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,
+    journalctl: _ExplainAnn[str, typer.Option("--journalctl", help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
+    mem_fraction_static: _ExplainAnn[float | None, typer.Option("--mem-fraction-static", help="the fraction, if the input does not state it.")] = None,
+    as_json: _ExplainAnn[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
+) -> None:
+    """Where the GPU memory went, what limits capacity, predictions at other fractions, and traps."""
+    from tuner.sglang.explain import explain_from, renderables
+
+    result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
+                          mem_fraction_static=mem_fraction_static)
+    if as_json:
+        print(result.model_dump_json(indent=2))
+    else:
+        console.print(renderables(result))
+
+
 # ---- restore / launch (issue: service control) ----------------------------------------------
 
 # ---- load (issue: load generator) -----------------------------------------------------------
