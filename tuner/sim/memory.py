@@ -451,7 +451,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         decode_log_interval=int(v.get("decode_log_interval") or 40),
         enable_metrics=bool(v.get("enable_metrics")),
         enable_cache_report=bool(v.get("enable_cache_report")),
-        host=str(v.get("host") or "127.0.0.1"), port=int(v.get("port") or 30000),
+        host=str(v.get("host") or "127.0.0.1"), port=30000 if v.get("port") is None else int(v["port"]),
         server_args=resolved, warnings=tuple(warnings),
     )
 
@@ -487,7 +487,7 @@ class StartupFailure:
 
     Attributes:
         kind: ``unbalanced``, ``weight_oom``, ``kv_no_budget`` (0.5.23's early check),
-            ``not_enough_memory``, ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
+            ``not_enough_memory``, ``pool_oom`` (req_to_token + KV do not fit), ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
             ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``.
         rank: The rank that raises.
         requested_bytes: What the failing allocation asked for (0 when not an allocation).
@@ -717,8 +717,8 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
                    draft_kv_bytes=draft_kv_early)
     if min(r.after_pool for r in ranks) < 0:
         r = min(ranks, key=lambda x: x.after_pool)
-        return replace(plan, failure=StartupFailure("draft_kv_oom" if draft_kv_early else "graph_oom",
-                                                    r.rank, kv + r2t, r.after_weights))
+        return replace(plan, failure=StartupFailure("draft_kv_oom" if draft_kv_early else "pool_oom",
+                                                    r.rank, kv + draft_kv_early + r2t, r.after_weights))
 
     # CUDA graphs of the target (§2.1: sizes above the req_to_token pool are dropped).
     bs = tuple(b for b in cfg.cuda_graph_bs if b <= max_num_reqs)

@@ -1,0 +1,655 @@
+"""The simulator's HTTP server (aiohttp) and the real-time driver of the engine.
+
+It speaks SGLang's HTTP API (``shared/sglang-reference.md`` §5): health, server and model info,
+``/generate`` and ``/v1/completions`` with SSE streaming, ``/metrics`` (§5.5 names, only with
+``--enable-metrics``), ``/flush_cache``; plus ``GET /sim/device_memory``, the per-GPU ledger that
+stands in for NVML. One asyncio task drives :class:`tuner.sim.engine.Engine`: it runs a step,
+waits its ``duration_s`` of real time, then hands the step's events to the waiting requests; it
+sleeps on an event while idle. A runtime OOM raised by a step prints torch's text and
+``Scheduler hit an exception`` and kills the process (§4.4).
+
+Text prompts are tokenized by a trivial deterministic tokenizer: one token per
+whitespace-separated word (``crc32(word) % vocab_size``); outputs are generated token ids shown
+as made-up words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tuner.sim.args import VERSIONS
+from tuner.sim.engine import (
+    Engine,
+    FinishEvent,
+    RequestRejected,
+    SimRequest,
+    SimRuntimeOOM,
+    TokenEvent,
+)
+from tuner.sim.memory import MemoryPlan
+from tuner.sim.models import GIB
+from tuner.sim.startup import SimLogger, engine_spec, kill_process_tree
+
+__all__ = ["SimServer", "tokenize", "detokenize"]
+
+_WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be",
+          "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
+          "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has",
+          "there", "been", "if", "more", "when", "will", "would", "who", "so", "no")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+"""``SGLANG_HEALTH_CHECK_TIMEOUT`` (§5.1)."""
+
+FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+              "waiting requests, the operation will not be performed.)")
+"""``/flush_cache``'s body (§5.4)."""
+
+
+def tokenize(text: str, vocab_size: int) -> list[int]:
+    """The simulator's tokenizer: one id per whitespace-separated word, ``crc32(word) % vocab``."""
+    return [zlib.crc32(w.encode()) % vocab_size for w in text.split()]
+
+
+def detokenize(token_ids: list[int]) -> str:
+    """Made-up text for generated ids: one word per id, each with a leading space."""
+    return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
+
+
+@dataclass
+class _Pending:
+    """One request in flight: its events queue and timing."""
+
+    rid: str
+    prompt_tokens: int
+    start_s: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+
+@dataclass(frozen=True)
+class _Update:
+    """What a step produced for one request: new ids, cumulative counts, finish reason if done."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish: FinishEvent | None
+
+
+class SimServer:
+    """The HTTP server and engine driver of one simulated SGLang instance.
+
+    Args:
+        plan: The startup ledger (a successful one).
+        log: The logger (stderr, SGLang format).
+        seed: Seed of generated tokens.
+        skip_warmup: Mimic ``--skip-server-warmup``.
+    """
+
+    def __init__(self, plan: MemoryPlan, log: SimLogger, *, seed: int = 0, skip_warmup: bool = False) -> None:
+        self.plan = plan
+        self.cfg = plan.config
+        self.log = log
+        self.skip_warmup = skip_warmup
+        self.engine = Engine(engine_spec(plan, seed), log=lambda msg: log.line(msg, 0))
+        self.version = self.cfg.version
+        self.ready = False
+        self._pending: dict[str, _Pending] = {}
+        self._wake: asyncio.Event | None = None
+        self._t0 = time.monotonic()
+        self._events_seen = 0
+        self._progress: asyncio.Event | None = None
+        self._step_log: list[tuple[float, float]] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._hist = self._make_histograms() if self.cfg.enable_metrics else None
+        if self.cfg.enable_metrics:
+            self.registry.register(_SchedulerCollector(self))
+        self.app = self._make_app()
+
+    # ------------------------------------------------------------------ app
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._access_log], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        for path in ("/health", "/health_generate"):
+            r.add_get(path, self.health)
+        info_paths = ["/get_server_info"] + (["/server_info"] if self.version != "0.5.5" else [])
+        for path in info_paths:
+            r.add_get(path, self.server_info)
+        for path in ["/get_model_info"] + (["/model_info"] if self.version != "0.5.5" else []):
+            r.add_get(path, self.model_info)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_post("/v1/completions", self.completions)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/sim/device_memory", self.device_memory)
+        r.add_get("/sim/step_times", self.step_times)
+        if self.cfg.enable_metrics:
+            r.add_get("/metrics", self.metrics)
+        if self.version == "0.5.23":
+            r.add_get("/ready", self.ready_probe)
+        return app
+
+    @web.middleware
+    async def _access_log(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        resp = await handler(request)
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        host = f"{peer[0]}:{peer[1]}" if peer else "-"
+        reason = resp.reason or ""
+        self.log.raw(f'INFO:     {host} - "{request.method} {request.path_qs} HTTP/1.1" {resp.status} {reason}')
+        return resp
+
+    def now_s(self) -> float:
+        """Seconds since the server object was made (the engine's clock)."""
+        return time.monotonic() - self._t0
+
+    # ------------------------------------------------------------------ driver
+
+    async def drive(self) -> None:
+        """Run engine steps in real time forever (cancel to stop)."""
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = loop.time()
+            try:
+                result = self.engine.step(self.now_s())
+            except SimRuntimeOOM as err:
+                self._die(err.message)
+                return
+            if result.duration_s > 0:
+                await asyncio.sleep(max(0.0, start + result.duration_s - loop.time()))
+                self._step_log.append((result.duration_s, loop.time() - start))
+                if len(self._step_log) > 4096:
+                    del self._step_log[:2048]
+            self._dispatch(result.events)
+            if result.duration_s <= 0 and not result.events:
+                await asyncio.sleep(0)
+
+    def _dispatch(self, events: list[TokenEvent | FinishEvent]) -> None:
+        if not events:
+            return
+        finishes = {e.rid: e for e in events if isinstance(e, FinishEvent)}
+        now = self.now_s()
+        for e in events:
+            if isinstance(e, TokenEvent):
+                p = self._pending.get(e.rid)
+                if p is None:
+                    continue
+                fin = finishes.pop(e.rid, None)
+                p.queue.put_nowait(_Update(e.token_ids, e.prompt_tokens, e.completion_tokens, e.cached_tokens, fin))
+                if e.token_ids:
+                    self._observe_token(p, now, len(e.token_ids))
+        for rid, fin in finishes.items():
+            p = self._pending.get(rid)
+            if p is not None:
+                p.queue.put_nowait(_Update([], fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens, fin))
+        self._events_seen += len(events)
+        assert self._progress is not None
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _observe_token(self, p: _Pending, now: float, n: int) -> None:
+        if self._hist is not None:
+            if p.first_token_s is None:
+                self._hist["ttft"].labels(self.cfg.served_model_name).observe(now - p.start_s)
+            elif p.last_token_s is not None:
+                self._hist["itl"].labels(self.cfg.served_model_name).observe((now - p.last_token_s) / n)
+        if p.first_token_s is None:
+            p.first_token_s = now
+        p.last_token_s = now
+
+    def _die(self, oom_message: str) -> None:
+        """Runtime OOM (§4.4): the scheduler's exception, the tokenizer manager's SIGQUIT line, kill."""
+        self.log.line(
+            "Scheduler hit an exception: Traceback (most recent call last):\n"
+            '  File "/usr/local/lib/python3.12/dist-packages/sglang/srt/managers/scheduler.py", in event_loop_overlap\n'
+            "    result = self.run_batch(batch)\n" + oom_message,
+            0,
+        )
+        self.log.line("SIGQUIT received. signum=None, frame=None. It usually means one child failed.", None)
+        kill_process_tree()
+
+    def _submit(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool, rid: str | None = None
+                ) -> _Pending:
+        """Queue a request in the engine (raises RequestRejected)."""
+        rid = rid or uuid.uuid4().hex
+        now = self.now_s()
+        pending = _Pending(rid, len(input_ids), now)
+        self.engine.add_request(SimRequest(rid, list(input_ids), int(max_new_tokens), bool(ignore_eos), now))
+        self._pending[rid] = pending
+        if self._wake is not None:
+            self._wake.set()
+        return pending
+
+    def _forget(self, p: _Pending, finished: bool) -> None:
+        self._pending.pop(p.rid, None)
+        if not finished:
+            self.engine.abort(p.rid)
+
+    async def warmup(self) -> None:
+        """SGLang's warm-up request (``max_new_tokens=8``), then the ready line (§4.2 line 10)."""
+        if not self.skip_warmup:
+            p = self._submit([0] * 8, 8, True)
+            try:
+                while True:
+                    upd = await p.queue.get()
+                    if upd.finish is not None:
+                        break
+            finally:
+                self._forget(p, True)
+        self.ready = True
+        self.log.line("The server is fired up and ready to roll!", 0)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``/health``, ``/health_generate`` (§5.1): 503 while starting, else a 1-token generate."""
+        if not self.ready:
+            return web.Response(status=503)
+        assert self._progress is not None
+        seen = self._events_seen
+        progress = self._progress
+        p = self._submit([0], 1, True, rid=f"HEALTH_CHECK_{uuid.uuid4().hex[:8]}")
+        try:
+            getter = asyncio.ensure_future(p.queue.get())
+            other = asyncio.ensure_future(progress.wait())
+            done, _ = await asyncio.wait({getter, other}, timeout=HEALTH_CHECK_TIMEOUT_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for fut in (getter, other):
+                if fut not in done:
+                    fut.cancel()
+            if not done and self._events_seen == seen:
+                self.log.line(f"Health check failed. Server couldn't get a response from detokenizer for last "
+                              f"{HEALTH_CHECK_TIMEOUT_S:.0f} seconds.", None)
+                return web.Response(status=503)
+            return web.Response(status=200)
+        finally:
+            self._forget(p, False)
+
+    async def ready_probe(self, request: web.Request) -> web.Response:
+        """``/ready`` (0.5.23): 200 or 503, no generation."""
+        return web.Response(status=200 if self.ready else 503)
+
+    def memory_usage(self) -> dict[str, Any]:
+        """``internal_states[i].memory_usage`` in the version's shape (§5.2), GiB."""
+        plan = self.plan
+        graph = (plan.graph_bytes + plan.draft_graph_bytes) / GIB
+        usage: dict[str, Any] = {
+            "weight": round(plan.weight_bytes / GIB, 2),
+            "kvcache": round((plan.kv_bytes + plan.draft_kv_bytes) / GIB, 2),
+            "token_capacity": plan.max_total_num_tokens,
+            "graph": round(graph, 2),
+        }
+        if self.version == "0.5.23":
+            usage["graph"] = {"decode": round(graph, 2)}
+            usage["startup_available"] = round(plan.available_bytes / GIB, 2)
+            usage["token_capacity_swa"] = 0
+        return usage
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """``/get_server_info`` (and ``/server_info`` from 0.5.10): flat server args + state (§5.2)."""
+        args = _jsonable(self.cfg.server_args)
+        state: dict[str, Any] = {**args, "last_gen_throughput": self.engine.stats()["gen_throughput"],
+                                 "memory_usage": self.memory_usage()}
+        if self.version != "0.5.5":
+            state["effective_max_running_requests_per_dp"] = self.plan.max_running_requests
+        if self.version == "0.5.23":
+            state["world_size"] = self.cfg.tp_size
+        max_req_len = min(self.cfg.context_len - 1, self.plan.max_total_num_tokens - 1)
+        body = {
+            **args,
+            "status": "ready" if self.ready else "starting",
+            "max_total_num_tokens": self.plan.max_total_num_tokens,
+            "max_req_input_len": max_req_len - 5,
+            "internal_states": [state],
+            "version": VERSIONS[self.version],
+        }
+        return web.json_response(body)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``/get_model_info`` (§5.1)."""
+        body: dict[str, Any] = {
+            "model_path": self.cfg.server_args.get("model_path"),
+            "tokenizer_path": self.cfg.server_args.get("tokenizer_path") or self.cfg.server_args.get("model_path"),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+        if self.version == "0.5.23":
+            body.update(served_model_name=self.cfg.served_model_name, load_format="auto",
+                        model_type=None, architectures=list(self.cfg.model.architectures))
+        return web.json_response(body)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``/v1/models``: ``data[0].id`` is the served model name (§5.3)."""
+        name = self.cfg.served_model_name
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+            "max_model_len": self.cfg.context_len}]})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """``/get_load``: one entry per DP rank."""
+        s = self.engine.stats()
+        return web.json_response([{"dp_rank": 0, "num_reqs": s["num_running_reqs"] + s["num_queue_reqs"],
+                                   "num_waiting_reqs": s["num_queue_reqs"], "num_tokens": s["num_used_tokens"]}])
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache`` (§5.4): 200, or 400 while requests are pending."""
+        if self.engine.flush_cache():
+            self.log.line("Cache flushed successfully!", 0)
+            return web.Response(status=200, text=FLUSH_TEXT)
+        s = self.engine.stats()
+        self.log.line(f"Cache not flushed because there are pending requests. #queue-req: {s['num_queue_reqs']}, "
+                      f"#running-req: {s['num_running_reqs']}", 0)
+        return web.Response(status=400, text=FLUSH_TEXT)
+
+    async def device_memory(self, request: web.Request) -> web.Response:
+        """``/sim/device_memory``: per GPU what NVML would report (MiB)."""
+        gpus = []
+        for r in range(self.cfg.tp_size):
+            total = self.plan.ranks[r].total
+            used = self.plan.used_bytes(r)
+            gpus.append({"index": r, "total_mib": total // (1 << 20), "used_mib": used // (1 << 20),
+                         "peak_used_mib": used // (1 << 20), "free_mib": (total - used) // (1 << 20)})
+        return web.json_response(gpus)
+
+    async def step_times(self, request: web.Request) -> web.Response:
+        """``/sim/step_times``: recent (cost-model, realised) step durations in seconds."""
+        return web.json_response([[a, b] for a, b in self._step_log])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """``/metrics`` (§5.5), Prometheus text format."""
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ------------------------------------------------------------------ generation
+
+    def _reject(self, message: str, status: int = 400) -> web.Response:
+        return web.json_response({"error": {"message": message}, "object": "error", "message": message,
+                                  "type": "BadRequestError", "code": status}, status=status)
+
+    def _input_ids(self, text: Any, ids: Any) -> list[int]:
+        if ids is not None:
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise RequestRejected("input_ids must be a list of token ids.")
+            return ids
+        if not isinstance(text, str):
+            raise RequestRejected("Either text or input_ids should be provided.")
+        return tokenize(text, self.cfg.model.vocab_size)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``/generate`` (§5.3): text or input_ids, optional SSE streaming, SGLang's ``meta_info``."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._reject("The request body is not valid JSON.")
+        if not isinstance(body, dict):
+            return self._reject("The request body must be a JSON object.")
+        sp = body.get("sampling_params") or {}
+        text, ids = body.get("text"), body.get("input_ids")
+        batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
+        max_new = int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128)
+        ignore_eos = bool(sp.get("ignore_eos", False))
+        if batch:
+            items = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [None] * len(text)
+            texts = text if isinstance(text, list) else [None] * len(items)
+            try:
+                pendings = [self._submit(self._input_ids(t, i), max_new, ignore_eos)
+                            for t, i in zip(texts, items)]
+            except RequestRejected as err:
+                return self._reject(str(err))
+            results = await asyncio.gather(*(self._collect(p) for p in pendings))
+            return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results)])
+        try:
+            p = self._submit(self._input_ids(text, ids), max_new, ignore_eos, rid=body.get("rid"))
+        except RequestRejected as err:
+            return self._reject(str(err))
+        if not body.get("stream"):
+            upd, out_ids = await self._collect(p)
+            return web.json_response(self._generate_body(p, upd, out_ids))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        out_ids: list[int] = []
+        finished = False
+        incremental = bool(self.cfg.server_args.get("incremental_streaming_output"))
+        try:
+            while True:
+                upd = await p.queue.get()
+                out_ids.extend(upd.token_ids)
+                chunk = self._generate_body(p, upd, out_ids, new_ids=upd.token_ids, incremental=incremental)
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if upd.finish is not None:
+                    finished = True
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self._forget(p, finished)
+        return resp
+
+    async def _collect(self, p: _Pending) -> tuple[_Update, list[int]]:
+        out: list[int] = []
+        finished = False
+        try:
+            while True:
+                upd = await p.queue.get()
+                out.extend(upd.token_ids)
+                if upd.finish is not None:
+                    finished = True
+                    return upd, out
+        finally:
+            self._forget(p, finished)
+
+    def _finish_observe(self, p: _Pending, upd: _Update) -> float:
+        e2e = self.now_s() - p.start_s
+        if self._hist is not None and upd.finish is not None:
+            self._hist["e2e"].labels(self.cfg.served_model_name).observe(e2e)
+        return e2e
+
+    def _generate_body(self, p: _Pending, upd: _Update, out_ids: list[int], *, new_ids: list[int] | None = None,
+                       incremental: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": p.rid,
+            "finish_reason": upd.finish.finish_reason if upd.finish else None,
+            "prompt_tokens": upd.prompt_tokens,
+            "weight_version": "default",
+            "completion_tokens": upd.completion_tokens,
+            "cached_tokens": upd.cached_tokens,
+        }
+        meta["num_retractions" if self.version == "0.5.23" else "total_retractions"] = 0
+        if upd.finish is not None:
+            meta["e2e_latency"] = self._finish_observe(p, upd)
+            if upd.finish.cached_tokens_details is not None and self.version != "0.5.5":
+                meta["cached_tokens_details"] = upd.finish.cached_tokens_details
+        shown = new_ids if (incremental and new_ids is not None) else out_ids
+        return {"text": detokenize(shown), "output_ids": list(new_ids if new_ids is not None else out_ids),
+                "meta_info": meta}
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/completions`` (§5.3): prompt as text or ids, ``max_tokens``, ``ignore_eos``, streaming."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return self._reject("The request body is not valid JSON.")
+        if not isinstance(body, dict) or "prompt" not in body:
+            return self._reject("The request needs a 'prompt'.")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            if len(prompt) != 1:
+                return self._reject("Only one prompt per request is simulated; send one request per prompt.")
+            prompt = prompt[0]
+        try:
+            ids = self._input_ids(prompt if isinstance(prompt, str) else None,
+                                  prompt if isinstance(prompt, list) else None)
+            max_tokens = body.get("max_tokens")
+            p = self._submit(ids, 16 if max_tokens is None else int(max_tokens), bool(body.get("ignore_eos", False)))
+        except RequestRejected as err:
+            return self._reject(str(err))
+        cid = f"cmpl-{p.rid}"
+        created = int(time.time())
+        model = body.get("model") or self.cfg.served_model_name
+        if not body.get("stream"):
+            upd, out_ids = await self._collect(p)
+            self._finish_observe(p, upd)
+            choice = {"index": 0, "text": detokenize(out_ids), "logprobs": None,
+                      "finish_reason": _oai_reason(upd.finish), "matched_stop": None}
+            return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [choice], "usage": self._usage(upd)})
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        finished = False
+        try:
+            while True:
+                upd = await p.queue.get()
+                chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": detokenize(upd.token_ids), "logprobs": None,
+                                      "finish_reason": _oai_reason(upd.finish), "matched_stop": None}],
+                         "usage": self._usage(upd) if continuous else None}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if upd.finish is not None:
+                    finished = True
+                    self._finish_observe(p, upd)
+                    break
+            if include_usage:
+                final = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [], "usage": self._usage(upd)}
+                await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self._forget(p, finished)
+        return resp
+
+    def _usage(self, upd: _Update) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": upd.prompt_tokens, "completion_tokens": upd.completion_tokens,
+                                 "total_tokens": upd.prompt_tokens + upd.completion_tokens}
+        if self.cfg.enable_cache_report and upd.cached_tokens > 0:
+            usage["prompt_tokens_details"] = {"cached_tokens": upd.cached_tokens}
+        return usage
+
+    # ------------------------------------------------------------------ metrics
+
+    def _make_histograms(self) -> dict[str, Histogram]:
+        labels = ["model_name"]
+        return {
+            "ttft": Histogram("sglang:time_to_first_token_seconds", "Time to first token (s).", labels,
+                              registry=self.registry,
+                              buckets=(0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 120, 160)),
+            "itl": Histogram("sglang:inter_token_latency_seconds", "Inter-token latency (s).", labels,
+                             registry=self.registry,
+                             buckets=(0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04,
+                                      0.06, 0.08, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)),
+            "e2e": Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency (s).", labels,
+                             registry=self.registry,
+                             buckets=(0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200,
+                                      250, 300, 350, 500, 1000)),
+        }
+
+
+def _oai_reason(finish: FinishEvent | None) -> str | None:
+    if finish is None:
+        return None
+    return "length" if finish.finish_reason.get("type") == "length" else "stop"
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        try:
+            json.dumps(v)
+            out[k] = v
+        except TypeError:
+            out[k] = str(v)
+    return out
+
+
+class _SchedulerCollector:
+    """Scheduler gauges and tokenizer counters under §5.5's names, read live from the engine."""
+
+    def __init__(self, server: SimServer) -> None:
+        self.server = server
+
+    def collect(self) -> Any:
+        srv = self.server
+        s = srv.engine.stats()
+        plan = srv.plan
+        version = srv.version
+        name = srv.cfg.served_model_name
+        sched = ["model_name", "engine_type", "tp_rank", "pp_rank"]
+        sv = [name, "unified", "0", "0"]
+
+        def gauge(metric: str, doc: str, value: float, labels: list[str] = sched, values: list[str] = sv
+                  ) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=labels)
+            g.add_metric(values, float(value))
+            return g
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([name], float(value))
+            return c
+
+        yield gauge("sglang:num_running_reqs", "The number of running requests.", s["num_running_reqs"])
+        yield gauge("sglang:num_used_tokens", "The number of used tokens.", s["num_used_tokens"])
+        yield gauge("sglang:token_usage", "The token usage.", s["token_usage"])
+        yield gauge("sglang:gen_throughput", "The generation throughput (token/s).", s["gen_throughput"])
+        yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", s["num_queue_reqs"])
+        yield gauge("sglang:num_grammar_queue_reqs", "The number of requests in the grammar queue.", 0)
+        yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", s["cache_hit_rate"])
+        yield gauge("sglang:new_token_ratio", "The new token ratio.", s["new_token_ratio"])
+        yield gauge("sglang:num_retracted_reqs", "The number of retracted requests.", 0)
+        yield gauge("sglang:is_cuda_graph", "Whether the last batch used CUDA graphs.",
+                    1.0 if srv.cfg.cuda_graph_max_bs and s["num_running_reqs"] <= srv.cfg.cuda_graph_max_bs else 0.0)
+        yield counter("sglang:prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens_total"])
+        yield counter("sglang:generation_tokens", "Number of generation tokens processed.",
+                      s["generation_tokens_total"])
+        yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", s["cached_tokens_total"])
+        yield counter("sglang:num_requests", "Number of requests processed.", s["num_requests_total"])
+        yield counter("sglang:num_aborted_requests", "Number of requests aborted.", 0)
+        yield counter("sglang:evicted_tokens", "Number of tokens evicted from the radix cache.",
+                      s["evicted_tokens_total"])
+        yield counter("sglang:load_back_tokens", "Number of tokens loaded back from host memory.",
+                      s["load_back_tokens_total"])
+        if version != "0.5.5":
+            yield gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.",
+                        plan.max_total_num_tokens)
+            yield gauge("sglang:hicache_host_used_tokens", "HiCache host tokens in use.", s["hicache_host_used_tokens"])
+            yield gauge("sglang:hicache_host_total_tokens", "HiCache host pool size.", s["hicache_host_total_tokens"])
+            yield gauge("sglang:full_token_usage", "The full-attention token usage.", s["token_usage"])
+            yield counter("sglang:num_retracted_requests", "Number of retracted requests.", s["num_retractions_total"])
+        if version == "0.5.23":
+            yield gauge("sglang:weight_memory_usage_gb", "Weight memory (GiB).", plan.weight_bytes / GIB)
+            yield gauge("sglang:kv_cache_memory_usage_gb", "KV-cache memory (GiB).", plan.kv_bytes / GIB)
+            g = GaugeMetricFamily("sglang:graph_memory_usage_gb", "CUDA-graph memory (GiB).",
+                                  labels=sched + ["phase"])
+            g.add_metric(sv + ["decode"], (plan.graph_bytes + plan.draft_graph_bytes) / GIB)
+            yield g
+            yield gauge("sglang:page_size", "KV page size.", srv.cfg.page_size)
+            yield gauge("sglang:num_pages", "KV pages.", plan.max_total_num_tokens // srv.cfg.page_size)
+            yield gauge("sglang:context_len", "Context length.", srv.cfg.context_len)
+            yield gauge("sglang:startup_available_gpu_memory_gb", "Free GPU memory after startup (GiB).",
+                        plan.available_bytes / GIB)
+            yield gauge("sglang:kv_used_tokens", "KV tokens used by running requests.", s["num_used_tokens"])
+            yield gauge("sglang:kv_available_tokens", "KV tokens free.",
+                        plan.max_total_num_tokens - s["num_used_tokens"])
