@@ -30,6 +30,27 @@ err_console = Console(stderr=True)
 
 # ---- sim (issue: simulated SGLang server) -------------------------------------------------
 
+sim_app = typer.Typer(help="The simulated SGLang server (no GPU needed).", no_args_is_help=True)
+app.add_typer(sim_app, name="sim")
+
+
+@sim_app.command(
+    "serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def sim_serve(ctx: typer.Context) -> None:
+    """Start the simulated SGLang server; every argument goes to `python -m tuner.sim`.
+
+    It takes sglang.launch_server's flags of the mimicked version plus --sim-* options
+    (`tuner sim serve --help` lists them), e.g. `tuner sim serve --model-path llama-3.1-8b
+    --sim-gpu H100-80GB --port 30000`.
+    """
+    from tuner.sim.__main__ import main as sim_main
+
+    raise typer.Exit(sim_main(list(ctx.args)))
+
+
 # ---- explain (issue: SGLang knowledge) ------------------------------------------------------
 
 from typing import Annotated as _ExplainAnn  # noqa: E402
@@ -57,6 +78,81 @@ def explain_cmd(
 
 
 # ---- restore / launch (issue: service control) ----------------------------------------------
+
+from pathlib import Path as _LaunchPath  # noqa: E402
+from typing import Annotated as _LaunchAnn  # noqa: E402
+from typing import Any as _LaunchAny  # noqa: E402
+
+
+def _launch_settings(config: _LaunchPath | None, unit: str | None, state_dir: _LaunchPath | None,
+                     systemctl: str | None, journalctl: str | None, dropin_dir: _LaunchPath | None,
+                     url: str | None) -> dict[str, _LaunchAny] | None:  # fmt: skip
+    """The [service] settings of --config, overridden by the explicit options (None if neither)."""
+    settings: dict[str, _LaunchAny] = {}
+    if config is not None:
+        from tuner.config import load_config
+
+        settings = load_config(config).service.model_dump()
+    overrides = {"unit": unit, "state_dir": state_dir, "systemctl": systemctl, "journalctl": journalctl,
+                 "dropin_dir": dropin_dir, "url": url}  # fmt: skip
+    settings.update({k: str(v) for k, v in overrides.items() if v is not None})
+    return settings or None
+
+
+@app.command("restore")
+def restore_cmd(
+    unit: _LaunchAnn[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
+    config: _LaunchAnn[_LaunchPath | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
+    state_dir: _LaunchAnn[_LaunchPath | None, typer.Option("--state-dir", help="Folder of locks and state files.")] = None,
+    systemctl: _LaunchAnn[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
+    journalctl: _LaunchAnn[str | None, typer.Option(help="journalctl command.")] = None,
+    dropin_dir: _LaunchAnn[_LaunchPath | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
+    url: _LaunchAnn[str | None, typer.Option(help="Server URL checked for health.")] = None,
+    timeout_s: _LaunchAnn[float, typer.Option("--timeout-s", help="How long the server may take to be healthy.")] = 900.0,
+) -> None:
+    """Put the service back as it was before a tuning run (after a crash, kill -9 or Ctrl-C).
+
+    Uses the state file the run wrote before its first change: the original command and
+    drop-ins come back, the trial drop-in goes, and the server is restarted and checked healthy.
+    """
+    from tuner.errors import ConfigError
+    from tuner.launch.factory import restore_service
+
+    if unit is None and config is None:
+        raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
+    settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
+    launcher, state, used = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
+    source = "from the state file" if used else "no state file; reset to its own configuration"
+    shown = " ".join(launcher.current_argv())
+    console.print(f"restored {launcher.key} ({source}): {state.phase.value}, command: {shown}", highlight=False,
+                  soft_wrap=True)  # fmt: skip
+
+
+@app.command("launch")
+def launch_cmd(
+    config: _LaunchAnn[_LaunchPath, typer.Option("--config", help="The run's TOML config (its service section).")],
+    dry_run: _LaunchAnn[bool, typer.Option("--dry-run/--no-dry-run", help="Only show what would change.")] = True,
+    set_flags: _LaunchAnn[list[str] | None, typer.Option("--set", help="FLAG=VALUE to change, e.g. mem-fraction-static=0.8.")] = None,
+) -> None:
+    """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing."""
+    from tuner.errors import ConfigError
+    from tuner.launch.factory import build_launcher
+
+    if not dry_run:
+        raise ConfigError("tuner launch only previews", hint="use --dry-run, or 'tuner run' to tune")
+    launcher = build_launcher(_launch_settings(config, None, None, None, None, None, None) or {})
+    argv = launcher.current_argv()
+    for item in set_flags or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--set {item!r} is not FLAG=VALUE", hint="write --set mem-fraction-static=0.8")
+        flag = "--" + name.lstrip("-")
+        if flag in argv and argv.index(flag) + 1 < len(argv):
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    console.print(launcher.dry_run(argv), highlight=False, soft_wrap=True, markup=False)
+
 
 # ---- load (issue: load generator) -----------------------------------------------------------
 
