@@ -744,3 +744,31 @@ def write_study_report(stored: StoredStudy, output: Path | None = None) -> Path:
     best = choose_best(stored) if stored.pareto_front() else None
     why = None if best else "No feasible trial: no trial met every constraint (see the table)."
     return write_html_report(stored, output or STUDIES_DIR / f"{stored.name}-report.html", best, why)
+
+
+# ---- applies -----------------------------------------------------------------------------
+
+
+def applies_table(records: Sequence[Any]) -> Table:
+    """``tuner applies``: every apply, undo and rollback with its outcome (newest last)."""
+    table = Table(title="applies", header_style="bold", box=box.SIMPLE_HEAD)
+    for header in ("#", "at", "action", "study", "trial", "target", "outcome", "what happened"):
+        table.add_column(header, justify="right" if header in ("#", "trial") else "left",
+                         overflow="fold")
+    for rec in records:
+        style = "green" if rec.outcome == "verified" else ("red" if "fail" in rec.outcome else "yellow")
+        table.add_row(
+            str(rec.id), rec.at, rec.action, rec.study, _cell(rec.trial), rec.target,
+            Text(rec.outcome, style=style), Text(rec.message),
+        )
+    return table
+
+
+def apply_result(record: Any) -> Group:
+    """The outcome of one apply: its message and each verification check."""
+    parts: list[Any] = [Text(f"#{record.id} {record.action}: {record.message}", style="bold green")]
+    for check in record.checks:
+        line = Text(f"  {'ok ' if check.ok else 'FAIL'} {check.name}: ", style="green" if check.ok else "red")
+        line.append(check.detail, style="")
+        parts.append(line)
+    return Group(*parts)

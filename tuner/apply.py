@@ -1,0 +1,898 @@
+"""Applying a trial's config to the service: an explicit state machine with verify and rollback.
+
+``tuner apply best|N`` persists a trial's tuned flags the systemd way, as a drop-in
+``<unit>.d/80-tuner.conf`` (separate from the trial drop-in ``90-tuner-trial.conf``, which sorts
+after it), restarts the unit, waits until it is ready, and verifies that the server holds what the
+trial promised: the same token capacity (``max_total_num_tokens`` from the server, ± 1 %), the
+tuned flags in ``/get_server_info``, and a short load check against the study's SLO. On any
+failure it restores the previous drop-in (or its absence), restarts, waits healthy, and says what
+failed. Every apply, undo and rollback is recorded in the study's storage (table
+``tuner_applies``) and listed by ``tuner applies``; ``tuner apply --undo`` returns to the state
+before the last verified apply.
+
+The steps are states with allowed transitions (as httpx's ``ClientState``)::
+
+    PLANNED ──► STARTED ──► READY ──► VERIFIED
+       │           │          │
+       │           └──────────┴──► ROLLING_BACK ──► ROLLED_BACK | ROLLBACK_FAILED
+       └──► PRINTED   (process launcher: the command line is printed or written, nothing runs)
+
+Crash safety comes from :mod:`tuner.launch.safety`: the unit's lock is held throughout, and the
+previous drop-ins are recorded in the unit's state file *before* the first change, so a tuner
+killed mid-apply leaves a state that ``tuner restore`` puts back. The rollback itself is the
+launcher's :meth:`~tuner.launch.safety.GuardedLauncher.restore` of that state.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import json
+import logging
+import math
+import shlex
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
+
+from tuner.errors import ApplyError, TunerError
+from tuner.history import StoredStudy, TrialView, check_storage
+from tuner.launch.safety import SessionState
+from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
+from tuner.sglang.client import SGLangClient
+from tuner.sglang.flags import FlagTable, replace_flags
+
+__all__ = [
+    "PERSISTENT_DROPIN",
+    "CAPACITY_TOLERANCE",
+    "ApplyState",
+    "Check",
+    "LoadCheck",
+    "ApplyPlan",
+    "ApplyRecord",
+    "ApplyLog",
+    "plan_apply",
+    "plan_undo",
+    "execute",
+    "service_settings",
+    "study_config",
+    "load_check_for",
+]
+
+log = logging.getLogger(__name__)
+
+PERSISTENT_DROPIN = "80-tuner.conf"
+"""File name of the applied config's drop-in (sorts before the trial drop-in ``90-tuner-trial.conf``)."""
+CAPACITY_TOLERANCE = 0.01
+"""Allowed relative difference between the applied server's token capacity and the trial's."""
+_SERVER_FLAGS = (
+    "mem_fraction_static",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+)
+"""Tuned fields that ``/get_server_info`` reports back (§5.2), checked after a restart."""
+
+
+class ApplyState(str, Enum):
+    """Where an apply (or undo) is; see the module docstring for the transitions."""
+
+    PLANNED = "planned"
+    STARTED = "started"
+    READY = "ready"
+    VERIFIED = "verified"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    ROLLBACK_FAILED = "rollback_failed"
+    PRINTED = "printed"
+
+
+_TRANSITIONS: dict[ApplyState, frozenset[ApplyState]] = {
+    ApplyState.PLANNED: frozenset({ApplyState.STARTED, ApplyState.PRINTED}),
+    ApplyState.STARTED: frozenset({ApplyState.READY, ApplyState.ROLLING_BACK}),
+    ApplyState.READY: frozenset({ApplyState.VERIFIED, ApplyState.ROLLING_BACK}),
+    ApplyState.ROLLING_BACK: frozenset({ApplyState.ROLLED_BACK, ApplyState.ROLLBACK_FAILED}),
+}
+
+
+class Check(BaseModel):
+    """One verification check.
+
+    Attributes:
+        name: ``ready``, ``restart``, ``token_capacity``, ``flags``, ``load``.
+        ok: Whether it passed.
+        detail: What was expected and observed, one line.
+        expected: The expected number, when the check compares one (tokens for
+            ``token_capacity``).
+        observed: The observed number.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    ok: bool
+    detail: str
+    expected: float | None = None
+    observed: float | None = None
+
+
+class LoadCheck(BaseModel):
+    """The short load check run after a restart.
+
+    Attributes:
+        workload: The study's workload spec (``[workload]``, a :data:`tuner.load.WorkloadSpec`).
+        concurrency: Closed-loop concurrency.
+        duration_s: Measured window, s.
+        slo: The study's SLO (``[slo]``, :class:`tuner.load.SLO` as a dict).
+        seed: Workload seed.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    workload: dict[str, Any]
+    concurrency: int = Field(ge=1)
+    duration_s: float = Field(gt=0)
+    slo: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+
+    def slo_text(self) -> str:
+        """The SLO as ``p99 ttft ≤ 2000 ms, ...`` (``no SLO`` when empty)."""
+        items = [
+            f"{pct} {metric} ≤ {limit:g} ms"
+            for metric in ("ttft", "itl", "tpot", "e2e_latency")
+            for pct, limit in (self.slo.get(f"{metric}_ms") or {}).items()
+        ]
+        return ", ".join(items) or "no SLO"
+
+
+class ApplyPlan(BaseModel):
+    """What an apply or undo will do, decided before anything changes.
+
+    Attributes:
+        action: ``apply`` or ``undo``.
+        study: Study name.
+        trial: The trial applied (for an undo: the trial of the state returned to, if known).
+        launcher: ``systemd`` or ``process``.
+        target: The unit name, or the process launcher's command name.
+        previous_argv: The command the service runs now.
+        new_argv: The command it will run.
+        previous_dropin: Current content of ``80-tuner.conf`` (``None``: absent).
+        new_dropin: Content to write (``None``: remove the file).
+        dropin_path: Where the drop-in lives (systemd).
+        expected_token_capacity: Token capacity the server must report (``None``: not checked).
+        expected_flags: Tuned field → value the server must report.
+        load: The load check (``None``: none).
+        undoes: For an undo: the id of the apply record being undone.
+        settings: The launcher settings (the config's ``[service]``, ``state_dir``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    action: Literal["apply", "undo"] = "apply"
+    study: str
+    trial: int | None = None
+    launcher: Literal["systemd", "process"]
+    target: str
+    previous_argv: list[str]
+    new_argv: list[str]
+    previous_dropin: str | None = None
+    new_dropin: str | None = None
+    dropin_path: str | None = None
+    expected_token_capacity: int | None = None
+    expected_flags: dict[str, Any] = Field(default_factory=dict)
+    load: LoadCheck | None = None
+    undoes: int | None = None
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    def command_diff(self) -> str:
+        """The command-line change, one flag (with its values) per line, as a unified diff."""
+        diff = difflib.unified_diff(
+            [f"{line}\n" for line in _flag_lines(self.previous_argv)],
+            [f"{line}\n" for line in _flag_lines(self.new_argv)],
+            "current command",
+            "new command",
+            n=0,
+        )
+        return "".join(line for line in diff if not line.startswith("@@")) or "(no change)\n"
+
+    def render(self, *, timeout_s: float) -> str:
+        """The ``--dry-run`` text: what is written where, the command-line diff, and the checks."""
+        what = f"trial {self.trial}" if self.action == "apply" else "undo"
+        head = f"{what} of study {self.study!r} on {self.target} ({self.launcher} launcher)\n"
+        if self.launcher == "process":
+            return (
+                f"{head}the process launcher runs no unit: the new command line is printed "
+                f"(or written with --write FILE):\n{shlex.join(self.new_argv)}\n"
+                f"command-line diff:\n{self.command_diff()}"
+            )
+        if self.new_dropin is None:
+            body = f"would remove {self.dropin_path}\n"
+        else:
+            verb = "replace" if self.previous_dropin is not None else "create"
+            body = f"would {verb} {self.dropin_path}:\n{self.new_dropin}"
+        checks = ["ready within %.0f s" % timeout_s]
+        if self.expected_token_capacity is not None:
+            checks.append(
+                f"token capacity {self.expected_token_capacity} ± {CAPACITY_TOLERANCE:.0%}"
+            )
+        if self.expected_flags:
+            checks.append("server flags " + ", ".join(f"{k}={v}" for k, v in self.expected_flags.items()))
+        if self.load is not None:
+            checks.append(
+                f"{self.load.duration_s:.0f} s load at concurrency {self.load.concurrency} "
+                f"({self.load.slo_text()})"
+            )
+        return (
+            f"{head}{body}"
+            f"then: daemon-reload, restart {self.target}, verify: {'; '.join(checks)}; "
+            "on any failure restore the previous drop-in and restart\n"
+            f"command-line diff:\n{self.command_diff()}"
+        )
+
+
+def _flag_lines(argv: Sequence[str]) -> list[str]:
+    """Group argv into lines: the program, then each ``--flag`` with its values."""
+    lines: list[list[str]] = []
+    for word in argv:
+        if word.startswith("--") or not lines:
+            lines.append([word])
+        else:
+            lines[-1].append(word)
+    return [shlex.join(words) for words in lines]
+
+
+class ApplyRecord(BaseModel):
+    """One recorded apply, undo or rollback (a row of ``tuner_applies``).
+
+    Attributes:
+        id: Row id (``None`` before it is stored).
+        at: ISO time (UTC) it finished.
+        action: ``apply``, ``undo`` or ``rollback`` (the automatic rollback of a failed one).
+        study, trial, target: What was applied where.
+        outcome: The final :class:`ApplyState` value.
+        previous_command, new_command: argv before and after.
+        previous_dropin, new_dropin: ``80-tuner.conf`` before and after (``None``: absent).
+        checks: The verification checks.
+        message: One line on what happened.
+        undoes: For an undo, the id of the apply it undid; for a rollback, the failed attempt's.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int | None = None
+    at: str
+    action: Literal["apply", "undo", "rollback"]
+    study: str
+    trial: int | None
+    target: str
+    outcome: str
+    previous_command: list[str]
+    new_command: list[str]
+    previous_dropin: str | None = None
+    new_dropin: str | None = None
+    checks: list[Check] = Field(default_factory=list)
+    message: str = ""
+    undoes: int | None = None
+
+
+_METADATA = sa.MetaData()
+_APPLIES = sa.Table(
+    "tuner_applies",
+    _METADATA,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("at", sa.String(40), nullable=False),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("study", sa.String(512), nullable=False),
+    sa.Column("trial", sa.Integer, nullable=True),
+    sa.Column("target", sa.String(512), nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("previous_command", sa.Text, nullable=False),
+    sa.Column("new_command", sa.Text, nullable=False),
+    sa.Column("previous_dropin", sa.Text, nullable=True),
+    sa.Column("new_dropin", sa.Text, nullable=True),
+    sa.Column("checks", sa.Text, nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("undoes", sa.Integer, nullable=True),
+)
+
+
+class ApplyLog:
+    """The record of applies in the study's storage database (table ``tuner_applies``).
+
+    Args:
+        storage_url: The Optuna storage URL; it must exist (see :func:`tuner.history.check_storage`).
+
+    Raises:
+        StudyError: The storage does not exist.
+    """
+
+    def __init__(self, storage_url: str) -> None:
+        check_storage(storage_url)
+        self.storage_url = storage_url
+        self._engine = sa.create_engine(storage_url)
+
+    def close(self) -> None:
+        """Release the database connections."""
+        self._engine.dispose()
+
+    def add(self, record: ApplyRecord) -> ApplyRecord:
+        """Store a record (creating the table on first use); returns it with its id.
+
+        Raises:
+            ApplyError: The database refused the write.
+        """
+        row = record.model_dump(exclude={"id"})
+        row["previous_command"] = json.dumps(record.previous_command)
+        row["new_command"] = json.dumps(record.new_command)
+        row["checks"] = json.dumps([c.model_dump() for c in record.checks])
+        try:
+            _METADATA.create_all(self._engine, tables=[_APPLIES])
+            with self._engine.begin() as conn:
+                new_id = conn.execute(_APPLIES.insert().values(**row)).inserted_primary_key[0]
+        except SQLAlchemyError as err:
+            raise ApplyError(
+                f"cannot record the apply in {self.storage_url}: {str(err).splitlines()[0]}",
+                hint="check that the study database is writable",
+            ) from err
+        return record.model_copy(update={"id": int(new_id)})
+
+    def records(self, *, target: str | None = None) -> list[ApplyRecord]:
+        """Every record, oldest first (only ``target``'s when given); empty when none yet."""
+        if not sa.inspect(self._engine).has_table("tuner_applies"):
+            return []
+        query = sa.select(_APPLIES).order_by(_APPLIES.c.id)
+        if target is not None:
+            query = query.where(_APPLIES.c.target == target)
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        out = []
+        for row in rows:
+            data = dict(row)
+            data["previous_command"] = json.loads(data["previous_command"])
+            data["new_command"] = json.loads(data["new_command"])
+            data["checks"] = json.loads(data["checks"])
+            out.append(ApplyRecord.model_validate(data))
+        return out
+
+    def applied_stack(self, target: str) -> list[ApplyRecord]:
+        """The verified applies on ``target`` that no later undo took back, oldest first."""
+        stack: list[ApplyRecord] = []
+        for rec in self.records(target=target):
+            if rec.outcome != ApplyState.VERIFIED.value:
+                continue
+            if rec.action == "apply":
+                stack.append(rec)
+            elif rec.action == "undo":
+                stack = [r for r in stack if r.id != rec.undoes]
+        return stack
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _settings_dict(settings: Mapping[str, Any] | Any) -> dict[str, Any]:
+    if isinstance(settings, BaseModel):
+        return settings.model_dump(mode="json")
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dict(settings).items()}
+
+
+def _build(settings: Mapping[str, Any]) -> Any:
+    from tuner.launch.factory import build_launcher  # composition root of launchers
+
+    return build_launcher(settings)
+
+
+class _PersistentDropinLauncher(SystemdLauncher):
+    """A systemd launcher whose start writes ``80-tuner.conf`` (or removes it) instead of the
+    trial drop-in; its fail-fast :meth:`wait` and its :meth:`restore` (the rollback) are the
+    launcher's own."""
+
+    def __init__(self, base: SystemdLauncher, dropin_text: str | None) -> None:
+        super().__init__(
+            base.unit,
+            url=base.url,
+            state_dir=base.state_dir,
+            gpu=base.gpu,
+            allow_foreign=base.allow_foreign,
+            release_timeout_s=base.release_timeout_s,
+        )
+        self.settings = getattr(base, "settings", {})
+        self._dropin_text = dropin_text
+
+    def _launch(self, argv: list[str]) -> None:
+        self.unit.check_writable()
+        if self._dropin_text is None:
+            self.unit.remove_dropin(PERSISTENT_DROPIN)
+        else:
+            self.unit.write_dropin(PERSISTENT_DROPIN, self._dropin_text)
+        self.unit.daemon_reload()
+        now = self.unit.exec_command().argv
+        if now != list(argv):
+            raise ApplyError(
+                f"after writing {PERSISTENT_DROPIN}, {self.unit.name} runs {shlex.join(now)!r} "
+                f"instead of the applied command: a drop-in sorting after it sets ExecStart=",
+                hint=f"move that ExecStart= out of {self.unit.dropin_folder} or into the unit file",
+            )
+        self._start_unit()
+
+
+def study_config(stored: StoredStudy, config: Path | None = None) -> Any:
+    """The study's config: ``--config``, else the file the study recorded (:attr:`StudyInfo.config_path`).
+
+    Raises:
+        ApplyError: Neither names an existing file.
+        ConfigError: The file is invalid.
+    """
+    from tuner.config import load_config
+
+    recorded = stored.info.config_path if stored.info else None
+    path = config or (Path(recorded) if recorded else None)
+    if path is None or not Path(path).is_file():
+        where = f"it recorded {recorded}, which does not exist" if recorded else "it records none"
+        raise ApplyError(
+            f"tuner apply needs study {stored.name!r}'s config ([service], [workload], [slo]); {where}",
+            hint="pass --config FILE",
+        )
+    return load_config(path)
+
+
+def service_settings(config: Any, *, state_dir: Path | None = None) -> dict[str, Any]:
+    """Launcher settings from a config's ``[service]`` (plus ``state_dir`` when given).
+
+    Args:
+        config: A :class:`tuner.config.TunerConfig`.
+        state_dir: Folder of locks and state files (default: the launcher's).
+    """
+    settings = config.service.model_dump(mode="json")
+    if state_dir is not None:
+        settings["state_dir"] = str(state_dir)
+    return settings
+
+
+def load_check_for(config: Any, view: TrialView, *, duration_s: float) -> LoadCheck:
+    """The load check of an apply: the study's workload and SLO at the trial's concurrency.
+
+    The concurrency is ``[budget] concurrency`` when set, else the concurrency the trial's
+    measured window achieved (rounded up), else its context capacity; at most
+    ``[budget] max_concurrency``.
+
+    Args:
+        config: The study's :class:`tuner.config.TunerConfig`.
+        view: The trial applied.
+        duration_s: Measured window of the check, s.
+    """
+    budget = config.budget
+    concurrency = budget.concurrency
+    if not concurrency and view.record is not None:
+        measured = next((p for p in view.record.phases if p.name == "measure"), None)
+        achieved = measured.metrics.get("concurrency") if measured else None
+        if achieved:
+            concurrency = math.ceil(achieved - 1e-6)
+    if not concurrency:
+        concurrency = int(view.metric("context_capacity") or 1)
+    cap = getattr(budget, "max_concurrency", concurrency)
+    return LoadCheck(
+        workload=config.workload.model_dump(mode="json"),
+        concurrency=max(1, min(int(concurrency), cap)),
+        duration_s=duration_s,
+        slo=config.slo.model_dump(mode="json") if hasattr(config.slo, "model_dump") else {},
+        seed=config.study.seed,
+    )
+
+
+def _expected_capacity(view: TrialView) -> int | None:
+    rec = view.record
+    if rec is None:
+        return None
+    if rec.token_capacity is not None:
+        return int(rec.token_capacity)
+    value = rec.resolved.get("max_total_num_tokens", {}).get("value")
+    return int(value) if value is not None else None
+
+
+def _tuned_params(stored: StoredStudy, view: TrialView) -> dict[str, Any]:
+    """The trial's params plus ``None`` for every field other trials tuned (a conditional field
+    this trial lacks, e.g. ``hicache_ratio`` with the hierarchical cache off, is removed)."""
+    names = {name for v in stored.trials for name in v.params}
+    return {name: view.params.get(name) for name in sorted(names)}
+
+
+def _flag_table(stored: StoredStudy, settings: Mapping[str, Any]) -> FlagTable:
+    env = stored.info.environment if stored.info else {}
+    version = settings.get("sglang_version") or env.get("sglang_version")
+    if not version:
+        raise ApplyError(
+            f"study {stored.name!r} does not record its SGLang version",
+            hint="set [service] sglang_version in the config",
+        )
+    return FlagTable.for_version(str(version))
+
+
+def plan_apply(
+    stored: StoredStudy,
+    view: TrialView,
+    settings: Mapping[str, Any] | Any,
+    *,
+    load: LoadCheck | None,
+) -> ApplyPlan:
+    """Decide what applying ``view`` changes; reads the service, changes nothing.
+
+    The new command is the service's current command with the trial's tuned flags replaced
+    (:func:`tuner.sglang.flags.replace_flags`), so flags the operator set outside the study stay.
+
+    Args:
+        stored: The study.
+        view: The trial to apply; it must be feasible and carry its record.
+        settings: The launcher settings (the config's ``[service]``, plus ``state_dir``).
+        load: The load check to run after the restart, or ``None``.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ApplyError: The trial is not feasible or has no record; the SGLang version is unknown.
+        LaunchError: The unit or its command cannot be read.
+        FlagError: A tuned field the SGLang version lacks.
+    """
+    if view.record is None or not view.params:
+        raise ApplyError(
+            f"trial {view.number} has no tuner record to apply",
+            hint="pick a trial that `tuner trials` lists with params",
+        )
+    if not view.feasible:
+        why = view.failure_class or ("skipped" if view.outcome == "skipped" else "SLO/stress")
+        raise ApplyError(
+            f"trial {view.number} is not feasible ({why}); applying it would not be safe",
+            hint="apply a feasible trial: see `tuner best` or `tuner trials --feasible`",
+        )
+    settings = _settings_dict(settings)
+    table = _flag_table(stored, settings)
+    params = _tuned_params(stored, view)
+    expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
+    launcher = _build(settings)
+    common = dict(
+        study=stored.name,
+        trial=view.number,
+        expected_token_capacity=_expected_capacity(view),
+        expected_flags=expected_flags,
+        load=load,
+        settings=settings,
+    )
+    if not isinstance(launcher, SystemdLauncher):
+        current = launcher.current_argv()
+        return ApplyPlan(
+            launcher="process",
+            target=launcher.key,
+            previous_argv=current,
+            new_argv=replace_flags(current, params, table),
+            **common,
+        )
+    unit = launcher.unit
+    command = unit.exec_command()
+    new_argv = replace_flags(command.argv, params, table)
+    header = (
+        f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {_now()}.\n"
+        "Undo with `tuner apply --undo`; see `tuner applies`."
+    )
+    return ApplyPlan(
+        launcher="systemd",
+        target=unit.name,
+        previous_argv=command.argv,
+        new_argv=new_argv,
+        previous_dropin=unit.read_dropin(PERSISTENT_DROPIN),
+        new_dropin=unit.exec_start_dropin(new_argv, prefix=command.prefix, header=header),
+        dropin_path=str(unit.dropin_folder / PERSISTENT_DROPIN),
+        **common,
+    )
+
+
+def plan_undo(stored: StoredStudy, settings: Mapping[str, Any] | Any, log_: ApplyLog) -> ApplyPlan:
+    """Plan the return to the state before the last verified apply on the service's unit.
+
+    Raises:
+        ApplyError: Nothing to undo, the launcher is not systemd, or ``80-tuner.conf`` was
+            changed by hand since that apply.
+    """
+    settings = _settings_dict(settings)
+    launcher = _build(settings)
+    if not isinstance(launcher, SystemdLauncher):
+        raise ApplyError(
+            "tuner apply --undo needs the systemd launcher",
+            hint="with the process launcher, run the previous command line yourself",
+        )
+    unit = launcher.unit
+    stack = log_.applied_stack(unit.name)
+    if not stack:
+        raise ApplyError(
+            f"no verified apply on {unit.name} to undo (see `tuner applies`)",
+            hint="nothing was applied, or every apply was already undone",
+        )
+    top = stack[-1]
+    current = unit.read_dropin(PERSISTENT_DROPIN)
+    if current != top.new_dropin:
+        raise ApplyError(
+            f"{unit.dropin_folder / PERSISTENT_DROPIN} changed since apply #{top.id}",
+            hint="restore it by hand or apply a trial again; undo only returns to recorded states",
+        )
+    below = stack[-2] if len(stack) > 1 and stack[-2].new_dropin == top.previous_dropin else None
+    expected = None
+    if below is not None:
+        expected = next(
+            (int(c.observed) for c in below.checks
+             if c.name == "token_capacity" and c.ok and c.observed is not None),
+            None,
+        )
+    command = unit.exec_command()
+    return ApplyPlan(
+        action="undo",
+        study=stored.name,
+        trial=below.trial if below else None,
+        launcher="systemd",
+        target=unit.name,
+        previous_argv=command.argv,
+        new_argv=top.previous_command,
+        previous_dropin=current,
+        new_dropin=top.previous_dropin,
+        dropin_path=str(unit.dropin_folder / PERSISTENT_DROPIN),
+        expected_token_capacity=expected,
+        undoes=top.id,
+        settings=settings,
+    )
+
+
+class _Run:
+    """One execution of a plan: the state machine, its checks, and its records."""
+
+    def __init__(self, plan: ApplyPlan, log_: ApplyLog) -> None:
+        self.plan = plan
+        self.log = log_
+        self.state = ApplyState.PLANNED
+        self.checks: list[Check] = []
+
+    def advance(self, new: ApplyState) -> None:
+        if new not in _TRANSITIONS.get(self.state, frozenset()):
+            raise RuntimeError(f"apply state {self.state.value} cannot go to {new.value}")
+        log.info("apply %s: %s -> %s", self.plan.target, self.state.value, new.value)
+        self.state = new
+
+    def record(self, action: str, message: str, **extra: Any) -> ApplyRecord:
+        plan = self.plan
+        fields: dict[str, Any] = dict(
+            at=_now(),
+            action=action,
+            study=plan.study,
+            trial=plan.trial,
+            target=plan.target,
+            outcome=self.state.value,
+            previous_command=plan.previous_argv,
+            new_command=plan.new_argv,
+            previous_dropin=plan.previous_dropin,
+            new_dropin=plan.new_dropin,
+            checks=self.checks,
+            message=message,
+            undoes=plan.undoes,
+        )
+        fields.update(extra)
+        return self.log.add(ApplyRecord(**fields))
+
+
+def _verify(plan: ApplyPlan, url: str) -> list[Check]:
+    """The post-restart checks: token capacity, the tuned flags, the load check."""
+    checks: list[Check] = []
+    with SGLangClient(url, timeout_s=10.0) as client:
+        info = client.server_info()
+    if plan.expected_token_capacity is not None:
+        got, want = info.max_total_num_tokens, plan.expected_token_capacity
+        ok = got is not None and abs(got - want) <= CAPACITY_TOLERANCE * want
+        change = f" ({(got - want) / want:+.1%})" if got is not None and want else ""
+        checks.append(
+            Check(
+                name="token_capacity",
+                ok=ok,
+                detail=f"observed {got} tokens, expected {want}{change}; allowed ±{CAPACITY_TOLERANCE:.0%}",
+                expected=want,
+                observed=got,
+            )
+        )
+    wrong = []
+    for field, want in plan.expected_flags.items():
+        got = getattr(info, field, None)
+        if got is not None and not _same(got, want):
+            wrong.append(f"{field}={got} (want {want})")
+    if plan.expected_flags:
+        checks.append(
+            Check(
+                name="flags",
+                ok=not wrong,
+                detail="; ".join(wrong) or "server reports "
+                + ", ".join(f"{k}={getattr(info, k, None)}" for k in plan.expected_flags),
+            )
+        )
+    if plan.load is not None and all(c.ok for c in checks):
+        checks.append(_load_check(plan.load, url))
+    return checks
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, bool) or isinstance(got, bool):
+        return bool(got) == bool(want)
+    try:
+        return abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want)))
+    except (TypeError, ValueError):
+        return str(got) == str(want)
+
+
+def _load_check(load: LoadCheck, url: str) -> Check:
+    from pydantic import TypeAdapter
+
+    from tuner.load import SLO, WorkloadSpec, build_workload, run_load_sync
+
+    spec = TypeAdapter(WorkloadSpec).validate_python(load.workload)
+    slo = SLO.model_validate(load.slo) if load.slo else None
+    try:
+        result = run_load_sync(
+            url,
+            build_workload(spec, seed=load.seed),
+            concurrency=load.concurrency,
+            duration_s=load.duration_s,
+            slo=slo,
+            timeout_s=load.duration_s * 4 + 120.0,
+        )
+    except TunerError as err:
+        return Check(name="load", ok=False, detail=f"load check could not run: {err}")
+    s = result.summary
+    problems = []
+    if s.completed == 0:
+        problems.append("no request completed")
+    if s.errored or result.partial:
+        problems.append(f"{s.errored} errored, partial={result.partial}")
+    if s.slo_met is False:
+        over = ", ".join(f"{k}={v}" for k, v in s.slo_violations.items())
+        problems.append(f"SLO missed ({over})")
+    detail = (
+        f"{s.completed} requests at concurrency {load.concurrency} in {s.duration:.0f} s: "
+        f"p99 TTFT {s.p99_ttft_ms or 0:.0f} ms, p99 ITL {s.p99_itl_ms or 0:.1f} ms, "
+        f"{s.output_throughput:.0f} tok/s"
+    )
+    return Check(name="load", ok=not problems, detail="; ".join(problems + [detail]))
+
+
+def execute(plan: ApplyPlan, log_: ApplyLog, *, timeout_s: float = 900.0, write: Path | None = None) -> ApplyRecord:
+    """Carry out a plan: write, restart, wait, verify; roll back on any failure. Records it.
+
+    With the process launcher nothing runs: the command line is returned in the record (and
+    written to ``write`` when given).
+
+    Args:
+        plan: From :func:`plan_apply` or :func:`plan_undo`.
+        log_: Where the apply (and a rollback) is recorded.
+        timeout_s: Limit for the server to become ready (apply and rollback each).
+        write: Process launcher: file to write the command line to.
+
+    Returns:
+        The record of a verified apply (or of the printed command).
+
+    Raises:
+        ApplyError: Verification failed and the previous config was restored (the message says
+            what failed), or the rollback failed too (the state file is kept for ``tuner
+            restore``).
+        LockHeldError: Another tuner holds the unit.
+        LaunchError: The service could not be read before any change.
+
+    .. note:: Changes the production service.
+    """
+    run = _Run(plan, log_)
+    if plan.launcher == "process":
+        run.advance(ApplyState.PRINTED)
+        if write is not None:
+            from tuner.launch.unit import atomic_write_text
+
+            try:
+                atomic_write_text(Path(write), shlex.join(plan.new_argv) + "\n")
+            except OSError as err:
+                raise ApplyError(f"cannot write {write}: {err.strerror}", hint="pass a writable --write FILE") from err
+        where = f"written to {write}" if write else "printed"
+        return run.record(plan.action, f"process launcher: new command line {where}")
+    base = _build(plan.settings)
+    launcher = _PersistentDropinLauncher(base, plan.new_dropin)
+    unit = launcher.unit
+    launcher.lock.acquire()
+    try:
+        if launcher.store.load() is not None:
+            raise ApplyError(
+                f"a tuning session left its state for {unit.name} ({launcher.store.path})",
+                hint=f"put the service back first: tuner restore --unit {unit.name}",
+            )
+        if unit.read_dropin(TRIAL_DROPIN) is not None:
+            raise ApplyError(
+                f"{unit.dropin_folder / TRIAL_DROPIN} is present: a tuning run is active or was killed",
+                hint=f"finish the run, or put the service back: tuner restore --unit {unit.name}",
+            )
+        if unit.exec_command().argv != plan.previous_argv:
+            raise ApplyError(
+                f"{unit.name}'s command changed since the plan was made",
+                hint="run `tuner apply` again",
+            )
+        unit.check_writable()
+        active = unit.properties().active_state in ("active", "activating", "reloading")
+        original = SessionState(
+            launcher="systemd",
+            key=unit.name,
+            original_argv=plan.previous_argv,
+            original_prefix=unit.exec_command().prefix,
+            original_dropins=unit.dropins(),
+            dropin_folder_existed=unit.dropin_folder.is_dir(),
+            was_running=active,
+            extra={"settings": launcher.settings, "apply": plan.action, "study": plan.study,
+                   "trial": plan.trial},
+        )
+        launcher.store.save(original)
+        return _switch(run, launcher, timeout_s)
+    finally:
+        launcher.lock.release()
+
+
+def _switch(run: _Run, launcher: _PersistentDropinLauncher, timeout_s: float) -> ApplyRecord:
+    """STARTED → READY → VERIFIED, or ROLLING_BACK → ROLLED_BACK / ROLLBACK_FAILED."""
+    plan = run.plan
+    failure = ""
+    try:
+        run.advance(ApplyState.STARTED)
+        launcher.start(plan.new_argv)
+        st = launcher.wait(timeout_s)
+        if st.phase.value != "ready":
+            why = f"{st.failure.failure_class.value}: {st.failure.evidence}" if st.failure else st.phase.value
+            run.checks.append(Check(name="ready", ok=False, detail=why))
+            failure = f"the server did not become ready ({why})"
+        else:
+            run.advance(ApplyState.READY)
+            run.checks.append(Check(name="ready", ok=True, detail=f"ready after {st.elapsed_s:.0f} s"))
+            run.checks.extend(_verify(plan, launcher.url))
+            bad = [c for c in run.checks if not c.ok]
+            if bad:
+                failure = "; ".join(f"{c.name}: {c.detail}" for c in bad)
+    except TunerError as err:
+        failure = str(err)
+        run.checks.append(Check(name="restart", ok=False, detail=failure))
+    if not failure:
+        run.advance(ApplyState.VERIFIED)
+        launcher.store.clear()
+        what = f"trial {plan.trial}" if plan.action == "apply" else f"undo of apply #{plan.undoes}"
+        return run.record(plan.action, f"{what} applied and verified on {plan.target}")
+    run.advance(ApplyState.ROLLING_BACK)
+    rollback_error: TunerError | None = None
+    try:
+        launcher.restore(timeout_s=timeout_s)
+        run.advance(ApplyState.ROLLED_BACK)
+    except TunerError as err:
+        rollback_error = err
+        run.advance(ApplyState.ROLLBACK_FAILED)
+    attempt = run.record(plan.action, f"verification failed: {failure}")
+    run.record(
+        "rollback",
+        f"rollback failed: {rollback_error}" if rollback_error else "previous config restored and healthy",
+        undoes=attempt.id,
+        previous_command=plan.new_argv,
+        new_command=plan.previous_argv,
+        previous_dropin=plan.new_dropin,
+        new_dropin=plan.previous_dropin,
+        checks=[],
+    )
+    if rollback_error is not None:
+        raise ApplyError(
+            f"{plan.action} on {plan.target} failed ({failure}) and the rollback failed too: "
+            f"{rollback_error}",
+            hint=f"the state file {launcher.store.path} is kept: fix the unit, then "
+            f"`tuner restore --unit {plan.target}`",
+        ) from rollback_error
+    raise ApplyError(
+        f"{plan.action} on {plan.target} rolled back: {failure}",
+        hint="the previous config is running again and healthy; see `tuner applies`",
+    )
