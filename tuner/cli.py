@@ -415,6 +415,69 @@ def dashboard_cmd(
     raise typer.Exit(subprocess.call(argv))
 
 
+@app.command("apply")
+def apply_cmd(
+    target: _Ann[str | None, typer.Argument(help="`best` or a trial number.")] = None,
+    undo: _Ann[bool, typer.Option("--undo", help="Return to the state before the last verified apply.")] = False,
+    dry_run: _Ann[bool, typer.Option("--dry-run", help="Print the drop-in and the command-line diff; change nothing.")] = False,
+    yes: _Ann[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    study: _StudyOpt = None,
+    storage: _StorageOpt = None,
+    config: _ConfigOpt = None,
+    state_dir: _Ann[_Path | None, typer.Option("--state-dir", help="Folder of locks and state files.")] = None,
+    verify_s: _Ann[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
+    timeout_s: _Ann[float, typer.Option("--timeout-s", help="How long the server may take to be ready.")] = 900.0,
+    write: _Ann[_Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,
+) -> None:
+    """Persist a trial's flags (systemd drop-in 80-tuner.conf), restart, verify; roll back on failure."""
+    from tuner import apply as applying
+    from tuner import history, report
+    from tuner.errors import ConfigError
+
+    if undo == (target is not None):
+        raise ConfigError("pass either a target (`best` or a trial number) or --undo", hint="e.g. `tuner apply best`")
+    if target not in (None, "best") and not target.isdigit():
+        raise ConfigError(f"apply target {target!r} is neither `best` nor a trial number", hint="e.g. `tuner apply 7`")
+    stored = _history_study(study, storage, config)
+    cfg = applying.study_config(stored, config)
+    settings = applying.service_settings(cfg, state_dir=state_dir)
+    log = applying.ApplyLog(stored.location.storage_url)
+    if undo:
+        plan = applying.plan_undo(stored, settings, log)
+    else:
+        view = history.choose_best(stored).trial if target == "best" else stored.trial(int(target))
+        load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
+        plan = applying.plan_apply(stored, view, settings, load=load)
+    console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
+    if dry_run:
+        return
+    if plan.launcher == "systemd" and not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError("tuner apply restarts the service and needs a confirmation", hint="pass --yes")
+        typer.confirm(f"restart {plan.target} with this config?", abort=True)
+    record = applying.execute(plan, log, timeout_s=timeout_s, write=write)
+    console.print(report.apply_result(record))
+
+
+@app.command("applies")
+def applies_cmd(
+    study: _StudyOpt = None,
+    storage: _StorageOpt = None,
+    config: _ConfigOpt = None,
+    as_json: _JsonOpt = False,
+) -> None:
+    """Every apply, undo and rollback recorded in the study's storage."""
+    from tuner import apply as applying
+    from tuner import history, report
+
+    location = history.resolve_location(study=study, storage=storage, config=config)
+    records = applying.ApplyLog(location.storage_url).records()
+    if as_json:
+        print(report.json_text([r.model_dump(mode="json") for r in records]))
+    else:
+        console.print(report.applies_table(records))
+
+
 def main() -> None:
     """Entry point of the ``tuner`` script: run the app, turn TunerError into one line."""
     try:
