@@ -20,26 +20,32 @@ layer, plus launch and communication overheads:
   fixed cost; an eager step (prefill, or a decode batch above the largest captured graph, §2.1
   "Decode batches larger than the largest captured size run eagerly") is bounded below by the CPU
   time to launch every layer's kernels: ``max(GPU time, layers × eager_layer_overhead_s)``.
-  Case-21 (``shared/cases/case-21.json``: a 0.5B model, median TPOT 30.6 ms beyond a bs-48 graph
-  vs 5.3 ms with bs-128 graphs) gives about 1 ms per layer; the model uses 0.8 ms after taking
-  the larger batch into account.
+  Case-21 (``shared/cases/case-21.json``: a 0.5B, 24-layer model on an RTX 4090, median TPOT
+  30.6 ms beyond a bs-48 graph vs 5.3 ms with bs-128 graphs) bounds it at about 1 ms per layer;
+  that TPOT also carries the larger eager batch (median 67 vs 23) and prefill interruptions, so
+  the model takes 0.45 ms per layer (a 4x slower eager step for that model, 2x for an 8B one).
+  This factor is not part of the aiconfigurator fit.
 - **Speculative decoding** (optional): a decode step runs ``num_steps`` draft passes of a
   one-layer draft at the batch size, then one target verify pass over ``batch ×
   num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average.
 
 The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-step overhead were
-fitted once to aiconfigurator 0.12.0's offline SGLang estimates for Llama-3.1-8B (tp 1) and
-Llama-3.1-70B (tp 4, 8) on H100-SXM and H200-SXM; ``tuner/sim/data/calibration.json`` keeps those
-figures, the fit and its error. The constants below are the fitted values, so nothing is read at
-run time.
+fitted once (log least squares) to aiconfigurator 0.12.0's offline SGLang (0.5.14 database)
+estimates for Llama-3.1-8B (tp 1) and Llama-3.1-70B (tp 4, 8) on H100-SXM and H200-SXM: decode
+TPOT at batch 1-256 with 1k and 4k inputs, and prefill TTFT of 512-16k tokens (96 points, RMS
+error 6.3%). ``tuner/sim/data/calibration.json`` keeps those figures, the commands, the fit and
+each point's prediction; the constants below are the fitted values (efficiencies capped at 0.9),
+so nothing is read at run time.
 
 Activation memory (for the runtime OOM of §1.6 / §4.4) is a stated model, not an SGLang fact:
 the peak transient bytes of one layer's forward over ``n`` tokens, since a layer's temporaries are
 freed before the next layer runs::
 
-    act(n) = n × 2 B × (4 × hidden + (q + 2 kv) heads × head_dim / tp + 3 × I_dense / tp
-                        + topk × (3 × I_moe / tp + hidden))
+    act(n) = n × 2 B × (4 × hidden + qkv + max(3 × I_dense / tp, topk × (3 × I_moe / tp + hidden)))
              + n_seqs × vocab / tp × 4 B                      (fp32 logits of the last tokens)
+
+    qkv = (heads + 2 × kv_heads) × head_dim / tp         (MHA / GQA)
+        = heads × (kv_lora_rank + rope) / tp + kv_lora_rank + rope     (MLA)
 
 ``4 × hidden`` is the residual stream, its normed copy, the attention output and the MLP output;
 the qkv term is the projection output; ``3 × I`` is the gate/up output (2 I) and the activated
@@ -77,14 +83,14 @@ class CostFactors:
         allreduce_latency_s: Fixed latency of one tp all-reduce, seconds.
     """
 
-    eff_hbm: float = 0.80
-    eff_gemm: float = 0.65
-    eff_attn: float = 0.45
-    graph_step_overhead_s: float = 0.6e-3
-    eager_layer_overhead_s: float = 0.8e-3
+    eff_hbm: float = 0.88
+    eff_gemm: float = 0.64
+    eff_attn: float = 0.90
+    graph_step_overhead_s: float = 0.7e-3
+    eager_layer_overhead_s: float = 0.45e-3
     step_overhead_s: float = 0.3e-3
     per_seq_overhead_s: float = 2e-6
-    allreduce_latency_s: float = 8e-6
+    allreduce_latency_s: float = 20e-6
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,319 @@
+"""Offline evaluation: one simulated SGLang server and a whole workload, on virtual time.
+
+:func:`evaluate` sizes the server from its command line exactly as ``python -m tuner.sim`` does
+(the same argument parsing, memory ledger and startup lines), then runs the engine step by step
+on a :class:`~tuner.sim.clock.VirtualClock`, so a workload that would take minutes on a GPU takes
+a fraction of a second of CPU. Metrics follow ``sglang.bench_serving``'s definitions
+(``shared/sglang-reference.md`` §6.2): TTFT = first token − arrival, TPOT = (E2E − TTFT) /
+(output − 1), ITL = gap between token deliveries divided by the tokens delivered, throughputs =
+totals / duration; the cache hit rate is Σ cached / Σ prompt tokens (§5.5).
+
+This is what the study's search-quality benchmark calls many times, so it avoids per-token
+objects: it reads the engine's internal step results instead of building events.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tuner.sim.clock import VirtualClock
+from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
+
+__all__ = ["EvalResult", "SizedServer", "evaluate", "size_server"]
+
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class SizedServer:
+    """A server command line after startup sizing.
+
+    Attributes:
+        engine_spec: The engine's settings (None when startup fails).
+        failure: Startup failure class (the memory ledger's kind, e.g. ``graph_oom``), or None.
+        log_lines: The startup log as the server prints it.
+        max_total_num_tokens: KV pool size, tokens (0 when it was never sized).
+        free_gib_after_graphs: Free GPU memory after CUDA graphs, GiB (§4.2 ``available_gpu_mem``).
+        max_running_requests: Effective value (§2.3).
+    """
+
+    engine_spec: EngineSpec | None
+    failure: str | None
+    log_lines: list[str]
+    max_total_num_tokens: int
+    free_gib_after_graphs: float
+    max_running_requests: int
+
+
+def size_server(argv: Sequence[str]) -> SizedServer:
+    """Parse ``argv`` and run the simulator's startup sizing without waiting or serving.
+
+    Args:
+        argv: ``python -m tuner.sim`` arguments (SGLang's flags plus ``--sim-*``).
+
+    Returns:
+        The sized server, or its startup failure with the lines printed up to it.
+
+    Raises:
+        tuner.sim.errors.SimError: Bad input (unknown GPU preset, unreadable model config, bad value).
+        SystemExit: argparse rejected a flag (status 2, as SGLang).
+    """
+    from tuner.sim.args import parse_args
+    from tuner.sim.gpus import get_gpu
+    from tuner.sim.memory import plan_memory, resolve_server_config
+    from tuner.sim.models import load_model
+    from tuner.sim.startup import SimLogger, engine_spec, run_startup
+
+    parsed = parse_args(list(argv))
+    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
+    stream = io.StringIO()
+    log = SimLogger(stream, cfg.tp_size)
+    for warning in cfg.warnings:
+        log.line(warning, None)
+    plan = plan_memory(
+        cfg, foreign_bytes=int(parsed.sim.foreign_gib * _GIB), host_memory_bytes=int(parsed.sim.host_memory_gib * _GIB)
+    )
+    ok = run_startup(plan, log, time_scale=0)
+    lines = stream.getvalue().splitlines()
+    if not ok or plan.failure is not None:
+        kind = plan.failure.kind if plan.failure is not None else "startup"
+        return SizedServer(None, kind, lines, plan.max_total_num_tokens, 0.0, plan.max_running_requests)
+    return SizedServer(
+        engine_spec(plan, parsed.sim.seed), None, lines, plan.max_total_num_tokens,
+        plan.available_bytes / _GIB, plan.max_running_requests,
+    )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One offline run: what startup resolved and what the workload measured.
+
+    Latencies are None when no request produced the needed tokens.
+
+    Attributes:
+        started: Startup succeeded.
+        startup_failure: Startup failure class, or None.
+        runtime_oom: A step's activations exceeded the free memory (torch OOM; the server died).
+        error: Another fatal engine error (e.g. a decode allocation failure), or None.
+        max_total_num_tokens: KV pool size, tokens.
+        max_running_requests: Effective limit.
+        free_gib_after_graphs: Free GPU memory after graphs, GiB.
+        completed: Requests finished.
+        rejected: Requests refused at admission (too long).
+        retractions: Requests retracted (§4.4).
+        duration_s: Simulated time from the start to the last event (or the ``duration_s`` cut).
+        total_output_tokens: Tokens generated (finished or not).
+        output_throughput: ``total_output_tokens / duration_s``, tokens/s.
+        request_throughput: ``completed / duration_s``, requests/s.
+        mean_ttft_ms, p50_ttft_ms, p99_ttft_ms: Time to first token, ms.
+        p99_itl_ms: Inter-token latency, ms.
+        p99_tpot_ms: Time per output token after the first, ms.
+        mean_e2e_latency_ms: End-to-end latency of completed requests, ms.
+        cache_hit_rate: Σ cached / Σ prompt tokens of finished requests.
+        log_lines: Startup and engine log lines.
+    """
+
+    started: bool
+    startup_failure: str | None
+    runtime_oom: bool
+    max_total_num_tokens: int
+    max_running_requests: int
+    free_gib_after_graphs: float
+    completed: int = 0
+    rejected: int = 0
+    retractions: int = 0
+    duration_s: float = 0.0
+    total_output_tokens: int = 0
+    output_throughput: float = 0.0
+    request_throughput: float = 0.0
+    mean_ttft_ms: float | None = None
+    p50_ttft_ms: float | None = None
+    p99_ttft_ms: float | None = None
+    p99_itl_ms: float | None = None
+    p99_tpot_ms: float | None = None
+    mean_e2e_latency_ms: float | None = None
+    cache_hit_rate: float = 0.0
+    error: str | None = None
+    log_lines: list[str] = field(default_factory=list)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def evaluate(
+    argv: list[str],
+    requests: Sequence[SimRequest],
+    *,
+    concurrency: int | None = None,
+    duration_s: float | None = None,
+    max_steps: int = 5_000_000,
+) -> EvalResult:
+    """Start a simulated server from ``argv`` and run ``requests`` through it on virtual time.
+
+    Args:
+        argv: The server's command line (SGLang flags plus ``--sim-*``).
+        requests: The workload. Open loop (``concurrency`` None): each request arrives at its
+            ``arrival_s`` (seconds from the start). Closed loop: ``concurrency`` requests are in
+            flight at once, in order, each next one sent when one finishes; ``arrival_s`` is
+            ignored.
+        concurrency: Closed-loop concurrency, or None for open loop.
+        duration_s: Stop after this much simulated time (a measured window); None runs to the end.
+        max_steps: Safety bound on engine steps.
+
+    Returns:
+        The startup outcome and the workload metrics.
+
+    Raises:
+        tuner.sim.errors.SimError: Bad server arguments.
+        SystemExit: argparse rejected a flag (status 2).
+        ValueError: ``concurrency`` below 1 or a negative ``duration_s``.
+    """
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if duration_s is not None and duration_s < 0:
+        raise ValueError(f"duration_s must be >= 0, got {duration_s}")
+    sized = size_server(argv)
+    logs = list(sized.log_lines)
+    base = dict(
+        max_total_num_tokens=sized.max_total_num_tokens,
+        max_running_requests=sized.max_running_requests,
+        free_gib_after_graphs=sized.free_gib_after_graphs,
+    )
+    if sized.engine_spec is None:
+        return EvalResult(started=False, startup_failure=sized.failure, runtime_oom=False, log_lines=logs, **base)
+    return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps)
+
+
+def _run(
+    spec: EngineSpec,
+    requests: Sequence[SimRequest],
+    logs: list[str],
+    base: dict,
+    concurrency: int | None,
+    duration_s: float | None,
+    max_steps: int,
+) -> EvalResult:
+    """Drive an engine over the workload on a virtual clock and summarise it."""
+    engine = Engine(spec, logs.append)
+    clock = VirtualClock()
+    closed = concurrency is not None
+    pending = list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s)
+    n = len(pending)
+    nxt = 0
+    # rid -> [arrival_s, first_token_s, last_token_s, output tokens]
+    timing: dict[str, list[float]] = {}
+    itls: list[float] = []
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    e2es: list[float] = []
+    total_out = 0
+    rejected = 0
+    in_flight = 0
+    runtime_oom = False
+    error: str | None = None
+    last_event_s = 0.0
+
+    def submit(req: SimRequest, at_s: float) -> bool:
+        nonlocal rejected
+        try:
+            engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s))
+        except RequestRejected:
+            rejected += 1
+            return False
+        timing[req.rid] = [at_s, -1.0, at_s, 0]
+        return True
+
+    steps = 0
+    while steps < max_steps:
+        now = clock.now_s()
+        if duration_s is not None and now >= duration_s:
+            break
+        if closed:
+            while in_flight < concurrency and nxt < n:  # type: ignore[operator]
+                in_flight += submit(pending[nxt], now)
+                nxt += 1
+        else:
+            while nxt < n and pending[nxt].arrival_s <= now:
+                submit(pending[nxt], pending[nxt].arrival_s)
+                nxt += 1
+        try:
+            dur, token_reqs, finished = engine._step(now)
+        except SimRuntimeOOM as oom:
+            logs.append("Scheduler hit an exception: " + oom.message)
+            runtime_oom = True
+            break
+        except RuntimeError as exc:
+            logs.append(f"Scheduler hit an exception: {exc}")
+            error = str(exc).splitlines()[0]
+            break
+        steps += 1
+        if dur == 0.0 and not token_reqs and not finished:
+            if not closed and nxt < n:
+                clock.advance_to(pending[nxt].arrival_s)
+                continue
+            if engine.has_work():
+                error = "engine stalled with queued requests it cannot admit"
+            break
+        clock.sleep(dur)
+        t = clock.now_s()
+        last_event_s = t
+        for r in token_reqs:
+            k = r.new_tokens
+            if not k:
+                continue
+            rec = timing[r.rid]
+            if rec[1] < 0:
+                rec[1] = t
+                ttfts.append(t - rec[0])
+            else:
+                itls.append((t - rec[2]) / k)
+            rec[2] = t
+            rec[3] += k
+            total_out += k
+        for r in finished:
+            rec = timing[r.rid]
+            e2es.append(t - rec[0])
+            if rec[3] > 1 and rec[1] >= 0:
+                tpots.append((t - rec[1]) / (rec[3] - 1))
+            in_flight -= 1
+    end_s = clock.now_s() if duration_s is None else min(duration_s, max(clock.now_s(), last_event_s))
+    span = max(end_s, 1e-9)
+    stats = engine.stats()
+    ms = 1e3
+    return EvalResult(
+        started=True,
+        startup_failure=None,
+        runtime_oom=runtime_oom,
+        completed=len(e2es),
+        rejected=rejected,
+        retractions=stats["num_retractions_total"],
+        duration_s=end_s,
+        total_output_tokens=total_out,
+        output_throughput=total_out / span,
+        request_throughput=len(e2es) / span,
+        mean_ttft_ms=sum(ttfts) / len(ttfts) * ms if ttfts else None,
+        p50_ttft_ms=_scale(_percentile(ttfts, 50), ms),
+        p99_ttft_ms=_scale(_percentile(ttfts, 99), ms),
+        p99_itl_ms=_scale(_percentile(itls, 99), ms),
+        p99_tpot_ms=_scale(_percentile(tpots, 99), ms),
+        mean_e2e_latency_ms=sum(e2es) / len(e2es) * ms if e2es else None,
+        cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
+        error=error,
+        log_lines=logs,
+        **base,
+    )
+
+
+def _scale(x: float | None, k: float) -> float | None:
+    return None if x is None else x * k
