@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tuner.errors import ServerError
 from tuner.sglang.client import SGLangClient, ServerNotReady
 from tuner.sglang.failures import Failure, FailureClass
+
+from sglang_http import free_port as _free_port
+from sglang_http import serve as _serve
 
 INFO_055 = {
     "version": "0.5.5.post3", "mem_fraction_static": 0.88, "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
@@ -43,32 +43,6 @@ sglang:time_to_first_token_seconds_sum{model_name="m"} 1.5
 """
 
 
-def _serve(routes: dict[str, tuple[int, str]]) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self) -> None:
-            status, body = routes.get(self.path, (404, "not found"))
-            data = body.encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = _answer
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-
 @pytest.fixture
 def old_server() -> Iterator[str]:
     yield from _serve({"/health": (200, ""), "/get_server_info": (200, json.dumps(INFO_055)),
@@ -80,12 +54,6 @@ def new_server() -> Iterator[str]:
     yield from _serve({"/health": (200, ""), "/server_info": (200, json.dumps(INFO_0523)),
                        "/model_info": (200, json.dumps({"model_path": "/n"})), "/metrics": (200, METRICS),
                        "/flush_cache": (200, "Cache flushed.")})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_server_info_055(old_server: str) -> None:
