@@ -14,22 +14,25 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from tuner.sim.args import parse_args
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import get_gpu
 from tuner.sim.memory import plan_memory, resolve_server_config
 from tuner.sim.models import GIB, load_model
-from tuner.sim.server import SimServer
 from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, run_startup
+
+if TYPE_CHECKING:
+    from tuner.sim.server import SimServer
 
 __all__ = ["main"]
 
 
 async def _serve(server: SimServer, host: str, port: int, time_scale: float) -> None:
     """Bind HTTP, log uvicorn's lines, warm up, then serve until the process is killed."""
+    from aiohttp import web
+
     log = server.log
     driver = asyncio.create_task(server.drive())
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False)
@@ -81,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        host_memory_bytes=int(parsed.sim.host_memory_gib * GIB))
     if not run_startup(plan, log, time_scale=parsed.sim.time_scale):
         kill_process_tree()
+    from tuner.sim.server import SimServer  # aiohttp and prometheus only once startup succeeded
+
     server = SimServer(plan, log, seed=parsed.sim.seed,
                        skip_warmup=bool(cfg.server_args.get("skip_server_warmup")))
     try:
