@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import shlex
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,6 +40,9 @@ __all__ = [
     "explain",
     "read_journal",
     "renderables",
+    "explain_from",
+    "waterfall_steps",
+    "waterfall_table",
 ]
 
 SCHEMA_VERSION = 1
@@ -636,6 +639,37 @@ def _fmt(x: float | None, unit: str = "GiB") -> str:
     return "—" if x is None else f"{x:,.2f} {unit}"
 
 
+def _steps_table(steps: Sequence[WaterfallStep]) -> Table:
+    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
+    for col in ("item", "GiB", "tokens", "source"):
+        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
+    for s in steps:
+        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
+    return wf
+
+
+def waterfall_steps(memory: Mapping[str, Any]) -> list[WaterfallStep]:
+    """The waterfall of a stored trial memory report (``ranks``, ``scheduler``, ``capacity_model``,
+    ``server_info`` as :mod:`tuner.trial` stores them).
+
+    Raises:
+        ValueError: The stored report does not validate (pydantic).
+        KeyError, TypeError: It lacks the expected shape.
+    """
+    report = LogReport.model_validate({"ranks": memory.get("ranks") or {}, "scheduler": memory.get("scheduler")})
+    model = KVCapacityModel.model_validate(memory["capacity_model"]) if memory.get("capacity_model") else None
+    info = ServerInfo.model_validate({k: v for k, v in (memory.get("server_info") or {}).items() if v is not None}) if memory.get("server_info") else None
+    sched = report.scheduler
+    mfs = model.observed_mem_fraction_static if model else None
+    return _waterfall(report, info, model, report.max_total_num_tokens or (model.observed_tokens if model else None),
+                      sched.max_running_requests if sched else None, sched.context_len if sched else memory.get("context_len"), mfs)
+
+
+def waterfall_table(memory: Mapping[str, Any]) -> Table:
+    """A rich table of :func:`waterfall_steps` (``tuner show`` uses it)."""
+    return _steps_table(waterfall_steps(memory))
+
+
 def renderables(e: Explanation) -> RenderableType:
     """The rich text view of an explanation (the CLI prints it)."""
     parts: list[RenderableType] = []
@@ -649,12 +683,7 @@ def renderables(e: Explanation) -> RenderableType:
     parts.append(head)
     if e.sources:
         parts.append(Text("from: " + "; ".join(e.sources), style="dim"))
-    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
-    for col in ("item", "GiB", "tokens", "source"):
-        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
-    for s in e.waterfall:
-        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
-    parts.append(wf)
+    parts.append(_steps_table(e.waterfall))
     parts.append(Text("Capacity: " + e.capacity.statement, style="bold"))
     if e.capacity.fits:
         ft = Table(title="Requests resident at once", title_justify="left")

@@ -1,0 +1,165 @@
+"""`tuner explain` end to end through the installed CLI (a real subprocess): the reference deployment,
+the traps of the cases, --unit via a journalctl command, --url via a real HTTP server, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_http import free_port, serve
+
+from tuner.sglang.explain import Explanation, waterfall_steps
+from tuner.sglang.logs import read_log
+from tuner.sglang.memory import KVCapacityModel
+
+HERE = Path(__file__).resolve().parent
+REFERENCE = HERE.parents[0] / "fixtures" / "logs" / "reference-0.5.5-tp8.log"
+CASES = HERE.parents[0] / "fixtures" / "cases"
+TUNER = str(Path(sys.executable).with_name("tuner"))
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TUNER, "explain", *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _json(*args: str) -> dict[str, Any]:
+    proc = _run(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    Explanation.model_validate_json(proc.stdout)  # the documented schema
+    return json.loads(proc.stdout)
+
+
+def _case_log(tmp_path: Path, case_id: str) -> str:
+    path = tmp_path / f"{case_id}.log"
+    path.write_text(json.loads((CASES / f"{case_id}.json").read_text())["log_excerpt"])
+    return str(path)
+
+
+def _trap(doc: dict[str, Any], trap_id: str) -> dict[str, Any]:
+    found = [t for t in doc["traps"] if t["id"] == trap_id]
+    assert found, [t["id"] for t in doc["traps"]]
+    return found[0]
+
+
+def test_reference_deployment_is_explained() -> None:
+    doc = _json("--log", str(REFERENCE), "--model-config", str(HERE / "models" / "kimi-k2.5-int4"))
+    text = " ".join(doc["findings"])
+    assert "share of the 94.03 GiB free at the baseline for weights plus the KV pool" in text
+    misread = _trap(doc, "fraction_misread")
+    assert "not a share of what is left after the weights" in misread["title"] and "19.10 GiB" in misread["detail"]
+    idle = _trap(doc, "idle_reserve")
+    assert "about 7.4 GiB" in idle["title"]
+    assert doc["model"]["tokens_per_hundredth"] == pytest.approx(14_400, rel=0.01)
+    assert doc["model"]["cell_source"] == "model_config" and doc["model"]["cell_bytes"] == 70272
+    plus = next(p for p in doc["predictions"] if p["mem_fraction_static"] == 0.89)
+    assert plus["delta_tokens"] == pytest.approx(14_400, rel=0.01)
+    # What limits capacity is the KV pool, not max_running_requests.
+    assert doc["capacity"]["limit"] == "kv_pool"
+    assert all(f["limited_by"] == "kv_pool" for f in doc["capacity"]["fits"])
+    assert "binds only for shorter ones" in doc["capacity"]["statement"]
+    graph = _trap(doc, "cuda_graph_bs_below_max_running_requests")
+    assert graph["severity"] == "info"  # logged batches (≤ 5 running) never reached the graph limit
+    items = [s["item"] for s in doc["waterfall"]]
+    assert items[:4] == ["baseline_free", "distributed_init", "weights", "kv_pool"] and items[-1] == "free_after_graphs"
+    step = {s["item"]: s for s in doc["waterfall"]}
+    assert step["reserve"]["gib"] == 11.28 and step["req_to_token"]["gib"] == 1.25 and step["free_after_graphs"]["gib"] == 7.43
+    reserve_parts = sum(step[k]["gib"] for k in ("req_to_token", "cuda_graphs", "draft_model", "other_reserve", "free_after_graphs"))
+    assert reserve_parts == pytest.approx(step["reserve"]["gib"], abs=0.02)
+
+
+def test_text_view_says_the_same() -> None:
+    proc = _run("--log", str(REFERENCE))
+    assert proc.returncode == 0, proc.stderr
+    out = " ".join(proc.stdout.split())
+    assert "about 7.4 GiB per GPU sits idle" in out and "14,3" in out and "Traceback" not in out
+
+
+def test_case_traps(tmp_path: Path) -> None:
+    c21 = _json("--log", _case_log(tmp_path, "case-21"))
+    assert _trap(c21, "cuda_graph_bs_below_max_running_requests")["severity"] == "warning"
+    c16 = _json("--log", _case_log(tmp_path, "case-16"))
+    assert "40 GB × 4 ranks = 160 GB" in _trap(c16, "hicache_per_rank")["title"]
+    c26 = _json("--log", _case_log(tmp_path, "case-26"))
+    assert "59862" in " ".join(_trap(c26, "context_exceeds_pool")["evidence"])
+    c03 = _json("--log", _case_log(tmp_path, "case-03"))
+    assert _trap(c03, "max_total_tokens_cap")["severity"] == "error" and c03["state"] == "failed"
+    assert c03["failure"]["failure_class"] == "startup_kv_oom"
+
+
+def test_speculative_48_and_context_over_pool(tmp_path: Path) -> None:
+    log = tmp_path / "spec.log"
+    log.write_text(
+        "[2026-01-01 00:00:00] Max running requests is reset to 48 for speculative decoding. You can override it by --max-running-requests\n"
+        "[2026-01-01 00:00:01] KV Cache is allocated. #tokens: 500000, KV size: 33.51 GB\n"
+        "[2026-01-01 00:00:02] max_total_num_tokens=500000, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=48, context_len=131072, available_gpu_mem=3.10 GB\n"
+    )
+    doc = _json("--log", str(log))
+    assert "reset max_running_requests to 48" in _trap(doc, "speculative_max_running_requests_48")["title"]
+    assert doc["capacity"]["limit"] == "max_running_requests"
+    assert doc["capacity"]["fits"][0] == {"request_tokens": 1024, "resident_requests": 48, "limited_by": "max_running_requests"}
+
+
+def test_unit_through_a_journalctl_command(tmp_path: Path) -> None:
+    fake = tmp_path / "journalctl"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = "-u" ] && [ "$2" = "sglang.service" ] && [ "$3" = "-o" ] && [ "$4" = "short-iso" ] || { echo "bad args: $*" >&2; exit 1; }\n'
+        f"sed 's/^/2026-11-20T09:00:00+0000 gpu-host python3[4242]: /' '{REFERENCE}'\n"
+    )
+    fake.chmod(0o755)
+    doc = _json("--unit", "sglang.service", "--journalctl", f"{fake}")
+    assert doc["capacity"]["max_total_num_tokens"] == 159277 and doc["sources"] == ["journal of unit sglang.service"]
+    proc = _run("--unit", "other.service", "--journalctl", f"{fake}")
+    assert proc.returncode == 1 and "bad args" in proc.stderr
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    info = {"version": "0.5.23", "mem_fraction_static": 0.9, "max_running_requests": None, "context_length": 32768, "page_size": 1,
+            "tp_size": 1, "cuda_graph_max_bs_decode": 32,
+            "internal_states": [{"effective_max_running_requests_per_dp": 4096, "memory_usage": {
+                "weight": 15.0, "kvcache": 40.0, "startup_available": 6.95, "token_capacity": 327680, "graph": {"decode": 0.15}}}]}
+    yield from serve({"/server_info": (200, json.dumps(info)), "/health": (200, "")})
+
+
+def test_url(server: str) -> None:
+    doc = _json("--url", server)
+    assert doc["sglang_version"] == "0.5.23" and doc["state"] == "ready"
+    assert doc["model"]["baseline_gib"] == pytest.approx(55.0 / 0.9, abs=0.01)
+    assert _trap(doc, "cuda_graph_bs_below_max_running_requests")["severity"] == "warning"
+    assert _trap(doc, "idle_reserve")
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "empty.log").write_text("")
+    (tmp_path / "bin.log").write_bytes(bytes(range(256)) * 20)
+    (tmp_path / "nginx.log").write_text('127.0.0.1 - - [29/Nov/2026:10:00:00 +0000] "GET / HTTP/1.1" 200 612\n')
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 32, "head_dim": 128}))
+    cases = [
+        (["--log", str(tmp_path / "empty.log")], "is empty"),
+        (["--log", str(tmp_path / "bin.log")], "binary"),
+        (["--log", str(tmp_path / "nginx.log")], "no SGLang line"),
+        (["--url", f"http://127.0.0.1:{free_port()}"], "cannot reach the SGLang server"),
+        (["--log", str(REFERENCE), "--model-config", str(tmp_path / "config.json")], "lacks num_hidden_layers"),
+        ([], "nothing to explain"),
+    ]
+    for args, message in cases:
+        proc = _run(*args)
+        assert proc.returncode == 1, (args, proc.stdout)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_stored_trial_memory_renders_as_a_waterfall() -> None:
+    report = read_log(REFERENCE)
+    model = KVCapacityModel.from_report(report, None, 0.88)
+    memory = {"ranks": {k: v.model_dump(mode="json") for k, v in report.ranks.items()},
+              "scheduler": report.scheduler.model_dump(mode="json"), "capacity_model": model.model_dump(mode="json"),
+              "server_info": {"weight_gib": None, "kvcache_gib": None, "graph_gib": None, "startup_available_gib": None}}
+    steps = {s.item: s.gib for s in waterfall_steps(json.loads(json.dumps(memory)))}
+    assert steps["baseline_free"] == 94.03 and steps["free_after_graphs"] == 7.43
