@@ -14,8 +14,10 @@ Behaviour (``shared/sglang-reference.md``):
 - Hierarchical cache (§7): evicted prefixes stay in the host tier when they have a host copy. The
   write policy decides when a node gets one: ``write_through`` on its first hit, ``write_through_
   selective`` after 2 hits, ``write_back`` only when it is evicted from the device. Hits are
-  counted when a finished or chunked prefix is inserted over an existing node, and a new node
-  counts as a first hit (HiRadixCache's ``_inc_hit_count`` rule). A later match on host-only
+  counted on insertion: a new node counts as a first hit and every existing node the insert
+  passes through gets one more, except for the insert of an unfinished prefill chunk
+  (HiRadixCache's ``_inc_hit_count`` rule). A request inserts its prompt after its prefill and
+  its whole sequence when it finishes, so a prompt reaches 2 hits once its request decodes. A later match on host-only
   nodes is loaded back to the device if it is at least ``load_back_threshold`` (10) tokens; the
   host pool evicts its own LRU host-only leaves when full.
 - A device node without a host copy whose eviction cannot back it up is deleted together with
@@ -232,11 +234,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int]) -> tuple[int, _Node]:
+    def insert(self, tokens: Sequence[int], *, chunked: bool = False) -> tuple[int, _Node]:
         """Insert the page-aligned prefix of ``tokens`` whose KV a request has computed.
 
         Args:
             tokens: Token ids; only whole pages are inserted.
+            chunked: The insert of an unfinished prefill chunk, which counts no hits.
 
         Returns:
             ``(new_device_tokens, last_node)``: cells the tree took over from the request (the
@@ -260,7 +263,7 @@ class PrefixCache:
                 self.device_tokens += n - pos
                 self.evictable_tokens += n - pos
                 new_tokens += n - pos
-                if self._threshold != 0:
+                if self._threshold != 0 and not chunked:
                     self._inc_hit(leaf)
                 return new_tokens, leaf
             klen = len(child.key)
@@ -275,7 +278,7 @@ class PrefixCache:
                 new_tokens += common
                 if child.lock_ref == 0:
                     self.evictable_tokens += common
-            else:
+            elif not chunked:
                 self._inc_hit(child)
             node = child
             pos += common

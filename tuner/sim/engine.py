@@ -35,7 +35,7 @@ Rules modelled (§2.4 unless noted):
   (:func:`tuner.sim.costmodel.activation_bytes`) exceed ``activation_headroom_bytes``, the step
   raises :class:`SimRuntimeOOM` carrying torch's out-of-memory text.
 - Input checks (§1.4): ``max_req_len = min(context_len − 1, max_total_num_tokens − 1)``; a longer
-  input than ``max_req_len − 5`` is rejected, and ``max_new_tokens`` is clipped so that input and
+  input of ``max_req_len − 5`` tokens or more is rejected, and ``max_new_tokens`` is clipped so that input and
   output fit ``max_req_len``.
 """
 
@@ -47,6 +47,7 @@ from typing import Callable, Union
 
 from tuner.sim import costmodel
 from tuner.sim.cache import PrefixCache
+from tuner.sim.clock import Clock
 from tuner.sim.costmodel import CostInputs, StepShape
 
 __all__ = [
@@ -284,6 +285,7 @@ class Engine:
         self._decode_log_tokens = 0
         self._decode_log_t_s: float | None = None
         self._last_input_throughput = 0.0
+        self._usage_at_admission = 0
         self.gen_throughput = 0.0
         self.cache_hit_rate = 0.0
         self.prompt_tokens_total = 0
@@ -306,7 +308,7 @@ class Engine:
             raise RequestRejected("The input_ids is empty. Please send at least one token.")
         if req.rid in self._rids:
             raise RequestRejected(f"Duplicate request id {req.rid!r}: every request needs a unique rid.")
-        if n > self._max_req_input_len:
+        if n >= self._max_req_input_len:
             raise RequestRejected(
                 f"Input length ({n} tokens) exceeds the maximum allowed length ({self._max_req_input_len} tokens)."
             )
@@ -407,6 +409,35 @@ class Engine:
             events.append(self._finish_event(r))
         return StepResult(duration_s, events)
 
+    def run_until_idle(self, clock: Clock, *, timeout_s: float) -> list[tuple[float, Event]]:
+        """Step until no request is left, waiting out each step on ``clock``.
+
+        Args:
+            clock: :class:`~tuner.sim.clock.RealClock` (really waits) or
+                :class:`~tuner.sim.clock.VirtualClock` (jumps).
+            timeout_s: Give up when this much clock time has passed.
+
+        Returns:
+            Every event with the clock time it became visible, seconds.
+
+        Raises:
+            TimeoutError: Work is left after ``timeout_s``.
+            SimRuntimeOOM: A step ran out of activation memory.
+        """
+        start = clock.now_s()
+        out: list[tuple[float, Event]] = []
+        while self.has_work():
+            now = clock.now_s()
+            if now - start > timeout_s:
+                raise TimeoutError(f"engine still busy after {timeout_s} s of clock time")
+            result = self.step(now)
+            if result.duration_s == 0.0 and not result.events:
+                raise TimeoutError("engine stalled: queued requests can never be admitted")
+            clock.sleep(result.duration_s)
+            t = clock.now_s()
+            out.extend((t, ev) for ev in result.events)
+        return out
+
     # ------------------------------------------------------------------ accounting
 
     def _free(self) -> int:
@@ -438,14 +469,14 @@ class Engine:
             r.node = None
         r.tree_len = 0
 
-    def _cache_prefix(self, r: _Req, tokens: tuple[int, ...]) -> None:
+    def _cache_prefix(self, r: _Req, tokens: tuple[int, ...], chunked: bool = False) -> None:
         """Hand the page-aligned computed prefix ``tokens`` of ``r`` to the radix tree."""
         if self.cache.disabled:
             return
         aligned = len(tokens) - len(tokens) % self._page
         if aligned <= r.tree_len:
             return
-        _, node = self.cache.insert(tokens[:aligned])
+        _, node = self.cache.insert(tokens[:aligned], chunked=chunked)
         self.cache.lock(node)
         if r.node is not None:
             self.cache.unlock(r.node)
@@ -528,6 +559,7 @@ class Engine:
         if rem_chunk is not None and mixed:
             rem_chunk -= n_running
         batch: list[tuple[_Req, int, int]] = []  # (req, prefix_before, extend tokens)
+        self._usage_at_admission = self._used_tokens()
         cached = 0
         load_back = 0
         page = self._page
@@ -645,7 +677,7 @@ class Engine:
         spec = self.spec
         n_running = len(self._running)
         new_tokens = sum(take for _, _, take in batch)
-        used = self._used_tokens()
+        used = self._usage_at_admission  # SGLang logs before the batch's cells are allocated
         parts = [
             f"Prefill batch, #new-seq: {len(batch)}, #new-token: {new_tokens}, #cached-token: {cached}, "
             f"token usage: {used / self._total:.2f}, #running-req: {n_running}, #queue-req: {len(self._waiting)}, "
@@ -686,7 +718,7 @@ class Engine:
         for r, _prefix, take in batch:
             r.fill_done += take
             r.kv_len = r.fill_done
-            self._cache_prefix(r, r.fill[: r.fill_done])
+            self._cache_prefix(r, r.fill[: r.fill_done], chunked=r.fill_done < len(r.fill))
             if r.fill_done < len(r.fill):
                 r.new_tokens = 0
                 continue

@@ -1,0 +1,391 @@
+"""The simulator's engine: admission, chunking, retraction, prefix reuse, host tier, runtime OOM, logs."""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import replace
+
+import pytest
+
+from tuner.sim import costmodel
+from tuner.sim.clock import RealClock, VirtualClock
+from tuner.sim.costmodel import CostInputs
+from tuner.sim.engine import (
+    Engine,
+    EngineSpec,
+    FinishEvent,
+    RequestRejected,
+    SimRequest,
+    SimRuntimeOOM,
+    TokenEvent,
+)
+from tuner.sim.gpus import get_gpu
+from tuner.sim.models import load_model, weight_bytes_per_gpu
+
+GIB = 1 << 30
+
+
+def make_spec(**overrides) -> EngineSpec:
+    """Llama-3.1-8B on one H100, with small, hand-picked scheduler limits."""
+    model = load_model("llama-3.1-8b")
+    cell = 2 * model.num_kv_heads * model.head_dim * model.num_layers * 2
+    cost = CostInputs.from_specs(
+        model, get_gpu("H100-80GB"), tp_size=1, kv_cell_bytes=cell, weight_bytes_per_gpu=weight_bytes_per_gpu(model, 1)
+    )
+    base = dict(
+        max_total_num_tokens=50_000, max_running_requests=64, chunked_prefill_size=8192, max_prefill_tokens=16384,
+        page_size=1, schedule_policy="fcfs", schedule_conservativeness=1.0, enable_mixed_chunk=False,
+        cuda_graph_max_bs=256, disable_radix_cache=False, context_len=131072, hicache_host_tokens=None,
+        hicache_write_policy="write_through", activation_headroom_bytes=8 * GIB, cost=cost,
+    )
+    base.update(overrides)
+    return EngineSpec(**base)
+
+
+def ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 120_000) for _ in range(n)]
+
+
+def run(engine: Engine, max_steps: int = 100_000) -> list[tuple[float, object]]:
+    """Run to idle on a virtual clock; events with their times."""
+    return engine.run_until_idle(VirtualClock(), timeout_s=1e6)
+
+
+def finishes(events) -> dict[str, FinishEvent]:
+    return {ev.rid: ev for _, ev in events if isinstance(ev, FinishEvent)}
+
+
+def prefill_lines(logs: list[str]) -> list[str]:
+    return [line for line in logs if line.startswith("Prefill batch")]
+
+
+def field(line: str, name: str) -> int:
+    return int(re.search(rf"{re.escape(name)}: (\d+)", line).group(1))
+
+
+def test_max_running_requests_caps_the_batch():
+    logs: list[str] = []
+    e = Engine(make_spec(max_running_requests=4, decode_log_interval=1), logs.append)
+    rng = random.Random(1)
+    for i in range(10):
+        e.add_request(SimRequest(f"r{i}", ids(100, rng), 30))
+    done = finishes(run(e))
+    assert len(done) == 10 and all(f.completion_tokens == 30 for f in done.values())
+    decode = [line for line in logs if line.startswith("Decode batch")]
+    assert decode and max(field(line, "#running-req") for line in decode) == 4
+    assert field(prefill_lines(logs)[0], "#new-seq") == 4
+
+
+def test_max_prefill_tokens_budget_but_first_request_always_admitted():
+    logs: list[str] = []
+    e = Engine(make_spec(chunked_prefill_size=None, max_prefill_tokens=1000), logs.append)
+    rng = random.Random(2)
+    e.add_request(SimRequest("big", ids(3000, rng), 4))  # larger than the budget: admitted alone
+    for i in range(3):
+        e.add_request(SimRequest(f"r{i}", ids(600, rng), 4))
+    run(e)
+    lines = prefill_lines(logs)
+    assert [field(line, "#new-token") for line in lines[:2]] == [3000, 600]
+    assert all(field(line, "#new-seq") == 1 for line in lines)
+
+
+def test_chunked_prefill_splits_a_long_input():
+    logs: list[str] = []
+    e = Engine(make_spec(chunked_prefill_size=2048), logs.append)
+    e.add_request(SimRequest("long", ids(5000, random.Random(3)), 3))
+    events = run(e)
+    assert [field(line, "#new-token") for line in prefill_lines(logs)] == [2048, 2048, 904]
+    first_token = next(t for t, ev in events if isinstance(ev, TokenEvent))
+    step_time = costmodel.step_time_s
+    assert first_token > step_time(e.spec.cost, costmodel.StepShape(2048, 1, 2048 * 2049 / 2, 2048, True))
+    assert finishes(events)["long"].completion_tokens == 3
+
+
+@pytest.mark.parametrize(("version", "pattern"), [
+    ("0.5.5", r"^KV cache pool is full\. Retract requests\. #retracted_reqs: \d+, #new_token_ratio: \d\.\d{4} -> \d\.\d{4}$"),
+    ("0.5.10", r"^KV cache pool is full\. Retract requests\. #retracted_reqs: \d+, #new_tokens_gained: \d+, "
+               r"#new_token_ratio: \d\.\d{4} -> \d\.\d{4}$"),
+])
+def test_retraction_when_the_pool_fills_during_decode(version, pattern):
+    logs: list[str] = []
+    # 16 requests of 200 + 400 tokens need 9,600 cells; the pool has 4,000, but the decayed
+    # new_token_ratio (0.7 × 400 reserved each) lets more in than fit.
+    e = Engine(make_spec(max_total_num_tokens=4000, version=version), logs.append)
+    rng = random.Random(4)
+    for i in range(16):
+        e.add_request(SimRequest(f"r{i}", ids(200, rng), 400))
+    done = finishes(run(e))
+    retract = [line for line in logs if "Retract" in line]
+    assert retract, "expected at least one retraction"
+    assert all(re.match(pattern, line) for line in retract)
+    assert e.stats()["num_retractions_total"] >= len(retract)
+    assert len(done) == 16 and all(f.completion_tokens == 400 for f in done.values())
+    old, new = map(float, re.search(r"(\d\.\d{4}) -> (\d\.\d{4})", retract[0]).groups())
+    assert new > old  # a retraction raises the ratio again
+
+
+def test_new_token_ratio_decays_to_its_minimum_over_600_decode_steps():
+    e = Engine(make_spec(schedule_conservativeness=1.0))
+    assert e.new_token_ratio == pytest.approx(0.7)
+    e.add_request(SimRequest("a", ids(10, random.Random(5)), 700))
+    e.step(0.0)  # prefill
+    for _ in range(300):
+        e.step(0.0)
+    assert e.new_token_ratio == pytest.approx(0.7 - 300 * (0.7 - 0.098) / 600)
+    for _ in range(350):
+        e.step(0.0)
+    assert e.new_token_ratio == pytest.approx(0.7 * 0.14)
+
+
+def _shared_prefix_workload(rng, groups=6, per_group=6, system=1024, question=64):
+    reqs = []
+    for g in range(groups):
+        prefix = ids(system, rng)
+        reqs += [prefix + ids(question, rng) for _ in range(per_group)]
+    rng.shuffle(reqs)
+    return reqs
+
+
+def _serial_hits(spec: EngineSpec, prompts: list[list[int]]) -> tuple[int, int]:
+    """Send prompts one after another (each after the previous finished): (cached, prompt) tokens."""
+    e = Engine(spec)
+    cached = total = 0
+    for i, p in enumerate(prompts):
+        e.add_request(SimRequest(f"q{i}", p, 8))
+        f = finishes(run(e))[f"q{i}"]
+        cached += f.cached_tokens
+        total += f.prompt_tokens
+    return cached, total
+
+
+def test_radix_cache_reuses_shared_prefixes_and_not_random_ones():
+    rng = random.Random(6)
+    prompts = _shared_prefix_workload(rng)
+    cached, total = _serial_hits(make_spec(), prompts)
+    designed = 6 * 5 * 1024 / (36 * 1088)  # every request but the first of its group reuses 1024
+    assert cached / total == pytest.approx(designed, abs=0.02)
+    random_prompts = [ids(1088, rng) for _ in range(20)]
+    cached_r, total_r = _serial_hits(make_spec(), random_prompts)
+    assert cached_r / total_r < 0.01
+    cached_off, _ = _serial_hits(make_spec(disable_radix_cache=True), prompts)
+    assert cached_off == 0
+
+
+def test_page_size_limits_hits_to_whole_pages():
+    rng = random.Random(7)
+    prefix = ids(1000, rng)
+    cached, _ = _serial_hits(make_spec(page_size=64), [prefix + ids(50, rng), prefix + ids(50, rng)])
+    assert cached == 960  # 1000 shared tokens: 15 whole pages of 64
+
+
+def _host_tier_scenario(warm: int = 1, warm_new_tokens: int = 4, **overrides) -> tuple[FinishEvent, dict]:
+    """Prefix A cached (by ``warm`` requests), evicted from a small device pool by other traffic,
+    then asked again."""
+    rng = random.Random(8)
+    spec = make_spec(max_total_num_tokens=6000, **overrides)
+    e = Engine(spec)
+    a = ids(2000, rng)
+    for i in range(warm):
+        e.add_request(SimRequest(f"a1-{i}", a + ids(20, rng), warm_new_tokens))
+        run(e)
+    for i in range(6):  # 6 × 2,040 tokens of unrelated prompts push A out of the device pool
+        e.add_request(SimRequest(f"x{i}", ids(2040, rng), 4))
+        run(e)
+    e.add_request(SimRequest("a2", a + ids(20, rng), 4))
+    return finishes(run(e))["a2"], e.stats()
+
+
+def test_host_tier_loads_evicted_prefixes_back():
+    hit, stats = _host_tier_scenario(hicache_host_tokens=40_000, hicache_write_policy="write_through")
+    assert hit.cached_tokens_details == {"device": 0, "host": 2000}
+    assert hit.cached_tokens == 2000
+    assert stats["load_back_tokens_total"] == 2000
+    assert stats["evicted_tokens_total"] > 0
+
+
+def test_without_host_tier_the_evicted_prefix_is_recomputed():
+    miss, stats = _host_tier_scenario()
+    assert miss.cached_tokens == 0 and miss.cached_tokens_details is None
+    assert stats["load_back_tokens_total"] == 0
+
+
+def test_write_back_copies_on_eviction_and_selective_needs_two_hits():
+    hit, _ = _host_tier_scenario(hicache_host_tokens=40_000, hicache_write_policy="write_back")
+    assert hit.cached_tokens_details["host"] == 2000
+    selective = dict(hicache_host_tokens=40_000, hicache_write_policy="write_through_selective")
+    # a one-token request inserts its prompt once (1 hit): never backed up, gone after eviction
+    miss, _ = _host_tier_scenario(warm_new_tokens=1, **selective)
+    assert miss.cached_tokens == 0
+    # two of them give the prompt its second hit: backed up, so found on the host
+    hit2, _ = _host_tier_scenario(warm=2, warm_new_tokens=1, **selective)
+    assert hit2.cached_tokens_details == {"device": 0, "host": 2000}
+    # write_through backs up on the first hit already
+    hit1, _ = _host_tier_scenario(warm_new_tokens=1, hicache_host_tokens=40_000)
+    assert hit1.cached_tokens_details["host"] == 2000
+
+
+def test_load_back_costs_pcie_time_but_less_than_recomputing():
+    rng = random.Random(9)
+    a = ids(4000, rng)
+    others = [ids(4000, rng) for _ in range(4)]
+
+    def final_prefill(**kw) -> tuple[float, dict]:
+        e = Engine(make_spec(max_total_num_tokens=9000, **kw))
+        e.add_request(SimRequest("a1", a + [11], 2))
+        run(e)
+        for i, o in enumerate(others):
+            e.add_request(SimRequest(f"x{i}", o, 2))
+            run(e)
+        e.add_request(SimRequest("a2", a + [12], 2))
+        return e.step(0.0).duration_s, e.stats()
+
+    t_host, stats = final_prefill(hicache_host_tokens=100_000)
+    t_recompute, _ = final_prefill()
+    assert stats["load_back_tokens_total"] == 4000
+    assert costmodel.load_back_s(make_spec().cost, 4000) <= t_host < t_recompute
+
+
+def test_runtime_oom_is_monotone_in_chunk_size():
+    spec = make_spec(activation_headroom_bytes=1 * GIB)
+    per_chunk = {c: costmodel.activation_bytes(spec.cost, c, 1) for c in (1024, 2048, 4096, 8192, 16384)}
+    outcomes = {}
+    for chunk in per_chunk:
+        e = Engine(replace(spec, chunked_prefill_size=chunk))
+        e.add_request(SimRequest("long", ids(20_000, random.Random(10)), 4))
+        try:
+            run(e)
+            outcomes[chunk] = False
+        except SimRuntimeOOM as oom:
+            outcomes[chunk] = True
+            assert oom.message.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ")
+            assert "GPU 0 has a total capacity of" in oom.message
+    assert outcomes == {c: b > 1 * GIB for c, b in per_chunk.items()}
+    assert outcomes[1024] is False and outcomes[16384] is True
+    flags = [outcomes[c] for c in sorted(outcomes)]
+    assert flags == sorted(flags)  # once it fails, every larger chunk fails
+
+
+def test_max_prefill_tokens_governs_activations_when_chunking_is_off():
+    spec = make_spec(activation_headroom_bytes=1 * GIB, chunked_prefill_size=None, max_prefill_tokens=16384)
+    e = Engine(spec)
+    rng = random.Random(11)
+    for i in range(8):
+        e.add_request(SimRequest(f"r{i}", ids(2000, rng), 2))
+    with pytest.raises(SimRuntimeOOM):
+        run(e)
+    small = Engine(replace(spec, max_prefill_tokens=2048))
+    for i in range(8):
+        small.add_request(SimRequest(f"r{i}", ids(2000, rng), 2))
+    assert len(finishes(run(small))) == 8
+
+
+def test_log_line_formats_by_version():
+    rng = random.Random(12)
+    prompts = [ids(300, rng) for _ in range(3)]
+    for version in ("0.5.5", "0.5.23"):
+        logs: list[str] = []
+        e = Engine(make_spec(version=version), logs.append)
+        for i, p in enumerate(prompts):
+            e.add_request(SimRequest(f"r{i}", p, 81))
+        run(e)
+        pre, dec = prefill_lines(logs), [line for line in logs if line.startswith("Decode batch")]
+        assert len(dec) == 2  # 80 decode steps, one line every 40
+        if version == "0.5.5":
+            assert re.fullmatch(
+                r"Prefill batch, #new-seq: 3, #new-token: 900, #cached-token: 0, token usage: 0\.00, "
+                r"#running-req: 0, #queue-req: 0, ", pre[0])
+            assert re.fullmatch(
+                r"Decode batch, #running-req: 3, #token: \d+, token usage: \d\.\d\d, cuda graph: True, "
+                r"gen throughput \(token/s\): \d+\.\d\d, #queue-req: 0, ", dec[0])
+        else:
+            assert re.fullmatch(r"Prefill batch, .*#queue-req: 0, #pending-token: 0, cuda graph: False, "
+                                r"input throughput \(token/s\): \d+\.\d\d", pre[0])
+            assert dec[0].endswith("#queue-req: 0")
+
+
+def test_lpm_serves_the_cached_prefix_first_and_fcfs_keeps_order():
+    rng = random.Random(13)
+    prefix = ids(1500, rng)
+    other = ids(1500, rng)
+    for policy, first_cached in (("lpm", True), ("fcfs", False)):
+        logs: list[str] = []
+        e = Engine(make_spec(schedule_policy=policy, max_running_requests=1), logs.append)
+        e.add_request(SimRequest("warm", prefix + [7], 2))
+        run(e)
+        logs.clear()
+        e.add_request(SimRequest("x", other, 2))
+        e.add_request(SimRequest("y", prefix + [9], 2))
+        run(e)
+        assert (field(prefill_lines(logs)[0], "#cached-token") > 0) is first_cached
+
+
+def test_mixed_chunk_decodes_during_prefill():
+    rng = random.Random(14)
+    for mixed in (False, True):
+        e = Engine(make_spec(enable_mixed_chunk=mixed, chunked_prefill_size=1024))
+        e.add_request(SimRequest("running", ids(100, rng), 50))
+        e.step(0.0)
+        e.add_request(SimRequest("long", ids(4000, rng), 2))
+        r = e.step(0.0)  # a prefill chunk of "long"
+        got = [ev.rid for ev in r.events if isinstance(ev, TokenEvent)]
+        assert (got == ["running"]) is mixed
+
+
+def test_rejects_too_long_inputs_and_clips_max_new_tokens():
+    e = Engine(make_spec(max_total_num_tokens=1000))
+    # max_req_len = min(context_len - 1, 1000 - 1) = 999; max_req_input_len = 994 (§1.4)
+    with pytest.raises(RequestRejected, match=r"^Input length \(994 tokens\) exceeds the maximum allowed length \(994 tokens\)\.$"):
+        e.add_request(SimRequest("a", [5] * 994, 4))
+    e.add_request(SimRequest("b", [5] * 900, 500))
+    f = finishes(run(e))["b"]
+    assert f.completion_tokens == 998 - 900 and f.finish_reason == {"type": "length", "length": 98}
+
+
+def test_ignore_eos_false_stops_early_with_a_stop_reason():
+    e = Engine(make_spec())
+    rng = random.Random(15)
+    for i in range(20):
+        e.add_request(SimRequest(f"r{i}", ids(50, rng), 100, ignore_eos=False))
+    done = finishes(run(e)).values()
+    stops = [f for f in done if f.finish_reason["type"] == "stop"]
+    assert stops and all(f.completion_tokens < 100 for f in stops)
+    assert all(f.finish_reason == {"type": "stop", "matched": 2} for f in stops)
+
+
+def test_abort_flush_and_stats():
+    e = Engine(make_spec())
+    rng = random.Random(16)
+    p = ids(500, rng)
+    e.add_request(SimRequest("a", p, 10))
+    e.add_request(SimRequest("b", ids(500, rng), 10))
+    assert e.flush_cache() is False
+    assert e.abort("b") is True and e.abort("nope") is False
+    run(e)
+    s = e.stats()
+    assert s["num_requests_total"] == 1 and s["generation_tokens_total"] == 10 and s["num_running_reqs"] == 0
+    assert e.flush_cache() is True
+    assert _serial_hits_on(e, p) == 0
+
+
+def _serial_hits_on(e: Engine, prompt: list[int]) -> int:
+    e.add_request(SimRequest("again", prompt, 2))
+    return finishes(run(e))["again"].cached_tokens
+
+
+def test_real_and_virtual_clocks_give_the_same_run():
+    rng = random.Random(17)
+    prompts = [ids(200, rng) for _ in range(3)]
+
+    def drive(clock):
+        e = Engine(make_spec())
+        for i, p in enumerate(prompts):
+            e.add_request(SimRequest(f"r{i}", p, 6))
+        start = clock.now_s()
+        return [(t - start, ev) for t, ev in e.run_until_idle(clock, timeout_s=30)]
+
+    virtual = drive(VirtualClock(100.0))
+    real = drive(RealClock())
+    assert [ev for _, ev in virtual] == [ev for _, ev in real]
+    # a real sleep lasts at least as long as asked, so every event is no earlier than on virtual time
+    assert all(tr >= tv - 1e-9 for (tv, _), (tr, _) in zip(virtual, real))
