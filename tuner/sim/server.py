@@ -370,8 +370,9 @@ class SimServer:
         for r in range(self.cfg.tp_size):
             total = self.plan.ranks[r].total
             used = self.plan.used_bytes(r)
-            gpus.append({"index": r, "total_mib": total // (1 << 20), "used_mib": used // (1 << 20),
-                         "peak_used_mib": used // (1 << 20), "free_mib": (total - used) // (1 << 20)})
+            total_mib, used_mib = total // (1 << 20), -(-used // (1 << 20))
+            gpus.append({"index": r, "total_mib": total_mib, "used_mib": used_mib, "peak_used_mib": used_mib,
+                         "free_mib": total_mib - used_mib})
         return web.json_response(gpus)
 
     async def step_times(self, request: web.Request) -> web.Response:
