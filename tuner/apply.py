@@ -199,7 +199,12 @@ class ApplyPlan(BaseModel):
             "new command",
             n=0,
         )
-        return "".join(line for line in diff if not line.startswith("@@")) or "(no change)\n"
+        lines = []
+        for i, line in enumerate(diff):
+            if i < 2 or line.startswith("@@"):  # the ---/+++ file headers, the hunk headers
+                continue
+            lines.append(f"{line[0]} {line[1:]}")
+        return "".join(lines) or "(no change)\n"
 
     def render(self, *, timeout_s: float) -> str:
         """The ``--dry-run`` text: what is written where, the command-line diff, and the checks."""
@@ -209,7 +214,7 @@ class ApplyPlan(BaseModel):
             return (
                 f"{head}the process launcher runs no unit: the new command line is printed "
                 f"(or written with --write FILE):\n{shlex.join(self.new_argv)}\n"
-                f"command-line diff:\n{self.command_diff()}"
+                f"command-line diff (- current, + new):\n{self.command_diff()}"
             )
         if self.new_dropin is None:
             body = f"would remove {self.dropin_path}\n"
@@ -232,7 +237,7 @@ class ApplyPlan(BaseModel):
             f"{head}{body}"
             f"then: daemon-reload, restart {self.target}, verify: {'; '.join(checks)}; "
             "on any failure restore the previous drop-in and restart\n"
-            f"command-line diff:\n{self.command_diff()}"
+            f"command-line diff (- current, + new):\n{self.command_diff()}"
         )
 
 

@@ -22,20 +22,22 @@ DISTRIBUTIONS = {
 
 
 def ok_trial(mfs: float, mrr: int, cap: int, tput: float, *, kind: str = "sampled",
-             slo_overshoot: float = -0.2, log: list[str] | None = None) -> dict[str, Any]:
+             slo_overshoot: float = -0.2, log: list[str] | None = None, token_capacity: int | None = None,
+             chunked_prefill_size: int = 8192) -> dict[str, Any]:
     """A measured trial: feasible when ``slo_overshoot`` ≤ 0."""
+    token_capacity = cap * 8192 + 17 if token_capacity is None else token_capacity
     return {
-        "params": {"mem_fraction_static": mfs, "max_running_requests": mrr, "chunked_prefill_size": 8192},
+        "params": {"mem_fraction_static": mfs, "max_running_requests": mrr, "chunked_prefill_size": chunked_prefill_size},
         "constraints": {"oom_or_crash": -1.0, "slo": slo_overshoot, "stress": -1.0},
         "values": [cap, tput],
         "record": {
             "kind": kind, "outcome": "ok", "context_tokens": 8192, "context_capacity": cap,
-            "token_capacity": cap * 8192 + 17, "free_gib_after_graphs": round(8.0 - 40 * (mfs - 0.8), 2),
+            "token_capacity": token_capacity, "free_gib_after_graphs": round(8.0 - 40 * (mfs - 0.8), 2),
             "output_throughput_tok_s": tput, "goodput_req_s": tput / 300, "p99_ttft_ms": 800.0,
             "p99_itl_ms": 40.0 * (1 + slo_overshoot), "feasible": slo_overshoot <= 0,
             "argv": ["python", "-m", "tuner.sim", "--mem-fraction-static", str(mfs),
                      "--max-running-requests", str(mrr)],
-            "resolved": {"max_total_num_tokens": {"value": cap * 8192 + 17, "source": "log:scheduler"}},
+            "resolved": {"max_total_num_tokens": {"value": token_capacity, "source": "log:scheduler"}},
             "memory": {"ranks": [{"rank": "TP0", "weights_gib": 15.0, "kv_gib": 40.0, "free_gib_after_graphs": 7.4}]},
             "phases": [PhaseResult(name="measure", duration_s=30.0, completed=120, metrics={
                 "request_throughput": 4.0, "output_throughput": tput, "p99_ttft_ms": 800.0,
@@ -72,8 +74,12 @@ def skipped_trial(mfs: float, proved_by: int) -> dict[str, Any]:
     }
 
 
-def make_study(db: Path, name: str, trials: list[dict[str, Any]], *, policy: dict | None = None) -> str:
-    """Create ``db`` with one study holding ``trials``; returns the storage URL."""
+def make_study(db: Path, name: str, trials: list[dict[str, Any]], *, policy: dict | None = None,
+               info: dict[str, Any] | None = None) -> str:
+    """Create ``db`` with one study holding ``trials``; returns the storage URL.
+
+    ``info`` overrides fields of the study's :class:`StudyInfo` (``target``, ``config_path``...).
+    """
     url = f"sqlite:///{db}"
     study = optuna.create_study(study_name=name, storage=url, directions=["maximize", "maximize"])
     info = StudyInfo(
@@ -82,7 +88,7 @@ def make_study(db: Path, name: str, trials: list[dict[str, Any]], *, policy: dic
         baseline_argv=["python", "-m", "tuner.sim", "--mem-fraction-static", "0.8"],
         policy=policy or {"name": "capacity_then_throughput", "capacity_tolerance": 0.05},
         context_tokens=8192,
-    )
+    ).model_copy(update=info or {})
     study.set_user_attr(STUDY_ATTR, info.model_dump(mode="json"))
     for spec in trials:
         study.enqueue_trial(spec["params"], skip_if_exists=False)

@@ -1,0 +1,191 @@
+"""`tuner apply` end to end under real systemd (PID namespace) with the simulator as the unit.
+
+Scenario, in order, on one sandboxed systemd:
+
+1. The host has a foreign process holding 20 GiB of GPU 0 (the unit runs the simulator with
+   ``--sim-foreign-gib 20``): ``tuner apply best`` restarts with the trial's flags, the token
+   capacity comes out far below the trial's, so it rolls back: no ``80-tuner.conf``, the service
+   healthy on its previous flags, the attempt and the rollback recorded.
+2. The foreign memory is gone: ``--dry-run`` shows the drop-in and diff and changes nothing;
+   ``tuner apply best`` changes the running server's flags and verifies (capacity ± 1 %, flags,
+   a load check against the SLO).
+3. ``tuner apply --undo`` returns to the unit's own command.
+
+The trial's token capacity is measured, not invented: the simulator is started with the trial's
+command line as a plain process and ``/get_server_info`` is read, as a trial does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.report.study_factory import failed_trial, make_study, ok_trial
+from tests.sandbox import systemd_sandbox  # noqa: F401  (module-scoped fixture)
+from tuner.launch.unit import format_exec_command
+from tuner.sglang.flags import FlagTable, replace_flags
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+TRIAL = {"mem_fraction_static": 0.85, "max_running_requests": 32, "chunked_prefill_size": 4096}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sim_argv(port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
+        "--mem-fraction-static", "0.80", "--sim-time-scale", "0", "--host", "127.0.0.1",
+        "--port", str(port), *extra,
+    ]
+
+
+def _server_info(url: str, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return requests.get(f"{url}/get_server_info", timeout=5).json()
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} not healthy within {timeout_s} s")
+
+
+def _measure_tokens(argv: list[str], port: int) -> int:
+    """Start the simulator with ``argv`` as a process, read its token capacity, stop it by PID."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return int(_server_info(f"http://127.0.0.1:{port}")["max_total_num_tokens"])
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _tuner(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
+    proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout_s, check=False)  # fmt: skip
+    print(f"$ tuner {' '.join(args)}\n{proc.stdout}{proc.stderr}rc={proc.returncode}")
+    return proc
+
+
+def _unit_text(argv: list[str]) -> str:
+    return (
+        "[Unit]\nDescription=simulated SGLang server\n[Service]\nType=simple\n"
+        f"Environment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(argv)}\nRestart=no\n"
+    )
+
+
+def test_apply_rolls_back_then_applies_and_undoes(systemd_sandbox, tmp_path: Path) -> None:  # noqa: F811
+    box = systemd_sandbox
+    box.require_real()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = _sim_argv(port)
+    table = FlagTable.for_version("0.5.5")
+    # the study: baseline and the winner measured on a clean GPU, an OOM trial
+    probe_port = _free_port()
+    base_tokens = _measure_tokens(_sim_argv(probe_port), probe_port)
+    trial_tokens = _measure_tokens(replace_flags(_sim_argv(probe_port), TRIAL, table), probe_port)
+    assert trial_tokens > base_tokens
+    config = tmp_path / "sandbox.toml"
+    config.write_text(
+        f"""
+[study]
+name = "applied"
+[service]
+launcher = "systemd"
+unit = "sim.service"
+url = "{url}"
+systemctl = {json.dumps(box.systemctl)}
+journalctl = {json.dumps(box.journalctl)}
+dropin_dir = "{box.unit_dir}"
+sglang_version = "0.5.5"
+start_timeout_s = 120
+[workload]
+kind = "random"
+input_len = 256
+output_len = 16
+[slo]
+ttft_ms = {{p99 = 20000}}
+[budget]
+concurrency = 4
+[storage]
+url = "sqlite:///{tmp_path / 'applied.db'}"
+""",
+        encoding="utf-8",
+    )
+    storage = make_study(
+        tmp_path / "applied.db",
+        "applied",
+        [
+            ok_trial(0.80, 64, base_tokens // 8192, 900.0, kind="baseline", token_capacity=base_tokens),
+            ok_trial(0.85, 32, trial_tokens // 8192, 1000.0, token_capacity=trial_tokens, chunked_prefill_size=4096),
+            failed_trial(0.97, "cuda_graph_oom", "Capture cuda graph failed"),
+        ],
+        info={"config_path": str(config), "target": {"launcher": "systemd", "unit": "sim.service", "url": url}},
+    )
+    common = ["--config", str(config), "--state-dir", str(tmp_path / "state"), "--timeout-s", "120"]
+    dropin = box.unit_dir / "sim.service.d" / "80-tuner.conf"
+
+    # 1. a foreign process holds 20 GiB: the applied server holds fewer tokens -> rollback
+    box.add_unit("sim.service", _unit_text([*base, "--sim-foreign-gib", "20"]))
+    box.systemctl_run("start", "sim.service")
+    foreign_tokens = _server_info(url)["max_total_num_tokens"]
+    proc = _tuner("apply", "best", "--yes", "--verify-s", "3", *common)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "rolled back" in line and "token_capacity" in line and str(trial_tokens) in line, line
+    assert not dropin.exists()
+    info = _server_info(url)
+    assert info["mem_fraction_static"] == 0.80 and info["max_total_num_tokens"] == foreign_tokens
+    assert box.systemctl_run("is-active", "sim.service").stdout.strip() == "active"
+
+    # 2. the foreign memory is gone: dry run, then a verified apply
+    box.add_unit("sim.service", _unit_text(base))
+    box.systemctl_run("restart", "sim.service")
+    assert _server_info(url)["max_total_num_tokens"] == base_tokens
+    proc = _tuner("apply", "best", "--dry-run", *common)
+    assert proc.returncode == 0, proc.stderr
+    assert "80-tuner.conf" in proc.stdout and "+ --mem-fraction-static 0.85\n" in proc.stdout
+    assert "- --mem-fraction-static 0.80\n" in proc.stdout and "+ --max-running-requests 32\n" in proc.stdout
+    assert not dropin.exists()
+    proc = _tuner("apply", "best", "--yes", "--verify-s", "3", *common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "applied and verified" in proc.stdout
+    assert dropin.is_file() and "--mem-fraction-static 0.85" in dropin.read_text()
+    info = _server_info(url)
+    assert info["mem_fraction_static"] == 0.85 and info["max_running_requests"] == 32
+    assert abs(info["max_total_num_tokens"] - trial_tokens) <= 0.01 * trial_tokens
+    assert not (tmp_path / "state" / "sim.service.state.json").exists()
+
+    records = json.loads(_tuner("applies", "--storage", storage, "--json").stdout)
+    assert [(r["action"], r["outcome"]) for r in records] == [
+        ("apply", "rolled_back"), ("rollback", "rolled_back"), ("apply", "verified"),
+    ]
+    assert records[1]["undoes"] == records[0]["id"]
+    checks = {c["name"]: c for c in records[2]["checks"]}
+    assert checks["token_capacity"]["ok"] and checks["flags"]["ok"] and checks["load"]["ok"]
+    assert records[2]["new_command"] != records[2]["previous_command"]
+
+    # 3. undo: back to the unit's own command, no drop-in
+    proc = _tuner("apply", "--undo", "--yes", *common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not dropin.exists()
+    assert _server_info(url)["mem_fraction_static"] == 0.80
+    proc = _tuner("apply", "--undo", "--yes", *common)
+    assert proc.returncode == 1 and "no verified apply on sim.service to undo" in proc.stderr
