@@ -195,3 +195,11 @@ def test_read_log_rejects_bad_input(tmp_path: Path) -> None:
     for name, pattern in (("empty.log", "is empty"), ("bin.log", "binary"), ("nginx.log", "no SGLang line"), ("missing.log", "cannot read")):
         with pytest.raises(LogError, match=pattern):
             read_log(tmp_path / name)
+
+
+def test_server_args_echo_is_no_failure_and_starts_a_new_start() -> None:
+    echo = "[2026-01-01 00:00:00] server_args=ServerArgs(model_path='/m', watchdog_timeout=300, crash_dump_folder=None, mem_fraction_static=0.8)"
+    text = REFERENCE.read_text().splitlines()
+    r = parse_log([echo, *text[1:], echo.replace("0.8)", "0.9)"), *text[1:20]])
+    assert r.failure is None and r.server_args["mem_fraction_static"] == "0.9"
+    assert r.scheduler is None and r.ranks["TP0"].kv_tokens is None  # the second start had not reached the KV pool

@@ -422,7 +422,7 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
     (85, FailureClass.INVALID_ARGUMENTS, re.compile(r"(?:launch_server(?:\.py)?|sglang(?: serve)?|\S+\.py): error: |error: unrecognized arguments|error: ambiguous option|error: argument --")),
     (80, FailureClass.RUNTIME_OOM, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size")),
     (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|CUDA error: out of memory")),
-    (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|scheduler is dead|Initialization failed|Watchdog timeout|watchdog", re.I)),
+    (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|[Ss]cheduler is dead|Initialization failed|Watchdog timeout")),
 ]
 
 
@@ -567,10 +567,11 @@ class LogWatcher:
         return d["draft"]
 
     def _new_start(self, rank: str | None) -> None:
-        """A distributed-init line for a rank that already loaded weights: a restart in the same
-        log (a journal over several starts). The report covers the last start."""
-        d = self._ranks.get(rank or "")
-        if d is None or d.get("weight_gib") is None:
+        """A distributed-init line for a rank that already loaded weights (``rank="*"``: a
+        ``server_args`` echo after any rank did): a restart in the same log (a journal over several
+        starts). The report covers the last start."""
+        started = [d for key, d in self._ranks.items() if rank == "*" or key == (rank or "")]
+        if not any(d.get("weight_gib") is not None or d.get("kv_tokens") is not None for d in started):
             return
         warnings = [*self._warnings, "the log holds more than one server start; the report covers the last one"]
         self.__init__()  # type: ignore[misc]
@@ -580,6 +581,11 @@ class LogWatcher:
         for version, pat in _VERSION_MARKERS:
             if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
                 self._version = version
+        if m := _P["server_args"].search(msg):  # an echo of every setting: never failure evidence
+            self._new_start("*")
+            for k, v in re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group(1)):
+                self._server_args.setdefault(k, v.strip("'\""))
+            return True
         known = self._parse_failure(msg, rank)
         if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
             self._new_start(rank)
@@ -675,10 +681,6 @@ class LogWatcher:
             if rej not in self._rejections:
                 self._rejections.append(rej)
             self._serving = True
-            return True
-        if m := _P["server_args"].search(msg):
-            for k, v in re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group(1)):
-                self._server_args.setdefault(k, v.strip("'\""))
             return True
         if "sglang.launch_server" in msg or "sglang serve" in msg or re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
             self._command_flags(msg)
