@@ -10,8 +10,9 @@ it prints ``PORT <n>`` once listening. It answers ``POST /generate`` (``input_id
 (per request: the server's receive and first-token send times on the monotonic clock, which is
 system-wide on Linux, so the benchmark can compare them with the client's).
 
-Each stream gets its first token ``ttft_ms`` after its request arrived, then one token every
-``itl_ms``, on a 1 ms timing wheel (so streams are spread in time, not sent in bursts). Prefix
+Each stream gets its first token ``ttft_ms`` after it is admitted, then one token every
+``itl_ms``, on a 1 ms timing wheel (so streams are spread in time, not sent in bursts). With
+``--capacity N`` at most N streams run at once and the rest queue, so latency grows with load. Prefix
 caching is modelled per 64-token block of the prompt (``--no-cache`` turns it off). Raw asyncio
 protocols keep the server cheap; ``--workers N`` forks N processes sharing one listening socket.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -32,8 +34,9 @@ BLOCK = 64
 class Engine:
     """Streams due tokens on a 1 ms wheel."""
 
-    def __init__(self, ttft_s: float, itl_s: float, cache: bool, stamp: bool) -> None:
+    def __init__(self, ttft_s: float, itl_s: float, cache: bool, stamp: bool, capacity: int) -> None:
         self.ttft_s, self.itl_s, self.cache, self.stamp = ttft_s, itl_s, cache, stamp
+        self.capacity, self.running, self.queue = capacity, 0, collections.deque()
         self.wheel: dict[int, list[Stream]] = {}
         self.blocks: set[int] = set()
         self.stats: dict[str, list[float]] = {}
@@ -41,6 +44,22 @@ class Engine:
 
     def slot(self, t: float) -> int:
         return int(t * 1000)
+
+    def admit(self, stream: Stream) -> None:
+        """Start ``stream`` if fewer than ``capacity`` run, else queue it (its TTFT then grows)."""
+        if self.capacity and self.running >= self.capacity:
+            self.queue.append(stream)
+            return
+        self.running += 1
+        stream.due = time.monotonic() + self.ttft_s
+        self.add(stream, stream.due)
+
+    def finished(self) -> None:
+        self.running -= 1
+        while self.queue and (not self.capacity or self.running < self.capacity):
+            stream = self.queue.popleft()
+            if not stream.conn.closed:
+                self.admit(stream)
 
     def add(self, stream: Stream, due: float) -> None:
         self.wheel.setdefault(self.slot(due), []).append(stream)
@@ -87,6 +106,7 @@ class Stream:
 
     def emit(self, engine: Engine) -> None:
         if self.conn.closed:
+            engine.finished()
             return
         self.done_tokens += 1
         now = time.monotonic()
@@ -122,6 +142,7 @@ class Stream:
         self.conn.write_chunk(data)
         if finished:
             self.conn.end_stream()
+            engine.finished()
         else:
             self.due += engine.itl_s
             engine.add(self, self.due)
@@ -136,6 +157,9 @@ class Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # asyncio sets TCP_NODELAY only on sockets made with proto=IPPROTO_TCP; without it,
+        # Nagle + delayed ACK hold every small SSE chunk for ~40 ms.
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -200,12 +224,11 @@ class Conn(asyncio.Protocol):
         self.transport.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
         )
-        stream.due = recv + engine.ttft_s
-        engine.add(stream, stream.due)
+        engine.admit(stream)
 
 
 async def serve(sock: socket.socket, args: argparse.Namespace) -> None:
-    engine = Engine(args.ttft_ms / 1000, args.itl_ms / 1000, not args.no_cache, args.stamp)
+    engine = Engine(args.ttft_ms / 1000, args.itl_ms / 1000, not args.no_cache, args.stamp, args.capacity)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Conn(engine), sock=sock)
     ticker = loop.create_task(engine.run(args.stats_dir))
@@ -222,6 +245,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin the workers to")
     parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--capacity", type=int, default=0, help="streams decoded at once; more wait (0 = unlimited)")
     parser.add_argument("--stamp", action="store_true", help="put server_first_token_s in meta_info")
     parser.add_argument("--stats-dir", default="", help="each worker writes {rid: [recv_s, first_token_s]} here")
     args = parser.parse_args()

@@ -7,6 +7,7 @@ from tuner.load.arrivals import PhasePlan, arrival_offsets_s
 from tuner.load.client import StreamClient
 from tuner.load.metrics import SLO, LoadSummary, RequestRecord, request_itls_s, summarize
 from tuner.load.runner import LiveStats, LoadResult, PhaseWindow, run_load, run_load_sync
+from tuner.load.search import MaxLoadResult, SearchStep, find_max_under_slo, find_max_under_slo_async, wilson_interval
 from tuner.load.workloads import (
     MultiTurnSpec,
     RandomSpec,
@@ -44,4 +45,9 @@ __all__ = [
     "LoadResult",
     "run_load",
     "run_load_sync",
+    "SearchStep",
+    "MaxLoadResult",
+    "find_max_under_slo",
+    "find_max_under_slo_async",
+    "wilson_interval",
 ]

@@ -1,0 +1,51 @@
+"""Highest load under an SLO against an SSE server that queues beyond a fixed capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.errors import LoadError
+from tuner.load import SLO, RandomSpec
+from tuner.load.search import find_max_under_slo, wilson_interval
+
+
+def test_wilson_interval_known_values() -> None:
+    low, high = wilson_interval(90, 100, 0.95)
+    assert low == pytest.approx(0.8256, abs=1e-3) and high == pytest.approx(0.9448, abs=1e-3)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    low, high = wilson_interval(10, 10, 0.95)
+    assert high == 1.0 and low == pytest.approx(0.7225, abs=1e-3)
+
+
+def test_concurrency_search_brackets_the_server_capacity(start_server) -> None:
+    # 8 streams decode at once, 25 x 2 ms each; a 9th request waits ~55 ms for a slot, over the 40 ms TTFT limit.
+    server = start_server("--ttft-ms", "3", "--itl-ms", "2", "--capacity", "8")
+    steps = []
+    result = find_max_under_slo(
+        server.url, RandomSpec(input_len=16, output_len=25), SLO(ttft_ms={"p99": 40}),
+        knob="concurrency", start=2, max_value=64, step_duration_s=1.5, warmup_s=0.3,
+        time_budget_s=90, target_attainment=0.8, on_step=steps.append,
+    )
+    assert result.status == "found", result.message
+    assert 6 <= result.value <= 10 and result.upper is not None and result.upper > result.value
+    assert [s.value for s in steps][:3] == [2, 4, 8]
+    assert all(s.verdict == "pass" for s in steps if s.value <= 4)
+    assert any(s.verdict in ("fail", "indeterminate") for s in steps if s.value >= 16)
+
+
+def test_rate_search_detects_over_saturation(start_server) -> None:
+    # Capacity 2 x (3 + 40 x 2 ms) serves ~24 req/s; 64 req/s only grows the queue.
+    server = start_server("--ttft-ms", "3", "--itl-ms", "2", "--capacity", "2")
+    result = find_max_under_slo(
+        server.url, RandomSpec(input_len=16, output_len=40), SLO(ttft_ms={"p99": 10_000}, e2e_latency_ms={"p99": 10_000}),
+        knob="rate", start=8, max_value=64, step_duration_s=3, warmup_s=0.2, time_budget_s=60,
+    )
+    assert any(s.verdict == "saturated" for s in result.steps), [s.verdict for s in result.steps]
+    assert result.value is not None and result.value < 64
+
+
+def test_search_argument_errors(sse_url: str) -> None:
+    with pytest.raises(LoadError, match="needs an SLO"):
+        find_max_under_slo(sse_url, RandomSpec(), SLO())
+    with pytest.raises(LoadError, match="target_attainment"):
+        find_max_under_slo(sse_url, RandomSpec(), SLO(ttft_ms={"p99": 1}), target_attainment=1.5)

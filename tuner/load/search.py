@@ -1,0 +1,344 @@
+"""Highest load under an SLO: doubling then bisection on concurrency or rate, judged with a confidence interval.
+
+Each level is a short :func:`tuner.load.runner.run_load` (warm-up + measured window). Its SLO
+attainment (the share of finished requests meeting every per-request limit, see
+:class:`tuner.load.metrics.SLO`) gets a Wilson score interval at ``confidence``:
+
+* lower bound ≥ ``target_attainment`` → ``pass``;
+* upper bound < ``target_attainment`` → ``fail``;
+* otherwise ``indeterminate``: the level is re-run once with twice the window if the budget
+  allows; if it still straddles the target it bounds the search, and is reported as such rather
+  than as a number the data do not support.
+
+Open loop (``knob="rate"``) also watches for over-saturation: when the requests in flight grow
+during the measured window faster than a fifth of the offered rate (the server serves under
+~80 % of it), the level is ``saturated`` (a fail, stopped early when it is plain) whatever its
+latencies. The whole search is bounded by ``time_budget_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from statistics import NormalDist
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.errors import LoadError
+from tuner.load.client import Api
+from tuner.load.metrics import SLO
+from tuner.load.runner import LiveStats, LoadResult, run_load
+from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
+
+__all__ = ["Verdict", "SearchStep", "MaxLoadResult", "wilson_interval", "find_max_under_slo", "find_max_under_slo_async"]
+
+Verdict = Literal["pass", "fail", "indeterminate", "saturated", "aborted"]
+_MIN_SATURATION_TICKS = 5
+_GROWTH_SHARE = 0.2
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion.
+
+    Args:
+        successes: Requests that met the SLO.
+        n: Requests judged (completed + errored).
+        confidence: Two-sided confidence level, e.g. 0.95.
+
+    Returns:
+        ``(low, high)`` in [0, 1]; ``(0.0, 1.0)`` when ``n == 0``.
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+class SearchStep(BaseModel):
+    """One measured level of the search."""
+
+    model_config = ConfigDict(frozen=True)
+
+    value: float
+    verdict: Verdict
+    judged: int
+    met: int
+    attainment: float | None
+    ci_low: float
+    ci_high: float
+    request_throughput: float
+    output_throughput: float
+    p99_ttft_ms: float | None
+    p99_itl_ms: float | None
+    slo_met: bool | None
+    duration_s: float
+    note: str | None = None
+
+
+class MaxLoadResult(BaseModel):
+    """The search's answer.
+
+    Attributes:
+        knob: ``concurrency`` or ``rate`` (requests/s).
+        status: ``found`` (``value`` passed and a higher level did not), ``max_value`` (every level
+            up to ``max_value`` passed), ``indeterminate`` (no level could be shown to pass or fail),
+            ``none_pass`` (even ``start`` failed), ``budget`` (time ran out before any verdict),
+            ``aborted`` (the server failed during a step).
+        value: The highest level shown to meet the target, or ``None``.
+        upper: The lowest level that did not pass (fail, saturated or indeterminate), if any.
+        steps: Every level measured, in order.
+        message: One line saying what was found.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    knob: Literal["concurrency", "rate"]
+    status: Literal["found", "max_value", "indeterminate", "none_pass", "budget", "aborted"]
+    value: float | None = None
+    upper: float | None = None
+    target_attainment: float
+    confidence: float
+    slo: SLO
+    steps: list[SearchStep] = Field(default_factory=list)
+    elapsed_s: float = 0.0
+    message: str = ""
+
+
+class _SaturationWatch:
+    """Tells over-saturation of an open-loop level: requests in flight growing with the arrivals.
+
+    Stable, the requests in flight (+ those held by a cap) stay near ``rate × latency``; over
+    capacity they grow at ``rate − capacity``. The level counts as saturated when, during the
+    measured window, they grew faster than :data:`_GROWTH_SHARE` of the offered rate (so the server
+    serves under ~80 % of it) over the last ticks or over the window's second half.
+    """
+
+    def __init__(self, rate: float, chained: Callable[[LiveStats], bool | None] | None) -> None:
+        self.rate = rate
+        self.chained = chained
+        self.points: list[tuple[float, float]] = []
+        self.saturated = False
+
+    def _grew(self, first: tuple[float, float], last: tuple[float, float]) -> bool:
+        growth = last[1] - first[1]
+        return growth > max(8.0, _GROWTH_SHARE * self.rate * (last[0] - first[0]))
+
+    def __call__(self, stats: LiveStats) -> bool:
+        stop = bool(self.chained(stats)) if self.chained is not None else False
+        if stats.phase != "measure":
+            return stop
+        self.points.append((stats.elapsed_s, float(stats.in_flight + stats.waiting)))
+        recent = self.points[-_MIN_SATURATION_TICKS:]
+        if len(recent) == _MIN_SATURATION_TICKS:
+            rising = np.mean(np.diff([q for _, q in recent]) >= 0) >= 0.75
+            if rising and self._grew(recent[0], recent[-1]):
+                self.saturated = True
+                return True
+        return stop
+
+    def saturated_at_end(self) -> bool:
+        """Whether the second half of the window grew too fast (or an early stop said so)."""
+        if self.saturated or len(self.points) < 3:
+            return self.saturated
+        return self._grew(self.points[len(self.points) // 2], self.points[-1])
+
+
+def _judge(result: LoadResult, value: float, target: float, confidence: float, saturated: bool) -> SearchStep:
+    s = result.summary
+    judged = s.completed + s.errored
+    met = round((s.slo_attainment or 0.0) * judged)
+    low, high = wilson_interval(met, judged, confidence)
+    note = None
+    if result.partial:
+        verdict: Verdict = "aborted"
+        note = result.stop_reason
+    elif saturated:
+        verdict = "saturated"
+        note = f"requests in flight kept growing at {value:g} req/s offered (served {s.request_throughput:.3g} req/s)"
+    elif judged == 0:
+        verdict, note = "fail", "no request finished in the window"
+    elif low >= target:
+        verdict = "pass"
+    elif high < target:
+        verdict = "fail"
+    else:
+        verdict = "indeterminate"
+    return SearchStep(
+        value=value, verdict=verdict, judged=judged, met=met, attainment=s.slo_attainment, ci_low=low, ci_high=high,
+        request_throughput=s.request_throughput, output_throughput=s.output_throughput, p99_ttft_ms=s.p99_ttft_ms,
+        p99_itl_ms=s.p99_itl_ms, slo_met=s.slo_met, duration_s=s.duration, note=note,
+    )
+
+
+async def find_max_under_slo_async(
+    url: str,
+    workload: Workload | RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec,
+    slo: SLO,
+    *,
+    knob: Literal["concurrency", "rate"] = "concurrency",
+    start: float = 1,
+    max_value: float = 1024,
+    step_duration_s: float = 30,
+    warmup_s: float | None = None,
+    time_budget_s: float = 600,
+    target_attainment: float = 0.9,
+    confidence: float = 0.95,
+    rtol: float = 0.1,
+    api: Api = "generate",
+    seed: int = 0,
+    request_timeout_s: float = 600.0,
+    on_step: Callable[[SearchStep], None] | None = None,
+    on_tick: Callable[[LiveStats], bool | None] | None = None,
+) -> MaxLoadResult:
+    """Find the highest concurrency (or rate) whose SLO attainment meets ``target_attainment``.
+
+    Args:
+        url: The server's base URL.
+        workload: A built workload or a spec (built with ``seed``); an endless or repeatable one.
+        slo: The latency limits; must not be empty.
+        knob: ``concurrency`` (closed loop) or ``rate`` (open loop, requests/s).
+        start: First level tried.
+        max_value: Highest level tried.
+        step_duration_s: Measured window per level (s).
+        warmup_s: Warm-up per level (s); default ``min(5, step_duration_s / 5)``.
+        time_budget_s: Limit for the whole search (s); a level that does not fit is not started.
+        target_attainment: Share of requests that must meet the SLO (0-1).
+        confidence: Confidence level of the Wilson interval.
+        rtol: Bisection stops when the bracket is within ``rtol`` of the passing level.
+        api: ``generate`` or ``completions``.
+        seed: Seed of the workload (when a spec is given) and of the arrivals.
+        request_timeout_s: Limit per request (s).
+        on_step: Called after every level with its :class:`SearchStep`.
+        on_tick: Passed to every level's run (live statistics; returning True stops that level).
+
+    Returns:
+        The :class:`MaxLoadResult`.
+
+    Raises:
+        LoadError: Invalid arguments, an empty SLO, or a server down before the first level.
+    """
+    if slo.is_empty():
+        raise LoadError("the search needs an SLO", hint='pass --slo "p99_ttft_ms=2000,p99_itl_ms=100"')
+    if not (0 < target_attainment < 1) or not (0 < confidence < 1):
+        raise LoadError(
+            f"target_attainment={target_attainment}, confidence={confidence} must be in (0, 1)",
+            hint="use e.g. --target-attainment 0.9 and a confidence of 0.95",
+        )
+    if not (0 < start <= max_value) or step_duration_s <= 0 or time_budget_s <= 0:
+        raise LoadError(
+            f"start={start}, max_value={max_value}, step_duration_s={step_duration_s} are invalid",
+            hint="use 0 < start <= max_value and positive durations",
+        )
+    wl = workload if isinstance(workload, Workload) else build_workload(workload, seed=seed)
+    warm = min(5.0, step_duration_s / 5) if warmup_s is None else warmup_s
+    integer = knob == "concurrency"
+    began = time.monotonic()
+    steps: list[SearchStep] = []
+
+    def left() -> float:
+        return time_budget_s - (time.monotonic() - began)
+
+    async def measure(value: float, window_s: float) -> SearchStep | None:
+        if left() < warm + window_s * 0.75:
+            return None
+        watch = _SaturationWatch(value, on_tick) if knob == "rate" else None
+        result = await run_load(
+            url, wl,
+            concurrency=int(value) if integer else None,
+            rate=None if integer else value,
+            warmup_s=warm, duration_s=window_s, api=api, slo=slo, seed=seed,
+            on_tick=watch if watch is not None else on_tick,
+            request_timeout_s=request_timeout_s, timeout_s=max(left(), 1.0),
+            tick_s=min(1.0, max(0.2, window_s / 10)),
+        )
+        step = _judge(result, value, target_attainment, confidence, watch is not None and watch.saturated_at_end())
+        if step.verdict == "aborted" and "timeout_s" in (step.note or ""):
+            return None  # the budget ran out mid-level: no verdict
+        steps.append(step)
+        if on_step is not None:
+            on_step(step)
+        return step
+
+    async def judge(value: float) -> SearchStep | None:
+        step = await measure(value, step_duration_s)
+        if step is not None and step.verdict == "indeterminate":
+            again = await measure(value, 2 * step_duration_s)
+            return again or step
+        return step
+
+    lo: float | None = None
+    hi: float | None = None
+    hi_step: SearchStep | None = None
+    status = None
+    value = float(int(start)) if integer else float(start)
+    while status is None:  # doubling
+        step = await judge(value)
+        if step is None:
+            status = "budget"
+        elif step.verdict == "aborted":
+            status = "aborted"
+        elif step.verdict == "pass":
+            lo = value
+            if value >= max_value:
+                status = "max_value"
+            value = min(value * 2, float(max_value))
+        else:
+            hi, hi_step = value, step
+            break
+    while status is None and lo is not None and hi is not None:  # bisection
+        gap = hi - lo
+        if gap <= max(1.0 if integer else 0.0, rtol * lo):
+            break
+        mid = float(math.floor((lo + hi) / 2)) if integer else (lo + hi) / 2
+        step = await judge(mid)
+        if step is None:
+            break
+        if step.verdict == "aborted":
+            status = "aborted"
+        elif step.verdict == "pass":
+            lo = mid
+        else:
+            hi, hi_step = mid, step
+    if status is None or (status == "budget" and lo is not None):
+        if lo is not None:
+            status = "found"
+        elif hi_step is not None and hi_step.verdict == "indeterminate":
+            status = "indeterminate"
+        elif hi_step is not None:
+            status = "none_pass"
+        else:
+            status = "budget"
+    unit = "" if integer else " req/s"
+    if status == "found":
+        message = f"highest {knob} meeting the SLO for {target_attainment:.0%} of requests: {lo:g}{unit}"
+        if hi is not None and hi_step is not None:
+            message += f" ({hi:g}{unit}: {hi_step.verdict})"
+    elif status == "max_value":
+        message = f"every {knob} up to max_value {max_value:g}{unit} met the SLO"
+    elif status == "indeterminate":
+        message = f"{knob} {hi:g}{unit}: the attainment interval straddles {target_attainment:.0%}; no level shown to pass"
+    elif status == "none_pass":
+        message = f"even {knob} {hi:g}{unit} misses the SLO ({hi_step.verdict if hi_step else 'fail'})"
+    elif status == "budget":
+        message = f"the time budget of {time_budget_s:g} s ran out before any level was judged"
+    else:
+        message = f"the server failed during a level: {steps[-1].note if steps else 'unknown'}"
+    return MaxLoadResult(
+        knob=knob, status=status, value=lo if status in ("found", "max_value", "aborted") else None,
+        upper=hi, target_attainment=target_attainment, confidence=confidence, slo=slo, steps=steps,
+        elapsed_s=time.monotonic() - began, message=message,
+    )
+
+
+def find_max_under_slo(url: str, workload: Workload | RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec,
+                       slo: SLO, **kwargs: object) -> MaxLoadResult:
+    """:func:`find_max_under_slo_async` for callers without an event loop (same arguments)."""
+    return asyncio.run(find_max_under_slo_async(url, workload, slo, **kwargs))  # type: ignore[arg-type]
