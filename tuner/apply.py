@@ -442,7 +442,8 @@ def study_config(stored: StoredStudy, config: Path | None = None) -> Any:
     if path is None or not Path(path).is_file():
         where = f"it recorded {recorded}, which does not exist" if recorded else "it records none"
         raise ApplyError(
-            f"tuner apply needs study {stored.name!r}'s config ([service], [workload], [slo]); {where}",
+            f"tuner apply needs study {stored.name!r}'s config (its service, workload and slo "
+            f"sections); {where}",
             hint="pass --config FILE",
         )
     return load_config(path)
@@ -515,7 +516,7 @@ def _flag_table(stored: StoredStudy, settings: Mapping[str, Any]) -> FlagTable:
     if not version:
         raise ApplyError(
             f"study {stored.name!r} does not record its SGLang version",
-            hint="set [service] sglang_version in the config",
+            hint="set sglang_version in the config's service section",
         )
     return FlagTable.for_version(str(version))
 

@@ -538,7 +538,7 @@ def stored_policy(info: StudyInfo | None) -> ObjectiveSection:
     except ValidationError as err:
         first = err.errors()[0]
         raise StudyError(
-            f"the study's stored [objective] is invalid: {'.'.join(map(str, first['loc']))}: "
+            f"the study's stored objective section is invalid: {'.'.join(map(str, first['loc']))}: "
             f"{first['msg']}",
             hint="pass --policy and --tolerance to choose explicitly",
         ) from err
@@ -660,7 +660,7 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
         raise StudyError(
             f"study {stored.name!r} has no feasible trial ({len(stored.trials)} trials, "
             f"{done} complete, none met every constraint)",
-            hint="see why with `tuner trials --failed`, then widen [space] or relax [slo] "
+            hint="see why with `tuner trials --failed`, then widen the config's space or relax its slo "
             "and run again",
         )
     best = stored.trial(choice.number)
