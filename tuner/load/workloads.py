@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tuner.errors import LoadError
+from tuner.errors import ConfigError, LoadError
 
 __all__ = [
     "RandomSpec",
@@ -49,6 +49,8 @@ __all__ = [
     "build_workload",
     "capacity_probe",
     "designed_hit_rate",
+    "WORKLOAD_KINDS",
+    "spec_from_options",
 ]
 
 _FIRST_TOKEN_ID = 100
@@ -456,3 +458,50 @@ def capacity_probe(n: int, context_len: int, *, output_len: int = 16, seed: int 
         kind="capacity_probe", spec=None, seed=seed, make_pass=make_pass, context_tokens=context_len,
         num_requests=n, repeatable=False, designed_hit_rate=0.0,
     )
+
+
+WORKLOAD_KINDS: dict[str, type[RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec]] = {
+    "random": RandomSpec,
+    "shared-prefix": SharedPrefixSpec,
+    "multi-turn": MultiTurnSpec,
+    "trace": TraceSpec,
+}
+"""``--workload`` names (CLI spelling) and their spec classes."""
+
+
+def spec_from_options(
+    kind: str, options: dict[str, object]
+) -> RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec:
+    """Build a spec from CLI options (field name → value, ``None`` = not given).
+
+    Args:
+        kind: A :data:`WORKLOAD_KINDS` name, e.g. ``shared-prefix``.
+        options: Spec fields by name (``input_len``, ``num_groups``, ``path``, ...).
+
+    Returns:
+        The spec, with the spec's defaults for options not given.
+
+    Raises:
+        ConfigError: An unknown kind, an option that does not apply to ``kind``, or a bad value.
+    """
+    cls = WORKLOAD_KINDS.get(kind)
+    if cls is None:
+        raise ConfigError(f"--workload {kind!r} is unknown", hint=f"use one of {', '.join(WORKLOAD_KINDS)}")
+    given = {k: v for k, v in options.items() if v is not None}
+    for name in given:
+        if name not in cls.model_fields:
+            flag = "--trace" if name == "path" else "--" + name.replace("_", "-")
+            users = [k for k, c in WORKLOAD_KINDS.items() if name in c.model_fields]
+            raise ConfigError(
+                f"{flag} does not apply to --workload {kind}", hint=f"drop it, or use --workload {' / '.join(users)}"
+            )
+    try:
+        return cls(**given)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        name = str(problem["loc"][0]) if problem["loc"] else kind
+        flag = "--trace" if name == "path" else "--" + name.replace("_", "-")
+        raise ConfigError(
+            f"{flag} {given.get(name, '')!s} is invalid: {problem['msg']}".replace("  ", " "),
+            hint=f"fix {flag} (see `tuner load --help`)",
+        ) from err
