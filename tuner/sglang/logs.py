@@ -426,6 +426,15 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
 ]
 
 
+_STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline|host pool|new_tokens_gained")
+"""Lines that can carry a version marker (a cheap gate before the marker patterns)."""
+_FAILURE_WORDS = re.compile(
+    r"[Mm]emory|[Ff]ailed|error|OOM|unbalanced|alloc_req_slots|exception|sigquit|SIGQUIT|dead|Initialization|Watchdog"
+    r"|profiled value|capacity|Tried to allocate"
+)
+"""Every failure pattern contains one of these words (a cheap gate before the failure patterns)."""
+
+
 def _float(x: str | None) -> float | None:
     return None if x is None else float(x)
 
@@ -459,7 +468,7 @@ class LogWatcher:
         self._serving = False
         self._fields: dict[str, Any] = {}
         self._retractions: list[Retraction] = []
-        self._batches: deque[BatchLine] = deque(maxlen=_MAX_BATCH_LINES)
+        self._batches: deque[dict[str, Any]] = deque(maxlen=_MAX_BATCH_LINES)
         self._summary: dict[str, Any] = {"prefill_lines": 0, "decode_lines": 0, "decode_lines_without_cuda_graph": 0}
         self._rejections: list[InputRejection] = []
         self._oom: OOMDetail | None = None
@@ -529,7 +538,7 @@ class LogWatcher:
             host_pool_ranks=list(self._fields.get("host_pool_ranks", [])),
             ready=self.ready,
             retractions=list(self._retractions),
-            batches=list(self._batches),
+            batches=[BatchLine(**b) for b in self._batches],
             batch_summary=BatchSummary(**summary),
             failure=failure,
             warnings=warnings,
@@ -578,9 +587,13 @@ class LogWatcher:
         self._warnings = list(dict.fromkeys(warnings))
 
     def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:  # noqa: C901 - one dispatch table
-        for version, pat in _VERSION_MARKERS:
-            if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
-                self._version = version
+        if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
+            self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
+            return True
+        if _STARTUP_WORDS.search(msg):
+            for version, pat in _VERSION_MARKERS:
+                if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
+                    self._version = version
         if m := _P["server_args"].search(msg):  # an echo of every setting: never failure evidence
             self._new_start("*")
             for k, v in re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group(1)):
@@ -659,9 +672,6 @@ class LogWatcher:
                 new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
                 timestamp=ts, rank=rank,
             ))
-            return True
-        if m := _P["batch"].search(msg):
-            self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
             return True
         if m := _P["mtt_larger"].search(msg):
             self._fields["mtt_requested"] = int(m.group(1))
@@ -745,19 +755,19 @@ class LogWatcher:
                 continue  # truncated value
             if raw not in ("True", "False") and typ is bool:
                 values.pop(name)
-        line = BatchLine(kind=kind, timestamp=ts, rank=rank, **values)  # type: ignore[arg-type]
-        self._batches.append(line)
+        self._batches.append({"kind": kind, "timestamp": ts, "rank": rank, **values})
         s = self._summary
         s[f"{kind}_lines"] += 1
-        usage = line.token_usage if line.token_usage is not None else line.full_token_usage
-        if line.running_req is not None:
-            s["max_running_req"] = max(s.get("max_running_req") or 0, line.running_req)
+        usage = values.get("token_usage", values.get("full_token_usage"))
+        running = values.get("running_req")
+        if running is not None:
+            s["max_running_req"] = max(s.get("max_running_req") or 0, running)
         if usage is not None:
             s["max_token_usage"] = max(s.get("max_token_usage") or 0.0, usage)
-        if kind == "decode" and line.cuda_graph is False:
+        if kind == "decode" and values.get("cuda_graph") is False:
             s["decode_lines_without_cuda_graph"] += 1
-            if line.running_req is not None:
-                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, line.running_req)
+            if running is not None:
+                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, running)
 
     def _command_flags(self, msg: str) -> None:
         tokens = msg.split()
@@ -775,6 +785,8 @@ class LogWatcher:
     # -- failures -------------------------------------------------------------------------------
 
     def _parse_failure(self, msg: str, rank: str | None) -> bool:
+        if not _FAILURE_WORDS.search(msg):
+            return False
         for prio, cls, pat in _FAILURES:
             if not pat.search(msg):
                 continue

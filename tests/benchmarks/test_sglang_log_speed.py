@@ -1,0 +1,22 @@
+"""Log parser throughput on a long journal (figure in README, `## tuner explain`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tuner.sglang.logs import parse_log
+
+REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "logs" / "reference-0.5.5-tp8.log"
+
+
+def test_parse_a_million_line_journal_fast() -> None:
+    ref = REFERENCE.read_text().splitlines()
+    batches = [ln for ln in ref if "batch" in ln]
+    lines = ref + batches * (1_000_000 // len(batches))
+    start = time.perf_counter()
+    report = parse_log(lines)
+    elapsed = time.perf_counter() - start
+    print(f"{len(lines):,} lines in {elapsed:.1f} s = {len(lines) / elapsed:,.0f} lines/s")
+    assert report.batch_summary.decode_lines > 600_000 and report.ready
+    assert len(lines) / elapsed > 20_000  # a week of a busy unit's journal in under a minute
