@@ -291,7 +291,6 @@ def load_cmd(
     })
     limits = SLO.parse(slo) if slo else None
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
-    err_console.print(f"workload: {wl.describe()}", highlight=False)
 
     with Live(console=err_console, transient=True, refresh_per_second=4) as live:
         def tick(stats) -> None:  # noqa: ANN001 - LiveStats
@@ -317,6 +316,7 @@ def load_cmd(
                 duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
                 slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
             ))
+    console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
     if max_under_slo:
         console.print(found.message, highlight=False)
         payload = found.model_dump(mode="json")
