@@ -1,0 +1,130 @@
+"""The load generator against the simulated SGLang server (a real subprocess on 127.0.0.1).
+
+Prefix reuse: a shared-prefix workload must show a cache hit rate near its designed reuse, a
+random one near zero. The CLI: a JSON result, one-line errors, partial results on a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tuner.load import LiveStats, RandomSpec, SharedPrefixSpec, build_workload, designed_hit_rate, run_load_sync
+
+
+class Sim:
+    """``python -m tuner.sim`` in its own process group, ready when ``/health`` answers 200."""
+
+    def __init__(self, tmp: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = (tmp / f"sim-{self.port}.log").open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
+             "--host", "127.0.0.1", "--port", str(self.port), "--enable-metrics", "--sim-time-scale", "0.01"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the simulator exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        self.kill()
+        raise RuntimeError(f"the simulator was not ready within 90 s; see {self.log.name}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
+    server = Sim(tmp_path_factory.mktemp("sim"))
+    yield server
+    server.kill()
+
+
+def _flush(url: str) -> None:
+    assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
+
+
+def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: Sim) -> None:
+    _flush(sim.url)
+    spec = SharedPrefixSpec(num_groups=8, prompts_per_group=16, system_prompt_len=2048, question_len=128, output_len=4)
+    result = run_load_sync(sim.url, build_workload(spec, seed=1), concurrency=8)
+    assert result.summary.completed == 128 and result.summary.errored == 0
+    designed = designed_hit_rate(spec)  # (15/16) * 2048/2176 = 0.882
+    assert result.summary.cache_hit_rate == pytest.approx(designed, abs=0.06)
+    assert all(r.prompt_tokens == 2176 and r.completion_tokens == 4 for r in result.records)
+
+    random = run_load_sync(sim.url, build_workload(RandomSpec(input_len=2176, output_len=4, num_requests=48), seed=2),
+                           concurrency=8)
+    assert random.summary.completed == 48
+    assert random.summary.cache_hit_rate is not None and random.summary.cache_hit_rate < 0.02
+
+
+def test_completions_api_against_the_sim(sim: Sim) -> None:
+    wl = build_workload(RandomSpec(input_len=300, output_len=12, num_requests=16), seed=3)
+    result = run_load_sync(sim.url, wl, concurrency=4, api="completions")
+    s = result.summary
+    assert s.completed == 16 and s.total_output_tokens == 16 * 12
+    assert all(r.prompt_tokens == 300 and sum(r.chunk_tokens) == 12 for r in result.records)
+    assert s.p99_itl_ms is not None and s.mean_tpot_ms is not None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tuner.cli", "load", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_cli_writes_json_and_csv_and_fails_in_one_line(sim: Sim, tmp_path: Path) -> None:
+    out, rows = tmp_path / "load.json", tmp_path / "load.csv"
+    done = _cli("--url", sim.url, "--input-len", "200", "--output-len", "8", "--concurrency", "4",
+                "--max-requests", "20", "--slo", "p99_ttft_ms=60000", "--json", str(out), "--csv", str(rows))
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["summary"]["completed"] == 20 and data["summary"]["slo_met"] is True
+    assert data["settings"]["concurrency"] == 4 and "records" not in data
+    assert len(rows.read_text().splitlines()) == 21
+    assert "output throughput" in done.stdout
+    down = _cli("--url", "http://127.0.0.1:9", "--concurrency", "1", "--duration", "1")
+    assert down.returncode == 1 and "cannot connect" in down.stderr
+    assert len(down.stderr.strip().splitlines()) == 1 and "Traceback" not in down.stderr
+    bad = _cli("--url", sim.url, "--concurrency", "1", "--duration", "1", "--slo", "p99_ttft=5")
+    assert bad.returncode == 1 and "--slo" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sim_crash_mid_run_gives_partial_result_promptly(tmp_path: Path) -> None:
+    victim = Sim(tmp_path)
+    try:
+        def crash(stats: LiveStats) -> None:
+            if stats.elapsed_s >= 1.0 and victim.proc.poll() is None:
+                os.killpg(victim.proc.pid, signal.SIGKILL)
+
+        started = time.monotonic()
+        result = run_load_sync(victim.url, build_workload(RandomSpec(input_len=512, output_len=4000), seed=0),
+                               concurrency=16, duration_s=300, on_tick=crash, tick_s=0.25)
+        assert time.monotonic() - started < 60  # a bound against hanging, not a speed target
+        assert result.partial and result.stop_reason
+        assert result.summary.errored + result.summary.incomplete >= 16
+    finally:
+        victim.kill()
