@@ -163,3 +163,14 @@ def test_stored_trial_memory_renders_as_a_waterfall() -> None:
               "server_info": {"weight_gib": None, "kvcache_gib": None, "graph_gib": None, "startup_available_gib": None}}
     steps = {s.item: s.gib for s in waterfall_steps(json.loads(json.dumps(memory)))}
     assert steps["baseline_free"] == 94.03 and steps["free_after_graphs"] == 7.43
+
+
+@pytest.mark.parametrize("case_id", sorted(p.stem for p in CASES.glob("case-*.json")))
+def test_explain_never_breaks_on_a_case(case_id: str) -> None:
+    from tuner.sglang.explain import explain
+    from tuner.sglang.logs import parse_log
+
+    report = parse_log(json.loads((CASES / f"{case_id}.json").read_text())["log_excerpt"])
+    doc = explain(report, sources=[case_id])
+    assert Explanation.model_validate_json(doc.model_dump_json()) == doc
+    assert (doc.state == "failed") == (report.failure is not None)

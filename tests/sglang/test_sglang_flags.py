@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tuner.errors import FlagError
-from tuner.sglang.flags import FlagTable, parse_argv, parse_human_int, render, replace_flags, validate
+from tuner.sglang.flags import FlagTable, parse_argv, parse_human_int, render, replace_flags, unknown_flags, validate
 
 BASE = "python -m sglang.launch_server --model /m --tp 8 --mem-fraction-static=0.8 --cuda-graph-max-bs 8 --enable-metrics --port 30000".split()
 
@@ -106,3 +106,11 @@ def test_from_python_without_sglang_is_a_flag_error(tmp_path: Path) -> None:
         FlagTable.from_python(sys.executable, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout_s=60)
     with pytest.raises(FlagError, match="not found"):
         FlagTable.from_python(str(tmp_path / "no-python"))
+
+
+def test_unknown_flags_of_a_command() -> None:
+    argv = ["python", "-m", "sglang.launch_server", "--model", "/m", "--tp", "2", "--cuda-graph-max-bs", "64", "--mem-fracton-static", "0.8"]
+    reasons = unknown_flags(argv, FlagTable.for_version("0.5.23"))
+    assert reasons[0] == "SGLang 0.5.23 has no flag --cuda-graph-max-bs; its spelling is --cuda-graph-max-bs-decode"
+    assert "--mem-fracton-static" in reasons[1] and "--mem-fraction-static" in reasons[1] and len(reasons) == 2
+    assert unknown_flags(argv[:-2], FlagTable.for_version("0.5.10")) == []

@@ -203,3 +203,10 @@ def test_server_args_echo_is_no_failure_and_starts_a_new_start() -> None:
     r = parse_log([echo, *text[1:], echo.replace("0.8)", "0.9)"), *text[1:20]])
     assert r.failure is None and r.server_args["mem_fraction_static"] == "0.9"
     assert r.scheduler is None and r.ranks["TP0"].kv_tokens is None  # the second start had not reached the KV pool
+
+
+def test_watcher_timeout_failure_names_the_phase() -> None:
+    w = LogWatcher()
+    w.feed("[2026-01-01 00:00:00] Capture cuda graph begin. This can take up to several minutes. avail mem=9.00 GB")
+    f = w.timeout_failure(600)
+    assert f.failure_class is FailureClass.STARTUP_TIMEOUT and "phase capture" in f.evidence and "Capture cuda graph begin" in f.evidence

@@ -144,6 +144,8 @@ class Explanation(BaseModel):
     sglang_version: str | None
     log_format: str | None
     state: Literal["ready", "failed", "starting", "unknown"]
+    """``ready``: a ready line, batch lines, or a live server; ``failed``: a classified failure;
+    ``starting``: startup lines without a ready line (or a partial log); ``unknown``: neither."""
     failure: Failure | None
     settings: dict[str, Setting]
     waterfall: list[WaterfallStep]
@@ -350,7 +352,7 @@ def explain(
     state: Literal["ready", "failed", "starting", "unknown"]
     if failure is not None:
         state = "failed"
-    elif (report and report.ready) or info is not None:
+    elif (report and (report.ready or report.batch_summary.prefill_lines or report.batch_summary.decode_lines or report.retractions)) or info is not None:
         state = "ready"
     elif report and report.ranks:
         state = "starting"

@@ -36,6 +36,7 @@ __all__ = [
     "replace_flags",
     "parse_argv",
     "validate",
+    "unknown_flags",
     "parse_human_int",
 ]
 
@@ -470,6 +471,37 @@ def replace_flags(argv: Sequence[str], params: Mapping[str, Any], table: FlagTab
         if field not in placed:
             out += render({field: value}, table)
     return out
+
+
+def unknown_flags(argv: Sequence[str], table: FlagTable) -> list[str]:
+    """Flags of a command that this SGLang version would reject (unknown or ambiguous prefix).
+
+    A spelling of another version (``--cuda-graph-max-bs`` on 0.5.23, §3.2) is reported with the
+    version's own spelling; :func:`replace_flags` rewrites it when that knob is tuned.
+
+    Args:
+        argv: The unit's command.
+        table: The version's table.
+
+    Returns:
+        One sentence per rejected flag, naming the replacement where one exists.
+    """
+    reasons = []
+    for tok in argv:
+        if not tok.startswith("--") or tok == "--":
+            continue
+        name = tok.partition("=")[0]
+        if name in table._by_flag:
+            continue
+        prefixed = {o.dest for f, o in table._by_flag.items() if f.startswith(name)}
+        if len(prefixed) == 1:
+            continue
+        opt = table.option_for_flag(name)
+        if opt is not None:
+            reasons.append(f"SGLang {table.version} has no flag {name}; its spelling is {opt.flags[0]}")
+        else:
+            reasons.append(str(table._unknown(name)))
+    return reasons
 
 
 def validate(params: Mapping[str, Any], table: FlagTable) -> list[str]:

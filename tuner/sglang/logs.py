@@ -495,6 +495,20 @@ class LogWatcher:
             self._sglang_lines += 1
             self._last_sglang_line = msg
 
+    @property
+    def phase(self) -> str:
+        """The startup phase reached: ``init``, ``weights``, ``after_weights``, ``kv_pool``,
+        ``after_pool``, ``capture``, ``after_capture``, ``host_pool``, ``serving``."""
+        return self._phase
+
+    def timeout_failure(self, timeout_s: float) -> Failure:
+        """A ``startup_timeout`` failure for a start that produced no ready line in ``timeout_s``,
+        with the phase it hung in and the last SGLang line as evidence (a launcher's wait ran out)."""
+        return Failure(
+            failure_class=FailureClass.STARTUP_TIMEOUT,
+            evidence=f"no ready line after {timeout_s:.0f} s (phase {self._phase}); last SGLang line: {self._last_sglang_line}",
+        )
+
     def feed_many(self, lines: Iterable[str]) -> None:
         """Feed every line of an iterable (a file, a list, a pipe)."""
         for line in lines:
@@ -642,7 +656,10 @@ class LogWatcher:
         if m := _P["cap_end"].search(msg):
             self._capture(rank, m.group("name"), m.group("body"), end=True)
             self._phase = "after_capture"
-        elif m := _P["cap_begin"].search(msg):
+            if sched := _P["scheduler"].search(msg):  # some logs glue the scheduler line on (case-21)
+                self._scheduler_line(int(sched.group("tokens")), sched.group("rest"))
+            return True
+        if m := _P["cap_begin"].search(msg):
             self._phase = "capture"
             self._capture(rank, m.group("name"), m.group("body"), end=False)
             return True
