@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # systemctl stop sends SIGTERM: die at once, as SGLang's processes do.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     log = SimLogger(sys.stderr, cfg.tp_size)
     args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
     log.line(f"server_args=ServerArgs({args_repr})", None)

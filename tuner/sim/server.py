@@ -21,7 +21,8 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -47,6 +48,9 @@ _WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", 
           "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has",
           "there", "been", "if", "more", "when", "will", "would", "who", "so", "no")
 
+MAX_CATCH_UP_S = 0.05
+"""How far behind its timeline the driver may start a step (seconds) to absorb a late wake-up."""
+
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """``SGLANG_HEALTH_CHECK_TIMEOUT`` (§5.1)."""
 
@@ -65,6 +69,16 @@ def detokenize(token_ids: list[int]) -> str:
     return "".join(" " + _WORDS[t % len(_WORDS)] for t in token_ids)
 
 
+class _Update(NamedTuple):
+    """What a step produced for one request: new ids, cumulative counts, finish reason if done."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish: FinishEvent | None
+
+
 @dataclass
 class _Pending:
     """One request in flight: its events queue and timing."""
@@ -75,17 +89,9 @@ class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_s: float | None = None
     last_token_s: float | None = None
-
-
-@dataclass(frozen=True)
-class _Update:
-    """What a step produced for one request: new ids, cumulative counts, finish reason if done."""
-
-    token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finish: FinishEvent | None
+    text: str = ""
+    direct: tuple[asyncio.Transport, Callable[[_Update], bytes]] | None = None
+    done: asyncio.Future | None = None
 
 
 class SimServer:
@@ -160,26 +166,44 @@ class SimServer:
     # ------------------------------------------------------------------ driver
 
     async def drive(self) -> None:
-        """Run engine steps in real time forever (cancel to stop)."""
+        """Run engine steps in real time forever (cancel to stop).
+
+        Steps follow one another on a continuous timeline, as on the GPU: each starts when the
+        previous one ends (``end = start + duration_s``), not when the event loop happens to wake
+        up, so a late wake-up is absorbed by the next step's wait (at most
+        :data:`MAX_CATCH_UP_S`; beyond that the server is overloaded and real time wins).
+        """
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
         loop = asyncio.get_running_loop()
+        t0 = loop.time() - self.now_s()
+        end: float | None = None  # where the timeline's last step ends
+        last_real: float | None = None  # when the last step really ended
         while True:
             if not self.engine.has_work():
+                end = last_real = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start = loop.time()
+            now = loop.time()
+            if end is None or now - end > MAX_CATCH_UP_S:
+                end, last_real = None, now
+            start = now if end is None else end
             try:
-                result = self.engine.step(self.now_s())
+                result = self.engine.step(start - t0)
             except SimRuntimeOOM as err:
                 self._die(err.message)
                 return
             if result.duration_s > 0:
-                await asyncio.sleep(max(0.0, start + result.duration_s - loop.time()))
-                self._step_log.append((result.duration_s, loop.time() - start))
+                end = start + result.duration_s
+                await asyncio.sleep(max(0.0, end - loop.time()))
+                real_end = loop.time()
+                self._step_log.append((result.duration_s, real_end - (last_real or start)))
+                last_real = real_end
                 if len(self._step_log) > 4096:
                     del self._step_log[:2048]
+            else:
+                end = last_real = None
             self._dispatch(result.events)
             if result.duration_s <= 0 and not result.events:
                 await asyncio.sleep(0)
@@ -195,17 +219,72 @@ class SimServer:
                 if p is None:
                     continue
                 fin = finishes.pop(e.rid, None)
-                p.queue.put_nowait(_Update(e.token_ids, e.prompt_tokens, e.completion_tokens, e.cached_tokens, fin))
                 if e.token_ids:
                     self._observe_token(p, now, len(e.token_ids))
+                self._deliver(p, _Update(e.token_ids, e.prompt_tokens, e.completion_tokens, e.cached_tokens, fin))
         for rid, fin in finishes.items():
             p = self._pending.get(rid)
             if p is not None:
-                p.queue.put_nowait(_Update([], fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens, fin))
+                self._deliver(p, _Update([], fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens, fin))
         self._events_seen += len(events)
         assert self._progress is not None
         self._progress.set()
         self._progress = asyncio.Event()
+
+    @staticmethod
+    def _deliver(p: _Pending, upd: _Update) -> None:
+        """Hand an update to its request: straight onto a direct stream's socket, else its queue."""
+        if p.direct is None:
+            p.queue.put_nowait(upd)
+            return
+        transport, encode = p.direct
+        assert p.done is not None
+        if p.done.done():
+            return
+        if transport.is_closing():
+            p.done.set_exception(ConnectionResetError("client closed the stream"))
+            return
+        data = encode(upd)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # HTTP/1.1 chunked framing
+        if upd.finish is not None:
+            p.done.set_result(upd)
+
+    async def _stream(self, request: web.Request, p: _Pending, encode: Callable[[_Update], bytes],
+                      tail: Callable[[_Update], bytes]) -> web.StreamResponse:
+        """Serve one SSE stream of ``p``'s updates, ``encode`` each, then ``tail(last update)``.
+
+        The first chunk goes through aiohttp (which sends the headers); after that, when the
+        response is chunked, the driver writes each step's chunk straight to the transport in
+        HTTP/1.1 chunked framing (no task wake-up per token: 256 streams fit one core); the tail
+        and the terminating chunk go through aiohttp again.
+        """
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if request.version >= (1, 1):
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        finished = False
+        try:
+            upd = await p.queue.get()
+            await resp.write(encode(upd))
+            finished = upd.finish is not None
+            while not finished and not p.queue.empty():
+                upd = p.queue.get_nowait()
+                await resp.write(encode(upd))
+                finished = upd.finish is not None
+            transport = request.transport
+            if not finished and resp.chunked and transport is not None:
+                p.done = asyncio.get_running_loop().create_future()
+                p.direct = (transport, encode)
+                upd = await p.done
+                finished = True
+            while not finished:
+                upd = await p.queue.get()
+                await resp.write(encode(upd))
+                finished = upd.finish is not None
+            await resp.write(tail(upd))
+        finally:
+            self._forget(p, finished)
+        return resp
 
     def _observe_token(self, p: _Pending, now: float, n: int) -> None:
         if self._hist is not None:
@@ -376,7 +455,11 @@ class SimServer:
         return web.json_response(gpus)
 
     async def step_times(self, request: web.Request) -> web.Response:
-        """``/sim/step_times``: recent (cost-model, realised) step durations in seconds."""
+        """``/sim/step_times``: recent steps as [cost-model duration, realised duration] in seconds.
+
+        A step's realised duration runs from the real end of the step before it (or its own real
+        start after idling) to its own real end.
+        """
         return web.json_response([[a, b] for a, b in self._step_log])
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -429,24 +512,24 @@ class SimServer:
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
             return web.json_response(self._generate_body(p, upd, out_ids))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        out_ids: list[int] = []
-        finished = False
         incremental = bool(self.cfg.server_args.get("incremental_streaming_output"))
-        try:
-            while True:
-                upd = await p.queue.get()
-                out_ids.extend(upd.token_ids)
-                chunk = self._generate_body(p, upd, out_ids, new_ids=upd.token_ids, incremental=incremental)
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if upd.finish is not None:
-                    finished = True
-                    break
-            await resp.write(b"data: [DONE]\n\n")
-        finally:
-            self._forget(p, finished)
-        return resp
+
+        retractions = "num_retractions" if self.version == "0.5.23" else "total_retractions"
+        meta_head = f'"meta_info": {{"id": {json.dumps(p.rid)}, "finish_reason": null, "prompt_tokens": '
+
+        def encode(upd: _Update) -> bytes:
+            if upd.finish is not None:
+                chunk = self._generate_body(p, upd, [], new_ids=upd.token_ids, incremental=incremental)
+                return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            # The hot path (every token of every stream): the same JSON as _generate_body, formatted directly.
+            new_text = detokenize(upd.token_ids)
+            p.text += new_text
+            text = json.dumps(new_text if incremental else p.text)
+            return (f'data: {{"text": {text}, "output_ids": {upd.token_ids}, {meta_head}{upd.prompt_tokens}, '
+                    f'"weight_version": "default", "completion_tokens": {upd.completion_tokens}, '
+                    f'"cached_tokens": {upd.cached_tokens}, "{retractions}": 0}}}}\n\n').encode()
+
+        return await self._stream(request, p, encode, lambda _upd: b"data: [DONE]\n\n")
 
     async def _collect(self, p: _Pending) -> tuple[_Update, list[int]]:
         out: list[int] = []
@@ -482,9 +565,11 @@ class SimServer:
             meta["e2e_latency"] = self._finish_observe(p, upd)
             if upd.finish.cached_tokens_details is not None and self.version != "0.5.5":
                 meta["cached_tokens_details"] = upd.finish.cached_tokens_details
-        shown = new_ids if (incremental and new_ids is not None) else out_ids
-        return {"text": detokenize(shown), "output_ids": list(new_ids if new_ids is not None else out_ids),
-                "meta_info": meta}
+        if new_ids is None:  # one whole answer
+            return {"text": detokenize(out_ids), "output_ids": list(out_ids), "meta_info": meta}
+        new_text = detokenize(new_ids)
+        p.text += new_text
+        return {"text": new_text if incremental else p.text, "output_ids": new_ids, "meta_info": meta}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (§5.3): prompt as text or ids, ``max_tokens``, ``ignore_eos``, streaming."""
@@ -518,29 +603,23 @@ class SimServer:
                                       "choices": [choice], "usage": self._usage(upd)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        finished = False
-        try:
-            while True:
-                upd = await p.queue.get()
-                chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": 0, "text": detokenize(upd.token_ids), "logprobs": None,
-                                      "finish_reason": _oai_reason(upd.finish), "matched_stop": None}],
-                         "usage": self._usage(upd) if continuous else None}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                if upd.finish is not None:
-                    finished = True
-                    self._finish_observe(p, upd)
-                    break
-            if include_usage:
-                final = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [], "usage": self._usage(upd)}
-                await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-        finally:
-            self._forget(p, finished)
-        return resp
+
+        def encode(upd: _Update) -> bytes:
+            chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": 0, "text": detokenize(upd.token_ids), "logprobs": None,
+                                  "finish_reason": _oai_reason(upd.finish), "matched_stop": None}],
+                     "usage": self._usage(upd) if continuous else None}
+            if upd.finish is not None:
+                self._finish_observe(p, upd)
+            return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+        def tail(upd: _Update) -> bytes:
+            final = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [], "usage": self._usage(upd)}
+            usage = b"data: " + json.dumps(final).encode() + b"\n\n" if include_usage else b""
+            return usage + b"data: [DONE]\n\n"
+
+        return await self._stream(request, p, encode, tail)
 
     def _usage(self, upd: _Update) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": upd.prompt_tokens, "completion_tokens": upd.completion_tokens,
