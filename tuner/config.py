@@ -78,7 +78,8 @@ class ServiceSection(_Section):
         launcher: ``systemd`` (production: a drop-in, ``systemctl``, ``journalctl``) or
             ``process`` (the server as a child process; the demo and hosts without systemd).
         unit: The systemd unit (``sglang.service``); required for ``systemd``.
-        command: The baseline server command line for ``process`` (argv list or one string).
+        command: The baseline server command line for ``process`` (argv list or one string);
+            the word ``{python}`` stands for the interpreter that runs the tuner.
         url: Base URL of the server.
         systemctl: The systemctl command (a list, so a prefix such as ``nsenter -t PID -m -p``
             works).
@@ -118,7 +119,12 @@ class ServiceSection(_Section):
         if isinstance(value, str):
             import shlex
 
-            return shlex.split(value)
+            value = shlex.split(value)
+        if isinstance(value, list):
+            import sys
+
+            # "{python}" is the interpreter running the tuner (the venv's, for the simulator).
+            value = [sys.executable if word == "{python}" else word for word in value]
         return value
 
     @field_validator("url")

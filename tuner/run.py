@@ -249,6 +249,7 @@ def run_study(
     if budget_s is None and max_trials is None:
         raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
     started = clock()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     emit = on_progress or (lambda _p: None)
     url = storage_url or config.storage_url()
     study = open_study(config.study.name, open_storage(url), make_sampler(config.study.sampler, config.study.seed))

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import SpaceSection
 from tuner.records import TrialRecord
-from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
+from tuner.sglang.failures import FailureClass
 from tuner.sglang.memory import KVCapacityModel
 
 __all__ = [
@@ -64,7 +64,8 @@ SEARCHED_FIELDS = (
 )
 """Every knob the study can change, by SGLang field name."""
 
-_MEMORY_FAILURES = STARTUP_MEMORY_FAILURES | {FailureClass.RUNTIME_OOM}
+_CEILING_FAILURES = frozenset({FailureClass.CUDA_GRAPH_OOM, FailureClass.RUNTIME_OOM})
+"""Failures that bound ``mem_fraction_static`` from above (the reserve was too small, §1.6)."""
 
 
 def context_capacity(effective_max_running_requests: int | None, max_total_num_tokens: int, context_tokens: int) -> int:
@@ -413,27 +414,42 @@ class Planner:
     def _need_gib(
         self,
         family: tuple[tuple[str, Any], ...],
-        ref: _Point,
         points: Sequence[_Point],
-        failures: Sequence[tuple[dict[str, Any], float]],
+        oom_frees: Sequence[tuple[dict[str, Any], float]],
     ) -> float:
-        """GiB that must stay free after graphs for configs of ``family``."""
-        fam = dict(family)
-        peaks = [p for p in points if p.peak_gib is not None]
-        same = [p for p in peaks if _family(p.params) == family]
-        source = max(same or peaks, key=lambda p: p.peak_gib or 0.0, default=None)
-        if source is None:
-            observed = ref.model.observed_free_after_graphs_gib or 2.0
-            need = max(1.0, 0.5 * observed)
+        """GiB that must stay free after graphs for configs of ``family`` to survive the stress load.
+
+        Activations grow with the prefill chunk (§1.6), so every observation is scaled by the
+        ratio of chunk sizes. With a measured activation peak (GPU monitor), the need is that peak
+        times :attr:`peak_safety` plus :attr:`margin_gib`. Without one, the need is bracketed: a
+        config that survived the stress load with ``f`` GiB free bounds it from above, a runtime
+        OOM with ``f`` GiB free bounds it from below; the planner aims halfway (half the smallest
+        surviving headroom before any OOM), so it approaches the boundary geometrically and
+        crosses it at most about once.
+        """
+        prefill = self._effective_prefill(dict(family).get("chunked_prefill_size", 1))
+
+        def scale(params: Mapping[str, Any]) -> float:
+            return prefill / self._effective_prefill(params.get("chunked_prefill_size", 1))
+
+        upper = min(
+            (p.model.observed_free_after_graphs_gib * scale(p.params) for p in points
+             if p.model.observed_free_after_graphs_gib is not None),
+            default=None,
+        )
+        lower = max((free * scale(params) for params, free in oom_frees), default=None)
+        peaks = [p.peak_gib * scale(p.params) for p in points if p.peak_gib]
+        if peaks:
+            need = max(peaks) * self.peak_safety + self.margin_gib
+        elif lower is None:
+            need = 0.5 * upper if upper is not None else 2.0
+        elif upper is not None and upper > lower:
+            need = (lower + upper) / 2
         else:
-            scale = self._effective_prefill(fam.get("chunked_prefill_size", 1)) / self._effective_prefill(
-                source.params.get("chunked_prefill_size", 1)
-            )
-            need = (source.peak_gib or 0.0) * max(scale, 0.25) * self.peak_safety + self.margin_gib
-        for params, predicted_free in failures:
-            if _family(params) == family:
-                need = max(need, predicted_free + self.margin_gib)
-        return need
+            need = lower + self.margin_gib
+        if lower is not None:
+            need = max(need, lower + 0.05)
+        return max(need, 0.05)
 
     def _predict(self, ref: _Point, mfs: float, mrr: int, family: tuple[tuple[str, Any], ...]) -> tuple[int, float]:
         """Predicted ``(max_total_num_tokens, free GiB after graphs)`` (§1.2, §1.6, §8)."""
@@ -455,16 +471,23 @@ class Planner:
         need: float,
         ceiling: float,
     ) -> tuple[float, int, int, float] | None:
-        """Highest grid fraction below ``ceiling`` whose predicted headroom covers ``need``."""
-        best = None
+        """The best predicted context capacity below ``ceiling`` whose headroom covers ``need``.
+
+        Returns the *smallest* grid fraction that reaches that capacity (capacity is an integer;
+        more KV buys nothing for it and costs headroom), as ``(mfs, tokens, capacity, free GiB)``.
+        """
+        feasible = []
         for mfs in self.space.fractions():
             if mfs >= ceiling - 1e-9:
                 break
             tokens, free = self._predict(ref, mfs, mrr, family)
             if tokens <= 0 or free < need:
                 continue
-            best = (mfs, tokens, min(mrr, tokens // self.context_tokens), free)
-        return best
+            feasible.append((mfs, tokens, min(mrr, tokens // self.context_tokens), free))
+        if not feasible:
+            return None
+        top = max(item[2] for item in feasible)
+        return next(item for item in feasible if item[2] == top)
 
     def next(
         self,
@@ -486,17 +509,14 @@ class Planner:
         feasible = [p for p in points if p.feasible] or points
         incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
         best_capacity = incumbent.capacity
-        failures: list[tuple[dict[str, Any], float]] = []
+        oom_frees: list[tuple[dict[str, Any], float]] = []
         ceilings: dict[tuple[tuple[str, Any], ...], list[tuple[float, int]]] = {}
-        for number, record in history:
-            if record.failure_class in _MEMORY_FAILURES and record.params:
+        for _number, record in history:
+            if record.failure_class in _CEILING_FAILURES and record.params:
                 params = self.space.snap(record.params)
-                family = _family(params)
-                refs = [p for p in points if _family(p.params) == family] or [incumbent]
-                ref = max(refs, key=lambda p: p.params["mem_fraction_static"])
-                _, free = self._predict(ref, params["mem_fraction_static"], params["max_running_requests"], family)
-                failures.append((params, free))
-                ceilings.setdefault(family, []).append(
+                if record.failure_class is FailureClass.RUNTIME_OOM and record.free_gib_after_graphs is not None:
+                    oom_frees.append((params, record.free_gib_after_graphs))
+                ceilings.setdefault(_family(params), []).append(
                     (params["mem_fraction_static"], params["max_running_requests"])
                 )
 
@@ -510,12 +530,12 @@ class Planner:
         for rank, family in enumerate(families):
             refs = [p for p in points if _family(p.params) == family]
             ref = max(refs, key=lambda p: p.params["mem_fraction_static"]) if refs else incumbent
-            need = self._need_gib(family, ref, points, failures)
+            need = self._need_gib(family, points, oom_frees)
             mrr_low, mrr_high = self.space.max_running_requests
             base_mrr = int(incumbent.params["max_running_requests"])
             options = []
             # Tight: just enough request slots for the capacity (frees req_to_token memory, §1.6).
-            tight = base_mrr
+            tight = mrr_high
             for _ in range(3):
                 found = self._frontier(family, ref, tight, need, ceiling_of(family, tight))
                 if found is None:

@@ -42,7 +42,8 @@ __all__ = ["TrialExecutor", "slo_clearly_lost"]
 
 _log = logging.getLogger(__name__)
 _GIB = float(2**30)
-_PROBE_OUTPUT_TOKENS = 16
+_STRESS_OUTPUT_TOKENS = 32
+"""Output tokens of each stress request: enough decode steps that the batch is resident together."""
 
 
 def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, factor: float = 2.0) -> bool:
@@ -422,7 +423,7 @@ class TrialExecutor:
         """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
         budget = self.config.budget
         n = max(1, min(capacity, budget.max_concurrency))
-        output = min(_PROBE_OUTPUT_TOKENS * 8, max(1, job.context_tokens // 4))
+        output = min(_STRESS_OUTPUT_TOKENS, max(1, job.context_tokens // 4))
         workload = capacity_probe(n, job.context_tokens, output_len=output, seed=self.config.study.seed + job.number)
         result = None
         peak = 0.0
@@ -575,13 +576,15 @@ def build_launcher(config: TunerConfig, *, gpu: Any | None = None) -> Launcher:
 
 def flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
     """SGLang's flag table: ``[service] python`` introspected live, else ``sglang_version``'s bundled
-    table, else the simulator's ``--sglang-version``, else the newest bundled one (§3)."""
+    table, else the simulator's ``--sim-version``, else the newest bundled one (§3)."""
     service = config.service
     if service.python and not service.sglang_version:
         return FlagTable.from_python(service.python)
     version = service.sglang_version
-    if version is None and "--sglang-version" in argv:
-        version = argv[argv.index("--sglang-version") + 1]
+    if version is None and "--sim-version" in argv:
+        version = argv[argv.index("--sim-version") + 1]
+    elif version is None and any("tuner.sim" in word for word in argv):
+        version = "0.5.5"  # the simulator's default mimicked version
     return FlagTable.for_version(version or FlagTable.bundled_versions()[-1])
 
 
