@@ -504,9 +504,12 @@ def _expected_capacity(view: TrialView) -> int | None:
 
 
 def _tuned_params(stored: StoredStudy, view: TrialView) -> dict[str, Any]:
-    """The trial's params plus ``None`` for every field other trials tuned (a conditional field
-    this trial lacks, e.g. ``hicache_ratio`` with the hierarchical cache off, is removed)."""
-    names = {name for v in stored.trials for name in v.params}
+    """The fields to set on the service's command: every field the study tuned (the params of its
+    non-baseline trials; the baseline's record also lists flags it merely resolved), at this
+    trial's value, ``None`` (flag removed) for a conditional field this trial lacks, e.g.
+    ``hicache_ratio`` with the hierarchical cache off."""
+    tuned = [v for v in stored.trials if v.kind != "baseline"] or list(stored.trials)
+    names = {name for v in tuned for name in v.params}
     return {name: view.params.get(name) for name in sorted(names)}
 
 

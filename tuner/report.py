@@ -84,11 +84,15 @@ _PHASE_METRICS = (
 
 
 def key_params(trials: Iterable[TrialView]) -> list[str]:
-    """Parameter names present in any trial: :data:`KEY_PARAMS` first, then the rest sorted."""
-    present: set[str] = set()
+    """Parameter columns: :data:`KEY_PARAMS` present in any trial, then (sorted) every other
+    parameter that takes at least two distinct values (a flag only the baseline states is not a
+    column; ``tuner show`` lists every parameter)."""
+    values: dict[str, set[str]] = {}
     for view in trials:
-        present.update(view.params)
-    return [p for p in KEY_PARAMS if p in present] + sorted(present - set(KEY_PARAMS))
+        for name, value in view.params.items():
+            values.setdefault(name, set()).add(repr(value))
+    others = sorted(n for n, seen in values.items() if n not in KEY_PARAMS and len(seen) > 1)
+    return [p for p in KEY_PARAMS if p in values] + others
 
 
 def _cell(value: Any) -> str:
@@ -110,11 +114,19 @@ def _text(value: Any) -> Text:
 
 
 def _status(view: TrialView) -> str:
+    """Why a trial is not feasible: its failure class, ``skipped``, or the violated constraints."""
     if view.failure_class:
         return view.failure_class
-    if view.outcome == "skipped":
+    if view.outcome == "skipped" or view.state == "PRUNED":
         return "skipped"
-    return "" if view.feasible or view.state != "COMPLETE" else "slo/stress"
+    if view.feasible or view.state != "COMPLETE":
+        return ""
+    return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
+
+
+def _kind(view: TrialView) -> str:
+    kind = view.kind or "-"
+    return kind if view.state == "COMPLETE" else f"{kind}/{view.state.lower()}"
 
 
 _SHORT = {
@@ -151,7 +163,6 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         pad_edge=False,
     )
     table.add_column("#", justify="right", no_wrap=True)
-    table.add_column("state", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     for name in params:
         table.add_column(_SHORT.get(name, name), justify="right")
@@ -163,8 +174,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         style = None if view.feasible else ("red" if view.failed else "yellow")
         table.add_row(
             str(view.number),
-            view.state.lower(),
-            view.kind or "-",
+            _kind(view),
             *[_text(view.params.get(p)) for p in params],
             *[_text(view.metric(m)) for m in _TABLE_METRICS],
             "yes" if view.feasible else "no",
@@ -211,7 +221,7 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
 def _kv_table(title: str, rows: Iterable[tuple[str, Any]], *headers: str) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold", show_header=bool(headers))
     for i, header in enumerate(headers or ("key", "value")):
-        table.add_column(header, justify="left" if i == 0 else "right")
+        table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
     for row in rows:
         table.add_row(*[_text(v) for v in row])
     return table
@@ -252,23 +262,22 @@ def _waterfall(memory: dict[str, Any]) -> Any:
 
 
 def _phases_table(view: TrialView) -> Table:
-    table = Table(title="load phases", title_justify="left", header_style="bold")
-    for header in ("phase", "s", "ok", "err", "incompl."):
-        table.add_column(header, justify="right" if header != "phase" else "left")
-    for _, label in _PHASE_METRICS:
-        table.add_column(label, justify="right")
-    table.add_column("stopped early")
+    """Load phases as columns, metrics as rows (fits a narrow terminal)."""
     assert view.record is not None
-    for phase in view.record.phases:
-        table.add_row(
-            phase.name,
-            _cell(phase.duration_s),
-            str(phase.completed),
-            str(phase.errored),
-            str(phase.incomplete),
-            *[_cell(phase.metrics.get(key)) for key, _ in _PHASE_METRICS],
-            (phase.stop_reason or "yes") if phase.stopped_early else "",
-        )
+    phases = view.record.phases
+    table = Table(title="load phases", title_justify="left", header_style="bold")
+    table.add_column("metric")
+    for phase in phases:
+        table.add_column(phase.name, justify="right")
+    table.add_row("duration (s)", *[_cell(p.duration_s) for p in phases])
+    table.add_row("completed / errored / incomplete",
+                  *[f"{p.completed} / {p.errored} / {p.incomplete}" for p in phases])  # fmt: skip
+    for key, label in _PHASE_METRICS:
+        table.add_row(label, *[_cell(p.metrics.get(key)) for p in phases])
+    table.add_row(
+        "stopped early",
+        *[_text((p.stop_reason or "yes") if p.stopped_early else "no") for p in phases],
+    )
     return table
 
 

@@ -7,9 +7,7 @@ Bad input must give one line on stderr, exit 1, and change nothing: neither the 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,12 +17,6 @@ from tests.report.study_factory import failed_trial, make_study, ok_trial
 
 SIM = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
        "--mem-fraction-static", "0.80", "--port", "39999"]  # fmt: skip
-
-
-def _tuner(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=120, check=False, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 def _config(path: Path, service: str) -> Path:
@@ -52,51 +44,51 @@ def study(tmp_path: Path) -> tuple[str, Path]:
     return url, tmp_path / "demo.db"
 
 
-def _one_line(proc: subprocess.CompletedProcess[str], needle: str) -> None:
+def _one_line(proc, needle: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and needle in line, line
 
 
-def test_process_launcher_prints_and_writes_the_command(study: tuple[str, Path], tmp_path: Path) -> None:
+def test_process_launcher_prints_and_writes_the_command(study: tuple[str, Path], tmp_path: Path, tuner_cli) -> None:
     url, _ = study
-    proc = _tuner("apply", "best", "--storage", url, "--dry-run")
+    proc = tuner_cli("apply", "best", "--storage", url, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "+ --mem-fraction-static 0.88" in proc.stdout and "- --mem-fraction-static 0.80" in proc.stdout
-    assert json.loads(_tuner("applies", "--storage", url, "--json").stdout) == []
+    assert json.loads(tuner_cli("applies", "--storage", url, "--json").stdout) == []
     out = tmp_path / "cmd.txt"
-    proc = _tuner("apply", "1", "--storage", url, "--write", str(out))
+    proc = tuner_cli("apply", "1", "--storage", url, "--write", str(out))
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(out.read_text())
     assert argv[:3] == SIM[:3]
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.88"
     assert argv[argv.index("--max-running-requests") + 1] == "128"
-    (rec,) = json.loads(_tuner("applies", "--storage", url, "--json").stdout)
+    (rec,) = json.loads(tuner_cli("applies", "--storage", url, "--json").stdout)
     assert rec["outcome"] == "printed" and rec["trial"] == 1 and rec["new_command"] == argv
 
 
-def test_bad_input_changes_nothing(study: tuple[str, Path], tmp_path: Path) -> None:
+def test_bad_input_changes_nothing(study: tuple[str, Path], tmp_path: Path, tuner_cli) -> None:
     url, db = study
     before = db.read_bytes()
-    _one_line(_tuner("apply", "42", "--storage", url), "no trial 42")
-    _one_line(_tuner("apply", "2", "--storage", url), "trial 2 is not feasible (cuda_graph_oom)")
-    _one_line(_tuner("apply", "--storage", url), "pass either a target")
-    _one_line(_tuner("apply", "fastest", "--storage", url), "neither `best` nor a trial number")
+    _one_line(tuner_cli("apply", "42", "--storage", url), "no trial 42")
+    _one_line(tuner_cli("apply", "2", "--storage", url), "trial 2 is not feasible (cuda_graph_oom)")
+    _one_line(tuner_cli("apply", "--storage", url), "pass either a target")
+    _one_line(tuner_cli("apply", "fastest", "--storage", url), "neither `best` nor a trial number")
     missing = tmp_path / "missing.db"
-    _one_line(_tuner("apply", "best", "--storage", f"sqlite:///{missing}"), "does not exist")
+    _one_line(tuner_cli("apply", "best", "--storage", f"sqlite:///{missing}"), "does not exist")
     assert not missing.exists()
     # a systemd service whose systemctl is missing: refused before anything is written
     broken = _config(tmp_path / "systemd.toml",
                      'launcher = "systemd"\nunit = "sim.service"\nsystemctl = ["/nonexistent/systemctl"]\n'
                      f'dropin_dir = "{tmp_path / "units"}"')  # fmt: skip
-    _one_line(_tuner("apply", "best", "--storage", url, "--config", str(broken), "--yes"), "/nonexistent/systemctl")
+    _one_line(tuner_cli("apply", "best", "--storage", url, "--config", str(broken), "--yes"), "/nonexistent/systemctl")
     assert not (tmp_path / "units").exists()
     assert db.read_bytes() == before
 
 
-def test_no_feasible_trial_and_no_config(tmp_path: Path) -> None:
+def test_no_feasible_trial_and_no_config(tmp_path: Path, tuner_cli) -> None:
     bad = make_study(tmp_path / "bad.db", "bad", [ok_trial(0.8, 64, 10, 1000.0, slo_overshoot=0.4)])
-    _one_line(_tuner("apply", "best", "--storage", bad), "has no feasible trial")
+    _one_line(tuner_cli("apply", "best", "--storage", bad), "has no feasible trial")
     lost = make_study(tmp_path / "lost.db", "lost", [ok_trial(0.8, 64, 10, 1000.0)],
                       info={"config_path": str(tmp_path / "gone.toml")})  # fmt: skip
-    _one_line(_tuner("apply", "best", "--storage", lost), "gone.toml, which does not exist")
+    _one_line(tuner_cli("apply", "best", "--storage", lost), "gone.toml, which does not exist")

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from study_factory import failed_trial, make_study, ok_trial, skipped_trial
-
-TUNER = [sys.executable, "-m", "tuner.cli"]
-
-HTML_LOG_LINE = '[TP0] Scheduler hit an exception: <script>alert("pwned")</script> & <b>bold</b>'
+from tests.report.cli_runner import HTML_LOG_LINE, tuner_cli  # noqa: F401  (tuner_cli: fixture)
+from tests.report.study_factory import failed_trial, make_study, ok_trial, skipped_trial
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +38,4 @@ def infeasible_study(tmp_path_factory: pytest.TempPathFactory) -> str:
             ok_trial(0.80, 64, 10, 1000.0, kind="baseline", slo_overshoot=0.5),
             failed_trial(0.95, "startup_kv_oom", "Not enough memory. Please try to increase --mem-fraction-static."),
         ],
-    )
-
-
-def run_tuner(*args: str, cwd: Path | None = None, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run the real ``tuner`` CLI (``main()``: TunerError → one line, exit 1) as a subprocess."""
-    env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
-    return subprocess.run(
-        [*TUNER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
     )

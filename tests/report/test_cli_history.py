@@ -1,4 +1,4 @@
-"""`tuner trials / show / best / studies` through the real CLI process: output and bad input."""
+"""`tuner trials / show / best / studies` through the CLI entry point: output and bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import io
 import json
 from pathlib import Path
 
-from conftest import run_tuner
 
 
 def _one_error_line(proc, *needles: str) -> None:
@@ -19,56 +18,57 @@ def _one_error_line(proc, *needles: str) -> None:
         assert needle in lines[0], lines[0]
 
 
-def test_trials_json_and_csv(demo_study: str) -> None:
-    proc = run_tuner("trials", "--storage", demo_study, "--json", "--sort", "capacity", "--feasible")
+def test_trials_json_and_csv(demo_study: str, tuner_cli) -> None:
+    proc = tuner_cli("trials", "--storage", demo_study, "--json", "--sort", "capacity", "--feasible")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [r["number"] for r in rows] == [2, 1, 0]
     assert rows[1]["params"]["mem_fraction_static"] == 0.88
     assert rows[1]["context_capacity"] == 14 and rows[1]["output_throughput_tok_s"] == 1200.0
     assert all(r["feasible"] and r["failure_class"] is None for r in rows)
-    proc = run_tuner("trials", "--storage", demo_study, "--csv", "--failed")
+    proc = tuner_cli("trials", "--storage", demo_study, "--csv", "--failed")
     table = list(csv.DictReader(io.StringIO(proc.stdout)))
     assert [(r["number"], r["failure_class"]) for r in table] == [("3", "cuda_graph_oom"), ("4", "")]
     assert table[0]["param.mem_fraction_static"] == "0.97"
-    proc = run_tuner("trials", "--storage", demo_study)
+    proc = tuner_cli("trials", "--storage", demo_study)
     assert proc.returncode == 0 and "cuda_graph_oom" in proc.stdout and "baseline" in proc.stdout
 
 
-def test_show_and_best(demo_study: str) -> None:
-    proc = run_tuner("show", "3", "--storage", demo_study, "--json")
+def test_show_and_best(demo_study: str, tuner_cli) -> None:
+    proc = tuner_cli("show", "3", "--storage", demo_study, "--json")
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
     assert shown["record"]["failure_evidence"].startswith("Capture cuda graph failed")
-    proc = run_tuner("show", "1", "--storage", demo_study)
+    proc = tuner_cli("show", "1", "--storage", demo_study)
     assert proc.returncode == 0, proc.stderr
     for text in ("load phases", "measure", "mem_fraction_static", "log excerpt", "artifacts", "abc123"):
         assert text in proc.stdout, text
-    proc = run_tuner("best", "--storage", demo_study, "--json")
+    proc = tuner_cli("best", "--storage", demo_study, "--json")
     assert proc.returncode == 0, proc.stderr
     best = json.loads(proc.stdout)
     assert best["trial"]["number"] == 1 and best["baseline"]["number"] == 0
     assert [t["number"] for t in best["front"]] == [2, 1]
     assert best["deltas"]["context_capacity"] == {"baseline": 10.0, "best": 14.0, "delta": 4.0, "ratio": 1.4}
-    proc = run_tuner("best", "--storage", demo_study, "--policy", "max_capacity")
+    proc = tuner_cli("best", "--storage", demo_study, "--policy", "max_capacity")
     assert proc.returncode == 0 and "trial 2" in proc.stdout
 
 
-def test_studies_lists_each_study(demo_study: str) -> None:
-    proc = run_tuner("studies", "--storage", demo_study, "--json")
+def test_studies_lists_each_study(demo_study: str, tuner_cli) -> None:
+    proc = tuner_cli("studies", "--storage", demo_study, "--json")
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(proc.stdout)
     assert row["study"] == "demo" and row["n_trials"] == 6 and row["model"] == "llama-3.1-8b"
 
 
-def test_bad_input_one_line_nonzero_nothing_changed(demo_study: str, infeasible_study: str, tmp_path: Path) -> None:
+def test_bad_input_one_line_nonzero_nothing_changed(demo_study: str, infeasible_study: str, tmp_path: Path, tuner_cli, monkeypatch) -> None:
     db = Path(demo_study.removeprefix("sqlite:///"))
     before = db.read_bytes()
-    _one_error_line(run_tuner("show", "42", "--storage", demo_study), "no trial 42", "tuner trials")
-    _one_error_line(run_tuner("best", "--storage", infeasible_study), "no feasible trial")
+    _one_error_line(tuner_cli("show", "42", "--storage", demo_study), "no trial 42", "tuner trials")
+    _one_error_line(tuner_cli("best", "--storage", infeasible_study), "no feasible trial")
     missing = tmp_path / "missing.db"
-    _one_error_line(run_tuner("trials", "--storage", f"sqlite:///{missing}"), "does not exist")
+    _one_error_line(tuner_cli("trials", "--storage", f"sqlite:///{missing}"), "does not exist")
     assert not missing.exists()
-    _one_error_line(run_tuner("trials", "--storage", demo_study, "--sort", "speed"), "--sort 'speed'")
-    _one_error_line(run_tuner("trials", cwd=tmp_path), "no study given")
+    _one_error_line(tuner_cli("trials", "--storage", demo_study, "--sort", "speed"), "--sort 'speed'")
+    monkeypatch.chdir(tmp_path)
+    _one_error_line(tuner_cli("trials"), "no study given")
     assert db.read_bytes() == before

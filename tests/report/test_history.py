@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from study_factory import make_study, ok_trial
+from tests.report.study_factory import make_study, ok_trial
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
 from tuner.history import (

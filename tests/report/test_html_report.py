@@ -12,17 +12,17 @@ import plotly.offline
 import pytest
 import requests
 
-from conftest import HTML_LOG_LINE, run_tuner
-from study_factory import make_study, ok_trial
+from tests.report.cli_runner import HTML_LOG_LINE
+from tests.report.study_factory import make_study, ok_trial
 from tuner.history import StudyLocation, open_study
 from tuner.report import build_html_report, dashboard_argv
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def test_report_escapes_logs_and_inlines_plotly(demo_study: str, tmp_path: Path) -> None:
+def test_report_escapes_logs_and_inlines_plotly(demo_study: str, tmp_path: Path, tuner_cli) -> None:
     out = tmp_path / "report.html"
-    proc = run_tuner("report", "--storage", demo_study, "-o", str(out))
+    proc = tuner_cli("report", "--storage", demo_study, "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     text = out.read_text(encoding="utf-8")
     assert '<script>alert("pwned")</script>' not in text
@@ -43,9 +43,9 @@ def test_importance_is_guarded_on_a_small_study(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
-def test_report_renders_in_headless_chromium_offline(demo_study: str, tmp_path: Path) -> None:
+def test_report_renders_in_headless_chromium_offline(demo_study: str, tmp_path: Path, tuner_cli) -> None:
     out = tmp_path / "report.html"
-    assert run_tuner("report", "--storage", demo_study, "-o", str(out)).returncode == 0
+    assert tuner_cli("report", "--storage", demo_study, "-o", str(out)).returncode == 0
     argv = [
         CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
