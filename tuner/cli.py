@@ -624,13 +624,15 @@ def apply_cmd(
     if target not in (None, "best") and not target.isdigit():
         raise ConfigError(f"apply target {target!r} is neither `best` nor a trial number", hint="e.g. `tuner apply 7`")
     stored = _history_study(study, storage, config)
+    view = None
+    if not undo:
+        view = history.choose_best(stored).trial if target == "best" else stored.trial(int(target))
     cfg = applying.study_config(stored, config)
     settings = applying.service_settings(cfg, state_dir=state_dir)
     log = applying.ApplyLog(stored.location.storage_url)
-    if undo:
+    if view is None:
         plan = applying.plan_undo(stored, settings, log)
     else:
-        view = history.choose_best(stored).trial if target == "best" else stored.trial(int(target))
         load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
         plan = applying.plan_apply(stored, view, settings, load=load)
     console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
