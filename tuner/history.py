@@ -12,10 +12,10 @@ feasible when it is COMPLETE and every stored constraint is ≤ 0 (Optuna's rule
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import optuna
 import sqlalchemy
@@ -48,6 +48,8 @@ __all__ = [
     "override_policy",
     "storage_urls",
 ]
+
+_M = TypeVar("_M", bound=BaseModel)
 
 STUDIES_DIR = Path("studies")
 """Default home of study databases and artifacts, relative to the working directory."""
@@ -232,6 +234,17 @@ def list_studies(storage_url: str) -> list[optuna.study.StudySummary]:
     return optuna.get_all_study_summaries(_rdb_storage(storage_url), include_best_trial=False)
 
 
+def _parsed(raw: Any, model: type[_M]) -> _M | None:
+    """A stored JSON attribute as ``model``; ``None`` when absent or malformed (a reader lists
+    what it can rather than failing on one bad attribute)."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return model.model_validate(raw)
+    except ValidationError:
+        return None
+
+
 def _constraint_name(key: str) -> str:
     """Optuna's list-format constraints come back keyed ``"0"``, ``"1"``...: name them."""
     if key.isdigit() and int(key) < len(CONSTRAINT_NAMES):
@@ -269,13 +282,7 @@ class TrialView(BaseModel):
     @classmethod
     def from_frozen(cls, trial: optuna.trial.FrozenTrial) -> TrialView:
         """Build a view from an Optuna trial; a malformed record is dropped, not fatal."""
-        raw = trial.user_attrs.get(RECORD_ATTR)
-        record: TrialRecord | None = None
-        if isinstance(raw, dict):
-            try:
-                record = TrialRecord.model_validate(raw)
-            except ValidationError:
-                record = None
+        record = _parsed(trial.user_attrs.get(RECORD_ATTR), TrialRecord)
         constraints = {
             _constraint_name(str(k)): float(v) for k, v in trial.constraints.items()
         }
@@ -460,13 +467,7 @@ def open_study(location: StudyLocation) -> StoredStudy:
             hint="check --study, or list them with `tuner studies`",
         )
     study = optuna.load_study(study_name=name, storage=storage)
-    raw_info = study.user_attrs.get(STUDY_ATTR)
-    info: StudyInfo | None = None
-    if isinstance(raw_info, dict):
-        try:
-            info = StudyInfo.model_validate(raw_info)
-        except ValidationError:
-            info = None
+    info = _parsed(study.user_attrs.get(STUDY_ATTR), StudyInfo)
     trials = tuple(TrialView.from_frozen(t) for t in study.get_trials(deepcopy=False))
     return StoredStudy(
         location=location.model_copy(update={"study_name": name}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import shutil
 import socket
 import subprocess
@@ -26,6 +27,7 @@ def test_report_escapes_logs_and_inlines_plotly(demo_study: str, tmp_path: Path,
     assert proc.returncode == 0, proc.stderr
     text = out.read_text(encoding="utf-8")
     assert '<script>alert("pwned")</script>' not in text
+    assert html.escape(HTML_LOG_LINE) in text
     assert "&lt;script&gt;alert(&quot;pwned&quot;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;" in text
     assert plotly.offline.get_plotlyjs() in text  # plotly.js inlined, once
     own = text.replace(plotly.offline.get_plotlyjs(), "")
