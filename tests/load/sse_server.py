@@ -29,6 +29,19 @@ import sys
 import time
 
 BLOCK = 64
+# SSE lines as bytes templates (cheap to fill; the JSON matches §5.3's fields).
+GENERATE = (
+    b'data: {"text":"%s","output_ids":[7],"meta_info":{"id":"%s","prompt_tokens":%d,'
+    b'"completion_tokens":%d,"cached_tokens":%d,"finish_reason":%s%s}}\n\n'
+)
+COMPLETION = (
+    b'data: {"id":"%s","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":%s}],'
+    b'"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+)
+USAGE = (
+    b'data: {"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,'
+    b'"prompt_tokens_details":{"cached_tokens":%d}}}\n\n'
+)
 
 
 class Engine:
@@ -114,29 +127,17 @@ class Stream:
             self.first = now
             engine.stats[self.rid] = [self.recv, now]
         finished = self.done_tokens >= self.total
+        rid = self.rid.encode()
         if self.api == "generate":
-            meta = {
-                "id": self.rid, "prompt_tokens": self.prompt, "completion_tokens": self.done_tokens,
-                "cached_tokens": self.cached,
-                "finish_reason": {"type": "length", "length": self.total} if finished else None,
-            }
-            if engine.stamp:
-                meta["server_first_token_s"] = self.first
-            obj = {"text": "x" * self.done_tokens, "output_ids": [7], "meta_info": meta}
+            reason = b'{"type":"length","length":%d}' % self.total if finished else b"null"
+            stamp = b',"server_first_token_s":%.6f' % self.first if engine.stamp else b""
+            out = [GENERATE % (b"x" * self.done_tokens, rid, self.prompt, self.done_tokens, self.cached, reason, stamp)]
         else:
-            obj = {
-                "id": self.rid, "object": "text_completion",
-                "choices": [{"index": 0, "text": "x", "finish_reason": "length" if finished else None}],
-                "usage": {"prompt_tokens": self.prompt, "completion_tokens": self.done_tokens,
-                          "total_tokens": self.prompt + self.done_tokens},
-            }
-        out = [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"]
+            reason = b'"length"' if finished else b"null"
+            out = [COMPLETION % (rid, reason, self.prompt, self.done_tokens, self.prompt + self.done_tokens)]
         if finished:
             if self.api == "completions":
-                usage = {"prompt_tokens": self.prompt, "completion_tokens": self.total,
-                         "total_tokens": self.prompt + self.total,
-                         "prompt_tokens_details": {"cached_tokens": self.cached}}
-                out.append(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+                out.append(USAGE % (self.prompt, self.total, self.prompt + self.total, self.cached))
             out.append(b"data: [DONE]\n\n")
         data = b"".join(out)
         self.conn.write_chunk(data)

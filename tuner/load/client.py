@@ -193,7 +193,7 @@ class StreamClient:
         self._headers = {"Content-Type": "application/json", **(headers or {})}
         self._max_connections = max_connections
         self._timeout = aiohttp.ClientTimeout(
-            total=request_timeout_s, sock_connect=connect_timeout_s, sock_read=request_timeout_s
+            total=request_timeout_s, sock_connect=connect_timeout_s
         )
         self.request_timeout_s = request_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -265,12 +265,13 @@ class StreamClient:
                     loads = orjson.loads
                     async for data in resp.content.iter_any():
                         now = clock() - t0
-                        buf += data
-                        if b"\n" not in data:
-                            continue
-                        *lines, buf = buf.split(b"\n")
-                        for line in lines:
-                            if not line.startswith(b"data:"):
+                        if buf:
+                            data, buf = buf + data, b""
+                        if not data.endswith(b"\n"):  # keep a partial line for the next read
+                            cut = data.rfind(b"\n") + 1
+                            data, buf = data[:cut], data[cut:]
+                        for line in data.split(b"\n"):
+                            if line[:5] != b"data:":
                                 continue
                             payload = line[5:].strip()
                             if payload == b"[DONE]":

@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import csv
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -33,7 +33,9 @@ from tuner.load.metrics import SLO, LoadSummary, RequestRecord, summarize
 from tuner.load.workloads import Request, Workload
 from tuner.records import PhaseResult
 
-__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync"]
+__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync", "run_sync"]
+
+T = TypeVar("T")
 
 _POLL_S = 0.05
 """How often the run's supervisor wakes up to check phases, stops and server death."""
@@ -535,6 +537,7 @@ async def run_load(
             "url": client.base_url, "api": api, "concurrency": concurrency, "rate": rate, "burstiness": burstiness,
             "warmup_s": warmup_s, "duration_s": duration_s, "max_requests": max_requests, "cooldown_s": cooldown_s,
             "mode": "open" if rate else ("trace" if workload.has_arrivals else "closed"),
+            "t0_monotonic_s": run.t0,
             "slo": slo.model_dump() if slo is not None else None,
         },
         stopped_early=stopped_early,
@@ -543,6 +546,15 @@ async def run_load(
     )
 
 
+def run_sync(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` in a new event loop: uvloop's when installed (cheaper per streamed chunk), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def run_load_sync(url: str, workload: Workload, **kwargs: Any) -> LoadResult:
     """:func:`run_load` for callers without an event loop (same arguments, same errors)."""
-    return asyncio.run(run_load(url, workload, **kwargs))
+    return run_sync(run_load(url, workload, **kwargs))

@@ -18,7 +18,6 @@ latencies. The whole search is bounded by ``time_budget_s``.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.errors import LoadError
 from tuner.load.client import Api
 from tuner.load.metrics import SLO
-from tuner.load.runner import LiveStats, LoadResult, run_load
+from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
 from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
 
 __all__ = ["Verdict", "SearchStep", "MaxLoadResult", "wilson_interval", "find_max_under_slo", "find_max_under_slo_async"]
@@ -341,4 +340,4 @@ async def find_max_under_slo_async(
 def find_max_under_slo(url: str, workload: Workload | RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec,
                        slo: SLO, **kwargs: object) -> MaxLoadResult:
     """:func:`find_max_under_slo_async` for callers without an event loop (same arguments)."""
-    return asyncio.run(find_max_under_slo_async(url, workload, slo, **kwargs))  # type: ignore[arg-type]
+    return run_sync(find_max_under_slo_async(url, workload, slo, **kwargs))  # type: ignore[arg-type]

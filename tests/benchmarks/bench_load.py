@@ -1,0 +1,118 @@
+"""Benchmark: the load generator is not the bottleneck (figures for README § Load generator).
+
+From one core (``os.sched_setaffinity``) the generator drives 1,000 concurrent streams against
+``tests/load/sse_server.py`` (its own processes, on other cores; a 1 ms timing wheel sends each
+stream one token every 20 ms: 50,000 tokens/s) and must:
+
+* keep ≥ 1,000 streams in flight and receive ≥ 50,000 streamed tokens/s;
+* add < 1 ms to median TTFT: per request, the client's TTFT minus the server's own
+  (first-token send − request receive, both on the system-wide monotonic clock, written by the
+  server to ``--stats-dir``).
+
+Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_load.py --run-benchmarks -s``.
+Environment: ``BENCH_LOAD_STREAMS`` (1000), ``BENCH_LOAD_ITL_MS`` (20), ``BENCH_LOAD_DURATION_S`` (10),
+``BENCH_LOAD_SERVER_WORKERS`` (one per spare core, at most 4).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tuner.load import RandomSpec, build_workload, run_load_sync
+
+SERVER = Path(__file__).parents[1] / "load" / "sse_server.py"
+STREAMS = int(os.environ.get("BENCH_LOAD_STREAMS", "1000"))
+ITL_MS = float(os.environ.get("BENCH_LOAD_ITL_MS", "20"))
+DURATION_S = float(os.environ.get("BENCH_LOAD_DURATION_S", "10"))
+
+
+def _max_in_flight(records: list) -> int:
+    events = sorted([(r.send_time_s, 1) for r in records] + [(r.end_time_s, -1) for r in records])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.benchmark
+def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs: one for the generator, the rest for the SSE server")
+    client_cpu, server_cpus = cpus[0], cpus[1:]
+    workers = int(os.environ.get("BENCH_LOAD_SERVER_WORKERS", str(min(4, len(server_cpus)))))
+    stats_dir = tmp_path / "stats"
+    stats_dir.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", "0", "--ttft-ms", "5", "--itl-ms", str(ITL_MS), "--no-cache",
+         "--workers", str(workers), "--cpus", ",".join(map(str, server_cpus)), "--stats-dir", str(stats_dir)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    original = os.sched_getaffinity(0)
+    try:
+        assert server.stdout is not None
+        url = f"http://127.0.0.1:{int(server.stdout.readline().split()[1])}"
+        os.sched_setaffinity(0, {client_cpu})
+        output_len = 200
+        wl = build_workload(RandomSpec(input_len=64, output_len=output_len), seed=0)
+        usage0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        result = run_load_sync(url, wl, concurrency=STREAMS, warmup_s=3.0, duration_s=DURATION_S,
+                               request_timeout_s=120)
+        usage1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(1.5)  # the server workers dump their timestamps every 0.5 s
+    finally:
+        os.sched_setaffinity(0, original)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+    stamps: dict[str, list[float]] = {}
+    for path in glob.glob(str(stats_dir / "*.json")):
+        stamps.update(json.loads(Path(path).read_text()))
+    s = result.summary
+    measured = result.measured()
+    # Tokens/s streamed while the measured window was fully loaded (all phases' streams count).
+    window = result.phases[1]
+    tokens_in_window = sum(
+        n for r in result.records for t, n in zip(r.chunk_times_s, r.chunk_tokens) if window.start_s <= t < window.end_s
+    )
+    streamed_tok_s = tokens_in_window / (window.end_s - window.start_s)
+    added_ms = np.array([
+        (r.ttft_s - (stamps[r.server_rid][1] - stamps[r.server_rid][0])) * 1000
+        for r in measured if r.ttft_s is not None and r.server_rid in stamps
+    ])
+    server_ttft_ms = np.array([(v[1] - v[0]) * 1000 for v in stamps.values()])
+    cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
+    figures = {
+        "streams": STREAMS,
+        "achieved_concurrency": round(s.concurrency, 1),
+        "max_in_flight": _max_in_flight(result.records),
+        "streamed_tok_s": round(streamed_tok_s),
+        "summary_output_throughput_tok_s": round(s.output_throughput),
+        "completed": s.completed,
+        "errored": s.errored,
+        "median_ttft_ms_client": round(s.median_ttft_ms or 0, 3),
+        "median_ttft_ms_server": round(float(np.median(server_ttft_ms)), 3),
+        "median_added_ttft_ms": round(float(np.median(added_ms)), 3),
+        "p99_added_ttft_ms": round(float(np.percentile(added_ms, 99)), 3),
+        "matched_requests": int(added_ms.size),
+        "client_cpu_share": round(cpu_s / (wall1 - wall0), 3),
+        "median_itl_ms": round(s.median_itl_ms or 0, 3),
+    }
+    print("\nBENCH_LOAD " + json.dumps(figures))
+    assert s.errored == 0
+    assert figures["max_in_flight"] >= STREAMS and s.concurrency >= 0.95 * STREAMS
+    assert streamed_tok_s >= 0.95 * STREAMS * 1000 / ITL_MS
+    assert streamed_tok_s >= 50_000 or STREAMS * 1000 / ITL_MS < 50_000
+    assert added_ms.size >= 0.9 * len(measured)
+    assert figures["median_added_ttft_ms"] < 1.0
