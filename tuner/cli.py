@@ -264,13 +264,13 @@ def load_cmd(
     `tuner load --url URL --workload shared-prefix --rate 8 --duration 120 --json out.json`;
     `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=2000" --duration 30`.
     """
-    import asyncio
     import json as _json
 
     from rich.live import Live
 
     from tuner.errors import ConfigError
     from tuner.load import SLO, build_workload, find_max_under_slo_async, run_load
+    from tuner.load.runner import run_sync
     from tuner.load.workloads import spec_from_options
 
     if api not in ("generate", "completions"):
@@ -304,14 +304,14 @@ def load_cmd(
                     f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms"
                 )
 
-            found = asyncio.run(find_max_under_slo_async(
+            found = run_sync(find_max_under_slo_async(
                 url, wl, limits, knob=knob, start=start, max_value=max_value,  # type: ignore[arg-type]
                 step_duration_s=duration or 30.0, warmup_s=warmup, time_budget_s=time_budget,
                 target_attainment=target_attainment, api=api, seed=seed,  # type: ignore[arg-type]
                 request_timeout_s=request_timeout, on_step=step_done, on_tick=tick,
             ))
         else:
-            result = asyncio.run(run_load(
+            result = run_sync(run_load(
                 url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness, warmup_s=warmup or 0.0,
                 duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
                 slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
