@@ -173,6 +173,8 @@ class PrefixCache:
         node = self.root
         if self.disabled:
             return MatchResult(0, 0, node, node)
+        if not isinstance(tokens, tuple):
+            tokens = tuple(tokens)
         page = self.page_size
         pos = 0
         n = len(tokens)
@@ -249,6 +251,8 @@ class PrefixCache:
         node = self.root
         if self.disabled:
             return 0, node
+        if not isinstance(tokens, tuple):
+            tokens = tuple(tokens)
         page = self.page_size
         n = len(tokens) - len(tokens) % page
         pos = 0
@@ -268,7 +272,7 @@ class PrefixCache:
                 return new_tokens, leaf
             klen = len(child.key)
             common = _common_prefix_len(child.key, tokens[pos : min(n, pos + klen)])
-            common -= common % page
+            common -= common % page  # >= one page: the child was found by its first page
             if common < klen:
                 child = self._split(child, common)
             child.last_access = tick

@@ -1,0 +1,105 @@
+"""The simulator's cost model: calibration against aiconfigurator, and the shape of step times."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from importlib import resources
+
+import pytest
+
+from tuner.sim import costmodel
+from tuner.sim.costmodel import CostFactors, CostInputs, StepShape, activation_bytes, decode_step_s, step_time_s
+from tuner.sim.gpus import get_gpu
+from tuner.sim.models import load_model, weight_bytes_per_gpu
+
+
+def inputs(model: str = "llama-3.1-8b", gpu: str = "H100-80GB", tp: int = 1, **kw) -> CostInputs:
+    m = load_model(model)
+    if m.is_mla:
+        cell = (m.kv_lora_rank + m.qk_rope_head_dim) * m.num_layers * 2
+    else:
+        cell = 2 * max(1, m.num_kv_heads // tp) * m.head_dim * m.num_layers * 2
+    return CostInputs.from_specs(m, get_gpu(gpu), tp_size=tp, kv_cell_bytes=cell,
+                                 weight_bytes_per_gpu=weight_bytes_per_gpu(m, tp), **kw)
+
+
+def calibration() -> dict:
+    return json.loads((resources.files("tuner.sim") / "data" / "calibration.json").read_text())
+
+
+def test_code_constants_are_the_calibrated_factors():
+    assert calibration()["fitted_factors"] == asdict(CostFactors())
+
+
+def test_reproduces_aiconfigurator_sglang_estimates():
+    points = calibration()["points"]
+    assert len(points) >= 90
+    errors = []
+    for p in points:
+        c = inputs(p["model"], p["gpu"], p["tp"])
+        if p["kind"] == "decode_tpot_ms":
+            ms = 1e3 * decode_step_s(c, p["batch_size"], p["batch_size"] * (p["isl"] + p["osl"] // 2), eager=False)
+        else:
+            isl = p["isl"]
+            ms = 1e3 * step_time_s(c, StepShape(isl, 1, isl * (isl + 1) / 2, isl, eager=False))
+        assert ms == pytest.approx(p["costmodel_ms"], rel=1e-3)
+        errors.append(math.log(ms / p["aiconfigurator_ms"]))
+    assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.08
+    assert max(abs(e) for e in errors) < math.log(1.25)
+
+
+def test_decode_time_grows_with_batch_and_context():
+    c = inputs()
+    by_batch = [decode_step_s(c, b, b * 2000, eager=False) for b in (1, 8, 64, 256)]
+    assert by_batch == sorted(by_batch) and by_batch[-1] > 2 * by_batch[0]
+    by_kv = [decode_step_s(c, 64, 64 * ctx, eager=False) for ctx in (512, 4096, 32768)]
+    assert by_kv == sorted(by_kv) and by_kv[-1] > 2 * by_kv[0]
+
+
+def test_eager_decode_is_slower_than_graph_decode():
+    small = inputs()
+    for bs in (16, 64):
+        assert decode_step_s(small, bs, bs * 1000, eager=True) > 1.5 * decode_step_s(small, bs, bs * 1000, eager=False)
+
+
+def test_tensor_parallel_splits_work_but_pays_all_reduce():
+    tp1, tp8 = inputs("llama-3.1-70b", "H100-80GB", 1), inputs("llama-3.1-70b", "H100-80GB", 8)
+    shape = StepShape(8192, 1, 8192 * 8193 / 2, 8192, eager=False)
+    assert step_time_s(tp8, shape) < step_time_s(tp1, shape) / 4
+    assert costmodel._comm_s(tp8, 8192) > 0 and costmodel._comm_s(tp1, 8192) == 0
+    pcie = inputs("llama-3.1-70b", "L40S-48GB", 8)
+    assert pcie.interconnect_gb_s == get_gpu("L40S-48GB").pcie_gb_s < tp8.interconnect_gb_s
+
+
+def test_moe_decode_reads_more_experts_as_the_batch_grows():
+    c = inputs("deepseek-v3", "H200-141GB", 8)
+    t1, t64 = decode_step_s(c, 1, 1000, eager=False), decode_step_s(c, 64, 64 * 1000, eager=False)
+    dense_share = costmodel._moe_split(c)[0] / c.weight_bytes_per_gpu
+    assert 0 < dense_share < 0.2
+    assert t64 > 1.5 * t1
+
+
+def test_activation_memory_is_monotone_and_larger_for_moe():
+    dense = inputs()
+    sizes = [activation_bytes(dense, n) for n in (1024, 4096, 8192, 16384)]
+    assert sizes == sorted(sizes) and sizes[-1] > 3.9 * sizes[1]
+    # Llama-3.1-8B: 2 B × (4×4096 + 48×128 + 3×14336) = 128 KiB per token, 1 GiB for an 8k chunk
+    assert activation_bytes(dense, 8192) / 2**30 == pytest.approx(1.0, abs=0.01)
+    kimi = inputs("kimi-k2.5-int4", "RTX-PRO-6000-96GB", 8)
+    assert activation_bytes(kimi, 8192) > activation_bytes(inputs("llama-3.1-70b", "RTX-PRO-6000-96GB", 8), 8192)
+
+
+def test_speculative_decoding_costs_more_per_step_and_yields_more_tokens():
+    plain = inputs()
+    spec = inputs(spec_num_steps=3, spec_num_draft_tokens=4)
+    assert spec.speculative and spec.spec_accept_length == pytest.approx(3.1)
+    assert decode_step_s(spec, 8, 8000, eager=False) > decode_step_s(plain, 8, 8000, eager=False)
+    assert decode_step_s(spec, 8, 8000, eager=False) < spec.spec_accept_length * decode_step_s(plain, 8, 8000, eager=False)
+
+
+def test_load_back_time_is_kv_bytes_over_pcie():
+    c = inputs()
+    assert costmodel.load_back_s(c, 10_000) == pytest.approx(10_000 * c.kv_cell_bytes / (64e9))
+    assert step_time_s(c, StepShape(0, 0, 0, 0, eager=True)) == 0.0
