@@ -1,0 +1,104 @@
+"""Offline evaluation: the simulated server's startup sizing plus a whole workload on virtual time."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from tuner.sim.engine import SimRequest
+from tuner.sim.errors import SimError
+from tuner.sim.evaluate import evaluate, size_server
+
+LLAMA_H100 = ["--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB"]
+REFERENCE = [  # §1.8: Kimi-K2.5-style MLA on 8× RTX PRO 6000, EAGLE-3, mimicking 0.5.5
+    "--model-path", "kimi-k2.5-int4", "--sim-gpu", "RTX-PRO-6000-96GB", "--tp-size", "8",
+    "--speculative-algorithm", "EAGLE3",
+]
+
+
+def ids(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 120_000) for _ in range(n)]
+
+
+def test_shared_prefixes_hit_the_cache_as_designed_and_random_prompts_do_not():
+    rng = random.Random(1)
+    prompts = []
+    for _ in range(8):  # generated-shared-prefix style: 8 groups × 8 questions on a 1,024-token system prompt
+        system = ids(1024, rng)
+        prompts += [system + ids(64, rng) for _ in range(8)]
+    rng.shuffle(prompts)
+    shared = evaluate(LLAMA_H100, [SimRequest(f"g{i}", p, 32, arrival_s=0.05 * i) for i, p in enumerate(prompts)])
+    assert shared.started and shared.completed == 64
+    assert shared.cache_hit_rate == pytest.approx(8 * 7 * 1024 / (64 * 1088), abs=0.03)
+    rand = evaluate(LLAMA_H100, [SimRequest(f"r{i}", ids(1088, rng), 32, arrival_s=0.05 * i) for i in range(64)])
+    assert rand.cache_hit_rate < 0.01
+    assert shared.mean_ttft_ms < rand.mean_ttft_ms
+
+
+def test_startup_failure_is_reported_with_its_log_lines():
+    r = evaluate(LLAMA_H100 + ["--mem-fraction-static", "0.15"], [SimRequest("a", [1, 2, 3], 4)])
+    assert not r.started and r.startup_failure == "not_enough_memory"
+    assert r.completed == 0 and r.output_throughput == 0.0
+    assert any("Not enough memory. Please try to increase --mem-fraction-static" in line for line in r.log_lines)
+
+
+def test_bad_arguments_raise_like_the_server(tmp_path):
+    for bad in (["--no-such-flag"], ["--sim-gpu", "TPU-v9"]):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluate(LLAMA_H100 + bad, [])
+        assert exit_info.value.code == 2
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(SimError, match="config.json"):
+        evaluate(["--model-path", str(tmp_path)], [])
+    with pytest.raises(ValueError, match="concurrency"):
+        evaluate(LLAMA_H100, [], concurrency=0)
+
+
+def test_size_server_matches_the_evaluated_server():
+    sized = size_server(LLAMA_H100 + ["--mem-fraction-static", "0.85"])
+    assert sized.failure is None and sized.engine_spec is not None
+    assert sized.engine_spec.max_total_num_tokens == sized.max_total_num_tokens > 0
+    assert any(line.endswith(f"available_gpu_mem={sized.free_gib_after_graphs:.2f} GB") for line in sized.log_lines)
+
+
+def test_runtime_oom_at_high_fraction_with_a_large_chunk():
+    """§1.8's trade-off: 0.93 leaves ~2.7 GiB; a 16k chunk's activations do not fit it, an 8k one does."""
+    rng = random.Random(2)
+    long_prompts = [SimRequest(f"l{i}", ids(20_000, rng), 8) for i in range(2)]
+    ok = evaluate(REFERENCE + ["--mem-fraction-static", "0.93", "--chunked-prefill-size", "8192"], long_prompts)
+    assert ok.started and not ok.runtime_oom and ok.completed == 2
+    assert ok.max_total_num_tokens == pytest.approx(231_000, rel=0.01)
+    oom = evaluate(REFERENCE + ["--mem-fraction-static", "0.93", "--chunked-prefill-size", "16384"], long_prompts)
+    assert oom.started and oom.runtime_oom and oom.completed == 0
+    assert any("torch.OutOfMemoryError: CUDA out of memory." in line for line in oom.log_lines)
+    safe = evaluate(REFERENCE + ["--mem-fraction-static", "0.88", "--chunked-prefill-size", "16384"], long_prompts)
+    assert not safe.runtime_oom and safe.completed == 2
+
+
+def test_closed_loop_keeps_concurrency_and_open_loop_honours_the_window():
+    rng = random.Random(3)
+    reqs = [SimRequest(f"r{i}", ids(300, rng), 50) for i in range(40)]
+    closed = evaluate(LLAMA_H100, reqs, concurrency=4)
+    running = [int(m.group(1)) for line in closed.log_lines if (m := re.search(r"Decode batch, #running-req: (\d+)", line))]
+    assert closed.completed == 40 and running and max(running) <= 4
+    assert closed.total_output_tokens == 40 * 50
+    assert closed.p99_itl_ms is not None and closed.p99_tpot_ms is not None and closed.p50_ttft_ms <= closed.p99_ttft_ms
+    spaced = [SimRequest(f"s{i}", ids(300, rng), 200, arrival_s=0.1 * i) for i in range(100)]
+    window = evaluate(LLAMA_H100, spaced, duration_s=3.0)
+    assert window.duration_s == pytest.approx(3.0, abs=0.05)
+    assert 0 < window.completed < 30
+    assert window.output_throughput == pytest.approx(window.total_output_tokens / window.duration_s)
+
+
+def test_decode_beyond_the_captured_graphs_is_slower():
+    """case-21: a small cuda_graph_max_bs makes a 64-request decode batch run eagerly."""
+    rng = random.Random(4)
+    reqs = [SimRequest(f"r{i}", ids(500, rng), 200) for i in range(128)]
+    small = evaluate(LLAMA_H100 + ["--cuda-graph-max-bs", "8"], reqs, concurrency=64)
+    large = evaluate(LLAMA_H100 + ["--cuda-graph-max-bs", "128"], reqs, concurrency=64)
+    assert small.p99_tpot_ms > 1.3 * large.p99_tpot_ms
+    assert small.output_throughput < large.output_throughput
+    assert any("cuda graph: False" in line for line in small.log_lines)
+    assert not any("cuda graph: False" in line for line in large.log_lines if line.startswith("Decode"))
