@@ -210,3 +210,14 @@ def test_watcher_timeout_failure_names_the_phase() -> None:
     w.feed("[2026-01-01 00:00:00] Capture cuda graph begin. This can take up to several minutes. avail mem=9.00 GB")
     f = w.timeout_failure(600)
     assert f.failure_class is FailureClass.STARTUP_TIMEOUT and "phase capture" in f.evidence and "Capture cuda graph begin" in f.evidence
+
+
+def test_post_capture_sizing_swa_pool_and_numeric_journal_prefixes() -> None:
+    r = parse_log([
+        "1732874400.123456 gpu-host python3[7]: [2026-11-01 12:00:31] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 600000, KV size: 40.00 GB",
+        "[ 1234.567890] gpu-host python3[7]: [2026-11-01 12:00:40] Post-capture KV sizing: KV cache allocated. dtype: torch.bfloat16, #tokens: 650000, KV size: 43.34 GB, avail mem=2.00 GB",
+    ])
+    one = r.ranks[""]
+    assert (one.kv_tokens, one.kv_size_gib, r.version_format) == (650000, 43.34, "0.5.23")
+    swa = parse_log(["[2026-01-01 00:00:00 TP0] SWAKVPool mem usage: 30.50 GB, swa size: 400000, full size: 2650000"]).ranks["TP0"]
+    assert (swa.swa_pool_gib, swa.swa_tokens, swa.kv_tokens) == (30.5, 400000, 2650000)

@@ -114,3 +114,14 @@ def test_must_fail() -> None:
     assert must_fail({**base, "mem_fraction_static": 0.78, "max_running_requests": 64}, failures) == (True, 1)
     assert must_fail({**base, "mem_fraction_static": 0.94, "tp_size": 4}, failures) == (False, None)  # another knob differs
     assert must_fail({**base, "mem_fraction_static": 0.5}, [({**base, "mem_fraction_static": 0.9}, FailureClass.WEIGHT_LOAD_OOM)]) == (True, 0)
+
+
+def test_effective_max_running_requests() -> None:
+    from tuner.sglang.memory import effective_max_running_requests as eff
+
+    assert eff(159277, 163840) == 2048  # §2.3's reference example
+    assert eff(159277, 163840, requested=3000, version="0.5.5") == 3000
+    assert eff(159277, 163840, requested=3000, version="0.5.10") == 2048  # capped by the estimate
+    assert eff(1000, 4096, requested=3000, version="0.5.23") == 500  # tokens // 2
+    assert eff(2980168, 32768) == 4096  # case-21
+    assert eff(500000, 131072, speculative_algorithm="EAGLE") == 48

@@ -25,7 +25,7 @@ from tuner.errors import LogError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.logs import LogReport, parse_log_bytes
-from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, max_req_input_len, req_to_token_gib
+from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, effective_max_running_requests, max_req_input_len, req_to_token_gib
 from tuner.sglang.modelconfig import ModelArch
 
 __all__ = [
@@ -294,8 +294,15 @@ def explain(
         settings["chunked_prefill_size"] = Setting(value=sched.chunked_prefill_size, source="log:scheduler")
     if prim and prim.cuda_graph_max_bs is not None:
         settings["cuda_graph_max_bs"] = Setting(value=prim.cuda_graph_max_bs, source="log:capture bs list")
-    mrr = _val(settings, "effective_max_running_requests")
     ctx = _val(settings, "context_len")
+    if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx:
+        version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
+        settings["effective_max_running_requests"] = Setting(
+            value=effective_max_running_requests(int(tokens), int(ctx), requested=_val(settings, "max_running_requests"), version=version,
+                                                 speculative_algorithm=_val(settings, "speculative_algorithm")),
+            source="derived (§2.3)",
+        )
+    mrr = _val(settings, "effective_max_running_requests")
     tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
     page = _val(settings, "page_size") or 1
 

@@ -452,6 +452,7 @@ def replace_flags(argv: Sequence[str], params: Mapping[str, Any], table: FlagTab
     Raises:
         FlagError: A tuned field this version lacks, or a value outside its choices.
     """
+    params = {k: v for k, v in params.items() if v is not None or table.has(k)}  # None + unknown: nothing to do
     tuned: dict[str, str] = {}
     for field in params:
         opt = table.option(field)

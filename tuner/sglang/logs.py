@@ -75,6 +75,8 @@ class RankMemory(BaseModel):
         graph_end_avail_gib: ``avail mem=`` of the last capture end line.
         graph_capture_s: summed capture time in seconds.
         graph_bs: the captured decode batch sizes, when the log lists them (0.5.23).
+        swa_tokens, swa_pool_gib: ``SWAKVPool mem usage: X GB, swa size: A, full size: B`` of
+            hybrid SWA models (``kv_tokens`` is then the full pool B unless a KV line says more).
         draft: the draft model's own lines with speculative decoding (§4.1), else ``None``.
     """
 
@@ -98,6 +100,8 @@ class RankMemory(BaseModel):
     graph_end_avail_gib: float | None = None
     graph_capture_s: float | None = None
     graph_bs: list[int] | None = None
+    swa_tokens: int | None = None
+    swa_pool_gib: float | None = None
     draft: RankMemory | None = None
 
     @property
@@ -303,6 +307,8 @@ _JOURNAL_SHORT = re.compile(
 _JOURNAL_ISO = re.compile(
     r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: "
 )
+_JOURNAL_NUMERIC = re.compile(r"^\[?\s*\d+\.\d+\]? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: ")
+"""``journalctl -o short-unix`` / ``short-monotonic`` prefixes."""
 _HEAD = re.compile(r"^\[?(?P<head>[^\[\]]{0,120})\]\s?")
 _TIME = re.compile(r"\d\d:\d\d:\d\d")
 _RANK_TOKEN = re.compile(r"\b(?:DP|PP|TP|EP|CP)\d+\b")
@@ -322,7 +328,7 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
     """
     line = _ANSI.sub("", raw).rstrip("\r\n").replace("\x00", "")
     ident = None
-    for pat in (_JOURNAL_SHORT, _JOURNAL_ISO):
+    for pat in (_JOURNAL_SHORT, _JOURNAL_ISO, _JOURNAL_NUMERIC):
         m = pat.match(line)
         if m:
             ident = m.group("ident")
@@ -357,6 +363,8 @@ _P = {
         r"(?:, K size: (?P<k>" + _NUM[1:-1] + r") GB, V size: (?P<v>" + _NUM[1:-1] + r") GB"
         r"|, KV size: (?P<kv>" + _NUM[1:-1] + r") GB)?"
     ),
+    "post_capture": re.compile(r"Post-capture KV sizing: KV cache allocated\.\s*(?:dtype: (?P<dtype>[\w.]+), )?#tokens: (?P<tokens>\d+), KV size: " + _NUM + " GB"),
+    "swa_pool": re.compile(r"SWAKVPool mem usage: " + _NUM + r" GB, swa size: (\d+), full size: (\d+)"),
     "pool_end": re.compile(r"Memory pool end\..*?avail mem=" + _NUM + " GB"),
     "cap_begin": re.compile(r"Capture (?P<name>.*?) begin\.(?P<body>.*)"),
     "cap_end": re.compile(r"Capture (?P<name>.*?) end\.(?P<body>.*)"),
@@ -397,7 +405,7 @@ _BATCH_FIELDS = {
 
 # Version markers (§4.2): the newest one seen names the format.
 _VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
-    ("0.5.23", re.compile(r"Memory baseline taken|Init parallel ends|Capture (?:target|draft) \w+ CUDA graph|hierarchical KV host pool:")),
+    ("0.5.23", re.compile(r"Memory baseline taken|Init parallel ends|Capture (?:target|draft) \w+ CUDA graph|hierarchical KV host pool:|Post-capture KV sizing")),
     ("0.5.16", re.compile(r"KV Cache is allocated\. dtype:|Capture \S+ \S+ end\. elapsed=")),
     ("0.5.10", re.compile(r"Init torch distributed ends\. elapsed=|Load weight end\. elapsed=|Capture piecewise CUDA graph|#new_tokens_gained")),
     ("0.5.5", re.compile(r"Init torch distributed ends\. mem usage|Load weight end\. type=.*dtype=|Capture cuda graph end\. Time elapsed")),
@@ -426,7 +434,7 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
 ]
 
 
-_STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline|host pool|new_tokens_gained")
+_STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline|host pool|new_tokens_gained|Post-capture")
 """Lines that can carry a version marker (a cheap gate before the marker patterns)."""
 _FAILURE_WORDS = re.compile(
     r"[Mm]emory|[Ff]ailed|error|OOM|unbalanced|alloc_req_slots|exception|sigquit|SIGQUIT|dead|Initialization|Watchdog"
@@ -637,6 +645,18 @@ class LogWatcher:
             return True
         if m := _P["kv_dtype"].search(msg):
             self._fields["kv_cache_dtype"] = m.group(1)
+            return True
+        if m := _P["post_capture"].search(msg):  # 0.5.23, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (§1.7)
+            d = self._rank(rank)
+            d.update(kv_tokens=int(m.group("tokens")), kv_size_gib=float(m.group(3)), k_size_gib=None, v_size_gib=None)
+            if m.group("dtype"):
+                d["kv_dtype"] = m.group("dtype")
+            return True
+        if m := _P["swa_pool"].search(msg):  # hybrid SWA models (§4.2 item 5)
+            d = self._rank(rank)
+            d.update(swa_pool_gib=float(m.group(1)), swa_tokens=int(m.group(2)))
+            if d.get("kv_tokens") is None:
+                d["kv_tokens"] = int(m.group(3))
             return True
         if m := _P["kv_alloc"].search(msg):
             self._phase = "kv_pool"

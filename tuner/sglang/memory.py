@@ -36,6 +36,7 @@ __all__ = [
     "cell_size_bytes",
     "req_to_token_gib",
     "max_req_input_len",
+    "effective_max_running_requests",
     "sglang_reserve_gib",
     "tokens_from_pool_drop",
     "KVCapacityModel",
@@ -142,6 +143,40 @@ def req_to_token_gib(max_running_requests: int, context_len: int, *, num_draft_t
 def max_req_input_len(max_total_num_tokens: int, context_len: int) -> int:
     """Longest accepted input: ``min(context_len − 1, max_total_num_tokens − 1) − 5`` (§1.4, case-26)."""
     return min(context_len - 1, max_total_num_tokens - 1) - 5
+
+
+def effective_max_running_requests(
+    max_total_num_tokens: int, context_len: int, *, requested: int | None = None, version: str = "0.5.5",
+    speculative_algorithm: str | None = None, dp_size: int = 1,
+) -> int:
+    """SGLang's effective ``max_running_requests`` (§2.3, §1.5).
+
+    The req_to_token pool holds ``requested``, else ``clamp(int(tokens / context_len × 512), 2048,
+    4096)`` requests. 0.5.5: ``min(requested // dp or tokens // 2, pool)``; 0.5.10: a requested
+    value is also capped by that estimate; 0.5.16+: ``min(requested // dp, tokens // 2)``.
+    Speculative decoding with no request sets 48 first (§1.5).
+
+    Args:
+        max_total_num_tokens: The KV pool.
+        context_len: The server's context length.
+        requested: ``--max-running-requests`` (``None`` = unset).
+        version: SGLang version.
+        speculative_algorithm: ``--speculative-algorithm``, if any.
+        dp_size: DP-attention size.
+
+    Returns:
+        The effective value.
+    """
+    if requested is None and (speculative_algorithm or "").upper() in _SPECULATIVE:
+        requested = 48
+    estimate = min(4096, max(2048, int(max_total_num_tokens / context_len * 512)))
+    if at_least(version, "0.5.16"):
+        return min(requested // dp_size, max_total_num_tokens // 2) if requested else min(estimate, max_total_num_tokens // 2)
+    pool = requested if requested is not None else estimate
+    value = requested // dp_size if requested is not None else max_total_num_tokens // 2
+    if requested is not None and at_least(version, "0.5.10"):
+        pool = min(pool, estimate)
+    return min(value, pool)
 
 
 def sglang_reserve_gib(*, chunked_prefill_size: int | None, cuda_graph_max_bs: int | None, tp_size: int = 1, pp_size: int = 1) -> float:
