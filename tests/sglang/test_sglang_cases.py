@@ -110,7 +110,7 @@ def test_case_numbers_are_extracted(case_id: str) -> None:
     report = parse_log(case["log_excerpt"])
     getters = EXTRACTED[case_id]
     skipped = NOT_IN_SGLANG_LINES[case_id]
-    numeric = {k: v for k, v in case["observed"].items() if isinstance(v, (int, float)) and not isinstance(v, bool) or isinstance(v, dict)}
+    numeric = {k: v for k, v in case["observed"].items() if (isinstance(v, (int, float)) and not isinstance(v, bool)) or isinstance(v, dict)}
     assert set(numeric) <= set(getters) | set(skipped), f"unaccounted observed numbers: {set(numeric) - set(getters) - set(skipped)}"
     for key, getter in getters.items():
         assert getter(report) == pytest.approx(case["observed"][key]), key

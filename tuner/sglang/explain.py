@@ -421,8 +421,9 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
         add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft, 2) + 0.0, source="derived"))
     free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
     free_src = "log:scheduler available_gpu_mem"
-    if free is None and prim and (prim.draft and prim.draft.graph_end_avail_gib or prim.graph_end_avail_gib) is not None:
-        free = prim.draft.graph_end_avail_gib if prim.draft and prim.draft.graph_end_avail_gib is not None else prim.graph_end_avail_gib
+    if free is None and prim is not None:
+        draft_end = prim.draft.graph_end_avail_gib if prim.draft else None
+        free = draft_end if draft_end is not None else prim.graph_end_avail_gib  # the last capture of the start
         free_src = "log:Capture ... end avail mem"
     if free is None and info and info.startup_available_gib is not None:
         free, free_src = info.startup_available_gib, "server_info:startup_available"

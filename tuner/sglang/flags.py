@@ -102,11 +102,7 @@ class FlagOption(BaseModel):
     @property
     def takes_value(self) -> bool:
         """False for store_true-like actions (no value token)."""
-        if self.action in _ZERO_ARG_ACTIONS or self.nargs == 0:
-            return False
-        if self.action.startswith("Deprecated") and self.nargs == 0:
-            return False
-        return True
+        return not (self.action in _ZERO_ARG_ACTIONS or self.nargs == 0)
 
     @property
     def is_deprecated(self) -> bool:

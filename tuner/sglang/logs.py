@@ -608,7 +608,7 @@ class LogWatcher:
         self.__init__()  # type: ignore[misc]
         self._warnings = list(dict.fromkeys(warnings))
 
-    def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:  # noqa: C901 - one dispatch table
+    def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:
         if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
             self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
             return True
@@ -873,7 +873,7 @@ class LogWatcher:
     def _failure_from_exit(self, status: int) -> Failure:
         last = self._last_sglang_line
         if status == 2 and not self._ranks:
-            return Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence=f"exited with status 2 (argparse) before any startup line", exit_status=status)
+            return Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="exited with status 2 (argparse) before any startup line", exit_status=status)
         if not self.ready and self._phase == "host_pool":
             return Failure(
                 failure_class=FailureClass.HOST_MEMORY,
