@@ -45,7 +45,7 @@ from tuner.history import StoredStudy, TrialView, check_storage
 from tuner.launch.safety import SessionState
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
 from tuner.sglang.client import SGLangClient
-from tuner.sglang.flags import FlagTable, replace_flags
+from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -503,14 +503,25 @@ def _expected_capacity(view: TrialView) -> int | None:
     return int(value) if value is not None else None
 
 
-def _tuned_params(stored: StoredStudy, view: TrialView) -> dict[str, Any]:
-    """The fields to set on the service's command: every field the study tuned (the params of its
-    non-baseline trials; the baseline's record also lists flags it merely resolved), at this
-    trial's value, ``None`` (flag removed) for a conditional field this trial lacks, e.g.
-    ``hicache_ratio`` with the hierarchical cache off."""
+def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: FlagTable) -> list[str]:
+    """The service's command with the trial's tuned flags.
+
+    Every field the study tuned (the params of its non-baseline trials; the baseline's record
+    also lists flags it merely resolved) is set to this trial's value, or removed (``None``) when
+    it is a conditional field this trial lacks, e.g. ``hicache_ratio`` with the hierarchical cache
+    off. A flag whose current value already equals the trial's is left as written.
+    """
     tuned = [v for v in stored.trials if v.kind != "baseline"] or list(stored.trials)
-    names = {name for v in tuned for name in v.params}
-    return {name: view.params.get(name) for name in sorted(names)}
+    names = sorted({name for v in tuned for name in v.params})
+    current = parse_argv(argv, table)
+    changes = {}
+    for name in names:
+        value = view.params.get(name)
+        now = current.get(table.canonical(table.option(name).dest))
+        if (value is None and now is None) or (value is not None and now is not None and _same(now, value)):
+            continue
+        changes[name] = value
+    return replace_flags(argv, changes, table) if changes else list(argv)
 
 
 def _flag_table(stored: StoredStudy, settings: Mapping[str, Any]) -> FlagTable:
@@ -556,14 +567,14 @@ def plan_apply(
             hint="pick a trial that `tuner trials` lists with params",
         )
     if not view.feasible:
-        why = view.failure_class or ("skipped" if view.outcome == "skipped" else "SLO/stress")
+        violated = ",".join(k for k, v in view.constraints.items() if v > 0)
+        why = view.failure_class or ("skipped" if view.outcome == "skipped" else violated or "infeasible")
         raise ApplyError(
             f"trial {view.number} is not feasible ({why}); applying it would not be safe",
             hint="apply a feasible trial: see `tuner best` or `tuner trials --feasible`",
         )
     settings = _settings_dict(settings)
     table = _flag_table(stored, settings)
-    params = _tuned_params(stored, view)
     expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
     launcher = _build(settings)
     common = dict(
@@ -580,12 +591,12 @@ def plan_apply(
             launcher="process",
             target=launcher.key,
             previous_argv=current,
-            new_argv=replace_flags(current, params, table),
+            new_argv=_new_argv(stored, view, current, table),
             **common,
         )
     unit = launcher.unit
     command = unit.exec_command()
-    new_argv = replace_flags(command.argv, params, table)
+    new_argv = _new_argv(stored, view, command.argv, table)
     header = (
         f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {_now()}.\n"
         "Undo with `tuner apply --undo`; see `tuner applies`."

@@ -588,8 +588,9 @@ def _capacity_figure(stored: StoredStudy) -> go.Figure | str:
             line={"color": _COLORS["failed"], "dash": "dash"},
             annotation_text=html.escape(f"failure boundary ({label})"),
         )
+    bounded = " (failure boundary dashed)" if _boundaries(views) else ""
     fig.update_layout(
-        title="Context capacity vs mem_fraction_static (failure boundary dashed)",
+        title=f"Context capacity vs mem_fraction_static{bounded}",
         xaxis_title="mem_fraction_static",
         yaxis_title=METRICS["context_capacity"][0],
     )
