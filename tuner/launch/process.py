@@ -42,6 +42,23 @@ def _exit_status(returncode: int | None) -> int | None:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, exited but not reaped, do not)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
 class ProcessLauncher(GuardedLauncher):
     """Run the server command as a child process group; watch its log file; stop by group.
 
@@ -73,7 +90,7 @@ class ProcessLauncher(GuardedLauncher):
         **kwargs: Any,
     ) -> None:
         if not command:
-            raise LaunchError("empty server command", hint="set launch.command to the full server command line")
+            raise LaunchError("empty server command", hint="set service.command to the full server command line")
         port = re.search(r":(\d+)", url.split("//", 1)[-1])
         key = name or f"process-{port.group(1) if port else 'server'}"
         super().__init__(key=key, url=url, state_dir=state_dir, **kwargs)
@@ -108,12 +125,17 @@ class ProcessLauncher(GuardedLauncher):
         except (psutil.Error, KeyError, TypeError):
             pass
         try:  # leader gone: are members of its group left?
-            os.killpg(int(rec["pgid"]), 0)
-            return int(rec["pgid"])
-        except (ProcessLookupError, PermissionError, KeyError, TypeError, ValueError):
+            pgid = int(rec["pgid"])
+        except (KeyError, TypeError, ValueError):
             return None
+        return pgid if _group_alive(pgid) else None
 
     # ---- Launcher ------------------------------------------------------------------------
+
+    def _own_settings(self) -> dict[str, Any]:
+        return {"launcher": "process", "unit": self.key, "url": self.url, "command": self.command,
+                "state_dir": str(self.state_dir), "log_dir": str(self.log_dir),
+                "workdir": str(self.cwd) if self.cwd else None}  # fmt: skip
 
     def _read_argv(self) -> list[str]:
         return list(self.command)
@@ -143,7 +165,7 @@ class ProcessLauncher(GuardedLauncher):
             logf = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
         except OSError as err:
             raise LaunchError(f"cannot write the server log {self.log_path}: {err.strerror}",
-                              hint="set launch.log_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.log_dir to a writable folder") from err  # fmt: skip
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
@@ -151,7 +173,7 @@ class ProcessLauncher(GuardedLauncher):
             )  # fmt: skip
         except FileNotFoundError as err:
             raise LaunchError(f"server command not found: {argv[0]!r}",
-                              hint="set launch.command to an existing executable (absolute path)") from err  # fmt: skip
+                              hint="set service.command to an existing executable (absolute path)") from err  # fmt: skip
         except PermissionError as err:
             raise LaunchError(f"server command not executable: {argv[0]!r}",
                               hint="check its permissions") from err  # fmt: skip
@@ -193,10 +215,8 @@ class ProcessLauncher(GuardedLauncher):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.pid == pgid:
-                self._proc.poll()  # reap the leader so the group can empty
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
+                self._proc.poll()  # reap our own leader
+            if not _group_alive(pgid):
                 return True
             time.sleep(0.05)
         return False

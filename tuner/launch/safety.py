@@ -74,7 +74,7 @@ def _ensure_dir(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise LaunchError(f"cannot create the state folder {path}: {err.strerror}",
-                          hint="set launch.state_dir to a writable folder") from err  # fmt: skip
+                          hint="set service.state_dir to a writable folder") from err  # fmt: skip
 
 
 def _own_command() -> str:
@@ -122,7 +122,7 @@ class UnitLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
-                              hint="set launch.state_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.state_dir to a writable folder") from err  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -216,7 +216,7 @@ class StateStore:
             atomic_write_text(self.path, state.model_dump_json(indent=2) + "\n", mode=0o600)
         except OSError as err:
             raise LaunchError(f"cannot write the state file {self.path}: {err.strerror}",
-                              hint="set launch.state_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.state_dir to a writable folder") from err  # fmt: skip
 
     def load(self) -> SessionState | None:
         """The recorded state, or ``None`` when no session left one.
@@ -316,6 +316,8 @@ class GuardedLauncher(Launcher):
         release_timeout_s: Limit for the GPU memory of a stopped server to be freed.
         evidence_grace_s: After a first failure line, how long to wait for the process to exit
             and more specific evidence to arrive.
+        ready_line_grace_s: READY needs ``/health`` and the ready line (§4.2); after ``/health``
+            has answered this long without the line (output not reaching the launcher), READY.
     """
 
     kind: Literal["systemd", "process"]
@@ -331,6 +333,7 @@ class GuardedLauncher(Launcher):
         poll_s: float = 0.25,
         release_timeout_s: float = 120.0,
         evidence_grace_s: float = 1.5,
+        ready_line_grace_s: float = 10.0,
     ) -> None:
         self.key = key
         self.url = url.rstrip("/")
@@ -347,13 +350,22 @@ class GuardedLauncher(Launcher):
         self._lines: list[str] = []
         self._t0 = time.monotonic()
         self._started = False
+        self._healthy_since: float | None = None
+        self.ready_line_grace_s = ready_line_grace_s
         self._client = SGLangClient(self.url, timeout_s=2.0)
+        self.settings: dict[str, Any] = {}
+        """Settings this launcher was built from (see :mod:`tuner.launch.factory`); recorded in
+        the state file so ``tuner restore`` can rebuild it."""
 
     # ---- hooks for subclasses -----------------------------------------------------------
 
     @abc.abstractmethod
     def _record_original(self) -> SessionState:
         """Read the service as it is now (command, drop-ins, running or not), changing nothing."""
+
+    @abc.abstractmethod
+    def _own_settings(self) -> dict[str, Any]:
+        """Factory settings that rebuild this launcher (used when :attr:`settings` is empty)."""
 
     @abc.abstractmethod
     def _read_argv(self) -> list[str]:
@@ -400,6 +412,7 @@ class GuardedLauncher(Launcher):
         self._lines = []
         self._t0 = time.monotonic()
         self._started = True
+        self._healthy_since = None
         self._launch(list(argv))
 
     def _before_start(self) -> None:
@@ -435,10 +448,9 @@ class GuardedLauncher(Launcher):
         if not poll.alive:
             status = poll.exit_status
             failure = self._watcher.report(exit_status=status).failure
-            if poll.crash_loop and failure is not None and status is not None:
-                failure = failure.model_copy(update={"exit_status": status})
-            if failure is None and poll.crash_loop:
-                failure = Failure(failure_class=FailureClass.CRASH, evidence=poll.crash_loop,
+            if poll.crash_loop and (failure is None or failure.failure_class is FailureClass.CRASH):
+                why = f"; {failure.evidence}" if failure else ""
+                failure = Failure(failure_class=FailureClass.CRASH, evidence=poll.crash_loop + why,
                                   exit_status=status)  # fmt: skip
             if failure is None and status != 0:
                 failure = Failure(failure_class=FailureClass.CRASH, exit_status=status,
@@ -450,8 +462,15 @@ class GuardedLauncher(Launcher):
             return LaunchState(phase=LaunchPhase.FAILED, failure=self._watcher.failure,
                                pid=poll.pid, restarts=poll.restarts, elapsed_s=elapsed)  # fmt: skip
         if self._healthy():
-            return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
-                               elapsed_s=elapsed)  # fmt: skip
+            now = time.monotonic()
+            self._healthy_since = self._healthy_since or now
+            # SGLang answers /health before its warm-up ends; the ready line marks the end. Output
+            # that never reaches the launcher (StandardOutput=file:...) must not block for ever.
+            if self._watcher.ready or now - self._healthy_since >= self.ready_line_grace_s:
+                return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
+                                   elapsed_s=elapsed)  # fmt: skip
+        else:
+            self._healthy_since = None
         return LaunchState(phase=LaunchPhase.STARTING, pid=poll.pid, restarts=poll.restarts,
                            elapsed_s=elapsed)  # fmt: skip
 
@@ -522,6 +541,7 @@ class GuardedLauncher(Launcher):
             self._lines = []
             self._t0 = time.monotonic()
             self._started = True
+            self._healthy_since = None
             if state.was_running:
                 self.stop()
                 self._before_start_restore()
@@ -567,7 +587,9 @@ class GuardedLauncher(Launcher):
                             "will be restored", left.tuner_pid, left.created_at)  # fmt: skip
                 self._state = left
             else:
-                self._state = self._record_original()
+                state = self._record_original()
+                recipe = {**self._own_settings(), **self.settings}
+                self._state = state.model_copy(update={"extra": {**state.extra, "settings": recipe}})
                 self.store.save(self._state)
             with interrupt_on_signals():
                 try:

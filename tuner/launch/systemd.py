@@ -81,6 +81,11 @@ class SystemdLauncher(GuardedLauncher):
 
     # ---- reading ----------------------------------------------------------------------------
 
+    def _own_settings(self) -> dict[str, Any]:
+        return {"launcher": "systemd", "unit": self.unit.name, "url": self.url,
+                "systemctl": self.unit.systemctl, "journalctl": self.unit.journalctl,
+                "dropin_dir": str(self.unit.dropin_dir), "state_dir": str(self.state_dir)}  # fmt: skip
+
     def _read_argv(self) -> list[str]:
         return list(self.unit.exec_command().argv)
 

@@ -59,7 +59,7 @@ _EXEC_PREFIXES = "-:+!"
 _SHOW_PROPS = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus",
                "NRestarts")  # fmt: skip
 _FIX_SYSTEMCTL = (
-    "install systemd, or set launch.systemctl / launch.journalctl to the commands that reach it "
+    "install systemd, or set service.systemctl / service.journalctl to the commands that reach it "
     "(e.g. 'nsenter -t PID -m -p systemctl'), or use launcher = \"process\""
 )
 
@@ -439,7 +439,7 @@ class SystemdUnit:
         if state != "loaded":
             raise LaunchError(
                 f"unit {self.name} is unknown to systemd (LoadState={state or 'n/a'})",
-                hint="check the name with 'systemctl list-units --type=service' or set launch.unit",
+                hint="check the name with 'systemctl list-units --type=service' or set service.unit",
             )
 
     # ---- unit files ------------------------------------------------------------------------
@@ -534,7 +534,7 @@ class SystemdUnit:
         if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
             raise LaunchError(
                 f"no permission to write drop-ins in {target}",
-                hint="run the tuner as root, or set launch.dropin_dir to the folder holding the unit",
+                hint="run the tuner as root, or set service.dropin_dir to the folder holding the unit",
             )
 
     def write_dropin(self, filename: str, text: str) -> Path:
@@ -549,7 +549,7 @@ class SystemdUnit:
             atomic_write_text(path, text)
         except OSError as err:
             raise LaunchError(f"cannot write drop-in {path}: {err.strerror}",
-                              hint="run the tuner as root, or set launch.dropin_dir") from err  # fmt: skip
+                              hint="run the tuner as root, or set service.dropin_dir") from err  # fmt: skip
         return path
 
     def remove_dropin(self, filename: str) -> bool:

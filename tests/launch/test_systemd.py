@@ -1,0 +1,167 @@
+"""The systemd launcher against real systemd 252 booted in a private PID namespace (tests/sandbox.py).
+
+The simulator runs as the unit's service; the tuner drives it through ``nsenter ... systemctl`` and
+``journalctl`` exactly as in production. When the sandbox cannot boot real systemd it falls back to
+the emulator and says why; tests needing real systemd semantics are then skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, sim_command
+from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
+from tuner.launch.base import LaunchPhase
+from tuner.launch.factory import build_launcher
+from tuner.launch.unit import format_exec_command
+from tuner.sglang.client import SGLangClient
+from tuner.sglang.failures import FailureClass
+
+TUNER = str(Path(sys.executable).parent / "tuner")
+
+
+def _unit_text(argv: list[str], extra: str = "") -> str:
+    return ("[Unit]\nDescription=simulated SGLang server (test)\n[Service]\nEnvironment=PYTHONUNBUFFERED=1\n"
+            f"{extra}ExecStart={format_exec_command(argv)}\n")  # fmt: skip
+
+
+def _folder_snapshot(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in sorted(folder.glob("*"))} if folder.is_dir() else {}
+
+
+def _wait_healthy(url: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    with SGLangClient(url, timeout_s=2.0) as client:
+        while time.monotonic() < deadline:
+            if client.health():
+                return
+            time.sleep(0.2)
+    raise AssertionError(f"{url} not healthy after {timeout_s} s")
+
+
+def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> tuple[str, dict, list[str]]:
+    """Install and start a simulator unit with one operator drop-in; return (unit, settings, argv)."""
+    port = free_port()
+    argv = sim_command(port)
+    unit = f"sim-{port}.service"
+    box.add_unit(unit, _unit_text(argv, unit_extra))
+    folder = box.unit_dir / f"{unit}.d"
+    folder.mkdir()
+    (folder / "10-operator.conf").write_text("[Service]\nEnvironment=OPERATOR_SETTING=1\n")
+    box.systemctl_run("daemon-reload")
+    box.systemctl_run("start", unit)
+    settings = {"launcher": "systemd", "unit": unit, "url": f"http://127.0.0.1:{port}",
+                "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
+                "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}  # fmt: skip
+    return unit, settings, argv
+
+
+@pytest.fixture
+def harness(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> Iterator[Harness]:  # noqa: F811
+    box = systemd_sandbox
+    unit, settings, argv = _service(box, tmp_path)
+    _wait_healthy(settings["url"])
+    folder = box.unit_dir / f"{unit}.d"
+    unit_file = box.unit_dir / unit
+
+    def snapshot() -> tuple[dict[str, str], str, str]:
+        show = box.systemctl_run("show", "-p", "DropInPaths", unit).stdout.strip()
+        return _folder_snapshot(folder), unit_file.read_text(), show
+
+    try:
+        yield Harness(settings=settings, base_argv=argv, url=settings["url"], snapshot=snapshot)
+    finally:
+        box.systemctl_run("stop", unit, check=False)
+
+
+class TestSystemdLauncher(LauncherConformance):
+    """The launcher contract, systemd launcher (trial drop-in, daemon-reload, journal)."""
+
+
+def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+    box = systemd_sandbox
+    unit, settings, argv = _service(box, tmp_path)
+    _wait_healthy(settings["url"])
+    launcher = build_launcher(settings)
+    try:
+        with launcher.session():
+            launcher.start([*argv, "--served-model-name", "x $HOME 100% y"])
+            assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY
+            dropin = box.unit_dir / f"{unit}.d" / "90-tuner-trial.conf"
+            text = dropin.read_text()
+            assert "ExecStart=\nExecStart=" in text and '"x $$HOME 100%% y"' in text
+            assert str(dropin) in box.systemctl_run("show", "-p", "DropInPaths", unit).stdout
+            assert launcher.unit.exec_command().argv[-1] == "x $HOME 100% y"
+            with SGLangClient(settings["url"]) as client:
+                assert client.server_info().raw["served_model_name"] == "x $HOME 100% y"
+        assert not dropin.exists()
+    finally:
+        box.systemctl_run("stop", unit, check=False)
+
+
+def test_crash_loop_under_restart_always_is_detected_and_stopped(
+    systemd_sandbox: SystemdSandbox, tmp_path: Path  # noqa: F811
+) -> None:
+    box = systemd_sandbox
+    box.require_real()
+    unit, settings, argv = _service(box, tmp_path, unit_extra="Restart=always\nRestartSec=300ms\n")
+    _wait_healthy(settings["url"])
+    launcher = build_launcher(settings)
+    crashing = [sys.executable, "-c", "import time; print('booting', flush=True); time.sleep(0.5); raise SystemExit(3)"]
+    try:
+        with launcher.session():
+            launcher.start(crashing)
+            st = launcher.wait(START_TIMEOUT_S)
+            assert st.phase is LaunchPhase.FAILED, st
+            assert st.failure is not None and st.failure.failure_class is FailureClass.CRASH
+            assert "crash loop" in st.failure.evidence and st.failure.exit_status == 3
+            assert st.elapsed_s < START_TIMEOUT_S / 4
+            props = launcher.unit.properties()
+            assert props.active_state in ("inactive", "failed"), props
+            time.sleep(1.0)
+            assert launcher.unit.properties().n_restarts == props.n_restarts, "still restarting"
+        _wait_healthy(settings["url"])
+    finally:
+        box.systemctl_run("stop", unit, check=False)
+
+
+def _cli(*args: str, cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*prefix, TUNER, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    err = done.stderr.strip()
+    assert err.startswith("error:") and "\n" not in err and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+    box = systemd_sandbox
+    unit, settings, argv = _service(box, tmp_path)
+    _wait_healthy(settings["url"])
+    base = ["--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
+            "--dropin-dir", str(box.unit_dir), "--state-dir", str(tmp_path / "state"), "--url", settings["url"]]  # fmt: skip
+    before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
+    try:
+        _assert_one_line_error(_cli("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
+        _assert_one_line_error(_cli("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
+                               "/nonexistent/systemctl", "not found")  # fmt: skip
+        env_unit = f"env-{unit}"
+        box.add_unit(env_unit, _unit_text(argv).replace("--port", "--port-from-env $PORT --port"))
+        _assert_one_line_error(_cli("restore", "--unit", env_unit, *base), "ExecStart", "environment variable")
+        ro = ("unshare", "--mount", "--", "sh", "-c",
+              f'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(box.unit_dir))  # fmt: skip
+        _assert_one_line_error(_cli("restore", "--unit", unit, *base, prefix=ro), "no permission", str(box.unit_dir))
+        after = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
+        assert after == before
+        assert not (box.unit_dir / f"{env_unit}.d").exists()
+    finally:
+        box.systemctl_run("stop", unit, check=False)
