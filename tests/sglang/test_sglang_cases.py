@@ -186,6 +186,12 @@ def _arch(case_id: str) -> Any:
     return model_arch_from_dict(cfg)
 
 
+# Model facts and a logged token count together: case-01 (K size), case-02 (memory lines), case-26
+# (allowed input length). case-03 logs weights and free memory but not the baseline, and its negative
+# profiled count (-561,981) cannot be rebuilt from the excerpt's numbers (ROCm 0.4.8, DP attention);
+# case-12, 16, 19 log no token count.
+
+
 def test_case_01_tokens_from_model_facts() -> None:
     """Qwen3-235B, tp 4, 4 KV heads → 1 per rank: the logged K size gives the logged token count within 1%."""
     case = _case("case-01")

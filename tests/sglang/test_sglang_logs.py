@@ -221,3 +221,16 @@ def test_post_capture_sizing_swa_pool_and_numeric_journal_prefixes() -> None:
     assert (one.kv_tokens, one.kv_size_gib, r.version_format) == (650000, 43.34, "0.5.23")
     swa = parse_log(["[2026-01-01 00:00:00 TP0] SWAKVPool mem usage: 30.50 GB, swa size: 400000, full size: 2650000"]).ranks["TP0"]
     assert (swa.swa_pool_gib, swa.swa_tokens, swa.kv_tokens) == (30.5, 400000, 2650000)
+
+
+def test_every_truncation_of_every_line_parses_without_error() -> None:
+    lines = [*REFERENCE.read_text().splitlines(), *LOG_0510.splitlines(), *LOG_0516.splitlines(), *LOG_0523.splitlines()]
+    watcher = LogWatcher()
+    for line in lines:
+        for cut in range(0, len(line), 3):
+            watcher.feed(line[:cut])
+            watcher.feed(line[cut:])
+    report = watcher.report()
+    assert report.sglang_lines > 0
+    for rank in report.ranks.values():  # a cut number is read as a shorter number or not at all, never as garbage
+        assert rank.kv_tokens is None or rank.kv_tokens >= 0
