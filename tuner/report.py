@@ -417,12 +417,14 @@ def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: s
         target = info.get("target", {}) if isinstance(info, dict) else {}
         env = info.get("environment", {}) if isinstance(info, dict) else {}
         started = summary.datetime_start.isoformat(timespec="seconds") if summary.datetime_start else "-"
+        command = target.get("command")
+        shown = target.get("unit") or (" ".join(command) if isinstance(command, list) else command)
         table.add_row(
-            summary.study_name,
+            _text(summary.study_name),
             str(summary.n_trials),
             started,
-            str(target.get("unit") or target.get("command") or target.get("url") or "-"),
-            str(env.get("model") or "-"),
+            _text(str(shown or target.get("url") or "-")),
+            _text(str(env.get("model") or "-")),
         )
     return table
 

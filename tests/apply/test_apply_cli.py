@@ -92,3 +92,27 @@ def test_no_feasible_trial_and_no_config(tmp_path: Path, tuner_cli) -> None:
     lost = make_study(tmp_path / "lost.db", "lost", [ok_trial(0.8, 64, 10, 1000.0)],
                       info={"config_path": str(tmp_path / "gone.toml")})  # fmt: skip
     _one_line(tuner_cli("apply", "best", "--storage", lost), "gone.toml, which does not exist")
+
+
+def test_undo_stack_skips_failed_and_undone_applies(tmp_path: Path) -> None:
+    from tuner.apply import ApplyLog, ApplyRecord
+
+    url = make_study(tmp_path / "log.db", "log", [ok_trial(0.8, 64, 10, 1000.0)])
+    log = ApplyLog(url)
+
+    def add(action: str, outcome: str, trial: int | None, undoes: int | None = None) -> int:
+        rec = ApplyRecord(at="2026-01-01T00:00:00+00:00", action=action, study="log", trial=trial,
+                          target="sim.service", outcome=outcome, previous_command=["/x"],
+                          new_command=["/y"], undoes=undoes)  # fmt: skip
+        return log.add(rec).id
+
+    first = add("apply", "verified", 1)
+    failed = add("apply", "rolled_back", 2)
+    add("rollback", "rolled_back", 2, undoes=failed)
+    second = add("apply", "verified", 3)
+    assert [r.id for r in log.applied_stack("sim.service")] == [first, second]
+    add("undo", "verified", 1, undoes=second)
+    assert [r.id for r in log.applied_stack("sim.service")] == [first]
+    assert log.applied_stack("other.service") == []
+    assert [r.action for r in log.records()] == ["apply", "apply", "rollback", "apply", "undo"]
+    log.close()
