@@ -188,18 +188,20 @@ class RequestRecord(BaseModel):
         return (self.e2e_latency_s - ttft) / (n - 1)
 
 
+def _itls_s(record: RequestRecord) -> np.ndarray:
+    if len(record.chunk_times_s) < 2:
+        return np.empty(0)
+    tokens = np.asarray(record.chunk_tokens[1:])
+    gaps = np.diff(np.asarray(record.chunk_times_s)) / np.maximum(tokens, 1)
+    return np.repeat(gaps, np.maximum(tokens, 0))
+
+
 def request_itls_s(record: RequestRecord) -> list[float]:
     """The ITL values of one request (s), bench_serving's way (§6.2).
 
     Every chunk after the first non-empty one contributes ``gap / new_tokens``, once per new token.
     """
-    times, tokens = record.chunk_times_s, record.chunk_tokens
-    out: list[float] = []
-    for i in range(1, len(times)):
-        n = tokens[i]
-        if n > 0:
-            out.extend([(times[i] - times[i - 1]) / n] * n)
-    return out
+    return _itls_s(record).tolist()
 
 
 class LoadSummary(BaseModel):
@@ -281,8 +283,8 @@ def _stats(values_ms: np.ndarray) -> dict[str, float | None]:
     }
 
 
-def _stat_of(values_ms: Sequence[float], key: str) -> float:
-    arr = np.asarray(values_ms, dtype=float)
+def _stat_of(values_ms: np.ndarray, key: str) -> float:
+    arr = values_ms
     if key == "mean":
         return float(arr.mean())
     if key == "max":
@@ -290,7 +292,7 @@ def _stat_of(values_ms: Sequence[float], key: str) -> float:
     return float(np.percentile(arr, 50 if key == "median" else int(key[1:])))
 
 
-def _meets(record: RequestRecord, slo: SLO, itls_ms: list[float]) -> bool:
+def _meets(record: RequestRecord, slo: SLO, itls_ms: np.ndarray) -> bool:
     if record.status != "ok":
         return False
     per_request = {
@@ -304,7 +306,7 @@ def _meets(record: RequestRecord, slo: SLO, itls_ms: list[float]) -> bool:
         if limits and (value is None or value > max(limits.values())):
             return False
     for key, limit in slo.itl_ms.items():
-        if itls_ms and _stat_of(itls_ms, key) > limit:
+        if itls_ms.size and _stat_of(itls_ms, key) > limit:
             return False
     return True
 
@@ -324,8 +326,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     done = [r for r in records if r.status == "ok"]
     errored = sum(1 for r in records if r.status == "error")
     incomplete = sum(1 for r in records if r.status == "incomplete")
-    ttft, tpot, e2e, itl = [], [], [], []
-    per_request_itls: list[list[float]] = []
+    ttft, tpot, e2e = [], [], []
+    per_request_itls: list[np.ndarray] = []
     total_input = total_output = 0
     for r in done:
         total_input += r.input_len
@@ -336,9 +338,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
             tpot.append(r.tpot_s * 1000)
         if r.e2e_latency_s is not None:
             e2e.append(r.e2e_latency_s * 1000)
-        own = [x * 1000 for x in request_itls_s(r)]
-        per_request_itls.append(own)
-        itl.extend(own)
+        per_request_itls.append(_itls_s(r) * 1000)
+    itl = np.concatenate(per_request_itls) if per_request_itls else np.empty(0)
     fields: dict[str, object] = {}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
         for key, value in _stats(np.asarray(values, dtype=float)).items():

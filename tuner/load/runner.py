@@ -20,7 +20,7 @@ import csv
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -204,7 +204,7 @@ class _Run:
         self.exhausted = False
         self.pending = 0
         self.fatal: str | None = None
-        self.probing = False
+        self.probe: asyncio.Task[None] | None = None
         self.t0 = 0.0
         self.live: list[LiveStats] = []
         self.measured_ttfts_ms: list[float] = []
@@ -249,9 +249,8 @@ class _Run:
             self.errored += 1
             if record.error_kind == "connect" and self.fatal is None:
                 self.fatal = f"server unreachable mid-run: {record.error}"
-            elif record.error_kind == "disconnect" and not self.probing:
-                self.probing = True
-                asyncio.get_running_loop().create_task(self._probe_server())
+            elif record.error_kind == "disconnect" and self.probe is None:
+                self.probe = asyncio.get_running_loop().create_task(self._probe_server())
         if self.workload.has_dependencies:
             self.done_events.setdefault(request.rid, asyncio.Event()).set()
 
@@ -266,7 +265,7 @@ class _Run:
             if self.fatal is None:
                 self.fatal = f"server died mid-run: a stream was cut and {self.client.base_url} refuses connections ({err})"
         finally:
-            self.probing = False
+            self.probe = None
 
     def _task_done(self, task: asyncio.Task[RequestRecord]) -> None:
         self.tasks.discard(task)
@@ -411,7 +410,7 @@ class _Run:
         finally:
             self.plan.sending_stopped = True
             stop.set()
-            for task in [*drivers, *self.tasks]:
+            for task in [*drivers, *self.tasks, *([self.probe] if self.probe else [])]:
                 task.cancel()
             await asyncio.gather(*drivers, *list(self.tasks), return_exceptions=True)
             if self.exhausted and self.plan.measure_end_s is None:

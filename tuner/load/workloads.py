@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -155,6 +156,7 @@ def _make_request(**fields: object) -> Request:
     return Request.model_construct(**fields)
 
 
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     """A reproducible stream of :class:`Request` built from a spec and a seed.
 
@@ -171,43 +173,30 @@ class Workload:
         repeatable: Whether :meth:`passes` may go beyond the first pass.
         has_dependencies: Whether some request waits for another (``after``).
         has_arrivals: Whether requests carry ``arrival_s`` (trace replay).
+        designed_hit_rate: The prefix-cache hit rate the workload is built for, when known.
     """
 
-    def __init__(
-        self,
-        *,
-        kind: str,
-        spec: BaseModel | None,
-        seed: int,
-        make_pass: Callable[[int], Iterator[Request]],
-        context_tokens: int,
-        num_requests: int | None,
-        repeatable: bool,
-        has_dependencies: bool = False,
-        has_arrivals: bool = False,
-        designed_hit_rate: float | None = None,
-    ) -> None:
-        self.kind = kind
-        self.spec = spec
-        self.seed = seed
-        self._make_pass = make_pass
-        self.context_tokens = context_tokens
-        self.num_requests = num_requests
-        self.repeatable = repeatable
-        self.has_dependencies = has_dependencies
-        self.has_arrivals = has_arrivals
-        self.designed_hit_rate = designed_hit_rate
+    kind: str
+    spec: BaseModel | None
+    seed: int
+    make_pass: Callable[[int], Iterator[Request]] = field(repr=False)
+    context_tokens: int
+    num_requests: int | None
+    repeatable: bool
+    has_dependencies: bool = False
+    has_arrivals: bool = False
+    designed_hit_rate: float | None = None
 
     def __iter__(self) -> Iterator[Request]:
-        return self._make_pass(0)
+        return self.make_pass(0)
 
     def passes(self) -> Iterator[Request]:
         """Yield pass 0, then (if :attr:`repeatable`) pass 1, 2, ... without end."""
         if not self.repeatable:
-            yield from self._make_pass(0)
+            yield from self.make_pass(0)
             return
         for index in itertools.count():
-            yield from self._make_pass(index)
+            yield from self.make_pass(index)
 
     def describe(self) -> str:
         """One line naming the kind, its parameters and the context length."""
