@@ -125,3 +125,15 @@ def test_effective_max_running_requests() -> None:
     assert eff(1000, 4096, requested=3000, version="0.5.23") == 500  # tokens // 2
     assert eff(2980168, 32768) == 4096  # case-21
     assert eff(500000, 131072, speculative_algorithm="EAGLE") == 48
+
+
+def test_must_fail_host_memory() -> None:
+    base = {"enable_hierarchical_cache": True, "tp_size": 4, "max_running_requests": 128}
+    failed = [({**base, "hicache_ratio": 3.0, "mem_fraction_static": 0.85}, FailureClass.HOST_MEMORY)]
+    assert must_fail({**base, "hicache_ratio": 3.5, "mem_fraction_static": 0.88, "max_running_requests": 64}, failed) == (True, 0)
+    assert must_fail({**base, "hicache_ratio": 3.5, "mem_fraction_static": 0.80}, failed) == (False, None)  # smaller device pool
+    assert must_fail({**base, "hicache_ratio": 2.0, "mem_fraction_static": 0.88}, failed) == (False, None)
+    assert must_fail({**base, "enable_hierarchical_cache": False, "hicache_ratio": 3.5, "mem_fraction_static": 0.9}, failed) == (False, None)
+    by_size = [({**base, "hicache_size": 40, "mem_fraction_static": 0.9}, FailureClass.HOST_MEMORY)]
+    assert must_fail({**base, "hicache_size": 40, "mem_fraction_static": 0.5}, by_size) == (True, 0)  # size overrides the ratio
+    assert must_fail({**base, "hicache_size": 30, "mem_fraction_static": 0.95}, by_size) == (False, None)

@@ -417,6 +417,23 @@ def _knob(value: Any) -> float | None:
     return math.inf if v <= 0 else v  # chunked_prefill_size -1: no chunking, the largest activations
 
 
+_HOST_KNOBS = ("hicache_size", "hicache_ratio", "mem_fraction_static")
+
+
+def _host_pool_at_least(candidate: Mapping[str, Any], failed: Mapping[str, Any]) -> bool:
+    """True when ``candidate``'s HiCache host pool is at least ``failed``'s, all else equal (§7)."""
+    if not candidate.get("enable_hierarchical_cache"):
+        return False
+    others = (set(candidate) | set(failed)) - {*_HOST_KNOBS, *_RESERVE_KNOBS}
+    if any(candidate.get(k) != failed.get(k) for k in others):
+        return False
+    size, failed_size = candidate.get("hicache_size") or 0, failed.get("hicache_size") or 0
+    if size > 0 or failed_size > 0:
+        return size > 0 and failed_size > 0 and size >= failed_size
+    pairs = [(candidate.get(k), failed.get(k)) for k in ("hicache_ratio", "mem_fraction_static")]
+    return all(a is not None and b is not None and a >= b for a, b in pairs)
+
+
 def must_fail(candidate: Mapping[str, Any], failures: Iterable[tuple[Mapping[str, Any], FailureClass]]) -> tuple[bool, int | None]:
     """Whether an earlier failed start proves that ``candidate`` fails too (monotone bounds, §1.2).
 
@@ -426,6 +443,10 @@ def must_fail(candidate: Mapping[str, Any], failures: Iterable[tuple[Mapping[str
     - Startup KV OOM at ``x`` (``mfs × B`` below the weights): any fraction ≤ ``x`` fails; the
       reserve knobs do not enter the profiled budget.
     - Weight-load OOM: fails at every fraction and reserve setting (weights load first).
+    - Host-memory failure of the hierarchical cache: a host pool at least as large fails too:
+      ``hicache_size`` ≥ the failed one (it overrides the ratio), or with the ratio (size unset)
+      ``hicache_ratio`` ≥ and ``mem_fraction_static`` ≥ the failed ones (the host pool is the device
+      pool × ratio, §7); reserve knobs may differ.
 
     Every other parameter must be equal (``None`` = SGLang's default counts as a value).
 
@@ -438,6 +459,10 @@ def must_fail(candidate: Mapping[str, Any], failures: Iterable[tuple[Mapping[str
     """
     mfs = candidate.get("mem_fraction_static")
     for i, (params, cls) in enumerate(failures):
+        if cls is FailureClass.HOST_MEMORY:
+            if _host_pool_at_least(candidate, params):
+                return True, i
+            continue
         others = (set(candidate) | set(params)) - {"mem_fraction_static", *_RESERVE_KNOBS}
         if any(candidate.get(k) != params.get(k) for k in others):
             continue
