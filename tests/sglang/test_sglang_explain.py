@@ -124,7 +124,9 @@ def server() -> Iterator[str]:
             "tp_size": 1, "cuda_graph_max_bs_decode": 32,
             "internal_states": [{"effective_max_running_requests_per_dp": 4096, "memory_usage": {
                 "weight": 15.0, "kvcache": 40.0, "startup_available": 6.95, "token_capacity": 327680, "graph": {"decode": 0.15}}}]}
-    yield from serve({"/server_info": (200, json.dumps(info)), "/health": (200, "")})
+    metrics = "# TYPE sglang:num_retracted_requests_total counter\nsglang:num_retracted_requests_total{tp_rank=\"0\"} 7.0\n" \
+              "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{tp_rank=\"0\"} 12.0\n"
+    yield from serve({"/server_info": (200, json.dumps(info)), "/health": (200, ""), "/metrics": (200, metrics)})
 
 
 def test_url(server: str) -> None:
@@ -133,6 +135,8 @@ def test_url(server: str) -> None:
     assert doc["model"]["baseline_gib"] == pytest.approx(55.0 / 0.9, abs=0.01)
     assert _trap(doc, "cuda_graph_bs_below_max_running_requests")["severity"] == "warning"
     assert _trap(doc, "idle_reserve")
+    assert "num_retracted_requests_total = 7" in _trap(doc, "retractions")["title"]
+    assert any("num_running_reqs=12" in f for f in doc["findings"])
 
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:

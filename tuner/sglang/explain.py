@@ -21,7 +21,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from tuner.errors import LogError
+from tuner.errors import LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.logs import LogReport, parse_log_bytes
@@ -252,6 +252,7 @@ def explain(
     sources: Sequence[str] = (),
     mem_fraction_static: float | None = None,
     fractions: Sequence[float] | None = None,
+    metrics: Mapping[str, float] | None = None,
 ) -> Explanation:
     """Explain one server start.
 
@@ -263,6 +264,7 @@ def explain(
         sources: Descriptions of the inputs, for the output.
         mem_fraction_static: The fraction, when neither the log nor the server says it.
         fractions: Fractions to predict (default: around the current one).
+        metrics: A ``/metrics`` scrape of the running server (:meth:`SGLangClient.metrics`), if any.
 
     Returns:
         The :class:`Explanation`.
@@ -353,7 +355,12 @@ def explain(
     capacity = _capacity(tokens, mrr, ctx)
     predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions)
     traps = _traps(report, info, kv_model, settings, tokens, mrr, ctx, mfs, tp, prim)
+    traps += _metric_traps(metrics or {})
     findings += _findings(kv_model, capacity, mfs, traps)
+    if metrics:
+        live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
+        if live:
+            findings.append("live: " + ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in live.items()) + " (from /metrics).")
 
     failure = report.failure if report else None
     state: Literal["ready", "failed", "starting", "unknown"]
@@ -605,6 +612,20 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
     return traps
 
 
+def _metric_traps(metrics: Mapping[str, float]) -> list[Trap]:
+    """Retractions seen by a running server's ``/metrics`` (§5.5; the counter is 0.5.10+, the
+    histogram ``sglang:num_retractions`` and the gauge ``num_retracted_reqs`` 0.5.5)."""
+    for name in ("sglang:num_retracted_requests_total", "sglang:num_retractions_sum", "sglang:num_retracted_reqs"):
+        value = metrics.get(name)
+        if value:
+            return [Trap(
+                id="retractions", severity="warning", title=f"the running server has retracted requests ({name} = {value:g})",
+                detail="Retraction is the soft signal that KV capacity binds (§4.4, §8); decode slows while requests are re-queued (case-27).",
+                evidence=[f"{name} {value:g}"],
+            )]
+    return []
+
+
 _FIXES = {
     FailureClass.STARTUP_KV_OOM: "raise --mem-fraction-static (weights did not leave a KV budget)",
     FailureClass.WEIGHT_LOAD_OOM: "the weights do not fit: more GPUs (tp), a quantized checkpoint, or free the GPUs first",
@@ -778,11 +799,16 @@ def explain_from(
         report = read_journal(unit, journalctl=journalctl)
         sources.append(f"journal of unit {unit}")
     info = None
+    metrics = None
     if url:
         with SGLangClient(url, timeout_s=timeout_s) as client:
             info = client.server_info()
+            try:
+                metrics = client.metrics()
+            except ServerError:
+                metrics = None  # launched without --enable-metrics: the rest still explains
         sources.append(f"server {url}")
     model = load_model_config(model_config) if model_config else None
     if model_config:
         sources.append(f"model config {model_config}")
-    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static)
+    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static, metrics=metrics)
