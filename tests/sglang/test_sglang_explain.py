@@ -178,3 +178,18 @@ def test_explain_never_breaks_on_a_case(case_id: str) -> None:
     doc = explain(report, sources=[case_id])
     assert Explanation.model_validate_json(doc.model_dump_json()) == doc
     assert (doc.state == "failed") == (report.failure is not None)
+
+
+def test_startup_kv_oom_names_the_smallest_fraction() -> None:
+    from tuner.sglang.explain import explain
+    from tuner.sglang.logs import parse_log
+
+    report = parse_log([
+        "[2026-01-01 00:00:00] server_args=ServerArgs(model_path='/m', mem_fraction_static=0.9, tp_size=1)",
+        "[2026-01-01 00:00:02] Load weight begin. avail mem=79.00 GB",
+        "[2026-01-01 00:01:02] Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=4.00 GB, mem usage=75.00 GB.",
+        "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. Current value: self.server_args.mem_fraction_static=0.9",
+    ])
+    doc = explain(report)
+    trap = next(t for t in doc.traps if t.id == "failure")
+    assert doc.state == "failed" and trap.fix is not None and "above 0.949" in trap.fix

@@ -501,7 +501,7 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
            tokens: int | None, mrr: int | None, ctx: int | None, mfs: float | None, tp: int | None, prim: Any) -> list[Trap]:
     traps: list[Trap] = []
     if report is not None and report.failure is not None:
-        traps.append(_failure_trap(report.failure, m))
+        traps.append(_failure_trap(report.failure, m, report))
     # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
     if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
         after = m.baseline_gib - prim.weight_gib
@@ -640,11 +640,33 @@ _FIXES = {
 }
 
 
-def _failure_trap(failure: Failure, m: KVCapacityModel | None) -> Trap:
+_MEANING = {
+    FailureClass.STARTUP_KV_OOM: "mem_fraction_static × baseline did not cover the weights, so the KV budget was ≤ 0 (§1.2, §4.3)",
+    FailureClass.WEIGHT_LOAD_OOM: "the GPU ran out of memory while loading weights",
+    FailureClass.CUDA_GRAPH_OOM: "what startup allocates after the KV pool (graphs, draft model) did not fit the (1 − mem_fraction_static) reserve (§4.3)",
+    FailureClass.HOST_MEMORY: "the hierarchical cache's host pool (per rank) did not fit host RAM (§7)",
+    FailureClass.UNBALANCED_MEMORY: "free memory differed between GPUs at startup (§1.1)",
+    FailureClass.RUNTIME_OOM: "CUDA ran out of memory while serving: activations outgrew the headroom (§4.4)",
+    FailureClass.REQUEST_SLOT_EXHAUSTION: "the req_to_token pool had no request slot left (§4.4, case-29)",
+    FailureClass.INVALID_ARGUMENTS: "the command line was rejected",
+    FailureClass.STARTUP_TIMEOUT: "no ready line within the start timeout",
+    FailureClass.CRASH: "a process exited or raised without a more specific cause in the log",
+}
+
+
+def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None) -> Trap:
     fix = _FIXES.get(failure.failure_class)
-    if failure.failure_class is FailureClass.STARTUP_KV_OOM and m is not None and m.source == "log":
-        fix = f"raise --mem-fraction-static above {m.min_fraction():.3f}"
-    return Trap(id="failure", severity="error", title=f"the server failed: {failure.failure_class.value}", detail=failure.evidence,
+    detail = _MEANING.get(failure.failure_class, failure.failure_class.value) + "."
+    if failure.failure_class is FailureClass.STARTUP_KV_OOM:
+        low = m.min_fraction() if m is not None else None
+        if low is None and report is not None:
+            begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None]
+            ends = [r.weight_end_avail_gib for r in report.ranks.values() if r.weight_end_avail_gib is not None]
+            if begins and ends:
+                low = (min(begins) - min(ends)) / min(begins)
+        if low is not None:
+            fix = f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline), plus ≈0.01 per {m.tokens_per_hundredth():,.0f} tokens" if m else f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline) plus the KV pool you want"
+    return Trap(id="failure", severity="error", title=f"the server failed: {failure.failure_class.value}", detail=detail,
                 evidence=[failure.evidence], fix=fix)
 
 
