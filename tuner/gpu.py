@@ -152,6 +152,11 @@ class NvmlBackend:
         with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()
 
+    def driver_version(self) -> str:
+        """The NVIDIA driver version (``nvmlSystemGetDriverVersion``)."""
+        version = self._nvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+
     def _handles(self) -> list[Any]:
         n = self._nvml
         return [n.nvmlDeviceGetHandleByIndex(i) for i in range(n.nvmlDeviceGetCount())]

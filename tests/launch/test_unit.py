@@ -1,0 +1,69 @@
+"""systemd command-line quoting and unit-file reading (pure functions), and the state file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuner.errors import LaunchError
+from tuner.launch.safety import SessionState, StateStore, UnitLock
+from tuner.launch.unit import _exec_start_values, format_exec_command, split_exec_command
+
+TRICKY = ["a b", 'q"uote', "it's", "semi;colon", ";", "", "100%", "$HOME", "${X}", "back\\slash", "tab\tnew\nline",
+          "\x01ctl", "ünï", "--flag=v a"]  # fmt: skip
+
+
+@pytest.mark.parametrize("word", TRICKY)
+def test_quoting_round_trips_every_value(word: str) -> None:
+    argv = ["/usr/bin/python3", "-m", "sglang.launch_server", "--served-model-name", word]
+    line = format_exec_command(argv)
+    assert split_exec_command(line).argv == argv
+    assert "$" not in line.replace("$$", "") and "%" not in line.replace("%%", "")
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [("/bin/x --name %i", "specifiers"), ("/bin/x --port $PORT", "environment variable"),
+     ("/bin/x a ; /bin/y", "several commands"), ("@/bin/x y", "'@' prefix"), ('/bin/x "open', "quote")],
+)  # fmt: skip
+def test_unreadable_exec_start_is_refused(value: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        split_exec_command(value)
+
+
+def test_prefix_kept_and_relative_executable_refused() -> None:
+    assert split_exec_command("-/usr/bin/x a").prefix == "-"
+    assert format_exec_command(["/usr/bin/x", "a"], "-") == "-/usr/bin/x a"
+    with pytest.raises(LaunchError, match="absolute"):
+        format_exec_command(["python", "-m", "sglang.launch_server"])
+
+
+def test_dropins_reset_exec_start_in_order() -> None:
+    unit = "[Unit]\nDescription=x\n[Service]\nExecStart=/bin/a \\\n  --long 1\n"
+    reset = "[Service]\nExecStart=\nExecStart=/bin/b 2\n"
+    other = "[Service]\nEnvironment=ExecStart=/bin/c\n# ExecStart=/bin/d\n"
+    assert _exec_start_values([unit]) == ["/bin/a  --long 1"]
+    assert _exec_start_values([unit, reset, other]) == ["/bin/b 2"]
+
+
+def test_state_file_round_trip_and_malformed(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state", "sglang.service")
+    assert store.load() is None
+    state = SessionState(launcher="systemd", key="sglang.service", original_argv=["/bin/a", "b c"],
+                         original_dropins={"10-x.conf": "[Service]\n"})  # fmt: skip
+    store.save(state)
+    assert store.load() == state and oct(store.path.stat().st_mode & 0o777) == "0o600"
+    store.path.write_text("{not json")
+    with pytest.raises(LaunchError, match="malformed") as err:
+        store.load()
+    assert "\n" not in str(err.value)
+
+
+def test_lock_names_the_holder(tmp_path: Path) -> None:
+    with UnitLock(tmp_path, "sglang.service"):
+        with pytest.raises(LaunchError, match="PID") as err:
+            UnitLock(tmp_path, "sglang.service").acquire()
+        assert "\n" not in str(err.value)
+    with UnitLock(tmp_path, "sglang.service") as again:  # released on exit
+        assert again.held
