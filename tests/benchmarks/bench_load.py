@@ -93,6 +93,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     ])
     server_ttft_ms = np.array([(v[1] - v[0]) * 1000 for v in stamps.values()])
     cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
+    all_tokens = sum(sum(r.chunk_tokens) for r in result.records)
     figures = {
         "streams": STREAMS,
         "achieved_concurrency": round(s.concurrency, 1),
@@ -107,6 +108,10 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         "p99_added_ttft_ms": round(float(np.percentile(added_ms, 99)), 3),
         "matched_requests": int(added_ms.size),
         "client_cpu_share": round(cpu_s / (wall1 - wall0), 3),
+        # The client's own CPU per streamed token, whole run (setup and summary included):
+        # 1e6 / this = tokens/s one core sustains, whatever else the machine runs.
+        "client_cpu_us_per_token": round(cpu_s / all_tokens * 1e6, 2),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "median_itl_ms": round(s.median_itl_ms or 0, 3),
     }
     print("\nBENCH_LOAD " + json.dumps(figures))

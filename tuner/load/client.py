@@ -23,6 +23,7 @@ read, so events that arrived together share a timestamp. Transport errors are ma
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -39,6 +40,7 @@ __all__ = ["Api", "API_PATHS", "TokenCounter", "StreamClient", "normalize_url"]
 
 Api = Literal["generate", "completions"]
 API_PATHS: dict[str, str] = {"generate": "/generate", "completions": "/v1/completions"}
+logger = logging.getLogger(__name__)
 
 
 class TokenCounter:
@@ -49,6 +51,25 @@ class TokenCounter:
     def __init__(self) -> None:
         self.tokens = 0
         self.chunks = 0
+
+
+def _raise_fd_limit(connections: int) -> None:
+    """Raise the soft open-files limit toward the hard one so ``connections`` sockets fit.
+
+    1,000 streams need 1,000 sockets; many systems start with a soft limit of 1,024.
+    """
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            logger.warning("open-files limit %d is below the %d connections asked for", soft, connections)
 
 
 def normalize_url(url: str) -> str:
@@ -199,6 +220,7 @@ class StreamClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> StreamClient:
+        _raise_fd_limit(self._max_connections or 4096)  # 0 = unlimited (open loop)
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
             connector=connector, timeout=self._timeout, read_bufsize=2**18, auto_decompress=False
