@@ -69,6 +69,8 @@ def test_format_055_reference_tp8() -> None:
     assert (tp0.kv_tokens, tp0.kv_size_gib, tp0.k_size_gib, tp0.memory_pool_end_avail_gib, tp0.graph_gib) == (159277, 10.42, None, 10.03, 1.10)
     assert tp0.model_class == "DeepseekV3ForCausalLM" and tp0.weight_dtype == "torch.bfloat16"
     assert tp0.draft is not None and (tp0.draft.weight_gib, tp0.draft.kv_size_gib, tp0.draft.graph_gib, tp0.draft.graph_end_avail_gib) == (0.78, 0.17, 0.55, 7.43)
+    # The draft ModelRunner's own "Init torch distributed" lines are not a new start (§4.1).
+    assert tp0.draft.baseline_gib == 0.0 and not any("more than one server start" in w for w in r.warnings)
     assert r.scheduler.max_total_num_tokens == 159277 and r.scheduler.available_gpu_mem_gib == 7.43
     assert r.kv_cache_dtype == "torch.bfloat16"
     assert r.primary().rank == "TP0"

@@ -310,7 +310,7 @@ _JOURNAL_ISO = re.compile(
 _JOURNAL_NUMERIC = re.compile(r"^\[?\s*\d+\.\d+\]? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: ")
 """``journalctl -o short-unix`` / ``short-monotonic`` prefixes."""
 _HEAD = re.compile(r"^\[?(?P<head>[^\[\]]{0,120})\]\s?")
-_TIME = re.compile(r"\d\d:\d\d:\d\d")
+_TIME = re.compile(r"(?:\d{4}-\d\d-\d\d[ T])?\d\d:\d\d:\d\d(?:[.,]\d+)?")
 _RANK_TOKEN = re.compile(r"\b(?:DP|PP|TP|EP|CP)\d+\b")
 _SYSTEMD_EXIT = re.compile(r"Main process exited, code=(?P<code>\w+), status=(?P<status>\d+)")
 
@@ -342,7 +342,7 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
         ranks = _RANK_TOKEN.findall(head)
         tm = _TIME.search(head)
         if tm or ranks or head.startswith("gpu="):
-            ts = head.split(" TP")[0].split(" DP")[0].strip() if tm else None
+            ts = tm.group(0) if tm else None
             rank = " ".join(ranks) if ranks else None
             line = line[m.end():]
     return line.strip(), rank, ts, ident
@@ -597,16 +597,31 @@ class LogWatcher:
             d["draft"] = {"rank": rank, "draft": None}
         return d["draft"]
 
-    def _new_start(self, rank: str | None) -> None:
-        """A distributed-init line for a rank that already loaded weights (``rank="*"``: a
-        ``server_args`` echo after any rank did): a restart in the same log (a journal over several
-        starts). The report covers the last start."""
-        started = [d for key, d in self._ranks.items() if rank == "*" or key == (rank or "")]
-        if not any(d.get("weight_gib") is not None or d.get("kv_tokens") is not None for d in started):
-            return
+    def _new_start(self, rank: str | None) -> bool:
+        """Start over when a line opens a new server start in the same log (a journal over several
+        starts); the report covers the last start. ``rank="*"``: a ``server_args`` echo, printed
+        once per launch, after any rank loaded weights. Otherwise a distributed-init line of a rank
+        that loaded weights: a new start once the previous one finished (scheduler line, ready
+        line, failure) or already had a draft; else it is the draft ModelRunner's own init
+        (speculative decoding, §4.1), and nothing is reset.
+
+        Returns:
+            True when the state was reset.
+        """
+        if rank == "*":
+            restart = any(d.get("weight_gib") is not None or d.get("kv_tokens") is not None for d in self._ranks.values())
+        else:
+            d = self._ranks.get(rank or "")
+            if d is None or d.get("weight_gib") is None:
+                return False
+            draft = d.get("draft") or {}
+            restart = bool(self._scheduler or self.ready or self.failure is not None or draft.get("weight_gib") is not None)
+        if not restart:
+            return False
         warnings = [*self._warnings, "the log holds more than one server start; the report covers the last one"]
         self.__init__()  # type: ignore[misc]
         self._warnings = list(dict.fromkeys(warnings))
+        return True
 
     def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:
         if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
@@ -624,7 +639,7 @@ class LogWatcher:
         known = self._parse_failure(msg, rank)
         if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
             self._new_start(rank)
-            self._rank(rank)["baseline_gib"] = float(m.groups()[-1])
+            self._target_or_draft(rank, "baseline_gib")["baseline_gib"] = float(m.groups()[-1])
             return True
         if m := _P["load_begin"].search(msg):
             self._phase = "weights"
