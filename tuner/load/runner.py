@@ -547,11 +547,20 @@ async def run_load(
 
 def run_sync(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` in a new event loop: uvloop's when installed (cheaper per streamed chunk), else asyncio's."""
+    box: list[T] = []
+
+    async def keep() -> None:
+        # The main task returns None: at shutdown Python 3.11 may repr() the main task, which
+        # would format a whole LoadResult (seconds for a large run).
+        box.append(await main)
+
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        asyncio.run(keep())
+    else:
+        uvloop.run(keep())
+    return box[0]
 
 
 def run_load_sync(url: str, workload: Workload, **kwargs: Any) -> LoadResult:
