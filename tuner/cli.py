@@ -121,11 +121,14 @@ def restore_cmd(
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
     settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
-    launcher, state, used = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
-    source = "from the state file" if used else "no state file; reset to its own configuration"
+    launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
     shown = " ".join(launcher.current_argv())
-    console.print(f"restored {launcher.key} ({source}): {state.phase.value}, command: {shown}", highlight=False,
-                  soft_wrap=True)  # fmt: skip
+    if source == "nothing":
+        console.print(f"{launcher.key}: nothing to restore (no state file, no trial drop-in); {state.phase.value}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+        return
+    console.print(f"restored {launcher.key} from the {source}: {state.phase.value}, command: {shown}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
 
 
 @app.command("launch")
@@ -628,13 +631,12 @@ def apply_cmd(
     if not undo:
         view = history.choose_best(stored).trial if target == "best" else stored.trial(int(target))
     cfg = applying.study_config(stored, config)
-    settings = applying.service_settings(cfg, state_dir=state_dir)
     log = applying.ApplyLog(stored.location.storage_url)
     if view is None:
-        plan = applying.plan_undo(stored, settings, log)
+        plan = applying.plan_undo(stored, cfg, log, state_dir=state_dir)
     else:
         load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
-        plan = applying.plan_apply(stored, view, settings, load=load)
+        plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load)
     console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
     if dry_run:
         return
@@ -642,7 +644,8 @@ def apply_cmd(
         if not sys.stdin.isatty():
             raise ConfigError("tuner apply restarts the service and needs a confirmation", hint="pass --yes")
         typer.confirm(f"restart {plan.target} with this config?", abort=True)
-    record = applying.execute(plan, log, timeout_s=timeout_s, write=write)
+    gpu = applying.gpu_monitor(cfg) if plan.launcher == "systemd" else None
+    record = applying.execute(plan, log, timeout_s=timeout_s, write=write, gpu=gpu)
     console.print(report.apply_result(record))
 
 

@@ -197,7 +197,7 @@ class LauncherConformance:
                "--timeout-s", str(START_TIMEOUT_S)]  # fmt: skip
         done = subprocess.run(cli, capture_output=True, text=True, timeout=START_TIMEOUT_S + 60)
         assert done.returncode == 0, done.stderr
-        assert "from the state file" in done.stdout
+        assert "from the state file" in done.stdout, done.stdout
         assert harness.healthy()
         assert _mfs(harness.server_args()) == pytest.approx(0.85)
         assert harness.snapshot() == before

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, sim_command
+from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, set_flag, sim_command
 from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
@@ -163,5 +163,31 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
         after = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         assert after == before
         assert not (box.unit_dir / f"{env_unit}.d").exists()
+    finally:
+        box.systemctl_run("stop", unit, check=False)
+
+
+def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing(
+    systemd_sandbox: SystemdSandbox, tmp_path: Path  # noqa: F811
+) -> None:
+    box = systemd_sandbox
+    unit, settings, argv = _service(box, tmp_path)
+    _wait_healthy(settings["url"])
+    stray = box.unit(unit)
+    stray.write_dropin("90-tuner-trial.conf", stray.exec_start_dropin(set_flag(argv, "--mem-fraction-static", "0.7")))
+    box.systemctl_run("daemon-reload")
+    box.systemctl_run("restart", unit)
+    base = ["--unit", unit, "--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
+            "--dropin-dir", str(box.unit_dir), "--state-dir", str(tmp_path / "state"), "--url", settings["url"]]  # fmt: skip
+    try:
+        done = _cli("restore", *base)
+        assert done.returncode == 0 and "from the leftover trial change" in done.stdout, (done.stdout, done.stderr)
+        with SGLangClient(settings["url"]) as client:
+            assert client.server_info().mem_fraction_static == 0.85
+        assert sorted(p.name for p in (box.unit_dir / f"{unit}.d").iterdir()) == ["10-operator.conf"]
+        pid = stray.properties().main_pid
+        done = _cli("restore", *base)
+        assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
+        assert stray.properties().main_pid == pid
     finally:
         box.systemctl_run("stop", unit, check=False)

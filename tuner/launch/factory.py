@@ -106,7 +106,7 @@ def restore_service(
     state_dir: Path | str | None = None,
     timeout_s: float = 900.0,
     gpu: Any | None = None,
-) -> tuple[GuardedLauncher, LaunchState, bool]:
+) -> tuple[GuardedLauncher, LaunchState, str]:
     """Put a service back as it was before a tuning session (``tuner restore``).
 
     With a state file left by a session (after a crash or ``kill -9``) its recorded settings and
@@ -122,7 +122,8 @@ def restore_service(
         gpu: Optional GPU monitor.
 
     Returns:
-        ``(launcher, final state, whether a state file was used)``.
+        ``(launcher, final state, what was restored)``: ``"state file"``, ``"leftover trial
+        change"`` (no state file, but a stray trial drop-in was removed) or ``"nothing"``.
 
     Raises:
         LockHeldError: A live tuner holds the unit.
@@ -148,5 +149,10 @@ def restore_service(
         launcher = build_launcher({"launcher": "systemd", "unit": unit, "state_dir": str(folder)}, gpu=gpu)
     else:
         raise LaunchError("nothing to restore: no unit and no config given", hint="pass --unit UNIT or --config FILE")
-    used = launcher.store.load() is not None
-    return launcher, launcher.restore(timeout_s=timeout_s), used
+    if launcher.store.load() is not None:
+        source = "state file"
+    elif launcher.has_leftover_change():
+        source = "leftover trial change"
+    else:
+        source = "nothing"
+    return launcher, launcher.restore(timeout_s=timeout_s), source

@@ -379,6 +379,10 @@ class GuardedLauncher(Launcher):
     def _poll(self) -> _Poll:
         """New output lines since the last poll and the manager's view of the server."""
 
+    def has_leftover_change(self) -> bool:
+        """Whether the service carries a tuner change no state file records (a stray trial drop-in)."""
+        return False
+
     @abc.abstractmethod
     def _put_back(self, state: SessionState) -> None:
         """Put the original configuration back; start it when ``state.was_running``, else stop."""
@@ -522,9 +526,11 @@ class GuardedLauncher(Launcher):
     def restore(self, timeout_s: float = 900.0) -> LaunchState:
         """Put back the recorded original and wait until healthy (when it was running).
 
-        Uses the session's state, else the state file a killed tuner left; without either the
-        service is reset to its own configuration (the tuner's trial drop-in removed). Takes the
-        unit's lock when not already held. Clears the state file on success.
+        Uses the session's state, else the state file a killed tuner left; without either, a
+        leftover trial change (the systemd trial drop-in) is removed and the service restarted,
+        and when there is none nothing is touched (so ``tuner restore`` is safe to run at any
+        time, e.g. as ``ExecStopPost=``). Takes the unit's lock when not already held. Clears the
+        state file on success.
 
         .. note:: Changes the production service.
 
@@ -536,7 +542,13 @@ class GuardedLauncher(Launcher):
         if owned:
             self.lock.acquire()
         try:
-            state = self._state or self.store.load() or self._record_original()
+            state = self._state or self.store.load()
+            if state is None:
+                state = self._record_original()
+                if not self.has_leftover_change():
+                    log.info("%s: no state file and no trial change; nothing to restore", self.key)
+                    phase = LaunchPhase.READY if self._healthy() else LaunchPhase.STOPPED
+                    return LaunchState(phase=phase)
             self._watcher = LogWatcher()
             self._lines = []
             self._t0 = time.monotonic()

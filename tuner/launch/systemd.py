@@ -98,7 +98,7 @@ class SystemdLauncher(GuardedLauncher):
             log.warning("%s already has %s from an earlier run; it is not part of the original",
                         self.unit.name, TRIAL_DROPIN)  # fmt: skip
             dropins.pop(TRIAL_DROPIN)
-            cmd = self._argv_without_trial()
+            cmd = self.unit.exec_command(ignore_dropins=[TRIAL_DROPIN])
         active = self.unit.properties().active_state in ("active", "activating", "reloading")
         return SessionState(
             launcher="systemd",
@@ -111,14 +111,8 @@ class SystemdLauncher(GuardedLauncher):
             extra={"dropin_dir": str(self.unit.dropin_dir), "url": self.url},
         )
 
-    def _argv_without_trial(self) -> Any:
-        """The unit's command with a stale trial drop-in ignored (moved aside, read, put back)."""
-        text = self.unit.read_dropin(TRIAL_DROPIN) or ""
-        self.unit.remove_dropin(TRIAL_DROPIN)
-        try:
-            return self.unit.exec_command()
-        finally:
-            self.unit.write_dropin(TRIAL_DROPIN, text)
+    def has_leftover_change(self) -> bool:
+        return self.unit.read_dropin(TRIAL_DROPIN) is not None
 
     def dry_run(self, argv: list[str]) -> str:
         """The drop-in :meth:`start` would write and the change of command, as text.

@@ -467,8 +467,12 @@ class SystemdUnit:
             dropins = sorted(self.dropin_folder.glob("*.conf"))
         return [Path(fragment), *dropins]
 
-    def exec_command(self) -> ExecCommand:
+    def exec_command(self, *, ignore_dropins: Sequence[str] = ()) -> ExecCommand:
         """The command the unit runs, read from its unit file and drop-ins.
+
+        Args:
+            ignore_dropins: Names of drop-ins in :attr:`dropin_folder` to leave out (what the
+                command is without the tuner's trial drop-in).
 
         Returns:
             The parsed ``ExecStart=`` in effect.
@@ -479,6 +483,8 @@ class SystemdUnit:
         """
         texts = []
         for path in self.unit_files():
+            if path.parent == self.dropin_folder and path.name in ignore_dropins:
+                continue
             try:
                 texts.append(path.read_text(encoding="utf-8"))
             except OSError as err:
