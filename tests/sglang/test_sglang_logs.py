@@ -236,3 +236,15 @@ def test_every_truncation_of_every_line_parses_without_error() -> None:
     assert report.sglang_lines > 0
     for rank in report.ranks.values():  # a cut number is read as a shorter number or not at all, never as garbage
         assert rank.kv_tokens is None or rank.kv_tokens >= 0
+
+
+def test_progress_bars_glued_lines_and_mamba_cache() -> None:
+    r = parse_log([
+        "Loading safetensors checkpoint shards:  93% Completed | 13/14 [00:06<00:00,  1.95it/s]\r"
+        "Loading safetensors checkpoint shards: 100% Completed | 14/14 [00:07<00:00,  1.85it/s]",
+        "[2025-03-08 12:29:21 TP0] Memory pool end. avail mem=2.09 GB",
+        "  0%|          | 0/13 [00:00<?, ?it/s][2025-03-08 12:29:21 TP1] Capture cuda graph begin. This can take up to several minutes. avail mem=1.45 GB",
+        "[2025-12-29 18:33:03 TP0] Mamba Cache is allocated. max_mamba_cache_size: 85292, conv_state size: 4.88GB, ssm_state size: 0.00GB ",
+    ])
+    assert r.ranks["TP1"].graph_begin_avail_gib == 1.45 and "" not in r.ranks
+    assert r.ranks["TP0"].mamba_cache_gib == 4.88

@@ -77,6 +77,7 @@ class RankMemory(BaseModel):
         graph_bs: the captured decode batch sizes, when the log lists them (0.5.23).
         swa_tokens, swa_pool_gib: ``SWAKVPool mem usage: X GB, swa size: A, full size: B`` of
             hybrid SWA models (``kv_tokens`` is then the full pool B unless a KV line says more).
+        mamba_cache_gib: ``conv_state + ssm_state`` of ``Mamba Cache is allocated`` (hybrid models).
         draft: the draft model's own lines with speculative decoding (§4.1), else ``None``.
     """
 
@@ -102,6 +103,7 @@ class RankMemory(BaseModel):
     graph_bs: list[int] | None = None
     swa_tokens: int | None = None
     swa_pool_gib: float | None = None
+    mamba_cache_gib: float | None = None
     draft: RankMemory | None = None
 
     @property
@@ -309,6 +311,7 @@ _JOURNAL_ISO = re.compile(
 )
 _JOURNAL_NUMERIC = re.compile(r"^\[?\s*\d+\.\d+\]? \S+ (?P<ident>[^\s\[:]+)(?:\[\d+\])?: ")
 """``journalctl -o short-unix`` / ``short-monotonic`` prefixes."""
+_GLUED = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[^\]]{0,60}\] ")
 _HEAD = re.compile(r"^\[?(?P<head>[^\[\]]{0,120})\]\s?")
 _TIME = re.compile(r"(?:\d{4}-\d\d-\d\d[ T])?\d\d:\d\d:\d\d(?:[.,]\d+)?")
 _RANK_TOKEN = re.compile(r"\b(?:DP|PP|TP|EP|CP)\d+\b")
@@ -327,6 +330,11 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
         journald identifier (``python``, ``systemd``) when a journald prefix was present.
     """
     line = _ANSI.sub("", raw).rstrip("\r\n").replace("\x00", "")
+    if "\r" in line:  # tqdm progress bars redraw with \r; the last segment is what stays on screen
+        line = line.rsplit("\r", 1)[-1]
+    glued = _GLUED.search(line, 1)
+    if glued:  # an SGLang line glued after a progress bar: "  0%| | 0/13 [..][2025-03-08 12:29:21 TP1] Capture ..."
+        line = line[glued.start():]
     ident = None
     for pat in (_JOURNAL_SHORT, _JOURNAL_ISO, _JOURNAL_NUMERIC):
         m = pat.match(line)
@@ -364,6 +372,7 @@ _P = {
         r"|, KV size: (?P<kv>" + _NUM[1:-1] + r") GB)?"
     ),
     "post_capture": re.compile(r"Post-capture KV sizing: KV cache allocated\.\s*(?:dtype: (?P<dtype>[\w.]+), )?#tokens: (?P<tokens>\d+), KV size: " + _NUM + " GB"),
+    "mamba": re.compile(r"Mamba Cache is allocated\..*?conv_state size: " + _NUM + r" ?GB, ssm_state size: " + _NUM + r" ?GB"),
     "swa_pool": re.compile(r"SWAKVPool mem usage: " + _NUM + r" GB, swa size: (\d+), full size: (\d+)"),
     "pool_end": re.compile(r"Memory pool end\..*?avail mem=" + _NUM + " GB"),
     "cap_begin": re.compile(r"Capture (?P<name>.*?) begin\.(?P<body>.*)"),
@@ -666,6 +675,9 @@ class LogWatcher:
             d.update(kv_tokens=int(m.group("tokens")), kv_size_gib=float(m.group(3)), k_size_gib=None, v_size_gib=None)
             if m.group("dtype"):
                 d["kv_dtype"] = m.group("dtype")
+            return True
+        if m := _P["mamba"].search(msg):  # hybrid Mamba models carve their state out first (§1.2)
+            self._rank(rank)["mamba_cache_gib"] = round(sum(float(x) for x in m.groups()), 4)
             return True
         if m := _P["swa_pool"].search(msg):  # hybrid SWA models (§4.2 item 5)
             d = self._rank(rank)
