@@ -191,3 +191,23 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         assert stray.properties().main_pid == pid
     finally:
         box.systemctl_run("stop", unit, check=False)
+
+
+def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+    box = systemd_sandbox
+    examples = Path(__file__).parents[2] / "systemd"
+    for name in ("sglang.service", "sglang-sim.service"):
+        box.add_unit(f"example-{name}", (examples / name).read_text())
+        argv = box.unit(f"example-{name}").exec_command().argv
+        assert "--mem-fraction-static" in argv and argv[0].startswith("/opt/")
+    port = free_port()
+    text = (examples / "sglang-sim.service").read_text().replace("/opt/sglang-tuner/.venv/bin/python", sys.executable)
+    box.add_unit("example-sim-live.service", text.replace("--port 30000", f"--port {port}"))
+    box.systemctl_run("start", "example-sim-live.service")
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}")
+    finally:
+        box.systemctl_run("stop", "example-sim-live.service", check=False)
+    box.add_unit("example-tuner-run.service", (examples / "tuner-run.service").read_text())
+    shown = box.systemctl_run("show", "-p", "KillMode,TimeoutStopUSec,ExecStopPost", "example-tuner-run.service").stdout
+    assert "KillMode=mixed" in shown and "tuner restore" in shown
