@@ -60,6 +60,7 @@ __all__ = [
     "plan_undo",
     "execute",
     "service_settings",
+    "gpu_monitor",
     "study_config",
     "load_check_for",
 ]
@@ -382,16 +383,19 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _settings_dict(settings: Mapping[str, Any] | Any) -> dict[str, Any]:
-    if isinstance(settings, BaseModel):
-        return settings.model_dump(mode="json")
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in dict(settings).items()}
-
-
-def _build(settings: Mapping[str, Any]) -> Any:
+def _build(settings: Mapping[str, Any], gpu: Any | None = None) -> Any:
     from tuner.launch.factory import build_launcher  # composition root of launchers
 
-    return build_launcher(settings)
+    return build_launcher(settings, gpu=gpu)
+
+
+def gpu_monitor(config: Any) -> Any | None:
+    """The GPU monitor ``tuner run`` uses for this config (``None`` when none is available): before
+    the restart the old server's GPU memory must be released, or SGLang's baseline, and so the
+    token capacity being verified, shrinks (§1.2)."""
+    from tuner.trial import _gpu_monitor  # the run's own choice (nvml, the simulator's ledger, none)
+
+    return _gpu_monitor(config)
 
 
 class _PersistentDropinLauncher(SystemdLauncher):
@@ -524,23 +528,24 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
     return replace_flags(argv, changes, table) if changes else list(argv)
 
 
-def _flag_table(stored: StoredStudy, settings: Mapping[str, Any]) -> FlagTable:
-    env = stored.info.environment if stored.info else {}
-    version = settings.get("sglang_version") or env.get("sglang_version")
-    if not version:
-        raise ApplyError(
-            f"study {stored.name!r} does not record its SGLang version",
-            hint="set sglang_version in the config's service section",
-        )
-    return FlagTable.for_version(str(version))
+def _flag_table(stored: StoredStudy, config: Any, argv: list[str]) -> FlagTable:
+    """The run's flag table (:func:`tuner.trial.flag_table`), or the SGLang version the study
+    recorded when the config names none."""
+    from tuner.trial import flag_table
+
+    recorded = (stored.info.environment if stored.info else {}).get("sglang_version")
+    if recorded and not (config.service.sglang_version or config.service.python):
+        return FlagTable.for_version(str(recorded))
+    return flag_table(config, argv)
 
 
 def plan_apply(
     stored: StoredStudy,
     view: TrialView,
-    settings: Mapping[str, Any] | Any,
+    config: Any,
     *,
-    load: LoadCheck | None,
+    state_dir: Path | None = None,
+    load: LoadCheck | None = None,
 ) -> ApplyPlan:
     """Decide what applying ``view`` changes; reads the service, changes nothing.
 
@@ -550,7 +555,8 @@ def plan_apply(
     Args:
         stored: The study.
         view: The trial to apply; it must be feasible and carry its record.
-        settings: The launcher settings (the config's ``[service]``, plus ``state_dir``).
+        config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
+        state_dir: Folder of locks and state files (default: the config's, else the launcher's).
         load: The load check to run after the restart, or ``None``.
 
     Returns:
@@ -573,8 +579,7 @@ def plan_apply(
             f"trial {view.number} is not feasible ({why}); applying it would not be safe",
             hint="apply a feasible trial: see `tuner best` or `tuner trials --feasible`",
         )
-    settings = _settings_dict(settings)
-    table = _flag_table(stored, settings)
+    settings = service_settings(config, state_dir=state_dir)
     expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
     launcher = _build(settings)
     common = dict(
@@ -591,12 +596,12 @@ def plan_apply(
             launcher="process",
             target=launcher.key,
             previous_argv=current,
-            new_argv=_new_argv(stored, view, current, table),
+            new_argv=_new_argv(stored, view, current, _flag_table(stored, config, current)),
             **common,
         )
     unit = launcher.unit
     command = unit.exec_command()
-    new_argv = _new_argv(stored, view, command.argv, table)
+    new_argv = _new_argv(stored, view, command.argv, _flag_table(stored, config, command.argv))
     header = (
         f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {_now()}.\n"
         "Undo with `tuner apply --undo`; see `tuner applies`."
@@ -613,14 +618,22 @@ def plan_apply(
     )
 
 
-def plan_undo(stored: StoredStudy, settings: Mapping[str, Any] | Any, log_: ApplyLog) -> ApplyPlan:
+def plan_undo(
+    stored: StoredStudy, config: Any, log_: ApplyLog, *, state_dir: Path | None = None
+) -> ApplyPlan:
     """Plan the return to the state before the last verified apply on the service's unit.
+
+    Args:
+        stored: The study whose storage holds the apply records.
+        config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
+        log_: The apply records.
+        state_dir: Folder of locks and state files.
 
     Raises:
         ApplyError: Nothing to undo, the launcher is not systemd, or ``80-tuner.conf`` was
             changed by hand since that apply.
     """
-    settings = _settings_dict(settings)
+    settings = service_settings(config, state_dir=state_dir)
     launcher = _build(settings)
     if not isinstance(launcher, SystemdLauncher):
         raise ApplyError(
@@ -784,7 +797,14 @@ def _load_check(load: LoadCheck, url: str) -> Check:
     return Check(name="load", ok=not problems, detail="; ".join(problems + [detail]))
 
 
-def execute(plan: ApplyPlan, log_: ApplyLog, *, timeout_s: float = 900.0, write: Path | None = None) -> ApplyRecord:
+def execute(
+    plan: ApplyPlan,
+    log_: ApplyLog,
+    *,
+    timeout_s: float = 900.0,
+    write: Path | None = None,
+    gpu: Any | None = None,
+) -> ApplyRecord:
     """Carry out a plan: write, restart, wait, verify; roll back on any failure. Records it.
 
     With the process launcher nothing runs: the command line is returned in the record (and
@@ -795,6 +815,8 @@ def execute(plan: ApplyPlan, log_: ApplyLog, *, timeout_s: float = 900.0, write:
         log_: Where the apply (and a rollback) is recorded.
         timeout_s: Limit for the server to become ready (apply and rollback each).
         write: Process launcher: file to write the command line to.
+        gpu: A :class:`tuner.gpu.GPUMonitor` (:func:`gpu_monitor`): each start waits until the
+            stopped server's GPU memory is released.
 
     Returns:
         The record of a verified apply (or of the printed command).
@@ -820,7 +842,7 @@ def execute(plan: ApplyPlan, log_: ApplyLog, *, timeout_s: float = 900.0, write:
                 raise ApplyError(f"cannot write {write}: {err.strerror}", hint="pass a writable --write FILE") from err
         where = f"written to {write}" if write else "printed"
         return run.record(plan.action, f"process launcher: new command line {where}")
-    base = _build(plan.settings)
+    base = _build(plan.settings, gpu)
     launcher = _PersistentDropinLauncher(base, plan.new_dropin)
     unit = launcher.unit
     launcher.lock.acquire()

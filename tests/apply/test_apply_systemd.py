@@ -79,7 +79,7 @@ def _tuner(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[
     env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
     proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout_s, check=False)  # fmt: skip
-    print(f"$ tuner {' '.join(args)}\n{proc.stdout}{proc.stderr}rc={proc.returncode}")
+    print(f"$ tuner {' '.join(args)}\n{proc.stdout}{proc.stderr}rc={proc.returncode} at {time.monotonic():.1f}")
     return proc
 
 
@@ -116,6 +116,7 @@ journalctl = {json.dumps(box.journalctl)}
 dropin_dir = "{box.unit_dir}"
 sglang_version = "0.5.5"
 start_timeout_s = 120
+gpu_monitor = "sim"
 [workload]
 kind = "random"
 input_len = 256
