@@ -35,8 +35,8 @@ def test_code_constants_are_the_calibrated_factors():
 
 def test_reproduces_aiconfigurator_sglang_estimates():
     points = calibration()["points"]
-    assert len(points) >= 90
-    errors = []
+    assert len(points) >= 100
+    errors, moe_errors = [], []
     for p in points:
         c = inputs(p["model"], p["gpu"], p["tp"])
         if p["kind"] == "decode_tpot_ms":
@@ -45,9 +45,14 @@ def test_reproduces_aiconfigurator_sglang_estimates():
             isl = p["isl"]
             ms = 1e3 * step_time_s(c, StepShape(isl, 1, isl * (isl + 1) / 2, isl, eager=False))
         assert ms == pytest.approx(p["costmodel_ms"], rel=1e-3)
-        errors.append(math.log(ms / p["aiconfigurator_ms"]))
+        (moe_errors if p["model"] == "deepseek-v3" else errors).append(math.log(ms / p["aiconfigurator_ms"]))
+    # dense Llama points: RMS 6.3%, every point within 25%
     assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.08
     assert max(abs(e) for e in errors) < math.log(1.25)
+    # DeepSeek-V3 (MoE + MLA): RMS 14%, every point within a factor 1.6
+    assert len(moe_errors) == 14
+    assert math.sqrt(sum(e * e for e in moe_errors) / len(moe_errors)) < 0.16
+    assert max(abs(e) for e in moe_errors) < math.log(1.6)
 
 
 def test_decode_time_grows_with_batch_and_context():

@@ -7,12 +7,14 @@ layer, plus launch and communication overheads:
 - **Linear layers** (attention projections, MLP / MoE experts, LM head):
   ``max(weight bytes read / (HBM B/W × eff_hbm), 2 × active params × tokens / (peak × eff_gemm))``.
   A MoE step reads every dense weight plus the share of expert weights its tokens touch,
-  ``1 − (1 − k/E)^tokens`` (each token picks k of E experts).
+  ``1 − (1 − k/E)^tokens`` (each token picks k of E experts); the expert part runs at
+  ``eff_moe`` of the dense efficiency plus ``moe_layer_overhead_s`` per layer (routing).
 - **Attention**: ``max(KV bytes read / (HBM B/W × eff_hbm), attention FLOPs / (peak × eff_attn))``.
   KV bytes read = the KV cell (``kv_cell_bytes``, §1.3, per GPU) × every cached token each
   sequence of the step attends to. FLOPs per (query, key) pair = ``2 × heads per rank × (d_qk +
   d_v) × layers`` (MHA/GQA: ``d_qk = d_v = head_dim``; MLA in its absorbed form: ``d_qk =
-  kv_lora_rank + qk_rope_head_dim``, ``d_v = kv_lora_rank``).
+  kv_lora_rank + qk_rope_head_dim``, ``d_v = kv_lora_rank``). MLA's KV reads run at ``eff_mla``
+  of the MHA read efficiency.
 - **Tensor parallelism**: two all-reduces of ``tokens × hidden × 2 B`` per layer, ring cost
   ``2 (tp − 1)/tp × bytes / link B/W`` plus a fixed latency each. Link B/W is NVLink for the SXM
   parts (H100, H200, A100) and PCIe for the others (L40S, L4, RTX PRO 6000).
@@ -33,9 +35,11 @@ The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-s
 fitted once (log least squares) to aiconfigurator 0.12.0's offline SGLang (0.5.14 database)
 estimates for Llama-3.1-8B (tp 1) and Llama-3.1-70B (tp 4, 8) on H100-SXM and H200-SXM: decode
 TPOT at batch 1-256 with 1k and 4k inputs, and prefill TTFT of 512-16k tokens (96 points, RMS
-error 6.3%). ``tuner/sim/data/calibration.json`` keeps those figures, the commands, the fit and
-each point's prediction; the constants below are the fitted values (efficiencies capped at 0.9),
-so nothing is read at run time.
+error 6.3%); then ``eff_moe``, ``eff_mla`` and ``moe_layer_overhead_s`` to its DeepSeek-V3 (FP8,
+tp 8, H200) estimates (14 points, RMS 14%; aiconfigurator used low-fidelity fallback tables for
+MLA, so ``eff_mla`` is the least certain factor). ``tuner/sim/data/calibration.json`` keeps those
+figures, the commands, the fit and each point's prediction; the constants below are the fitted
+values (dense efficiencies capped at 0.9), so nothing is read at run time.
 
 Activation memory (for the runtime OOM of §1.6 / §4.4) is a stated model, not an SGLang fact:
 the peak transient bytes of one layer's forward over ``n`` tokens, since a layer's temporaries are
@@ -76,6 +80,10 @@ class CostFactors:
         eff_hbm: Achieved fraction of HBM bandwidth for weight and KV reads.
         eff_gemm: Achieved fraction of dense bf16 peak for linear layers.
         eff_attn: Achieved fraction of dense bf16 peak for attention.
+        eff_moe: Extra efficiency of MoE expert layers (grouped GEMMs over few tokens per
+            expert) relative to dense linear layers.
+        eff_mla: Extra efficiency of MLA decode attention's KV reads relative to MHA's.
+        moe_layer_overhead_s: Fixed cost per MoE layer per step (routing, token permutation).
         graph_step_overhead_s: Fixed cost of a CUDA-graph decode step (replay, sampling), seconds.
         eager_layer_overhead_s: CPU launch time per layer of an eager step, seconds.
         step_overhead_s: Scheduler cost of every step, seconds.
@@ -86,6 +94,9 @@ class CostFactors:
     eff_hbm: float = 0.88
     eff_gemm: float = 0.64
     eff_attn: float = 0.90
+    eff_moe: float = 0.67
+    eff_mla: float = 0.17
+    moe_layer_overhead_s: float = 45e-6
     graph_step_overhead_s: float = 0.7e-3
     eager_layer_overhead_s: float = 0.45e-3
     step_overhead_s: float = 0.3e-3
@@ -253,7 +264,7 @@ class StepShape:
 
 
 def _moe_split(c: CostInputs) -> tuple[float, float]:
-    """(dense bytes, expert bytes) of the weights on one GPU."""
+    """(dense bytes, expert bytes) of the weights on one GPU, split by parameter count."""
     if c.num_experts <= 0 or c.experts_per_token <= 0 or c.moe_intermediate_size <= 0:
         return float(c.weight_bytes_per_gpu), 0.0
     expert_params = c.num_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
@@ -263,14 +274,16 @@ def _moe_split(c: CostInputs) -> tuple[float, float]:
 
 def _linear_s(c: CostInputs, num_tokens: int) -> float:
     f = c.factors
+    bw = c.hbm_gb_s * 1e9 * f.eff_hbm
+    peak = c.bf16_tflops * 1e12 * f.eff_gemm
     dense_b, expert_b = _moe_split(c)
-    if expert_b:
-        touched = 1.0 - (1.0 - c.experts_per_token / c.num_experts) ** num_tokens
-        read = dense_b + expert_b * touched
-    else:
-        read = dense_b
-    flops = 2.0 * c.params_active / c.tp_size * num_tokens
-    return max(read / (c.hbm_gb_s * 1e9 * f.eff_hbm), flops / (c.bf16_tflops * 1e12 * f.eff_gemm))
+    if not expert_b:
+        return max(dense_b / bw, 2.0 * c.params_active / c.tp_size * num_tokens / peak)
+    expert_active = min(0.98 * c.params_active, c.num_layers * c.experts_per_token * 3 * c.hidden_size * c.moe_intermediate_size)
+    touched = 1.0 - (1.0 - c.experts_per_token / c.num_experts) ** num_tokens
+    dense_s = max(dense_b / bw, 2.0 * (c.params_active - expert_active) / c.tp_size * num_tokens / peak)
+    expert_s = max(expert_b * touched / bw, 2.0 * expert_active / c.tp_size * num_tokens / peak)
+    return dense_s + expert_s / f.eff_moe + c.num_layers * f.moe_layer_overhead_s
 
 
 def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int) -> float:
@@ -282,7 +295,8 @@ def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int) -> float:
         d_qk = d_v = c.head_dim
     flops = 2.0 * heads * (d_qk + d_v) * c.num_layers * attn_pairs
     read = float(c.kv_cell_bytes) * kv_read_tokens
-    return max(read / (c.hbm_gb_s * 1e9 * f.eff_hbm), flops / (c.bf16_tflops * 1e12 * f.eff_attn))
+    eff_read = f.eff_hbm * (f.eff_mla if c.is_mla else 1.0)
+    return max(read / (c.hbm_gb_s * 1e9 * eff_read), flops / (c.bf16_tflops * 1e12 * f.eff_attn))
 
 
 def _comm_s(c: CostInputs, num_tokens: int) -> float:
