@@ -26,20 +26,44 @@ from tuner.sglang.modelconfig import load_model_config
 MODEL = Path(__file__).resolve().parent / "models" / "llama-3.1-8b"
 
 
+class _Watched:
+    """A LogWatcher fed by a reader thread; every access holds the lock."""
+
+    def __init__(self) -> None:
+        self.watcher = LogWatcher()
+        self.lock = threading.Lock()
+
+    def feed(self, line: str) -> None:
+        with self.lock:
+            self.watcher.feed(line)
+
+    @property
+    def ready(self) -> bool:
+        with self.lock:
+            return self.watcher.ready
+
+    @property
+    def failure(self) -> Failure | None:
+        with self.lock:
+            return self.watcher.failure
+
+    def report(self, exit_status: int | None = None) -> LogReport:
+        with self.lock:
+            return self.watcher.report(exit_status=exit_status)
+
+
 @contextmanager
-def sim(version: str, mfs: float, *extra: str) -> Iterator[tuple[SGLangClient, LogWatcher, subprocess.Popen[str]]]:
+def sim(version: str, mfs: float, *extra: str) -> Iterator[tuple[SGLangClient, _Watched, subprocess.Popen[str]]]:
     port = free_port()
     cmd = [sys.executable, "-m", "tuner.sim", "--model-path", str(MODEL), "--sim-gpu", "H100-80GB", "--sim-version", version,
            "--sim-time-scale", "0.01", "--mem-fraction-static", str(mfs), "--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    watcher = LogWatcher()
-    lock = threading.Lock()
+    watcher = _Watched()
 
     def pump() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
-            with lock:
-                watcher.feed(line)
+            watcher.feed(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -58,7 +82,7 @@ def sim(version: str, mfs: float, *extra: str) -> Iterator[tuple[SGLangClient, L
         reader.join(timeout=10)
 
 
-def _failure_check(watcher: LogWatcher, proc: subprocess.Popen[str]):  # type: ignore[no-untyped-def]
+def _failure_check(watcher: _Watched, proc: subprocess.Popen[str]):  # type: ignore[no-untyped-def]
     def check() -> Failure | None:
         if watcher.failure is not None:
             return watcher.failure
@@ -67,12 +91,13 @@ def _failure_check(watcher: LogWatcher, proc: subprocess.Popen[str]):  # type: i
     return check
 
 
-def _start(client: SGLangClient, watcher: LogWatcher, proc: subprocess.Popen[str]) -> LogReport:
+def _start(client: SGLangClient, watcher: _Watched, proc: subprocess.Popen[str]) -> LogReport:
     info = client.wait_ready(120, failure_check=_failure_check(watcher, proc), poll_s=0.1)
-    for _ in range(200):  # the ready line follows /health by a warm-up request
+    for _ in range(1200):  # the ready line follows /health by a warm-up request; the reader may lag
         if watcher.ready:
             break
         threading.Event().wait(0.05)
+    assert watcher.ready, "no ready line within 60 s of /health answering"
     report = watcher.report()
     assert info.max_total_num_tokens == report.max_total_num_tokens
     assert info.mem_fraction_static is not None
