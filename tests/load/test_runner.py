@@ -138,3 +138,23 @@ def test_server_crash_mid_run_ends_promptly_with_partial_results(start_server) -
     assert result.partial and "server" in (result.stop_reason or "")
     assert result.summary.completed == 0 and result.summary.errored + result.summary.incomplete >= 6
     assert any(r.error_kind in ("disconnect", "connect") for r in result.records)
+
+
+def test_trace_replays_at_its_own_times_with_sessions(sse_url: str, tmp_path) -> None:
+    import json
+
+    from tuner.load import TraceSpec
+
+    rows = [{"timestamp_s": 100 + i * 0.1, "input_len": 32 + 8 * (i // 2), "output_len": 3, "session": i % 2}
+            for i in range(8)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    result = run_load_sync(sse_url, build_workload(TraceSpec(path=path, time_scale=2.0), seed=0))
+    assert result.summary.completed == 8 and result.settings["mode"] == "trace"
+    by_rid = {r.rid: r for r in result.records}
+    for i in range(8):
+        record = by_rid[f"trace-0-{i}"]
+        assert record.send_time_s >= i * 0.2 - 0.005  # never before its (scaled) arrival time
+        if i >= 2:  # a session's later turn waits for the previous one and reuses it
+            assert record.send_time_s >= by_rid[f"trace-0-{i - 2}"].end_time_s
+            assert record.cached_tokens >= 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from tuner.errors import LoadError
+from tuner.errors import ConfigError, LoadError
 from tuner.load.workloads import (
     MultiTurnSpec,
     RandomSpec,
@@ -19,6 +19,7 @@ from tuner.load.workloads import (
     build_workload,
     capacity_probe,
     designed_hit_rate,
+    spec_from_options,
 )
 
 
@@ -132,3 +133,19 @@ def test_capacity_probe_and_spec_validation() -> None:
     with pytest.raises(ValueError):
         TypeAdapter(WorkloadSpec).validate_python({"kind": "bogus"})
     assert "shared_prefix(" in build_workload(SharedPrefixSpec(), seed=0).describe()
+
+
+def test_spec_from_cli_options() -> None:
+    spec = spec_from_options("shared-prefix", {"num_groups": 4, "output_len": 8, "input_len": None})
+    assert isinstance(spec, SharedPrefixSpec) and spec.num_groups == 4 and spec.system_prompt_len == 2048
+    cases = [
+        ("random", {"num_groups": 3}, "--num-groups does not apply to --workload random"),
+        ("nope", {}, "--workload 'nope' is unknown"),
+        ("random", {"input_len": 0}, "--input-len 0 is invalid"),
+        ("trace", {}, "--trace"),
+        ("multi-turn", {"turns": -1}, "--turns"),
+    ]
+    for kind, options, needle in cases:
+        with pytest.raises(ConfigError) as info:
+            spec_from_options(kind, options)
+        assert needle in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,40 @@
+"""`tuner load` as a user runs it (a real subprocess) against the SSE test server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tuner.cli", "load", *args], capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_max_under_slo_from_the_cli(start_server, tmp_path: Path) -> None:
+    server = start_server("--ttft-ms", "3", "--itl-ms", "2", "--capacity", "4")
+    out = tmp_path / "search.json"
+    done = _cli("--url", server.url, "--input-len", "16", "--output-len", "20", "--max-under-slo",
+                "--slo", "p99_ttft_ms=35", "--start", "2", "--max-value", "8", "--duration", "1",
+                "--warmup", "0.3", "--time-budget", "60", "--target-attainment", "0.8", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["knob"] == "concurrency" and data["steps"] and data["steps"][0]["value"] == 2
+    assert data["status"] in ("found", "indeterminate", "none_pass")
+    assert data["message"] in done.stdout
+
+
+def test_cli_option_errors_are_one_line(sse_url: str) -> None:
+    # One case per path: option validation in the CLI, the workload spec, and run_load's own checks
+    # (the other messages are unit-tested in test_workloads.py / test_metrics.py).
+    cases = [
+        (["--max-under-slo"], "--slo"),
+        (["--concurrency", "2", "--num-groups", "3", "--duration", "1"], "--num-groups does not apply"),
+        (["--concurrency", "2"], "--duration"),
+    ]
+    for args, needle in cases:
+        done = _cli("--url", sse_url, *args)
+        assert done.returncode == 1, (args, done.stdout)
+        assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
