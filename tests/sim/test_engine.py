@@ -389,3 +389,35 @@ def test_real_and_virtual_clocks_give_the_same_run():
     assert [ev for _, ev in virtual] == [ev for _, ev in real]
     # a real sleep lasts at least as long as asked, so every event is no earlier than on virtual time
     assert all(tr >= tv - 1e-9 for (tv, _), (tr, _) in zip(virtual, real))
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(page_size=64),
+    dict(page_size=16, hicache_host_tokens=30_000, hicache_write_policy="write_back"),
+    dict(hicache_host_tokens=20_000, hicache_write_policy="write_through_selective", enable_mixed_chunk=True),
+    dict(chunked_prefill_size=None, schedule_policy="lpm", disable_radix_cache=False),
+    dict(disable_radix_cache=True, chunked_prefill_size=512),
+])
+def test_pool_accounting_stays_consistent(overrides):
+    """Mixed traffic (shared prefixes, long inputs, retractions) never over-commits the pool and
+    leaves every cell free or evictable at the end."""
+    spec = make_spec(max_total_num_tokens=12_000, max_running_requests=24, **overrides)
+    e = Engine(spec)
+    rng = random.Random(18)
+    systems = [ids(700, rng) for _ in range(4)]
+    for i in range(60):
+        prompt = rng.choice(systems) + ids(rng.randint(10, 400), rng) if i % 2 else ids(rng.randint(50, 2500), rng)
+        e.add_request(SimRequest(f"r{i}", prompt, rng.randint(1, 300), ignore_eos=bool(i % 3)))
+    done = 0
+    for _ in range(50_000):
+        if not e.has_work():
+            break
+        done += sum(isinstance(ev, FinishEvent) for ev in e.step(0.0).events)
+        s = e.stats()
+        assert 0 <= s["num_used_tokens"] <= spec.max_total_num_tokens
+        assert e.cache.device_tokens + e._private_total <= spec.max_total_num_tokens
+        assert s["hicache_host_used_tokens"] <= (spec.hicache_host_tokens or 0)
+    assert done == 60
+    s = e.stats()
+    assert s["num_used_tokens"] == 0 and e._private_total == 0
+    assert e.cache.evictable_tokens == e.cache.device_tokens
