@@ -15,6 +15,7 @@ memory`` beats the ``Scheduler hit an exception`` that follows it).
 from __future__ import annotations
 
 import re
+import threading
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
@@ -471,10 +472,16 @@ class LogWatcher:
     Feed lines one at a time; :attr:`ready` and :attr:`failure` are current after each line
     (the failure is set as soon as the first failure line arrives and upgraded when more
     specific evidence follows). :meth:`report` freezes what was seen into a :class:`LogReport`.
-    Holds no global state; one watcher per server start.
+    Holds no global state; one watcher per server start. ``feed`` and ``report`` may be called
+    from different threads (a reader thread and a poller).
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forget everything seen (a new start begins)."""
         self.ready: bool = False
         self.failure: Failure | None = None
         self._failure_prio = -1
@@ -502,15 +509,16 @@ class LogWatcher:
         msg, rank, ts, ident = clean_line(line)
         if not msg:
             return
-        if ident == "systemd" or "Main process exited" in msg:
-            m = _SYSTEMD_EXIT.search(msg)
-            if m:
-                status = int(m.group("status"))
-                self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
-            return
-        if self._parse(msg, rank, ts):
-            self._sglang_lines += 1
-            self._last_sglang_line = msg
+        with self._lock:
+            if ident == "systemd" or "Main process exited" in msg:
+                m = _SYSTEMD_EXIT.search(msg)
+                if m:
+                    status = int(m.group("status"))
+                    self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
+                return
+            if self._parse(msg, rank, ts):
+                self._sglang_lines += 1
+                self._last_sglang_line = msg
 
     @property
     def phase(self) -> str:
@@ -541,6 +549,10 @@ class LogWatcher:
         Returns:
             The :class:`LogReport`.
         """
+        with self._lock:
+            return self._report(exit_status)
+
+    def _report(self, exit_status: int | None) -> LogReport:
         status = exit_status if exit_status is not None else self._exit_status
         failure = self.failure
         if failure is not None and status is not None and failure.exit_status is None:
@@ -628,7 +640,7 @@ class LogWatcher:
         if not restart:
             return False
         warnings = [*self._warnings, "the log holds more than one server start; the report covers the last one"]
-        self.__init__()  # type: ignore[misc]
+        self._reset()
         self._warnings = list(dict.fromkeys(warnings))
         return True
 
