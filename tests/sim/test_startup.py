@@ -53,6 +53,7 @@ def test_0_5_10_and_0_5_23_formats(tmp_path) -> None:
     log = _start_log(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.10"], tmp_path)
     assert re.search(r"Init torch distributed ends\. elapsed=[\d.]+ s, mem usage=0\.00 GB", log)
     assert re.search(r"Load weight end\. elapsed=[\d.]+ s, type=LlamaForCausalLM, avail mem=[\d.]+ GB, mem usage=14\.96 GB\.", log)
+    assert re.search(r"Capture piecewise CUDA graph end\. Time elapsed: [\d.]+ s\. mem usage=0\.45 GB\. avail mem=", log)
     log = _start_log(["--model-path", "deepseek-v3", "--tp", "8", "--sim-gpu", "H200-141GB", "--sim-version", "0.5.23"],
                      tmp_path)
     assert "Init parallel ends. elapsed=" in log and "Memory baseline taken. mem usage=" in log
@@ -60,6 +61,7 @@ def test_0_5_10_and_0_5_23_formats(tmp_path) -> None:
     assert re.search(r"KV Cache is allocated\. dtype: torch\.bfloat16, #tokens: \d+, KV size: [\d.]+ GB", log)
     assert re.search(r"Capture target decode CUDA graph end\. bs=\[1, 2, .*\], elapsed=[\d.]+ s, mem usage=[\d.]+ GB, "
                      r"avail mem=[\d.]+ GB\.", log)
+    assert re.search(r"Capture target prefill CUDA graph end\. elapsed=[\d.]+ s, mem usage=1\.50 GB, avail mem=", log)
 
 
 def test_reference_deployment_log(tmp_path) -> None:

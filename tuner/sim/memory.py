@@ -132,6 +132,9 @@ class ServerConfig:
         cuda_graph_max_bs: Largest decode batch captured (§2.1), 0 when graphs are disabled.
         cuda_graph_bs: The capture list before the cut at max_num_reqs (§2.1).
         disable_cuda_graph: No graphs at all.
+        prefill_graphs: Prefill-side graphs are captured too: 0.5.10's piecewise CUDA graphs (on
+            unless speculative decoding, HiCache or ``--disable-piecewise-cuda-graph``, §2.2) and
+            0.5.23's target prefill graphs (unless ``--disable-prefill-cuda-graph``).
         schedule_policy, schedule_conservativeness, enable_mixed_chunk, disable_radix_cache:
             scheduler knobs (§2.4).
         speculative: Resolved speculative decoding or None. draft: its draft model or None.
@@ -160,6 +163,7 @@ class ServerConfig:
     cuda_graph_max_bs: int
     cuda_graph_bs: tuple[int, ...]
     disable_cuda_graph: bool
+    prefill_graphs: bool
     schedule_policy: str
     schedule_conservativeness: float
     enable_mixed_chunk: bool
@@ -396,6 +400,8 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
 
     hicache = bool(v.get("enable_hierarchical_cache"))
     piecewise = version == "0.5.10" and not (spec or hicache or v.get("disable_piecewise_cuda_graph"))
+    prefill_graphs = not disable_graph and (
+        piecewise or (version == "0.5.23" and not (v.get("disable_prefill_cuda_graph") or v.get("disable_cuda_graph"))))
     mfs = v.get("mem_fraction_static")
     if mfs is None:
         mfs = default_mem_fraction_static(
@@ -437,6 +443,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         max_total_tokens=v.get("max_total_tokens"), page_size=page, context_len=context_len,
         kv_cache_dtype=kv_dtype, cuda_graph_max_bs=0 if disable_graph else max_bs,
         cuda_graph_bs=() if disable_graph else bs_list, disable_cuda_graph=disable_graph,
+        prefill_graphs=prefill_graphs,
         schedule_policy=str(v.get("schedule_policy") or "fcfs"),
         schedule_conservativeness=float(v.get("schedule_conservativeness") or 1.0),
         enable_mixed_chunk=bool(v.get("enable_mixed_chunk")) and spec is None,
@@ -524,7 +531,9 @@ class MemoryPlan:
         req_to_token_bytes: The table's bytes per GPU.
         max_running_requests: Effective value (§2.3).
         capture_bs: Batch sizes captured (after the cut at max_num_reqs).
-        graph_bytes: Target CUDA-graph bytes per GPU.
+        graph_bytes: Target decode (or verify) CUDA-graph bytes per GPU.
+        prefill_graph_bytes: Piecewise / prefill CUDA-graph bytes per GPU (0.5.10+, see
+            :data:`PIECEWISE_GRAPH_TOKEN_SIZES`): the amount the default fraction reserves for them.
         draft_kv_bytes, draft_graph_bytes: The draft worker's pool and graphs.
         hicache_host_tokens, hicache_host_bytes: Host pool per rank (0 without HiCache).
         warnings: Lines logged while sizing (``max_total_tokens=... is larger than ...``).
@@ -549,6 +558,7 @@ class MemoryPlan:
     max_running_requests: int = 0
     capture_bs: tuple[int, ...] = ()
     graph_bytes: int = 0
+    prefill_graph_bytes: int = 0
     draft_kv_bytes: int = 0
     draft_graph_bytes: int = 0
     hicache_host_tokens: int = 0
@@ -725,12 +735,15 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
     tokens_per_req = spec.num_draft_tokens if (spec and draft) else 1
     g = graph_bytes(bs, model.hidden_size, model.num_layers, tokens_per_req, _mlp_width(model, tp),
                     model.vocab_size / tp)
+    pg = 0
+    if cfg.prefill_graphs:
+        pg = (1536 if model.is_mla else 8 * PIECEWISE_GRAPH_TOKEN_SIZES) * MIB
     ranks = [replace(r, before_capture=r.after_pool - ATTENTION_WORKSPACE_BYTES) for r in ranks]
-    plan = replace(plan, ranks=tuple(ranks), capture_bs=bs, graph_bytes=g)
+    plan = replace(plan, ranks=tuple(ranks), capture_bs=bs, graph_bytes=g, prefill_graph_bytes=pg)
     worst = min(ranks, key=lambda x: x.before_capture)
-    if worst.before_capture < 0 or g > worst.before_capture:
-        return replace(plan, failure=StartupFailure("graph_oom", worst.rank, g, max(worst.before_capture, 0)))
-    ranks = [replace(r, after_capture=r.before_capture - g) for r in ranks]
+    if worst.before_capture < 0 or g + pg > worst.before_capture:
+        return replace(plan, failure=StartupFailure("graph_oom", worst.rank, g + pg, max(worst.before_capture, 0)))
+    ranks = [replace(r, after_capture=r.before_capture - g - pg) for r in ranks]
     plan = replace(plan, ranks=tuple(ranks))
 
     # The draft worker of 0.5.5 / 0.5.10: created after the target is up, outside the budget (§1.5).

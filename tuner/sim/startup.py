@@ -36,6 +36,9 @@ __all__ = [
 
 MIB_F = float(1 << 20)
 
+PREFILL_GRAPH_CAPTURE_S = 5.0
+"""Realistic time to capture the piecewise / prefill graphs, seconds (simulator's)."""
+
 
 class SimLogger:
     """Writes SGLang-format log lines: ``[%Y-%m-%d %H:%M:%S TPn] message`` (§4.1).
@@ -379,6 +382,15 @@ def _capture(plan: MemoryPlan, log: SimLogger, wait: Callable[[float], float], d
     else:
         log.all_ranks(lambda r: f"Capture cuda graph end. Time elapsed: {t:.2f} s. mem usage={_gb(nbytes)} GB. "
                                 f"avail mem={_gb((before(r) or 0) - nbytes)} GB.")
+    pg = plan.prefill_graph_bytes if runner == "target" else 0
+    if pg:
+        t = wait(PREFILL_GRAPH_CAPTURE_S)
+        if version == "0.5.23":
+            log.all_ranks(lambda r: f"Capture target prefill CUDA graph end. elapsed={t:.2f} s, mem usage={_gb(pg)} GB, "
+                                    f"avail mem={_gb((before(r) or 0) - nbytes - pg)} GB.")
+        else:
+            log.all_ranks(lambda r: f"Capture piecewise CUDA graph end. Time elapsed: {t:.2f} s. mem usage={_gb(pg)} GB. "
+                                    f"avail mem={_gb((before(r) or 0) - nbytes - pg)} GB.")
     return True
 
 
