@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -39,7 +40,7 @@ from tuner.load.workloads import Request
 __all__ = ["Api", "API_PATHS", "TokenCounter", "StreamClient", "normalize_url"]
 
 Api = Literal["generate", "completions"]
-API_PATHS: dict[str, str] = {"generate": "/generate", "completions": "/v1/completions"}
+API_PATHS: Mapping[str, str] = MappingProxyType({"generate": "/generate", "completions": "/v1/completions"})
 logger = logging.getLogger(__name__)
 
 

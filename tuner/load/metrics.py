@@ -149,7 +149,7 @@ class RequestRecord(BaseModel):
         server_rid: The server's id of the request (``meta_info.id`` / ``id``), to find it in logs.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     rid: str
     phase: Literal["warmup", "measure", "cooldown"] = "measure"

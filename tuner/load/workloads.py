@@ -28,9 +28,10 @@ Kinds:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Literal
 
 import numpy as np
@@ -449,12 +450,12 @@ def capacity_probe(n: int, context_len: int, *, output_len: int = 16, seed: int 
     )
 
 
-WORKLOAD_KINDS: dict[str, type[RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec]] = {
+WORKLOAD_KINDS: Mapping[str, type[RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec]] = MappingProxyType({
     "random": RandomSpec,
     "shared-prefix": SharedPrefixSpec,
     "multi-turn": MultiTurnSpec,
     "trace": TraceSpec,
-}
+})
 """``--workload`` names (CLI spelling) and their spec classes."""
 
 
