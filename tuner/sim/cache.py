@@ -386,11 +386,22 @@ class PrefixCache:
         """
         if num_tokens <= 0 or self.evictable_tokens <= 0:
             return 0
-        heap = [x for x in self._iter_nodes() if self._device_leaf(x)]
+        heap: list[tuple[int, int, _Node]] = []  # (last_access, tie-break, node): C-level compares
+        stack = list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            children = x.children
+            if children:
+                stack.extend(children.values())
+                if x.on_device and x.lock_ref == 0 and not any(c.on_device for c in children.values()):
+                    heap.append((x.last_access, len(heap), x))
+            elif x.on_device and x.lock_ref == 0:
+                heap.append((x.last_access, len(heap), x))
         heapq.heapify(heap)
+        tie = len(heap)
         freed = 0
         while heap and freed < num_tokens:
-            x = heapq.heappop(heap)
+            _, _, x = heapq.heappop(heap)
             parent = x.parent
             size = len(x.key)
             if self.hierarchical and (x.on_host or (self.write_policy == "write_back" and self._backup(x))):
@@ -401,7 +412,8 @@ class PrefixCache:
                 self._delete_subtree(x)
             freed += size
             if parent is not None and parent is not self.root and self._device_leaf(parent):
-                heapq.heappush(heap, parent)
+                tie += 1
+                heapq.heappush(heap, (parent.last_access, tie, parent))
         self.evicted_tokens_total += freed
         return freed
 

@@ -211,7 +211,7 @@ class _Req:
 
     __slots__ = (
         "rid", "input_ids", "n_in", "max_new", "stop_len", "ignore_eos", "arrival_s", "rng",
-        "out_ids", "fill", "fill_done", "kv_len", "tree_len", "node", "private", "cached_device",
+        "n_out", "out_ids", "fill", "fill_done", "kv_len", "tree_len", "node", "private", "cached_device",
         "cached_host", "admitted_once", "credit", "new_tokens", "finish_reason", "retractions",
     )
 
@@ -225,7 +225,8 @@ class _Req:
         h = zlib.crc32(req.rid.encode()) ^ (seed * 0x9E3779B1)
         self.rng = h & 0xFFFFFFFF or 1
         self.stop_len = max_new if req.ignore_eos or max_new <= 1 else 1 + h % max_new
-        self.out_ids: list[int] = []
+        self.n_out = 0  # tokens generated so far
+        self.out_ids: list[int] = []  # their ids, generated lazily up to n_out
         self.fill: tuple[int, ...] = self.input_ids
         self.fill_done = 0
         self.kv_len = 0
@@ -239,10 +240,6 @@ class _Req:
         self.new_tokens = 0
         self.finish_reason: dict | None = None
         self.retractions = 0
-
-    @property
-    def out(self) -> int:
-        return len(self.out_ids)
 
 
 class Engine:
@@ -404,7 +401,8 @@ class Engine:
         events: list[Event] = []
         for r in token_reqs:
             k = r.new_tokens
-            events.append(TokenEvent(r.rid, r.out_ids[-k:] if k else [], r.n_in, r.out, r.cached_device + r.cached_host))
+            ids = self._materialize(r)[r.n_out - k : r.n_out] if k else []
+            events.append(TokenEvent(r.rid, ids, r.n_in, r.n_out, r.cached_device + r.cached_host))
         for r in finished:
             events.append(self._finish_event(r))
         return StepResult(duration_s, events)
@@ -486,29 +484,43 @@ class Engine:
         self._private_total -= moved
         r.tree_len = aligned
 
-    def _next_token(self, r: _Req) -> int:
-        r.rng = (r.rng * 1103515245 + 12345) & 0x7FFFFFFF
-        tok = 16 + (r.rng >> 4) % self._vocab_span
-        return tok
+    def _materialize(self, r: _Req) -> list[int]:
+        """Generate the ids of ``r``'s output tokens up to ``n_out`` (deterministic per rid and seed).
+
+        A request that stops early (``ignore_eos`` False) ends with ``eos_token_id``.
+        """
+        out = r.out_ids
+        if len(out) < r.n_out:
+            rng = r.rng
+            span = self._vocab_span
+            eos_at = r.stop_len - 1 if r.stop_len < r.max_new else -1
+            for i in range(len(out), r.n_out):
+                rng = (rng * 1103515245 + 12345) & 0x7FFFFFFF
+                out.append(self.spec.eos_token_id if i == eos_at else 16 + (rng >> 4) % span)
+            r.rng = rng
+        return out
 
     def _emit(self, r: _Req, n: int) -> None:
-        """Append ``n`` generated tokens to ``r`` and mark it finished when it reaches its end."""
-        n = min(n, r.stop_len - r.out)
-        out = r.out_ids
-        for _ in range(n):
-            out.append(self._next_token(r))
+        """Count ``n`` generated tokens for ``r`` and mark it finished when it reaches its end."""
+        n = min(n, r.stop_len - r.n_out)
+        r.n_out += n
         r.new_tokens = n
         self.generation_tokens_total += n
-        if r.out >= r.stop_len:
-            if r.out >= r.max_new:
-                r.finish_reason = {"type": "length", "length": r.max_new}
-            else:
-                out[-1] = self.spec.eos_token_id
-                r.finish_reason = {"type": "stop", "matched": self.spec.eos_token_id}
+        if r.n_out >= r.stop_len:
+            self._set_finish_reason(r)
+
+    def _set_finish_reason(self, r: _Req) -> None:
+        if r.n_out >= r.max_new:
+            r.finish_reason = {"type": "length", "length": r.max_new}
+        else:
+            r.finish_reason = {"type": "stop", "matched": self.spec.eos_token_id}
 
     def _finish(self, r: _Req) -> None:
         """Cache the finished sequence's KV, free the rest, count the request."""
-        kv_tokens = r.input_ids + tuple(r.out_ids[: max(0, r.kv_len - r.n_in)]) if r.kv_len > r.n_in else r.input_ids[: r.kv_len]
+        if r.kv_len > r.n_in:
+            kv_tokens = r.input_ids + tuple(self._materialize(r)[: r.kv_len - r.n_in])
+        else:
+            kv_tokens = r.input_ids[: r.kv_len]
         self._cache_prefix(r, kv_tokens)
         self._release(r)
         self._rids.discard(r.rid)
@@ -519,7 +531,7 @@ class Engine:
     def _finish_event(self, r: _Req) -> FinishEvent:
         details = {"device": r.cached_device, "host": r.cached_host} if self.cache.hierarchical else None
         return FinishEvent(
-            r.rid, r.finish_reason or {"type": "length", "length": r.max_new}, r.n_in, r.out,
+            r.rid, r.finish_reason or {"type": "length", "length": r.max_new}, r.n_in, r.n_out,
             r.cached_device + r.cached_host, details,
         )
 
@@ -553,7 +565,7 @@ class Engine:
         clip = CLIP_MAX_NEW_TOKENS_ESTIMATION
         offset = 0.0
         if self._waiting:
-            offset = sum(min(r.max_new - r.out, clip) for r in self._running) * ratio
+            offset = sum(min(r.max_new - r.n_out, clip) for r in self._running) * ratio
         rem_input = spec.max_prefill_tokens - (n_running if mixed else 0)
         rem_chunk = spec.chunked_prefill_size
         if rem_chunk is not None and mixed:
@@ -580,7 +592,7 @@ class Engine:
             if take < ext:
                 return batch, cached, load_back
             self._chunked = None
-            offset += min(chunked.max_new - chunked.out, clip)
+            offset += min(chunked.max_new - chunked.n_out, clip)
 
         admitted: list[_Req] = []
         for r in self._queue_order():
@@ -594,7 +606,7 @@ class Engine:
             use_host = self.cache.hierarchical and m.host_tokens >= self.cache.load_back_threshold
             prefix = m.device_tokens + (m.host_tokens if use_host else 0)
             ext = len(r.fill) - prefix
-            reserve = min(r.max_new - r.out, clip)
+            reserve = min(r.max_new - r.n_out, clip)
             lock_node = m.last_node if use_host else m.device_node
             self.cache.lock(lock_node)
             rem_total = self._free() + self.cache.evictable_tokens - offset
@@ -771,20 +783,27 @@ class Engine:
         """Each request in ``reqs`` (cells already allocated) gains its step's tokens."""
         c = self.spec.cost
         finished: list[_Req] = []
-        spec_on = c.speculative
         added = 0
-        for r in reqs:
-            if spec_on:
+        if c.speculative:
+            for r in reqs:
                 r.credit += c.spec_accept_length
                 k = self._tokens_this_step(r)
                 r.credit -= k
-            else:
-                k = 1
-            r.kv_len += k
-            added += k
-            self._emit(r, k)
-            if r.finish_reason is not None:
-                finished.append(r)
+                r.kv_len += k
+                added += k
+                self._emit(r, k)
+                if r.finish_reason is not None:
+                    finished.append(r)
+        else:  # the hot loop of every decode step: one token each
+            for r in reqs:
+                r.kv_len += 1
+                r.n_out += 1
+                r.new_tokens = 1
+                if r.n_out >= r.stop_len:
+                    self._set_finish_reason(r)
+                    finished.append(r)
+            added = len(reqs)
+            self.generation_tokens_total += added
         self._running_kv += added
         self._decode_log_tokens += added
         if finished:
@@ -797,7 +816,7 @@ class Engine:
 
     def _retract(self) -> None:
         """Retract running requests until one decode step fits (§4.4)."""
-        order = sorted(self._running, key=lambda r: (r.out, -r.n_in), reverse=True)
+        order = sorted(self._running, key=lambda r: (r.n_out, -r.n_in), reverse=True)
         retracted: list[_Req] = []
         freed_before = self._free() + self.cache.evictable_tokens
         while True:
@@ -809,7 +828,7 @@ class Engine:
             r = order.pop()
             self._release(r)
             self._running_kv -= r.kv_len
-            r.fill = r.input_ids + tuple(r.out_ids)
+            r.fill = r.input_ids + tuple(self._materialize(r))
             r.fill_done = r.kv_len = 0
             r.retractions += 1
             retracted.append(r)
@@ -823,7 +842,7 @@ class Engine:
         want = len(self._running) * RETRACT_DECODE_STEPS
         if self._free() < want:
             self.cache.evict(want - self._free())
-        decoded = sum(r.out for r in self._running)
+        decoded = sum(r.n_out for r in self._running)
         max_new = sum(r.max_new for r in self._running) or 1
         old = self.new_token_ratio
         self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self._running)) / max_new)
