@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tuner.sim.args import parse_args
-from tuner.sim.gpus import get_gpu
-from tuner.sim.memory import MemoryPlan, plan_memory, resolve_server_config
-from tuner.sim.models import GIB, load_model
-from tuner.sim.startup import SimLogger, run_startup
+from tuner.sim.memory import MemoryPlan
+from tuner.sim.models import GIB
+from tuner.sim.startup import SimLogger, plan_from_argv, run_startup
 
 CASES = Path(__file__).resolve().parents[1] / "fixtures" / "cases"
 
@@ -46,9 +44,7 @@ def load_case(case_id: str) -> dict:
 
 
 def plan_for(argv: list[str]) -> MemoryPlan:
-    parsed = parse_args(argv)
-    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
-    return plan_memory(cfg, host_memory_bytes=int(parsed.sim.host_memory_gib * GIB))
+    return plan_from_argv(argv)[1]
 
 
 def startup_log(plan: MemoryPlan) -> str:

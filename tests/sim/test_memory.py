@@ -10,20 +10,17 @@ from tuner.sim.memory import (
     MemoryPlan,
     capture_batch_sizes,
     cell_size_bytes,
-    plan_memory,
     resolve_server_config,
 )
 from tuner.sim.models import GIB, load_model, weight_bytes_per_gpu
+from tuner.sim.startup import plan_from_argv
 
 REFERENCE = ["--model-path", "kimi-k2.5-int4", "--tp-size", "8", "--sim-gpu", "RTX-PRO-6000-96GB",
              "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/kimi-eagle3"]
 
 
-def plan_for(argv: list[str], **kw: float) -> MemoryPlan:
-    parsed = parse_args(argv)
-    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
-    return plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
-                       host_memory_bytes=int(parsed.sim.host_memory_gib * GIB), **kw)
+def plan_for(argv: list[str]) -> MemoryPlan:
+    return plan_from_argv(argv)[1]
 
 
 def test_reference_deployment_at_0_88() -> None:

@@ -16,12 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tuner.sim.args import parse_args
 from tuner.sim.errors import SimError
-from tuner.sim.gpus import get_gpu
-from tuner.sim.memory import plan_memory, resolve_server_config
-from tuner.sim.models import GIB, load_model
-from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, run_startup
+from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, plan_from_argv, run_startup
 
 if TYPE_CHECKING:
     from tuner.sim.server import SimServer
@@ -66,13 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parsed = parse_args(argv)
-        gpu = get_gpu(parsed.sim.gpu)
-        model = load_model(parsed.server["model_path"])
-        cfg = resolve_server_config(parsed, gpu, model)
+        parsed, plan = plan_from_argv(argv)
     except SimError as err:
         sys.stderr.write(f"python -m tuner.sim: error: {err}\n")
         return 2
+    cfg = plan.config
     # systemctl stop sends SIGTERM: die at once, as SGLang's processes do.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -81,8 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.line(f"server_args=ServerArgs({args_repr})", None)
     for warning in cfg.warnings:
         log.line(warning, None)
-    plan = plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
-                       host_memory_bytes=int(parsed.sim.host_memory_gib * GIB))
     if not run_startup(plan, log, time_scale=parsed.sim.time_scale):
         kill_process_tree()
     from tuner.sim.server import SimServer  # aiohttp and prometheus only once startup succeeded

@@ -15,16 +15,26 @@ import datetime as _dt
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from tuner.sim.args import ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import EngineSpec
-from tuner.sim.memory import TORCH_DTYPE_NAMES, MemoryPlan, ServerConfig, StartupFailure
-from tuner.sim.models import GIB
+from tuner.sim.gpus import get_gpu
+from tuner.sim.memory import (
+    TORCH_DTYPE_NAMES,
+    MemoryPlan,
+    ServerConfig,
+    StartupFailure,
+    plan_memory,
+    resolve_server_config,
+)
+from tuner.sim.models import GIB, load_model
 
 __all__ = [
+    "plan_from_argv",
     "SimLogger",
     "StartupDelays",
     "run_startup",
@@ -38,6 +48,27 @@ MIB_F = float(1 << 20)
 
 PREFILL_GRAPH_CAPTURE_S = 5.0
 """Realistic time to capture the piecewise / prefill graphs, seconds (simulator's)."""
+
+
+def plan_from_argv(argv: Sequence[str]) -> tuple[ParsedArgs, MemoryPlan]:
+    """Parse a command line and size the server on the simulated machine (no waiting, no output).
+
+    Args:
+        argv: ``python -m tuner.sim`` arguments (SGLang flags plus ``--sim-*``).
+
+    Returns:
+        The parsed command line and the memory ledger (``plan.config`` is the resolved config;
+        ``plan.failure`` says where startup would stop).
+
+    Raises:
+        SimError: Bad input (unknown preset, config.json missing a field, bad value).
+        SystemExit: argparse rejected a flag (status 2, as SGLang).
+    """
+    parsed = parse_args(argv)
+    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
+    plan = plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
+                       host_memory_bytes=int(parsed.sim.host_memory_gib * GIB))
+    return parsed, plan
 
 
 class SimLogger:
@@ -376,22 +407,25 @@ def _capture(plan: MemoryPlan, log: SimLogger, wait: Callable[[float], float], d
     t = wait(len(bs) * layers * delays.capture_s_per_graph_layer)
     if plan.failure and plan.failure.kind == kind:
         return False
-    if version == "0.5.23":
-        log.all_ranks(lambda r: f"Capture {runner} {phase} CUDA graph end. bs={bs}, elapsed={t:.2f} s, "
-                                f"mem usage={_gb(nbytes)} GB, avail mem={_gb((before(r) or 0) - nbytes)} GB.")
-    else:
-        log.all_ranks(lambda r: f"Capture cuda graph end. Time elapsed: {t:.2f} s. mem usage={_gb(nbytes)} GB. "
-                                f"avail mem={_gb((before(r) or 0) - nbytes)} GB.")
+    log.all_ranks(lambda r: _capture_end(version, f"{runner} {phase}", "cuda graph", t, nbytes,
+                                         (before(r) or 0) - nbytes, bs))
     pg = plan.prefill_graph_bytes if runner == "target" else 0
     if pg:
         t = wait(PREFILL_GRAPH_CAPTURE_S)
-        if version == "0.5.23":
-            log.all_ranks(lambda r: f"Capture target prefill CUDA graph end. elapsed={t:.2f} s, mem usage={_gb(pg)} GB, "
-                                    f"avail mem={_gb((before(r) or 0) - nbytes - pg)} GB.")
-        else:
-            log.all_ranks(lambda r: f"Capture piecewise CUDA graph end. Time elapsed: {t:.2f} s. mem usage={_gb(pg)} GB. "
-                                    f"avail mem={_gb((before(r) or 0) - nbytes - pg)} GB.")
+        log.all_ranks(lambda r: _capture_end(version, "target prefill", "piecewise CUDA graph", t, pg,
+                                             (before(r) or 0) - nbytes - pg))
     return True
+
+
+def _capture_end(version: str, name_0523: str, name_old: str, elapsed_s: float, usage: int, avail: int,
+                 bs: list[int] | None = None) -> str:
+    """A ``Capture ... end`` line in the version's format (§4.2 line 7)."""
+    if version == "0.5.23":
+        sizes = f"bs={bs}, " if bs is not None else ""
+        return (f"Capture {name_0523} CUDA graph end. {sizes}elapsed={elapsed_s:.2f} s, mem usage={_gb(usage)} GB, "
+                f"avail mem={_gb(avail)} GB.")
+    return (f"Capture {name_old} end. Time elapsed: {elapsed_s:.2f} s. mem usage={_gb(usage)} GB. "
+            f"avail mem={_gb(avail)} GB.")
 
 
 def kill_process_tree() -> None:
