@@ -330,20 +330,24 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
         (``None`` without one), ``timestamp`` the SGLang timestamp text, ``journal_ident`` the
         journald identifier (``python``, ``systemd``) when a journald prefix was present.
     """
-    line = _ANSI.sub("", raw).rstrip("\r\n").replace("\x00", "")
+    line = raw.rstrip("\r\n")
+    if "\x1b" in line:
+        line = _ANSI.sub("", line)
+    if "\x00" in line:
+        line = line.replace("\x00", "")
     if "\r" in line:  # tqdm progress bars redraw with \r; the last segment is what stays on screen
         line = line.rsplit("\r", 1)[-1]
-    glued = _GLUED.search(line, 1)
+    glued = _GLUED.search(line, 1) if line.find("[20", 1) != -1 else None
     if glued:  # an SGLang line glued after a progress bar: "  0%| | 0/13 [..][2025-03-08 12:29:21 TP1] Capture ..."
         line = line[glued.start():]
     ident = None
-    for pat in (_JOURNAL_SHORT, _JOURNAL_ISO, _JOURNAL_NUMERIC):
-        m = pat.match(line)
-        if m:
-            ident = m.group("ident")
-            line = line[m.end():]
-            break
-    line = _ANSI.sub("", line)
+    if line[:1] != "[" or line[1:2] == " ":  # SGLang's own prefix starts "[2"; journald's do not
+        for pat in (_JOURNAL_SHORT, _JOURNAL_ISO, _JOURNAL_NUMERIC):
+            m = pat.match(line)
+            if m:
+                ident = m.group("ident")
+                line = line[m.end():]
+                break
     rank = ts = None
     m = _HEAD.match(line)
     if m:
