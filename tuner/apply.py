@@ -34,6 +34,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -94,12 +95,12 @@ class ApplyState(str, Enum):
     PRINTED = "printed"
 
 
-_TRANSITIONS: dict[ApplyState, frozenset[ApplyState]] = {
+_TRANSITIONS: Mapping[ApplyState, frozenset[ApplyState]] = MappingProxyType({
     ApplyState.PLANNED: frozenset({ApplyState.STARTED, ApplyState.PRINTED}),
     ApplyState.STARTED: frozenset({ApplyState.READY, ApplyState.ROLLING_BACK}),
     ApplyState.READY: frozenset({ApplyState.VERIFIED, ApplyState.ROLLING_BACK}),
     ApplyState.ROLLING_BACK: frozenset({ApplyState.ROLLED_BACK, ApplyState.ROLLBACK_FAILED}),
-}
+})
 
 
 class Check(BaseModel):

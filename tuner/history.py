@@ -12,9 +12,10 @@ feasible when it is COMPLETE and every stored constraint is ≤ 0 (Optuna's rule
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import optuna
@@ -54,7 +55,7 @@ _M = TypeVar("_M", bound=BaseModel)
 STUDIES_DIR = Path("studies")
 """Default home of study databases and artifacts, relative to the working directory."""
 
-METRICS: dict[str, tuple[str, Literal["max", "min"]]] = {
+METRICS: Mapping[str, tuple[str, Literal["max", "min"]]] = MappingProxyType({
     "context_capacity": ("context capacity (requests)", "max"),
     "token_capacity": ("token capacity (tokens)", "max"),
     "output_throughput_tok_s": ("output throughput (tok/s)", "max"),
@@ -62,11 +63,11 @@ METRICS: dict[str, tuple[str, Literal["max", "min"]]] = {
     "p99_ttft_ms": ("p99 TTFT (ms)", "min"),
     "p99_itl_ms": ("p99 ITL (ms)", "min"),
     "free_gib_after_graphs": ("free after CUDA graphs (GiB)", "min"),
-}
+})
 """The measured fields of a :class:`~tuner.records.TrialRecord` shown in tables and deltas:
 field name → (label with unit, which direction is better)."""
 
-SORT_KEYS: dict[str, str] = {
+SORT_KEYS: Mapping[str, str] = MappingProxyType({
     "number": "number",
     "capacity": "context_capacity",
     "context_capacity": "context_capacity",
@@ -80,7 +81,7 @@ SORT_KEYS: dict[str, str] = {
     "p99_ttft_ms": "p99_ttft_ms",
     "itl": "p99_itl_ms",
     "p99_itl_ms": "p99_itl_ms",
-}
+})
 """``tuner trials --sort`` keys (short aliases and field names) → :class:`TrialView` field."""
 
 

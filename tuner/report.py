@@ -18,6 +18,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import optuna
@@ -129,7 +130,7 @@ def _kind(view: TrialView) -> str:
     return kind if view.state == "COMPLETE" else f"{kind}/{view.state.lower()}"
 
 
-_SHORT = {
+_SHORT = MappingProxyType({
     "mem_fraction_static": "mfs",
     "max_running_requests": "max_run",
     "chunked_prefill_size": "chunk",
@@ -140,7 +141,7 @@ _SHORT = {
     "output_throughput_tok_s": "tok/s",
     "p99_ttft_ms": "TTFT p99",
     "p99_itl_ms": "ITL p99",
-}
+})
 """Column headers of the compact trial table (the caption spells them out)."""
 
 
@@ -431,7 +432,9 @@ def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: s
 
 # ---- HTML report ---------------------------------------------------------------------------
 
-_COLORS = {"feasible": "#2a9d8f", "infeasible": "#e9c46a", "failed": "#e63946", "skipped": "#8d99ae"}
+_COLORS = MappingProxyType(
+    {"feasible": "#2a9d8f", "infeasible": "#e9c46a", "failed": "#e63946", "skipped": "#8d99ae"}
+)
 
 
 def _category(view: TrialView) -> str:
