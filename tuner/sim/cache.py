@@ -16,7 +16,8 @@ Behaviour (``shared/sglang-reference.md``):
   selective`` after 2 hits, ``write_back`` only when it is evicted from the device. Hits are
   counted on insertion: a new node counts as a first hit and every existing node the insert
   passes through gets one more, except for the insert of an unfinished prefill chunk
-  (HiRadixCache's ``_inc_hit_count`` rule). A request inserts its prompt after its prefill and
+  (``HiRadixCache._inc_hit_count`` / ``_insert_helper``, ``python/sglang/srt/mem_cache/
+  hiradix_cache.py``). A request inserts its prompt after its prefill and
   its whole sequence when it finishes, so a prompt reaches 2 hits once its request decodes. A later match on host-only
   nodes is loaded back to the device if it is at least ``load_back_threshold`` (10) tokens; the
   host pool evicts its own LRU host-only leaves when full.

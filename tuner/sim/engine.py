@@ -21,7 +21,8 @@ Rules modelled (§2.4 unless noted):
   speculative decoding). When the pool (free + evictable) cannot hold the step's new tokens, the
   requests with the fewest generated tokens (longest input on ties) are retracted, freed and
   queued again until the rest fit, and the ratio becomes ``min(1, (decoded + 20 × running) /
-  Σ max_new_tokens)``; the §4.4 line is logged in the mimicked version's format.
+  Σ max_new_tokens)`` (``ScheduleBatch.retract_decode``, ``python/sglang/srt/managers/
+  schedule_batch.py``); the §4.4 line is logged in the mimicked version's format.
 - ``enable_mixed_chunk``: running requests decode one token inside each prefill step.
 - ``schedule_policy``: ``fcfs`` keeps arrival order; ``lpm`` orders the queue by longest cached
   prefix, falling back to fcfs when more than 128 requests wait. Other policies act as fcfs.
