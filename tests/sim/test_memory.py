@@ -190,3 +190,16 @@ def test_gpu_presets_are_consistent(name: str) -> None:
     gpu = GPUS[name]
     assert gpu.memory_mib > 20000 and gpu.hbm_gb_s > 100 and gpu.bf16_tflops > 50
     assert get_gpu(name.lower()) is gpu
+
+
+def test_0_5_23_hicache_ratio_shrinks_to_host_memory() -> None:
+    roomy = plan_for(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.23", "--enable-hicache", "--tp", "2"])
+    assert roomy.hicache_host_tokens == 2 * roomy.max_total_num_tokens + 1
+    tight = plan_for(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.23", "--enable-hicache", "--tp", "2",
+                      "--sim-host-memory-gib", "64"])
+    assert tight.failure is None
+    assert 2 * tight.hicache_host_bytes == pytest.approx(0.8 * 64 * GIB, rel=0.001)
+    # an explicit ratio is kept (and then fails on host memory, per rank)
+    fixed = plan_for(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.23", "--enable-hicache", "--tp", "2",
+                      "--sim-host-memory-gib", "64", "--hicache-ratio", "2"])
+    assert fixed.failure is not None and fixed.failure.kind == "host_memory"

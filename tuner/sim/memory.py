@@ -139,6 +139,8 @@ class ServerConfig:
             scheduler knobs (§2.4).
         speculative: Resolved speculative decoding or None. draft: its draft model or None.
         enable_hierarchical_cache, hicache_ratio, hicache_size_gb, hicache_write_policy,
+            hicache_ratio_auto (0.5.23, neither ratio nor size given: the ratio shrinks to fit
+            ``--hicache-host-memory-fraction`` of host RAM over all ranks, §3.2),
             hicache_io_backend, hicache_mem_layout: HiCache (§7); size in decimal GB per rank.
         served_model_name: Name in ``/v1/models``.
         decode_log_interval: Decode steps between ``Decode batch`` lines.
@@ -172,6 +174,8 @@ class ServerConfig:
     draft: DraftSpec | None
     enable_hierarchical_cache: bool
     hicache_ratio: float
+    hicache_ratio_auto: bool
+    hicache_host_memory_fraction: float
     hicache_size_gb: float
     hicache_write_policy: str
     hicache_io_backend: str
@@ -414,6 +418,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
     context_len = int(v.get("context_length") or model.max_position_embeddings)
     page = int(v.get("page_size") or 1)
     hicache_ratio = v.get("hicache_ratio")
+    ratio_auto = version == "0.5.23" and hicache_ratio is None and not v.get("hicache_size")
     hicache_ratio = 2.0 if hicache_ratio is None else float(hicache_ratio)
     served = v.get("served_model_name") or v["model_path"]
     resolved = {
@@ -449,7 +454,8 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         enable_mixed_chunk=bool(v.get("enable_mixed_chunk")) and spec is None,
         disable_radix_cache=bool(v.get("disable_radix_cache")),
         speculative=spec, draft=draft,
-        enable_hierarchical_cache=hicache, hicache_ratio=hicache_ratio,
+        enable_hierarchical_cache=hicache, hicache_ratio=hicache_ratio, hicache_ratio_auto=ratio_auto,
+        hicache_host_memory_fraction=float(v.get("hicache_host_memory_fraction") or 0.8),
         hicache_size_gb=float(v.get("hicache_size") or 0),
         hicache_write_policy=str(v.get("hicache_write_policy") or "write_through"),
         hicache_io_backend=str(v.get("hicache_io_backend") or "kernel"),
@@ -776,6 +782,9 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
             host_tokens = int(cfg.hicache_size_gb * 1e9 // per_token)
         else:
             host_tokens = int(tokens * cfg.hicache_ratio)
+            if cfg.hicache_ratio_auto:
+                fit = int(cfg.hicache_host_memory_fraction * host_memory_bytes / (tp * per_token))
+                host_tokens = min(host_tokens, fit)
         host_tokens = (host_tokens // cfg.page_size + 1) * cfg.page_size
         host_bytes = int(host_tokens * per_token)
         plan = replace(plan, hicache_host_tokens=host_tokens, hicache_host_bytes=host_bytes)

@@ -336,7 +336,7 @@ class SimServer:
             finally:
                 self._forget(p, True)
         self.ready = True
-        self.log.line("The server is fired up and ready to roll!", 0)
+        self.log.line("The server is fired up and ready to roll!", None)
 
     # ------------------------------------------------------------------ handlers
 
