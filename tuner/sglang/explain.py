@@ -47,6 +47,8 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+_SHORT_REQUEST_TOKENS = 4096
+"""A short chat request (prompt + output), for "can the batch outgrow the captured graphs" (case-21)."""
 IDLE_RESERVE_GIB = 2.0
 """Free memory after graphs above which the reserve is called idle (activations of one chunk of
 a few thousand tokens take well under this on the GPUs of §2.1; the tuner measures the peak)."""
@@ -538,11 +540,15 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
         elif s and s.decode_lines and s.max_running_req is not None:
             reached = s.max_running_req > graph_bs
             ev.append(f"the logged decode batches reached {s.max_running_req} running requests")
+        note = " The logged batches stayed below it so far." if reached is False else ""
+        if reached is None and tokens and tokens // _SHORT_REQUEST_TOKENS <= graph_bs:
+            reached = False  # the pool cannot even hold more than graph_bs short requests
+            note = f" The KV pool holds at most {tokens // _SHORT_REQUEST_TOKENS} requests of {_SHORT_REQUEST_TOKENS:,} tokens, so it binds first for such requests."
+            ev.append(f"max_total_num_tokens={tokens}")
         traps.append(Trap(
             id="cuda_graph_bs_below_max_running_requests", severity="info" if reached is False else "warning",
             title=f"CUDA graphs cover decode batches up to {graph_bs}, but up to {mrr} requests are admitted",
-            detail="Decode batches above the largest captured size run eagerly and slower, so the batch grows and stays large (case-21)."
-            + (" The logged batches stayed below it so far." if reached is False else ""),
+            detail="Decode batches above the largest captured size run eagerly and slower, so the batch grows and stays large (case-21)." + note,
             evidence=ev, fix="raise --cuda-graph-max-bs (0.5.23: --cuda-graph-max-bs-decode); graphs for 128 cost ~0.15 GB on a small model",
         ))
     if report is not None and report.host_pool_gb is not None:
