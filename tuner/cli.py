@@ -220,6 +220,22 @@ def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
     )
 
 
+def _load_steps_table(found):  # noqa: ANN001, ANN202 - MaxLoadResult -> rich Table
+    from rich.table import Table
+
+    table = Table(title=f"tuner load --max-under-slo ({found.knob})", title_justify="left")
+    for name in ("level", "verdict", "met [CI]", "n", "req/s", "tok/s", "p99 TTFT ms", "p99 ITL ms"):
+        table.add_column(name, justify="left" if name == "verdict" else "right")
+    for step in found.steps:
+        table.add_row(
+            f"{step.value:g}", step.verdict,
+            f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}-{step.ci_high:.0%}]", str(step.judged),
+            _load_fmt(step.request_throughput), f"{step.output_throughput:,.0f}",
+            _load_fmt(step.p99_ttft_ms), _load_fmt(step.p99_itl_ms),
+        )
+    return table
+
+
 @app.command("load")
 def load_cmd(
     url: _LoadAnn[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
@@ -304,7 +320,8 @@ def load_cmd(
                 live.console.print(
                     f"{knob} {step.value:g}: [bold]{step.verdict}[/] attainment "
                     f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}, {step.ci_high:.0%}] of {step.judged}, "
-                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms"
+                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms",
+                    soft_wrap=True,
                 )
 
             found = run_sync(find_max_under_slo_async(
@@ -321,6 +338,7 @@ def load_cmd(
             ))
     console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
     if max_under_slo:
+        console.print(_load_steps_table(found))
         console.print(found.message, highlight=False)
         payload = found.model_dump(mode="json")
         partial = found.status == "aborted"
