@@ -45,6 +45,7 @@ from tuner.errors import ApplyError, TunerError
 from tuner.history import StoredStudy, TrialView, check_storage
 from tuner.launch.safety import SessionState
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
+from tuner.launch.unit import SystemdUnit, atomic_write_text
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 
@@ -601,6 +602,12 @@ def plan_apply(
             **common,
         )
     unit = launcher.unit
+    studied = (stored.info.target if stored.info else {}).get("unit")
+    if studied and SystemdUnit(studied).name != unit.name:
+        raise ApplyError(
+            f"study {stored.name!r} tuned unit {studied}, but the config's service is {unit.name}",
+            hint="pass the config the study was run with (--config FILE)",
+        )
     command = unit.exec_command()
     new_argv = _new_argv(stored, view, command.argv, _flag_table(stored, config, command.argv))
     header = (
@@ -835,12 +842,12 @@ def execute(
     if plan.launcher == "process":
         run.advance(ApplyState.PRINTED)
         if write is not None:
-            from tuner.launch.unit import atomic_write_text
-
             try:
                 atomic_write_text(Path(write), shlex.join(plan.new_argv) + "\n")
             except OSError as err:
-                raise ApplyError(f"cannot write {write}: {err.strerror}", hint="pass a writable --write FILE") from err
+                raise ApplyError(
+                    f"cannot write {write}: {err.strerror}", hint="pass a writable --write FILE"
+                ) from err
         where = f"written to {write}" if write else "printed"
         return run.record(plan.action, f"process launcher: new command line {where}")
     base = _build(plan.settings, gpu)
