@@ -47,7 +47,7 @@ def ids(n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, 120_000) for _ in range(n)]
 
 
-def run(engine: Engine, max_steps: int = 100_000) -> list[tuple[float, object]]:
+def run(engine: Engine) -> list[tuple[float, object]]:
     """Run to idle on a virtual clock; events with their times."""
     return engine.run_until_idle(VirtualClock(), timeout_s=1e6)
 

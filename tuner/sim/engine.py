@@ -539,6 +539,11 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
 
     def _step(self, now_s: float) -> tuple[float, list[_Req], list[_Req]]:
+        """:meth:`step` without event objects (for :mod:`tuner.sim.evaluate`'s hot loop).
+
+        Returns:
+            ``(duration_s, requests that got tokens (``new_tokens`` each), finished requests)``.
+        """
         batch = self._get_new_prefill_batch()
         if batch is not None:
             return self._run_prefill(now_s, *batch)
