@@ -10,6 +10,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tuner.errors import TunerError
 
@@ -691,7 +692,7 @@ def main() -> None:
     try:
         app()
     except TunerError as err:
-        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         err_console.print("interrupted")
