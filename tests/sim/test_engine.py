@@ -136,6 +136,8 @@ def test_new_token_ratio_decays_to_its_minimum_over_600_decode_steps():
     for _ in range(350):
         e.step(0.0)
     assert e.new_token_ratio == pytest.approx(0.7 * 0.14)
+    run(e)  # the request finishes; an idle scheduler starts over from the initial ratio
+    assert e.new_token_ratio == pytest.approx(0.7)
 
 
 def _shared_prefix_workload(rng, groups=6, per_group=6, system=1024, question=64):

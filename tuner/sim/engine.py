@@ -16,7 +16,8 @@ Rules modelled (§2.4 unless noted):
   new input plus ``min(max_new_tokens, 4096)``, where every running request reserves
   ``min(max_new_tokens − generated, 4096) × new_token_ratio``.
 - ``new_token_ratio`` starts at ``min(0.7 × schedule_conservativeness, 1)``, decays linearly to
-  ``0.14 ×`` that over 600 decode steps, and is raised again by a retraction.
+  ``0.14 ×`` that over 600 decode steps, is raised again by a retraction, and returns to its
+  initial value whenever the scheduler goes idle (``Scheduler.self_check_during_idle``).
 - Decode: every running request gains one token per step (``accept_length`` on average with
   speculative decoding). When the pool (free + evictable) cannot hold the step's new tokens, the
   requests with the fewest generated tokens (longest input on ties) are retracted, freed and
@@ -546,10 +547,14 @@ class Engine:
         """
         batch = self._get_new_prefill_batch()
         if batch is not None:
-            return self._run_prefill(now_s, *batch)
-        if self._running:
-            return self._run_decode(now_s)
-        return 0.0, [], []
+            result = self._run_prefill(now_s, *batch)
+        elif self._running:
+            result = self._run_decode(now_s)
+        else:
+            result = (0.0, [], [])
+        if not self._running and self._chunked is None and not self._waiting:
+            self.new_token_ratio = self.init_new_token_ratio  # the scheduler's idle self-check
+        return result
 
     def _queue_order(self) -> list[_Req]:
         if self.spec.schedule_policy == "lpm" and len(self._waiting) <= LPM_FALLBACK_QUEUE_LEN and not self.cache.disabled:
