@@ -827,7 +827,10 @@ class Engine:
 
     def _retract(self) -> None:
         """Retract running requests until one decode step fits (§4.4)."""
-        order = sorted(self._running, key=lambda r: (r.n_out, -r.n_in), reverse=True)
+        if self.spec.cost.speculative:  # SGLang keeps the batch order and retracts from the back
+            order = list(self._running)
+        else:
+            order = sorted(self._running, key=lambda r: (r.n_out, -r.n_in), reverse=True)
         retracted: list[_Req] = []
         freed_before = self._free() + self.cache.evictable_tokens
         while True:
