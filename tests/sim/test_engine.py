@@ -423,3 +423,19 @@ def test_pool_accounting_stays_consistent(overrides):
     s = e.stats()
     assert s["num_used_tokens"] == 0 and e._private_total == 0
     assert e.cache.evictable_tokens == e.cache.device_tokens
+
+
+def test_speculative_decoding_yields_accept_length_tokens_per_step():
+    spec = make_spec(decode_log_interval=10)
+    spec = replace(spec, cost=replace(spec.cost, spec_num_steps=3, spec_num_draft_tokens=4, spec_accept_length=2.5))
+    logs: list[str] = []
+    e = Engine(spec, logs.append)
+    e.add_request(SimRequest("s", ids(100, random.Random(19)), 201))
+    e.step(0.0)  # prefill: the first token
+    steps = 0
+    while e.has_work():
+        e.step(0.0)
+        steps += 1
+    assert steps == pytest.approx(200 / 2.5, abs=1)
+    line = next(line for line in logs if line.startswith("Decode batch"))
+    assert "accept len: 2.50, accept rate: 0.62, cuda graph: True" in line

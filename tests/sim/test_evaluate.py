@@ -102,3 +102,10 @@ def test_decode_beyond_the_captured_graphs_is_slower():
     assert small.output_throughput < large.output_throughput
     assert any("cuda graph: False" in line for line in small.log_lines)
     assert not any("cuda graph: False" in line for line in large.log_lines if line.startswith("Decode"))
+
+
+def test_too_long_inputs_are_rejected_not_run():
+    rng = random.Random(5)
+    reqs = [SimRequest("ok", ids(100, rng), 4), SimRequest("long", ids(5000, rng), 4)]
+    r = evaluate(LLAMA_H100 + ["--context-length", "4096"], reqs)
+    assert r.completed == 1 and r.rejected == 1 and r.total_output_tokens == 4
