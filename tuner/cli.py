@@ -59,7 +59,7 @@ from typing import Annotated as _ExplainAnn  # noqa: E402
 
 @app.command("explain")
 def explain_cmd(
-    log: _ExplainAnn[str | None, typer.Option("--log", help="SGLang log file (plain, or journalctl -o short / short-iso).")] = None,
+    log: _ExplainAnn[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
     unit: _ExplainAnn[str | None, typer.Option("--unit", help="systemd unit whose journal to read.")] = None,
     url: _ExplainAnn[str | None, typer.Option("--url", help="running server, e.g. http://127.0.0.1:30000.")] = None,
     model_config: _ExplainAnn[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,

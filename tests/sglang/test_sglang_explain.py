@@ -193,3 +193,17 @@ def test_startup_kv_oom_names_the_smallest_fraction() -> None:
     doc = explain(report)
     trap = next(t for t in doc.traps if t.id == "failure")
     assert doc.state == "failed" and trap.fix is not None and "above 0.949" in trap.fix
+
+
+def test_gzip_log_and_stdin(tmp_path: Path) -> None:
+    import gzip
+
+    gz = tmp_path / "sglang.log.1.gz"
+    gz.write_bytes(gzip.compress(REFERENCE.read_bytes()))
+    assert _json("--log", str(gz))["capacity"]["max_total_num_tokens"] == 159277
+    proc = subprocess.run([TUNER, "explain", "--log", "-", "--json"], input=REFERENCE.read_text(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["sources"] == ["log on standard input"]
+    (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"not gzip")
+    bad = _run("--log", str(tmp_path / "bad.gz"))
+    assert bad.returncode == 1 and "damaged gzip" in bad.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import shlex
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -794,7 +795,7 @@ def explain_from(
     """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
 
     Args:
-        log: A log file path.
+        log: A log file path (``.gz`` too), or ``-`` for standard input.
         unit: A systemd unit whose journal to read.
         url: A running server's base URL.
         model_config: A Hugging Face ``config.json`` (or its directory).
@@ -820,7 +821,10 @@ def explain_from(
         raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
     sources: list[str] = []
     report = None
-    if log:
+    if log == "-":
+        report = parse_log_bytes(sys.stdin.buffer.read(), source="standard input")
+        sources.append("log on standard input")
+    elif log:
         report = read_log(Path(log))
         sources.append(f"log {log}")
     elif unit:

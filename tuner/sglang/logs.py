@@ -14,6 +14,7 @@ memory`` beats the ``Scheduler hit an exception`` that follows it).
 
 from __future__ import annotations
 
+import gzip
 import re
 import threading
 from collections import deque
@@ -959,7 +960,8 @@ def read_log(path: Path | str, *, exit_status: int | None = None) -> LogReport:
     """Read and parse an SGLang log file.
 
     Args:
-        path: The log file (plain text; a journald export with ``-o short`` or ``short-iso``).
+        path: The log file (plain text, or gzip-compressed as logrotate leaves it; a journald
+            export with ``-o short`` or ``short-iso``).
         exit_status: The process exit status, if known.
 
     Returns:
@@ -973,6 +975,11 @@ def read_log(path: Path | str, *, exit_status: int | None = None) -> LogReport:
         data = path.read_bytes()
     except OSError as err:
         raise LogError(f"cannot read log file {path}: {err.strerror}", hint="pass an existing SGLang log file with --log") from err
+    if data[:2] == b"\x1f\x8b":  # a rotated, gzip-compressed log
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise LogError(f"log {path} is a damaged gzip file", hint="pass the uncompressed log or a complete .gz") from err
     return parse_log_bytes(data, source=str(path), exit_status=exit_status)
 
 
