@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Sequence
 
 __all__ = ["MatchResult", "PrefixCache", "WRITE_POLICIES", "LOAD_BACK_THRESHOLD_TOKENS"]
@@ -40,7 +41,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LOAD_BACK_THRESHOLD_TOKENS = 10
 """Host hits shorter than this are recomputed instead of loaded back (§7)."""
 
-_WRITE_THROUGH_THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": 0}
+_WRITE_THROUGH_THRESHOLD = MappingProxyType({"write_through": 1, "write_through_selective": 2, "write_back": 0})
 
 
 class _Node:

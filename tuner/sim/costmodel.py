@@ -62,12 +62,17 @@ high ``mem_fraction_static`` fail under load.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CostFactors", "CostInputs", "StepShape", "step_time_s", "activation_bytes", "load_back_s", "NVLINK_GB_S"]
+__all__ = [
+    "CostFactors", "CostInputs", "StepShape", "step_time_s", "decode_step_s", "activation_bytes", "load_back_s",
+    "NVLINK_GB_S",
+]
 
-NVLINK_GB_S = {"H100": 450.0, "H200": 450.0, "A100": 300.0}
+NVLINK_GB_S: Mapping[str, float] = MappingProxyType({"H100": 450.0, "H200": 450.0, "A100": 300.0})
 """Effective NVLink all-reduce bandwidth per GPU, decimal GB/s, for GPU names starting with the
 key (half the datasheet's bidirectional 900/600 GB/s). Other GPUs use their PCIe bandwidth."""
 
