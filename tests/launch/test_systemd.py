@@ -7,6 +7,7 @@ the emulator and says why; tests needing real systemd semantics are then skipped
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -45,8 +46,9 @@ def _wait_healthy(url: str, timeout_s: float = START_TIMEOUT_S) -> None:
     raise AssertionError(f"{url} not healthy after {timeout_s} s")
 
 
-def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> tuple[str, dict, list[str]]:
-    """Install and start a simulator unit with one operator drop-in; return (unit, settings, argv)."""
+@contextlib.contextmanager
+def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Iterator[tuple[str, dict, list[str]]]:
+    """A running, healthy simulator unit with one operator drop-in: (unit, settings, argv); stopped after."""
     port = free_port()
     argv = sim_command(port)
     unit = f"sim-{port}.service"
@@ -59,25 +61,25 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> tuple
     settings = {"launcher": "systemd", "unit": unit, "url": f"http://127.0.0.1:{port}",
                 "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
                 "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}  # fmt: skip
-    return unit, settings, argv
+    try:
+        _wait_healthy(settings["url"])
+        yield unit, settings, argv
+    finally:
+        box.systemctl_run("stop", unit, check=False)
 
 
 @pytest.fixture
 def harness(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> Iterator[Harness]:  # noqa: F811
     box = systemd_sandbox
-    unit, settings, argv = _service(box, tmp_path)
-    _wait_healthy(settings["url"])
-    folder = box.unit_dir / f"{unit}.d"
-    unit_file = box.unit_dir / unit
+    with _service(box, tmp_path) as (unit, settings, argv):
+        folder = box.unit_dir / f"{unit}.d"
+        unit_file = box.unit_dir / unit
 
-    def snapshot() -> tuple[dict[str, str], str, str]:
-        show = box.systemctl_run("show", "-p", "DropInPaths", unit).stdout.strip()
-        return _folder_snapshot(folder), unit_file.read_text(), show
+        def snapshot() -> tuple[dict[str, str], str, str]:
+            show = box.systemctl_run("show", "-p", "DropInPaths", unit).stdout.strip()
+            return _folder_snapshot(folder), unit_file.read_text(), show
 
-    try:
         yield Harness(settings=settings, base_argv=argv, url=settings["url"], snapshot=snapshot)
-    finally:
-        box.systemctl_run("stop", unit, check=False)
 
 
 class TestSystemdLauncher(LauncherConformance):
@@ -86,10 +88,8 @@ class TestSystemdLauncher(LauncherConformance):
 
 def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
     box = systemd_sandbox
-    unit, settings, argv = _service(box, tmp_path)
-    _wait_healthy(settings["url"])
-    launcher = build_launcher(settings)
-    try:
+    with _service(box, tmp_path) as (unit, settings, argv):
+        launcher = build_launcher(settings)
         with launcher.session():
             launcher.start([*argv, "--served-model-name", "x $HOME 100% y"])
             assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY
@@ -101,8 +101,6 @@ def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_
             with SGLangClient(settings["url"]) as client:
                 assert client.server_info().raw["served_model_name"] == "x $HOME 100% y"
         assert not dropin.exists()
-    finally:
-        box.systemctl_run("stop", unit, check=False)
 
 
 def test_crash_loop_under_restart_always_is_detected_and_stopped(
@@ -110,11 +108,9 @@ def test_crash_loop_under_restart_always_is_detected_and_stopped(
 ) -> None:
     box = systemd_sandbox
     box.require_real()
-    unit, settings, argv = _service(box, tmp_path, unit_extra="Restart=always\nRestartSec=300ms\n")
-    _wait_healthy(settings["url"])
-    launcher = build_launcher(settings)
-    crashing = [sys.executable, "-c", "import time; print('booting', flush=True); time.sleep(0.5); raise SystemExit(3)"]
-    try:
+    with _service(box, tmp_path, unit_extra="Restart=always\nRestartSec=300ms\n") as (unit, settings, argv):
+        launcher = build_launcher(settings)
+        crashing = [sys.executable, "-c", "import time; print('booting', flush=True); time.sleep(0.5); raise SystemExit(3)"]
         with launcher.session():
             launcher.start(crashing)
             st = launcher.wait(START_TIMEOUT_S)
@@ -127,12 +123,16 @@ def test_crash_loop_under_restart_always_is_detected_and_stopped(
             time.sleep(1.0)
             assert launcher.unit.properties().n_restarts == props.n_restarts, "still restarting"
         _wait_healthy(settings["url"])
-    finally:
-        box.systemctl_run("stop", unit, check=False)
 
 
 def _cli(*args: str, cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*prefix, TUNER, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
+    """``tuner restore`` options reaching the sandbox (``--systemctl`` first)."""
+    return ["--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
+            "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]  # fmt: skip
 
 
 def _assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -145,12 +145,9 @@ def _assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str
 
 def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
     box = systemd_sandbox
-    unit, settings, argv = _service(box, tmp_path)
-    _wait_healthy(settings["url"])
-    base = ["--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
-            "--dropin-dir", str(box.unit_dir), "--state-dir", str(tmp_path / "state"), "--url", settings["url"]]  # fmt: skip
-    before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
-    try:
+    with _service(box, tmp_path) as (unit, settings, argv):
+        base = _cli_target(box, settings)
+        before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         _assert_one_line_error(_cli("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
         _assert_one_line_error(_cli("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
                                "/nonexistent/systemctl", "not found")  # fmt: skip
@@ -163,23 +160,18 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
         after = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         assert after == before
         assert not (box.unit_dir / f"{env_unit}.d").exists()
-    finally:
-        box.systemctl_run("stop", unit, check=False)
 
 
 def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing(
     systemd_sandbox: SystemdSandbox, tmp_path: Path  # noqa: F811
 ) -> None:
     box = systemd_sandbox
-    unit, settings, argv = _service(box, tmp_path)
-    _wait_healthy(settings["url"])
-    stray = box.unit(unit)
-    stray.write_dropin("90-tuner-trial.conf", stray.exec_start_dropin(set_flag(argv, "--mem-fraction-static", "0.7")))
-    box.systemctl_run("daemon-reload")
-    box.systemctl_run("restart", unit)
-    base = ["--unit", unit, "--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
-            "--dropin-dir", str(box.unit_dir), "--state-dir", str(tmp_path / "state"), "--url", settings["url"]]  # fmt: skip
-    try:
+    with _service(box, tmp_path) as (unit, settings, argv):
+        stray = box.unit(unit)
+        stray.write_dropin("90-tuner-trial.conf", stray.exec_start_dropin(set_flag(argv, "--mem-fraction-static", "0.7")))
+        box.systemctl_run("daemon-reload")
+        box.systemctl_run("restart", unit)
+        base = ["--unit", unit, *_cli_target(box, settings)]
         done = _cli("restore", *base)
         assert done.returncode == 0 and "from the leftover trial change" in done.stdout, (done.stdout, done.stderr)
         with SGLangClient(settings["url"]) as client:
@@ -189,8 +181,6 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         done = _cli("restore", *base)
         assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
         assert stray.properties().main_pid == pid
-    finally:
-        box.systemctl_run("stop", unit, check=False)
 
 
 def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811

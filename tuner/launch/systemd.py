@@ -166,7 +166,7 @@ class SystemdLauncher(GuardedLauncher):
             LaunchError: systemctl failed.
         """
         self._stopped_by_us = True
-        self.unit.stop()
+        self.unit.stop(timeout_s=max(3 * self.unit.command_timeout_s, self.release_timeout_s + 60))
 
     def _poll(self) -> _Poll:
         props = self.unit.properties()
