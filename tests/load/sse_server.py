@@ -47,8 +47,8 @@ USAGE = (
 class Engine:
     """Streams due tokens on a 1 ms wheel."""
 
-    def __init__(self, ttft_s: float, itl_s: float, cache: bool, stamp: bool, capacity: int) -> None:
-        self.ttft_s, self.itl_s, self.cache, self.stamp = ttft_s, itl_s, cache, stamp
+    def __init__(self, ttft_s: float, itl_s: float, cache: bool, stamp: bool, capacity: int, fail: str = "") -> None:
+        self.ttft_s, self.itl_s, self.cache, self.stamp, self.fail = ttft_s, itl_s, cache, stamp, fail
         self.capacity, self.running, self.queue = capacity, 0, collections.deque()
         self.wheel: dict[int, list[Stream]] = {}
         self.blocks: set[int] = set()
@@ -123,6 +123,9 @@ class Stream:
             return
         self.done_tokens += 1
         now = time.monotonic()
+        if engine.fail and self.done_tokens == 3:
+            self.fail(engine)
+            return
         if self.done_tokens == 1:
             self.first = now
             engine.stats[self.rid] = [self.recv, now]
@@ -147,6 +150,21 @@ class Stream:
         else:
             self.due += engine.itl_s
             engine.add(self, self.due)
+
+
+    def fail(self, engine: Engine) -> None:
+        """``--fail``: end the third token's chunk the way a failing server does."""
+        if engine.fail == "abort":
+            reason = b'{"type":"abort","message":"aborted by test","status_code":500}'
+            self.conn.write_chunk(GENERATE % (b"xx", self.rid.encode(), self.prompt, 2, 0, reason, b"") + b"data: [DONE]\n\n")
+            self.conn.end_stream()
+        elif engine.fail == "error":
+            self.conn.write_chunk(b'data: {"error":{"message":"boom in the test server"}}\n\ndata: [DONE]\n\n')
+            self.conn.end_stream()
+        elif engine.fail == "cut":
+            assert self.conn.transport is not None
+            self.conn.transport.close()
+        engine.finished()
 
 
 class Conn(asyncio.Protocol):
@@ -209,6 +227,8 @@ class Conn(asyncio.Protocol):
             return self.reply("200 OK", json.dumps(engine.stats).encode())
         if method != "POST" or path not in ("/generate", "/v1/completions"):
             return self.reply("404 Not Found", b'{"detail":"Not Found"}')
+        if engine.fail == "http500" and body != b"" and b'"max_new_tokens":1,' not in body:
+            return self.reply("500 Internal Server Error", b'{"error":{"message":"overloaded (test)"}}')
         recv = time.monotonic()
         req = json.loads(body)
         if path == "/generate":
@@ -229,7 +249,7 @@ class Conn(asyncio.Protocol):
 
 
 async def serve(sock: socket.socket, args: argparse.Namespace) -> None:
-    engine = Engine(args.ttft_ms / 1000, args.itl_ms / 1000, not args.no_cache, args.stamp, args.capacity)
+    engine = Engine(args.ttft_ms / 1000, args.itl_ms / 1000, not args.no_cache, args.stamp, args.capacity, args.fail)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Conn(engine), sock=sock)
     ticker = loop.create_task(engine.run(args.stats_dir))
@@ -247,6 +267,8 @@ def main() -> None:
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin the workers to")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--capacity", type=int, default=0, help="streams decoded at once; more wait (0 = unlimited)")
+    parser.add_argument("--fail", choices=["", "abort", "error", "cut", "http500"], default="",
+                        help="fail every stream at its 3rd token (http500: every request but the 1-token check)")
     parser.add_argument("--stamp", action="store_true", help="put server_first_token_s in meta_info")
     parser.add_argument("--stats-dir", default="", help="each worker writes {rid: [recv_s, first_token_s]} here")
     args = parser.parse_args()

@@ -158,3 +158,17 @@ def test_trace_replays_at_its_own_times_with_sessions(sse_url: str, tmp_path) ->
         if i >= 2:  # a session's later turn waits for the previous one and reuses it
             assert record.send_time_s >= by_rid[f"trace-0-{i - 2}"].end_time_s
             assert record.cached_tokens >= 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind", "needle"),
+    [("abort", "server", "aborted by test"), ("error", "server", "boom"), ("cut", "disconnect", ""),
+     ("http500", "http", "HTTP 500")],
+)
+def test_failed_streams_are_errors_with_their_kind(start_server, mode: str, kind: str, needle: str) -> None:
+    server = start_server("--ttft-ms", "2", "--itl-ms", "2", "--fail", mode)
+    wl = build_workload(RandomSpec(input_len=16, output_len=10, num_requests=4), seed=0)
+    result = run_load_sync(server.url, wl, concurrency=2)
+    s = result.summary
+    assert (s.completed, s.errored) == (0, 4) and s.error_rate == 1.0 and not result.partial
+    assert all(r.status == "error" and r.error_kind == kind and needle in (r.error or "") for r in result.records)

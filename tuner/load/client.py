@@ -137,10 +137,10 @@ class _Stream:
             self.cached_tokens = meta["cached_tokens"]
         reason = meta.get("finish_reason")
         if reason:
-            kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-            self.finish_reason = kind
-            if kind == "abort":
-                self.error = f"server aborted the request: {reason.get('message', '')}".strip()
+            detail = reason if isinstance(reason, dict) else {"type": str(reason)}
+            self.finish_reason = detail.get("type")
+            if self.finish_reason == "abort":
+                self.error = f"server aborted the request: {detail.get('message', '')}".strip()
 
     def feed_completions(self, obj: dict[str, Any], now: float) -> None:
         if "error" in obj:
