@@ -298,6 +298,8 @@ class KVCapacityModel(BaseModel):
         sched = report.scheduler
         free = sched.available_gpu_mem_gib if sched and sched.available_gpu_mem_gib is not None else prim.graph_end_avail_gib
         graph = (prim.graph_gib or 0.0) + ((prim.draft.graph_gib or 0.0) if prim.draft else 0.0) if prim.graph_gib is not None else None
+        if graph is None and sched is not None and sched.available_gpu_mem_gib is not None:
+            graph = 0.0  # the start finished without a capture line: CUDA graphs were disabled
         r2t = None
         if sched and sched.max_running_requests and sched.context_len:
             r2t = req_to_token_gib(sched.max_running_requests, sched.context_len)
