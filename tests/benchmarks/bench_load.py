@@ -37,6 +37,19 @@ ITL_MS = float(os.environ.get("BENCH_LOAD_ITL_MS", "20"))
 DURATION_S = float(os.environ.get("BENCH_LOAD_DURATION_S", "10"))
 
 
+def _runqueue_wait_s(pid: int | str = "self") -> float:
+    """Seconds the process's main thread waited, runnable, for a CPU (``/proc/<pid>/schedstat``)."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _server_pids(root: int) -> list[int]:
+    children = Path(f"/proc/{root}/task/{root}/children")
+    return [root, *(int(p) for p in children.read_text().split())] if children.exists() else [root]
+
+
 def _max_in_flight(records: list) -> int:
     events = sorted([(r.send_time_s, 1) for r in records] + [(r.end_time_s, -1) for r in records])
     level = peak = 0
@@ -68,10 +81,13 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         # Ranged output lengths (40-200 tokens) so the 1,000 streams do not finish and restart in
         # lockstep: the measured window then sees a steady mix of first tokens and decode tokens.
         wl = build_workload(RandomSpec(input_len=64, output_len=200, range_ratio=0.2), seed=0)
+        pids = _server_pids(server.pid)
+        waits0 = [_runqueue_wait_s(), *(_runqueue_wait_s(p) for p in pids)]
         usage0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         result = run_load_sync(url, wl, concurrency=STREAMS, warmup_s=5.0, duration_s=DURATION_S,
                                request_timeout_s=120)
         usage1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        waits1 = [_runqueue_wait_s(), *(_runqueue_wait_s(p) for p in pids)]
         time.sleep(1.5)  # the server workers dump their timestamps every 0.5 s
     finally:
         os.sched_setaffinity(0, original)
@@ -113,6 +129,11 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         # 1e6 / this = tokens/s one core sustains, whatever else the machine runs.
         "client_cpu_us_per_token": round(cpu_s / all_tokens * 1e6, 2),
         "load_average_1m": round(os.getloadavg()[0], 2),
+        # Share of the run each process spent runnable but waiting for a CPU (other work on the
+        # machine): near 0 on an idle machine; the TTFT figures mean little when it is not.
+        "client_runqueue_wait_share": round((waits1[0] - waits0[0]) / (wall1 - wall0), 3),
+        "server_runqueue_wait_share": round(
+            max(b - a for a, b in zip(waits0[1:], waits1[1:])) / (wall1 - wall0), 3),
         "median_itl_ms": round(s.median_itl_ms or 0, 3),
     }
     print("\nBENCH_LOAD " + json.dumps(figures))
