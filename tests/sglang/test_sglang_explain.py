@@ -207,3 +207,27 @@ def test_gzip_log_and_stdin(tmp_path: Path) -> None:
     (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"not gzip")
     bad = _run("--log", str(tmp_path / "bad.gz"))
     assert bad.returncode == 1 and "damaged gzip" in bad.stderr
+
+
+def test_0523_draft_weights_are_static_not_reserve() -> None:
+    from tuner.sglang.explain import explain
+    from tuner.sglang.logs import parse_log
+
+    report = parse_log([
+        "[2026-11-01 12:00:00] server_args=ServerArgs(model_path='/m', mem_fraction_static=0.88, speculative_algorithm='EAGLE')",
+        "[2026-11-01 12:00:00] Memory baseline taken. mem usage=0.60 GB",
+        "[2026-11-01 12:00:00] Load weight begin. avail mem=94.00 GB",
+        "[2026-11-01 12:00:30] Load weight end. elapsed=30.00 s, type=DeepseekV3ForCausalLM, avail mem=21.00 GB, mem usage=73.00 GB.",
+        "[2026-11-01 12:00:31] Load weight begin. avail mem=21.00 GB",
+        "[2026-11-01 12:00:33] Load weight end. elapsed=2.00 s, type=DeepseekV3ForCausalLMNextN, avail mem=19.80 GB, mem usage=1.20 GB.",
+        "[2026-11-01 12:00:34] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 120000, KV size: 8.05 GB",
+        "[2026-11-01 12:00:34] Memory pool end. avail mem=10.50 GB",
+        "[2026-11-01 12:00:40] Capture target decode CUDA graph end. bs=[1, 2, 4, 8], elapsed=5.00 s, mem usage=0.40 GB, avail mem=10.10 GB.",
+        "[2026-11-01 12:00:48] Capture draft decode CUDA graph end. bs=[1, 2, 4, 8], elapsed=4.00 s, mem usage=0.20 GB, avail mem=9.90 GB.",
+        "[2026-11-01 12:00:49] max_total_num_tokens=120000, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=48, context_len=163840, available_gpu_mem=9.90 GB",
+    ])
+    steps = {s.item: s for s in explain(report).waterfall}
+X
+    assert steps["draft_model"].gib == 0.2
+    parts = sum(steps[k].gib for k in ("req_to_token", "cuda_graphs", "draft_model", "other_reserve", "free_after_graphs"))
+    assert parts == pytest.approx(steps["reserve"].gib, abs=0.02)

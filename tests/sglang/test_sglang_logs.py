@@ -248,3 +248,23 @@ def test_progress_bars_glued_lines_and_mamba_cache() -> None:
     ])
     assert r.ranks["TP1"].graph_begin_avail_gib == 1.45 and "" not in r.ranks
     assert r.ranks["TP0"].mamba_cache_gib == 4.88
+
+
+def test_0523_speculative_draft_and_target_lines() -> None:
+    r = parse_log([
+        "[2026-11-01 12:00:00 TP0] Memory baseline taken. mem usage=0.60 GB",
+        "[2026-11-01 12:00:00 TP0] Load weight begin. avail mem=94.00 GB",
+        "[2026-11-01 12:00:30 TP0] Load weight end. elapsed=30.00 s, type=DeepseekV3ForCausalLM, avail mem=21.00 GB, mem usage=73.00 GB.",
+        "[2026-11-01 12:00:31 TP0] Load weight begin. avail mem=21.00 GB",
+        "[2026-11-01 12:00:33 TP0] Load weight end. elapsed=2.00 s, type=DeepseekV3ForCausalLMNextN, avail mem=19.80 GB, mem usage=1.20 GB.",
+        "[2026-11-01 12:00:34 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 120000, KV size: 7.98 GB",
+        "[2026-11-01 12:00:34 TP0] Memory pool end. avail mem=10.50 GB",
+        "[2026-11-01 12:00:40 TP0] Capture target decode CUDA graph end. bs=[1, 2, 4, 8], elapsed=5.00 s, mem usage=0.40 GB, avail mem=10.10 GB.",
+        "[2026-11-01 12:00:44 TP0] Capture target verify CUDA graph end. bs=[1, 2, 4, 8, 16], elapsed=4.00 s, mem usage=0.30 GB, avail mem=9.80 GB.",
+        "[2026-11-01 12:00:48 TP0] Capture draft decode CUDA graph end. bs=[1, 2, 4, 8], elapsed=4.00 s, mem usage=0.20 GB, avail mem=9.60 GB.",
+        "[2026-11-01 12:00:49 TP0] max_total_num_tokens=120000, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=48, context_len=163840, available_gpu_mem=9.60 GB",
+    ])
+    tp0 = r.ranks["TP0"]
+    assert (tp0.weight_gib, tp0.kv_tokens, tp0.graph_gib, tp0.graph_bs) == (73.0, 120000, pytest.approx(0.7), [1, 2, 4, 8])
+    assert tp0.draft is not None and (tp0.draft.weight_gib, tp0.draft.graph_gib, tp0.draft.kv_tokens) == (1.2, 0.2, None)
+    assert r.version_format == "0.5.23" and r.failure is None

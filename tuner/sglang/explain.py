@@ -421,14 +421,21 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
         add(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=prim.graph_gib, source="log:Capture ... end"))
     elif info and info.graph_gib is not None:
         add(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=info.graph_gib, source="server_info"))
+    draft_in_reserve = 0.0
     if prim and prim.draft is not None:
         d = prim.draft
-        total = sum(x for x in (d.weight_gib, d.kv_pool_gib, d.graph_gib) if x is not None)
-        add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
-                          source="log:draft Load weight/KV/Capture", note=f"weights {d.weight_gib}, KV {d.kv_pool_gib}, graphs {d.graph_gib}"))
+        if report is not None and report.version_format == "0.5.23":
+            # 0.5.23 loads the draft before profiling (its weights are static, in "other static")
+            # and counts its KV in the target's cell; only its graphs come out of the reserve (§1.5).
+            add(WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
+                              gib=d.graph_gib, source="log:Capture draft ... end", note=f"draft weights {d.weight_gib} GiB counted before profiling"))
+        else:
+            draft_in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
+            total = draft_in_reserve + (d.graph_gib or 0.0)
+            add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
+                              source="log:draft Load weight/KV/Capture", note=f"weights {d.weight_gib}, KV {d.kv_pool_gib}, graphs {d.graph_gib}"))
     if m is not None and m.other_reserve_gib is not None:
-        draft = sum(x for x in (prim.draft.weight_gib, prim.draft.kv_pool_gib) if x is not None) if prim and prim.draft else 0.0
-        add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft, 2) + 0.0, source="derived"))
+        add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft_in_reserve, 2) + 0.0, source="derived"))
     free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
     free_src = "log:scheduler available_gpu_mem"
     if free is None and prim is not None:
