@@ -127,7 +127,8 @@ def test_metrics_names(sim: SimProcess) -> None:
 def test_flush_cache_refused_while_busy(sim: SimProcess) -> None:
     body = {"input_ids": [5] * 16, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}, "stream": True}
     with requests.post(f"{sim.url}/generate", json=body, stream=True, timeout=TIMEOUT_S) as resp:
-        next(resp.iter_lines())
+        lines = resp.iter_lines()  # kept alive: a dropped iterator closes the connection
+        next(lines)
         busy = requests.post(f"{sim.url}/flush_cache", timeout=TIMEOUT_S)
         assert busy.status_code == 400 and busy.text.startswith("Cache flushed.")
     deadline = time.monotonic() + TIMEOUT_S
@@ -208,3 +209,17 @@ def test_runtime_oom_kills_the_server_and_cuts_streams(tmp_path) -> None:
         assert "SIGQUIT received. signum=None, frame=None. It usually means one child failed." in log
     finally:
         proc.stop()
+
+
+def test_chat_completions(sim: SimProcess) -> None:
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "say three words"}], "max_tokens": 3,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(f"{sim.url}/v1/chat/completions", json=body, stream=True, timeout=TIMEOUT_S) as resp:
+        chunks = [c for c in sse(resp) if isinstance(c, dict)]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and len(deltas) == 3
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    whole = requests.post(f"{sim.url}/v1/chat/completions", json={**body, "stream": False}, timeout=TIMEOUT_S).json()
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    assert whole["choices"][0]["finish_reason"] == "length"

@@ -1,7 +1,7 @@
 """The simulator's HTTP server (aiohttp) and the real-time driver of the engine.
 
 It speaks SGLang's HTTP API (``shared/sglang-reference.md`` §5): health, server and model info,
-``/generate`` and ``/v1/completions`` with SSE streaming, ``/metrics`` (§5.5 names, only with
+``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` with SSE streaming, ``/metrics`` (§5.5 names, only with
 ``--enable-metrics``), ``/flush_cache``; plus ``GET /sim/device_memory``, the per-GPU ledger that
 stands in for NVML. One asyncio task drives :class:`tuner.sim.engine.Engine`: it runs a step,
 waits its ``duration_s`` of real time, then hands the step's events to the waiting requests; it
@@ -140,6 +140,7 @@ class SimServer:
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_load", self.get_load)
         r.add_get("/sim/device_memory", self.device_memory)
@@ -282,6 +283,8 @@ class SimServer:
                 await resp.write(encode(upd))
                 finished = upd.finish is not None
             await resp.write(tail(upd))
+        except ConnectionResetError:
+            pass  # the client went away: its request is aborted below, as SGLang aborts it
         finally:
             self._forget(p, finished)
         return resp
@@ -573,49 +576,86 @@ class SimServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (§5.3): prompt as text or ids, ``max_tokens``, ``ignore_eos``, streaming."""
+        return await self._openai(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/chat/completions`` (§5.3): ``messages`` become one prompt (role and content words)."""
+        return await self._openai(request, chat=True)
+
+    def _openai_prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids of an OpenAI-style body (raises RequestRejected)."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestRejected("The request needs a non-empty 'messages' list.")
+            words = []
+            for m in messages:
+                content = m.get("content") if isinstance(m, dict) else None
+                if isinstance(content, list):  # content parts
+                    content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+                words.append(f"{m.get('role', 'user') if isinstance(m, dict) else 'user'} {content or ''}")
+            return self._input_ids(" ".join(words), None)
+        if "prompt" not in body:
+            raise RequestRejected("The request needs a 'prompt'.")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+            if len(prompt) != 1:
+                raise RequestRejected("Only one prompt per request is simulated; send one request per prompt.")
+            prompt = prompt[0]
+        return self._input_ids(prompt if isinstance(prompt, str) else None, prompt if isinstance(prompt, list) else None)
+
+    async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """The OpenAI-compatible completions of §5.3, plain or chat, streaming or not."""
         try:
             body = await request.json()
         except ValueError:
             return self._reject("The request body is not valid JSON.")
-        if not isinstance(body, dict) or "prompt" not in body:
-            return self._reject("The request needs a 'prompt'.")
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            if len(prompt) != 1:
-                return self._reject("Only one prompt per request is simulated; send one request per prompt.")
-            prompt = prompt[0]
+        if not isinstance(body, dict):
+            return self._reject("The request body must be a JSON object.")
         try:
-            ids = self._input_ids(prompt if isinstance(prompt, str) else None,
-                                  prompt if isinstance(prompt, list) else None)
-            max_tokens = body.get("max_tokens")
-            p = self._submit(ids, 16 if max_tokens is None else int(max_tokens), bool(body.get("ignore_eos", False)))
+            ids = self._openai_prompt(body, chat)
+            max_tokens = body.get("max_completion_tokens") if chat else None
+            max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+            default = 128 if chat else 16
+            p = self._submit(ids, default if max_tokens is None else int(max_tokens),
+                             bool(body.get("ignore_eos", False)))
         except RequestRejected as err:
             return self._reject(str(err))
-        cid = f"cmpl-{p.rid}"
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{p.rid}"
         created = int(time.time())
         model = body.get("model") or self.cfg.served_model_name
+        obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
             self._finish_observe(p, upd)
-            choice = {"index": 0, "text": detokenize(out_ids), "logprobs": None,
-                      "finish_reason": _oai_reason(upd.finish), "matched_stop": None}
-            return web.json_response({"id": cid, "object": "text_completion", "created": created, "model": model,
+            text = detokenize(out_ids)
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _oai_reason(upd.finish),
+                                      "matched_stop": None}
+            choice.update({"message": {"role": "assistant", "content": text, "reasoning_content": None,
+                                       "tool_calls": None}} if chat else {"text": text})
+            return web.json_response({"id": cid, "object": obj, "created": created, "model": model,
                                       "choices": [choice], "usage": self._usage(upd)})
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
+        head = {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": model}
+        first = [chat]
 
         def encode(upd: _Update) -> bytes:
-            chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": 0, "text": detokenize(upd.token_ids), "logprobs": None,
-                                  "finish_reason": _oai_reason(upd.finish), "matched_stop": None}],
-                     "usage": self._usage(upd) if continuous else None}
+            text = detokenize(upd.token_ids)
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _oai_reason(upd.finish),
+                                      "matched_stop": None}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if first[0] else {"content": text}
+                first[0] = False
+            else:
+                choice["text"] = text
+            chunk = {**head, "choices": [choice], "usage": self._usage(upd) if continuous else None}
             if upd.finish is not None:
                 self._finish_observe(p, upd)
             return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
         def tail(upd: _Update) -> bytes:
-            final = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [], "usage": self._usage(upd)}
+            final = {**head, "choices": [], "usage": self._usage(upd)}
             usage = b"data: " + json.dumps(final).encode() + b"\n\n" if include_usage else b""
             return usage + b"data: [DONE]\n\n"
 
