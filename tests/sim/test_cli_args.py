@@ -97,6 +97,9 @@ def test_bad_input_gives_one_line_and_status_2(tmp_path, capsys: pytest.CaptureF
     assert "max_position_embeddings" in err and "\n" not in err
     assert main(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "1.5"]) == 2
     assert "--mem-fraction-static" in capsys.readouterr().err
+    assert main(["--model-path", "llama-3.1-8b", "--speculative-algorithm", "STANDALONE",
+                 "--speculative-draft-model-path", str(tmp_path / "missing")]) == 2
+    assert "--speculative-draft-model-path" in capsys.readouterr().err
     err = _bad(["--model-path", "llama-3.1-8b", "--sim-gpu", "B300"], capsys)
     assert "unknown GPU preset 'B300'" in err and "H100-80GB" in err
 

@@ -189,6 +189,7 @@ def test_health_is_503_while_starting(tmp_path) -> None:
                 assert proc.proc.poll() is None, proc.log()
             time.sleep(0.1)
         assert codes and codes[0] == 503 and codes[-1] == 200
+        assert requests.get(f"{proc.url}/metrics", timeout=TIMEOUT_S).status_code == 404  # no --enable-metrics
         assert "Uvicorn running on" in proc.log()
     finally:
         proc.stop()

@@ -326,10 +326,10 @@ def _resolve_draft(v: dict[str, Any], model: ModelSpec, spec: SpecConfig | None,
     if path:
         try:
             draft = load_model(path)
-        except SimError:
+        except SimError as err:
             draft = None
             if spec.algorithm == "STANDALONE":
-                raise
+                raise SimError(f"--speculative-draft-model-path: {err}") from None
             warnings.append(
                 f"Draft model {path!r} has no local config.json; simulating a one-layer "
                 f"{spec.algorithm} head derived from the target model."
