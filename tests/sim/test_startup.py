@@ -152,3 +152,10 @@ def test_mutually_exclusive_cache_flags_fail_before_start(tmp_path) -> None:
                               tmp_path)
     assert status == 2
     assert "mutually exclusive" in log and "Init torch distributed" not in log
+
+
+def test_pool_too_small_for_any_request(tmp_path) -> None:
+    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--max-total-tokens", "6"], tmp_path)
+    assert status == KILLED
+    assert "KV Cache is allocated. #tokens: 6," in log
+    assert "AssertionError: Memory pool size is too small" in log and "max_total_num_tokens=" not in log

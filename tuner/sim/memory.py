@@ -500,7 +500,8 @@ class StartupFailure:
 
     Attributes:
         kind: ``unbalanced``, ``weight_oom``, ``kv_no_budget`` (0.5.23's early check),
-            ``not_enough_memory``, ``pool_oom`` (req_to_token + KV do not fit), ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
+            ``not_enough_memory``, ``pool_oom`` (req_to_token + KV do not fit), ``pool_too_small``,
+            ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
             ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``.
         rank: The rank that raises.
         requested_bytes: What the failing allocation asked for (0 when not an allocation).
@@ -774,6 +775,10 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
             return replace(plan, failure=StartupFailure("draft_graph_oom", worst.rank, dg, worst.draft_after_pool))
         ranks = [replace(r, draft_after_capture=r.draft_after_pool - dg) for r in ranks]
         plan = replace(plan, ranks=tuple(ranks))
+
+    # §1.4: the scheduler needs room for one request (``Memory pool size is too small``, §4.3).
+    if min(cfg.context_len - 1, tokens - 1) - 5 <= 0:
+        return replace(plan, failure=StartupFailure("pool_too_small", 0))
 
     # §7 HiCache host pool, per rank, against host RAM.
     if cfg.enable_hierarchical_cache:

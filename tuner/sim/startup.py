@@ -211,6 +211,8 @@ def _failure_exception(plan: MemoryPlan, f: StartupFailure) -> tuple[str, str]:
         oom = torch_oom_text(min(f.requested_bytes, 448 * (1 << 20)) if f.free_bytes < 448 * (1 << 20)
                              else f.requested_bytes - f.free_bytes, f.rank, r.total, f.free_bytes, used)
         return "init_device_graphs", graph_failed_text(version, oom.replace("torch.OutOfMemoryError: ", ""))
+    if f.kind == "pool_too_small":
+        return "TpModelWorker.__init__", "AssertionError: Memory pool size is too small"
     if f.kind == "host_memory":
         return "init_memory_pool_and_cache", (
             f"ValueError: Not enough host memory available. Requesting {f.requested_bytes / 1e9:.2f} GB but "
@@ -359,6 +361,9 @@ def run_startup(
         if not _capture(plan, log, wait, delays, "draft", lambda r: ranks[r].draft_after_pool,
                         plan.draft_graph_bytes, draft.num_layers, "draft_graph_oom"):
             return die()
+
+    if fail and fail.kind == "pool_too_small":
+        return die(0)
 
     # 6. the scheduler line (§4.2 line 8, rank 0 only).
     chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else -1
