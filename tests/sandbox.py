@@ -80,7 +80,7 @@ class SystemdSandbox:
     """
 
     def __init__(self, kind: str, unit_dir: Path, systemctl: list[str], journalctl: list[str],
-                 host_pid: int | None = None, why_emulated: str | None = None) -> None:  # fmt: skip
+                 host_pid: int | None = None, why_emulated: str | None = None) -> None:
         self.kind = kind
         self.unit_dir = unit_dir
         self.systemctl = systemctl
@@ -221,9 +221,9 @@ def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subp
     console = open(workdir / "systemd-console.log", "wb")  # noqa: SIM115
     cmd = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--mount", "--uts", "--ipc",
            "--", "env", f"SYSTEMD_UNIT_PATH={unit_dir}", str(SYSTEMD), "--system", f"--unit={TARGET}",
-           "--log-target=console"]  # fmt: skip
+           "--log-target=console"]
     unshare = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # fmt: skip
+                               start_new_session=True)
     console.close()
     child = _systemd_child(unshare.pid, 10.0)
     if child is None:
@@ -274,9 +274,9 @@ def _emulator(workdir: Path, why: str) -> SystemdSandbox:
     systemctl3, journalctl3 = bindir / "systemctl3", bindir / "journalctl3"
     if not systemctl3.exists():
         pytest.skip(f"no service manager for tests: real systemd unusable ({why}) and {systemctl3} missing "
-                    "(pip install docker-systemctl-replacement)")  # fmt: skip
+                    "(pip install docker-systemctl-replacement)")
     systemctl = [str(systemctl3), f"--root={root}", "-c", f"_notify_socket_folder={root}/run/systemd",
-                 "-c", "MinimumYield=0.1"]  # fmt: skip
+                 "-c", "MinimumYield=0.1"]
     return SystemdSandbox("emulator", unit_dir, systemctl, [str(journalctl3), f"--root={root}"], why_emulated=why)
 
 
@@ -301,7 +301,7 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None) -> Iterato
             box, why, unshare = _boot_real(workdir, fd)
         if box is None:
             warnings.warn(f"systemd sandbox: real systemd unavailable ({why}); using docker-systemctl-replacement",
-                          stacklevel=2)  # fmt: skip
+                          stacklevel=2)
             box = _emulator(workdir, why)
         yield box
     finally:

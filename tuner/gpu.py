@@ -134,7 +134,7 @@ class NvmlBackend:
             import pynvml  # nvidia-ml-py
         except ImportError as err:
             raise GPUError("nvidia-ml-py is not installed: cannot read GPU memory",
-                           hint="pip install nvidia-ml-py, or use the simulator (gpu = \"sim\")") from err  # fmt: skip
+                           hint="pip install nvidia-ml-py, or use the simulator (gpu = \"sim\")") from err
         self._nvml = pynvml
         try:
             pynvml.nvmlInit()
@@ -145,7 +145,7 @@ class NvmlBackend:
             ) from err
         except pynvml.NVMLError as err:
             raise GPUError(f"NVML failed to initialize: {err}",
-                           hint="check the NVIDIA driver with nvidia-smi") from err  # fmt: skip
+                           hint="check the NVIDIA driver with nvidia-smi") from err
 
     def close(self) -> None:
         """Shut NVML down."""
@@ -172,10 +172,10 @@ class NvmlBackend:
                 out.append(GPUMemory(
                     index=i, name=name.decode() if isinstance(name, bytes) else str(name),
                     total_mib=info.total / _MIB, used_mib=info.used / _MIB, free_mib=info.free / _MIB,
-                ))  # fmt: skip
+                ))
         except n.NVMLError as err:
             raise GPUError(f"NVML could not read GPU memory: {err}",
-                           hint="check the NVIDIA driver with nvidia-smi") from err  # fmt: skip
+                           hint="check the NVIDIA driver with nvidia-smi") from err
         return out
 
     def processes(self) -> list[GPUProcess]:
@@ -193,10 +193,10 @@ class NvmlBackend:
                         except n.NVMLError:
                             name = None
                         out[(i, p.pid)] = GPUProcess(gpu_index=i, pid=p.pid, name=name,
-                                                     used_mib=used / _MIB if used else None)  # fmt: skip
+                                                     used_mib=used / _MIB if used else None)
         except n.NVMLError as err:
             raise GPUError(f"NVML could not list GPU processes: {err}",
-                           hint="check the NVIDIA driver with nvidia-smi") from err  # fmt: skip
+                           hint="check the NVIDIA driver with nvidia-smi") from err
         return list(out.values())
 
 
@@ -226,7 +226,7 @@ class SimBackend:
             return resp.json()
         except ValueError as err:
             raise GPUError(f"{self.url}/sim/device_memory did not answer JSON",
-                           hint="point gpu.url at a tuner.sim server") from err  # fmt: skip
+                           hint="point gpu.url at a tuner.sim server") from err
 
     @staticmethod
     def _gpus(payload: Any) -> list[dict[str, Any]]:
@@ -246,13 +246,13 @@ class SimBackend:
                 total, used = float(g["total_mib"]), float(g["used_mib"])
             except (KeyError, TypeError, ValueError) as err:
                 raise GPUError(f"{self.url}/sim/device_memory lacks total_mib/used_mib",
-                               hint="upgrade the simulator") from err  # fmt: skip
+                               hint="upgrade the simulator") from err
             peak = g.get("peak_used_mib")
             out.append(GPUMemory(
                 index=int(g.get("index", g.get("gpu", i))), name=str(g.get("name", "sim")),
                 total_mib=total, used_mib=used, free_mib=float(g.get("free_mib", total - used)),
                 peak_used_mib=float(peak) if peak is not None else None,
-            ))  # fmt: skip
+            ))
         return out
 
     def processes(self) -> list[GPUProcess]:
@@ -261,7 +261,7 @@ class SimBackend:
         for i, g in enumerate(self._gpus(self._payload())):
             for p in g.get("processes", []) if isinstance(g, dict) else []:
                 out.append(GPUProcess(gpu_index=int(g.get("index", i)), pid=int(p.get("pid", 0)),
-                                      used_mib=p.get("used_mib"), name=p.get("name")))  # fmt: skip
+                                      used_mib=p.get("used_mib"), name=p.get("name")))
             foreign = g.get("foreign_mib") if isinstance(g, dict) else None
             if foreign and not any(p.name == "foreign" for p in out if p.gpu_index == i):
                 out.append(GPUProcess(gpu_index=i, pid=0, used_mib=float(foreign), name="foreign"))
@@ -292,7 +292,7 @@ class GPUWindow:
         with self._lock:
             for g in mem:
                 a = self._acc.setdefault(g.index, {"total": g.total_mib, "min": g.used_mib,
-                                                   "peak": g.used_mib, "n": 0})  # fmt: skip
+                                                   "peak": g.used_mib, "n": 0})
                 a["min"] = min(a["min"], g.used_mib)
                 a["peak"] = max(a["peak"], g.used_mib, g.peak_used_mib or 0.0)
                 a["last"] = g.used_mib
@@ -321,7 +321,7 @@ class GPUWindow:
         with self._lock:
             return [GPUPeak(index=i, total_mib=a["total"], min_used_mib=a["min"], peak_used_mib=a["peak"],
                             last_used_mib=a.get("last", a["min"]), samples=int(a["n"]))
-                    for i, a in sorted(self._acc.items())]  # fmt: skip
+                    for i, a in sorted(self._acc.items())]
 
 
 class GPUMonitor:
@@ -374,9 +374,9 @@ class GPUMonitor:
 
     def _held(self) -> list[str]:
         held = [f"GPU{g.index} {g.used_mib:.0f} MiB used" for g in self.snapshot()
-                if g.used_mib > self.idle_used_mib]  # fmt: skip
+                if g.used_mib > self.idle_used_mib]
         held += [f"GPU{p.gpu_index} PID {p.pid} ({p.name or '?'}, {p.used_mib or 0:.0f} MiB)"
-                 for p in self.backend.processes()]  # fmt: skip
+                 for p in self.backend.processes()]
         return held
 
     def wait_released(self, timeout_s: float, *, allow_foreign: bool = False) -> list[GPUMemory]:
@@ -436,7 +436,7 @@ class GPUMonitor:
         procs = self.backend.processes()
         if procs and not allow_foreign:
             names = ", ".join(f"GPU{p.gpu_index} PID {p.pid} ({p.name or '?'}, {p.used_mib or 0:.0f} MiB)"
-                              for p in procs)  # fmt: skip
+                              for p in procs)
             raise GPUError(
                 f"another process holds GPU memory: {names}",
                 hint="stop it (it would shrink SGLang's KV pool, §1.2), or set allow_foreign = true",

@@ -32,7 +32,7 @@ from tuner.sglang.client import SGLangClient
 
 REPEATS = int(os.environ.get("BENCH_LAUNCH_REPEATS", "3"))
 CASES = {"ready": ("--mem-fraction-static", "0.85"), "startup_oom": ("--mem-fraction-static", "0.1"),
-         "invalid_flag": ("--no-such-flag", "1")}  # fmt: skip
+         "invalid_flag": ("--no-such-flag", "1")}
 
 
 def _bare_s(argv: list[str], url: str) -> float:
@@ -85,7 +85,7 @@ def test_detection_overhead_process_and_systemd(tmp_path: Path) -> None:
         box.add_unit("sim.service", f"[Service]\nEnvironment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(base)}\n")
         launcher = build_launcher({"launcher": "systemd", "unit": "sim", "url": url, "systemctl": box.systemctl,
                                    "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
-                                   "state_dir": str(tmp_path / "s")})  # fmt: skip
+                                   "state_dir": str(tmp_path / "s")})
         results[f"systemd ({box.kind})"] = _measure(launcher, base, url)
     bare = {case: results["process"][case][0] for case in CASES}
     print(f"\nmedian of {REPEATS}; bare simulator: " + ", ".join(f"{c} {b:.2f} s" for c, b in bare.items()))

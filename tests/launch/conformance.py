@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +54,7 @@ def sim_command(port: int, mem_fraction_static: str = "0.85") -> list[str]:
     """The simulator serving on ``port``, starting in about a second."""
     return [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
             "--mem-fraction-static", mem_fraction_static, "--host", "127.0.0.1", "--port", str(port),
-            "--sim-time-scale", "0.02"]  # fmt: skip
+            "--sim-time-scale", "0.02"]
 
 
 def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
@@ -101,7 +100,7 @@ class Harness:
         proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, json.dumps(self.settings), json.dumps(argv)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+        )
         assert proc.stdout is not None
         line = proc.stdout.readline()  # blocks until the child's start() returned, or it died
         if line.strip() != "STARTED":
@@ -194,7 +193,7 @@ class LauncherConformance:
         state_dir = harness.settings["state_dir"]
         assert (Path(state_dir) / f"{key}.state.json").exists()
         cli = [str(Path(sys.executable).parent / "tuner"), "restore", "--unit", key, "--state-dir", state_dir,
-               "--timeout-s", str(START_TIMEOUT_S)]  # fmt: skip
+               "--timeout-s", str(START_TIMEOUT_S)]
         done = subprocess.run(cli, capture_output=True, text=True, timeout=START_TIMEOUT_S + 60)
         assert done.returncode == 0, done.stderr
         assert "from the state file" in done.stdout, done.stdout

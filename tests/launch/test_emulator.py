@@ -23,13 +23,13 @@ def test_systemd_launcher_on_the_emulator() -> None:
     argv = sim_command(port)
     with tempfile.TemporaryDirectory(prefix="tuner-emu-") as tmp, \
             pytest.warns(UserWarning, match="real systemd unavailable .forced by this test"), \
-            boot_sandbox(Path(tmp), force_emulator="forced by this test") as box:  # fmt: skip
+            boot_sandbox(Path(tmp), force_emulator="forced by this test") as box:
         assert box.kind == "emulator" and box.why_emulated == "forced by this test"
         box.add_unit("sim.service", f"[Service]\nEnvironment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(argv)}\n")
         box.systemctl_run("start", "sim.service")
         launcher = build_launcher({"launcher": "systemd", "unit": "sim", "url": url, "systemctl": box.systemctl,
                                    "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
-                                   "state_dir": str(Path(tmp) / "state")})  # fmt: skip
+                                   "state_dir": str(Path(tmp) / "state")})
         with launcher.session():
             launcher.start(set_flag(argv, "--mem-fraction-static", "0.1"))
             st = launcher.wait(START_TIMEOUT_S)

@@ -29,7 +29,7 @@ TUNER = str(Path(sys.executable).parent / "tuner")
 
 def _unit_text(argv: list[str], extra: str = "") -> str:
     return ("[Unit]\nDescription=simulated SGLang server (test)\n[Service]\nEnvironment=PYTHONUNBUFFERED=1\n"
-            f"{extra}ExecStart={format_exec_command(argv)}\n")  # fmt: skip
+            f"{extra}ExecStart={format_exec_command(argv)}\n")
 
 
 def _folder_snapshot(folder: Path) -> dict[str, str]:
@@ -60,7 +60,7 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Itera
     box.systemctl_run("start", unit)
     settings = {"launcher": "systemd", "unit": unit, "url": f"http://127.0.0.1:{port}",
                 "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
-                "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}  # fmt: skip
+                "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}
     try:
         _wait_healthy(settings["url"])
         yield unit, settings, argv
@@ -132,7 +132,7 @@ def _cli(*args: str, cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> s
 def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
     """``tuner restore`` options reaching the sandbox (``--systemctl`` first)."""
     return ["--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
-            "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]  # fmt: skip
+            "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]
 
 
 def _assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -150,12 +150,12 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
         before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         _assert_one_line_error(_cli("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
         _assert_one_line_error(_cli("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
-                               "/nonexistent/systemctl", "not found")  # fmt: skip
+                               "/nonexistent/systemctl", "not found")
         env_unit = f"env-{unit}"
         box.add_unit(env_unit, _unit_text(argv).replace("--port", "--port-from-env $PORT --port"))
         _assert_one_line_error(_cli("restore", "--unit", env_unit, *base), "ExecStart", "environment variable")
         ro = ("unshare", "--mount", "--", "sh", "-c",
-              f'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(box.unit_dir))  # fmt: skip
+              'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(box.unit_dir))
         _assert_one_line_error(_cli("restore", "--unit", unit, *base, prefix=ro), "no permission", str(box.unit_dir))
         after = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         assert after == before

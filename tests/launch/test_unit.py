@@ -11,7 +11,7 @@ from tuner.launch.safety import SessionState, StateStore, UnitLock
 from tuner.launch.unit import _exec_start_values, format_exec_command, split_exec_command
 
 TRICKY = ["a b", 'q"uote', "it's", "semi;colon", ";", "", "100%", "$HOME", "${X}", "back\\slash", "tab\tnew\nline",
-          "\x01ctl", "ünï", "--flag=v a"]  # fmt: skip
+          "\x01ctl", "ünï", "--flag=v a"]
 
 
 @pytest.mark.parametrize("word", TRICKY)
@@ -26,7 +26,7 @@ def test_quoting_round_trips_every_value(word: str) -> None:
     ("value", "why"),
     [("/bin/x --name %i", "specifiers"), ("/bin/x --port $PORT", "environment variable"),
      ("/bin/x a ; /bin/y", "several commands"), ("@/bin/x y", "'@' prefix"), ('/bin/x "open', "quote")],
-)  # fmt: skip
+)
 def test_unreadable_exec_start_is_refused(value: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         split_exec_command(value)
@@ -51,7 +51,7 @@ def test_state_file_round_trip_and_malformed(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state", "sglang.service")
     assert store.load() is None
     state = SessionState(launcher="systemd", key="sglang.service", original_argv=["/bin/a", "b c"],
-                         original_dropins={"10-x.conf": "[Service]\n"})  # fmt: skip
+                         original_dropins={"10-x.conf": "[Service]\n"})
     store.save(state)
     assert store.load() == state and oct(store.path.stat().st_mode & 0o777) == "0o600"
     store.path.write_text("{not json")

@@ -25,7 +25,7 @@ from tuner.launch.unit import DEFAULT_DROPIN_DIR
 __all__ = ["SETTING_KEYS", "build_launcher", "restore_service"]
 
 SETTING_KEYS = ("launcher", "unit", "command", "url", "systemctl", "journalctl", "dropin_dir", "state_dir",
-                "log_dir", "workdir", "allow_foreign", "stop_timeout_s")  # fmt: skip
+                "log_dir", "workdir", "allow_foreign", "stop_timeout_s")
 """The settings :func:`build_launcher` reads (others are ignored)."""
 
 
@@ -43,7 +43,7 @@ def _argv(value: Any, what: str) -> list[str] | None:
     if isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
         return list(value)
     raise LaunchError(f"{what} must be a command line (a string or a list of strings), not {value!r}",
-                      hint=f"write {what} = [\"systemctl\"] or a string")  # fmt: skip
+                      hint=f"write {what} = [\"systemctl\"] or a string")
 
 
 def build_launcher(settings: Mapping[str, Any] | Any, *, gpu: Any | None = None) -> GuardedLauncher:
@@ -63,7 +63,7 @@ def build_launcher(settings: Mapping[str, Any] | Any, *, gpu: Any | None = None)
     url = _get(settings, "url") or "http://127.0.0.1:30000"
     state_dir = Path(_get(settings, "state_dir") or default_state_dir())
     common: dict[str, Any] = {"url": url, "state_dir": state_dir, "gpu": gpu,
-                              "allow_foreign": bool(_get(settings, "allow_foreign"))}  # fmt: skip
+                              "allow_foreign": bool(_get(settings, "allow_foreign"))}
     if _get(settings, "stop_timeout_s"):
         common["release_timeout_s"] = float(_get(settings, "stop_timeout_s"))
     if kind == "systemd":
@@ -81,9 +81,9 @@ def build_launcher(settings: Mapping[str, Any] | Any, *, gpu: Any | None = None)
         command = _argv(_get(settings, "command"), "command")
         if not command:
             raise LaunchError("the process launcher needs the server command",
-                              hint="set command = [\"python\", \"-m\", \"sglang.launch_server\", ...]")  # fmt: skip
+                              hint="set command = [\"python\", \"-m\", \"sglang.launch_server\", ...]")
         launcher = ProcessLauncher(command, name=_get(settings, "unit"), log_dir=_get(settings, "log_dir"),
-                                   cwd=_get(settings, "workdir"), **common)  # fmt: skip
+                                   cwd=_get(settings, "workdir"), **common)
     else:
         raise LaunchError(f"unknown launcher {kind!r}", hint="use launcher = \"systemd\" or \"process\"")
     launcher.settings = {k: _jsonable(_get(settings, k)) for k in SETTING_KEYS if _get(settings, k) is not None}

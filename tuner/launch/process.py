@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from tuner.errors import LaunchError
-from tuner.launch.safety import GuardedLauncher, SessionState, _Poll
+from tuner.launch.safety import GuardedLauncher, SessionState, ServerPoll
 from tuner.launch.unit import atomic_write_text
 
 __all__ = ["ProcessLauncher"]
@@ -135,7 +135,7 @@ class ProcessLauncher(GuardedLauncher):
     def _own_settings(self) -> dict[str, Any]:
         return {"launcher": "process", "unit": self.key, "url": self.url, "command": self.command,
                 "state_dir": str(self.state_dir), "log_dir": str(self.log_dir),
-                "workdir": str(self.cwd) if self.cwd else None}  # fmt: skip
+                "workdir": str(self.cwd) if self.cwd else None}
 
     def _read_argv(self) -> list[str]:
         return list(self.command)
@@ -152,12 +152,12 @@ class ProcessLauncher(GuardedLauncher):
     def dry_run(self, argv: list[str]) -> str:
         """What :meth:`start` with ``argv`` would do, as text (nothing is changed)."""
         diff = difflib.unified_diff([f"{a}\n" for a in self.current_argv()], [f"{a}\n" for a in argv],
-                                    "current argv", "trial argv", n=1)  # fmt: skip
+                                    "current argv", "trial argv", n=1)
         group = self._live_group()
         stop = f"stop process group {group} (SIGTERM, {self.stop_grace_s:.0f} s grace, SIGKILL)" \
-            if group else "no server running"  # fmt: skip
+            if group else "no server running"
         return (f"would {stop}, then run in a new process group, logging to {self.log_path}:\n"
-                f"  {shlex.join(argv)}\ncommand change:\n{''.join(diff) or '(none)'}")  # fmt: skip
+                f"  {shlex.join(argv)}\ncommand change:\n{''.join(diff) or '(none)'}")
 
     def _launch(self, argv: list[str]) -> None:
         try:
@@ -165,23 +165,23 @@ class ProcessLauncher(GuardedLauncher):
             logf = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
         except OSError as err:
             raise LaunchError(f"cannot write the server log {self.log_path}: {err.strerror}",
-                              hint="set service.log_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.log_dir to a writable folder") from err
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                 start_new_session=True, cwd=self.cwd,
-            )  # fmt: skip
+            )
         except FileNotFoundError as err:
             raise LaunchError(f"server command not found: {argv[0]!r}",
-                              hint="set service.command to an existing executable (absolute path)") from err  # fmt: skip
+                              hint="set service.command to an existing executable (absolute path)") from err
         except PermissionError as err:
             raise LaunchError(f"server command not executable: {argv[0]!r}",
-                              hint="check its permissions") from err  # fmt: skip
+                              hint="check its permissions") from err
         finally:
             logf.close()
         self._offset, self._partial, self._stopped_by_us = 0, b"", False
         rec = {"pid": self._proc.pid, "pgid": self._proc.pid, "argv": argv, "log_path": str(self.log_path),
-               "create_time": psutil.Process(self._proc.pid).create_time()}  # fmt: skip
+               "create_time": psutil.Process(self._proc.pid).create_time()}
         self.state_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.record_path, json.dumps(rec) + "\n", mode=0o600)
         log.info("started %s (pgid %d): %s", self.key, self._proc.pid, shlex.join(argv))
@@ -194,7 +194,7 @@ class ProcessLauncher(GuardedLauncher):
             self._signal_group(pgid, signal.SIGTERM)
             if not self._wait_group_gone(pgid, self.stop_grace_s):
                 log.warning("process group %d ignored SIGTERM for %.0f s; sending SIGKILL", pgid,
-                            self.stop_grace_s)  # fmt: skip
+                            self.stop_grace_s)
                 self._signal_group(pgid, signal.SIGKILL)
                 self._wait_group_gone(pgid, 10.0)
         if self._proc is not None:
@@ -233,7 +233,7 @@ class ProcessLauncher(GuardedLauncher):
         *complete, self._partial = data.split(b"\n")
         return [x.decode("utf-8", "replace").rstrip("\r") for x in complete]
 
-    def _poll(self) -> _Poll:
+    def _poll(self) -> ServerPoll:
         if self._proc is not None:
             alive = self._proc.poll() is None
             status = _exit_status(self._proc.returncode)
@@ -247,8 +247,8 @@ class ProcessLauncher(GuardedLauncher):
             if self._partial:
                 lines.append(self._partial.decode("utf-8", "replace"))
                 self._partial = b""
-        return _Poll(lines=lines, alive=alive, pid=pid if alive else None, exit_status=status,
-                     stopped_by_us=not alive and self._stopped_by_us)  # fmt: skip
+        return ServerPoll(lines=lines, alive=alive, pid=pid if alive else None, exit_status=status,
+                     stopped_by_us=not alive and self._stopped_by_us)
 
     def _put_back(self, state: SessionState) -> None:
         if state.was_running:

@@ -11,10 +11,16 @@ A session changes a production service, so three things protect it:
 * **Signals** (:func:`interrupt_on_signals`, :func:`deferred_signals`): SIGINT and SIGTERM become
   ``KeyboardInterrupt`` so the session's ``finally`` restores the service; during the restore
   itself further signals are deferred, not allowed to cut it short.
+
+:class:`GuardedLauncher` is where the three meet: the base every launcher extends, owning the
+session (lock → state file → signals → restore), and the fail-fast watch loop (``wait``/``state``)
+that feeds the server's output to :class:`tuner.sglang.logs.LogWatcher`. Subclasses supply only
+how to read, start, poll, stop and put back their service.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import datetime as dt
 import fcntl
@@ -26,7 +32,6 @@ import signal
 import sys
 import threading
 import time
-import abc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +53,7 @@ __all__ = [
     "interrupt_on_signals",
     "deferred_signals",
     "GuardedLauncher",
+    "ServerPoll",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,7 +80,7 @@ def _ensure_dir(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise LaunchError(f"cannot create the state folder {path}: {err.strerror}",
-                          hint="set service.state_dir to a writable folder") from err  # fmt: skip
+                          hint="set service.state_dir to a writable folder") from err
 
 
 def _own_command() -> str:
@@ -122,7 +128,7 @@ class UnitLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
-                              hint="set service.state_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.state_dir to a writable folder") from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -135,7 +141,7 @@ class UnitLock:
                 "it restores the service on exit",
             ) from None
         info = {"pid": os.getpid(), "command": _own_command(),
-                "since": dt.datetime.now().isoformat(timespec="seconds")}  # fmt: skip
+                "since": dt.datetime.now().isoformat(timespec="seconds")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         os.fsync(fd)
@@ -216,7 +222,7 @@ class StateStore:
             atomic_write_text(self.path, state.model_dump_json(indent=2) + "\n", mode=0o600)
         except OSError as err:
             raise LaunchError(f"cannot write the state file {self.path}: {err.strerror}",
-                              hint="set service.state_dir to a writable folder") from err  # fmt: skip
+                              hint="set service.state_dir to a writable folder") from err
 
     def load(self) -> SessionState | None:
         """The recorded state, or ``None`` when no session left one.
@@ -230,7 +236,7 @@ class StateStore:
             return None
         except OSError as err:
             raise LaunchError(f"cannot read the state file {self.path}: {err.strerror}",
-                              hint="run as the user that ran the tuner") from err  # fmt: skip
+                              hint="run as the user that ran the tuner") from err
         try:
             return SessionState.model_validate_json(text)
         except ValidationError as err:
@@ -286,7 +292,7 @@ def deferred_signals() -> Iterator[list[int]]:
     def note(signum: int, _frame: object) -> None:
         received.append(signum)
         log.warning("%s received during restore; finishing the restore first",
-                    signal.Signals(signum).name)  # fmt: skip
+                    signal.Signals(signum).name)
 
     previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -376,7 +382,7 @@ class GuardedLauncher(Launcher):
         """Start the (already stopped) server with ``argv``."""
 
     @abc.abstractmethod
-    def _poll(self) -> _Poll:
+    def _poll(self) -> ServerPoll:
         """New output lines since the last poll and the manager's view of the server."""
 
     def has_leftover_change(self) -> bool:
@@ -455,16 +461,16 @@ class GuardedLauncher(Launcher):
             if poll.crash_loop and (failure is None or failure.failure_class is FailureClass.CRASH):
                 why = f"; {failure.evidence}" if failure else ""
                 failure = Failure(failure_class=FailureClass.CRASH, evidence=poll.crash_loop + why,
-                                  exit_status=status)  # fmt: skip
+                                  exit_status=status)
             if failure is None and status != 0:
                 failure = Failure(failure_class=FailureClass.CRASH, exit_status=status,
-                                  evidence=f"server exited (status {status}) with no failure line")  # fmt: skip
+                                  evidence=f"server exited (status {status}) with no failure line")
             phase = LaunchPhase.FAILED if failure else LaunchPhase.EXITED
             return LaunchState(phase=phase, failure=failure, pid=None, restarts=poll.restarts,
-                               elapsed_s=elapsed)  # fmt: skip
+                               elapsed_s=elapsed)
         if self._watcher.failure is not None:
             return LaunchState(phase=LaunchPhase.FAILED, failure=self._watcher.failure,
-                               pid=poll.pid, restarts=poll.restarts, elapsed_s=elapsed)  # fmt: skip
+                               pid=poll.pid, restarts=poll.restarts, elapsed_s=elapsed)
         if self._healthy():
             now = time.monotonic()
             self._healthy_since = self._healthy_since or now
@@ -472,11 +478,11 @@ class GuardedLauncher(Launcher):
             # that never reaches the launcher (StandardOutput=file:...) must not block for ever.
             if self._watcher.ready or now - self._healthy_since >= self.ready_line_grace_s:
                 return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
-                                   elapsed_s=elapsed)  # fmt: skip
+                                   elapsed_s=elapsed)
         else:
             self._healthy_since = None
         return LaunchState(phase=LaunchPhase.STARTING, pid=poll.pid, restarts=poll.restarts,
-                           elapsed_s=elapsed)  # fmt: skip
+                           elapsed_s=elapsed)
 
     def wait(self, timeout_s: float) -> LaunchState:
         """Block until READY, FAILED, EXITED or STOPPED, or ``timeout_s`` (FAILED/startup_timeout).
@@ -502,7 +508,7 @@ class GuardedLauncher(Launcher):
                 return st.model_copy(update={"phase": LaunchPhase.FAILED, "failure": Failure(
                     failure_class=FailureClass.STARTUP_TIMEOUT,
                     evidence=f"not ready after {timeout_s:.0f} s; last line: {last[-300:]}",
-                )})  # fmt: skip
+                )})
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
 
     def _settle(self, first: LaunchState) -> LaunchState:
@@ -596,7 +602,7 @@ class GuardedLauncher(Launcher):
             left = self.store.load()
             if left is not None:
                 log.warning("adopting the state left by tuner PID %s (%s); its original is what "
-                            "will be restored", left.tuner_pid, left.created_at)  # fmt: skip
+                            "will be restored", left.tuner_pid, left.created_at)
                 self._state = left
             else:
                 state = self._record_original()
@@ -614,8 +620,8 @@ class GuardedLauncher(Launcher):
             self.lock.release()
 
 
-class _Poll(BaseModel):
-    """One look at the server by its manager (internal to launchers).
+class ServerPoll(BaseModel):
+    """One look at the server by its manager (what a launcher's ``_poll`` returns).
 
     Attributes:
         lines: Output lines since the previous poll.

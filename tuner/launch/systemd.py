@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import LaunchError
-from tuner.launch.safety import GuardedLauncher, SessionState, _Poll
+from tuner.launch.safety import GuardedLauncher, SessionState, ServerPoll
 from tuner.launch.unit import DEFAULT_DROPIN_DIR, SystemdUnit
 
 __all__ = ["TRIAL_DROPIN", "SystemdLauncher"]
@@ -84,7 +84,7 @@ class SystemdLauncher(GuardedLauncher):
     def _own_settings(self) -> dict[str, Any]:
         return {"launcher": "systemd", "unit": self.unit.name, "url": self.url,
                 "systemctl": self.unit.systemctl, "journalctl": self.unit.journalctl,
-                "dropin_dir": str(self.unit.dropin_dir), "state_dir": str(self.state_dir)}  # fmt: skip
+                "dropin_dir": str(self.unit.dropin_dir), "state_dir": str(self.state_dir)}
 
     def _read_argv(self) -> list[str]:
         return list(self.unit.exec_command().argv)
@@ -96,7 +96,7 @@ class SystemdLauncher(GuardedLauncher):
         dropins = self.unit.dropins()
         if TRIAL_DROPIN in dropins:
             log.warning("%s already has %s from an earlier run; it is not part of the original",
-                        self.unit.name, TRIAL_DROPIN)  # fmt: skip
+                        self.unit.name, TRIAL_DROPIN)
             dropins.pop(TRIAL_DROPIN)
             cmd = self.unit.exec_command(ignore_dropins=[TRIAL_DROPIN])
         active = self.unit.properties().active_state in ("active", "activating", "reloading")
@@ -146,7 +146,7 @@ class SystemdLauncher(GuardedLauncher):
         prefix = self._state.original_prefix if self._state else ""
         self.unit.check_writable()
         self.unit.write_dropin(TRIAL_DROPIN, self.unit.exec_start_dropin(argv, prefix=prefix,
-                                                                        header=self._header()))  # fmt: skip
+                                                                        header=self._header()))
         self.unit.daemon_reload()
         self._start_unit()
 
@@ -168,7 +168,7 @@ class SystemdLauncher(GuardedLauncher):
         self._stopped_by_us = True
         self.unit.stop(timeout_s=max(3 * self.unit.command_timeout_s, self.release_timeout_s + 60))
 
-    def _poll(self) -> _Poll:
+    def _poll(self) -> ServerPoll:
         props = self.unit.properties()
         lines, self._cursor = self.unit.journal_after(self._cursor)
         restarts = max(0, (props.n_restarts or 0) - self._restarts0)
@@ -184,7 +184,7 @@ class SystemdLauncher(GuardedLauncher):
                 f"last ExecMainStatus={props.exec_main_status})"
             )
             log.warning("%s; stopping it", crash_loop)
-        return _Poll(
+        return ServerPoll(
             lines=lines,
             alive=not dead,
             pid=props.main_pid,
@@ -214,7 +214,7 @@ class SystemdLauncher(GuardedLauncher):
                     self.unit.remove_dropin(name)
                 else:
                     log.warning("leaving %s/%s: it appeared during the session and is not the "
-                                "tuner's", self.unit.dropin_folder, name)  # fmt: skip
+                                "tuner's", self.unit.dropin_folder, name)
         for name, text in state.original_dropins.items():
             if current.get(name) != text:
                 self.unit.write_dropin(name, text)

@@ -20,6 +20,7 @@ than ``%%``, ``$VAR`` references, several commands): the tuner never guesses a c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,10 +55,10 @@ _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 _UNESCAPES = {
     "a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
     "\\": "\\", '"': '"', "'": "'", "s": " ",
-}  # fmt: skip
+}
 _EXEC_PREFIXES = "-:+!"
 _SHOW_PROPS = ("LoadState", "ActiveState", "SubState", "Result", "MainPID", "ExecMainStatus",
-               "NRestarts")  # fmt: skip
+               "NRestarts")
 _FIX_SYSTEMCTL = (
     "install systemd, or set service.systemctl / service.journalctl to the commands that reach it "
     "(e.g. 'nsenter -t PID -m -p systemctl'), or use launcher = \"process\""
@@ -84,7 +85,7 @@ def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        with _suppress_oserror():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -92,14 +93,6 @@ def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-class _suppress_oserror:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
-        return isinstance(exc, OSError)
 
 
 def quote_exec_word(word: str) -> str:
@@ -358,7 +351,7 @@ class SystemdUnit:
     def _run(
         self, prefix: list[str], args: Sequence[str], *, timeout_s: float | None = None,
         check: bool = True,
-    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [*prefix, *args]
         timeout_s = timeout_s or self.command_timeout_s
         try:
@@ -367,22 +360,22 @@ class SystemdUnit:
             )
         except FileNotFoundError as err:
             raise LaunchError(f"command not found: {cmd[0]!r} (running {' '.join(cmd)})",
-                              hint=_FIX_SYSTEMCTL) from err  # fmt: skip
+                              hint=_FIX_SYSTEMCTL) from err
         except PermissionError as err:
             raise LaunchError(f"no permission to run {cmd[0]!r}",
-                              hint="run the tuner as root or with sudo rights for systemctl") from err  # fmt: skip
+                              hint="run the tuner as root or with sudo rights for systemctl") from err
         except subprocess.TimeoutExpired as err:
             raise LaunchError(f"'{' '.join(cmd)}' did not answer within {timeout_s:.0f} s",
-                              hint="check that the service manager is responsive") from err  # fmt: skip
+                              hint="check that the service manager is responsive") from err
         if check and proc.returncode != 0:
             detail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
             if "System has not been booted with systemd" in proc.stderr:
                 raise LaunchError(f"systemctl cannot reach systemd: {detail}", hint=_FIX_SYSTEMCTL)
             if "Access denied" in proc.stderr or "Interactive authentication" in proc.stderr:
                 raise LaunchError(f"no permission for 'systemctl {' '.join(args)}': {detail}",
-                                  hint="run the tuner as root or grant it polkit rights for the unit")  # fmt: skip
+                                  hint="run the tuner as root or grant it polkit rights for the unit")
             raise LaunchError(f"'systemctl {' '.join(args)}' failed: {detail}",
-                              hint=f"see 'journalctl -u {self.name}'")  # fmt: skip
+                              hint=f"see 'journalctl -u {self.name}'")
         return proc
 
     def systemctl_run(self, *args: str, timeout_s: float | None = None) -> str:
@@ -489,7 +482,7 @@ class SystemdUnit:
                 texts.append(path.read_text(encoding="utf-8"))
             except OSError as err:
                 raise LaunchError(f"cannot read {path} of unit {self.name}: {err.strerror}",
-                                  hint="run the tuner as a user that can read the unit files") from err  # fmt: skip
+                                  hint="run the tuner as a user that can read the unit files") from err
         values = _exec_start_values(texts)
         if len(values) != 1:
             raise LaunchError(
@@ -518,7 +511,7 @@ class SystemdUnit:
             return None
         except OSError as err:
             raise LaunchError(f"cannot read drop-in {path}: {err.strerror}",
-                              hint="run the tuner as root") from err  # fmt: skip
+                              hint="run the tuner as root") from err
 
     def dropins(self) -> dict[str, str]:
         """Every ``*.conf`` in :attr:`dropin_folder`: file name → content (empty when no folder).
@@ -555,7 +548,7 @@ class SystemdUnit:
             atomic_write_text(path, text)
         except OSError as err:
             raise LaunchError(f"cannot write drop-in {path}: {err.strerror}",
-                              hint="run the tuner as root, or set service.dropin_dir") from err  # fmt: skip
+                              hint="run the tuner as root, or set service.dropin_dir") from err
         return path
 
     def remove_dropin(self, filename: str) -> bool:
@@ -571,8 +564,8 @@ class SystemdUnit:
             return False
         except OSError as err:
             raise LaunchError(f"cannot remove drop-in {path}: {err.strerror}",
-                              hint="run the tuner as root") from err  # fmt: skip
-        with _suppress_oserror():
+                              hint="run the tuner as root") from err
+        with contextlib.suppress(OSError):
             self.dropin_folder.rmdir()
         return True
 
@@ -627,12 +620,12 @@ class SystemdUnit:
         """
         if not self._journal_line_mode:
             proc = self._run(self.journalctl, ["-n", "1", "--show-cursor", "-o", "cat", "--no-pager"],
-                             check=False)  # fmt: skip
+                             check=False)
             if proc.returncode == 0:
                 return _last_cursor(proc.stdout) or ""
             self._journal_line_mode = True
             log.info("journalctl has no cursors (%s); counting lines instead",
-                     proc.stderr.strip().splitlines()[-1:] or proc.returncode)  # fmt: skip
+                     proc.stderr.strip().splitlines()[-1:] or proc.returncode)
         return f"line:{len(self._unit_lines_plain())}"
 
     def _unit_lines_plain(self) -> list[str]:
