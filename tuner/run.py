@@ -224,6 +224,7 @@ def run_study(
     storage_url: str | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    use_planner: bool = True,
 ) -> RunSummary:
     """Run (or resume) the study until the budget, the trial cap, or the search runs out.
 
@@ -237,6 +238,8 @@ def run_study(
         storage_url: Override of the config's storage URL (``:memory:`` for the benchmark).
         on_progress: Receives :class:`Progress` events.
         clock: Monotonic clock (injectable).
+        use_planner: Enqueue the memory model's candidates (off: the sampler alone, for the
+            search-quality benchmark's comparison).
 
     Returns:
         The summary, with the best trial chosen by the config's policy.
@@ -380,7 +383,7 @@ def run_study(
         tried = {_key(space.snap(r.params)) for _, r in done if r.params}
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         tried |= {_key(space.snap(t.params)) for t in waiting}
-        if not waiting:
+        if not waiting and use_planner:
             candidate = planner.next(done, tried)
             if candidate is not None:
                 study.enqueue_trial(
@@ -391,7 +394,13 @@ def run_study(
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         params = space.suggest(trial)
         prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
+        best = choose_best(done, policy="max_capacity")
+        floor = 0
+        if best is not None and config.budget.probe_only_below > 0:
+            floor = int(config.budget.probe_only_below * (best.record.context_capacity or 0))
         reason = _skip_reason(params, done)
+        if reason is None and kind == "sampled" and use_planner:
+            reason = planner.screen(params, done, capacity_floor=floor)
         if reason is not None:
             text, proof = reason
             record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
@@ -405,10 +414,6 @@ def run_study(
             if summary.trials_skipped > 200:
                 stop("exhausted")
             continue
-        best = choose_best(done, policy="max_capacity")
-        floor = 0
-        if best is not None and config.budget.probe_only_below > 0:
-            floor = int(config.budget.probe_only_below * (best.record.context_capacity or 0))
         job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                        context_tokens=context_tokens, capacity_floor=floor, started_at=_now())
         run_one(trial, job)

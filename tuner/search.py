@@ -407,6 +407,18 @@ class Planner:
             )
         return points
 
+    @staticmethod
+    def _reference(family: tuple[tuple[str, Any], ...], mrr: int, points: Sequence[_Point]) -> _Point:
+        """The calibration point for ``family`` at ``mrr``: same knobs, the nearest
+        ``max_running_requests`` (graphs and the req_to_token table depend on it, §1.6, §2.1),
+        then the highest fraction; another family's when the family has none."""
+        same = [p for p in points if _family(p.params) == family] or list(points)
+        return min(
+            same,
+            key=lambda p: (abs(math.log(max(1, mrr) / max(1, int(p.params["max_running_requests"])))),
+                           -p.params["mem_fraction_static"]),
+        )
+
     def _effective_prefill(self, cps: Any) -> float:
         cps = int(cps)
         return float(cps) if cps > 0 else float(min(16384, max(self.longest_input_tokens, 1)))
@@ -432,6 +444,16 @@ class Planner:
         def scale(params: Mapping[str, Any]) -> float:
             return prefill / self._effective_prefill(params.get("chunked_prefill_size", 1))
 
+        # A survivor with an equal or larger chunk bounds the need from above (halving it is the
+        # geometric step); one with a smaller chunk only estimates it (no halving).
+        estimates = []
+        for p in points:
+            free = p.model.observed_free_after_graphs_gib
+            if free is None:
+                continue
+            ratio = scale(p.params)
+            estimates.append(free * ratio * (0.5 if ratio <= 1.0 else 1.0))
+        halved_upper = min(estimates, default=None)
         upper = min(
             (p.model.observed_free_after_graphs_gib * scale(p.params) for p in points
              if p.model.observed_free_after_graphs_gib is not None),
@@ -442,7 +464,7 @@ class Planner:
         if peaks:
             need = max(peaks) * self.peak_safety + self.margin_gib
         elif lower is None:
-            need = 0.5 * upper if upper is not None else 2.0
+            need = halved_upper if halved_upper is not None else 2.0
         elif upper is not None and upper > lower:
             need = (lower + upper) / 2
         else:
@@ -528,8 +550,7 @@ class Planner:
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
-            refs = [p for p in points if _family(p.params) == family]
-            ref = max(refs, key=lambda p: p.params["mem_fraction_static"]) if refs else incumbent
+            ref = self._reference(family, int(incumbent.params["max_running_requests"]), points)
             need = self._need_gib(family, points, oom_frees)
             mrr_low, mrr_high = self.space.max_running_requests
             base_mrr = int(incumbent.params["max_running_requests"])
@@ -580,6 +601,58 @@ class Planner:
             return None
         proposals.sort(key=lambda item: item[0])
         return proposals[0][1]
+
+    def screen(
+        self, params: Mapping[str, Any], history: Sequence[tuple[int, TrialRecord]], *, capacity_floor: int = 0
+    ) -> tuple[str, int] | None:
+        """Why a sampled config is not worth a restart, by the calibrated memory model.
+
+        Two predictions (not proofs, and recorded as such): its headroom after graphs is below
+        what a runtime OOM under the stress load already showed too small, scaled by the ratio of
+        prefill chunks (activations grow with the chunk, §1.6); or its context capacity is below
+        ``capacity_floor`` (it cannot matter for "best"). Returns ``(reason, calibration trial)`` or ``None`` to launch it.
+        """
+        points = self._points(history)
+        if not points:
+            return None
+        snapped = self.space.snap(params)
+        family = _family(snapped)
+        mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
+        ref = self._reference(family, mrr, points)
+        tokens, free = self._predict(ref, mfs, mrr, family)
+        capacity = min(mrr, tokens // self.context_tokens) if tokens > 0 else 0
+        if capacity_floor and capacity < capacity_floor:
+            return (
+                f"predicted context capacity {capacity} (model calibrated on trial {ref.number}) is below "
+                f"{capacity_floor}, the least that can still matter for best; not launched",
+                ref.number,
+            )
+        prefill = self._effective_prefill(dict(family).get("chunked_prefill_size", 1))
+        survivors = [
+            (p.model.observed_free_after_graphs_gib * prefill / self._effective_prefill(p.params.get("chunked_prefill_size", 1)), p.number)
+            for p in points if p.model.observed_free_after_graphs_gib is not None
+        ]
+        if survivors and not any(p.peak_gib for p in points):
+            least, number = min(survivors)
+            if free < least:
+                return (
+                    f"predicted {free:.2f} GiB free after graphs, less than any config has survived the stress "
+                    f"load with ({least:.2f} GiB, trial {number}, scaled to this prefill chunk); the planner "
+                    "explores that frontier; not launched",
+                    number,
+                )
+        for number, record in history:
+            if record.failure_class is FailureClass.RUNTIME_OOM and record.free_gib_after_graphs is not None:
+                ratio = prefill / self._effective_prefill(record.params.get("chunked_prefill_size", 1))
+                bound = record.free_gib_after_graphs * ratio
+                if free <= bound:
+                    return (
+                        f"predicted {free:.2f} GiB free after graphs, below the {bound:.2f} GiB that trial {number}'s "
+                        "runtime OOM under load implies for this prefill chunk (activations scale with it); "
+                        "not launched",
+                        number,
+                    )
+        return None
 
     @staticmethod
     def _changed(base: tuple[tuple[str, Any], ...], other: tuple[tuple[str, Any], ...]) -> str:

@@ -38,12 +38,56 @@ from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.logs import LogReport, parse_log
 from tuner.sglang.memory import KVCapacityModel
 
-__all__ = ["TrialExecutor", "slo_clearly_lost"]
+__all__ = [
+    "TrialExecutor",
+    "render_argv",
+    "load_concurrency",
+    "slo_clearly_lost",
+    "tune",
+    "dry_run",
+    "starter_config",
+    "build_launcher",
+    "flag_table",
+    "detect_environment",
+]
 
 _log = logging.getLogger(__name__)
 _GIB = float(2**30)
 _STRESS_OUTPUT_TOKENS = 32
 """Output tokens of each stress request: enough decode steps that the batch is resident together."""
+
+
+def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
+    """The full server command for ``params``: only the tuned flags of the baseline replaced.
+
+    A disabled hierarchical cache removes its flag and its ratio / write policy (§7).
+
+    Raises:
+        FlagError: A knob this SGLang version lacks, or a value outside its choices.
+    """
+    if not params:
+        return list(baseline_argv)
+    rendered = dict(params)
+    if rendered.get("enable_hierarchical_cache") is False:
+        rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
+    return replace_flags(baseline_argv, rendered, table)
+
+
+def load_concurrency(
+    budget: Any, *, capacity: int | None, max_running_requests: int | None, max_total_num_tokens: int | None,
+    mean_request_tokens: int,
+) -> int:
+    """Closed-loop concurrency of the measured window: as many requests as the config admits.
+
+    ``[budget] concurrency`` when set; else the smaller of the effective max_running_requests and
+    what the token pool holds at the workload's mean request size, at least the context capacity,
+    capped by ``[budget] max_concurrency``.
+    """
+    if budget.concurrency:
+        return int(budget.concurrency)
+    mrr = max_running_requests or capacity or 1
+    by_tokens = (max_total_num_tokens or 0) // max(1, mean_request_tokens)
+    return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
 
 
 def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, factor: float = 2.0) -> bool:
@@ -129,17 +173,8 @@ class TrialExecutor:
     # ---- one trial -----------------------------------------------------------------------------
 
     def argv_for(self, params: Mapping[str, Any]) -> list[str]:
-        """The full server command for ``params`` (only the tuned flags replaced).
-
-        Raises:
-            FlagError: A knob this SGLang version lacks, or a value outside its choices.
-        """
-        if not params:
-            return list(self._baseline_argv)
-        rendered = dict(params)
-        if rendered.get("enable_hierarchical_cache") is False:
-            rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
-        return replace_flags(self._baseline_argv, rendered, self.table)
+        """The full server command for ``params`` (see :func:`render_argv`)."""
+        return render_argv(self._baseline_argv, params, self.table)
 
     def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
         """Run one trial; a failed server is a record with ``outcome="failed"``, never an exception.
@@ -244,7 +279,10 @@ class TrialExecutor:
         slo = self.config.slo
 
         on_phase("measure")
-        concurrency = self._concurrency(capacity, facts)
+        concurrency = load_concurrency(
+            self.config.budget, capacity=capacity, max_running_requests=facts.get("effective_max_running_requests"),
+            max_total_num_tokens=facts.get("max_total_num_tokens"), mean_request_tokens=self._workload.context_tokens,
+        )
         with self._window() as window:
             try:
                 measure = run_load_sync(
@@ -409,15 +447,6 @@ class TrialExecutor:
             else:
                 memory["capacity_model"] = model.model_dump(mode="json")
         return memory
-
-    def _concurrency(self, capacity: int | None, facts: Mapping[str, Any]) -> int:
-        budget = self.config.budget
-        if budget.concurrency:
-            return budget.concurrency
-        mrr = facts.get("effective_max_running_requests") or capacity or 1
-        avg = max(1, self._workload.context_tokens)
-        by_tokens = (facts.get("max_total_num_tokens") or 0) // avg
-        return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
 
     def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob) -> tuple[LoadResult | None, Failure | None, float]:
         """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
