@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,3 +31,22 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
 
 class TestProcessLauncher(LauncherConformance):
     """The launcher contract, process launcher."""
+
+
+def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> None:
+    port = free_port()
+    state = tmp_path / "state"
+    config = tmp_path / "tuner.toml"
+    demo = (Path(__file__).parents[2] / "configs" / "demo-sim.toml").read_text()
+    config.write_text(demo.replace("30000", str(port)).replace("[service]\n", f'[service]\nstate_dir = "{state}"\n'))
+    tuner = str(Path(sys.executable).parent / "tuner")
+    done = subprocess.run([tuner, "launch", "--config", str(config), "--set", "mem-fraction-static=0.7"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "-0.80\n+0.7" in done.stdout and "no server running" in done.stdout
+    done = subprocess.run([tuner, "restore", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
+    assert not any(p.suffix == ".log" for p in state.rglob("*")), "a preview or a no-op restore started something"
+    bad = subprocess.run([tuner, "launch", "--config", str(config), "--set", "oops"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "FLAG=VALUE" in bad.stderr
