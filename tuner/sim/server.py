@@ -1,9 +1,9 @@
 """The simulator's HTTP server (aiohttp) and the real-time driver of the engine.
 
 It speaks SGLang's HTTP API (``shared/sglang-reference.md`` §5): health, server and model info,
-``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` with SSE streaming, ``/metrics`` (§5.5 names, only with
-``--enable-metrics``), ``/flush_cache``; plus ``GET /sim/device_memory``, the per-GPU ledger that
-stands in for NVML. One asyncio task drives :class:`tuner.sim.engine.Engine`: it runs a step,
+``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` with SSE streaming, ``/metrics``
+(§5.5 names, only with ``--enable-metrics``), ``/flush_cache``; plus ``GET /sim/device_memory``,
+the per-GPU ledger that stands in for NVML, and ``GET /sim/step_times``. One asyncio task drives :class:`tuner.sim.engine.Engine`: it runs a step,
 waits its ``duration_s`` of real time, then hands the step's events to the waiting requests; it
 sleeps on an event while idle. A runtime OOM raised by a step prints torch's text and
 ``Scheduler hit an exception`` and kills the process (§4.4).
@@ -20,8 +20,8 @@ import json
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -330,14 +330,7 @@ class SimServer:
     async def warmup(self) -> None:
         """SGLang's warm-up request (``max_new_tokens=8``), then the ready line (§4.2 line 10)."""
         if not self.skip_warmup:
-            p = self._submit([0] * 8, 8, True)
-            try:
-                while True:
-                    upd = await p.queue.get()
-                    if upd.finish is not None:
-                        break
-            finally:
-                self._forget(p, True)
+            await self._collect(self._submit([0] * 8, 8, True))
         self.ready = True
         self.log.line("The server is fired up and ready to roll!", None)
 
@@ -488,11 +481,9 @@ class SimServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """``/generate`` (§5.3): text or input_ids, optional SSE streaming, SGLang's ``meta_info``."""
         try:
-            body = await request.json()
-        except ValueError:
-            return self._reject("The request body is not valid JSON.")
-        if not isinstance(body, dict):
-            return self._reject("The request body must be a JSON object.")
+            body = await _json_object(request)
+        except RequestRejected as err:
+            return self._reject(str(err))
         sp = body.get("sampling_params") or {}
         text, ids = body.get("text"), body.get("input_ids")
         batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
@@ -607,12 +598,7 @@ class SimServer:
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
         """The OpenAI-compatible completions of §5.3, plain or chat, streaming or not."""
         try:
-            body = await request.json()
-        except ValueError:
-            return self._reject("The request body is not valid JSON.")
-        if not isinstance(body, dict):
-            return self._reject("The request body must be a JSON object.")
-        try:
+            body = await _json_object(request)
             ids = self._openai_prompt(body, chat)
             max_tokens = body.get("max_completion_tokens") if chat else None
             max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
@@ -685,6 +671,17 @@ class SimServer:
                              buckets=(0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200,
                                       250, 300, 350, 500, 1000)),
         }
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object (raises RequestRejected with SGLang-style text)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RequestRejected("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise RequestRejected("The request body must be a JSON object.")
+    return body
 
 
 def _oai_reason(finish: FinishEvent | None) -> str | None:
