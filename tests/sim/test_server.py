@@ -89,6 +89,9 @@ def test_generate_non_streaming_ids_and_prefix_cache(sim: SimProcess) -> None:
     assert [b["meta_info"]["prompt_tokens"] for b in batch.json()] == [2, 3]
     bad = requests.post(f"{sim.url}/generate", json={"input_ids": [], "sampling_params": {}}, timeout=TIMEOUT_S)
     assert bad.status_code == 400 and "empty" in bad.json()["message"]
+    for path in ("/generate", "/v1/completions"):
+        broken = requests.post(f"{sim.url}{path}", data="{", timeout=TIMEOUT_S)
+        assert broken.status_code == 400 and "not valid JSON" in broken.json()["message"]
 
 
 def test_completions_stream_with_usage(sim: SimProcess) -> None:
