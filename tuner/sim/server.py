@@ -506,7 +506,8 @@ class SimServer:
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
             return web.json_response(self._generate_body(p, upd, out_ids))
-        incremental = bool(self.cfg.server_args.get("incremental_streaming_output"))
+        args = self.cfg.server_args  # 0.5.5 spells it --stream-output
+        incremental = bool(args.get("incremental_streaming_output") or args.get("stream_output"))
 
         retractions = "num_retractions" if self.version == "0.5.23" else "total_retractions"
         meta_head = f'"meta_info": {{"id": {json.dumps(p.rid)}, "finish_reason": null, "prompt_tokens": '
