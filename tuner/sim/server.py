@@ -603,6 +603,8 @@ class SimServer:
             ids = self._openai_prompt(body, chat)
             max_tokens = body.get("max_completion_tokens") if chat else None
             max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+            # OpenAI's default for completions; an unset chat max_tokens runs to EOS in SGLang, and the
+            # simulated EOS falls within max_new_tokens, so chat gets /generate's default of 128.
             default = 128 if chat else 16
             p = self._submit(ids, default if max_tokens is None else int(max_tokens),
                              bool(body.get("ignore_eos", False)))
