@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from tuner.errors import LaunchError, LockHeldError
 from tuner.launch.base import LaunchPhase
@@ -167,6 +168,7 @@ class LauncherConformance:
             st = launcher.wait(START_TIMEOUT_S)
             assert st.phase is LaunchPhase.READY, st
             assert harness.server_args()["served_model_name"] == value
+            assert requests.get(f"{harness.url}/v1/models", timeout=10).json()["data"][0]["id"] == value
         assert not marker.exists()
         assert harness.server_args().get("served_model_name") in (None, harness.server_args().get("model_path"))
 
