@@ -46,8 +46,7 @@ __all__ = [
     "tune",
     "dry_run",
     "starter_config",
-    "build_launcher",
-    "flag_table",
+        "flag_table",
     "detect_environment",
 ]
 
@@ -579,28 +578,14 @@ def _gpu_monitor(config: TunerConfig) -> Any | None:
 
 
 def build_launcher(config: TunerConfig, *, gpu: Any | None = None) -> Launcher:
-    """The launcher of ``[service]`` (systemd unit or plain process).
+    """The launcher of ``[service]`` (systemd unit or plain process), by :mod:`tuner.launch.factory`.
 
     Raises:
         LaunchError: The unit or command is unusable.
     """
-    from tuner.launch.safety import default_state_dir
+    from tuner.launch.factory import build_launcher as factory
 
-    service = config.service
-    state_dir = Path(service.state_dir) if service.state_dir else default_state_dir()
-    common: dict[str, Any] = {"url": service.url, "state_dir": state_dir, "gpu": gpu,
-                              "allow_foreign": service.allow_foreign,
-                              "release_timeout_s": service.stop_timeout_s}
-    if service.launcher == "process":
-        from tuner.launch.process import ProcessLauncher
-
-        return ProcessLauncher(service.command or [], cwd=service.workdir, **common)
-    from tuner.launch.systemd import SystemdLauncher
-
-    kwargs: dict[str, Any] = {"systemctl": service.systemctl, "journalctl": service.journalctl}
-    if service.dropin_dir:
-        kwargs["dropin_dir"] = service.dropin_dir
-    return SystemdLauncher(service.unit or "", **kwargs, **common)
+    return factory(config.service, gpu=gpu)
 
 
 def flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
