@@ -440,6 +440,8 @@ def run_cmd(
     storage: _RunAnn[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
     allow_mixed_environment: _RunAnn[bool, typer.Option(
         "--allow-mixed-environment", help="Add trials to a study recorded with another SGLang/GPU/driver/model.")] = False,
+    apply_best: _RunAnn[bool, typer.Option(
+        "--apply-best", help="After the run, persist the best trial like `tuner apply best --yes` (verify, roll back on failure).")] = False,
 ) -> None:
     """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
     from tuner.budget import parse_duration_s
@@ -465,6 +467,9 @@ def run_cmd(
                                  on_progress=renderer)
     console.print("service restored to its original flags", highlight=False)
     _print_best_vs_baseline(summary)
+    if apply_best and summary.best is not None:
+        apply_cmd(target="best", undo=False, dry_run=False, yes=True, study=None, storage=storage, config=config,
+                  state_dir=None, verify_s=20.0, timeout_s=cfg.service.start_timeout_s, write=None)
 
 
 @app.command("init")
