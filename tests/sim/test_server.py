@@ -199,7 +199,7 @@ def test_health_is_503_while_starting(tmp_path) -> None:
 
 
 def test_runtime_oom_kills_the_server_and_cuts_streams(tmp_path) -> None:
-    proc = spawn(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.95"], tmp_path)
+    proc = spawn(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.975"], tmp_path)
     try:
         wait_ready(proc)
         body = {"input_ids": list(range(10000)), "sampling_params": {"max_new_tokens": 8}, "stream": True}

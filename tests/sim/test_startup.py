@@ -110,12 +110,12 @@ def test_weight_load_oom(tmp_path) -> None:
 
 
 def test_cuda_graph_capture_oom(tmp_path) -> None:
-    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.97"], tmp_path)
+    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.98"], tmp_path)
     assert status == KILLED
     assert "Capture cuda graph begin." in log and "Capture cuda graph end." not in log
     assert "Exception: Capture cuda graph failed: CUDA out of memory. Tried to allocate" in log
     assert "Possible solutions:" in log and "2. set --cuda-graph-max-bs to a smaller value (e.g., 16)" in log
-    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.97",
+    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.98",
                                "--sim-version", "0.5.23"], tmp_path)
     assert status == KILLED and "--cuda-graph-max-bs-decode to a smaller value" in log
 

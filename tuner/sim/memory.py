@@ -9,7 +9,7 @@ HiCache host pool (§7). :func:`plan_memory` walks the startup stages on every r
 the first stage that does not fit, recording which (the log wording is :mod:`tuner.sim.startup`'s).
 
 Simulator-own constants (not SGLang facts, fitted so that §1.8's reference deployment and the
-handed cases come out right; see :data:`GRAPH_BYTES_PER_LAYER_HIDDEN`):
+handed cases come out right; see :data:`GRAPH_BYTES_PER_LAYER_MOE`):
 the CUDA context / NCCL buffers (:mod:`tuner.sim.gpus`), the attention workspace, and CUDA-graph
 memory, modelled as a fixed cost per captured batch size and layer plus the activations of the
 largest captured batch.
@@ -39,21 +39,29 @@ __all__ = [
     "capture_batch_sizes",
     "default_mem_fraction_static",
     "ATTENTION_WORKSPACE_BYTES",
-    "GRAPH_BYTES_PER_LAYER_HIDDEN",
+    "GRAPH_BYTES_PER_LAYER_DENSE",
+    "GRAPH_BYTES_PER_LAYER_MOE",
 ]
 
 ATTENTION_WORKSPACE_BYTES = 256 * MIB
 """Attention-backend workspace allocated between ``Memory pool end`` and graph capture (simulator's)."""
 
-GRAPH_BYTES_PER_LAYER = 512 * 1024
-"""CUDA-graph bytes per captured batch size and layer, fixed part (simulator's, see below)."""
+GRAPH_BYTES_PER_LAYER_DENSE = 360 * 1024
+"""CUDA-graph bytes per captured batch size and dense layer (simulator's).
 
-GRAPH_BYTES_PER_LAYER_HIDDEN = 234
-"""CUDA-graph bytes per captured batch size, per layer, per unit of hidden size (simulator's).
+Anchored on SGLang's own estimate in the default-fraction reserve, ``cuda_graph_max_bs × 2`` MB
+(§2.2: about 0.5 GB for Llama-3.1-8B's 36 sizes × 32 layers at max_bs 256, ~1 GB at 512), and
+case-21 (a 0.5B model, 8 sizes × 24 layers: 0.15 GB logged, ~0.1 GiB here).
+"""
 
-With :data:`GRAPH_BYTES_PER_LAYER`, fitted to §1.8 (Kimi-K2.5 + EAGLE-3, tp 8, mfs 0.88 leaves
-≈7.43 GiB after graphs); it puts case-19 (Llama-4-Maverick, 52 sizes × 48 layers, 6.19 GB) at
-~4 GiB and case-21 (a 0.5B model, 8 sizes, 0.15 GB) at ~0.14 GiB.
+GRAPH_BYTES_PER_LAYER_MOE = int(0.525 * 1024 * 1024)
+"""CUDA-graph bytes per captured batch size, MoE layer and token per request (simulator's).
+
+Verify graphs of speculative decoding hold ``num_draft_tokens`` tokens per request, so their
+per-graph cost is that many times larger. Fitted to §1.8 (Kimi-K2.5 + EAGLE-3, tp 8, mfs 0.88,
+23 verify sizes × 61 layers × 4 tokens: ≈7.43 GiB left after graphs). It lets case-01
+(Qwen3-235B-A22B, tp 4, 52 sizes × 94 layers) start at 0.93 as it did (~2.6 GiB of graphs);
+case-19's 6.19 GB (Llama-4-Maverick, 52 × 48, a reported anomaly) comes out at ~1.4 GiB.
 """
 
 HICACHE_HOST_RESERVE_BYTES = 10 * GIB
@@ -599,13 +607,15 @@ class MemoryPlan:
         return self.weight_bytes / GIB
 
 
-def graph_bytes(bs_list: tuple[int, ...], hidden: int, layers: int, tokens_per_req: int,
+def graph_bytes(bs_list: tuple[int, ...], layers: int, per_layer_bytes: int, hidden: int, tokens_per_req: int,
                 mlp_width_per_rank: float, vocab_per_rank: float) -> int:
-    """CUDA-graph memory of one runner (simulator's model, see :data:`GRAPH_BYTES_PER_LAYER_HIDDEN`).
+    """CUDA-graph memory of one runner (simulator's model, see :data:`GRAPH_BYTES_PER_LAYER_MOE`).
 
     Args:
-        bs_list: Captured batch sizes. hidden: Model width. layers: Layers in the graph.
-        tokens_per_req: Tokens per request per step (1 for decode, num_draft_tokens for verify).
+        bs_list: Captured batch sizes. layers: Layers in the graph.
+        per_layer_bytes: Fixed bytes per captured size and layer (dense or MoE).
+        hidden: Model width. tokens_per_req: Tokens per request per step (1 for decode,
+            num_draft_tokens for verify).
         mlp_width_per_rank: MLP intermediate width active per token on one rank.
         vocab_per_rank: Vocabulary slice of one rank (logits).
 
@@ -615,9 +625,8 @@ def graph_bytes(bs_list: tuple[int, ...], hidden: int, layers: int, tokens_per_r
     """
     if not bs_list:
         return 0
-    fixed = len(bs_list) * layers * (GRAPH_BYTES_PER_LAYER + hidden * GRAPH_BYTES_PER_LAYER_HIDDEN)
     per_token = 2 * (8 * hidden + 3 * mlp_width_per_rank) + 4 * vocab_per_rank
-    return int(fixed + max(bs_list) * tokens_per_req * per_token)
+    return int(len(bs_list) * layers * per_layer_bytes + max(bs_list) * tokens_per_req * per_token)
 
 
 def _mlp_width(model: ModelSpec, tp: int) -> float:
@@ -740,7 +749,9 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
     # CUDA graphs of the target (§2.1: sizes above the req_to_token pool are dropped).
     bs = tuple(b for b in cfg.cuda_graph_bs if b <= max_num_reqs)
     tokens_per_req = spec.num_draft_tokens if (spec and draft) else 1
-    g = graph_bytes(bs, model.hidden_size, model.num_layers, tokens_per_req, _mlp_width(model, tp),
+    per_layer = GRAPH_BYTES_PER_LAYER_MOE if model.num_experts else GRAPH_BYTES_PER_LAYER_DENSE
+    g = graph_bytes(bs, model.num_layers, per_layer * tokens_per_req, model.hidden_size, tokens_per_req,
+                    _mlp_width(model, tp),
                     model.vocab_size / tp)
     pg = 0
     if cfg.prefill_graphs:
@@ -767,8 +778,8 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
         if dkv > worst.draft_after_weights:
             return replace(plan, failure=StartupFailure("draft_kv_oom", worst.rank, dkv, worst.draft_after_weights))
         ranks = [replace(r, draft_after_pool=r.draft_after_weights - dkv) for r in ranks]
-        dg = graph_bytes(bs, draft.hidden_size, draft.num_layers, max(spec.eagle_topk, 1),
-                         draft.hidden_size * 3 / tp, model.vocab_size / tp)
+        dg = graph_bytes(bs, draft.num_layers, GRAPH_BYTES_PER_LAYER_DENSE, draft.hidden_size,
+                         max(spec.eagle_topk, 1), draft.hidden_size * 3 / tp, model.vocab_size / tp)
         worst = min(ranks, key=lambda x: x.draft_after_pool)
         plan = replace(plan, ranks=tuple(ranks), draft_graph_bytes=dg)
         if bs and dg > worst.draft_after_pool:
