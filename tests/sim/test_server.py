@@ -92,6 +92,11 @@ def test_generate_non_streaming_ids_and_prefix_cache(sim: SimProcess) -> None:
     for path in ("/generate", "/v1/completions"):
         broken = requests.post(f"{sim.url}{path}", data="{", timeout=TIMEOUT_S)
         assert broken.status_code == 400 and "not valid JSON" in broken.json()["message"]
+    negative = requests.post(f"{sim.url}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": -3}},
+                             timeout=TIMEOUT_S)
+    assert negative.status_code == 400 and "at least 0" in negative.json()["message"]
+    wordy = requests.post(f"{sim.url}/v1/completions", json={"prompt": "x", "max_tokens": "many"}, timeout=TIMEOUT_S)
+    assert wordy.status_code == 400 and "integer" in wordy.json()["message"]
 
 
 def test_completions_stream_with_usage(sim: SimProcess) -> None:

@@ -485,17 +485,26 @@ class SimServer:
         except RequestRejected as err:
             return self._reject(str(err))
         sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            return self._reject("sampling_params must be a JSON object.")
         text, ids = body.get("text"), body.get("input_ids")
         batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
-        max_new = int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128)
+        try:
+            max_new = _max_new_tokens(sp.get("max_new_tokens"), 128)
+        except RequestRejected as err:
+            return self._reject(str(err))
         ignore_eos = bool(sp.get("ignore_eos", False))
         if batch:
             items = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [None] * len(text)
             texts = text if isinstance(text, list) else [None] * len(items)
+            pendings: list[_Pending] = []
             try:
-                pendings = [self._submit(self._input_ids(t, i), max_new, ignore_eos)
-                            for t, i in zip(texts, items)]
+                prompts = [self._input_ids(t, i) for t, i in zip(texts, items)]
+                for prompt in prompts:
+                    pendings.append(self._submit(prompt, max_new, ignore_eos))
             except RequestRejected as err:
+                for p in pendings:
+                    self._forget(p, False)
                 return self._reject(str(err))
             results = await asyncio.gather(*(self._collect(p) for p in pendings))
             return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results)])
@@ -606,7 +615,7 @@ class SimServer:
             # OpenAI's default for completions; an unset chat max_tokens runs to EOS in SGLang, and the
             # simulated EOS falls within max_new_tokens, so chat gets /generate's default of 128.
             default = 128 if chat else 16
-            p = self._submit(ids, default if max_tokens is None else int(max_tokens),
+            p = self._submit(ids, _max_new_tokens(max_tokens, default),
                              bool(body.get("ignore_eos", False)))
         except RequestRejected as err:
             return self._reject(str(err))
@@ -674,6 +683,17 @@ class SimServer:
                              buckets=(0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200,
                                       250, 300, 350, 500, 1000)),
         }
+
+
+def _max_new_tokens(value: Any, default: int) -> int:
+    """A request's output limit: ``default`` when unset; SGLang's error for a bad value."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestRejected(f"max_new_tokens must be an integer, got {value!r}.")
+    if value < 0:
+        raise RequestRejected(f"max_new_tokens must be at least 0, got {value}.")
+    return value
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:
