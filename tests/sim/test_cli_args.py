@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tuner.sim.__main__ import main
-from tuner.sim.args import SIMULATED_DESTS, build_parser, parse_args
+from tuner.sim.args import SIMULATED_DESTS, build_parser, flag_table, parse_args
 from tuner.sim.errors import SimError
 
 
@@ -22,11 +22,7 @@ def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize("version", ["0.5.5", "0.5.10", "0.5.23"])
 def test_every_flag_of_the_version_is_accepted(version: str) -> None:
-    table = json.loads(
-        (__import__("importlib").resources.files("tuner.sim") / "data" / {
-            "0.5.5": "flags-0.5.5.post3.json", "0.5.10": "flags-0.5.10.json", "0.5.23": "flags-0.5.23.json"
-        }[version]).read_text()
-    )
+    table = flag_table(version)
     parser = build_parser(version)
     known = {s for a in parser._actions for s in a.option_strings}
     for opt in table["options"]:

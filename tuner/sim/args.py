@@ -269,10 +269,9 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
 def _check_values(v: dict[str, Any], sim: SimOptions) -> None:
     """SGLang's server-args checks the simulator reproduces, plus sanity of ``--sim-*`` values."""
     mfs = v.get("mem_fraction_static")
-    if mfs is not None and not 0.0 < mfs < 1.0:
+    if mfs is not None and not 0.0 < mfs <= 1.0:
         raise SimError(
-            f"mem_fraction_static={mfs} is out of range; --mem-fraction-static must be between 0 and 1 "
-            "(e.g. 0.88)."
+            f"mem_fraction_static={mfs} is out of range; --mem-fraction-static must be in (0, 1] (e.g. 0.88)."
         )
     for dest in ("tp_size", "page_size", "max_running_requests", "max_total_tokens", "context_length"):
         val = v.get(dest)
