@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 import uuid
 import zlib
 from collections.abc import Callable
@@ -195,6 +196,9 @@ class SimServer:
             except SimRuntimeOOM as err:
                 self._die(err.message)
                 return
+            except Exception:  # any scheduler crash ends the server, as in SGLang (§4.3)
+                self._die(traceback.format_exc().split("\n", 1)[1].rstrip())
+                return
             if result.duration_s > 0:
                 end = start + result.duration_s
                 await asyncio.sleep(max(0.0, end - loop.time()))
@@ -245,7 +249,11 @@ class SimServer:
         if transport.is_closing():
             p.done.set_exception(ConnectionResetError("client closed the stream"))
             return
-        data = encode(upd)
+        try:
+            data = encode(upd)
+        except Exception as err:  # a bad chunk fails its own request, never the driver
+            p.done.set_exception(err)
+            return
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))  # HTTP/1.1 chunked framing
         if upd.finish is not None:
             p.done.set_result(upd)
@@ -299,12 +307,16 @@ class SimServer:
             p.first_token_s = now
         p.last_token_s = now
 
-    def _die(self, oom_message: str) -> None:
-        """Runtime OOM (§4.4): the scheduler's exception, the tokenizer manager's SIGQUIT line, kill."""
+    def _die(self, error: str) -> None:
+        """A scheduler crash (§4.3, §4.4): its exception, the tokenizer manager's SIGQUIT line, kill.
+
+        Args:
+            error: The exception text (torch's OOM text for a runtime OOM).
+        """
         self.log.line(
             "Scheduler hit an exception: Traceback (most recent call last):\n"
             '  File "/usr/local/lib/python3.12/dist-packages/sglang/srt/managers/scheduler.py", in event_loop_overlap\n'
-            "    result = self.run_batch(batch)\n" + oom_message,
+            "    result = self.run_batch(batch)\n" + error,
             0,
         )
         self.log.line("SIGQUIT received. signum=None, frame=None. It usually means one child failed.", None)
