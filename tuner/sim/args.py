@@ -46,8 +46,7 @@ SIMULATED_DESTS = frozenset(
         "hicache_io_backend", "hicache_mem_layout", "disable_radix_cache", "speculative_algorithm",
         "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
         "speculative_num_draft_tokens", "enable_metrics", "enable_cache_report", "host", "port",
-        "served_model_name", "decode_log_interval", "trust_remote_code", "log_level",
-        "random_seed", "watchdog_timeout", "skip_server_warmup", "stream_output",
+        "served_model_name", "decode_log_interval", "trust_remote_code", "skip_server_warmup", "stream_output",
         "incremental_streaming_output", "disable_piecewise_cuda_graph", "disable_prefill_cuda_graph",
         "hicache_host_memory_fraction",
     }
