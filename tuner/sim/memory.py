@@ -37,6 +37,7 @@ __all__ = [
     "plan_memory",
     "cell_size_bytes",
     "capture_batch_sizes",
+    "graph_bytes",
     "default_mem_fraction_static",
     "ATTENTION_WORKSPACE_BYTES",
     "GRAPH_BYTES_PER_LAYER_DENSE",
