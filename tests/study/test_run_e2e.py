@@ -26,6 +26,28 @@ def _server_down(url: str) -> bool:
     return False
 
 
+FAST = {"measure_s = 10": "measure_s = 5", "stress_s = 6": "stress_s = 3"}
+
+
+def _wait_running_trial(proc: subprocess.Popen, storage: str, db: Path, timeout_s: float) -> tuple[int, dict] | None:
+    """Poll the study until a trial is RUNNING after at least one completed; return it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(1.0)
+        if not db.exists():
+            continue
+        try:
+            trials = load(storage, "demo-sim").trials
+        except Exception:  # noqa: BLE001 - the study may not exist yet
+            continue
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        running = [t for t in trials if t.state == TrialState.RUNNING and t.params]
+        if complete and running:
+            time.sleep(3.0)  # inside its load phase
+            return running[0].number, dict(running[0].params)
+    return None
+
+
 def _url(config: Path) -> str:
     line = next(x for x in config.read_text().splitlines() if x.startswith("url = "))
     return line.split('"')[1]
@@ -33,8 +55,8 @@ def _url(config: Path) -> str:
 
 @pytest.mark.slow
 def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir)
-    proc = tuner("run", "--config", str(config), "--budget", "75s", cwd=workdir, timeout_s=400)
+    config = config_copy("demo-sim.toml", workdir, replace=FAST)
+    proc = tuner("run", "--config", str(config), "--budget", "50s", cwd=workdir, timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "service restored" in proc.stdout
     assert "vs baseline" in proc.stdout or "nothing beats the baseline" in proc.stdout
@@ -51,33 +73,19 @@ def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(workdir: 
 
 @pytest.mark.slow
 def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir)
+    config = config_copy("demo-sim.toml", workdir, replace=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), "--trials", "6"],
                             cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    killed_number = None
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(1.0)
-            if not (workdir / "studies" / "demo-sim.db").exists():
-                continue
-            try:
-                trials = load(storage, "demo-sim").trials
-            except Exception:  # noqa: BLE001 - the study may not exist yet
-                continue
-            complete = [t for t in trials if t.state == TrialState.COMPLETE]
-            running = [t for t in trials if t.state == TrialState.RUNNING and t.params]
-            if complete and running:
-                time.sleep(3.0)  # inside its load phase
-                killed_number = running[0].number
-                killed_params = dict(running[0].params)
-                os.kill(proc.pid, signal.SIGKILL)
-                break
+        found = _wait_running_trial(proc, storage, workdir / "studies" / "demo-sim.db", 240)
+        if found is not None:
+            os.kill(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None and killed_number is None:
+        if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+    killed_number, killed_params = found if found else (None, {})
     assert killed_number is not None, "never saw a completed and a running trial"
     before = {t.number: t.values for t in load(storage, "demo-sim").trials if t.state == TrialState.COMPLETE}
 
@@ -90,6 +98,33 @@ def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
     rerun = [t for t in after if t.number > killed_number and t.user_attrs.get("tuner.kind") == "enqueued"]
     assert rerun and rerun[0].params == killed_params
     assert rerun[0].state == TrialState.COMPLETE
+    assert _server_down(_url(config))
+
+
+@pytest.mark.slow
+def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> None:
+    config = config_copy("demo-sim.toml", workdir, replace=FAST)
+    storage = f"sqlite:///{workdir}/studies/demo-sim.db"
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), "--trials", "6"],
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        found = _wait_running_trial(proc, storage, workdir / "studies" / "demo-sim.db", 240)
+        assert found is not None, "never saw a completed and a running trial"
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode != 0 and "Traceback" not in err
+    number, params = found
+    trials = load(storage, "demo-sim").trials
+    interrupted = trials[number]
+    assert interrupted.state == TrialState.FAIL
+    record = TrialRecord.model_validate(interrupted.user_attrs["tuner.record"])
+    assert "interrupted" in (record.failure_evidence or "")
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    assert waiting and waiting[0].system_attrs["fixed_params"] == params
     assert _server_down(_url(config))
 
 
