@@ -186,7 +186,7 @@ def test_health_is_503_while_starting(tmp_path) -> None:
         "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 4096,
         "torch_dtype": "bfloat16"}))
-    proc = spawn(["--model-path", str(model)], tmp_path, time_scale=1.5)
+    proc = spawn(["--model-path", str(model)], tmp_path, time_scale=2.5)  # a 2.5 s warm-up window
     codes: list[int] = []
     try:
         deadline = time.monotonic() + 60
