@@ -286,7 +286,8 @@ class StreamClient:
                 else:
                     buf = b""
                     loads = orjson.loads
-                    async for data in resp.content.iter_any():
+                    readany = resp.content.readany
+                    while data := await readany():
                         now = clock() - t0
                         if buf:
                             data, buf = buf + data, b""
