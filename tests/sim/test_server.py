@@ -156,7 +156,8 @@ def test_device_memory_ledger(sim: SimProcess) -> None:
 
 
 def test_version_differences(tmp_path) -> None:
-    proc = spawn(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.23", "--enable-metrics", "--tp", "2"], tmp_path)
+    proc = spawn(["--model-path", "llama-3.1-8b", "--sim-version", "0.5.23", "--enable-metrics", "--tp", "2",
+                  "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/models/eagle"], tmp_path)
     try:
         wait_ready(proc)
         info = requests.get(f"{proc.url}/server_info", timeout=TIMEOUT_S).json()
@@ -164,7 +165,13 @@ def test_version_differences(tmp_path) -> None:
         assert info["version"] == "0.5.23" and "cuda_graph_max_bs_decode" in info
         assert set(state["memory_usage"]["graph"]) == {"decode"}
         mrr = int(re.search(r"max_running_requests=(\d+)", proc.log()).group(1))
-        assert state["effective_max_running_requests_per_dp"] == mrr > 2048  # tp 2: a larger pool, clamp(…, 4096)
+        assert state["effective_max_running_requests_per_dp"] == mrr == 48  # speculative decoding (§1.5)
+        assert state["avg_spec_accept_length"] > 1
+        out = requests.post(f"{proc.url}/generate", json={"input_ids": [1, 2, 3], "sampling_params":
+                                                          {"max_new_tokens": 20, "ignore_eos": True}},
+                            timeout=TIMEOUT_S).json()["meta_info"]
+        assert out["completion_tokens"] == 20 and out["num_retractions"] == 0
+        assert out["spec_verify_ct"] < 20 and out["spec_accept_length"] == pytest.approx(20 / out["spec_verify_ct"])
         assert requests.get(f"{proc.url}/ready", timeout=TIMEOUT_S).status_code == 200
         text = requests.get(f"{proc.url}/metrics", timeout=TIMEOUT_S).text
         assert re.search(r"^sglang:max_total_num_tokens\{.*\} \d+", text, re.M)

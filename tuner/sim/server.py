@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import traceback
 import uuid
@@ -399,6 +400,8 @@ class SimServer:
                                  "memory_usage": self.memory_usage()}
         if self.version != "0.5.5":
             state["effective_max_running_requests_per_dp"] = self.plan.max_running_requests
+        if self.engine.spec.cost.speculative:
+            state["avg_spec_accept_length"] = self.engine.spec.cost.spec_accept_length
         if self.version == "0.5.23":
             state["world_size"] = self.cfg.tp_size
         max_req_len = min(self.cfg.context_len - 1, self.plan.max_total_num_tokens - 1)
@@ -581,11 +584,23 @@ class SimServer:
             meta["e2e_latency"] = self._finish_observe(p, upd)
             if upd.finish.cached_tokens_details is not None and self.version != "0.5.5":
                 meta["cached_tokens_details"] = upd.finish.cached_tokens_details
+            meta.update(self._spec_meta(upd.completion_tokens))
         if new_ids is None:  # one whole answer
             return {"text": detokenize(out_ids), "output_ids": list(out_ids), "meta_info": meta}
         new_text = detokenize(new_ids)
         p.text += new_text
         return {"text": new_text if incremental else p.text, "output_ids": new_ids, "meta_info": meta}
+
+    def _spec_meta(self, completion_tokens: int) -> dict[str, Any]:
+        """``meta_info``'s speculative-decoding fields (§5.3) at the engine's mean accept length."""
+        cost = self.engine.spec.cost
+        if not cost.speculative or completion_tokens <= 0:
+            return {}
+        verify = max(1, math.ceil(completion_tokens / cost.spec_accept_length))
+        return {"spec_verify_ct": verify, "spec_accept_length": completion_tokens / verify,
+                "spec_accept_rate": cost.spec_accept_length / cost.spec_num_draft_tokens,
+                "spec_accept_token_num": completion_tokens - verify,
+                "spec_draft_token_num": verify * cost.spec_num_draft_tokens}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (§5.3): prompt as text or ids, ``max_tokens``, ``ignore_eos``, streaming."""
