@@ -291,7 +291,7 @@ def choose_best(
             f"highest context capacity ({record.context_capacity} requests) among feasible trials"
         )
     else:
-        floor = math.floor(top_capacity * (1.0 - capacity_tolerance) + 1e-9)
+        floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
         band = [p for p in pool if (p[1].context_capacity or 0) >= floor]
         number, record = max(band, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
         reason = (
