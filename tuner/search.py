@@ -147,19 +147,28 @@ class Space(BaseModel):
         Returns:
             The candidate's params by SGLang field name (searched knobs plus :attr:`fixed`).
         """
-        dists = self.distributions()
+        low, high, step = self.mem_fraction_static
         params: dict[str, Any] = dict(self.fixed)
-        for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
-            params[name] = trial._suggest(name, dists[name])  # noqa: SLF001 - one call per distribution
+        params["mem_fraction_static"] = trial.suggest_float("mem_fraction_static", low, high, step=step)
+        params["max_running_requests"] = trial.suggest_int("max_running_requests", *self.max_running_requests, log=True)
+        params["chunked_prefill_size"] = trial.suggest_categorical("chunked_prefill_size", list(self.chunked_prefill_size))
         if self.hierarchical_cache:
-            on = trial._suggest("enable_hierarchical_cache", dists["enable_hierarchical_cache"])  # noqa: SLF001
-            params["enable_hierarchical_cache"] = bool(on)
-            if on:
-                for name in ("hicache_ratio", "hicache_write_policy"):
-                    params[name] = trial._suggest(name, dists[name])  # noqa: SLF001
-        for name in ("page_size", "cuda_graph_max_bs", "schedule_conservativeness"):
-            if name in dists:
-                params[name] = trial._suggest(name, dists[name])  # noqa: SLF001
+            on = bool(trial.suggest_categorical("enable_hierarchical_cache", [False, True]))
+            params["enable_hierarchical_cache"] = on
+            if on:  # conditional knobs (§7)
+                params["hicache_ratio"] = trial.suggest_float("hicache_ratio", *self.hicache_ratio, step=0.5)
+                params["hicache_write_policy"] = trial.suggest_categorical(
+                    "hicache_write_policy", list(self.hicache_write_policy)
+                )
+        if self.page_size:
+            params["page_size"] = trial.suggest_categorical("page_size", list(self.page_size))
+        if self.cuda_graph_max_bs:
+            params["cuda_graph_max_bs"] = trial.suggest_categorical("cuda_graph_max_bs", list(self.cuda_graph_max_bs))
+        if self.schedule_conservativeness:
+            params["schedule_conservativeness"] = trial.suggest_float(
+                "schedule_conservativeness", *self.schedule_conservativeness, step=0.1
+            )
+        params["mem_fraction_static"] = round(params["mem_fraction_static"], 6)
         return params
 
     def snap(self, params: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,47 @@
+"""The search strategy on the simulator's offline evaluation (virtual time): fast, real parts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offline_runner import OfflineRunner
+
+from tuner.config import SpaceSection, load_config
+from tuner.run import run_study
+from tuner.search import resolve_space
+from tuner.sglang.memory import must_fail
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_space_contains_the_baseline_and_snaps_to_its_grid() -> None:
+    space = resolve_space(SpaceSection(mem_fraction_step=0.005), {"mem_fraction_static": 0.883,
+                          "max_running_requests": 48, "chunked_prefill_size": 8192}, capacity_hint=8)
+    low, high, step = space.mem_fraction_static
+    assert low <= 0.883 <= high and abs((0.883 - low) / step - round((0.883 - low) / step)) < 1e-6
+    assert space.max_running_requests[0] <= 48 <= space.max_running_requests[1]
+    assert 8192 in space.chunked_prefill_size and 4096 in space.chunked_prefill_size
+    snapped = space.snap({"mem_fraction_static": 0.9912, "max_running_requests": 100000, "chunked_prefill_size": 5000})
+    assert snapped["mem_fraction_static"] == high
+    assert snapped["max_running_requests"] == space.max_running_requests[1]
+    assert snapped["chunked_prefill_size"] == 4096
+
+
+def test_planner_reaches_the_reference_frontier_without_waste() -> None:
+    config = load_config(ROOT / "configs" / "reference-sim.toml")
+    runner = OfflineRunner(config)
+    summary = run_study(config, runner, max_trials=8, storage_url=":memory:")
+    launched = runner.history
+    baseline = launched[0][1]
+    assert baseline.kind == "baseline" and baseline.context_capacity == 4
+    # The memory model's first candidate already gives 1.5x, without a failed start.
+    first = launched[1][1]
+    assert first.kind == "predicted" and first.feasible and first.context_capacity >= 6
+    assert first.prediction["context_capacity"] == first.context_capacity
+    assert summary.best is not None and summary.best.record.context_capacity >= 7
+    assert runner.failures <= 1
+    failures = []
+    for _, record in launched:
+        assert not must_fail(record.params, failures)[0]
+        if record.outcome == "failed" and record.failure_class is not None:
+            failures.append((record.params, record.failure_class))
