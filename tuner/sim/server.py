@@ -53,6 +53,9 @@ _WORDS = ("the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", 
 MAX_CATCH_UP_S = 0.05
 """How far behind its timeline the driver may start a step (seconds) to absorb a late wake-up."""
 
+IDLE_POLL_S = 0.002
+"""How long the driver waits when the engine has work it cannot run yet (seconds)."""
+
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """``SGLANG_HEALTH_CHECK_TIMEOUT`` (§5.1)."""
 
@@ -212,7 +215,7 @@ class SimServer:
                 end = last_real = None
             self._dispatch(result.events)
             if result.duration_s <= 0 and not result.events:
-                await asyncio.sleep(0)
+                await asyncio.sleep(IDLE_POLL_S)  # work that cannot run yet: do not spin
 
     def _dispatch(self, events: list[TokenEvent | FinishEvent]) -> None:
         if not events:
