@@ -391,23 +391,16 @@ class TrialExecutor:
             free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
         context_tokens = self._context_tokens()
         capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
+        # The baseline's knobs: what its command line sets, plus what SGLang resolved for the
+        # three knobs every study searches (the others stay at SGLang's own default).
         explicit = parse_argv(argv, self.table)
-        params: dict[str, Any] = {}
-        for name in SEARCHED_FIELDS:
-            value = explicit.get(name)
-            if value is None and name in resolved:
-                value = resolved[name]["value"]
-            if value is None and name == "enable_hierarchical_cache":
-                value = bool(info.enable_hierarchical_cache)
-            if value is None and name == "hicache_ratio" and info.enable_hierarchical_cache:
-                value = info.hicache_ratio
-            if value is None and name == "schedule_conservativeness":
-                value = info.raw.get("schedule_conservativeness")
-            if value is not None:
-                params[name] = value
-        if not params.get("enable_hierarchical_cache"):
-            params.pop("hicache_ratio", None)
-            params.pop("hicache_write_policy", None)
+        params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
+        for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
+            if name not in params and name in resolved:
+                params[name] = resolved[name]["value"]
+        if info.enable_hierarchical_cache:
+            params["enable_hierarchical_cache"] = True
+            params.setdefault("hicache_ratio", info.hicache_ratio)
         return resolved, {
             "max_total_num_tokens": tokens,
             "effective_max_running_requests": mrr,
