@@ -49,6 +49,8 @@ __all__ = ["SPACE_ATTR", "TrialJob", "TrialRunner", "Progress", "RunSummary", "r
 SPACE_ATTR = "tuner.space"
 """Study user attribute holding the resolved :class:`tuner.search.Space` (stable across resumes)."""
 PREDICTION_ATTR = "tuner.prediction"
+ENVIRONMENT_ATTR = "tuner.environment"
+"""Trial user attribute: the SGLang version, GPU, driver and model the trial ran on."""
 
 _log = logging.getLogger(__name__)
 
@@ -306,6 +308,7 @@ def run_study(
         emit(Progress(event="trial_start", number=job.number, index=handled + 1, expected=expected(),
                       eta_s=budget.remaining_s(), message=f"trial {job.number} ({job.kind})"))
         begun = clock()
+        trial.set_user_attr(ENVIRONMENT_ATTR, environment)
 
         def on_phase(name: str) -> None:
             emit(Progress(event="phase", number=job.number, index=handled + 1, expected=expected(),
