@@ -31,9 +31,11 @@ def _max_in_flight(records: list) -> int:
     return peak
 
 
-def test_closed_loop_runs_every_request_with_server_counts(sse_url: str) -> None:
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_closed_loop_runs_every_request_with_server_counts(sse_url: str, transport: str) -> None:
     wl = build_workload(RandomSpec(input_len=64, output_len=12, num_requests=30), seed=1)
-    result = run_load_sync(sse_url, wl, concurrency=4, slo=SLO(ttft_ms={"p99": 60_000}))
+    result = run_load_sync(sse_url, wl, concurrency=4, slo=SLO(ttft_ms={"p99": 60_000}), transport=transport)
+    assert result.settings["transport"] == transport
     s = result.summary
     assert (s.completed, s.errored, s.incomplete) == (30, 0, 0) and not result.partial
     assert s.total_input_tokens == 30 * 64 and s.total_output_tokens == 30 * 12
@@ -51,6 +53,7 @@ def test_phases_window_and_max_requests(sse_url: str) -> None:
     names = [p.name for p in result.phases]
     assert names[:2] == ["warmup", "measure"]
     measure = result.phases[1]
+    assert measure.end_s == pytest.approx(0.3 + 1.2) and names[-1] == "drain"
     measured = result.measured()
     assert measured and result.summary.completed == len(measured)
     assert all(measure.start_s - 1e-6 <= r.send_time_s <= 0.3 + 1.2 + 0.1 for r in measured)
@@ -109,22 +112,24 @@ def test_on_tick_true_stops_promptly(start_server) -> None:
     assert result.summary.incomplete == 5 and result.summary.completed == 0
 
 
-def test_server_down_or_wrong_url_is_one_line_load_error(sse_url: str) -> None:
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_server_down_or_wrong_url_is_one_line_load_error(sse_url: str, transport: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         closed_port = sock.getsockname()[1]
     wl = build_workload(RandomSpec(input_len=8, output_len=2, num_requests=1), seed=0)
     with pytest.raises(LoadError) as info:
-        run_load_sync(f"http://127.0.0.1:{closed_port}", wl, concurrency=1, check_timeout_s=10)
+        run_load_sync(f"http://127.0.0.1:{closed_port}", wl, concurrency=1, check_timeout_s=10, transport=transport)
     assert "cannot connect" in str(info.value) and "--url" in str(info.value)
     with pytest.raises(LoadError) as info:
-        run_load_sync(sse_url + "/not-sglang", wl, concurrency=1)
+        run_load_sync(sse_url + "/not-sglang", wl, concurrency=1, transport=transport)
     assert "404" in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(LoadError, match="not an http"):
         run_load_sync("127.0.0.1:30000", wl, concurrency=1)
 
 
-def test_server_crash_mid_run_ends_promptly_with_partial_results(start_server) -> None:
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_server_crash_mid_run_ends_promptly_with_partial_results(start_server, transport: str) -> None:
     server = start_server("--ttft-ms", "5", "--itl-ms", "20")
     wl = build_workload(RandomSpec(input_len=16, output_len=500), seed=0)
 
@@ -133,7 +138,8 @@ def test_server_crash_mid_run_ends_promptly_with_partial_results(start_server) -
             server.kill()
 
     started = time.monotonic()
-    result = run_load_sync(server.url, wl, concurrency=6, duration_s=120, on_tick=crash, tick_s=0.2)
+    result = run_load_sync(server.url, wl, concurrency=6, duration_s=120, on_tick=crash, tick_s=0.2,
+                           transport=transport)
     assert time.monotonic() - started < 30  # never hangs on a dead server
     assert result.partial and "server" in (result.stop_reason or "")
     assert result.summary.completed == 0 and result.summary.errored + result.summary.incomplete >= 6
@@ -165,10 +171,12 @@ def test_trace_replays_at_its_own_times_with_sessions(sse_url: str, tmp_path) ->
     [("abort", "server", "aborted by test"), ("error", "server", "boom"), ("cut", "disconnect", ""),
      ("http500", "http", "HTTP 500")],
 )
-def test_failed_streams_are_errors_with_their_kind(start_server, mode: str, kind: str, needle: str) -> None:
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_failed_streams_are_errors_with_their_kind(start_server, mode: str, kind: str, needle: str,
+                                                   transport: str) -> None:
     server = start_server("--ttft-ms", "2", "--itl-ms", "2", "--fail", mode)
     wl = build_workload(RandomSpec(input_len=16, output_len=10, num_requests=4), seed=0)
-    result = run_load_sync(server.url, wl, concurrency=2)
+    result = run_load_sync(server.url, wl, concurrency=2, transport=transport)
     s = result.summary
     assert (s.completed, s.errored) == (0, 4) and s.error_rate == 1.0 and not result.partial
     assert all(r.status == "error" and r.error_kind == kind and needle in (r.error or "") for r in result.records)

@@ -82,9 +82,10 @@ def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: Sim) -> None:
     assert random.summary.cache_hit_rate is not None and random.summary.cache_hit_rate < 0.02
 
 
-def test_completions_api_against_the_sim(sim: Sim) -> None:
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_completions_api_against_the_sim(sim: Sim, transport: str) -> None:
     wl = build_workload(RandomSpec(input_len=300, output_len=12, num_requests=16), seed=3)
-    result = run_load_sync(sim.url, wl, concurrency=4, api="completions")
+    result = run_load_sync(sim.url, wl, concurrency=4, api="completions", transport=transport)
     s = result.summary
     assert s.completed == 16 and s.total_output_tokens == 16 * 12
     assert all(r.prompt_tokens == 300 and sum(r.chunk_tokens) == 12 for r in result.records)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LoadError
 from tuner.load.arrivals import Phase, PhasePlan, arrival_offsets_s
-from tuner.load.client import Api, StreamClient, TokenCounter
+from tuner.load.client import Api, StreamClient, TokenCounter, Transport
 from tuner.load.metrics import SLO, LoadSummary, RequestRecord, summarize
 from tuner.load.workloads import Request, Workload
 from tuner.records import PhaseResult
@@ -78,7 +78,8 @@ class LiveStats(BaseModel):
 
 
 class PhaseWindow(BaseModel):
-    """One phase of the run: when it started and ended (s from the start) and how many it sent."""
+    """One phase of the run (``warmup``, ``measure``, ``cooldown``, ``drain``): when it started and
+    ended (s from the start) and how many requests it sent."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -418,12 +419,25 @@ class _Run:
         return stopped_early, reason, partial
 
     def phases(self, end_s: float) -> list[PhaseWindow]:
-        order = ["warmup", "measure", "cooldown"]
-        starts = [(name, self.phase_start[name]) for name in order if name in self.phase_start]
-        windows = []
-        for i, (name, start) in enumerate(starts):
-            stop = starts[i + 1][1] if i + 1 < len(starts) else end_s
-            windows.append(PhaseWindow(name=name, start_s=start, end_s=stop, sent=self.phase_sent.get(name, 0)))
+        """The phases as they ran: warm-up, the measured window (to its planned end), cool-down,
+        and ``drain`` (no more sends, in-flight requests finishing) up to ``end_s``."""
+        windows: list[PhaseWindow] = []
+        start = self.phase_start.get("warmup")
+        measure_start = self.phase_start.get("measure", self.plan.warmup_s)
+        if start is not None:
+            windows.append(PhaseWindow(name="warmup", start_s=start, end_s=measure_start,
+                                       sent=self.phase_sent.get("warmup", 0)))
+        measure_end = min(self.plan.measure_end_s if self.plan.measure_end_s is not None else end_s, end_s)
+        if "measure" in self.phase_start:
+            windows.append(PhaseWindow(name="measure", start_s=measure_start, end_s=measure_end,
+                                       sent=self.phase_sent.get("measure", 0)))
+        last = measure_end
+        if "cooldown" in self.phase_start:
+            last = min(measure_end + self.plan.cooldown_s, end_s)
+            windows.append(PhaseWindow(name="cooldown", start_s=measure_end, end_s=last,
+                                       sent=self.phase_sent.get("cooldown", 0)))
+        if end_s > last:
+            windows.append(PhaseWindow(name="drain", start_s=last, end_s=end_s, sent=0))
         return windows
 
 
@@ -470,6 +484,7 @@ async def run_load(
     model: str | None = None,
     tick_s: float = 1.0,
     check_timeout_s: float = 30.0,
+    transport: Transport = "raw",
 ) -> LoadResult:
     """Send ``workload`` to the server at ``url`` and measure it.
 
@@ -501,6 +516,8 @@ async def run_load(
         model: ``model`` field for ``completions`` (default: asked from ``/v1/models``).
         tick_s: Interval between ``on_tick`` calls (s).
         check_timeout_s: Limit for the 1-token server check before the run.
+        transport: ``raw`` (the client's own HTTP/1.1 connections, least CPU per token) or
+            ``aiohttp``; ``https://`` URLs always use aiohttp (:class:`StreamClient`).
 
     Returns:
         The :class:`LoadResult`; its ``summary`` covers the measured window only.
@@ -513,7 +530,8 @@ async def run_load(
     plan = PhasePlan(warmup_s=warmup_s, duration_s=duration_s, max_requests=max_requests, cooldown_s=cooldown_s)
     one_pass = duration_s is None and max_requests is None
     async with StreamClient(
-        url, api=api, max_connections=concurrency or 0, request_timeout_s=request_timeout_s, model=model
+        url, api=api, max_connections=concurrency or 0, request_timeout_s=request_timeout_s, model=model,
+        transport=transport,
     ) as client:
         await client.check(timeout_s=check_timeout_s)
         run = _Run(
@@ -536,6 +554,7 @@ async def run_load(
             "url": client.base_url, "api": api, "concurrency": concurrency, "rate": rate, "burstiness": burstiness,
             "warmup_s": warmup_s, "duration_s": duration_s, "max_requests": max_requests, "cooldown_s": cooldown_s,
             "mode": "open" if rate else ("trace" if workload.has_arrivals else "closed"),
+            "transport": client.transport,
             "t0_monotonic_s": run.t0,
             "slo": slo.model_dump() if slo is not None else None,
         },
