@@ -275,6 +275,7 @@ def load_cmd(
     request_timeout: _LoadAnn[float, typer.Option("--request-timeout", help="limit per request, s.")] = 600.0,
     timeout: _LoadAnn[float | None, typer.Option("--timeout", help="limit for the whole run, s.")] = None,
     model: _LoadAnn[str | None, typer.Option("--model", help="completions: model name [from /v1/models].")] = None,
+    transport: _LoadAnn[str, typer.Option("--transport", help="raw (own HTTP/1.1, least CPU) or aiohttp.")] = "raw",
     json_out: _LoadAnn[_LoadPath | None, typer.Option("--json", help="write the summary (or search result) as JSON.")] = None,
     csv_out: _LoadAnn[_LoadPath | None, typer.Option("--csv", help="write one row per request as CSV.")] = None,
 ) -> None:
@@ -295,6 +296,8 @@ def load_cmd(
 
     if api not in ("generate", "completions"):
         raise ConfigError(f"--api {api!r} is unknown", hint="use --api generate or --api completions")
+    if transport not in ("raw", "aiohttp"):
+        raise ConfigError(f"--transport {transport!r} is unknown", hint="use --transport raw or --transport aiohttp")
     if max_under_slo and (concurrency is not None or rate is not None):
         raise ConfigError("--max-under-slo searches the level itself", hint="drop --concurrency / --rate")
     if max_under_slo and knob not in ("concurrency", "rate"):
@@ -330,12 +333,14 @@ def load_cmd(
                 step_duration_s=duration or 30.0, warmup_s=warmup, time_budget_s=time_budget,
                 target_attainment=target_attainment, api=api, seed=seed,  # type: ignore[arg-type]
                 request_timeout_s=request_timeout, on_step=step_done, on_tick=tick,
+                transport=transport,  # type: ignore[arg-type]
             ))
         else:
             result = run_sync(run_load(
                 url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness, warmup_s=warmup or 0.0,
                 duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
                 slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
+                transport=transport,  # type: ignore[arg-type]
             ))
     console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
     if max_under_slo:
@@ -490,7 +495,7 @@ def init_cmd(
     text = starter_config(unit=unit, sim=sim)
     output.write_text(text, encoding="utf-8")
     console.print(f"wrote {output}; check [workload] and [slo], then `tuner run --config {output} --dry-run`",
-                  highlight=False)
+                  highlight=False, markup=False)
 
 # ---- trials / show / best / studies / report / dashboard / apply / applies (issue: history) -
 
