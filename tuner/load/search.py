@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LoadError
-from tuner.load.client import Api
+from tuner.load.client import Api, Transport
 from tuner.load.metrics import SLO
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
 from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
@@ -196,6 +196,7 @@ async def find_max_under_slo_async(
     request_timeout_s: float = 600.0,
     on_step: Callable[[SearchStep], None] | None = None,
     on_tick: Callable[[LiveStats], bool | None] | None = None,
+    transport: Transport = "raw",
 ) -> MaxLoadResult:
     """Find the highest concurrency (or rate) whose SLO attainment meets ``target_attainment``.
 
@@ -217,6 +218,7 @@ async def find_max_under_slo_async(
         request_timeout_s: Limit per request (s).
         on_step: Called after every level with its :class:`SearchStep`.
         on_tick: Passed to every level's run (live statistics; returning True stops that level).
+        transport: The client transport (``raw`` or ``aiohttp``, see :class:`tuner.load.client.StreamClient`).
 
     Returns:
         The :class:`MaxLoadResult`.
@@ -256,7 +258,7 @@ async def find_max_under_slo_async(
             warmup_s=warm, duration_s=window_s, api=api, slo=slo, seed=seed,
             on_tick=watch if watch is not None else on_tick,
             request_timeout_s=request_timeout_s, timeout_s=max(left(), 1.0),
-            tick_s=min(1.0, max(0.2, window_s / 10)),
+            tick_s=min(1.0, max(0.2, window_s / 10)), transport=transport,
         )
         step = _judge(result, value, target_attainment, confidence, watch is not None and watch.saturated_at_end())
         if step.verdict == "aborted" and "timeout_s" in (step.note or ""):
