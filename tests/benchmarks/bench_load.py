@@ -99,7 +99,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     s = result.summary
     measured = result.measured()
     # Tokens/s streamed while the measured window was fully loaded (all phases' streams count).
-    window = result.phases[1]
+    window = next(p for p in result.phases if p.name == "measure")
     tokens_in_window = sum(
         n for r in result.records for t, n in zip(r.chunk_times_s, r.chunk_tokens) if window.start_s <= t < window.end_s
     )
@@ -111,8 +111,12 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     server_ttft_ms = np.array([(v[1] - v[0]) * 1000 for v in stamps.values()])
     cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
     all_tokens = sum(sum(r.chunk_tokens) for r in result.records)
+    in_flight = [t.in_flight for t in result.live if t.phase == "measure"]
     figures = {
         "streams": STREAMS,
+        # bench_serving's Σ E2E / duration counts only requests sent in the window, so it ramps up
+        # and down at the window's edges; the live in-flight count is the direct figure.
+        "median_in_flight_measured": float(np.median(in_flight)) if in_flight else 0.0,
         "achieved_concurrency": round(s.concurrency, 1),
         "max_in_flight": _max_in_flight(result.records),
         "streamed_tok_s": round(streamed_tok_s),
@@ -138,7 +142,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     }
     print("\nBENCH_LOAD " + json.dumps(figures))
     assert s.errored == 0
-    assert figures["max_in_flight"] >= STREAMS and s.concurrency >= 0.95 * STREAMS
+    assert figures["max_in_flight"] >= STREAMS and figures["median_in_flight_measured"] >= 0.95 * STREAMS
     assert streamed_tok_s >= 0.95 * STREAMS * 1000 / ITL_MS
     assert streamed_tok_s >= 50_000 or STREAMS * 1000 / ITL_MS < 50_000
     assert added_ms.size >= 0.9 * len(measured)
