@@ -11,7 +11,7 @@ stream one token every 20 ms: 50,000 tokens/s) and must:
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_load.py --run-benchmarks -s``.
 Environment: ``BENCH_LOAD_STREAMS`` (1000), ``BENCH_LOAD_ITL_MS`` (20), ``BENCH_LOAD_DURATION_S`` (10),
-``BENCH_LOAD_SERVER_WORKERS`` (one per spare core, at most 4).
+``BENCH_LOAD_SERVER_WORKERS`` (one per spare core, at most 4), ``BENCH_LOAD_TRANSPORT`` (raw | aiohttp).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ SERVER = Path(__file__).parents[1] / "load" / "sse_server.py"
 STREAMS = int(os.environ.get("BENCH_LOAD_STREAMS", "1000"))
 ITL_MS = float(os.environ.get("BENCH_LOAD_ITL_MS", "20"))
 DURATION_S = float(os.environ.get("BENCH_LOAD_DURATION_S", "10"))
+TRANSPORT = os.environ.get("BENCH_LOAD_TRANSPORT", "raw")
 
 
 def _runqueue_wait_s(pid: int | str = "self") -> float:
@@ -85,7 +86,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         waits0 = [_runqueue_wait_s(), *(_runqueue_wait_s(p) for p in pids)]
         usage0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         result = run_load_sync(url, wl, concurrency=STREAMS, warmup_s=5.0, duration_s=DURATION_S,
-                               request_timeout_s=120)
+                               request_timeout_s=120, transport=TRANSPORT)
         usage1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         waits1 = [_runqueue_wait_s(), *(_runqueue_wait_s(p) for p in pids)]
         time.sleep(1.5)  # the server workers dump their timestamps every 0.5 s
@@ -114,6 +115,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     in_flight = [t.in_flight for t in result.live if t.phase == "measure"]
     figures = {
         "streams": STREAMS,
+        "transport": TRANSPORT,
         # bench_serving's Σ E2E / duration counts only requests sent in the window, so it ramps up
         # and down at the window's edges; the live in-flight count is the direct figure.
         "median_in_flight_measured": float(np.median(in_flight)) if in_flight else 0.0,

@@ -161,6 +161,9 @@ class Stream:
         elif engine.fail == "error":
             self.conn.write_chunk(b'data: {"error":{"message":"boom in the test server"}}\n\ndata: [DONE]\n\n')
             self.conn.end_stream()
+        elif engine.fail == "garbage":
+            self.conn.write_chunk(b"data: [1, 2]\n\ndata: [DONE]\n\n")
+            self.conn.end_stream()
         elif engine.fail == "cut":
             assert self.conn.transport is not None
             self.conn.transport.close()
@@ -219,7 +222,7 @@ class Conn(asyncio.Protocol):
 
     def handle(self, method: str, path: str, body: bytes) -> None:
         engine = self.engine
-        if method == "GET" and path == "/health":
+        if path == "/health":  # an empty body (Content-Length: 0)
             return self.reply("200 OK", b"")
         if method == "GET" and path == "/v1/models":
             return self.reply("200 OK", b'{"object":"list","data":[{"id":"sse-test-model","object":"model"}]}')
@@ -267,7 +270,7 @@ def main() -> None:
     parser.add_argument("--cpus", default="", help="comma-separated CPUs to pin the workers to")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--capacity", type=int, default=0, help="streams decoded at once; more wait (0 = unlimited)")
-    parser.add_argument("--fail", choices=["", "abort", "error", "cut", "http500"], default="",
+    parser.add_argument("--fail", choices=["", "abort", "error", "garbage", "cut", "http500"], default="",
                         help="fail every stream at its 3rd token (http500: every request but the 1-token check)")
     parser.add_argument("--stamp", action="store_true", help="put server_first_token_s in meta_info")
     parser.add_argument("--stats-dir", default="", help="each worker writes {rid: [recv_s, first_token_s]} here")

@@ -168,8 +168,8 @@ def test_trace_replays_at_its_own_times_with_sessions(sse_url: str, tmp_path) ->
 
 @pytest.mark.parametrize(
     ("mode", "kind", "needle"),
-    [("abort", "server", "aborted by test"), ("error", "server", "boom"), ("cut", "disconnect", ""),
-     ("http500", "http", "HTTP 500")],
+    [("abort", "server", "aborted by test"), ("error", "server", "boom"), ("garbage", "server", "not a JSON object"),
+     ("cut", "disconnect", ""), ("http500", "http", "HTTP 500")],
 )
 @pytest.mark.parametrize("transport", ["raw", "aiohttp"])
 def test_failed_streams_are_errors_with_their_kind(start_server, mode: str, kind: str, needle: str,
@@ -180,3 +180,21 @@ def test_failed_streams_are_errors_with_their_kind(start_server, mode: str, kind
     s = result.summary
     assert (s.completed, s.errored) == (0, 4) and s.error_rate == 1.0 and not result.partial
     assert all(r.status == "error" and r.error_kind == kind and needle in (r.error or "") for r in result.records)
+
+
+def test_raw_transport_reads_empty_bodies_and_reuses_connections(sse_url: str) -> None:
+    import asyncio
+
+    from tuner.load.client import StreamClient
+
+    async def main() -> tuple[int, int, int]:
+        async with StreamClient(sse_url, max_connections=1) as client:
+            get = client._get_head.format(path="/health").encode()
+            first, _ = await client._exchange(get, None, 0.0, 10.0)
+            second, _ = await client._exchange(get, None, 0.0, 10.0)
+            assert first is not None and first is second  # keep-alive: the same connection
+            wl = build_workload(RandomSpec(input_len=8, output_len=3, num_requests=3), seed=0)
+            records = [await client.send(r, t0=0.0) for r in wl]
+            return first.status, len(client._idle), sum(r.status == "ok" for r in records)
+
+    assert asyncio.run(main()) == (200, 1, 3)

@@ -273,6 +273,9 @@ class _Connection(asyncio.Protocol):
                     return
                 self._head(data[:end])
                 data = data[end + 4:]
+                if self.state == _DONE:  # an empty body (Content-Length: 0)
+                    self._finish()
+                    return
             if self.state == _CHUNKED:
                 payload = self._dechunk(data)
             elif self.state == _LENGTH:
@@ -288,8 +291,10 @@ class _Connection(asyncio.Protocol):
                 self._body(payload, now)
             if self.state == _DONE:
                 self._finish()
-        except (_ProtocolError, ValueError) as err:  # orjson.JSONDecodeError is a ValueError
-            self._fail(err if isinstance(err, _ProtocolError) else _ProtocolError(f"invalid JSON in the SSE stream: {err}"))
+        except _ProtocolError as err:
+            self._fail(err)
+        except Exception as err:  # noqa: BLE001 - a bad line must fail this request, not the event loop
+            self._fail(_ProtocolError(f"unreadable SSE data: {type(err).__name__}: {err}"))
 
     def _head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -478,8 +483,11 @@ class StreamClient:
         def on_payload(payload: bytes, now: float) -> None:
             if payload == b"[DONE]":
                 stream.done = True
-            else:
-                feed(loads(payload), now)
+                return
+            obj = loads(payload)
+            if not isinstance(obj, dict):
+                raise _ProtocolError(f"SSE data is not a JSON object: {payload[:80]!r}")
+            feed(obj, now)
 
         body = self._payload(request)
         clock = time.monotonic
@@ -607,8 +615,8 @@ class StreamClient:
             return "error", "timeout", f"no complete answer within {self.request_timeout_s:g} s"
         except aiohttp.ClientError as err:
             return "error", "http", f"{type(err).__name__}: {err}"
-        except orjson.JSONDecodeError as err:
-            return "error", "server", f"invalid JSON in the SSE stream: {err}"
+        except (_ProtocolError, ValueError, AttributeError, TypeError, KeyError) as err:
+            return "error", "server", f"unreadable SSE data: {type(err).__name__}: {err}"
         return "ok", None, None
 
     async def _discover_model(self, timeout_s: float) -> None:
