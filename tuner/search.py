@@ -24,7 +24,7 @@ The strategy is capacity-first and learns from memory facts rather than by trial
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -498,23 +498,29 @@ class Planner:
         self,
         family: tuple[tuple[str, Any], ...],
         ref: _Point,
-        mrr: int,
+        mrr: int | None,
         need: float,
-        ceiling: float,
-    ) -> tuple[float, int, int, float] | None:
+        ceiling: Callable[[int], float],
+    ) -> tuple[float, int, int, float, int] | None:
         """The best predicted context capacity below ``ceiling`` whose headroom covers ``need``.
 
-        Returns the *smallest* grid fraction that reaches that capacity (capacity is an integer;
-        more KV buys nothing for it and costs headroom), as ``(mfs, tokens, capacity, free GiB)``.
+        ``ceiling(mrr)`` is the lowest fraction a memory failure proves too high at that request
+        count. ``mrr=None`` sizes ``max_running_requests`` to each fraction's own capacity (just enough
+        request slots: the req_to_token table and graphs shrink with it, §1.6, §2.1). Returns the
+        *smallest* grid fraction that reaches the top capacity (capacity is an integer; more KV buys
+        nothing for it and costs headroom), as ``(mfs, tokens, capacity, free GiB, mrr)``.
         """
+        low, high = self.space.max_running_requests
         feasible = []
         for mfs in self.space.fractions():
-            if mfs >= ceiling - 1e-9:
-                break
-            tokens, free = self._predict(ref, mfs, mrr, family)
+            tokens, _ = self._predict(ref, mfs, high, family)
+            slots = mrr if mrr is not None else min(high, max(low, tokens // self.context_tokens))
+            if mfs >= ceiling(slots) - 1e-9:
+                continue
+            tokens, free = self._predict(ref, mfs, slots, family)
             if tokens <= 0 or free < need:
                 continue
-            feasible.append((mfs, tokens, min(mrr, tokens // self.context_tokens), free))
+            feasible.append((mfs, tokens, min(slots, tokens // self.context_tokens), free, slots))
         if not feasible:
             return None
         top = max(item[2] for item in feasible)
@@ -561,23 +567,14 @@ class Planner:
         for rank, family in enumerate(families):
             ref = self._reference(family, int(incumbent.params["max_running_requests"]), points)
             need = self._need_gib(family, points, oom_frees)
-            mrr_low, mrr_high = self.space.max_running_requests
             base_mrr = int(incumbent.params["max_running_requests"])
-            options = []
-            # Tight: just enough request slots for the capacity (frees req_to_token memory, §1.6).
-            tight = mrr_high
-            for _ in range(3):
-                found = self._frontier(family, ref, tight, need, ceiling_of(family, tight))
-                if found is None:
-                    break
-                tight = min(mrr_high, max(mrr_low, found[1] // self.context_tokens))
-            options.append(tight)
-            options.append(max(base_mrr, tight))
-            for mrr in dict.fromkeys(options):
-                found = self._frontier(family, ref, mrr, need, ceiling_of(family, mrr))
-                if found is None:
-                    continue
-                mfs, tokens, capacity, free = found
+            found_options = []
+            # Tight: just enough request slots for the capacity; or the incumbent's own count.
+            for mrr in (None, base_mrr):
+                found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
+                if found is not None:
+                    found_options.append(found)
+            for mfs, tokens, capacity, free, mrr in found_options:
                 params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
                 if _key(params) in tried:
                     continue
