@@ -52,13 +52,12 @@ logger = logging.getLogger(__name__)
 
 
 class TokenCounter:
-    """Running count of streamed output tokens and chunks, read by the live statistics."""
+    """Running count of streamed output tokens, read by the live statistics."""
 
-    __slots__ = ("tokens", "chunks")
+    __slots__ = ("tokens",)
 
     def __init__(self) -> None:
         self.tokens = 0
-        self.chunks = 0
 
 
 def _raise_fd_limit(connections: int) -> None:
@@ -116,13 +115,6 @@ class _Stream:
         self.counter = counter
         self.server_rid: str | None = None
 
-    def _add(self, new: int, now: float) -> None:
-        self.times.append(now)
-        self.tokens.append(new)
-        if self.counter is not None:
-            self.counter.tokens += new
-            self.counter.chunks += 1
-
     def feed_generate(self, obj: dict[str, Any], now: float) -> None:
         if "error" in obj:
             self.error = _error_text(obj["error"])
@@ -137,7 +129,10 @@ class _Stream:
         else:
             new = 1 if obj.get("text") or obj.get("output_ids") else 0
         if new > 0:
-            self._add(new, now)
+            self.times.append(now)
+            self.tokens.append(new)
+            if self.counter is not None:
+                self.counter.tokens += new
         if "prompt_tokens" in meta:
             self.prompt_tokens = meta["prompt_tokens"]
         if "cached_tokens" in meta:
@@ -175,7 +170,10 @@ class _Stream:
         else:
             new = 1 if choice.get("text") else 0
         if new > 0:
-            self._add(new, now)
+            self.times.append(now)
+            self.tokens.append(new)
+            if self.counter is not None:
+                self.counter.tokens += new
         if choice.get("finish_reason"):
             self.finish_reason = str(choice["finish_reason"])
 
@@ -318,29 +316,35 @@ class _Connection(asyncio.Protocol):
 
     def _dechunk(self, data: bytes) -> bytes:
         out = []
-        while data:
+        pos, n = 0, len(data)
+        while pos < n:
             if self.skip:  # the CRLF after a chunk's data
-                n = min(self.skip, len(data))
-                data, self.skip = data[n:], self.skip - n
-            elif self.left:
-                take = data[:self.left]
-                out.append(take)
-                data = data[len(take):]
-                self.left -= len(take)
+                step = min(self.skip, n - pos)
+                pos += step
+                self.skip -= step
+            elif self.left:  # the rest of a chunk split across reads
+                stop = min(pos + self.left, n)
+                out.append(data[pos:stop])
+                self.left -= stop - pos
+                pos = stop
                 if not self.left:
                     self.skip = 2
             else:
-                end = data.find(b"\r\n")
-                if end < 0:
-                    self.buf = data
+                eol = data.find(b"\r\n", pos)
+                if eol < 0:
+                    self.buf = data[pos:]
                     break
-                size = int(data[:end].split(b";")[0], 16)
-                data = data[end + 2:]
-                if size == 0:  # last chunk; no trailers expected (the CRLF left is skipped later)
+                size = int(data[pos:eol].partition(b";")[0], 16)
+                pos = eol + 2
+                if size == 0:  # last chunk; no trailers expected (a CRLF left over is skipped later)
                     self.state = _DONE
                     break
-                self.left = size
-        return b"".join(out)
+                if pos + size + 2 <= n:  # the common case: the whole chunk is here
+                    out.append(data[pos:pos + size])
+                    pos += size + 2
+                else:
+                    self.left = size
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def _body(self, payload: bytes, now: float) -> None:
         if not self.is_sse or self.on_payload is None:
