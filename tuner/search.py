@@ -569,8 +569,10 @@ class Planner:
             need = self._need_gib(family, points, oom_frees)
             base_mrr = int(incumbent.params["max_running_requests"])
             found_options = []
-            # Tight: just enough request slots for the capacity; or the incumbent's own count.
-            for mrr in (None, base_mrr):
+            # Tight: just enough request slots for the capacity; or the incumbent's own count; or
+            # more slots than the capacity (shorter requests run alongside: throughput), same band.
+            more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]] if rank == 0 else []
+            for mrr in (None, base_mrr, *more):
                 found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
                 if found is not None:
                     found_options.append(found)
@@ -578,15 +580,18 @@ class Planner:
                 params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
                 if _key(params) in tried:
                     continue
-                if rank == 0 and capacity <= best_capacity:
+                if rank == 0 and capacity <= best_capacity and mrr not in more:
                     continue
                 if rank > 0 and capacity < best_capacity * (1.0 - self.capacity_tolerance):
                     continue
-                why = (
-                    "raise capacity at the predicted memory frontier"
-                    if capacity > best_capacity
-                    else "same capacity band with another " + self._changed(base_family, family)
-                )
+                if capacity > best_capacity:
+                    why = "raise capacity at the predicted memory frontier"
+                elif rank == 0:
+                    if capacity < best_capacity * (1.0 - self.capacity_tolerance):
+                        continue
+                    why = "same capacity band with more request slots (shorter requests alongside)"
+                else:
+                    why = "same capacity band with another " + self._changed(base_family, family)
                 proposals.append(
                     (
                         (0 if capacity > best_capacity else 1, rank, -capacity),
