@@ -97,3 +97,17 @@ def test_cli_bad_config_exits_1_with_one_line_and_touches_nothing(tmp_path: Path
     assert len(lines) == 1 and "storage.bogus" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml"]
+
+
+def test_cli_missing_unit_is_one_line_and_touches_nothing(tmp_path: Path) -> None:
+    text = GOOD.replace('launcher = "process"', 'launcher = "systemd"\nunit = "no-such-unit-for-tuner.service"\n'
+                        f'state_dir = "{tmp_path / "state"}"')
+    config = _write(tmp_path, text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tuner.cli", "run", "--config", str(config), "--trials", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "studies").exists()

@@ -104,3 +104,21 @@ def test_budget_estimate_and_fit() -> None:
     now[0] = 500.0
     assert budget.fits(90.0) and not budget.fits(110.0)
     assert budget.trials_left(50.0) == 2
+
+
+def test_slo_clearly_lost_only_after_enough_evidence() -> None:
+    from tuner.load import SLO, LiveStats
+    from tuner.trial import slo_clearly_lost
+
+    slo = SLO(ttft_ms={"p99": 1000})
+
+    def stats(**kw: float) -> LiveStats:
+        base = {"elapsed_s": 5.0, "phase": "measure", "sent": 40, "completed": 20, "errored": 0, "in_flight": 4,
+                "output_tok_s": 100.0, "request_throughput": 2.0, "p99_ttft_ms_so_far": 500.0}
+        return LiveStats(**{**base, **kw})
+
+    assert not slo_clearly_lost(stats(), slo)
+    assert slo_clearly_lost(stats(p99_ttft_ms_so_far=2500.0), slo)
+    assert not slo_clearly_lost(stats(p99_ttft_ms_so_far=2500.0, completed=3), slo)
+    assert not slo_clearly_lost(stats(p99_ttft_ms_so_far=2500.0, phase="warmup"), slo)
+    assert slo_clearly_lost(stats(completed=5, errored=20), slo)
