@@ -193,8 +193,9 @@ class TrialExecutor:
         trial_dir = self.work_dir / f"trial-{job.number}"
         trial_dir.mkdir(parents=True, exist_ok=True)
         asked = dict(job.params)
+        explicit = parse_argv(self._baseline_argv, self.table) if job.kind == "baseline" else {}
         record = TrialRecord(
-            params=asked,
+            params=asked or {k: explicit[k] for k in SEARCHED_FIELDS if explicit.get(k) is not None},
             kind=job.kind,  # type: ignore[arg-type]
             prediction=dict(job.prediction),
             context_tokens=job.context_tokens,
