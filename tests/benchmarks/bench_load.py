@@ -110,6 +110,12 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         for r in measured if r.ttft_s is not None and r.server_rid in stamps
     ])
     server_ttft_ms = np.array([(v[1] - v[0]) * 1000 for v in stamps.values()])
+    # The two halves of the added TTFT, on the shared monotonic clock: request path (client send →
+    # server receive) and delivery path (server first-token send → client read).
+    t0 = result.settings["t0_monotonic_s"]
+    matched = [r for r in measured if r.first_token_time_s is not None and r.server_rid in stamps]
+    up_ms = np.array([(stamps[r.server_rid][0] - (t0 + r.send_time_s)) * 1000 for r in matched])
+    down_ms = np.array([((t0 + r.first_token_time_s) - stamps[r.server_rid][1]) * 1000 for r in matched])
     cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
     all_tokens = sum(sum(r.chunk_tokens) for r in result.records)
     in_flight = [t.in_flight for t in result.live if t.phase == "measure"]
@@ -129,6 +135,8 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         "median_ttft_ms_server": round(float(np.median(server_ttft_ms)), 3),
         "median_added_ttft_ms": round(float(np.median(added_ms)), 3),
         "p99_added_ttft_ms": round(float(np.percentile(added_ms, 99)), 3),
+        "median_send_to_server_receive_ms": round(float(np.median(up_ms)), 3),
+        "median_server_send_to_client_read_ms": round(float(np.median(down_ms)), 3),
         "matched_requests": int(added_ms.size),
         "client_cpu_share": round(cpu_s / (wall1 - wall0), 3),
         # The client's own CPU per streamed token, whole run (setup and summary included):
