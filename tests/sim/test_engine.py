@@ -344,6 +344,77 @@ def test_rejects_too_long_inputs_and_clips_max_new_tokens():
     assert f.completion_tokens == 998 - 900 and f.finish_reason == {"type": "length", "length": 98}
 
 
+def test_a_request_that_can_never_be_admitted_is_aborted_not_left_waiting():
+    """The one stall rule: waiting work, nothing running, nothing admitted -> abort the head (§1.4).
+
+    A chunk smaller than a page never admits anything (SGLang's args forbid it; the engine is
+    built directly here to reach the state)."""
+    e = Engine(make_spec(max_total_num_tokens=6400, page_size=64, chunked_prefill_size=32))
+    rng = random.Random(14)
+    e.add_request(SimRequest("a", ids(100, rng), 50))
+    e.add_request(SimRequest("b", ids(3000, rng), 5000))
+    first = e.step(0.0)  # nothing runs: the head is aborted at once, with no forward time
+    assert first.duration_s == 0.0 and [ev.rid for ev in first.events] == ["a"]
+    events = finishes(run(e))  # ends on a virtual clock (no busy wait, no TimeoutError)
+    assert set(events) == {"b"} and not e.has_work()
+    reason = events["b"].finish_reason
+    assert reason == {"type": "abort", "status_code": 400, "err_type": "BadRequestError",  # no chunk holds a page
+                      "message": "Input length (3000 tokens) exceeds the maximum allowed length (0 tokens)."}
+    assert events["b"].abort_message == reason["message"] and events["b"].completion_tokens == 0
+    s = e.stats()
+    assert s["num_aborted_requests_total"] == 2 and s["num_requests_total"] == 0 and s["num_used_tokens"] == 0
+    assert first.events[0].abort_message.startswith("Input length (100 tokens)")
+
+
+def test_no_valid_setting_stalls_the_engine():
+    """Random small pools, pages, chunks, host tiers and speculative decoding with inputs of every
+    length: every request finishes or is rejected up front; none is aborted as unschedulable."""
+    rng = random.Random(21)
+    spec0 = make_spec()
+    for trial in range(100):
+        page = rng.choice([1, 16, 64])
+        total = rng.choice([128, 1000, 4096]) // page * page
+        cost = spec0.cost
+        if trial % 4 == 0:
+            cost = replace(cost, spec_num_steps=3, spec_num_draft_tokens=4, spec_accept_length=2.5)
+        spec = make_spec(
+            max_total_num_tokens=total, page_size=page, chunked_prefill_size=rng.choice([None, 64, 128, 8192]),
+            max_prefill_tokens=rng.choice([16, 16384]), enable_mixed_chunk=rng.random() < 0.3,
+            schedule_conservativeness=rng.choice([0.3, 1.0, 2.0]), context_len=rng.choice([131072, 200]),
+            max_running_requests=rng.choice([1, 4, 64]), hicache_host_tokens=rng.choice([None, 2 * total]),
+            schedule_policy=rng.choice(["fcfs", "lpm"]), cost=cost)
+        e = Engine(spec)
+        for i in range(rng.randint(1, 12)):
+            try:
+                e.add_request(SimRequest(f"r{i}", ids(rng.randint(1, total + 10), rng), rng.choice([1, 100, 5000]),
+                                         ignore_eos=rng.random() < 0.5))
+            except RequestRejected:
+                pass
+        try:
+            run(e)
+        except RuntimeError as err:  # a decode step that cannot fit one token each kills the scheduler (§4.4)
+            assert str(err).startswith("Decode out of memory"), err
+            continue
+        assert e.stats()["num_aborted_requests_total"] == 0, spec
+
+
+def test_peak_activation_bytes_is_the_largest_step_since_start():
+    spec = make_spec(chunked_prefill_size=4096)
+    e = Engine(spec)
+    assert e.stats()["peak_activation_bytes"] == 0
+    rng = random.Random(20)
+    e.add_request(SimRequest("big", ids(3000, rng), 3))
+    run(e)
+    big = costmodel.activation_bytes(spec.cost, 3000, 1)
+    assert e.stats()["peak_activation_bytes"] == big > 0
+    e.add_request(SimRequest("small", ids(10, rng), 50))  # a smaller prefill and graph decode add nothing
+    run(e)
+    assert e.stats()["peak_activation_bytes"] == big
+    e.add_request(SimRequest("huge", ids(9000, rng), 1))  # chunked: the largest step is one 4,096-token chunk
+    run(e)
+    assert e.stats()["peak_activation_bytes"] == costmodel.activation_bytes(spec.cost, 4096, 1)
+
+
 def test_ignore_eos_false_stops_early_with_a_stop_reason():
     e = Engine(make_spec())
     rng = random.Random(15)
@@ -433,7 +504,7 @@ def test_speculative_decoding_yields_accept_length_tokens_per_step():
     e.add_request(SimRequest("s", ids(100, random.Random(19)), 201))
     e.step(0.0)  # prefill: the first token
     steps = 0
-    while e.has_work():
+    while e.has_work() and steps < 1000:
         e.step(0.0)
         steps += 1
     assert steps == pytest.approx(200 / 2.5, abs=1)

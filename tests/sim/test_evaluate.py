@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 import pytest
 
+from _simproc import free_port, spawn, wait_ready
+
 from tuner.sim.engine import SimRequest
 from tuner.sim.errors import SimError
-from tuner.sim.evaluate import evaluate, size_server
+from tuner.sim.evaluate import _run, evaluate, size_server
 
 LLAMA_H100 = ["--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB"]
 REFERENCE = [  # §1.8: Kimi-K2.5-style MLA on 8× RTX PRO 6000, EAGLE-3, mimicking 0.5.5
@@ -63,6 +66,29 @@ def test_size_server_matches_the_evaluated_server():
     assert any(line.endswith(f"available_gpu_mem={sized.free_gib_after_graphs:.2f} GB") for line in sized.log_lines)
 
 
+def test_size_server_prints_what_the_server_prints(tmp_path):
+    """One startup path: offline sizing logs the server's own lines, up to its scheduler line."""
+    args = LLAMA_H100 + ["--mem-fraction-static", "0.85", "--tp", "2", "--log-level", "debug"]
+    port = free_port()
+    sim = spawn(args, tmp_path, port=port)
+    try:
+        wait_ready(sim)
+        logged = sim.log().splitlines()
+    finally:
+        sim.stop()
+    sized = size_server(args + ["--host", "127.0.0.1", "--port", str(port), "--sim-time-scale", "0.0"])
+
+    def startup(lines: list[str]) -> list[str]:
+        bare = [re.sub(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", "[", line) for line in lines]  # no timestamps
+        end = next(i for i, line in enumerate(bare) if "] max_total_num_tokens=" in line)
+        return bare[: end + 1]
+
+    lines = startup(logged)
+    assert startup(sized.log_lines) == lines
+    assert lines[0].startswith("[] server_args=ServerArgs(") and "[ TP1] Load weight begin." in "\n".join(lines)
+    assert "[] Flag --log-level is accepted but not simulated; ignoring it." in lines
+
+
 def test_runtime_oom_at_high_fraction_with_a_large_chunk():
     """§1.8's trade-off: 0.93 leaves ~2.7 GiB; a 16k chunk's activations do not fit it, an 8k one does."""
     rng = random.Random(2)
@@ -109,3 +135,14 @@ def test_too_long_inputs_are_rejected_not_run():
     reqs = [SimRequest("ok", ids(100, rng), 4), SimRequest("long", ids(5000, rng), 4)]
     r = evaluate(LLAMA_H100 + ["--context-length", "4096"], reqs)
     assert r.completed == 1 and r.rejected == 1 and r.total_output_tokens == 4
+
+
+def test_requests_the_engine_aborts_count_as_rejected_and_the_run_ends():
+    """The engine's stall rule (no chunk holds a page: unreachable from argv) seen by the offline loop."""
+    sized = size_server(LLAMA_H100 + ["--page-size", "64"])
+    spec = replace(sized.engine_spec, chunked_prefill_size=32)
+    rng = random.Random(6)
+    reqs = [SimRequest(f"r{i}", ids(100, rng), 4) for i in range(3)]
+    r = _run(spec, reqs, [], {"max_total_num_tokens": 0, "max_running_requests": 0, "free_gib_after_graphs": 0.0},
+             concurrency=2, duration_s=None, max_steps=100)
+    assert r.rejected == 3 and r.completed == 0 and r.error is None and r.duration_s == 0.0

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tuner.sim.errors import SimError
-from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, plan_from_argv, run_startup
+from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, log_startup, plan_from_argv
 
 if TYPE_CHECKING:
     from tuner.sim.server import SimServer
@@ -71,11 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     log = SimLogger(sys.stderr, cfg.tp_size)
-    args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
-    log.line(f"server_args=ServerArgs({args_repr})", None)
-    for warning in cfg.warnings:
-        log.line(warning, None)
-    if not run_startup(plan, log, time_scale=parsed.sim.time_scale):
+    if not log_startup(parsed, plan, log, time_scale=parsed.sim.time_scale):
         kill_process_tree()
     from tuner.sim.server import SimServer  # aiohttp and prometheus only once startup succeeded
 

@@ -39,6 +39,15 @@ Rules modelled (§2.4 unless noted):
 - Input checks (§1.4): ``max_req_len = min(context_len − 1, max_total_num_tokens − 1)``; a longer
   input of ``max_req_len − 5`` tokens or more is rejected, and ``max_new_tokens`` is clipped so that input and
   output fit ``max_req_len``.
+- Stalls: when requests wait, nothing runs and the queue's head still cannot be admitted, nothing
+  can ever change, so the step aborts that request instead of idling (the one stall detector the
+  HTTP server, :meth:`Engine.run_until_idle` and :mod:`tuner.sim.evaluate` all rely on): its
+  ``finish_reason`` is ``{"type": "abort", "message": "Input length (N tokens) exceeds the maximum
+  allowed length (M tokens).", "status_code": 400, ...}`` (§1.4, §5.3), ``M`` being the longest
+  input the idle pool could admit with that request's output reservation (0 when no chunk holds a
+  page). With the clipping above
+  and SGLang's ``chunked_prefill_size % page_size == 0`` check (enforced by :mod:`tuner.sim.args`)
+  no valid command line reaches it; it keeps a driver from waiting forever if one ever does.
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ RETRACT_DECODE_STEPS = 20
 """Decode steps of headroom a retraction aims for per remaining request."""
 LPM_FALLBACK_QUEUE_LEN = 128
 """``lpm`` falls back to fcfs above this many waiting requests (§2.4)."""
+
+
+ABORT_STATUS_CODE = 400
+"""``status_code`` of a scheduler abort for a bad request (``HTTPStatus.BAD_REQUEST``, §5.3)."""
 
 
 class SimRuntimeOOM(Exception):
@@ -129,9 +142,11 @@ class TokenEvent:
 class FinishEvent:
     """A request finished in this step (after its last :class:`TokenEvent`).
 
-    ``finish_reason`` is SGLang's dict: ``{"type": "length", "length": N}`` or
-    ``{"type": "stop", "matched": eos_id}`` (§5.3). ``cached_tokens_details`` is
-    ``{"device": n, "host": m}`` when the hierarchical cache is on, else None.
+    ``finish_reason`` is SGLang's dict: ``{"type": "length", "length": N}``,
+    ``{"type": "stop", "matched": eos_id}``, or for a request the scheduler gave up on
+    ``{"type": "abort", "message": ..., "status_code": 400, "err_type": "BadRequestError"}``
+    (§5.3). ``cached_tokens_details`` is ``{"device": n, "host": m}`` when the hierarchical cache
+    is on, else None.
     """
 
     rid: str
@@ -140,6 +155,11 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int
     cached_tokens_details: dict | None
+
+    @property
+    def abort_message(self) -> str | None:
+        """The error text of an aborted request (``finish_reason["message"]``), else None."""
+        return self.finish_reason.get("message", "") if self.finish_reason.get("type") == "abort" else None
 
 
 Event = Union[TokenEvent, FinishEvent]
@@ -292,6 +312,8 @@ class Engine:
         self.cached_tokens_total = 0
         self.num_requests_total = 0
         self.num_retractions_total = 0
+        self.num_aborted_requests_total = 0
+        self.peak_activation_bytes = 0
 
     # ------------------------------------------------------------------ public API
 
@@ -330,11 +352,13 @@ class Engine:
                         self._running_kv -= r.kv_len
                     self._release(r)
                     self._rids.discard(rid)
+                    self.num_aborted_requests_total += 1
                     return True
         if self._chunked is not None and self._chunked.rid == rid:
             self._release(self._chunked)
             self._chunked = None
             self._rids.discard(rid)
+            self.num_aborted_requests_total += 1
             return True
         return False
 
@@ -359,10 +383,13 @@ class Engine:
         Returns:
             ``num_running_reqs``, ``num_queue_reqs``, ``num_used_tokens``, ``token_usage``,
             ``gen_throughput``, ``cache_hit_rate``, ``new_token_ratio``, ``max_total_num_tokens``,
-            ``hicache_host_used_tokens``, ``hicache_host_total_tokens`` and the counters
-            ``prompt_tokens_total``, ``generation_tokens_total``, ``cached_tokens_total``,
-            ``num_requests_total``, ``num_retractions_total``, ``evicted_tokens_total``,
-            ``load_back_tokens_total``.
+            ``hicache_host_used_tokens``, ``hicache_host_total_tokens``,
+            ``peak_activation_bytes`` (the largest step's activation bytes per GPU since start,
+            :func:`tuner.sim.costmodel.activation_bytes`; CUDA-graph decode steps run inside the
+            captured graphs' memory and add none) and the counters ``prompt_tokens_total``,
+            ``generation_tokens_total``, ``cached_tokens_total``, ``num_requests_total``,
+            ``num_retractions_total``, ``num_aborted_requests_total`` (aborted by the client or
+            the scheduler), ``evicted_tokens_total``, ``load_back_tokens_total``.
         """
         used = self._used_tokens()
         return {
@@ -376,11 +403,13 @@ class Engine:
             "max_total_num_tokens": self._total,
             "hicache_host_used_tokens": self.cache.host_used_tokens,
             "hicache_host_total_tokens": self.spec.hicache_host_tokens or 0,
+            "peak_activation_bytes": self.peak_activation_bytes,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "num_requests_total": self.num_requests_total,
             "num_retractions_total": self.num_retractions_total,
+            "num_aborted_requests_total": self.num_aborted_requests_total,
             "evicted_tokens_total": self.cache.evicted_tokens_total,
             "load_back_tokens_total": self.cache.load_back_tokens_total,
         }
@@ -392,9 +421,11 @@ class Engine:
             now_s: When the step starts, seconds on the driver's clock.
 
         Returns:
-            The step's duration (0 when idle) and its events, which happen at
-            ``now_s + duration_s``: a :class:`TokenEvent` per request that got tokens, then a
-            :class:`FinishEvent` per finished request.
+            The step's duration (0 when idle or when it only aborted a request that can never
+            be admitted) and its events, which happen at ``now_s + duration_s``: a
+            :class:`TokenEvent` per request that got tokens, then a :class:`FinishEvent` per
+            finished or aborted request. While :meth:`has_work` is true, every step has a
+            duration or an event.
 
         Raises:
             SimRuntimeOOM: The step's activations exceed the free memory; the engine is then dead.
@@ -423,6 +454,9 @@ class Engine:
         Raises:
             TimeoutError: Work is left after ``timeout_s``.
             SimRuntimeOOM: A step ran out of activation memory.
+
+        A request that can never be admitted comes back as an aborted :class:`FinishEvent`
+        (the engine's stall rule), so the loop ends on a virtual clock too.
         """
         start = clock.now_s()
         out: list[tuple[float, Event]] = []
@@ -431,8 +465,6 @@ class Engine:
             if now - start > timeout_s:
                 raise TimeoutError(f"engine still busy after {timeout_s} s of clock time")
             result = self.step(now)
-            if result.duration_s == 0.0 and not result.events:
-                raise TimeoutError("engine stalled: queued requests can never be admitted")
             clock.sleep(result.duration_s)
             t = clock.now_s()
             out.extend((t, ev) for ev in result.events)
@@ -550,11 +582,43 @@ class Engine:
             result = self._run_prefill(now_s, *batch)
         elif self._running:
             result = self._run_decode(now_s)
+        elif self._waiting or self._chunked is not None:  # stalled: nothing runs, nothing fits
+            result = (0.0, [], [self._abort_stalled()])
         else:
             result = (0.0, [], [])
         if not self._running and self._chunked is None and not self._waiting:
             self.new_token_ratio = self.init_new_token_ratio  # the scheduler's idle self-check
         return result
+
+    def _abort_stalled(self) -> _Req:
+        """Abort the request that blocks an idle scheduler (see the module docstring, §1.4).
+
+        Called when requests wait, none runs and admission took none: the cache holds no locked
+        node and the pool is as free as it will ever be, so the head of the queue (or the
+        request mid-chunk) can never run and would block everything behind it.
+        """
+        if self._chunked is not None:
+            r, self._chunked = self._chunked, None
+        else:
+            r = self._queue_order()[0]
+            self._waiting = [w for w in self._waiting if w is not r]
+        self._release(r)
+        self._rids.discard(r.rid)
+        self.num_aborted_requests_total += 1
+        # An idle pool admits an input when input + reservation < pool (§2.4); none when no chunk
+        # holds a whole page.
+        fits = self._total - min(r.max_new - r.n_out, CLIP_MAX_NEW_TOKENS_ESTIMATION)
+        chunk = self.spec.chunked_prefill_size
+        if chunk is not None and chunk < self._page:
+            fits = 0
+        limit = max(0, min(self._max_req_input_len, fits))
+        r.finish_reason = {
+            "type": "abort",
+            "message": f"Input length ({r.n_in} tokens) exceeds the maximum allowed length ({limit} tokens).",
+            "status_code": ABORT_STATUS_CODE,
+            "err_type": "BadRequestError",
+        }
+        return r
 
     def _queue_order(self) -> list[_Req]:
         if self.spec.schedule_policy == "lpm" and len(self._waiting) <= LPM_FALLBACK_QUEUE_LEN and not self.cache.disabled:
@@ -690,9 +754,12 @@ class Engine:
         )
 
     def _check_activations(self, num_tokens: int, num_seqs: int) -> None:
+        """Record the step's activation bytes; raise torch's OOM when they exceed the headroom."""
         act = costmodel.activation_bytes(self.spec.cost, num_tokens, num_seqs)
         if act > self.spec.activation_headroom_bytes:
             raise SimRuntimeOOM(self._oom_message(act))
+        if act > self.peak_activation_bytes:
+            self.peak_activation_bytes = act
 
     def _run_prefill(
         self, now_s: float, batch: list[tuple[_Req, int, int]], cached: int, load_back: int

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
+from tuner.sim.startup import SimLogger, engine_spec, log_startup, plan_from_argv
 
 __all__ = ["EvalResult", "SizedServer", "evaluate", "size_server"]
 
@@ -49,7 +50,11 @@ class SizedServer:
 
 
 def size_server(argv: Sequence[str]) -> SizedServer:
-    """Parse ``argv`` and run the simulator's startup sizing without waiting or serving.
+    """Run the simulator's startup on ``argv`` without waiting or serving.
+
+    The same path as ``python -m tuner.sim``: :func:`~tuner.sim.startup.plan_from_argv` (argv →
+    memory ledger), :func:`~tuner.sim.startup.log_startup` (its log lines, with no delays) and
+    :func:`~tuner.sim.startup.engine_spec` (ledger → engine settings).
 
     Args:
         argv: ``python -m tuner.sim`` arguments (SGLang's flags plus ``--sim-*``).
@@ -61,24 +66,11 @@ def size_server(argv: Sequence[str]) -> SizedServer:
         tuner.sim.errors.SimError: Bad input (unknown GPU preset, unreadable model config, bad value).
         SystemExit: argparse rejected a flag (status 2, as SGLang).
     """
-    from tuner.sim.args import parse_args
-    from tuner.sim.gpus import get_gpu
-    from tuner.sim.memory import plan_memory, resolve_server_config
-    from tuner.sim.models import load_model
-    from tuner.sim.startup import SimLogger, engine_spec, run_startup
-
-    parsed = parse_args(list(argv))
-    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
+    parsed, plan = plan_from_argv(list(argv))
     stream = io.StringIO()
-    log = SimLogger(stream, cfg.tp_size)
-    for warning in cfg.warnings:
-        log.line(warning, None)
-    plan = plan_memory(
-        cfg, foreign_bytes=int(parsed.sim.foreign_gib * _GIB), host_memory_bytes=int(parsed.sim.host_memory_gib * _GIB)
-    )
-    ok = run_startup(plan, log, time_scale=0)
+    up = log_startup(parsed, plan, SimLogger(stream, plan.config.tp_size), time_scale=0)
     lines = stream.getvalue().splitlines()
-    if not ok or plan.failure is not None:
+    if not up or plan.failure is not None:
         kind = plan.failure.kind if plan.failure is not None else "startup"
         return SizedServer(None, kind, lines, plan.max_total_num_tokens, 0.0, plan.max_running_requests)
     return SizedServer(
@@ -102,7 +94,8 @@ class EvalResult:
         max_running_requests: Effective limit.
         free_gib_after_graphs: Free GPU memory after graphs, GiB.
         completed: Requests finished.
-        rejected: Requests refused at admission (too long).
+        rejected: Requests refused as too long (§1.4): at arrival, or aborted by the engine when
+            the pool can never admit them.
         retractions: Requests retracted (§4.4).
         duration_s: Simulated time from the start to the last event (or the ``duration_s`` cut).
         total_output_tokens: Tokens generated (finished or not).
@@ -258,12 +251,10 @@ def _run(
             error = str(exc).splitlines()[0]
             break
         steps += 1
-        if dur == 0.0 and not token_reqs and not finished:
+        if dur == 0.0 and not token_reqs and not finished:  # idle: the engine never stalls (it aborts)
             if not closed and nxt < n:
                 clock.advance_to(pending[nxt].arrival_s)
                 continue
-            if engine.has_work():
-                error = "engine stalled with queued requests it cannot admit"
             break
         clock.sleep(dur)
         t = clock.now_s()
@@ -282,11 +273,14 @@ def _run(
             rec[3] += k
             total_out += k
         for r in finished:
-            rec = timing[r.rid]
+            in_flight -= 1
+            rec = timing.pop(r.rid)
+            if r.finish_reason["type"] == "abort":  # the pool can never admit it (§1.4)
+                rejected += 1
+                continue
             e2es.append(t - rec[0])
             if rec[3] > 1 and rec[1] >= 0:
                 tpots.append((t - rec[1]) / (rec[3] - 1))
-            in_flight -= 1
     end_s = clock.now_s() if duration_s is None else min(duration_s, max(clock.now_s(), last_event_s))
     span = max(end_s, 1e-9)
     stats = engine.stats()

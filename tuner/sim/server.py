@@ -5,7 +5,9 @@ It speaks SGLang's HTTP API (``shared/sglang-reference.md`` §5): health, server
 (§5.5 names, only with ``--enable-metrics``), ``/flush_cache``; plus ``GET /sim/device_memory``,
 the per-GPU ledger that stands in for NVML, and ``GET /sim/step_times``. One asyncio task drives :class:`tuner.sim.engine.Engine`: it runs a step,
 waits its ``duration_s`` of real time, then hands the step's events to the waiting requests; it
-sleeps on an event while idle. A runtime OOM raised by a step prints torch's text and
+sleeps on an event while idle. A request the engine can never admit comes back at once as an
+abort (the engine's stall rule) and is answered with SGLang's 400 error (§1.4, §5.3), so the
+driver never waits on work that cannot run. A runtime OOM raised by a step prints torch's text and
 ``Scheduler hit an exception`` and kills the process (§4.4).
 
 Text prompts are tokenized by a trivial deterministic tokenizer: one token per
@@ -32,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tuner.sim.args import VERSIONS
 from tuner.sim.engine import (
+    ABORT_STATUS_CODE,
     Engine,
     FinishEvent,
     RequestRejected,
@@ -54,7 +57,8 @@ MAX_CATCH_UP_S = 0.05
 """How far behind its timeline the driver may start a step (seconds) to absorb a late wake-up."""
 
 IDLE_POLL_S = 0.002
-"""How long the driver waits when the engine has work it cannot run yet (seconds)."""
+"""How long the driver waits if a step with work left did nothing (seconds); the engine's stall rule
+makes that impossible, so this only bounds the damage of a bug."""
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """``SGLANG_HEALTH_CHECK_TIMEOUT`` (§5.1)."""
@@ -214,8 +218,8 @@ class SimServer:
             else:
                 end = last_real = None
             self._dispatch(result.events)
-            if result.duration_s <= 0 and not result.events:
-                await asyncio.sleep(IDLE_POLL_S)  # work that cannot run yet: do not spin
+            if result.duration_s <= 0:  # an abort, or (never) nothing: let the handlers run
+                await asyncio.sleep(0 if result.events else IDLE_POLL_S)
 
     def _dispatch(self, events: list[TokenEvent | FinishEvent]) -> None:
         if not events:
@@ -346,7 +350,7 @@ class SimServer:
     async def warmup(self) -> None:
         """SGLang's warm-up request (``max_new_tokens=8``), then the ready line (§4.2 line 10)."""
         if not self.skip_warmup:
-            await self._collect(self._submit([0] * 8, 8, True))
+            await self._collect(self._submit([0] * 8, 8, True))  # an abort is ignored, as SGLang logs and goes on
         self.ready = True
         self.log.line("The server is fired up and ready to roll!", None)
 
@@ -458,13 +462,20 @@ class SimServer:
         return web.Response(status=400, text=FLUSH_TEXT)
 
     async def device_memory(self, request: web.Request) -> web.Response:
-        """``/sim/device_memory``: per GPU what NVML would report (MiB)."""
+        """``/sim/device_memory``: per GPU what NVML would report (MiB).
+
+        ``used_mib`` is the startup ledger (weights, KV pool, req_to_token, CUDA graphs, draft,
+        foreign memory); ``peak_used_mib`` adds the largest step's activations since start
+        (:meth:`~tuner.sim.engine.Engine.stats` ``peak_activation_bytes``).
+        """
         gpus = []
+        activations = self.engine.stats()["peak_activation_bytes"]  # every tp rank runs the same steps
         for r in range(self.cfg.tp_size):
             total = self.plan.ranks[r].total
             used = self.plan.used_bytes(r)
             total_mib, used_mib = total // (1 << 20), -(-used // (1 << 20))
-            gpus.append({"index": r, "total_mib": total_mib, "used_mib": used_mib, "peak_used_mib": used_mib,
+            peak_mib = min(total_mib, -(-(used + activations) // (1 << 20)))
+            gpus.append({"index": r, "total_mib": total_mib, "used_mib": used_mib, "peak_used_mib": peak_mib,
                          "free_mib": total_mib - used_mib})
         return web.json_response(gpus)
 
@@ -525,6 +536,9 @@ class SimServer:
                     self._forget(p, False)
                 return self._reject(str(err))
             results = await asyncio.gather(*(self._collect(p) for p in pendings))
+            for upd, _ids in results:
+                if (error := _abort_error(upd)) is not None:
+                    return self._reject(*error)
             return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results)])
         try:
             p = self._submit(self._input_ids(text, ids), max_new, ignore_eos, rid=body.get("rid"))
@@ -532,6 +546,8 @@ class SimServer:
             return self._reject(str(err))
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
+            if (error := _abort_error(upd)) is not None:
+                return self._reject(*error)
             return web.json_response(self._generate_body(p, upd, out_ids))
         args = self.cfg.server_args  # 0.5.5 spells it --stream-output
         incremental = bool(args.get("incremental_streaming_output") or args.get("stream_output"))
@@ -655,6 +671,8 @@ class SimServer:
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
+            if (error := _abort_error(upd)) is not None:
+                return self._reject(*error)
             self._finish_observe(p, upd)
             text = detokenize(out_ids)
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _oai_reason(upd.finish),
@@ -738,9 +756,23 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 
 
 def _oai_reason(finish: FinishEvent | None) -> str | None:
+    """An OpenAI ``finish_reason``: SGLang's finish type (``length``, ``stop`` or ``abort``)."""
     if finish is None:
         return None
-    return "length" if finish.finish_reason.get("type") == "length" else "stop"
+    kind = finish.finish_reason.get("type")
+    return kind if kind in ("length", "abort") else "stop"
+
+
+def _abort_error(upd: _Update) -> tuple[str, int] | None:
+    """``(message, status)`` of a request the scheduler aborted, else None.
+
+    A non-streaming request that ends in a 400 abort is answered with an error, as SGLang's
+    tokenizer manager raises on it (§5.3); a stream gets the abort as its last chunk instead.
+    """
+    message = upd.finish.abort_message if upd.finish is not None else None
+    if message is None:
+        return None
+    return message, int(upd.finish.finish_reason.get("status_code", ABORT_STATUS_CODE))
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -796,7 +828,7 @@ class _SchedulerCollector:
                       s["generation_tokens_total"])
         yield counter("sglang:cached_tokens", "Number of cached prompt tokens.", s["cached_tokens_total"])
         yield counter("sglang:num_requests", "Number of requests processed.", s["num_requests_total"])
-        yield counter("sglang:num_aborted_requests", "Number of requests aborted.", 0)
+        yield counter("sglang:num_aborted_requests", "Number of requests aborted.", s["num_aborted_requests_total"])
         yield counter("sglang:evicted_tokens", "Number of tokens evicted from the radix cache.",
                       s["evicted_tokens_total"])
         yield counter("sglang:load_back_tokens", "Number of tokens loaded back from host memory.",

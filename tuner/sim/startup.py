@@ -37,6 +37,7 @@ __all__ = [
     "plan_from_argv",
     "SimLogger",
     "StartupDelays",
+    "log_startup",
     "run_startup",
     "engine_spec",
     "kill_process_tree",
@@ -386,6 +387,31 @@ def run_startup(
             else:
                 log.line(f"Allocating {host_gb:.2f} GB host memory for hierarchical KV cache.", r)
     return fail is None
+
+
+def log_startup(parsed: ParsedArgs, plan: MemoryPlan, log: SimLogger, *, time_scale: float) -> bool:
+    """Everything the server prints from its command line to the scheduler line (or a failure).
+
+    The ``server_args=ServerArgs(...)`` echo, the config's warnings (flags accepted but not
+    simulated), then :func:`run_startup`. ``python -m tuner.sim`` and
+    :func:`tuner.sim.evaluate.size_server` both start here, so offline sizing prints what the
+    server prints.
+
+    Args:
+        parsed: The parsed command line (from :func:`plan_from_argv`).
+        plan: Its memory ledger (from :func:`plan_from_argv`).
+        log: Where lines go.
+        time_scale: Multiplier on the realistic stage delays (0: no waiting).
+
+    Returns:
+        True when the engine is up; False after a failure's lines (see :func:`run_startup`).
+    """
+    cfg = plan.config
+    args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
+    log.line(f"server_args=ServerArgs({args_repr})", None)
+    for warning in cfg.warnings:
+        log.line(warning, None)
+    return run_startup(plan, log, time_scale=time_scale)
 
 
 def _final_free(plan: MemoryPlan, rank: int) -> int:
