@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import re
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
+import aiohttp
+import psutil
 import pytest
 import requests
-from _simproc import SimProcess, spawn, wait_ready
+from _simproc import SimProcess, free_port, spawn, wait_ready
+from aiohttp import web
+
+from tuner.sim.costmodel import activation_bytes
+from tuner.sim.engine import Engine
+from tuner.sim.server import SimServer
+from tuner.sim.startup import SimLogger, engine_spec, plan_from_argv
 
 TIMEOUT_S = 30
 
@@ -153,6 +164,89 @@ def test_device_memory_ledger(sim: SimProcess) -> None:
     assert g["total_mib"] == 81559 and g["used_mib"] + g["free_mib"] == 81559 and g["peak_used_mib"] >= g["used_mib"]
     free = float(re.search(r"available_gpu_mem=([\d.]+) GB", sim.log()).group(1))
     assert g["free_mib"] / 1024 == pytest.approx(free, abs=0.01)
+
+
+def test_peak_memory_includes_the_largest_step_activations(sim: SimProcess) -> None:
+    """``peak_used_mib`` = the ledger + the largest step's activations so far (here a 6,000-token
+    prefill, larger than any other step of this module's server)."""
+    body = {"input_ids": list(range(1000, 7000)), "sampling_params": {"max_new_tokens": 1}}
+    assert requests.post(f"{sim.url}/generate", json=body, timeout=TIMEOUT_S).status_code == 200
+    g = requests.get(f"{sim.url}/sim/device_memory", timeout=TIMEOUT_S).json()[0]
+    plan = plan_from_argv(["--model-path", "llama-3.1-8b", "--mem-fraction-static", "0.85"])[1]
+    expected_mib = (plan.used_bytes(0) + activation_bytes(engine_spec(plan).cost, 6000, 1)) / (1 << 20)
+    assert g["peak_used_mib"] == pytest.approx(expected_mib, abs=1) and g["peak_used_mib"] > g["used_mib"] + 100
+
+
+def test_too_long_input_gets_sglang_error_at_once_and_the_server_stays_idle(tmp_path) -> None:
+    """An input longer than the pool allows (§1.4) is refused with SGLang's text on every endpoint,
+    promptly, and the process then uses (almost) no CPU: nothing is left spinning on it."""
+    proc = spawn(["--model-path", "llama-3.1-8b", "--max-total-tokens", "4096"], tmp_path)
+    try:
+        wait_ready(proc)
+        # max_req_len = min(context_len - 1, 4096 - 1) = 4095; max_req_input_len = 4090
+        text = "Input length (5000 tokens) exceeds the maximum allowed length (4090 tokens)."
+        ids = list(range(5000))
+        start = time.monotonic()
+        for path, body in (("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 8}}),
+                           ("/generate", {"input_ids": ids, "stream": True}),
+                           ("/v1/completions", {"prompt": ids, "max_tokens": 8, "stream": True})):
+            resp = requests.post(f"{proc.url}{path}", json=body, timeout=TIMEOUT_S)
+            assert resp.status_code == 400 and resp.json()["message"] == text, (path, resp.text)
+        assert time.monotonic() - start < TIMEOUT_S
+        ps = psutil.Process(proc.proc.pid)
+        before = sum(ps.cpu_times()[:2])
+        time.sleep(2.0)
+        assert sum(ps.cpu_times()[:2]) - before < 0.3  # a spinning driver burns ~1-2 s of CPU here
+        ok = requests.post(f"{proc.url}/generate", json={"input_ids": ids[:4000], "sampling_params":
+                                                         {"max_new_tokens": 500, "ignore_eos": True}}, timeout=TIMEOUT_S)
+        assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 4095 - 4000 - 1
+    finally:
+        proc.stop()
+
+
+def test_a_request_the_engine_can_never_admit_is_aborted_with_an_error() -> None:
+    """The server's side of the engine's stall rule, over real HTTP in this process: the request is
+    answered at once (400, or an abort as the stream's last chunk) and the driver goes idle.
+
+    No command line reaches the rule (SGLang's args refuse a chunk that holds no page), so the
+    engine gets such a chunk directly."""
+    plan = plan_from_argv(["--model-path", "llama-3.1-8b", "--page-size", "64", "--enable-metrics"])[1]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> float:
+        server = SimServer(plan, SimLogger(io.StringIO(), 1), skip_warmup=True)
+        server.engine = Engine(replace(server.engine.spec, chunked_prefill_size=32))
+        runner = web.AppRunner(server.app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        driver = asyncio.create_task(server.drive())
+        try:
+            await server.warmup()
+            text = "Input length (100 tokens) exceeds the maximum allowed length (0 tokens)."
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
+                body = {"input_ids": list(range(100)), "sampling_params": {"max_new_tokens": 8}}
+                async with http.post(f"{url}/generate", json=body) as resp:
+                    assert resp.status == 400 and (await resp.json())["message"] == text
+                async with http.post(f"{url}/v1/completions", json={"prompt": list(range(100))}) as resp:
+                    assert resp.status == 400 and (await resp.json())["message"] == text
+                async with http.post(f"{url}/generate", json={**body, "stream": True}) as resp:
+                    chunks = [line[6:] for line in (await resp.text()).splitlines() if line.startswith("data: ")]
+                assert chunks[-1] == "[DONE]"
+                reason = json.loads(chunks[-2])["meta_info"]["finish_reason"]
+                assert reason == {"type": "abort", "message": text, "status_code": 400, "err_type": "BadRequestError"}
+                async with http.get(f"{url}/metrics") as resp:
+                    metrics = await resp.text()
+            assert re.search(r'^sglang:num_aborted_requests_total\{model_name="llama-3.1-8b"\} 3\.0$', metrics, re.M)
+            assert not server.engine.has_work()
+            cpu = time.process_time()
+            await asyncio.sleep(1.0)
+            return time.process_time() - cpu
+        finally:
+            driver.cancel()
+            await runner.cleanup()
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=2 * TIMEOUT_S)) < 0.2
 
 
 def test_version_differences(tmp_path) -> None:
