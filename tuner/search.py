@@ -386,6 +386,7 @@ class Planner:
         self.peak_safety = peak_safety
         self.margin_gib = margin_gib
         self.longest_input_tokens = longest_input_tokens or context_tokens
+        self._slot_cost_gib = 0.0
 
     # -- calibration ---------------------------------------------------------------------------
 
@@ -414,6 +415,7 @@ class Planner:
                     capacity=record.context_capacity or 0,
                 )
             )
+        self._learn_slot_cost(points)
         return points
 
     @staticmethod
@@ -483,14 +485,40 @@ class Planner:
         return max(need, 0.05)
 
     def _predict(self, ref: _Point, mfs: float, mrr: int, family: tuple[tuple[str, Any], ...]) -> tuple[int, float]:
-        """Predicted ``(max_total_num_tokens, free GiB after graphs)`` (§1.2, §1.6, §8)."""
+        """Predicted ``(max_total_num_tokens, free GiB after graphs)`` (§1.2, §1.6, §8).
+
+        More request slots than the calibration point also cost what the memory model cannot
+        see (CUDA graphs are captured up to the request count, §2.1): the per-slot cost learned
+        from measured pairs (:meth:`_slot_gib`) is charged for them.
+        """
         graph_bs = dict(family).get("cuda_graph_max_bs")
         tokens = ref.model.tokens(mfs, page_size=ref.page_size)
         free = ref.model.headroom_gib(
             mfs, max_running_requests=mrr, context_len=ref.context_len,
             cuda_graph_max_bs=int(graph_bs) if graph_bs else None,
         )
+        extra = mrr - int(ref.params["max_running_requests"])
+        if extra > 0:
+            free -= extra * self._slot_cost_gib
         return tokens, free
+
+    def _learn_slot_cost(self, points: Sequence[_Point]) -> None:
+        """GiB per extra request slot beyond the req_to_token table, from pairs of measured configs
+        of one family (the largest seen; 0 without such pairs)."""
+        cost = 0.0
+        for a in points:
+            for b in points:
+                ma, mb = int(a.params["max_running_requests"]), int(b.params["max_running_requests"])
+                if _family(a.params) != _family(b.params) or mb <= ma:
+                    continue
+                fa = a.model.observed_free_after_graphs_gib
+                fb = b.model.observed_free_after_graphs_gib
+                if fa is None or fb is None:
+                    continue
+                self._slot_cost_gib = 0.0
+                _, predicted = self._predict(a, b.params["mem_fraction_static"], mb, _family(b.params))
+                cost = max(cost, (predicted - fb) / (mb - ma))
+        self._slot_cost_gib = cost
 
     # -- proposals -----------------------------------------------------------------------------
 
@@ -636,6 +664,13 @@ class Planner:
             return (
                 f"predicted context capacity {capacity} (model calibrated on trial {ref.number}) is below "
                 f"{capacity_floor}, the least that can still matter for best; not launched",
+                ref.number,
+            )
+        measured = [int(p.params["max_running_requests"]) for p in points if _family(p.params) == family]
+        if measured and mrr > 2 * max(measured):
+            return (
+                f"max_running_requests={mrr} is more than twice any measured config of these knobs "
+                f"({max(measured)}); its CUDA graphs and request table are not calibrated; not launched",
                 ref.number,
             )
         prefill = self._effective_prefill(dict(family).get("chunked_prefill_size", 1))
