@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 import requests
 
-from tuner.load import LiveStats, RandomSpec, SharedPrefixSpec, build_workload, designed_hit_rate, run_load_sync
+from tuner.load import (
+    LiveStats,
+    MultiTurnSpec,
+    RandomSpec,
+    SharedPrefixSpec,
+    build_workload,
+    designed_hit_rate,
+    run_load_sync,
+)
 
 
 class Sim:
@@ -80,6 +88,15 @@ def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: Sim) -> None:
                            concurrency=8)
     assert random.summary.completed == 48
     assert random.summary.cache_hit_rate is not None and random.summary.cache_hit_rate < 0.02
+
+
+def test_multi_turn_hit_rate_matches_its_design(sim: Sim) -> None:
+    _flush(sim.url)
+    spec = MultiTurnSpec(num_sessions=8, turns=4, first_input_len=1024, turn_input_len=128, output_len=16)
+    wl = build_workload(spec, seed=5)
+    result = run_load_sync(sim.url, wl, concurrency=8)
+    assert result.summary.completed == 32
+    assert result.summary.cache_hit_rate == pytest.approx(wl.designed_hit_rate, abs=0.03)  # 3504/4960
 
 
 @pytest.mark.parametrize("transport", ["raw", "aiohttp"])

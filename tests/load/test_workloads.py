@@ -77,6 +77,7 @@ def test_multi_turn_history_grows_and_waits_for_the_previous_turn() -> None:
     assert t1.input_ids[:50] == t0.input_ids and t2.input_ids[:65] == t1.input_ids
     assert t0.after is None and t1.after == t0.rid and t2.after == t1.rid
     assert wl.context_tokens == 85
+    assert wl.designed_hit_rate == pytest.approx((50 + 65) / (50 + 65 + 80))
 
 
 def test_trace_replay_groups_sessions_and_time_scale(tmp_path: Path) -> None:

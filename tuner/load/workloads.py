@@ -290,11 +290,14 @@ def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
                     after=f"multi_turn-{index}-s{s}-t{turn - 1}" if turn > 0 else None,
                 )
 
-    last_input = spec.first_input_len + (spec.turns - 1) * (spec.output_len + spec.turn_input_len)
+    step = spec.output_len + spec.turn_input_len
+    inputs = [spec.first_input_len + k * step for k in range(spec.turns)]
+    # Turn k can hit turn k-1's prompt (the server's own answer differs from the synthetic one).
+    reuse = sum(inputs[:-1]) / sum(inputs)
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
-        context_tokens=last_input + spec.output_len, num_requests=spec.num_sessions * spec.turns,
-        repeatable=True, has_dependencies=spec.turns > 1,
+        context_tokens=inputs[-1] + spec.output_len, num_requests=spec.num_sessions * spec.turns,
+        repeatable=True, has_dependencies=spec.turns > 1, designed_hit_rate=reuse,
     )
 
 
