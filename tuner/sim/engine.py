@@ -70,6 +70,7 @@ __all__ = [
     "StepResult",
     "SimRuntimeOOM",
     "RequestRejected",
+    "torch_oom_text",
 ]
 
 CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
@@ -98,6 +99,33 @@ class SimRuntimeOOM(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+def torch_oom_text(tried_bytes: float, rank: int, total_bytes: int, free_bytes: float, used_by_process: float) -> str:
+    """torch's ``CUDA out of memory`` exception text (§4.4), as ``torch.OutOfMemoryError`` prints it.
+
+    Used for every simulated OOM: a runtime step here, and weight load, KV pool and CUDA-graph
+    capture at startup (:mod:`tuner.sim.startup`).
+
+    Args:
+        tried_bytes: The allocation that failed, bytes.
+        rank: The GPU index.
+        total_bytes: The GPU's capacity, bytes.
+        free_bytes: What was free, bytes (negative reads as 0).
+        used_by_process: What this process holds, bytes.
+    """
+    gib, mib = float(1 << 30), float(1 << 20)
+    free_bytes = max(0.0, free_bytes)
+    tried = f"{tried_bytes / gib:.2f} GiB" if tried_bytes >= gib else f"{tried_bytes / mib:.2f} MiB"
+    return (
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried}. GPU {rank} has a total "
+        f"capacity of {total_bytes / gib:.2f} GiB of which {free_bytes / mib:.2f} MiB is free. Including "
+        f"non-PyTorch memory, this process has {used_by_process / gib:.2f} GiB memory in use. Of the "
+        f"allocated memory {max(used_by_process - 0.5 * gib, 0) / gib:.2f} GiB is allocated by PyTorch, and "
+        "20.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
+        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+        "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
 
 
 class RequestRejected(ValueError):
@@ -736,28 +764,13 @@ class Engine:
             return None
         return batch, cached, load_back
 
-    def _oom_message(self, act_bytes: int) -> str:
-        c = self.spec.cost
-        gib = float(1 << 30)
-        total = c.gpu_memory_bytes
-        free = max(0, self.spec.activation_headroom_bytes)
-        in_use = max(0, total - free)
-        return (
-            "torch.OutOfMemoryError: CUDA out of memory. "
-            f"Tried to allocate {act_bytes / gib:.2f} GiB. GPU 0 has a total capacity of {total / gib:.2f} GiB "
-            f"of which {free / gib:.2f} GiB is free. Including non-PyTorch memory, this process has "
-            f"{in_use / gib:.2f} GiB memory in use. Of the allocated memory {in_use * 0.97 / gib:.2f} GiB is "
-            f"allocated by PyTorch, and {in_use * 0.03 / gib:.2f} GiB is reserved by PyTorch but unallocated. "
-            "If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
-            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-        )
-
     def _check_activations(self, num_tokens: int, num_seqs: int) -> None:
         """Record the step's activation bytes; raise torch's OOM when they exceed the headroom."""
         act = costmodel.activation_bytes(self.spec.cost, num_tokens, num_seqs)
-        if act > self.spec.activation_headroom_bytes:
-            raise SimRuntimeOOM(self._oom_message(act))
+        headroom = self.spec.activation_headroom_bytes
+        if act > headroom:
+            total = self.spec.cost.gpu_memory_bytes
+            raise SimRuntimeOOM(torch_oom_text(act, 0, total, headroom, max(0, total - max(0, headroom))))
         if act > self.peak_activation_bytes:
             self.peak_activation_bytes = act
 

@@ -21,7 +21,7 @@ from typing import TextIO
 
 from tuner.sim.args import ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
-from tuner.sim.engine import EngineSpec
+from tuner.sim.engine import EngineSpec, torch_oom_text
 from tuner.sim.gpus import get_gpu
 from tuner.sim.memory import (
     TORCH_DTYPE_NAMES,
@@ -41,11 +41,9 @@ __all__ = [
     "run_startup",
     "engine_spec",
     "kill_process_tree",
-    "torch_oom_text",
     "graph_failed_text",
 ]
 
-MIB_F = float(1 << 20)
 
 PREFILL_GRAPH_CAPTURE_S = 5.0
 """Realistic time to capture the piecewise / prefill graphs, seconds (simulator's)."""
@@ -129,21 +127,6 @@ class StartupDelays:
 
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
-
-
-def torch_oom_text(tried_bytes: float, rank: int, total_bytes: int, free_bytes: float, used_by_process: float) -> str:
-    """torch's ``CUDA out of memory`` exception text (§4.4), as ``torch.OutOfMemoryError`` prints it."""
-    free_bytes = max(0.0, free_bytes)
-    tried = f"{tried_bytes / GIB:.2f} GiB" if tried_bytes >= GIB else f"{tried_bytes / MIB_F:.2f} MiB"
-    return (
-        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried}. GPU {rank} has a total "
-        f"capacity of {total_bytes / GIB:.2f} GiB of which {free_bytes / MIB_F:.2f} MiB is free. Including "
-        f"non-PyTorch memory, this process has {used_by_process / GIB:.2f} GiB memory in use. Of the "
-        f"allocated memory {max(used_by_process - 0.5 * GIB, 0) / GIB:.2f} GiB is allocated by PyTorch, and "
-        "20.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
-        "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
-        "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-    )
 
 
 def graph_failed_text(version: str, oom: str) -> str:
