@@ -60,6 +60,8 @@ from tuner.sim import costmodel
 from tuner.sim.cache import PrefixCache
 from tuner.sim.clock import Clock
 from tuner.sim.costmodel import CostInputs, StepShape
+from tuner.sim.gpus import MIB
+from tuner.sim.models import GIB
 
 __all__ = [
     "EngineSpec",
@@ -114,14 +116,13 @@ def torch_oom_text(tried_bytes: float, rank: int, total_bytes: int, free_bytes: 
         free_bytes: What was free, bytes (negative reads as 0).
         used_by_process: What this process holds, bytes.
     """
-    gib, mib = float(1 << 30), float(1 << 20)
     free_bytes = max(0.0, free_bytes)
-    tried = f"{tried_bytes / gib:.2f} GiB" if tried_bytes >= gib else f"{tried_bytes / mib:.2f} MiB"
+    tried = f"{tried_bytes / GIB:.2f} GiB" if tried_bytes >= GIB else f"{tried_bytes / MIB:.2f} MiB"
     return (
         f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried}. GPU {rank} has a total "
-        f"capacity of {total_bytes / gib:.2f} GiB of which {free_bytes / mib:.2f} MiB is free. Including "
-        f"non-PyTorch memory, this process has {used_by_process / gib:.2f} GiB memory in use. Of the "
-        f"allocated memory {max(used_by_process - 0.5 * gib, 0) / gib:.2f} GiB is allocated by PyTorch, and "
+        f"capacity of {total_bytes / GIB:.2f} GiB of which {free_bytes / MIB:.2f} MiB is free. Including "
+        f"non-PyTorch memory, this process has {used_by_process / GIB:.2f} GiB memory in use. Of the "
+        f"allocated memory {max(used_by_process - 0.5 * GIB, 0) / GIB:.2f} GiB is allocated by PyTorch, and "
         "20.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try "
         "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
         "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"

@@ -21,11 +21,10 @@ from typing import Sequence
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
+from tuner.sim.models import GIB
 from tuner.sim.startup import SimLogger, engine_spec, log_startup, plan_from_argv
 
 __all__ = ["EvalResult", "SizedServer", "evaluate", "size_server"]
-
-_GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def size_server(argv: Sequence[str]) -> SizedServer:
         return SizedServer(None, kind, lines, plan.max_total_num_tokens, 0.0, plan.max_running_requests)
     return SizedServer(
         engine_spec(plan, parsed.sim.seed), None, lines, plan.max_total_num_tokens,
-        plan.available_bytes / _GIB, plan.max_running_requests,
+        plan.available_bytes / GIB, plan.max_running_requests,
     )
 
 

@@ -42,6 +42,7 @@ from tuner.sim.engine import (
     SimRuntimeOOM,
     TokenEvent,
 )
+from tuner.sim.gpus import MIB
 from tuner.sim.memory import MemoryPlan
 from tuner.sim.models import GIB
 from tuner.sim.startup import SimLogger, engine_spec, kill_process_tree
@@ -473,8 +474,8 @@ class SimServer:
         for r in range(self.cfg.tp_size):
             total = self.plan.ranks[r].total
             used = self.plan.used_bytes(r)
-            total_mib, used_mib = total // (1 << 20), -(-used // (1 << 20))
-            peak_mib = min(total_mib, -(-(used + activations) // (1 << 20)))
+            total_mib, used_mib = total // MIB, -(-used // MIB)
+            peak_mib = min(total_mib, -(-(used + activations) // MIB))
             gpus.append({"index": r, "total_mib": total_mib, "used_mib": used_mib, "peak_used_mib": peak_mib,
                          "free_mib": total_mib - used_mib})
         return web.json_response(gpus)
