@@ -351,7 +351,7 @@ class SimServer:
     async def warmup(self) -> None:
         """SGLang's warm-up request (``max_new_tokens=8``), then the ready line (§4.2 line 10)."""
         if not self.skip_warmup:
-            await self._collect(self._submit([0] * 8, 8, True))  # an abort is ignored, as SGLang logs and goes on
+            await self._collect(self._submit([0] * 8, 8, True))
         self.ready = True
         self.log.line("The server is fired up and ready to roll!", None)
 
