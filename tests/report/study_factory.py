@@ -86,7 +86,7 @@ def make_study(db: Path, name: str, trials: list[dict[str, Any]], *, policy: dic
         environment={"sglang_version": "0.5.5", "gpu_name": "H100-80GB", "model": "llama-3.1-8b"},
         target={"launcher": "process", "command": "python -m tuner.sim", "url": "http://127.0.0.1:30000"},
         baseline_argv=["python", "-m", "tuner.sim", "--mem-fraction-static", "0.8"],
-        policy=policy or {"name": "capacity_then_throughput", "capacity_tolerance": 0.05},
+        policy=policy or {"name": "capacity_then_throughput", "capacity_tolerance": 0.10},
         context_tokens=8192,
     ).model_copy(update=info or {})
     study.set_user_attr(STUDY_ATTR, info.model_dump(mode="json"))
