@@ -10,6 +10,12 @@ import sys
 
 import typer
 from rich.console import Console
+from typer import Abort
+
+try:  # typer >= 0.22 vendors click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover - older typer depends on click itself
+    from click.exceptions import ClickException, NoArgsIsHelpError
 from rich.markup import escape
 
 from tuner.errors import TunerError
@@ -25,13 +31,16 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts name TOML sections like [study]: print them literally
 )
 console = Console()
 err_console = Console(stderr=True)
 
 # ---- sim (issue: simulated SGLang server) -------------------------------------------------
 
-sim_app = typer.Typer(help="The simulated SGLang server (no GPU needed).", no_args_is_help=True)
+sim_app = typer.Typer(
+    help="The simulated SGLang server (no GPU needed).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(sim_app, name="sim")
 
 
@@ -698,15 +707,31 @@ def applies_cmd(
 
 
 def main() -> None:
-    """Entry point of the ``tuner`` script: run the app, turn TunerError into one line."""
+    """Entry point of the ``tuner`` script.
+
+    Turns every user error into one line on stderr: a :class:`TunerError` exits 1, a command-line
+    usage error (unknown option, bad value) exits 2 as click does, Ctrl-C exits 130.
+    """
     try:
-        app()
+        rc = app(standalone_mode=False)
     except TunerError as err:
         err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
+    except NoArgsIsHelpError as err:  # `tuner` or `tuner sim` alone: the help, as asked for
+        console.print(err.format_message(), markup=False, highlight=False)
+        sys.exit(0)
+    except ClickException as err:
+        command = err.ctx.command_path if getattr(err, "ctx", None) is not None else "tuner"
+        err_console.print(
+            f"[bold red]error:[/] {escape(err.format_message())} — see `{escape(command)} --help`",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(err.exit_code)
+    except (KeyboardInterrupt, Abort):
         err_console.print("interrupted")
         sys.exit(130)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":
