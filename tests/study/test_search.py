@@ -45,3 +45,28 @@ def test_planner_reaches_the_reference_frontier_without_waste() -> None:
         assert not must_fail(record.params, failures)[0]
         if record.outcome == "failed" and record.failure_class is not None:
             failures.append((record.params, record.failure_class))
+
+
+def test_hierarchical_cache_knobs_are_conditional_and_render_for_the_version() -> None:
+    import optuna
+
+    from tuner.sglang.flags import FlagTable
+    from tuner.trial import render_argv
+
+    space = resolve_space(SpaceSection(hierarchical_cache=True, hicache_write_policy=["write_through", "write_back"]),
+                          {"mem_fraction_static": 0.85, "max_running_requests": 64, "chunked_prefill_size": 4096})
+    study = optuna.create_study(directions=["maximize", "maximize"], sampler=optuna.samplers.RandomSampler(seed=1))
+    seen = {True: 0, False: 0}
+    table = FlagTable.for_version("0.5.5.post3")
+    base = ["python", "-m", "sglang.launch_server", "--model-path", "m", "--enable-hierarchical-cache",
+            "--hicache-ratio", "3"]
+    for _ in range(12):
+        trial = study.ask()
+        params = space.suggest(trial)
+        on = params["enable_hierarchical_cache"]
+        seen[on] += 1
+        assert ("hicache_ratio" in params) == on and ("hicache_write_policy" in params) == on
+        argv = render_argv(base, params, table)
+        assert ("--enable-hierarchical-cache" in argv) == on and ("--hicache-ratio" in argv) == on
+        study.tell(trial, [1.0, 1.0])
+    assert seen[True] and seen[False]
