@@ -111,3 +111,9 @@ def test_cli_missing_unit_is_one_line_and_touches_nothing(tmp_path: Path) -> Non
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "studies").exists()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.study.name and cfg.service.url.startswith("http://127.0.0.1:")
