@@ -22,7 +22,7 @@ import optuna
 import sqlalchemy
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from tuner import study as study_module
 from tuner.config import ObjectiveSection, load_config
@@ -197,14 +197,14 @@ def check_storage(storage_url: str) -> None:
                 f"storage {storage_url} does not exist (no file {database or '(none)'})",
                 hint="check --storage/--study, or run `tuner run` first to create the study",
             )
-    engine = sqlalchemy.create_engine(url)
+    engine = _engine(storage_url, url)
     try:
         with engine.connect() as conn:
             has_studies = sqlalchemy.inspect(conn).has_table("studies")
     except SQLAlchemyError as err:
         raise StudyError(
-            f"storage {storage_url} cannot be read: {str(err).splitlines()[0]}",
-            hint="check the URL, the database server and its credentials",
+            f"storage {storage_url} cannot be read: {_first_line(err)}",
+            hint="check the URL, that the database server is up, and its credentials",
         ) from err
     finally:
         engine.dispose()
@@ -213,6 +213,33 @@ def check_storage(storage_url: str) -> None:
             f"storage {storage_url} holds no Optuna study",
             hint="point --storage at the database `tuner run` wrote",
         )
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's text (SQLAlchemy appends SQL and a link on more lines)."""
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
+    """A SQLAlchemy engine for ``url``, mapping an unknown dialect or a missing driver.
+
+    Raises:
+        StudyError: The URL's dialect is unknown to SQLAlchemy, or its DBAPI driver (``psycopg``,
+            ``pymysql``, ...) is not installed.
+    """
+    try:
+        return sqlalchemy.create_engine(url)
+    except NoSuchModuleError as err:
+        raise StudyError(
+            f"storage URL {storage_url} names an unknown database kind {url.drivername!r}",
+            hint="check the URL, e.g. --storage sqlite:///studies/demo.db or postgresql+psycopg://...",
+        ) from err
+    except ImportError as err:
+        driver = err.name or _first_line(err)
+        raise StudyError(
+            f"storage {storage_url} needs the database driver {driver!r}, which is not installed",
+            hint=f"install it into the tuner's Python (pip install {driver}), or check the URL",
+        ) from err
 
 
 def _rdb_storage(storage_url: str) -> optuna.storages.RDBStorage:

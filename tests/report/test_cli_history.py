@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 from pathlib import Path
@@ -72,3 +73,17 @@ def test_bad_input_one_line_nonzero_nothing_changed(demo_study: str, infeasible_
     monkeypatch.chdir(tmp_path)
     _one_error_line(tuner_cli("trials"), "no study given")
     assert db.read_bytes() == before
+
+
+def test_unusable_storage_url_is_one_line_for_every_reader(tuner_cli) -> None:
+    """A missing DBAPI driver or an unknown dialect names the URL and the fix, never a traceback."""
+    readers = [["trials"], ["show", "0"], ["best"], ["studies"], ["report"], ["dashboard", "--port", "1"],
+               ["apply", "best", "--dry-run"], ["applies"]]
+    postgres = "postgresql+psycopg://u:p@127.0.0.1:1/db"  # port 1: nothing listens (connection refused)
+    if importlib.util.find_spec("psycopg") is None:
+        refused = ("'psycopg'", "not installed", "pip install psycopg")
+    else:
+        refused = (postgres, "cannot be read", "database server is up")
+    for url, needles in ((postgres, refused), ("bogus://x", ("bogus://x", "unknown database kind", "check the URL"))):
+        for args in readers:
+            _one_error_line(tuner_cli(*args, "--storage", url), *needles)
