@@ -55,13 +55,14 @@ class StudySection(_Section):
         seed: Sampler seed (the same config and seed replay the same candidates).
         sampler: ``tpe`` (multi-objective TPE with constraints, the default), ``nsga2`` or
             ``random`` (for comparison).
-        predicted_candidates: How many memory-model candidates are enqueued after the baseline.
+        predicted_candidates: How many memory-model candidates the planner may propose in a study
+            (0: the sampler alone after the baseline).
     """
 
     name: str = "tuner"
     seed: int = 0
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
-    predicted_candidates: int = Field(default=3, ge=0, le=20)
+    predicted_candidates: int = Field(default=20, ge=0, le=200)
 
     @field_validator("name")
     @classmethod

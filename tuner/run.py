@@ -386,7 +386,8 @@ def run_study(
         tried = {_key(space.snap(r.params)) for _, r in done if r.params}
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         tried |= {_key(space.snap(t.params)) for t in waiting}
-        if not waiting and use_planner:
+        predicted = sum(1 for _, r in done if r.kind == "predicted")
+        if not waiting and use_planner and predicted < config.study.predicted_candidates:
             candidate = planner.next(done, tried)
             if candidate is not None:
                 study.enqueue_trial(
