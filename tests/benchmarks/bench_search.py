@@ -76,24 +76,48 @@ def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig) -> TrialReco
     return choice.record if choice else None
 
 
-def _grid_values(cfg: TunerConfig, space: Space, context_tokens: int) -> list[dict]:
-    """Every grid fraction × chunk size × max_running_requests in powers of two, plus, per
-    fraction, the request count that exactly matches its token capacity (what frees the most
-    req_to_token memory, §1.6)."""
+def _exhaustive_grid(cfg: TunerConfig, space: Space, context_tokens: int) -> list[tuple[int, TrialRecord]]:
+    """Every grid fraction × chunk size, with every ``max_running_requests`` that can matter.
+
+    Context capacity is ``min(max_running_requests, tokens // context)``, so per (fraction, chunk)
+    the values that matter are 1..tight (``tight`` = the token-matched count) and the powers of two
+    above it (throughput of shorter requests). Powers of two and ``tight`` are evaluated; between
+    the largest feasible one and the next infeasible one (the SLO binds on concurrency), every
+    integer is found by bisection (feasibility is monotone there: more requests in flight, longer
+    latencies, more activation memory).
+    """
     from tuner.sim.evaluate import size_server
     from tuner.trial import render_argv
 
     runner = OfflineRunner(cfg)
     lo, hi = space.max_running_requests
     powers = {lo, hi, *(2**k for k in range(0, 13) if lo <= 2**k <= hi)}
-    out = []
+    count = 0
+
+    def run(params: dict) -> TrialRecord:
+        nonlocal count
+        count += 1
+        return runner.run(TrialJob(number=count, kind="sampled", params=params, context_tokens=context_tokens),
+                          lambda _p: None)
+
     for mfs, cps in itertools.product(space.fractions(), space.chunked_prefill_size):
-        argv = render_argv(runner.sim_argv, {"mem_fraction_static": mfs, "chunked_prefill_size": cps,
-                                             "max_running_requests": hi}, runner.table)
+        base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps}
+        argv = render_argv(runner.sim_argv, {**base, "max_running_requests": hi}, runner.table)
         tight = size_server(argv).max_total_num_tokens // context_tokens
-        for mrr in sorted(powers | ({tight} if lo <= tight <= hi else set())):
-            out.append({"mem_fraction_static": mfs, "max_running_requests": mrr, "chunked_prefill_size": cps})
-    return out
+        values = sorted(powers | ({tight} if lo <= tight <= hi else set()))
+        results = {m: run({**base, "max_running_requests": m}) for m in values}
+        feasible = [m for m in values if results[m].feasible and m <= max(tight, lo)]
+        if not feasible:
+            continue
+        good = max(feasible)
+        bad = min((m for m in values if m > good and m <= max(tight, lo)), default=None)
+        while bad is not None and bad - good > 1:
+            mid = (good + bad) // 2
+            if run({**base, "max_running_requests": mid}).feasible:
+                good = mid
+            else:
+                bad = mid
+    return runner.history
 
 
 def _evaluate_all(cfg: TunerConfig, params_list: list[dict], context_tokens: int) -> list[tuple[int, TrialRecord]]:
@@ -106,12 +130,8 @@ def _evaluate_all(cfg: TunerConfig, params_list: list[dict], context_tokens: int
 def _strategy(cfg: TunerConfig, *, planner: bool, sampler: str, launches: int) -> OfflineRunner:
     cfg = cfg.model_copy(update={"study": cfg.study.model_copy(update={"sampler": sampler})})
     runner = OfflineRunner(cfg)
-    # Trials include skips (no launch); stop once the launch count is reached.
-    for _ in range(8):
-        if runner.launches >= launches:
-            break
-        run_study(cfg, runner, max_trials=launches * 4, storage_url=":memory:", use_planner=planner)
-        break
+    # Trials include skips (no launch): allow enough trials for ``launches`` launches.
+    run_study(cfg, runner, max_trials=launches * 4, storage_url=":memory:", use_planner=planner)
     return runner
 
 
@@ -151,7 +171,7 @@ def test_search_quality(name: str) -> None:
     from tuner.run import _resolve  # the study's own resolution
 
     space = _resolve(cfg, baseline, tuner.environment(), context_tokens)
-    grid = _evaluate_all(cfg, _grid_values(cfg, space, context_tokens), context_tokens)
+    grid = _exhaustive_grid(cfg, space, context_tokens)
     optimum = _best(grid, cfg)
     assert optimum is not None, "the grid found no feasible config"
     random_hist = _launched(_strategy(cfg, planner=False, sampler="random", launches=max(CHECKPOINTS)))
