@@ -8,12 +8,16 @@ from a log or a server is escaped with :func:`html.escape` before it reaches the
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import html
 import io
 import json
 import logging
+import os
+import signal
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
@@ -25,7 +29,8 @@ import optuna
 import plotly.graph_objects as go
 import plotly.offline
 from rich import box
-from rich.console import Group
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -50,6 +55,10 @@ __all__ = [
     "trial_json",
     "studies_rows",
     "dashboard_argv",
+    "serve_dashboard",
+    "applies_table",
+    "apply_result",
+    "print_fitted",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,6 +71,9 @@ KEY_PARAMS = (
     "hicache_ratio",
 )
 """Parameters shown first in tables, by SGLang field name; others follow alphabetically."""
+
+PIPE_MAX_WIDTH = 400
+"""Widest output (columns) :func:`print_fitted` renders for a pipe; wider cells fold."""
 
 _TABLE_METRICS = (
     "context_capacity",
@@ -82,6 +94,23 @@ _PHASE_METRICS = (
     ("slo_attainment", "SLO attain."),
     ("error_rate", "error rate"),
 )
+
+
+def print_fitted(renderable: RenderableType, *, markup: bool = True) -> None:
+    """Print to stdout: on a terminal (or with ``COLUMNS`` set) at its width; otherwise (a pipe, a
+    CI log) at the width the content needs, up to :data:`PIPE_MAX_WIDTH` columns, so that tables
+    are neither truncated (``210…``) nor wrapped mid-word at rich's default of 80 columns.
+
+    Args:
+        renderable: A rich renderable or a string.
+        markup: Whether a string is read as rich markup.
+    """
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        options = console.options.update(max_width=PIPE_MAX_WIDTH)
+        needed = Measurement.get(console, options, renderable).maximum
+        console = Console(width=max(console.width, min(needed, PIPE_MAX_WIDTH)))
+    console.print(renderable, markup=markup)
 
 
 def key_params(trials: Iterable[TrialView]) -> list[str]:
@@ -406,6 +435,40 @@ def dashboard_argv(storage_url: str, *, host: str, port: int) -> list[str]:
     script = Path(sys.executable).with_name("optuna-dashboard")
     head = [str(script)] if script.is_file() else [sys.executable, "-m", "optuna_dashboard"]
     return [*head, storage_url, "--host", host, "--port", str(port)]
+
+
+def serve_dashboard(storage_url: str, *, host: str, port: int, stop_timeout_s: float = 10.0) -> int | None:
+    """Run optuna-dashboard (:func:`dashboard_argv`) until it exits, Ctrl-C or SIGTERM.
+
+    The dashboard runs as a child in its own session, so a terminal's Ctrl-C reaches only this
+    process, which then stops the child's process group (SIGTERM, ``stop_timeout_s``, SIGKILL):
+    no KeyboardInterrupt traceback from the child, and no child left behind.
+
+    Args:
+        storage_url: The Optuna storage URL (checked by the caller).
+        host: Address to listen on.
+        port: Port to listen on.
+        stop_timeout_s: How long the dashboard may take to exit after SIGTERM.
+
+    Returns:
+        The dashboard's exit status when it ended by itself; ``None`` when it was stopped.
+    """
+    from tuner.launch.safety import interrupt_on_signals
+
+    child = subprocess.Popen(dashboard_argv(storage_url, host=host, port=port), start_new_session=True)
+    try:
+        with interrupt_on_signals():
+            return child.wait()
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=stop_timeout_s)
+        return None
 
 
 def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: str) -> Table:

@@ -87,3 +87,18 @@ def test_unusable_storage_url_is_one_line_for_every_reader(tuner_cli) -> None:
     for url, needles in ((postgres, refused), ("bogus://x", ("bogus://x", "unknown database kind", "check the URL"))):
         for args in readers:
             _one_error_line(tuner_cli(*args, "--storage", url), *needles)
+
+
+def test_piped_tables_fit_their_content_and_empty_applies_is_one_line(demo_study: str, tuner_cli, monkeypatch) -> None:
+    """Without a terminal and without COLUMNS, tables are not cut or wrapped at 80 columns."""
+    monkeypatch.delenv("COLUMNS")
+    proc = tuner_cli("trials", "--storage", demo_study)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert rows["3"][-1] == "cuda_graph_oom" and rows["4"][-1] == "skipped", proc.stdout
+    assert "…" not in proc.stdout and "max_run" in proc.stdout
+    proc = tuner_cli("applies", "--storage", demo_study)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines() == [
+        f"no apply recorded in {demo_study} yet (`tuner apply best` makes one)"], proc.stdout
+    proc = tuner_cli("applies", "--storage", demo_study, "--study", "demo")
+    assert proc.stdout.startswith("no apply recorded in demo yet"), proc.stdout

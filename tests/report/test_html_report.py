@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import html
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import requests
 from tests.report.cli_runner import HTML_LOG_LINE
 from tests.report.study_factory import make_study, ok_trial
 from tuner.history import StudyLocation, open_study
-from tuner.report import build_html_report, dashboard_argv
+from tuner.report import build_html_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -71,11 +74,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_dashboard_serves_the_storage(demo_study: str) -> None:
+def test_dashboard_serves_the_storage_and_ctrl_c_stops_it_quietly(demo_study: str) -> None:
+    """`tuner dashboard` as a terminal runs it: Ctrl-C (SIGINT to its process group) stops the
+    dashboard with one line, no traceback, and leaves no server behind."""
     port = _free_port()
+    tuner = Path(sys.executable).with_name("tuner")
     proc = subprocess.Popen(
-        dashboard_argv(demo_study, host="127.0.0.1", port=port),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [str(tuner), "dashboard", "--storage", demo_study, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -88,6 +94,13 @@ def test_dashboard_serves_the_storage(demo_study: str) -> None:
                 time.sleep(0.5)
         assert body is not None, "optuna-dashboard did not answer within 60 s"
         assert [s["study_name"] for s in body["study_summaries"]] == ["demo"]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=60)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.terminate()  # the tuner stops its dashboard child on SIGTERM too
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert out.strip().splitlines()[-1] == "dashboard stopped" and "Traceback" not in err, (out, err)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/api/studies", timeout=2)
