@@ -546,7 +546,7 @@ def trials_cmd(
     elif as_csv:
         print(report.trials_csv(views), end="")
     else:
-        console.print(report.trials_table(views, title=f"study {stored.name}: {len(views)} trials"))
+        report.print_fitted(report.trials_table(views, title=f"study {stored.name}: {len(views)} trials"))
 
 
 @app.command("show")
@@ -565,7 +565,7 @@ def show_cmd(
     if as_json:
         print(report.trial_json(stored, view))
     else:
-        console.print(report.trial_detail(stored, view))
+        report.print_fitted(report.trial_detail(stored, view))
 
 
 @app.command("best")
@@ -585,7 +585,7 @@ def best_cmd(
     if as_json:
         print(report.json_text(chosen.summary()))
     else:
-        console.print(report.best_panel(chosen))
+        report.print_fitted(report.best_panel(chosen))
 
 
 @app.command("studies")
@@ -603,7 +603,7 @@ def studies_cmd(
         print(report.json_text(report.studies_rows(rows)))
     else:
         for url, summaries in rows.items():
-            console.print(report.studies_table(summaries, url))
+            report.print_fitted(report.studies_table(summaries, url))
 
 
 @app.command("report")
@@ -630,15 +630,16 @@ def dashboard_cmd(
     port: _Ann[int, typer.Option("--port", help="Port to listen on.")] = 8080,
 ) -> None:
     """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
-    import subprocess
-
     from tuner import history, report
 
     location = history.resolve_location(study=study, storage=storage, config=config)
     history.check_storage(location.storage_url)
-    argv = report.dashboard_argv(location.storage_url, host=host, port=port)
-    console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url})")
-    raise typer.Exit(subprocess.call(argv))
+    console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    status = report.serve_dashboard(location.storage_url, host=host, port=port)
+    if status is None:
+        console.print("dashboard stopped", highlight=False)
+    raise typer.Exit(status or 0)
 
 
 @app.command("apply")
@@ -684,7 +685,7 @@ def apply_cmd(
         typer.confirm(f"restart {plan.target} with this config?", abort=True)
     gpu = applying.gpu_monitor(cfg) if plan.launcher == "systemd" else None
     record = applying.execute(plan, log, timeout_s=timeout_s, write=write, gpu=gpu)
-    console.print(report.apply_result(record))
+    report.print_fitted(report.apply_result(record))
 
 
 @app.command("applies")
@@ -702,8 +703,11 @@ def applies_cmd(
     records = applying.ApplyLog(location.storage_url).records()
     if as_json:
         print(report.json_text([r.model_dump(mode="json") for r in records]))
+    elif not records:
+        name = location.study_name or location.storage_url
+        console.print(f"no apply recorded in {name} yet (`tuner apply best` makes one)", highlight=False, soft_wrap=True)
     else:
-        console.print(report.applies_table(records))
+        report.print_fitted(report.applies_table(records))
 
 
 def main() -> None:
