@@ -75,12 +75,12 @@ def test_missing_file() -> None:
         load_config("/nonexistent/tuner.toml")
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("4h", 14400), ("90m", 5400), ("1h30m", 5400), ("3m", 180), ("45s", 45), ("120", 120)])
-def test_budget_durations(text: str, seconds: float) -> None:
+@pytest.mark.parametrize(("text", "seconds"), [("4h", 14400), ("90m", 5400), ("1h30m", 5400), ("3m", 180), ("45s", 45), (120, 120)])
+def test_budget_durations(text: str | int, seconds: float) -> None:
     assert parse_duration_s(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "4x", "h", "0m", "1h-3m"])
+@pytest.mark.parametrize("text", ["", "4x", "h", "0m", "1h-3m", "3", "120"])
 def test_bad_budget(text: str) -> None:
     with pytest.raises(ConfigError, match="--budget"):
         parse_duration_s(text)

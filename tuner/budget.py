@@ -8,6 +8,7 @@ load included); before any history exists, from the configured start timeout and
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import time
@@ -17,14 +18,17 @@ from pydantic import BaseModel, ConfigDict
 
 from tuner.errors import ConfigError
 
-__all__ = ["parse_duration_s", "format_duration", "TrialCostEstimate", "Budget"]
+__all__ = ["parse_duration_s", "format_duration", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)", re.IGNORECASE)
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
 
 def parse_duration_s(text: str | float | int, *, name: str = "--budget") -> float:
-    """Parse a duration such as ``4h``, ``90m``, ``1h30m``, ``45s`` or a bare number of seconds.
+    """Parse a duration such as ``4h``, ``90m``, ``1h30m`` or ``45s``.
+
+    A bare number (``3``) is an error, not seconds: ``--budget 3`` meant as hours or minutes would
+    otherwise end the run before its first trial. A Python number is taken as seconds.
 
     Args:
         text: The duration text (case-insensitive units ``h``, ``m``, ``s``), or seconds.
@@ -34,22 +38,24 @@ def parse_duration_s(text: str | float | int, *, name: str = "--budget") -> floa
         The duration in seconds (> 0).
 
     Raises:
-        ConfigError: The text is not a duration, or is not positive.
+        ConfigError: The text is not a duration (a bare number included), or is not positive.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
     else:
         raw = str(text).strip().replace(" ", "")
         if re.fullmatch(r"\d+(?:\.\d+)?", raw):
-            seconds = float(raw)
-        else:
-            parts = _DURATION_RE.findall(raw)
-            if not parts or "".join(f"{n}{u}" for n, u in parts).lower() != raw.lower():
-                raise ConfigError(
-                    f"{name} {text!r} is not a duration",
-                    hint="write it like 4h, 90m, 1h30m or 45s",
-                )
-            seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in parts)
+            raise ConfigError(
+                f"{name} {text!r} has no unit",
+                hint=f"write {raw}h, {raw}m or {raw}s (e.g. 4h, 90m, 1h30m)",
+            )
+        parts = _DURATION_RE.findall(raw)
+        if not parts or "".join(f"{n}{u}" for n, u in parts).lower() != raw.lower():
+            raise ConfigError(
+                f"{name} {text!r} is not a duration",
+                hint="write it like 4h, 90m, 1h30m or 45s",
+            )
+        seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in parts)
     if seconds <= 0:
         raise ConfigError(f"{name} {text!r} must be longer than zero", hint="give e.g. 4h or 30m")
     return seconds
@@ -65,6 +71,30 @@ def format_duration(seconds: float) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def require_one_trial(total_s: float, cost_s: float, *, reserve_s: float = 0.0, name: str = "--budget") -> None:
+    """Refuse a budget too short for even one trial (it would stop before doing anything).
+
+    Args:
+        total_s: The whole budget in seconds.
+        cost_s: The estimated cost of one trial in seconds (see :meth:`Budget.estimate`).
+        reserve_s: Seconds kept back for restoring the service.
+        name: The option or key the budget came from, named in the error.
+
+    Raises:
+        ConfigError: ``total_s`` is below ``cost_s + reserve_s``; the message names the minimum,
+            rounded up to whole minutes.
+    """
+    needed_s = cost_s + reserve_s
+    if total_s >= needed_s:
+        return
+    minimum = f"{max(1, math.ceil(needed_s / 60.0))}m"
+    raise ConfigError(
+        f"{name} {format_duration(total_s)} is shorter than one trial (about {format_duration(needed_s)}: "
+        "restart, warm-up, measure and stress phases)",
+        hint=f"give at least {name} {minimum}",
+    )
 
 
 class TrialCostEstimate(BaseModel):

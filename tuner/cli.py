@@ -424,31 +424,52 @@ def _print_best_vs_baseline(summary) -> None:  # noqa: ANN001 - tuner.run.RunSum
 
 
 class _RunProgress:
-    """Renders :class:`tuner.run.Progress` events: one line per trial, a live phase line."""
+    """Renders :class:`tuner.run.Progress` events: one line per trial, a live phase line.
+
+    The live line names the Optuna trial number (as the result lines do) and counts the budget
+    left down every second from the last event's ``eta_s``.
+    """
 
     def __init__(self) -> None:
-        from rich.progress import Progress, SpinnerColumn, TextColumn
+        import time
 
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True)
-        self.task = self.progress.add_task("starting", total=None)
+        from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
+        from rich.text import Text
 
-    def __call__(self, event) -> None:  # noqa: ANN001
         from tuner.budget import format_duration
 
-        eta = "" if event.eta_s is None or event.eta_s == float("inf") else f" · {format_duration(event.eta_s)} left"
-        of = f" of ~{event.expected}" if event.expected else ""
+        class TimeLeft(ProgressColumn):
+            def render(self, task) -> Text:  # noqa: ANN001 - rich Task
+                deadline = task.fields.get("deadline")
+                if deadline is None:
+                    return Text("")
+                return Text(f"· {format_duration(max(0.0, deadline - time.monotonic()))} left")
+
+        self._monotonic = time.monotonic
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeLeft(), console=console,
+                                 transient=True, refresh_per_second=2)
+        self.task = self.progress.add_task("starting", total=None, deadline=None)
+        self.in_flight: int | None = None
+
+    def __call__(self, event) -> None:  # noqa: ANN001
+        deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
+        of = f" of ~{event.expected} this run" if event.expected else ""
         if event.event == "phase":
-            self.progress.update(self.task, description=f"trial {event.index}{of} · {event.phase}{eta}")
+            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
+                                 deadline=deadline)
         elif event.event in ("trial_end", "skip", "stop"):
+            self.in_flight = None
             self.progress.console.print(f"  {event.message}", highlight=False)
         elif event.event == "trial_start":
-            self.progress.update(self.task, description=f"trial {event.index}{of} · starting{eta}")
+            self.in_flight = event.number
+            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · starting",
+                                 deadline=deadline)
 
 
 @app.command("run")
 def run_cmd(
     config: _RunAnn[_RunPath, typer.Option("--config", "-c", help="The tuning config (TOML).")],
-    budget: _RunAnn[str | None, typer.Option("--budget", "-b", help="Wall-clock budget: 4h, 90m, 1h30m, 3m.")] = None,
+    budget: _RunAnn[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
     trials: _RunAnn[int | None, typer.Option("--trials", "-n", min=1, help="Cap on trials in this run.")] = None,
     dry_run: _RunAnn[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
     storage: _RunAnn[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
@@ -466,7 +487,7 @@ def run_cmd(
     text = budget or cfg.budget.total
     budget_s = parse_duration_s(text) if text else None
     max_trials = trials or cfg.budget.trials
-    if budget_s is None and max_trials is None:
+    if budget_s is None and max_trials is None and not dry_run:
         raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
                           hint="pass e.g. --budget 4h")
     from tuner import trial as trial_mod
@@ -475,10 +496,18 @@ def run_cmd(
         console.print(trial_mod.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
         return
     renderer = _RunProgress()
-    with renderer.progress:
-        summary = trial_mod.tune(cfg, budget_s=budget_s, max_trials=max_trials,
-                                 allow_mixed_environment=allow_mixed_environment, storage_url=storage,
-                                 on_progress=renderer)
+    try:
+        with renderer.progress:
+            summary = trial_mod.tune(cfg, budget_s=budget_s, max_trials=max_trials,
+                                     allow_mixed_environment=allow_mixed_environment, storage_url=storage,
+                                     on_progress=renderer)
+    except KeyboardInterrupt:  # tune() restored the service before re-raising
+        what = (f"trial {renderer.in_flight} recorded as failed (interrupted)" if renderer.in_flight is not None
+                else "no trial was in flight")
+        again = f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
+        err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
+                          highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     console.print("service restored to its original flags", highlight=False)
     _print_best_vs_baseline(summary)
     if apply_best and summary.best is not None:
@@ -502,9 +531,16 @@ def init_cmd(
     if not unit and not sim:
         raise ConfigError("tell init what to tune", hint="pass --unit sglang.service or --sim")
     text = starter_config(unit=unit, sim=sim)
-    output.write_text(text, encoding="utf-8")
-    console.print(f"wrote {output}; check [workload] and [slo], then `tuner run --config {output} --dry-run`",
-                  highlight=False, markup=False)
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: folder {output.parent} does not exist",
+                          hint="create it first, or pass --output in an existing folder")
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot write --output {output}: {err.strerror}", hint="pass a writable path") from err
+    console.print(f"wrote {output}; check [workload] and [slo], then `tuner run --config {output} --dry-run` "
+                  f"and `tuner run --config {output} --budget {'3m' if sim else '4h'}`",
+                  highlight=False, markup=False, soft_wrap=True)
 
 # ---- trials / show / best / studies / report / dashboard / apply / applies (issue: history) -
 

@@ -12,6 +12,7 @@ simulated) server; the search-quality benchmark plugs in the simulator's offline
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -22,12 +23,12 @@ from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuner.budget import Budget
+from tuner.budget import Budget, require_one_trial
 from tuner.config import TunerConfig
 from tuner.errors import StudyError
 from tuner.records import StudyInfo, TrialRecord
 from tuner.search import Planner, Space, resolve_space
-from tuner.sglang.failures import FailureClass
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
 from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study import (
     KIND_ATTR,
@@ -51,6 +52,10 @@ SPACE_ATTR = "tuner.space"
 PREDICTION_ATTR = "tuner.prediction"
 ENVIRONMENT_ATTR = "tuner.environment"
 """Trial user attribute: the SGLang version, GPU, driver and model the trial ran on."""
+
+MAX_INVALID_IN_A_ROW = 3
+"""Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
+command itself is wrong (or the environment), not the candidate."""
 
 _log = logging.getLogger(__name__)
 
@@ -247,7 +252,12 @@ def run_study(
         The summary, with the best trial chosen by the config's policy.
 
     Raises:
-        StudyError: Storage, environment mismatch, or neither budget nor trial cap given.
+        StudyError: Storage (an explicit SQLite folder that does not exist), environment mismatch,
+            ``[service] url`` not on the command's ``--port``, neither budget nor trial cap given;
+            after the trial is stored: the baseline could not start for a reason other than
+            memory, or :data:`MAX_INVALID_IN_A_ROW` trials in a row failed ``invalid_arguments``
+            (the message quotes the server log's error line).
+        ConfigError: ``budget_s`` is shorter than one trial's estimated cost.
         KeyboardInterrupt: Ctrl-C or SIGTERM; the trial in flight is stored as FAIL with its
             partial record and its params re-enqueued.
     """
@@ -257,6 +267,8 @@ def run_study(
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     emit = on_progress or (lambda _p: None)
     url = storage_url or config.storage_url()
+    _check_storage_folder(url, default_url=f"sqlite:///studies/{config.study.name}.db")
+    _check_url_matches_port(runner.target().get("url"), runner.baseline_argv())
     study = open_study(config.study.name, open_storage(url), make_sampler(config.study.sampler, config.study.seed))
     summary = RunSummary(study_name=config.study.name, storage_url=url)
 
@@ -279,19 +291,28 @@ def run_study(
     context_tokens = info.context_tokens or context_tokens
 
     budget = Budget(budget_s, reserve_s=config.budget.restore_reserve_s, clock=clock)
-    artifact_store = None
-    if url != ":memory:":
-        folder = config.artifacts_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        artifact_store = FileSystemArtifactStore(str(folder))
-    launched = 0
-    handled = 0
 
     def history() -> list[tuple[int, TrialRecord]]:
         return [(t.number, r) for t, r in records(study)]
 
     def durations() -> list[float]:
         return [r.duration_s or 0.0 for _, r in history() if r.outcome in ("ok", "failed")]
+    if budget_s is not None:
+        require_one_trial(budget_s, Budget.estimate(durations(), runner.prior_cost_s()).seconds,
+                          reserve_s=config.budget.restore_reserve_s)
+    artifact_store = None
+    if url != ":memory:":
+        folder = config.artifacts_dir()
+        if config.storage.artifacts_dir and not folder.parent.is_dir():
+            raise StudyError(
+                f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
+                hint="create it, or point artifacts_dir at an existing folder",
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        artifact_store = FileSystemArtifactStore(str(folder))
+    launched = 0
+    handled = 0
+    invalid_in_a_row = 0
 
     def expected() -> int | None:
         cost = Budget.estimate(durations(), runner.prior_cost_s()).seconds
@@ -326,6 +347,7 @@ def run_study(
                 study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
             raise
         launched += 1
+        record = _with_log_evidence(record)
         record = _upload_artifacts(trial, record, artifact_store)
         if record.duration_s is None:
             record = record.model_copy(update={"duration_s": clock() - begun})
@@ -365,6 +387,13 @@ def run_study(
 
         record = run_one(trial, job, fix_space)
         handled += 1
+        if _could_not_start(record):
+            raise StudyError(
+                f"the baseline (trial {trial.number}, the service's own flags) could not start "
+                f"({record.failure_class.value if record.failure_class else 'failed'}): "
+                f"{_server_reason(record)}; the service was restored to its original flags",
+                hint=f"fix the service command or environment and run again (`tuner show {trial.number}` has the log)",
+            )
         baseline = (trial.number, record)
     summary.baseline = baseline
     space_data = study.user_attrs.get(SPACE_ATTR)
@@ -420,8 +449,16 @@ def run_study(
             continue
         job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                        context_tokens=context_tokens, capacity_floor=floor, started_at=_now())
-        run_one(trial, job)
+        record = run_one(trial, job)
         handled += 1
+        invalid = record.outcome == "failed" and record.failure_class is FailureClass.INVALID_ARGUMENTS
+        invalid_in_a_row = invalid_in_a_row + 1 if invalid else 0
+        if invalid_in_a_row >= MAX_INVALID_IN_A_ROW:
+            raise StudyError(
+                f"{invalid_in_a_row} trials in a row (the last {trial.number}) were rejected as invalid_arguments: "
+                f"{_server_reason(record)}; the service was restored to its original flags",
+                hint=f"fix the service command or the [space] and run again (`tuner show {trial.number}` has the log)",
+            )
 
     summary.trials_run = launched
     summary.best = choose_best(
@@ -449,7 +486,115 @@ def _kind(kind: str) -> Any:
 
 
 def _baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, TrialRecord] | None:
-    return next(((n, r) for n, r in done if r.kind == "baseline"), None)
+    """The study's baseline; one that could not start is measured again (the command was fixed)."""
+    return next(((n, r) for n, r in reversed(done) if r.kind == "baseline" and not _could_not_start(r)), None)
+
+
+def _could_not_start(record: TrialRecord) -> bool:
+    """Whether a trial failed to start for a reason other than memory.
+
+    A startup memory failure (§4.3) is what the search explores; any other failure before the
+    server sized its KV pool (argparse, a missing model, a port in use, a hang) means the command
+    or the environment is broken, and every other trial would fail the same way.
+    """
+    return (
+        record.outcome == "failed"
+        and record.token_capacity is None
+        and record.failure_class not in STARTUP_MEMORY_FAILURES
+    )
+
+
+_ERROR_LINE_RE = re.compile(r"(?i)\berror\b|exception|address already in use|no such file|not found")
+
+
+def _log_error_line(lines: Sequence[str]) -> str | None:
+    """The server's own reason in its log: the last line that reads like an error."""
+    for line in reversed(lines):
+        text = line.strip()
+        if text and _ERROR_LINE_RE.search(text) and not text.startswith("Traceback"):
+            return text[:400]
+    return None
+
+
+def _with_log_evidence(record: TrialRecord) -> TrialRecord:
+    """Add the server log's error line to a failure whose evidence is not a log line itself.
+
+    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
+    without quoting the server; the user needs the server's words (``--model-path ... is neither a
+    directory ...``, ``address already in use``). Reads the trial's local ``server_log`` artifact.
+    """
+    if record.outcome != "failed" or "server_log" not in record.artifacts:
+        return record
+    try:
+        with open(record.artifacts["server_log"], encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return record
+    evidence = record.failure_evidence or ""
+    if evidence and any(evidence in line for line in lines):
+        return record
+    line = _log_error_line(lines)
+    if line is None or line in evidence:
+        return record
+    excerpt = [x for x in record.log_excerpt if x != line] + [line]
+    return record.model_copy(update={
+        "failure_evidence": f"{evidence}; server log: {line}" if evidence else line,
+        "log_excerpt": excerpt,
+    })
+
+
+def _server_reason(record: TrialRecord) -> str:
+    """One line for the user: the server log's error line, else the failure evidence."""
+    evidence = record.failure_evidence or "no reason recorded"
+    reason = evidence.split("; server log: ", 1)[1] if "; server log: " in evidence else evidence
+    return reason.rstrip(". ")
+
+
+def _check_storage_folder(url: str, *, default_url: str) -> None:
+    """Refuse an explicit SQLite URL whose folder does not exist (only ``studies/`` is created).
+
+    Raises:
+        StudyError: The folder of an explicit ``sqlite:///`` path is missing.
+    """
+    if url == default_url or not url.startswith("sqlite:///"):
+        return
+    from pathlib import Path
+
+    folder = Path(url.removeprefix("sqlite:///")).parent
+    if not folder.is_dir():
+        raise StudyError(
+            f"storage {url!r}: folder {str(folder)!r} does not exist",
+            hint="create it first, or use an existing folder (the default sqlite:///studies/<study>.db is created)",
+        )
+
+
+def _check_url_matches_port(url: str | None, argv: Sequence[str]) -> None:
+    """Refuse a ``[service] url`` whose port differs from the command's ``--port`` (§2.4: default 30000).
+
+    Every trial would otherwise wait the whole start timeout for a server listening elsewhere.
+
+    Raises:
+        StudyError: Both name a port and they differ.
+    """
+    from urllib.parse import urlsplit
+
+    port = None
+    for i, word in enumerate(argv):
+        if word == "--port" and i + 1 < len(argv):
+            port = argv[i + 1]
+        elif word.startswith("--port="):
+            port = word.split("=", 1)[1]
+    if not url or port is None:
+        return
+    try:
+        url_port = urlsplit(url).port
+    except ValueError:
+        return
+    if url_port is not None and str(url_port) != port.strip():
+        raise StudyError(
+            f"[service] url {url!r} uses port {url_port} but the server command has --port {port}",
+            hint=f"make them match (e.g. url = \"http://127.0.0.1:{port}\")",
+        )
 
 
 def _context_tokens(config: TunerConfig) -> int:

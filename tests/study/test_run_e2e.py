@@ -118,6 +118,8 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
             proc.wait(timeout=30)
     assert proc.returncode != 0 and "Traceback" not in err
     number, params = found
+    assert f"interrupted: trial {number} recorded as failed (interrupted), service restored" in err, err[-1000:]
+    assert f"resume with `tuner run --config {config}" in err
     trials = load(storage, "demo-sim").trials
     interrupted = trials[number]
     assert interrupted.state == TrialState.FAIL
