@@ -73,7 +73,7 @@ def explain_cmd(
     url: _ExplainAnn[str | None, typer.Option("--url", help="running server, e.g. http://127.0.0.1:30000.")] = None,
     model_config: _ExplainAnn[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,
     journalctl: _ExplainAnn[str, typer.Option("--journalctl", help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
-    mem_fraction_static: _ExplainAnn[float | None, typer.Option("--mem-fraction-static", help="the fraction, if the input does not state it.")] = None,
+    mem_fraction_static: _ExplainAnn[float | None, typer.Option("--mem-fraction-static", help="the server's fraction in (0, 1), used only when the input does not state it (a stated value wins; a different one here is reported).")] = None,
     as_json: _ExplainAnn[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
 ) -> None:
     """Where the GPU memory went, what limits capacity, predictions at other fractions, and traps."""

@@ -231,3 +231,43 @@ def test_0523_draft_weights_are_static_not_reserve() -> None:
     assert steps["draft_model"].gib == 0.2
     parts = sum(steps[k].gib for k in ("req_to_token", "cuda_graphs", "draft_model", "other_reserve", "free_after_graphs"))
     assert parts == pytest.approx(steps["reserve"].gib, abs=0.02)
+
+
+def test_mem_fraction_static_is_range_checked_and_only_fills_in(tmp_path: Path) -> None:
+    for bad in ("1.5", "-0.3", "0", "1"):
+        proc = _run("--log", str(REFERENCE), f"--mem-fraction-static={bad}")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, (bad, proc.stdout, proc.stderr)
+        assert "--mem-fraction-static" in lines[0] and "outside (0, 1)" in lines[0] and "Traceback" not in proc.stderr
+    # The log states 0.88: a different CLI value is not used, and the output says so.
+    doc = _json("--log", str(REFERENCE), "--mem-fraction-static", "0.5")
+    assert doc["settings"]["mem_fraction_static"] == {"value": 0.88, "source": "log:server_args"}
+    assert {s["item"]: s["gib"] for s in doc["waterfall"]}["reserve"] == 11.28
+    assert any("--mem-fraction-static 0.5 is not used" in w and "0.88" in w for w in doc["warnings"]), doc["warnings"]
+    # A log that does not state it: the CLI value fills in (and a contradicting estimate is reported).
+    unstated = tmp_path / "no-args.log"
+    unstated.write_text("".join(ln for ln in REFERENCE.read_text().splitlines(keepends=True) if "server_args=" not in ln))
+    doc = _json("--log", str(unstated), "--mem-fraction-static", "0.88")
+    assert doc["settings"]["mem_fraction_static"] == {"value": 0.88, "source": "cli"} and not any("mem-fraction" in w for w in doc["warnings"])
+    doc = _json("--log", str(unstated), "--mem-fraction-static", "0.5")
+    assert doc["settings"]["mem_fraction_static"]["source"] == "cli"
+    assert any("--mem-fraction-static 0.5 is used" in w and "0.880" in w for w in doc["warnings"]), doc["warnings"]
+
+
+def test_simulated_startup_oom_in_init_memory_pool(tmp_path: Path) -> None:
+    # The tester's reproduction: the simulator at mfs 0.99 on an L4 dies with torch's OOM raised in
+    # init_memory_pool, before any scheduler or ready line (§4.3): a startup failure whose fix lowers the fraction.
+    log = tmp_path / "sim.log"
+    with log.open("w") as err:
+        sim = subprocess.run([TUNER, "sim", "serve", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--mem-fraction-static", "0.99",
+                              "--sim-time-scale", "0", "--host", "127.0.0.1", "--port", str(free_port())],
+                             stdout=subprocess.DEVNULL, stderr=err, timeout=120, check=False)
+    assert sim.returncode != 0
+    doc = _json("--log", str(log))
+    assert doc["state"] == "failed" and doc["failure"]["failure_class"] == "cuda_graph_oom"
+    trap = _trap(doc, "failure")
+    assert "raised in init_memory_pool" in trap["title"] and "reserve" in trap["detail"]
+    assert trap["fix"].startswith("lower --mem-fraction-static below 0.95") and "0.99 leaves only" in trap["fix"]
+    assert "chunked-prefill" not in trap["fix"]
+    text = " ".join(_run("--log", str(log)).stdout.split())
+    assert "runtime_oom" not in text and "while serving" not in text

@@ -190,6 +190,47 @@ def test_classify(lines: list[str], exit_status: int | None, expected: str | Non
         assert f.exit_status == exit_status
 
 
+_WEIGHTS_DONE = [
+    "[2026-01-01 00:00:00] Load weight begin. avail mem=21.91 GB",
+    "[2026-01-01 00:00:01] Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=6.95 GB, mem usage=14.96 GB.",
+]
+_OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.73 GiB. GPU 0 has a total capacity of 22.49 GiB of which 7115.49 MiB is free."
+_EXC = "[2026-01-01 00:00:02] Scheduler hit an exception: Traceback (most recent call last):"
+
+
+def _frame(func: str, file: str = "/usr/lib/python3/dist-packages/sglang/srt/model_executor/model_runner.py") -> str:
+    return f'  File "{file}", line 10, in {func}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected", "site"),
+    [
+        # §4.3: an OOM before any scheduler/ready line is a startup-memory failure, by where it was raised.
+        ([*_WEIGHTS_DONE, _EXC, _frame("run_scheduler_process"), _frame("init_memory_pool"), _frame("__init__", "/x/memory_pool.py"), _OOM],
+         "cuda_graph_oom", "__init__ (memory_pool.py)"),
+        ([*_WEIGHTS_DONE, _EXC, _frame("run_scheduler_process"), _OOM], "cuda_graph_oom", None),  # phase: after the weights
+        ([*_WEIGHTS_DONE[:1], _EXC, _frame("load_model"), _frame("load_weights", "/x/model_loader/loader.py"), _OOM], "weight_load_oom", "load_weights"),
+        ([*_WEIGHTS_DONE, "Capture cuda graph begin. avail mem=1.00 GB", _EXC, _frame("capture"), _OOM], "cuda_graph_oom", "capture"),
+        # the warm-up batch after the scheduler line, before the ready line: an activation OOM
+        ([*_WEIGHTS_DONE, "max_total_num_tokens=1000, chunked_prefill_size=2048, max_running_requests=10, context_len=8192, available_gpu_mem=1.00 GB",
+          _EXC, _frame("event_loop_normal", "/x/scheduler.py"), _frame("run_batch", "/x/scheduler.py"), _frame("forward"), _OOM], "runtime_oom", "run_batch"),
+        # a 0.5.5/0.5.10 draft worker loads after the target's KV pool, from the reserve (§1.5)
+        ([*_WEIGHTS_DONE, "KV Cache is allocated. #tokens: 1000, K size: 0.10 GB, V size: 0.10 GB", "Capture cuda graph end. Time elapsed: 1.00 s. mem usage=0.10 GB. avail mem=0.50 GB.",
+          "Load weight begin. avail mem=0.50 GB", _EXC, _frame("load_model"), _OOM], "cuda_graph_oom", "load_model"),
+        ([_OOM], "runtime_oom", None),  # nothing of a start: a fragment of a running server's log
+    ],
+)
+def test_generic_oom_is_classified_by_where_it_was_raised(lines: list[str], expected: str, site: str | None) -> None:
+    report = parse_log(lines)
+    assert report.failure is not None and report.failure.failure_class.value == expected, report.failure
+    assert report.failure_site == site
+    # The launcher's incremental watcher reaches the same answer line by line.
+    w = LogWatcher()
+    for line in lines:
+        w.feed(line)
+    assert w.failure is not None and w.failure.failure_class.value == expected
+
+
 def test_read_log_rejects_bad_input(tmp_path: Path) -> None:
     (tmp_path / "empty.log").write_text("")
     (tmp_path / "bin.log").write_bytes(bytes(range(256)) * 10)

@@ -18,8 +18,8 @@ import pytest
 from sglang_http import free_port
 
 from tuner.sglang.client import SGLangClient, ServerNotReady
-from tuner.sglang.failures import Failure, FailureClass
-from tuner.sglang.logs import LogReport, LogWatcher
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, Failure, FailureClass
+from tuner.sglang.logs import LogReport, LogWatcher, outcome_of
 from tuner.sglang.memory import KVCapacityModel, cell_size_bytes
 from tuner.sglang.modelconfig import load_model_config
 
@@ -125,3 +125,19 @@ def test_sim_startup_kv_oom_fails_fast() -> None:
         with pytest.raises(ServerNotReady) as err:
             client.wait_ready(120, failure_check=_failure_check(watcher, proc), poll_s=0.1)
     assert err.value.failure is not None and err.value.failure.failure_class is FailureClass.STARTUP_KV_OOM
+
+
+def test_sim_oom_in_init_memory_pool_is_a_startup_reserve_failure() -> None:
+    # mfs 0.99 leaves (1 − 0.99) × B for the req_to_token table: torch OOMs in init_memory_pool, before
+    # any scheduler or ready line. The launcher's LogWatcher must call it a startup-memory failure that
+    # bounds the fraction from above (cuda_graph_oom, like search.py's ceiling), never a runtime OOM.
+    with sim("0.5.23", 0.99) as (client, watcher, proc):
+        with pytest.raises(ServerNotReady):
+            client.wait_ready(120, failure_check=_failure_check(watcher, proc), poll_s=0.1)
+        status = proc.wait(timeout=60)
+    report = watcher.report(exit_status=status)
+    assert not report.ready and report.scheduler is None and report.failure is not None
+    assert report.failure.failure_class is FailureClass.CUDA_GRAPH_OOM, report.failure
+    assert report.failure.failure_class in STARTUP_MEMORY_FAILURES and outcome_of(report.failure) == "startup_oom"
+    assert report.failure_site == "init_memory_pool" and "CUDA out of memory" in report.failure.evidence
+    assert report.oom is not None and report.oom.free_mib is not None and report.oom.tried_to_allocate_mib > report.oom.free_mib

@@ -22,7 +22,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from tuner.errors import LogError, ServerError
+from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.logs import LogReport, parse_log_bytes
@@ -224,7 +224,10 @@ _SETTING_KEYS = (
 )
 
 
-def _settings(report: LogReport | None, info: ServerInfo | None, overrides: dict[str, Any]) -> dict[str, Setting]:
+def _settings(report: LogReport | None, info: ServerInfo | None, fill_ins: dict[str, Any], warnings: list[str]) -> dict[str, Setting]:
+    """Settings the input states (a live server's answer over the log's), then ``fill_ins`` (CLI
+    values, source ``cli``) for keys the input does not state; a CLI value that differs from a
+    stated one is not used, and ``warnings`` says so."""
     out: dict[str, Setting] = {}
     if report is not None:
         for key, raw in report.server_args.items():
@@ -236,10 +239,28 @@ def _settings(report: LogReport | None, info: ServerInfo | None, overrides: dict
             value = getattr(info, name, None)
             if value is not None:
                 out[name] = Setting(value=value, source="server_info")
-    for key, value in overrides.items():
-        if value is not None:
+    for key, value in fill_ins.items():
+        stated = out.get(key)
+        if value is None:
+            continue
+        if stated is None:
             out[key] = Setting(value=value, source="cli")
+        elif stated.value != value:
+            flag = "--" + key.replace("_", "-")
+            warnings.append(f"{flag} {value:g} is not used: the input states {key}={stated.value} ({stated.source}), "
+                            "which is what the server ran with")
     return out
+
+
+def _check_fraction(mem_fraction_static: float | None) -> None:
+    """Reject a ``--mem-fraction-static`` outside SGLang's (0, 1) (§1.2: a share of the baseline).
+
+    Raises:
+        ConfigError: The value is ≤ 0, ≥ 1 or not a number.
+    """
+    if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
+        raise ConfigError(f"--mem-fraction-static {mem_fraction_static:g} is outside (0, 1)",
+                          hint="pass the server's fraction, e.g. --mem-fraction-static 0.88 (a share of the free GPU memory, §1.2)")
 
 
 def _val(settings: dict[str, Setting], key: str) -> Any:
@@ -265,7 +286,8 @@ def explain(
         model: The model's architecture, for the KV cell size (otherwise derived from the logged
             KV size / token count).
         sources: Descriptions of the inputs, for the output.
-        mem_fraction_static: The fraction, when neither the log nor the server says it.
+        mem_fraction_static: The fraction, used only when neither the log nor the server states it
+            (a stated value wins; a different one given here is reported in ``warnings``); in (0, 1).
         fractions: Fractions to predict (default: around the current one).
         metrics: A ``/metrics`` scrape of the running server (:meth:`SGLangClient.metrics`), if any.
 
@@ -274,12 +296,14 @@ def explain(
 
     Raises:
         LogError: Neither a log nor server info was given.
+        ConfigError: ``mem_fraction_static`` is outside (0, 1).
     """
     if report is None and info is None:
         raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
-    settings = _settings(report, info, {"mem_fraction_static": mem_fraction_static})
+    _check_fraction(mem_fraction_static)
     findings: list[str] = []
     warnings = list(report.warnings) if report else []
+    settings = _settings(report, info, {"mem_fraction_static": mem_fraction_static}, warnings)
     prim = report.primary() if report else None
     sched = report.scheduler if report else None
 
@@ -314,13 +338,16 @@ def explain(
     # -- fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed) ---------------------
     mfs = _val(settings, "mem_fraction_static")
     baseline = min((r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None), default=None) if report else None
-    if mfs is None and prim and baseline and prim.weight_gib is not None and prim.kv_pool_gib is not None:
-        mfs = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
-        settings["mem_fraction_static"] = Setting(value=mfs, source="derived")
-        findings.append(
-            f"mem_fraction_static is not in the input; (weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / "
-            f"baseline {baseline:.2f} GiB gives ≈{mfs:.3f} (assumes nothing else was allocated before profiling)."
-        )
+    if (mfs is None or settings["mem_fraction_static"].source == "cli") and prim and baseline and prim.weight_gib is not None and prim.kv_pool_gib is not None:
+        derived = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
+        why = (f"(weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / baseline {baseline:.2f} GiB gives ≈{derived:.3f} "
+               "(assumes nothing else was allocated before profiling)")
+        if mfs is None:
+            mfs = derived
+            settings["mem_fraction_static"] = Setting(value=mfs, source="derived")
+            findings.append(f"mem_fraction_static is not in the input; {why}.")
+        elif abs(float(mfs) - derived) > 0.02:
+            warnings.append(f"--mem-fraction-static {float(mfs):g} is used, but the log's {why}; the predictions assume the value you gave")
 
     # -- cell size -------------------------------------------------------------------------------
     cell: int | None = None
@@ -511,7 +538,7 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
            tokens: int | None, mrr: int | None, ctx: int | None, mfs: float | None, tp: int | None, prim: Any) -> list[Trap]:
     traps: list[Trap] = []
     if report is not None and report.failure is not None:
-        traps.append(_failure_trap(report.failure, m, report))
+        traps.append(_failure_trap(report.failure, m, report, mfs))
     # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
     if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
         after = m.baseline_gib - prim.weight_gib
@@ -656,8 +683,10 @@ _FIXES = {
 
 _MEANING = {
     FailureClass.STARTUP_KV_OOM: "mem_fraction_static × baseline did not cover the weights, so the KV budget was ≤ 0 (§1.2, §4.3)",
-    FailureClass.WEIGHT_LOAD_OOM: "the GPU ran out of memory while loading weights",
-    FailureClass.CUDA_GRAPH_OOM: "what startup allocates after the KV pool (graphs, draft model) did not fit the (1 − mem_fraction_static) reserve (§4.3)",
+    FailureClass.WEIGHT_LOAD_OOM: "the GPU ran out of memory while loading weights, before the KV pool is sized (mem_fraction_static plays no part yet)",
+    FailureClass.CUDA_GRAPH_OOM: ("the GPU ran out of memory during startup after the KV pool was sized: what is allocated then (the req_to_token table "
+                                  "and KV pool in init_memory_pool, CUDA graphs, a 0.5.5/0.5.10 draft model) did not fit the "
+                                  "(1 − mem_fraction_static) reserve (§1.2, §1.6, §4.3)"),
     FailureClass.HOST_MEMORY: "the hierarchical cache's host pool (per rank) did not fit host RAM (§7)",
     FailureClass.UNBALANCED_MEMORY: "free memory differed between GPUs at startup (§1.1)",
     FailureClass.RUNTIME_OOM: "CUDA ran out of memory while serving: activations outgrew the headroom (§4.4)",
@@ -668,9 +697,34 @@ _MEANING = {
 }
 
 
-def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None) -> Trap:
+def _reserve_fix(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> str:
+    """The fix of a startup OOM from the ``(1 − mfs) × B`` reserve (§1.2): how far to lower the
+    fraction, from the failed allocation's shortfall when torch logged it (each −0.01 adds B/100)."""
+    site = (report.failure_site if report else None) or ""
+    others = ("--max-running-requests / --context-length (a smaller req_to_token table) or --cuda-graph-max-bs"
+              if "graph" not in site and "capture" not in site else "--cuda-graph-max-bs (fewer graphs)")
+    begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None] if report else []
+    base = m.baseline_gib if m is not None else (min(begins) if begins else None)
+    if mfs is None or base is None:
+        return f"lower --mem-fraction-static to leave a larger reserve, or lower {others}"
+    mfs = float(mfs)
+    fix = "lower --mem-fraction-static"
+    oom = report.oom if report else None
+    if oom is not None and oom.tried_to_allocate_mib is not None and oom.free_mib is not None and oom.tried_to_allocate_mib > oom.free_mib:
+        short_gib = (oom.tried_to_allocate_mib - oom.free_mib) / 1024
+        fix += (f" below {mfs - short_gib / base:.3f} (the allocation lacked {short_gib:.2f} GiB; each −0.01 adds {base / 100:.2f} GiB "
+                "to the reserve), and further for graphs and activations")
+    return fix + f": {mfs:g} leaves only (1 − {mfs:g}) × {base:.2f} GiB = {(1 - mfs) * base:.2f} GiB; or lower {others}"
+
+
+def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None, mfs: float | None = None) -> Trap:
     fix = _FIXES.get(failure.failure_class)
     detail = _MEANING.get(failure.failure_class, failure.failure_class.value) + "."
+    site = report.failure_site if report else None
+    if failure.failure_class is FailureClass.CUDA_GRAPH_OOM:
+        fix = _reserve_fix(report, m, mfs)
+    if failure.failure_class is FailureClass.RUNTIME_OOM and report is not None and not report.ready and not report.batch_summary.prefill_lines:
+        detail = "CUDA ran out of memory running a batch before the server was ready (the warm-up request): activations outgrew the headroom (§4.4)."
     if failure.failure_class is FailureClass.STARTUP_KV_OOM:
         low = m.min_fraction() if m is not None else None
         if low is None and report is not None:
@@ -680,7 +734,8 @@ def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport
                 low = (min(begins) - min(ends)) / min(begins)
         if low is not None:
             fix = f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline), plus ≈0.01 per {m.tokens_per_hundredth():,.0f} tokens" if m else f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline) plus the KV pool you want"
-    return Trap(id="failure", severity="error", title=f"the server failed: {failure.failure_class.value}", detail=detail,
+    title = f"the server failed: {failure.failure_class.value}" + (f" (raised in {site})" if site else "")
+    return Trap(id="failure", severity="error", title=title, detail=detail,
                 evidence=[failure.evidence], fix=fix)
 
 
@@ -807,7 +862,7 @@ def explain_from(
         url: A running server's base URL.
         model_config: A Hugging Face ``config.json`` (or its directory).
         journalctl: The journalctl command prefix for ``unit``.
-        mem_fraction_static: The fraction, if no input states it.
+        mem_fraction_static: The fraction, used only if no input states it; in (0, 1).
         timeout_s: HTTP timeout for ``url``.
 
     Returns:
@@ -817,6 +872,7 @@ def explain_from(
         LogError: No input, or a log that is empty, binary or not SGLang's.
         ServerError: ``url`` unreachable or not SGLang.
         ModelConfigError: A bad ``config.json``.
+        ConfigError: ``mem_fraction_static`` is outside (0, 1).
     """
     from pathlib import Path
 
@@ -826,6 +882,7 @@ def explain_from(
 
     if not (log or unit or url):
         raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
+    _check_fraction(mem_fraction_static)
     sources: list[str] = []
     report = None
     if log == "-":

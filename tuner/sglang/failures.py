@@ -22,9 +22,11 @@ class FailureClass(str, Enum):
     STARTUP_KV_OOM = "startup_kv_oom"
     """``Not enough memory. Please try to increase --mem-fraction-static`` (§4.3): KV budget ≤ 0."""
     WEIGHT_LOAD_OOM = "weight_load_oom"
-    """CUDA OOM while loading weights."""
+    """CUDA OOM while loading the target's weights, before the KV pool is sized."""
     CUDA_GRAPH_OOM = "cuda_graph_oom"
-    """``Capture cuda graph failed`` (§4.3): graphs did not fit the ``1 - mem_fraction_static`` reserve."""
+    """``Capture cuda graph failed`` (§4.3): graphs did not fit the ``1 - mem_fraction_static`` reserve.
+    Also any CUDA OOM at startup after the KV pool is sized (the req_to_token table and KV pool in
+    ``init_memory_pool``, a 0.5.5/0.5.10 draft worker, §1.5, §1.6): the same reserve was too small."""
     HOST_MEMORY = "host_memory"
     """``Not enough host memory available`` for the hierarchical cache (§4.3, §7)."""
     UNBALANCED_MEMORY = "unbalanced_memory"
@@ -32,7 +34,7 @@ class FailureClass(str, Enum):
     STARTUP_TIMEOUT = "startup_timeout"
     """No ready line and no failure line within the start timeout (hang)."""
     RUNTIME_OOM = "runtime_oom"
-    """``CUDA out of memory`` while serving, ``Scheduler hit an exception`` (§4.4)."""
+    """``CUDA out of memory`` while serving or in the warm-up batch, ``Scheduler hit an exception`` (§4.4)."""
     REQUEST_SLOT_EXHAUSTION = "request_slot_exhaustion"
     """``alloc_req_slots runs out of memory`` (§4.4): req_to_token pool exhausted."""
     CRASH = "crash"

@@ -9,7 +9,8 @@ truncated lines and unrelated lines, which are ignored. A number that is not in 
 
 Failures are classified into :class:`~tuner.sglang.failures.FailureClass` from their evidence line
 (§4.3, §4.4, §1.1); the most specific evidence wins (a ``Capture cuda graph failed: CUDA out of
-memory`` beats the ``Scheduler hit an exception`` that follows it).
+memory`` beats the ``Scheduler hit an exception`` that follows it). A generic CUDA OOM is classed by
+where it was raised: the innermost known frame of its traceback, else the startup phase reached.
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ class OOMDetail(BaseModel):
     tried_to_allocate_mib: float | None = None
     gpu_index: int | None = None
     total_capacity_gib: float | None = None
+    free_mib: float | None = None
+    """``of which X MiB is free``: free memory on that GPU when the allocation failed."""
 
 
 class LogReport(BaseModel):
@@ -234,6 +237,8 @@ class LogReport(BaseModel):
         retractions: Every retraction line.
         batches: The last batch lines (bounded); ``batch_summary`` covers all of them.
         failure: The classified failure, with its evidence, if any.
+        failure_site: The traceback frame the failure was raised in (``init_memory_pool``,
+            ``load_model``, ``capture``), when the log holds its traceback.
         warnings: What the parser noticed and the reader should know (missing lines, caps).
         kv_cache_dtype: ``Using KV cache dtype: torch.bfloat16`` → ``"torch.bfloat16"``.
         max_total_tokens_requested / max_total_tokens_profiled: the ``max_total_tokens=X is
@@ -263,6 +268,7 @@ class LogReport(BaseModel):
     batches: list[BatchLine] = Field(default_factory=list)
     batch_summary: BatchSummary = Field(default_factory=BatchSummary)
     failure: Failure | None = None
+    failure_site: str | None = None
     warnings: list[str] = Field(default_factory=list)
     kv_cache_dtype: str | None = None
     max_total_tokens_requested: int | None = None
@@ -398,6 +404,8 @@ _P = {
     "req_slots": re.compile(r"available_size\(\)=(\d+)(?:, num_reqs=(\d+))?"),
     "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" (MiB|GiB|KiB|B)"),
     "oom_gpu": re.compile(r"GPU (\d+) has a total capacity of " + _NUM),
+    "oom_free": re.compile(r"of which " + _NUM + r" (MiB|GiB|KiB|B) is free"),
+    "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
 }
 
 _BATCH_FIELDS = {
@@ -424,6 +432,19 @@ _VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
     ("0.5.16", re.compile(r"KV Cache is allocated\. dtype:|Capture \S+ \S+ end\. elapsed=")),
     ("0.5.10", re.compile(r"Init torch distributed ends\. elapsed=|Load weight end\. elapsed=|Capture piecewise CUDA graph|#new_tokens_gained")),
     ("0.5.5", re.compile(r"Init torch distributed ends\. mem usage|Load weight end\. type=.*dtype=|Capture cuda graph end\. Time elapsed")),
+]
+
+
+# Where a generic CUDA OOM was raised, by the function or file of a traceback frame (§4.3, §4.4,
+# SGLang's model_runner.py / cuda_graph_runner.py / scheduler.py); the innermost match wins.
+# "reserve": allocated after the KV pool is sized, from the (1 - mfs) reserve (§1.2, §1.6): the
+# req_to_token table and the KV pool in init_memory_pool, graphs, a 0.5.5/0.5.10 draft worker.
+_OOM_SITES: list[tuple[str, re.Pattern[str]]] = [
+    ("graphs", re.compile(r"capture|cuda_graph|graph_runner|init_device_graphs")),
+    ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|process_batch_result\w*)$")),
+    ("pool", re.compile(r"init_memory_pool|profile_max_num_token|_profile_available_bytes|memory_pool|kv_cache_configurator"
+                        r"|pool_configurator|ReqToTokenPool|TokenToKVPool|_create_buffers")),
+    ("weights", re.compile(r"^(?:load_model|load_weights\w*|get_model|load_weight\w*|weight_loader)$|model_loader")),
 ]
 
 
@@ -506,6 +527,8 @@ class LogWatcher:
         self._exit_status: int | None = None
         self._last_sglang_line: str | None = None
         self._sglang_lines = 0
+        self._frames: deque[tuple[str, str]] = deque(maxlen=64)
+        self._failure_site: str | None = None
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -589,6 +612,7 @@ class LogWatcher:
             batches=[BatchLine(**b) for b in self._batches],
             batch_summary=BatchSummary(**summary),
             failure=failure,
+            failure_site=self._failure_site if self.failure is not None else None,
             warnings=warnings,
             kv_cache_dtype=self._fields.get("kv_cache_dtype"),
             max_total_tokens_requested=self._fields.get("mtt_requested"),
@@ -653,6 +677,11 @@ class LogWatcher:
         if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
             self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
             return True
+        if msg.startswith('File "') and (m := _P["frame"].match(msg)):  # a traceback frame
+            self._frames.append((m.group("file"), m.group("func")))
+            return False
+        if "Traceback (most recent call last)" in msg:
+            self._frames.clear()
         if _STARTUP_WORDS.search(msg):
             for version, pat in _VERSION_MARKERS:
                 if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
@@ -880,6 +909,8 @@ class LogWatcher:
             if prio > self._failure_prio:
                 self._failure_prio = prio
                 self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank)
+                site = self._oom_site()
+                self._failure_site = site[1] if site else None
             return True
         if m := _P["mtt_larger"].search(msg):
             if int(m.group(2)) <= 0 and self._failure_prio < 90:
@@ -890,17 +921,50 @@ class LogWatcher:
             self._oom_numbers(msg)
         return False
 
+    def _oom_site(self) -> tuple[str, str] | None:
+        """Where the current traceback was raised: ``(site, frame)`` of the innermost frame that
+        names a known site (``graphs``, ``batch``, ``pool``, ``weights``, see ``_OOM_SITES``),
+        e.g. ``("pool", "init_memory_pool")``, else ``None``."""
+        for file, func in reversed(self._frames):
+            for site, pat in _OOM_SITES:
+                if pat.search(func):
+                    return site, func
+                if site != "batch" and pat.search(file):
+                    return site, f"{func} ({file.rsplit('/', 1)[-1]})"
+        return None
+
+    def _target_pool_allocated(self) -> bool:
+        """Some rank's target KV pool exists: weights loaded now are a draft's, from the reserve (§1.5)."""
+        return any(d.get("kv_tokens") is not None for d in self._ranks.values())
+
     def _oom_class(self, msg: str) -> FailureClass:
-        """Class of a generic CUDA OOM by the phase it happened in (§4.3 vs §4.4)."""
+        """Class of a generic CUDA OOM by where it was raised (§4.3 startup vs §4.4 runtime).
+
+        While serving (a ready line, batch lines) it is a runtime OOM. Before ready, the
+        traceback's innermost known frame decides, else the startup phase reached: loading the
+        target's weights (or earlier) → weight-load OOM; anything allocated after the KV pool is
+        sized (``init_memory_pool``'s req_to_token table and KV pool, CUDA graphs, a draft worker
+        loaded after the target's pool, §1.2, §1.5, §1.6) → CUDA-graph OOM, the class of "the
+        ``(1 − mem_fraction_static)`` reserve was too small"; the warm-up batch → runtime OOM. A
+        log that shows nothing of a start (a fragment) gives a runtime OOM.
+        """
+        site = self._oom_site()
         if "capture" in msg.lower() or "cuda_graph" in msg:
             return FailureClass.CUDA_GRAPH_OOM
         if self._serving:
             return FailureClass.RUNTIME_OOM
-        if self._phase == "weights":
-            return FailureClass.WEIGHT_LOAD_OOM
-        if self._phase in ("kv_pool", "after_pool", "capture", "after_capture", "host_pool"):
+        kind = site[0] if site else None
+        if kind == "batch":
+            return FailureClass.RUNTIME_OOM
+        if kind in ("graphs", "pool"):
             return FailureClass.CUDA_GRAPH_OOM
-        return FailureClass.RUNTIME_OOM
+        if kind == "weights" or self._phase in ("init", "weights"):
+            if self._target_pool_allocated():
+                return FailureClass.CUDA_GRAPH_OOM
+            if kind == "weights" or self._ranks or self._server_args:
+                return FailureClass.WEIGHT_LOAD_OOM
+            return FailureClass.RUNTIME_OOM
+        return FailureClass.CUDA_GRAPH_OOM
 
     def _oom_numbers(self, msg: str) -> None:
         tried = _P["oom_tried"].search(msg)
@@ -908,8 +972,10 @@ class LogWatcher:
         if not tried and not gpu:
             return
         scale = {"MiB": 1.0, "GiB": 1024.0, "KiB": 1 / 1024, "B": 1 / 2**20}
+        free = _P["oom_free"].search(msg)
         self._oom = OOMDetail(
             tried_to_allocate_mib=float(tried.group(1)) * scale[tried.group(2)] if tried else None,
+            free_mib=float(free.group(1)) * scale[free.group(2)] if free else None,
             gpu_index=int(gpu.group(1)) if gpu else None,
             total_capacity_gib=float(gpu.group(2)) if gpu else None,
         )
@@ -1017,9 +1083,12 @@ def classify(lines: Iterable[str], *, exit_status: int | None = None) -> Failure
     The most specific evidence wins: ``Not enough memory`` / ``Capture cuda graph failed`` /
     ``Not enough host memory`` / ``memory capacity is unbalanced`` / ``alloc_req_slots`` /
     argparse errors beat a generic CUDA OOM, which beats ``Scheduler hit an exception``. A
-    generic CUDA OOM is classed by its phase: during weight loading → weight-load OOM; after
-    the KV pool and before ready (graphs, draft model, warm-up, all from the ``1 − mfs``
-    reserve) → CUDA-graph OOM; while serving or in an unknown phase → runtime OOM. A negative
+    generic CUDA OOM is classed by where it was raised: the innermost known frame of its
+    traceback, else the startup phase reached. While serving, or in the warm-up batch →
+    runtime OOM; loading the target's weights (or earlier) → weight-load OOM; before ready and
+    after the KV pool is sized (``init_memory_pool``'s req_to_token table and KV pool, graphs,
+    a draft worker loaded after the pool, all from the ``1 − mfs`` reserve, §1.6) → CUDA-graph
+    OOM; a log that shows nothing of a start → runtime OOM. A negative
     profiled token count in the ``max_total_tokens=... is larger than the profiled value`` line
     is a startup KV OOM (case-03). With no failure line, a non-zero ``exit_status`` gives
     ``invalid_arguments`` for status 2 before any startup line, ``host_memory`` right after the
