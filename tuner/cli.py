@@ -144,27 +144,20 @@ def restore_cmd(
 @app.command("launch")
 def launch_cmd(
     config: _LaunchAnn[_LaunchPath, typer.Option("--config", help="The run's TOML config (its service section).")],
-    dry_run: _LaunchAnn[bool, typer.Option("--dry-run/--no-dry-run", help="Only show what would change.")] = True,
-    set_flags: _LaunchAnn[list[str] | None, typer.Option("--set", help="FLAG=VALUE to change, e.g. mem-fraction-static=0.8.")] = None,
+    set_flags: _LaunchAnn[list[str] | None, typer.Option("--set", help="FLAG=VALUE to change, e.g. mem-fraction-static=0.8; checked against the service's SGLang flags.")] = None,
 ) -> None:
-    """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing."""
-    from tuner.errors import ConfigError
-    from tuner.launch.factory import build_launcher
+    """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing.
 
-    if not dry_run:
-        raise ConfigError("tuner launch only previews", hint="use --dry-run, or 'tuner run' to tune")
-    launcher = build_launcher(_launch_settings(config, None, None, None, None, None, None) or {})
-    argv = launcher.current_argv()
-    for item in set_flags or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--set {item!r} is not FLAG=VALUE", hint="write --set mem-fraction-static=0.8")
-        flag = "--" + name.lstrip("-")
-        if flag in argv and argv.index(flag) + 1 < len(argv):
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
-    console.print(launcher.dry_run(argv), highlight=False, soft_wrap=True, markup=False)
+    Starting a trial for real is `tuner run`'s job: it holds the lock and restores the service.
+    """
+    from tuner.config import load_config
+    from tuner.launch.preview import preview
+    from tuner.trial import build_launcher, flag_table
+
+    cfg = load_config(config)
+    launcher = build_launcher(cfg)
+    text = preview(launcher, set_flags or [], flag_table(cfg, launcher.current_argv()))
+    console.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
 # ---- load (issue: load generator) -----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,8 +12,19 @@ from pathlib import Path
 import pytest
 
 from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, sim_command
+from tuner.errors import LaunchError
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
+
+TUNER = str(Path(sys.executable).parent / "tuner")
+
+
+def sim_demo_argv(config: Path, mem_fraction_static: str) -> list[str]:
+    """The demo config's server command as the tuner runs it, with another mem_fraction_static."""
+    from tuner.config import load_config
+
+    argv = list(load_config(config).service.command)
+    return [mem_fraction_static if word == "0.80" else word for word in argv]
 
 
 @pytest.fixture
@@ -33,20 +46,78 @@ class TestProcessLauncher(LauncherConformance):
     """The launcher contract, process launcher."""
 
 
-def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> None:
-    port = free_port()
+def _demo_config(tmp_path: Path, port: int) -> Path:
+    """configs/demo-sim.toml on ``port`` with its state under ``tmp_path``."""
     state = tmp_path / "state"
     config = tmp_path / "tuner.toml"
     demo = (Path(__file__).parents[2] / "configs" / "demo-sim.toml").read_text()
     config.write_text(demo.replace("30000", str(port)).replace("[service]\n", f'[service]\nstate_dir = "{state}"\n'))
-    tuner = str(Path(sys.executable).parent / "tuner")
-    done = subprocess.run([tuner, "launch", "--config", str(config), "--set", "mem-fraction-static=0.7"],
+    return config
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> None:
+    err = done.stderr.strip()
+    assert done.returncode == code and err.startswith("error:") and "\n" not in err, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and all(n in err for n in needles), err
+
+
+def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> None:
+    port = free_port()
+    state = tmp_path / "state"
+    config = _demo_config(tmp_path, port)
+    done = subprocess.run([TUNER, "launch", "--config", str(config), "--set", "mem-fraction-static=0.7"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "-0.80\n+0.7" in done.stdout and "no server running" in done.stdout
-    done = subprocess.run([tuner, "restore", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    first, second, command, *change = done.stdout.split("\n")
+    assert first == "No server of this launcher is running, so there is nothing to stop."
+    assert second == f"Would start this command in a new process group, logging to {state / 'logs' / f'process-{port}.log'}:"
+    python, *args = shlex.split(command)  # {python} is the tuner's own interpreter
+    assert command.startswith("  ") and Path(python).parent == Path(TUNER).parent and args == sim_demo_argv(config, "0.7")[1:]
+    assert change == ["Command change:", "--- current argv", "+++ trial argv", "@@ -8,3 +8,3 @@",
+                      " --mem-fraction-static", "-0.80", "+0.7", " --host", "", ""]
+    done = subprocess.run([TUNER, "restore", "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
     assert not any(p.suffix == ".log" for p in state.rglob("*")), "a preview or a no-op restore started something"
-    bad = subprocess.run([tuner, "launch", "--config", str(config), "--set", "oops"], capture_output=True, text=True,
-                         timeout=120)
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "FLAG=VALUE" in bad.stderr
+
+
+@pytest.mark.parametrize(("setting", "needles"), [
+    ("oops", ("FLAG=VALUE",)),
+    ("mem-fraction-static=1.7", ("mem_fraction_static=1.7", "outside (0, 1)")),
+    ("mem-fraction-static=abc", ("--mem-fraction-static", "'abc'", "not a number")),
+    ("bogus-flag=3", ("SGLang 0.5.5 has no flag --bogus-flag",)),
+    ("max-running-requests=0", ("max_running_requests=0", "at least 1")),
+    ("chunked-prefill-size=big", ("--chunked-prefill-size", "not an integer")),
+    ("enable-hierarchical-cache=maybe", ("is a switch",)),
+])
+def test_cli_launch_checks_each_set_against_the_flag_table(tmp_path: Path, setting: str, needles: tuple[str, ...]) -> None:
+    config = _demo_config(tmp_path, free_port())
+    done = subprocess.run([TUNER, "launch", "--config", str(config), "--set", setting],
+                          capture_output=True, text=True, timeout=120)
+    _one_line_error(done, *needles)
+    assert done.stdout == ""
+
+
+def test_cli_launch_offers_no_real_launch(tmp_path: Path) -> None:
+    done = subprocess.run([TUNER, "launch", "--config", str(_demo_config(tmp_path, free_port())), "--no-dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    _one_line_error(done, "--no-dry-run", code=2)
+
+
+def test_a_foreign_server_on_the_port_is_refused_before_any_start(tmp_path: Path) -> None:
+    """Another program accepting connections on the URL's port: one line naming the port, no start."""
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        port = foreign.getsockname()[1]
+        settings = {"launcher": "process", "command": sim_command(port), "url": f"http://127.0.0.1:{port}",
+                    "state_dir": str(tmp_path / "state"), "log_dir": str(tmp_path / "logs")}
+        launcher = build_launcher(settings)
+        with pytest.raises(LaunchError, match=f"port {port} of http://127.0.0.1:{port} is already in use"):
+            with launcher.session():
+                pytest.fail("a session began although it could not start its server")
+        with pytest.raises(LaunchError, match=f"port {port} .* in use"):
+            launcher.start(settings["command"])
+        assert not (tmp_path / "logs").exists() and not launcher.record_path.exists()
+        done = subprocess.run([TUNER, "run", "--config", str(_demo_config(tmp_path, port)), "--budget", "1m"],
+                              capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        _one_line_error(done, f"port {port}", "free port")

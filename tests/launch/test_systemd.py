@@ -8,6 +8,7 @@ the emulator and says why; tests needing real systemd semantics are then skipped
 from __future__ import annotations
 
 import contextlib
+import shlex
 import subprocess
 import sys
 import time
@@ -91,6 +92,11 @@ def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_
     with _service(box, tmp_path) as (unit, settings, argv):
         launcher = build_launcher(settings)
         with launcher.session():
+            text = launcher.dry_run([*argv, "--served-model-name", "x $HOME 100% y"]).splitlines()
+            assert text[0] == f"Would write {box.unit_dir / f'{unit}.d' / '90-tuner-trial.conf'}:"
+            assert (f"Then would run systemctl daemon-reload, stop {unit}, wait until its GPU memory is "
+                    f"released, and start {unit}.") in text
+            assert text[-1] == "As a shell line: " + shlex.join([*argv, "--served-model-name", "x $HOME 100% y"])
             launcher.start([*argv, "--served-model-name", "x $HOME 100% y"])
             assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY
             dropin = box.unit_dir / f"{unit}.d" / "90-tuner-trial.conf"
@@ -149,6 +155,7 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
         base = _cli_target(box, settings)
         before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         _assert_one_line_error(_cli("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
+        assert not [p.name for p in Path(settings["state_dir"]).glob("*no-such-unit*")], "restore left a file"
         _assert_one_line_error(_cli("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
                                "/nonexistent/systemctl", "not found")
         env_unit = f"env-{unit}"

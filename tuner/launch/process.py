@@ -18,11 +18,13 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -154,12 +156,48 @@ class ProcessLauncher(GuardedLauncher):
         diff = difflib.unified_diff([f"{a}\n" for a in self.current_argv()], [f"{a}\n" for a in argv],
                                     "current argv", "trial argv", n=1)
         group = self._live_group()
-        stop = f"stop process group {group} (SIGTERM, {self.stop_grace_s:.0f} s grace, SIGKILL)" \
-            if group else "no server running"
-        return (f"would {stop}, then run in a new process group, logging to {self.log_path}:\n"
-                f"  {shlex.join(argv)}\ncommand change:\n{''.join(diff) or '(none)'}")
+        if group:
+            stop = (f"Would stop the running server's process group {group} (SIGTERM, then SIGKILL "
+                    f"after {self.stop_grace_s:.0f} s).")
+        else:
+            stop = "No server of this launcher is running, so there is nothing to stop."
+        return (f"{stop}\nWould start this command in a new process group, logging to {self.log_path}:\n"
+                f"  {shlex.join(argv)}\nCommand change:\n{''.join(diff) or '(none)'}")
+
+    def _check_startable(self) -> None:
+        self._check_port_free()
+
+    def _check_port_free(self, timeout_s: float = 1.0) -> None:
+        """Raise when a server this launcher did not start accepts connections on the URL's port.
+
+        Such a server would make the trial's own one exit with "address already in use", and its
+        answers would be measured in place of the trial's.
+
+        Args:
+            timeout_s: Limit of the connection attempt.
+
+        Raises:
+            LaunchError: The port is taken; the message names it and the fix.
+        """
+        if self._live_group() is not None:
+            return  # our own server: start() stops it first
+        parts = urlsplit(self.url)
+        host = parts.hostname or "127.0.0.1"
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                pass
+        except OSError:
+            return
+        raise LaunchError(
+            f"port {port} of {self.url} is already in use by a program this tuner did not start",
+            hint=f"stop it (see `ss -ltnp 'sport = :{port}'`), or give service.url and the "
+            "command's --port a free port",
+        )
 
     def _launch(self, argv: list[str]) -> None:
+        self._check_port_free()
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             logf = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child

@@ -385,6 +385,13 @@ class GuardedLauncher(Launcher):
     def _poll(self) -> ServerPoll:
         """New output lines since the last poll and the manager's view of the server."""
 
+    def _check_startable(self) -> None:
+        """Refuse a session whose server could not be started (default: nothing to check).
+
+        Raises:
+            LaunchError: Something outside the tuner prevents the start.
+        """
+
     def has_leftover_change(self) -> bool:
         """Whether the service carries a tuner change no state file records (a stray trial drop-in)."""
         return False
@@ -545,6 +552,8 @@ class GuardedLauncher(Launcher):
             LaunchError: The original could not be put back or did not become healthy.
         """
         owned = not self.lock.held
+        if owned and self._state is None and self.store.load() is None:
+            self._record_original()  # an unknown unit fails here, before a lock file is created
         if owned:
             self.lock.acquire()
         try:
@@ -595,10 +604,12 @@ class GuardedLauncher(Launcher):
 
         Raises:
             LockHeldError: Another tuner holds this unit.
-            LaunchError: The service cannot be read or the state file written.
+            LaunchError: The service cannot be read, the state file written, or the server could
+                not be started (e.g. a foreign program holds the process launcher's port).
         """
         self.lock.acquire()
         try:
+            self._check_startable()
             left = self.store.load()
             if left is not None:
                 log.warning("adopting the state left by tuner PID %s (%s); its original is what "

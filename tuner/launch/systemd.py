@@ -128,10 +128,10 @@ class SystemdLauncher(GuardedLauncher):
         )
         change = "".join(diff) or "(none)\n"
         return (
-            f"would write {self.unit.dropin_folder / TRIAL_DROPIN}:\n{text}\n"
-            f"then: daemon-reload, stop {self.unit.name}, wait for GPU memory release, "
-            f"start {self.unit.name}\ncommand change:\n{change}"
-            f"as a shell line: {shlex.join(argv)}"
+            f"Would write {self.unit.dropin_folder / TRIAL_DROPIN}:\n{text}\n"
+            f"Then would run systemctl daemon-reload, stop {self.unit.name}, wait until its GPU memory "
+            f"is released, and start {self.unit.name}.\nCommand change:\n{change}"
+            f"As a shell line: {shlex.join(argv)}"
         )
 
     def _header(self) -> str:
