@@ -214,6 +214,33 @@ def _load_summary_table(summary, title: str):  # noqa: ANN001, ANN202 - LoadSumm
     return table
 
 
+def _load_check_out(path: _LoadPath | None, flag: str) -> None:
+    """Fail before any load is sent when ``path`` (an output file) could not be written."""
+    import os
+
+    from tuner.errors import ConfigError
+
+    if path is None:
+        return
+    folder = path.parent
+    if path.is_dir():
+        problem = "is a folder"
+    elif not folder.is_dir():
+        problem = f"is in a folder that does not exist ({folder})"
+    elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable"
+    else:
+        return
+    raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")
+
+
+def _load_print_errors(summary) -> None:  # noqa: ANN001 - LoadSummary
+    if summary.top_errors:
+        console.print(f"errors ({summary.errored}), most common first:", highlight=False)
+        for e in summary.top_errors:
+            console.print(f"  {e.count:>6} x {e.kind or 'error'}: {escape(e.example)}", highlight=False, soft_wrap=True)
+
+
 def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
     p99 = "-" if stats.p99_ttft_ms_so_far is None else f"{stats.p99_ttft_ms_so_far:,.0f} ms"
     return (
@@ -228,7 +255,8 @@ def _load_steps_table(found):  # noqa: ANN001, ANN202 - MaxLoadResult -> rich Ta
 
     table = Table(title=f"tuner load --max-under-slo ({found.knob})", title_justify="left")
     for name in ("level", "verdict", "met [CI]", "n", "req/s", "tok/s", "p99 TTFT ms", "p99 ITL ms"):
-        table.add_column(name, justify="left" if name == "verdict" else "right")
+        table.add_column(name, justify="left" if name == "verdict" else "right",
+                         min_width=len("indeterminate") if name == "verdict" else None)
     for step in found.steps:
         table.add_row(
             f"{step.value:g}", step.verdict,
@@ -280,6 +308,7 @@ def load_cmd(
     transport: _LoadAnn[str, typer.Option("--transport", help="raw (own HTTP/1.1, least CPU) or aiohttp.")] = "raw",
     json_out: _LoadAnn[_LoadPath | None, typer.Option("--json", help="write the summary (or search result) as JSON.")] = None,
     csv_out: _LoadAnn[_LoadPath | None, typer.Option("--csv", help="write one row per request as CSV.")] = None,
+    max_error_rate: _LoadAnn[float, typer.Option("--max-error-rate", help="exit 1 above this share of errored requests (0-1); always when none completed.")] = 0.1,
 ) -> None:
     """Load an SGLang server with a streaming workload and report bench_serving's metrics.
 
@@ -291,7 +320,7 @@ def load_cmd(
 
     from rich.live import Live
 
-    from tuner.errors import ConfigError
+    from tuner.errors import ConfigError, LoadError
     from tuner.load import SLO, build_workload, find_max_under_slo_async, run_load
     from tuner.load.runner import run_sync
     from tuner.load.workloads import spec_from_options
@@ -308,6 +337,10 @@ def load_cmd(
         raise ConfigError("--max-under-slo needs limits", hint='add --slo "p99_ttft_ms=2000,p99_itl_ms=100"')
     if max_under_slo and csv_out is not None:
         raise ConfigError("--csv writes per-request rows of one run", hint="drop --csv with --max-under-slo")
+    if not 0 <= max_error_rate <= 1:
+        raise ConfigError(f"--max-error-rate {max_error_rate:g} is not a share", hint="use a value in [0, 1], e.g. 0.1")
+    _load_check_out(json_out, "--json")
+    _load_check_out(csv_out, "--csv")
     spec = spec_from_options(workload, {
         "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio, "num_requests": num_requests,
         "num_groups": num_groups, "prompts_per_group": prompts_per_group, "system_prompt_len": system_prompt_len,
@@ -326,7 +359,8 @@ def load_cmd(
                 live.console.print(
                     f"{knob} {step.value:g}: [bold]{step.verdict}[/] attainment "
                     f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}, {step.ci_high:.0%}] of {step.judged}, "
-                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms",
+                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms"
+                    + (f" — {escape(step.note)}" if step.note else ""),
                     soft_wrap=True,
                 )
 
@@ -347,13 +381,15 @@ def load_cmd(
     console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
     if max_under_slo:
         console.print(_load_steps_table(found))
-        console.print(found.message, highlight=False)
+        if found.answered:
+            console.print(found.message, highlight=False, markup=False, soft_wrap=True)
         payload = found.model_dump(mode="json")
         partial = found.status == "aborted"
     else:
         mode = result.settings["mode"]
         pace = f"concurrency {concurrency}" if mode == "closed" else (f"rate {rate:g} req/s" if rate else "trace times")
         console.print(_load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
+        _load_print_errors(result.summary)
         payload = result.to_json_dict()
         partial = result.partial
         if result.stopped_early or result.partial:
@@ -368,6 +404,11 @@ def load_cmd(
             raise ConfigError(f"cannot write --json {json_out}: {err.strerror}", hint="pass a writable path") from err
     if partial:
         raise typer.Exit(1)
+    if max_under_slo and not found.answered:
+        raise LoadError(f"--max-under-slo reached no answer ({found.status}): {found.message}")
+    failure = None if max_under_slo else result.summary.failure(max_error_rate)
+    if failure is not None:
+        raise LoadError(failure, hint="fix the cause above (request sizes, --url, the server) or raise --max-error-rate")
 
 
 # ---- run / init (issue: tuner run) ----------------------------------------------------------

@@ -22,8 +22,31 @@ def test_max_under_slo_from_the_cli(start_server, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["knob"] == "concurrency" and data["steps"] and data["steps"][0]["value"] == 2
-    assert data["status"] in ("found", "indeterminate", "none_pass")
+    assert data["status"] in ("found", "max_value")
     assert data["message"] in done.stdout
+
+
+def test_max_under_slo_without_an_answer_says_what_duration_decides_and_exits_1(start_server, tmp_path: Path) -> None:
+    # ~0.2 s per request: a 1 s window holds ~5 requests; 35 are needed (~9 s), which a 6 s budget cannot hold.
+    server = start_server("--ttft-ms", "3", "--itl-ms", "10")
+    out = tmp_path / "search.json"
+    done = _cli("--url", server.url, "--input-len", "16", "--output-len", "20", "--max-under-slo",
+                "--slo", "p99_ttft_ms=5000", "--duration", "1", "--warmup", "0.2", "--time-budget", "6",
+                "--json", str(out))
+    assert done.returncode == 1, done.stdout
+    error = done.stderr.strip().splitlines()[-1]  # the lines above are the live per-level report
+    assert error.startswith("error: ") and "(indeterminate)" in error, done.stderr
+    assert "needs 35 requests" in error and "--duration" in error
+    assert json.loads(out.read_text())["steps"][0]["requests_needed"] == 35
+
+
+def test_output_paths_are_checked_before_any_load(tmp_path: Path) -> None:
+    # The URL is down: an error about --json / --csv proves they were checked first.
+    for args, needle in ((["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json is in a folder that does not exist"),
+                         (["--csv", str(tmp_path)], f"--csv {tmp_path} is a folder")):
+        done = _cli("--url", "http://127.0.0.1:9", "--concurrency", "1", "--duration", "1", *args)
+        assert done.returncode == 1 and needle in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_cli_option_errors_are_one_line(sse_url: str) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from tuner.errors import LoadError
 from tuner.load import SLO, RandomSpec
-from tuner.load.search import find_max_under_slo, wilson_interval
+from tuner.load.search import find_max_under_slo, wilson_interval, wilson_min_requests
 
 
 def test_wilson_interval_known_values() -> None:
@@ -15,6 +15,32 @@ def test_wilson_interval_known_values() -> None:
     assert wilson_interval(0, 0) == (0.0, 1.0)
     low, high = wilson_interval(10, 10, 0.95)
     assert high == 1.0 and low == pytest.approx(0.7225, abs=1e-3)
+
+
+def test_all_met_needs_35_requests_to_show_90_percent() -> None:
+    # n of n gives a lower bound n / (n + z^2), z = 1.96: 23/23 -> 0.857 cannot be told from 0.9;
+    # n >= 0.9 z^2 / 0.1 = 34.6 can.
+    low_23 = wilson_interval(23, 23)[0]
+    assert low_23 == pytest.approx(23 / (23 + 1.959964**2), abs=1e-6) and low_23 < 0.9
+    assert wilson_min_requests(1.0, 0.9) == 35
+    assert wilson_interval(34, 34)[0] < 0.9 <= wilson_interval(35, 35)[0]
+    # Below the target the same formula tells when the upper bound drops under it.
+    need = wilson_min_requests(0.7, 0.9)
+    assert wilson_interval(round(0.7 * need), need)[1] < 0.9 <= wilson_interval(round(0.7 * (need - 1)), need - 1)[1]
+    assert wilson_min_requests(0.9, 0.9) is None
+
+
+def test_undecided_level_is_rerun_long_enough_to_decide(start_server) -> None:
+    # ~50 ms per request at concurrency 1: a 0.5 s window holds ~10 requests, short of the 35 needed.
+    server = start_server("--ttft-ms", "3", "--itl-ms", "2")
+    result = find_max_under_slo(
+        server.url, RandomSpec(input_len=16, output_len=25), SLO(ttft_ms={"p99": 5000}),
+        start=1, max_value=1, step_duration_s=0.5, warmup_s=0.2, time_budget_s=60,
+    )
+    first, again = result.steps
+    assert first.verdict == "indeterminate" and first.judged < 35 and first.requests_needed == 35
+    assert again.verdict == "pass" and again.judged >= 35 and again.duration_s > 1.0
+    assert result.status == "max_value" and result.value == 1
 
 
 def test_concurrency_search_brackets_the_server_capacity(start_server) -> None:

@@ -106,3 +106,24 @@ def test_slo_parse_and_errors() -> None:
             SLO.parse(bad)
         message = str(info.value)
         assert "\n" not in message and bad.split("=")[0] in message and "--slo" in message
+
+
+def _err(rid: str, error: str, kind: str = "http") -> RequestRecord:
+    return RequestRecord(rid=rid, send_time_s=0.0, end_time_s=0.1, status="error", error=error, error_kind=kind)
+
+
+def test_top_errors_group_texts_that_differ_in_numbers_and_failure_names_the_cause() -> None:
+    too_long = "HTTP 400 from http://h/generate: Input length ({n} tokens) exceeds the maximum allowed length (131066 tokens)."
+    errors = [_err(str(n), too_long.format(n=n)) for n in (200000, 150000, 180000)]
+    errors += [_err("t", "no complete answer within 600 s", "timeout"), D]  # D: incomplete, not an error
+    s = summarize([*errors], duration_s=1.0)
+    assert [(e.count, e.kind) for e in s.top_errors] == [(3, "http"), (1, "timeout")]
+    assert s.top_errors[0].example == too_long.format(n=200000)
+    reason = s.failure(max_error_rate=1.0)  # no request completed fails at any threshold
+    assert reason is not None and reason.startswith("no request completed (4 errored, 1 incomplete)")
+    assert "(3x): HTTP 400" in reason and "Input length (200000 tokens)" in reason
+    # One error in three finished requests: 33 % fails a 10 % threshold, passes a 50 % one.
+    mixed = summarize([A, B, C], duration_s=1.0)
+    assert "1 of 3 requests errored (error rate 33.3% > 10%)" in (mixed.failure(0.1) or "")
+    assert mixed.failure(0.5) is None and summarize([A], 1.0).failure(0.0) is None
+    assert "top_errors" not in mixed.metrics()

@@ -146,3 +146,17 @@ def test_sim_crash_mid_run_gives_partial_result_promptly(tmp_path: Path) -> None
         assert result.summary.errored + result.summary.incomplete >= 16
     finally:
         victim.kill()
+
+
+def test_cli_names_the_error_and_exits_1_when_no_request_completes(sim: Sim, tmp_path: Path) -> None:
+    # llama-3.1-8b's context is 131072 tokens: the server rejects every 200000-token prompt (§4.4).
+    out = tmp_path / "load.json"
+    done = _cli("--url", sim.url, "--input-len", "200000", "--output-len", "4", "--concurrency", "1",
+                "--max-requests", "5", "--json", str(out))
+    assert done.returncode == 1, done.stdout
+    reason = "Input length (200000 tokens) exceeds the maximum allowed length"
+    assert "errors (5), most common first:" in done.stdout and "5 x http: HTTP 400" in done.stdout
+    assert reason in done.stdout.replace("\n", " ")
+    error = done.stderr.strip()
+    assert len(error.splitlines()) == 1 and "no request completed (5 errored" in error and reason in error, error
+    assert json.loads(out.read_text())["summary"]["top_errors"][0]["count"] == 5  # written before the exit

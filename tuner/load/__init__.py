@@ -5,7 +5,7 @@ The public API is :data:`__all__`; see ``README.md`` § Load generator for ``tun
 
 from tuner.load.arrivals import PhasePlan, arrival_offsets_s
 from tuner.load.client import StreamClient
-from tuner.load.metrics import SLO, LoadSummary, RequestRecord, request_itls_s, summarize
+from tuner.load.metrics import SLO, ErrorCount, LoadSummary, RequestRecord, request_itls_s, summarize, top_errors
 from tuner.load.runner import LiveStats, LoadResult, PhaseWindow, run_load, run_load_sync
 from tuner.load.search import MaxLoadResult, SearchStep, find_max_under_slo, find_max_under_slo_async, wilson_interval
 from tuner.load.workloads import (
@@ -38,7 +38,9 @@ __all__ = [
     "SLO",
     "RequestRecord",
     "LoadSummary",
+    "ErrorCount",
     "summarize",
+    "top_errors",
     "request_itls_s",
     "LiveStats",
     "PhaseWindow",

@@ -49,6 +49,7 @@ Api = Literal["generate", "completions"]
 Transport = Literal["raw", "aiohttp"]
 API_PATHS: Mapping[str, str] = MappingProxyType({"generate": "/generate", "completions": "/v1/completions"})
 logger = logging.getLogger(__name__)
+_ERROR_BODY_BYTES = 4096
 
 
 class TokenCounter:
@@ -182,6 +183,30 @@ def _error_text(err: Any) -> str:
     if isinstance(err, dict):
         err = err.get("message") or err
     return " ".join(str(err).split())[:300]
+
+
+def _http_error(what: str, endpoint: str, body: bytes) -> str:
+    """One line for a non-streamed answer: the server's own ``message`` when the body is JSON.
+
+    A rejected request's reason, e.g. the too-long-input text ``Input length (N tokens) exceeds
+    the maximum allowed length (M tokens).`` (§4.4), comes in the error body. The reference does
+    not fix that body's JSON shape, so ``error.message``, ``message`` and ``detail`` are tried in
+    turn and the raw text is kept otherwise; the reason leads, so it survives truncation.
+    """
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        obj = None
+    reason = None
+    if isinstance(obj, dict):
+        error = obj.get("error")
+        for candidate in (error.get("message") if isinstance(error, dict) else error, obj.get("message"),
+                          obj.get("detail")):
+            if candidate:
+                reason = candidate
+                break
+    text = _error_text(reason) if reason is not None else " ".join(body[:200].decode("utf-8", "replace").split())
+    return f"{what} from {endpoint}: {text}"
 
 
 class _ProtocolError(Exception):
@@ -582,9 +607,8 @@ class StreamClient:
         if conn is None:
             return outcome
         if conn.status != 200 or not conn.is_sse:
-            text = b"".join(conn.body)[:200].decode("utf-8", "replace")
             what = f"HTTP {conn.status}" if conn.status != 200 else "HTTP 200 without an SSE stream"
-            return "error", "http", f"{what} from {self.endpoint}: {' '.join(text.split())}"
+            return "error", "http", _http_error(what, self.endpoint, b"".join(conn.body)[:_ERROR_BODY_BYTES])
         return outcome
 
     async def _send_aiohttp(
@@ -595,8 +619,8 @@ class StreamClient:
         try:
             async with self._session.post(self.endpoint, data=body, headers=self._headers) as resp:
                 if resp.status != 200:
-                    text = (await resp.text(errors="replace"))[:200]
-                    return "error", "http", f"HTTP {resp.status} from {self.endpoint}: {' '.join(text.split())}"
+                    body = (await resp.read())[:_ERROR_BODY_BYTES]
+                    return "error", "http", _http_error(f"HTTP {resp.status}", self.endpoint, body)
                 buf = b""
                 readany = resp.content.readany
                 while data := await readany():

@@ -14,13 +14,15 @@ Definitions follow ``sglang.bench_serving``'s ``calculate_metrics`` (``shared/sg
 * percentiles are ``numpy.percentile`` (linear), ``median`` is p50, ``std`` the population std.
 
 Added here (GuideLLM-style, failures kept visible): ``errored`` / ``incomplete`` counts, error
-rate, the prefix-cache hit rate Σ cached_tokens / Σ prompt_tokens from the server's own usage
-fields (§5.3), and SLOs: a limit per percentile of TTFT / ITL / TPOT / E2E, goodput (requests/s
+rate, the most common errors (:class:`ErrorCount`, so a failed run says why), the prefix-cache
+hit rate Σ cached_tokens / Σ prompt_tokens from the server's own usage fields (§5.3), and SLOs: a limit per percentile of TTFT / ITL / TPOT / E2E, goodput (requests/s
 meeting every per-request limit, bench_serving's ``--goodput``), attainment and violations.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
@@ -34,8 +36,10 @@ __all__ = [
     "SLO_METRICS",
     "SLO",
     "RequestRecord",
+    "ErrorCount",
     "LoadSummary",
     "summarize",
+    "top_errors",
     "request_itls_s",
 ]
 
@@ -44,6 +48,8 @@ PERCENTILE_KEYS: tuple[str, ...] = ("mean", "median", "p50", "p90", "p95", "p99"
 SLO_METRICS: tuple[str, ...] = ("ttft", "itl", "tpot", "e2e_latency")
 """Latency metrics an SLO may bound."""
 _STAT_KEYS = ("mean", "median", "std", "p90", "p95", "p99", "max")
+_TOP_ERRORS = 3
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _canonical(key: str) -> str:
@@ -204,10 +210,50 @@ def request_itls_s(record: RequestRecord) -> list[float]:
     return _itls_s(record).tolist()
 
 
+class ErrorCount(BaseModel):
+    """Errored requests that failed the same way.
+
+    Attributes:
+        count: How many errored requests had this error.
+        kind: Their ``error_kind`` (``http``, ``server``, ``timeout``, ...).
+        example: The first such request's error text; errors differing only in numbers (token
+            counts, ports) count as one.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int
+    kind: str | None = None
+    example: str
+
+
+def top_errors(records: Sequence[RequestRecord], limit: int = _TOP_ERRORS) -> list[ErrorCount]:
+    """The most common errors of the errored records, most frequent first.
+
+    Args:
+        records: Records of any status; only ``status == "error"`` ones count.
+        limit: Most groups returned.
+
+    Returns:
+        Up to ``limit`` :class:`ErrorCount`; errors whose texts differ only in their numbers form
+        one group (``Input length (N tokens) ...``), shown by their first example.
+    """
+    counts: Counter[tuple[str | None, str]] = Counter()
+    examples: dict[tuple[str | None, str], str] = {}
+    for r in records:
+        if r.status == "error":
+            text = r.error or "unknown error"
+            key = (r.error_kind, _NUMBER.sub("#", text))
+            counts[key] += 1
+            examples.setdefault(key, text)
+    return [ErrorCount(count=n, kind=key[0], example=examples[key]) for key, n in counts.most_common(limit)]
+
+
 class LoadSummary(BaseModel):
     """bench_serving's result keys (§6.2) plus failure counts, cache hit rate and SLO results.
 
     Latency fields are ms; ``None`` when nothing was measured. Throughputs: requests/s, tokens/s.
+    ``top_errors`` holds the most common errors of the window (empty when none errored).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -259,12 +305,36 @@ class LoadSummary(BaseModel):
     slo_attainment: float | None = None
     slo_met: bool | None = None
     slo_violations: dict[str, float | None] = Field(default_factory=dict)
+    top_errors: list[ErrorCount] = Field(default_factory=list)
+
+    def failure(self, max_error_rate: float) -> str | None:
+        """Why this window does not describe a working server, or ``None`` when it does.
+
+        Args:
+            max_error_rate: Highest tolerated share of errored requests among those finished (0-1).
+
+        Returns:
+            One line: no request completed, or the error rate exceeds ``max_error_rate``; followed by
+            the most common error when requests errored.
+        """
+        judged = self.completed + self.errored
+        if self.completed == 0:
+            reason = f"no request completed ({self.errored} errored, {self.incomplete} incomplete)"
+        elif self.error_rate > max_error_rate:
+            reason = (f"{self.errored} of {judged} requests errored "
+                      f"(error rate {self.error_rate:.1%} > {max_error_rate:.0%})")
+        else:
+            return None
+        if self.top_errors:
+            worst = self.top_errors[0]
+            reason += f"; most often ({worst.count}x): {worst.example}"
+        return reason
 
     def metrics(self) -> dict[str, float | None]:
         """The numeric fields as a flat dict (for :class:`tuner.records.PhaseResult.metrics`)."""
         return {
             k: (float(v) if v is not None else None)
-            for k, v in self.model_dump(exclude={"slo_violations", "slo_met"}).items()
+            for k, v in self.model_dump(exclude={"slo_violations", "slo_met", "top_errors"}).items()
         }
 
 
@@ -366,6 +436,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         total_prompt_tokens=prompt_total if reporting else None,
         total_cached_tokens=cached_total if reporting else None,
         cache_hit_rate=cached_total / prompt_total if reporting and prompt_total else None,
+        top_errors=top_errors(records),
     )
     if slo is not None and not slo.is_empty():
         good = sum(1 for r, own in zip(done, per_request_itls) if _meets(r, slo, own))

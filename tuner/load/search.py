@@ -6,9 +6,15 @@ attainment (the share of finished requests meeting every per-request limit, see
 
 * lower bound ≥ ``target_attainment`` → ``pass``;
 * upper bound < ``target_attainment`` → ``fail``;
-* otherwise ``indeterminate``: the level is re-run once with twice the window if the budget
-  allows; if it still straddles the target it bounds the search, and is reported as such rather
-  than as a number the data do not support.
+* otherwise ``indeterminate``: the window held too few requests for its attainment. The level
+  is re-run once with a window long enough for the requests :func:`wilson_min_requests` says the
+  interval needs (at least twice the first, at most what the budget leaves); if it still
+  straddles the target it bounds the search, and is reported as such, naming the requests and
+  the ``--duration`` a decision needs, rather than as a number the data do not support.
+
+The arithmetic, two-sided at 95 % (z = 1.96): n requests that all meet the SLO give a Wilson
+lower bound of n / (n + z²), so showing ≥ 90 % needs n ≥ 0.9·z² / 0.1 = 34.6, i.e. 35 requests;
+23 of 23 gives [85.7 %, 100 %] and cannot be told from 90 % (nor can it one-sided: 89.5 %).
 
 Open loop (``knob="rate"``) also watches for over-saturation: when the requests in flight grow
 during the measured window faster than a fifth of the offered rate (the server serves under
@@ -33,11 +39,20 @@ from tuner.load.metrics import SLO
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
 from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
 
-__all__ = ["Verdict", "SearchStep", "MaxLoadResult", "wilson_interval", "find_max_under_slo", "find_max_under_slo_async"]
+__all__ = [
+    "Verdict",
+    "SearchStep",
+    "MaxLoadResult",
+    "wilson_interval",
+    "wilson_min_requests",
+    "find_max_under_slo",
+    "find_max_under_slo_async",
+]
 
 Verdict = Literal["pass", "fail", "indeterminate", "saturated", "aborted"]
 _MIN_SATURATION_TICKS = 5
 _GROWTH_SHARE = 0.2
+_RERUN_MARGIN = 1.25  # the re-run window aims at this many times the requests the interval needs
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -61,8 +76,34 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def wilson_min_requests(attainment: float, target: float, confidence: float = 0.95) -> int | None:
+    """Fewest requests whose Wilson interval at ``attainment`` excludes ``target`` (or touches it).
+
+    The Wilson interval holds every t with (p − t)² ≤ z²·t(1 − t)/n, so the target leaves it once
+    n ≥ z²·t(1 − t)/(p − t)²; e.g. all requests meeting the SLO against a 90 % target at 95 %
+    confidence needs 35.
+
+    Args:
+        attainment: Observed share of requests meeting the SLO, p in [0, 1].
+        target: Target attainment t in (0, 1).
+        confidence: Two-sided confidence level of the interval.
+
+    Returns:
+        The number of requests n, or ``None`` when ``attainment == target`` (no n decides).
+    """
+    if attainment == target:
+        return None
+    z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+    return max(1, math.ceil(z * z * target * (1 - target) / (attainment - target) ** 2 - 1e-9))
+
+
 class SearchStep(BaseModel):
-    """One measured level of the search."""
+    """One measured level of the search.
+
+    ``requests_needed`` is set on an ``indeterminate`` step: the requests one window must hold, at
+    this attainment, for the interval to decide (:func:`wilson_min_requests`); ``note`` says why a
+    level failed or was not decided (the most common error when requests errored).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -79,7 +120,15 @@ class SearchStep(BaseModel):
     p99_itl_ms: float | None
     slo_met: bool | None
     duration_s: float
+    requests_needed: int | None = None
     note: str | None = None
+
+    def duration_needed_s(self) -> float | None:
+        """Window (s) that would hold :attr:`requests_needed` at this step's pace, if known."""
+        pace = self.judged / self.duration_s if self.duration_s > 0 else 0.0
+        if self.requests_needed is None or pace <= 0:
+            return None
+        return self.requests_needed / pace
 
 
 class MaxLoadResult(BaseModel):
@@ -109,6 +158,11 @@ class MaxLoadResult(BaseModel):
     steps: list[SearchStep] = Field(default_factory=list)
     elapsed_s: float = 0.0
     message: str = ""
+
+    @property
+    def answered(self) -> bool:
+        """Whether the search reached an answer (``found`` or ``max_value``); ``tuner load`` exits 1 otherwise."""
+        return self.status in ("found", "max_value")
 
 
 class _SaturationWatch:
@@ -150,12 +204,27 @@ class _SaturationWatch:
         return self._grew(self.points[len(self.points) // 2], self.points[-1])
 
 
+def _undecided(step: SearchStep, knob: str, unit: str, target: float) -> str:
+    """Why ``step`` (indeterminate) was not decided, and the ``--duration`` that would decide it."""
+    text = (f"{knob} {step.value:g}{unit} met the SLO for {step.met} of {step.judged} requests "
+            f"[{step.ci_low:.1%}, {step.ci_high:.1%}], which straddles {target:.0%}")
+    wanted_s = step.duration_needed_s()
+    if step.requests_needed is None or wanted_s is None:
+        return text + "; its attainment equals the target, so no window length decides it"
+    return (text + f"; the interval needs {step.requests_needed} requests in one window: "
+            f"rerun with --duration {math.ceil(_RERUN_MARGIN * wanted_s)} or more (and a --time-budget several times that)")
+
+
 def _judge(result: LoadResult, value: float, target: float, confidence: float, saturated: bool) -> SearchStep:
     s = result.summary
     judged = s.completed + s.errored
     met = round((s.slo_attainment or 0.0) * judged)
     low, high = wilson_interval(met, judged, confidence)
     note = None
+    needed = None
+    if s.top_errors:
+        worst = s.top_errors[0]
+        note = f"{s.errored} of {judged} requests errored, {worst.count} with: {worst.example}"
     if result.partial:
         verdict: Verdict = "aborted"
         note = result.stop_reason
@@ -170,10 +239,13 @@ def _judge(result: LoadResult, value: float, target: float, confidence: float, s
         verdict = "fail"
     else:
         verdict = "indeterminate"
+        needed = wilson_min_requests(met / judged, target, confidence)
+        note = (f"{judged} requests in the window; at {met / judged:.0%} the {confidence:.0%} interval "
+                + (f"needs {needed} to tell it from {target:.0%}" if needed else f"cannot be told from {target:.0%}"))
     return SearchStep(
         value=value, verdict=verdict, judged=judged, met=met, attainment=s.slo_attainment, ci_low=low, ci_high=high,
         request_throughput=s.request_throughput, output_throughput=s.output_throughput, p99_ttft_ms=s.p99_ttft_ms,
-        p99_itl_ms=s.p99_itl_ms, slo_met=s.slo_met, duration_s=s.duration, note=note,
+        p99_itl_ms=s.p99_itl_ms, slo_met=s.slo_met, duration_s=s.duration, requests_needed=needed, note=note,
     )
 
 
@@ -248,7 +320,7 @@ async def find_max_under_slo_async(
         return time_budget_s - (time.monotonic() - began)
 
     async def measure(value: float, window_s: float) -> SearchStep | None:
-        if left() < warm + window_s * 0.75:
+        if left() < warm + window_s:  # a level cut by the budget's timeout gives no verdict
             return None
         watch = _SaturationWatch(value, on_tick) if knob == "rate" else None
         result = await run_load(
@@ -271,7 +343,11 @@ async def find_max_under_slo_async(
     async def judge(value: float) -> SearchStep | None:
         step = await measure(value, step_duration_s)
         if step is not None and step.verdict == "indeterminate":
-            again = await measure(value, 2 * step_duration_s)
+            # Re-run once, long enough for the requests the interval needs; a window the budget
+            # cannot hold would not decide either, so the first step then stands (and says why).
+            wanted_s = step.duration_needed_s()
+            window_s = max(2 * step_duration_s, _RERUN_MARGIN * wanted_s if wanted_s is not None else 0.0)
+            again = await measure(value, window_s)
             return again or step
         return step
 
@@ -322,14 +398,22 @@ async def find_max_under_slo_async(
         message = f"highest {knob} meeting the SLO for {target_attainment:.0%} of requests: {lo:g}{unit}"
         if hi is not None and hi_step is not None:
             message += f" ({hi:g}{unit}: {hi_step.verdict})"
+            if hi_step.verdict == "indeterminate":
+                message += f"; {_undecided(hi_step, knob, unit, target_attainment)}"
+        else:
+            message += " (the time budget ran out before a higher level was judged)"
     elif status == "max_value":
         message = f"every {knob} up to max_value {max_value:g}{unit} met the SLO"
     elif status == "indeterminate":
-        message = f"{knob} {hi:g}{unit}: the attainment interval straddles {target_attainment:.0%}; no level shown to pass"
+        assert hi_step is not None
+        message = f"no level shown to pass: {_undecided(hi_step, knob, unit, target_attainment)}"
     elif status == "none_pass":
-        message = f"even {knob} {hi:g}{unit} misses the SLO ({hi_step.verdict if hi_step else 'fail'})"
+        assert hi_step is not None
+        message = f"even {knob} {hi:g}{unit} misses the SLO ({hi_step.verdict}" + (
+            f": {hi_step.note})" if hi_step.note else ")")
     elif status == "budget":
-        message = f"the time budget of {time_budget_s:g} s ran out before any level was judged"
+        message = (f"the time budget of {time_budget_s:g} s ran out before any level was judged; "
+                   f"raise --time-budget or shorten --duration")
     else:
         message = f"the server failed during a level: {steps[-1].note if steps else 'unknown'}"
     return MaxLoadResult(
