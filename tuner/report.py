@@ -147,6 +147,10 @@ def _status(view: TrialView) -> str:
     """Why a trial is not feasible: its failure class, ``skipped``, or the violated constraints."""
     if view.failure_class:
         return view.failure_class
+    if view.record is not None and (view.record.failure_evidence or "").startswith("interrupted"):
+        return "interrupted"
+    if view.state == "RUNNING":
+        return "running, or killed (`tuner run` resumes it)"
     if view.outcome == "skipped" or view.state == "PRUNED":
         return "skipped"
     if view.feasible or view.state != "COMPLETE":

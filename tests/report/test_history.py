@@ -111,3 +111,21 @@ def test_stored_policy_defaults_when_missing(tmp_path: Path) -> None:
     stored = open_study(StudyLocation(storage_url=url))
     assert choose_best(stored).policy == ObjectiveSection(policy="max_capacity")
     assert choose_best(stored).baseline is None
+
+
+def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
+    from tuner.records import RECORD_ATTR, TrialRecord
+    from tuner.report import _status
+
+    url = make_study(tmp_path / "i.db", "i", [ok_trial(0.8, 64, 10, 900.0, kind="baseline")])
+    study = optuna.load_study(study_name="i", storage=url)
+    interrupted = study.ask()
+    record = TrialRecord(kind="predicted", outcome="failed",
+                         failure_evidence="interrupted (Ctrl-C or SIGTERM) during the trial")
+    interrupted.set_user_attr(RECORD_ATTR, record.model_dump(mode="json"))
+    study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
+    study.ask()  # left RUNNING, as after kill -9
+    views = {v.number: v for v in open_study(StudyLocation(storage_url=url)).trials}
+    assert _status(views[1]) == "interrupted"
+    assert _status(views[2]).startswith("running, or killed")
+    assert _status(views[0]) == ""
