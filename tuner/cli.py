@@ -408,7 +408,7 @@ def load_cmd(
         raise LoadError(f"--max-under-slo reached no answer ({found.status}): {found.message}")
     failure = None if max_under_slo else result.summary.failure(max_error_rate)
     if failure is not None:
-        raise LoadError(failure, hint="fix the cause above (request sizes, --url, the server) or raise --max-error-rate")
+        raise LoadError(failure)
 
 
 # ---- run / init (issue: tuner run) ----------------------------------------------------------

@@ -124,6 +124,8 @@ def test_top_errors_group_texts_that_differ_in_numbers_and_failure_names_the_cau
     assert "(3x): HTTP 400" in reason and "Input length (200000 tokens)" in reason
     # One error in three finished requests: 33 % fails a 10 % threshold, passes a 50 % one.
     mixed = summarize([A, B, C], duration_s=1.0)
-    assert "1 of 3 requests errored (error rate 33.3% > 10%)" in (mixed.failure(0.1) or "")
+    assert "1 of 3 requests errored (error rate 33.3% > --max-error-rate 0.1)" in (mixed.failure(0.1) or "")
+    cut = summarize([D], duration_s=1.0).failure(0.1) or ""  # only a cancelled request: the window was too short
+    assert cut.startswith("no request completed (0 errored, 1 incomplete)") and "--duration" in cut
     assert mixed.failure(0.5) is None and summarize([A], 1.0).failure(0.0) is None
     assert "top_errors" not in mixed.metrics()

@@ -314,21 +314,22 @@ class LoadSummary(BaseModel):
             max_error_rate: Highest tolerated share of errored requests among those finished (0-1).
 
         Returns:
-            One line: no request completed, or the error rate exceeds ``max_error_rate``; followed by
-            the most common error when requests errored.
+            One line naming the problem and the fix: no request completed, or the error rate exceeds
+            ``max_error_rate``, with the most common error when requests errored.
         """
         judged = self.completed + self.errored
         if self.completed == 0:
             reason = f"no request completed ({self.errored} errored, {self.incomplete} incomplete)"
         elif self.error_rate > max_error_rate:
             reason = (f"{self.errored} of {judged} requests errored "
-                      f"(error rate {self.error_rate:.1%} > {max_error_rate:.0%})")
+                      f"(error rate {self.error_rate:.1%} > --max-error-rate {max_error_rate:g})")
         else:
             return None
-        if self.top_errors:
-            worst = self.top_errors[0]
-            reason += f"; most often ({worst.count}x): {worst.example}"
-        return reason
+        if not self.top_errors:
+            return reason + " — the window ended before any request finished: lengthen --duration or use --max-requests"
+        worst = self.top_errors[0]
+        return (f"{reason}; most often ({worst.count}x): {worst.example} — fix that cause (request sizes, "
+                f"--url, the server) or raise --max-error-rate")
 
     def metrics(self) -> dict[str, float | None]:
         """The numeric fields as a flat dict (for :class:`tuner.records.PhaseResult.metrics`)."""
