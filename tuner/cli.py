@@ -417,8 +417,12 @@ from pathlib import Path as _RunPath  # noqa: E402
 from typing import Annotated as _RunAnn  # noqa: E402
 
 
-def _print_best_vs_baseline(summary) -> None:  # noqa: ANN001 - tuner.run.RunSummary
+def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.run.RunSummary, history.BestChoice
+    """The closing summary; ``chosen`` is :func:`tuner.history.choose_best` on the stored study
+    (what `tuner best` says), ``None`` when no trial is feasible."""
     from rich.table import Table
+
+    from tuner.history import max_running_requests_cut
 
     def fmt(value, spec: str = ".0f") -> str:  # noqa: ANN001
         return "-" if value is None else format(value, spec)
@@ -429,13 +433,13 @@ def _print_best_vs_baseline(summary) -> None:  # noqa: ANN001 - tuner.run.RunSum
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
         highlight=False,
     )
-    base = summary.baseline[1] if summary.baseline else None
-    best = summary.best
-    if best is None:
+    if chosen is None:
         console.print("no feasible trial yet: nothing beats the baseline (see `tuner trials`)")
         return
+    base = chosen.baseline.record if chosen.baseline else None
+    best = chosen.trial
     table = Table(title=f"best (trial {best.number}) vs baseline"
-                  + (f" (trial {summary.baseline[0]})" if summary.baseline else ""))
+                  + (f" (trial {chosen.baseline.number})" if chosen.baseline else ""))
     for column in ("", "baseline", "best", "change"):
         table.add_column(column, justify="right" if column else "left")
     rows = [
@@ -454,7 +458,10 @@ def _print_best_vs_baseline(summary) -> None:  # noqa: ANN001 - tuner.run.RunSum
     console.print(table)
     changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
     console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
-    console.print(f"why: {best.reason}", highlight=False)
+    console.print(f"why: {chosen.reason}", highlight=False, soft_wrap=True)
+    cut = max_running_requests_cut(best, chosen.baseline)
+    if cut is not None:
+        console.print(cut, highlight=False, soft_wrap=True)
 
 
 class _RunProgress:
@@ -484,6 +491,17 @@ class _RunProgress:
                                  transient=True, refresh_per_second=2)
         self.task = self.progress.add_task("starting", total=None, deadline=None)
         self.in_flight: int | None = None
+
+    def __enter__(self) -> _RunProgress:
+        """Start the live line on a terminal only: rich's Progress ends with an empty line on any
+        other output, which would sit above an error line."""
+        if console.is_interactive:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress.live.is_started:
+            self.progress.stop()
 
     def __call__(self, event) -> None:  # noqa: ANN001
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
@@ -531,7 +549,7 @@ def run_cmd(
         return
     renderer = _RunProgress()
     try:
-        with renderer.progress:
+        with renderer:
             summary = trial_mod.tune(cfg, budget_s=budget_s, max_trials=max_trials,
                                      allow_mixed_environment=allow_mixed_environment, storage_url=storage,
                                      on_progress=renderer)
@@ -543,8 +561,12 @@ def run_cmd(
                           highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     console.print("service restored to its original flags", highlight=False)
-    _print_best_vs_baseline(summary)
-    if apply_best and summary.best is not None:
+    from tuner import history
+
+    stored = history.open_study(history.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
+    chosen = history.choose_best(stored) if any(v.feasible and v.record for v in stored.trials) else None
+    _print_best_vs_baseline(summary, chosen)
+    if apply_best and chosen is not None:
         apply_cmd(target="best", undo=False, dry_run=False, yes=True, study=None, storage=storage, config=config,
                   state_dir=None, verify_s=20.0, timeout_s=cfg.service.start_timeout_s, write=None)
 
@@ -608,7 +630,10 @@ def trials_cmd(
 ) -> None:
     """Every trial of a study: params, capacity, throughput, p99 TTFT/ITL, feasibility, failure."""
     from tuner import history, report
+    from tuner.errors import ConfigError
 
+    if as_json and as_csv:
+        raise ConfigError("--json and --csv exclude each other", hint="pass at most one of them")
     stored = _history_study(study, storage, config)
     views = history.select_trials(stored.trials, feasible=feasible, failed=failed, sort=sort)
     if as_json:
@@ -644,7 +669,7 @@ def best_cmd(
     storage: _StorageOpt = None,
     config: _ConfigOpt = None,
     policy: _Ann[str | None, typer.Option("--policy", help="throughput_within_capacity, max_capacity or max_throughput (default: the study's).")] = None,
-    tolerance: _Ann[float | None, typer.Option("--tolerance", help="Capacity tolerance of throughput_within_capacity (0.05 = 5%).")] = None,
+    tolerance: _Ann[float | None, typer.Option("--tolerance", help="Capacity tolerance of throughput_within_capacity only (0.05 = 5%).")] = None,
     as_json: _JsonOpt = False,
 ) -> None:
     """The feasible Pareto front and the best trial under the policy, with deltas vs the baseline."""
@@ -704,6 +729,7 @@ def dashboard_cmd(
 
     location = history.resolve_location(study=study, storage=storage, config=config)
     history.check_storage(location.storage_url)
+    report.check_listen_address(host, port)
     console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
                   highlight=False, soft_wrap=True)  # fmt: skip
     status = report.serve_dashboard(location.storage_url, host=host, port=port)
@@ -747,6 +773,9 @@ def apply_cmd(
         load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
         plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load)
     console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
+    cut = history.max_running_requests_cut(view, stored.baseline()) if view is not None else None
+    if cut is not None:
+        console.print(cut, markup=False, highlight=False)
     if dry_run:
         return
     if plan.launcher == "systemd" and not yes:

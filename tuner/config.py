@@ -239,6 +239,9 @@ class ObjectiveSection(_Section):
             capacity is within ``capacity_tolerance`` of the best, the highest throughput),
             ``max_capacity`` (highest capacity, throughput breaks ties) or ``max_throughput``.
         capacity_tolerance: Relative tolerance (0.05 = within 5 % of the best capacity).
+        throughput_noise: Relative throughput margin treated as measurement noise by
+            ``throughput_within_capacity`` (0.03: throughputs within 3 % of the band's best are
+            ties, and the higher context capacity wins them).
         context_tokens: The context length a "context" means for context capacity (default:
             the workload's longest request, input plus output).
     """
@@ -247,6 +250,7 @@ class ObjectiveSection(_Section):
         "throughput_within_capacity"
     )
     capacity_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
+    throughput_noise: float = Field(default=0.03, ge=0.0, lt=1.0)
     context_tokens: int | None = Field(default=None, gt=0)
 
 

@@ -48,6 +48,8 @@ __all__ = [
     "choose_best",
     "override_policy",
     "storage_urls",
+    "MRR_CUT_RATIO",
+    "max_running_requests_cut",
 ]
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -641,10 +643,17 @@ def override_policy(
     """The study's stored policy with ``--policy``/``--tolerance`` applied.
 
     Raises:
-        ConfigError: An unknown policy name or a tolerance outside [0, 1).
+        ConfigError: An unknown policy name, a tolerance outside [0, 1), or a tolerance with a
+            policy other than ``throughput_within_capacity`` (it would be ignored).
     """
     base = stored_policy(stored.info)
     update = {"policy": policy or base.policy}
+    if tolerance is not None and update["policy"] != "throughput_within_capacity":
+        raise ConfigError(
+            f"--tolerance {tolerance!r} applies only to policy throughput_within_capacity, "
+            f"not {update['policy']}",
+            hint="drop --tolerance, or pass --policy throughput_within_capacity",
+        )
     update["capacity_tolerance"] = base.capacity_tolerance if tolerance is None else tolerance
     try:
         return ObjectiveSection.model_validate({**base.model_dump(), **update})
@@ -661,8 +670,10 @@ def override_policy(
 def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> BestChoice:
     """Choose the best trial of a study under a policy.
 
-    The choice itself is :func:`tuner.study.choose_best` (the policy ``tuner run`` applies at the
-    end of a run), fed with the feasible Pareto front (:meth:`StoredStudy.pareto_front`).
+    The choice itself is :func:`tuner.study.choose_best`, fed with every feasible trial (the
+    pool ``tuner run`` chooses from; the capacity band of ``throughput_within_capacity`` may hold
+    dominated trials, and its count in the reason counts them). ``tuner run``'s closing summary
+    calls this function on the stored study, so both say the same.
 
     Args:
         stored: The study.
@@ -676,10 +687,13 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
     """
     policy = policy or stored_policy(stored.info)
     front = stored.pareto_front()
-    pairs = [(v.number, v.record) for v in front if v.record is not None]
+    pairs = [(v.number, v.record) for v in stored.trials if v.feasible and v.record is not None]
     choice = (
         study_module.choose_best(
-            pairs, policy=policy.policy, capacity_tolerance=policy.capacity_tolerance
+            pairs,
+            policy=policy.policy,
+            capacity_tolerance=policy.capacity_tolerance,
+            throughput_noise=policy.throughput_noise,
         )
         if pairs
         else None
@@ -702,3 +716,40 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
         baseline=baseline,
         deltas=_deltas(best, baseline),
     )
+
+
+MRR_CUT_RATIO = 0.5
+"""A chosen ``max_running_requests`` at or below this share of the baseline's effective value is
+called out by :func:`max_running_requests_cut`."""
+
+
+def _max_running_requests(view: TrialView) -> int | None:
+    """The effective ``max_running_requests`` SGLang resolved for a trial (§2.3), else the asked
+    value, else ``None``."""
+    resolved = view.record.resolved.get("max_running_requests") if view.record else None
+    value = resolved.get("value") if isinstance(resolved, dict) else None
+    if value is None:
+        value = view.params.get("max_running_requests")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def max_running_requests_cut(view: TrialView, baseline: TrialView | None) -> str | None:
+    """One line when ``view`` caps ``max_running_requests`` well below the baseline's effective value.
+
+    A lower cap means at most that many requests of any length run at once (the rest queue), a
+    limit the context-capacity figure alone does not show.
+
+    Args:
+        view: The chosen trial.
+        baseline: The baseline trial, or ``None``.
+
+    Returns:
+        ``"max_running_requests 2048 → 22: at most 22 requests of any length run at once"`` when
+        the chosen value is at most :data:`MRR_CUT_RATIO` of the baseline's, else ``None``.
+    """
+    if baseline is None:
+        return None
+    old, new = _max_running_requests(baseline), _max_running_requests(view)
+    if old is None or new is None or new > old * MRR_CUT_RATIO:
+        return None
+    return f"max_running_requests {old} → {new}: at most {new} requests of any length run at once"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import datetime as dt
 import html
 import io
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -35,11 +37,20 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from tuner.errors import StudyError
-from tuner.history import STUDIES_DIR, METRICS, BestChoice, StoredStudy, TrialView, choose_best
+from tuner.errors import ConfigError, StudyError
+from tuner.history import (
+    METRICS,
+    STUDIES_DIR,
+    BestChoice,
+    StoredStudy,
+    TrialView,
+    choose_best,
+    max_running_requests_cut,
+)
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 
 __all__ = [
+    "check_listen_address",
     "KEY_PARAMS",
     "key_params",
     "trials_table",
@@ -403,6 +414,9 @@ def best_panel(choice: BestChoice) -> Group:
             name, _cell(base_params.get(name)), _cell(choice.trial.params.get(name))
         )
     parts: list[Any] = [front, reason, params, deltas]
+    cut = max_running_requests_cut(choice.trial, choice.baseline)
+    if cut is not None:
+        parts.append(Text(cut, style="yellow"))
     if choice.baseline is None:
         parts.append(Text("the study has no baseline trial to compare with", style="yellow"))
     return Group(*parts)
@@ -441,6 +455,34 @@ def dashboard_argv(storage_url: str, *, host: str, port: int) -> list[str]:
     return [*head, storage_url, "--host", host, "--port", str(port)]
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """Check that a server can listen on ``host:port`` by binding it once and closing it.
+
+    The bind uses ``SO_REUSEADDR`` as the dashboard's HTTP server does, so a port held only by
+    closed connections passes and a port another program listens on fails.
+
+    Raises:
+        ConfigError: The port is in use, out of range, or the host is not a local address.
+    """
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port {port} is not a TCP port", hint="pass --port between 1 and 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"--port {port} on {host} is already in use by another program",
+                hint="pass --port with a free port, or stop the program holding it",
+            ) from err
+        raise ConfigError(
+            f"cannot listen on --host {host} --port {port}: {err.strerror or err}",
+            hint="pass a local address as --host (e.g. 127.0.0.1) and a free --port",
+        ) from err
+
+
 def serve_dashboard(storage_url: str, *, host: str, port: int, stop_timeout_s: float = 10.0) -> int | None:
     """Run optuna-dashboard (:func:`dashboard_argv`) until it exits, Ctrl-C or SIGTERM.
 
@@ -456,9 +498,13 @@ def serve_dashboard(storage_url: str, *, host: str, port: int, stop_timeout_s: f
 
     Returns:
         The dashboard's exit status when it ended by itself; ``None`` when it was stopped.
+
+    Raises:
+        ConfigError: ``host:port`` cannot be listened on (see :func:`check_listen_address`).
     """
     from tuner.launch.safety import interrupt_on_signals
 
+    check_listen_address(host, port)
     child = subprocess.Popen(dashboard_argv(storage_url, host=host, port=port), start_new_session=True)
     try:
         with interrupt_on_signals():

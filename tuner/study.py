@@ -260,15 +260,23 @@ def choose_best(
     *,
     policy: str = "throughput_within_capacity",
     capacity_tolerance: float = 0.05,
+    throughput_noise: float = 0.03,
 ) -> BestChoice | None:
     """Pick "best" among feasible, fully measured trials by the configured policy.
 
+    ``throughput_within_capacity`` keeps the trials whose context capacity is within
+    ``capacity_tolerance`` of the best (the band); among them, every trial whose output throughput
+    is within ``throughput_noise`` of the band's highest counts as tied (a short measured window
+    cannot tell such throughputs apart), and the tie goes to the higher context capacity, then the
+    higher throughput, then the earlier trial.
+
     Args:
-        finished: ``(trial or number, record)`` pairs.
-        policy: ``throughput_within_capacity`` (highest throughput among trials whose context
-            capacity is within ``capacity_tolerance`` of the best capacity), ``max_capacity``
-            (highest capacity; throughput breaks ties) or ``max_throughput``.
-        capacity_tolerance: Relative tolerance for ``throughput_within_capacity``.
+        finished: ``(trial or number, record)`` pairs; only feasible ``ok`` records compete.
+        policy: ``throughput_within_capacity`` (see above), ``max_capacity`` (highest capacity;
+            throughput breaks ties) or ``max_throughput``.
+        capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
+        throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
+            a tie (0.03 = 3 %).
 
     Returns:
         The choice, or ``None`` when no trial is feasible.
@@ -284,7 +292,7 @@ def choose_best(
     tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
     if policy == "max_throughput":
         number, record = max(pool, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
-        reason = f"highest output throughput ({tput(record):.0f} tok/s) among feasible trials"
+        reason = f"highest output throughput ({tput(record):.1f} tok/s) among feasible trials"
     elif policy == "max_capacity":
         number, record = max(pool, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
         reason = (
@@ -293,10 +301,25 @@ def choose_best(
     else:
         floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
         band = [p for p in pool if (p[1].context_capacity or 0) >= floor]
-        number, record = max(band, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
-        reason = (
-            f"highest output throughput ({tput(record):.0f} tok/s) among the {len(band)} feasible "
-            f"trial(s) within {capacity_tolerance:.0%} of the best context capacity "
-            f"({top_capacity} requests)"
+        fastest_number, fastest = max(band, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
+        ties = [p for p in band if tput(p[1]) >= tput(fastest) * (1.0 - throughput_noise) - 1e-9]
+        number, record = max(ties, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
+        among = (
+            f"among the {len(band)} feasible trial(s) within {capacity_tolerance:.0%} of the best "
+            f"context capacity ({top_capacity} requests)"
         )
+        if number == fastest_number:
+            reason = f"highest output throughput ({tput(record):.1f} tok/s) {among}"
+            if len(ties) > 1:
+                reason += (
+                    f"; {len(ties) - 1} other(s) within the {throughput_noise:.0%} throughput noise "
+                    "margin have no higher context capacity"
+                )
+        else:
+            reason = (
+                f"highest context capacity ({record.context_capacity} requests) of the {len(ties)} "
+                f"trial(s) whose output throughput is within the {throughput_noise:.0%} noise margin "
+                f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
+                f"{tput(record):.1f} tok/s), {among}"
+            )
     return BestChoice(number=number, record=record, reason=reason)

@@ -33,6 +33,7 @@ def test_trials_json_and_csv(demo_study: str, tuner_cli) -> None:
     assert table[0]["param.mem_fraction_static"] == "0.97"
     proc = tuner_cli("trials", "--storage", demo_study)
     assert proc.returncode == 0 and "cuda_graph_oom" in proc.stdout and "baseline" in proc.stdout
+    _one_error_line(tuner_cli("trials", "--storage", demo_study, "--json", "--csv"), "--json and --csv exclude")
 
 
 def test_show_and_best(demo_study: str, tuner_cli) -> None:

@@ -104,3 +104,20 @@ def test_dashboard_serves_the_storage_and_ctrl_c_stops_it_quietly(demo_study: st
     assert out.strip().splitlines()[-1] == "dashboard stopped" and "Traceback" not in err, (out, err)
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/api/studies", timeout=2)
+
+
+def test_dashboard_on_a_port_in_use_is_one_line(demo_study: str) -> None:
+    """A port another program listens on: one error line, exit 1, no traceback, nothing started."""
+    tuner = Path(sys.executable).with_name("tuner")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = subprocess.run(
+            [str(tuner), "dashboard", "--storage", demo_study, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: --port {port} on 127.0.0.1 is already in use") and "--port" in line.split("—")[-1]
+    assert "optuna-dashboard on" not in proc.stdout

@@ -37,6 +37,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     config.write_text(text, encoding="utf-8")
     proc = run_tuner("run", "--config", str(config), "--budget", "3m", "--trials", "2", cwd=work, timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (work / "run.out").write_text(proc.stdout, encoding="utf-8")
     return config, f"sqlite:///{work / 'demo.db'}"
 
 
@@ -94,3 +95,27 @@ def test_best_report_and_apply_dry_run(real_run: tuple[Path, str], tmp_path: Pat
     proc = tuner_cli("apply", "best", "--config", str(config), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "process launcher" in proc.stdout and "tuner.sim" in proc.stdout
+
+
+def test_run_summary_says_what_best_says(real_run: tuple[Path, str], tuner_cli) -> None:
+    """The run's closing "why:" line and `tuner best` come from one computation on one pool."""
+    config, _ = real_run
+    out = (config.parent / "run.out").read_text(encoding="utf-8")
+    assert not out.startswith("\n"), out[:200]
+    proc = tuner_cli("best", "--config", str(config), "--json")
+    if proc.returncode != 0:
+        assert "no feasible trial yet" in out and "no feasible trial" in proc.stderr
+        return
+    best = json.loads(proc.stdout)
+    why = [line for line in out.splitlines() if line.startswith("why: ")]
+    assert why == [f"why: {best['reason']}"], (why, best["reason"])
+    assert f"best (trial {best['trial']['number']})" in out
+
+
+def test_run_errors_are_one_line_without_a_blank_line(tmp_path: Path) -> None:
+    proc = run_tuner("run", "--config", str(REPO / "configs" / "demo-sim.toml"), "--budget", "5s",
+                     "--storage", f"sqlite:///{tmp_path / 'none.db'}", cwd=tmp_path, timeout_s=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == "", repr(proc.stdout)
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: --budget 5s is shorter than one trial"), proc.stderr
