@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -43,10 +44,11 @@ __all__ = [
     "render_argv",
     "load_concurrency",
     "slo_clearly_lost",
+    "measure_gap",
     "tune",
     "dry_run",
     "starter_config",
-        "flag_table",
+    "flag_table",
     "detect_environment",
 ]
 
@@ -87,6 +89,35 @@ def load_concurrency(
     mrr = max_running_requests or capacity or 1
     by_tokens = (max_total_num_tokens or 0) // max(1, mean_request_tokens)
     return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
+
+
+def measure_gap(result: LoadResult | None, measure_s: float) -> str | None:
+    """Why a measure phase holds no completed request, naming the ``[budget] measure_s`` it needs.
+
+    ``None`` when the phase measured something, errored (the error rate is the SLO's business) or
+    did not run. The E2E latency is the longest one seen in any phase (completed requests), else
+    the longest a request stayed in flight (a lower bound, written ``≥``); twice it leaves room
+    for a window that holds its sends.
+
+    Args:
+        result: The measure phase's load result.
+        measure_s: The ``[budget] measure_s`` it ran with (s).
+
+    Returns:
+        One line, e.g. ``"measure window held no completed request: E2E ≈ 17.0 s > window 8 s:
+        raise [budget] measure_s to ≥ 34"``, or ``None``.
+    """
+    if result is None or result.summary.completed > 0 or result.summary.errored > 0:
+        return None
+    done = [r.e2e_latency_s for r in result.records if r.status == "ok" and r.e2e_latency_s is not None]
+    spans = [r.end_time_s - r.send_time_s for r in result.records if r.end_time_s is not None]
+    e2e_s = max(done or spans or [measure_s])
+    about = "≈" if done else "≥"  # in-flight spans only bound it from below
+    why = f" ({result.stop_reason})" if result.stop_reason else ""
+    return (
+        f"measure window held no completed request{why}: E2E {about} {e2e_s:.1f} s > window {measure_s:g} s: "
+        f"raise [budget] measure_s to ≥ {max(math.ceil(2 * e2e_s), math.ceil(measure_s) + 1)}"
+    )
 
 
 def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, factor: float = 2.0) -> bool:
@@ -310,6 +341,7 @@ class TrialExecutor:
                             "requests": [r.model_dump(mode="json") for r in measure.records]}, default=str)
             )
         runtime_failure = runtime_failure or self._runtime_failure()
+        unmeasured = measure_gap(measure, self.config.budget.measure_s) if runtime_failure is None else None
 
         stress_failed = False
         if runtime_failure is None and self.config.budget.stress_s > 0 and capacity:
@@ -355,6 +387,11 @@ class TrialExecutor:
         if runtime_failure is not None:
             update.update(outcome="failed", failure_class=runtime_failure.failure_class,
                           failure_evidence=runtime_failure.evidence)
+        elif unmeasured is not None:
+            # Not an SLO verdict: nothing was measured. No throughput, no slo value (unknown).
+            constraints.pop("slo")
+            update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints, feasible=False,
+                          output_throughput_tok_s=None, goodput_req_s=None)
         record = record.model_copy(update=update)
         return self._finish(record, report_after, self.launcher.logs(), begun, trial_dir, measure)
 
@@ -725,15 +762,19 @@ start_timeout_s = 60
 [workload]
 kind = "random"
 input_len = 3072
-output_len = 256
+output_len = 128
 
+# Each trial is measured at a concurrency equal to its context capacity: every request's prefill
+# queues behind the others', so p99 TTFT nears KV pool / prefill speed (~11 s on this GPU).
 [slo]
-ttft_ms = {{ p99 = 4000 }}
+ttft_ms = {{ p99 = 15000 }}
 itl_ms = {{ p99 = 200 }}
 
+# A measured window stays open until it holds one request per client stream, so it may run
+# longer than measure_s when requests take longer (E2E ~17 s here).
 [budget]
 warmup_s = 2
-measure_s = 8
+measure_s = 20
 stress_s = 4
 """
 

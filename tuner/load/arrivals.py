@@ -13,6 +13,13 @@ A :class:`PhasePlan` labels every send: ``warmup`` before ``warmup_s``, then ``m
 window ends (after ``duration_s``, after ``max_requests`` measured sends, or when the workload runs
 out), then ``cooldown``: load continues, excluded from the summary, for at most ``cooldown_s``
 while the measured requests finish.
+
+A window that ends by time also waits for ``min_measured`` sends inside it. Requests sent in
+warm-up stay excluded from the summary (bench_serving's definition, §6.1), and in a closed loop
+they hold every worker until they finish: with E2E latency longer than ``duration_s``, a purely
+timed window would start no request at all. Extending the window until it holds ``min_measured``
+sends (the concurrency, as GuideLLM's constant-concurrency benchmarks count requests per worker)
+keeps every measured window measurable; the run's ``timeout_s`` bounds the wait.
 """
 
 from __future__ import annotations
@@ -69,9 +76,11 @@ class PhasePlan:
         duration_s: Length of the measured window, or ``None`` (ends by count or exhaustion).
         max_requests: Measured sends after which the window ends, or ``None``.
         cooldown_s: How long sending continues after the window while measured requests finish.
+        min_measured: Sends the window must hold before ``duration_s`` can end it (0: end on
+            time alone).
 
     Raises:
-        LoadError: A negative time, ``max_requests < 1``, or ``duration_s <= 0``.
+        LoadError: A negative time or ``min_measured``, ``max_requests < 1``, or ``duration_s <= 0``.
     """
 
     def __init__(
@@ -81,6 +90,7 @@ class PhasePlan:
         duration_s: float | None = None,
         max_requests: int | None = None,
         cooldown_s: float = 0.0,
+        min_measured: int = 0,
     ) -> None:
         if warmup_s < 0 or cooldown_s < 0 or (duration_s is not None and duration_s <= 0):
             raise LoadError(
@@ -89,10 +99,13 @@ class PhasePlan:
             )
         if max_requests is not None and max_requests < 1:
             raise LoadError(f"max_requests={max_requests} is invalid", hint="use --max-requests >= 1")
+        if min_measured < 0:
+            raise LoadError(f"min_measured={min_measured} is invalid", hint="use min_measured >= 0 requests")
         self.warmup_s = warmup_s
         self.duration_s = duration_s
         self.max_requests = max_requests
         self.cooldown_s = cooldown_s
+        self.min_measured = min_measured
         self.measured_sent = 0
         self.measure_end_s: float | None = None
         self.sending_stopped = False
@@ -102,10 +115,19 @@ class PhasePlan:
         if self.measure_end_s is None:
             self.measure_end_s = max(t, self.warmup_s)
 
+    def waiting_for_sends(self, t: float) -> bool:
+        """Whether at ``t`` the window's time is up but it holds fewer than ``min_measured`` sends."""
+        return self.measure_end_s is None and self._time_up(t) and self.measured_sent < self.min_measured
+
+    def _time_up(self, t: float) -> bool:
+        return self.duration_s is not None and t >= self.warmup_s + self.duration_s
+
     def advance(self, t: float) -> None:
-        """Apply the time-based ends: the window after ``duration_s``, sending after cool-down."""
-        if self.measure_end_s is None and self.duration_s is not None and t >= self.warmup_s + self.duration_s:
-            self.end_measure(self.warmup_s + self.duration_s)
+        """Apply the time-based ends: the window after ``duration_s`` (once it holds
+        ``min_measured`` sends), sending after cool-down."""
+        if self.measure_end_s is None and self._time_up(t) and self.measured_sent >= self.min_measured:
+            # The sends were there in time (a late one ends the window itself, in phase_for_send).
+            self.end_measure(self.warmup_s + self.duration_s)  # type: ignore[operator]
         if self.measure_end_s is not None and t >= self.measure_end_s + self.cooldown_s:
             self.sending_stopped = True
 
@@ -118,7 +140,9 @@ class PhasePlan:
             if t < self.warmup_s:
                 return "warmup"
             self.measured_sent += 1
-            if self.max_requests is not None and self.measured_sent >= self.max_requests:
+            if (self.max_requests is not None and self.measured_sent >= self.max_requests) or (
+                self._time_up(t) and self.measured_sent >= self.min_measured
+            ):
                 self.end_measure(t)
             return "measure"
         return "cooldown"

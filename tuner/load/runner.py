@@ -7,6 +7,10 @@ labels each request with its phase (:class:`tuner.load.arrivals.PhasePlan`), cal
 about every second with :class:`LiveStats` (returning ``True`` stops the run), and summarizes the
 measured window with :func:`tuner.load.metrics.summarize`.
 
+A window that ends by time stays open until it holds ``min_measured`` sends (default: the
+concurrency), so warm-up requests that outlast it cannot leave it empty (see
+:class:`tuner.load.arrivals.PhasePlan`); ``timeout_s`` bounds that wait.
+
 A server that dies mid-run ends the run promptly: a refused connection (or a lost stream followed
 by a refused probe connection) stops sending, cancels what is in flight and marks the result
 ``partial``; nothing waits for a dead server.
@@ -403,6 +407,11 @@ class _Run:
                     break
                 if self.timeout_s is not None and t >= self.timeout_s:
                     partial, reason = True, f"timeout_s={self.timeout_s:g} s reached"
+                    if self.plan.waiting_for_sends(t):
+                        reason += (
+                            f" while the measured window waited for {self.plan.min_measured} requests"
+                            f" ({self.plan.measured_sent} sent in it): warm-up requests outlast the window"
+                        )
                     break
                 if self.plan.measure_end_s is not None and not self.measured_tasks:
                     break  # the window is over and every measured request has finished
@@ -475,6 +484,7 @@ async def run_load(
     duration_s: float | None = None,
     max_requests: int | None = None,
     cooldown_s: float = 0.0,
+    min_measured: int | None = None,
     api: Api = "generate",
     slo: SLO | None = None,
     on_tick: Callable[[LiveStats], bool | None] | None = None,
@@ -490,8 +500,8 @@ async def run_load(
 
     Pacing: ``rate`` → open loop (gamma arrivals, ``burstiness``; ``concurrency`` then caps
     requests in flight); a trace workload without ``rate`` → its own arrival times; otherwise
-    closed loop with ``concurrency`` workers. Stop: after ``warmup_s + duration_s`` (plus the
-    measured requests' completion), after ``max_requests`` measured sends, or when a one-pass
+    closed loop with ``concurrency`` workers. Stop: after ``warmup_s + duration_s`` and at least
+    ``min_measured`` measured sends (plus the measured requests' completion), after ``max_requests`` measured sends, or when a one-pass
     workload runs out (a workload repeats with fresh prompts when ``duration_s`` or
     ``max_requests`` asks for more than one pass).
 
@@ -505,13 +515,17 @@ async def run_load(
         duration_s: Length of the measured window (s).
         max_requests: Measured requests to send.
         cooldown_s: Seconds of extra (unmeasured) load while the measured requests finish.
+        min_measured: Sends the measured window must hold before ``duration_s`` ends it (default:
+            ``concurrency`` in a closed loop, 1 in an open one; 0 ends it on time alone). In a closed loop the warm-up's
+            requests hold every worker until they finish, so a timed window shorter than one E2E
+            latency would otherwise start none (bench_serving excludes warm-up requests, §6.1).
         api: ``generate`` (``/generate``) or ``completions`` (``/v1/completions``).
         slo: Latency limits for goodput, attainment and violations.
         on_tick: Called about every ``tick_s`` with :class:`LiveStats`; returning ``True`` stops
             the run at once (in-flight requests become ``incomplete``).
         request_timeout_s: Limit per request, send to end of stream.
         timeout_s: Limit for the whole run after the server check; hitting it marks the result
-            ``partial``.
+            ``partial`` (``stop_reason`` says when the window was still waiting for ``min_measured``).
         seed: Seed of the arrival process.
         model: ``model`` field for ``completions`` (default: asked from ``/v1/models``).
         tick_s: Interval between ``on_tick`` calls (s).
@@ -527,7 +541,11 @@ async def run_load(
             (a crash during the run returns a ``partial`` result instead).
     """
     _validate(workload, concurrency, rate, duration_s, max_requests, request_timeout_s, timeout_s)
-    plan = PhasePlan(warmup_s=warmup_s, duration_s=duration_s, max_requests=max_requests, cooldown_s=cooldown_s)
+    if min_measured is None:
+        closed = rate is None and not workload.has_arrivals
+        min_measured = (max(1, concurrency or 1) if closed else 1) if duration_s is not None else 0
+    plan = PhasePlan(warmup_s=warmup_s, duration_s=duration_s, max_requests=max_requests, cooldown_s=cooldown_s,
+                     min_measured=min_measured)
     one_pass = duration_s is None and max_requests is None
     async with StreamClient(
         url, api=api, max_connections=concurrency or 0, request_timeout_s=request_timeout_s, model=model,
@@ -553,6 +571,7 @@ async def run_load(
         settings={
             "url": client.base_url, "api": api, "concurrency": concurrency, "rate": rate, "burstiness": burstiness,
             "warmup_s": warmup_s, "duration_s": duration_s, "max_requests": max_requests, "cooldown_s": cooldown_s,
+            "min_measured": min_measured,
             "mode": "open" if rate else ("trace" if workload.has_arrivals else "closed"),
             "transport": client.transport,
             "t0_monotonic_s": run.t0,
