@@ -623,8 +623,9 @@ def _resolve(config: TunerConfig, record: TrialRecord, environment: Mapping[str,
 
 def _describe(number: int, record: TrialRecord) -> str:
     if record.outcome == "failed":
-        what = record.failure_class.value if record.failure_class else "failed"
-        return f"trial {number}: failed ({what})"
+        if record.failure_class is not None:
+            return f"trial {number}: failed ({record.failure_class.value})"
+        return f"trial {number}: failed: {record.failure_evidence or 'no evidence recorded'}"
     tput = f"{record.output_throughput_tok_s:.0f} tok/s" if record.output_throughput_tok_s is not None else "no load"
     return (
         f"trial {number}: capacity {record.context_capacity} × {record.context_tokens} tokens, {tput}, "
