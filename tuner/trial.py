@@ -644,27 +644,24 @@ def detect_environment(config: TunerConfig, argv: list[str], table: FlagTable, g
     if "--sim-gpu" in argv:
         env["gpu_name"] = argv[argv.index("--sim-gpu") + 1]
         env["driver_version"] = "simulated"
-    if gpu is not None and config.service.launcher == "systemd" or (gpu is not None and "gpu_name" not in env):
+    snapshot = []
+    if gpu is not None:
         try:
             snapshot = gpu.snapshot()
         except TunerError:
             snapshot = []
+    if snapshot:  # the device's own size (NVML, or the simulator's ledger), never parsed from a name
+        env["gpu_total_mib"] = min(g.total_mib for g in snapshot)
+    if gpu is not None and (config.service.launcher == "systemd" or "gpu_name" not in env):
         if snapshot:
             env["gpu_name"] = snapshot[0].name
             env["gpu_count"] = len(snapshot)
-            env["gpu_total_mib"] = min(g.total_mib for g in snapshot)
         backend = getattr(gpu, "backend", None)
         driver = getattr(backend, "driver_version", None)
         if callable(driver):
             driver = driver()
         if driver:
             env["driver_version"] = str(driver)
-    if "gpu_total_mib" not in env and env.get("gpu_name"):
-        from re import search
-
-        match = search(r"(\d+)GB", str(env["gpu_name"]))
-        if match:
-            env["gpu_total_mib"] = int(match.group(1)) * 1024
     return env
 
 
