@@ -462,7 +462,10 @@ def run_study(
 
     summary.trials_run = launched
     summary.best = choose_best(
-        history(), policy=config.objective.policy, capacity_tolerance=config.objective.capacity_tolerance
+        history(),
+        policy=config.objective.policy,
+        capacity_tolerance=config.objective.capacity_tolerance,
+        throughput_noise=config.objective.throughput_noise,
     )
     summary.elapsed_s = clock() - started
     return summary
