@@ -395,9 +395,9 @@ def gpu_monitor(config: Any) -> Any | None:
     """The GPU monitor ``tuner run`` uses for this config (``None`` when none is available): before
     the restart the old server's GPU memory must be released, or SGLang's baseline, and so the
     token capacity being verified, shrinks (§1.2)."""
-    from tuner.trial import _gpu_monitor  # the run's own choice (nvml, the simulator's ledger, none)
+    from tuner.entrypoints import resolve_gpu_monitor  # the run's own choice (nvml, the simulator's ledger, none)
 
-    return _gpu_monitor(config)
+    return resolve_gpu_monitor(config)
 
 
 class _PersistentDropinLauncher(SystemdLauncher):
@@ -531,14 +531,14 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
 
 
 def _flag_table(stored: StoredStudy, config: Any, argv: list[str]) -> FlagTable:
-    """The run's flag table (:func:`tuner.trial.flag_table`), or the SGLang version the study
+    """The run's flag table (:func:`tuner.entrypoints.resolve_flag_table`), or the SGLang version the study
     recorded when the config names none."""
-    from tuner.trial import flag_table
+    from tuner.entrypoints import resolve_flag_table
 
     recorded = (stored.info.environment if stored.info else {}).get("sglang_version")
     if recorded and not (config.service.sglang_version or config.service.python):
         return FlagTable.for_version(str(recorded))
-    return flag_table(config, argv)
+    return resolve_flag_table(config, argv)
 
 
 def plan_apply(

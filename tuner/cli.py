@@ -152,11 +152,11 @@ def launch_cmd(
     """
     from tuner.config import load_config
     from tuner.launch.preview import preview
-    from tuner.trial import build_launcher, flag_table
+    from tuner.entrypoints import resolve_flag_table, resolve_launcher
 
     cfg = load_config(config)
-    launcher = build_launcher(cfg)
-    text = preview(launcher, set_flags or [], flag_table(cfg, launcher.current_argv()))
+    launcher = resolve_launcher(cfg)
+    text = preview(launcher, set_flags or [], resolve_flag_table(cfg, launcher.current_argv()))
     console.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
@@ -542,15 +542,15 @@ def run_cmd(
     if budget_s is None and max_trials is None and not dry_run:
         raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
                           hint="pass e.g. --budget 4h")
-    from tuner import trial as trial_mod
+    from tuner import entrypoints
 
     if dry_run:
-        console.print(trial_mod.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
+        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
         return
     renderer = _RunProgress()
     try:
         with renderer:
-            summary = trial_mod.tune(cfg, budget_s=budget_s, max_trials=max_trials,
+            summary = entrypoints.tune(cfg, budget_s=budget_s, max_trials=max_trials,
                                      allow_mixed_environment=allow_mixed_environment, storage_url=storage,
                                      on_progress=renderer)
     except KeyboardInterrupt:  # tune() restored the service before re-raising
@@ -580,7 +580,7 @@ def init_cmd(
 ) -> None:
     """Write a starter config from a running unit (--unit sglang.service) or for the simulator (--sim)."""
     from tuner.errors import ConfigError
-    from tuner.trial import starter_config
+    from tuner.starter import starter_config
 
     if output.exists() and not force:
         raise ConfigError(f"{output} already exists", hint="pass --force to overwrite it, or --output another file")

@@ -8,7 +8,7 @@ from tests.sim._simproc import spawn, wait_ready
 from tuner.config import parse_config
 from tuner.gpu import GPUMonitor
 from tuner.sglang.flags import FlagTable
-from tuner.trial import detect_environment
+from tuner.entrypoints import resolve_environment as detect_environment
 
 
 def test_sim_gpu_size_is_read_from_the_ledger(tmp_path: Path) -> None:

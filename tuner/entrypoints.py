@@ -1,0 +1,178 @@
+"""The composition root: the one place that wires config, launcher, flag table, GPU monitor,
+trial executor and study loop together (``tuner run`` and ``tuner run --dry-run``).
+
+Everything else receives its parts as arguments; :mod:`tuner.apply` and the CLI import the public
+``resolve_*`` functions from here rather than choosing launchers or flag tables themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tuner.config import TunerConfig
+from tuner.errors import TunerError
+from tuner.launch.base import Launcher
+from tuner.load import build_workload
+from tuner.search import SEARCHED_FIELDS
+from tuner.sglang.flags import FlagTable, parse_argv
+from tuner.trial import TrialExecutor
+
+__all__ = ["resolve_gpu_monitor", "resolve_launcher", "resolve_flag_table", "resolve_environment", "tune", "dry_run"]
+
+_log = logging.getLogger(__name__)
+
+
+def resolve_gpu_monitor(config: TunerConfig) -> Any | None:
+    """The GPU monitor the config asks for (``auto``: the simulator's ledger for ``tuner.sim``)."""
+    from tuner.gpu import GPUMonitor
+
+    kind = config.service.gpu_monitor
+    if kind == "auto":
+        command = " ".join(config.service.command or [])
+        kind = "sim" if "tuner.sim" in command else "nvml"
+    if kind == "none":
+        return None
+    try:
+        return GPUMonitor.for_target(kind, config.service.url)
+    except TunerError as err:
+        _log.warning("no GPU monitor (%s); activation peaks will not be measured", err)
+        return None
+
+
+def resolve_launcher(config: TunerConfig, *, gpu: Any | None = None) -> Launcher:
+    """The launcher of ``[service]`` (systemd unit or plain process), by :mod:`tuner.launch.factory`.
+
+    Raises:
+        LaunchError: The unit or command is unusable.
+    """
+    from tuner.launch.factory import build_launcher as factory
+
+    return factory(config.service, gpu=gpu)
+
+
+def resolve_flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
+    """SGLang's flag table: ``[service] python`` introspected live, else ``sglang_version``'s bundled
+    table, else the simulator's ``--sim-version``, else the newest bundled one (§3)."""
+    service = config.service
+    if service.python and not service.sglang_version:
+        return FlagTable.from_python(service.python)
+    version = service.sglang_version
+    if version is None and "--sim-version" in argv:
+        version = argv[argv.index("--sim-version") + 1]
+    elif version is None and any("tuner.sim" in word for word in argv):
+        version = "0.5.5"  # the simulator's default mimicked version
+    return FlagTable.for_version(version or FlagTable.bundled_versions()[-1])
+
+
+def resolve_environment(config: TunerConfig, argv: list[str], table: FlagTable, gpu: Any | None) -> dict[str, Any]:
+    """SGLang version, GPU name/count/size, driver and model: what a study refuses to mix."""
+    explicit = parse_argv(argv, table)
+    env: dict[str, Any] = {
+        "sglang_version": table.version,
+        "model": config.model.name or explicit.get("model_path"),
+        "gpu_count": int(explicit.get("tp_size") or 1) * int(explicit.get("pp_size") or 1),
+    }
+    if "--sim-gpu" in argv:
+        env["gpu_name"] = argv[argv.index("--sim-gpu") + 1]
+        env["driver_version"] = "simulated"
+    snapshot = []
+    if gpu is not None:
+        try:
+            snapshot = gpu.snapshot()
+        except TunerError:
+            snapshot = []
+    if snapshot:  # the device's own size (NVML, or the simulator's ledger), never parsed from a name
+        env["gpu_total_mib"] = min(g.total_mib for g in snapshot)
+    if gpu is not None and (config.service.launcher == "systemd" or "gpu_name" not in env):
+        if snapshot:
+            env["gpu_name"] = snapshot[0].name
+            env["gpu_count"] = len(snapshot)
+        backend = getattr(gpu, "backend", None)
+        driver = getattr(backend, "driver_version", None)
+        if callable(driver):
+            driver = driver()
+        if driver:
+            env["driver_version"] = str(driver)
+    return env
+
+
+def tune(
+    config: TunerConfig,
+    *,
+    budget_s: float | None,
+    max_trials: int | None = None,
+    allow_mixed_environment: bool = False,
+    storage_url: str | None = None,
+    on_progress: Callable[[Any], None] | None = None,
+) -> Any:
+    """``tuner run``: hold the service, run the study, put the service back as it was.
+
+    Args:
+        config: The validated config.
+        budget_s: Wall-clock budget (s), or ``None`` with ``max_trials``.
+        max_trials: Cap on trials in this run.
+        allow_mixed_environment: Add to a study recorded in another environment.
+        storage_url: Override of ``[storage] url``.
+        on_progress: Receives :class:`tuner.run.Progress` events.
+
+    Returns:
+        The :class:`tuner.run.RunSummary`.
+
+    Raises:
+        TunerError: Bad config, unit, storage or environment (nothing was changed then).
+        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored.
+
+    .. note:: Restarts the production service for every trial and restores it at the end, on
+       Ctrl-C, on SIGTERM and on any error.
+    """
+    from tuner.run import run_study
+
+    gpu = resolve_gpu_monitor(config)
+    launcher = resolve_launcher(config, gpu=gpu)
+    argv = launcher.current_argv()
+    table = resolve_flag_table(config, argv)
+    environment = resolve_environment(config, argv, table, gpu)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"tuner-{config.study.name}-"))
+    with launcher.session():
+        executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=work_dir, environment=environment)
+        return run_study(
+            config, executor, budget_s=budget_s, max_trials=max_trials,
+            allow_mixed_environment=allow_mixed_environment, storage_url=storage_url, on_progress=on_progress,
+        )
+
+
+def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None) -> str:
+    """``tuner run --dry-run``: the plan and the first candidate's launch, changing nothing."""
+    from tuner.budget import format_duration
+    from tuner.search import resolve_space
+
+    launcher = resolve_launcher(config, gpu=None)
+    argv = launcher.current_argv()
+    table = resolve_flag_table(config, argv)
+    explicit = parse_argv(argv, table)
+    baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
+    space = resolve_space(config.space, baseline)
+    workload = build_workload(config.workload, seed=config.study.seed)
+    budget = config.budget
+    per_trial = min(config.service.start_timeout_s / 3.0, 600.0) + budget.warmup_s + budget.measure_s + budget.stress_s
+    lines = [
+        f"study {config.study.name!r} in {config.storage_url()} (artifacts {config.artifacts_dir()})",
+        f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
+        f"SGLang flags of {table.version}",
+        f"workload: {workload.describe()}",
+        f"objectives: context capacity at {config.objective.context_tokens or workload.context_tokens} tokens, "
+        f"output throughput; best = {config.objective.policy} (tolerance {config.objective.capacity_tolerance:.0%})",
+        f"budget: {format_duration(budget_s) if budget_s else 'none'}, trials cap {max_trials or 'none'}, "
+        f"first-trial estimate {format_duration(per_trial)}"
+        + (f" → about {int(budget_s // per_trial)} trials" if budget_s else ""),
+        "space (baseline-derived ranges are widened once the baseline is measured):",
+    ]
+    for name, dist in space.distributions().items():
+        lines.append(f"  {name}: {dist}")
+    lines.append("first candidate: the baseline (the service's current flags), launched as:")
+    lines.append(launcher.dry_run(argv))
+    return "\n".join(lines)
