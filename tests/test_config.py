@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tuner.budget import parse_duration_s
+from tuner.units import parse_duration_s
 from tuner.config import load_config
 from tuner.errors import ConfigError
+from tuner.study.storage import study_artifacts_dir, study_storage_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +43,8 @@ def _write(tmp_path: Path, text: str) -> Path:
 def test_good_config_and_defaults(tmp_path: Path) -> None:
     cfg = load_config(_write(tmp_path, GOOD))
     assert cfg.service.command[:3] == ["python", "-m", "tuner.sim"]
-    assert cfg.storage_url() == "sqlite:///studies/t.db"
-    assert str(cfg.artifacts_dir()) == "studies/t/artifacts"
+    assert study_storage_url(cfg) == "sqlite:///studies/t.db"
+    assert str(study_artifacts_dir(cfg)) == "studies/t/artifacts"
     assert cfg.workload.input_len == 1000
     assert cfg.slo.ttft_ms == {"p99": 2000.0}
     assert cfg.objective.policy == "throughput_within_capacity"

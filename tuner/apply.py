@@ -42,7 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import ApplyError, TunerError
-from tuner.history import StoredStudy, TrialView, check_storage
+from tuner.history import StoredStudy, TrialView
+from tuner.study.storage import check_storage
 from tuner.launch.safety import SessionState
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
@@ -314,7 +315,7 @@ class ApplyLog:
     """The record of applies in the study's storage database (table ``tuner_applies``).
 
     Args:
-        storage_url: The Optuna storage URL; it must exist (see :func:`tuner.history.check_storage`).
+        storage_url: The Optuna storage URL; it must exist (see :func:`tuner.study.storage.check_storage`).
 
     Raises:
         StudyError: The storage does not exist.

@@ -417,7 +417,7 @@ from pathlib import Path as _RunPath  # noqa: E402
 from typing import Annotated as _RunAnn  # noqa: E402
 
 
-def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.run.RunSummary, history.BestChoice
+def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, history.BestChoice
     """The closing summary; ``chosen`` is :func:`tuner.history.choose_best` on the stored study
     (what `tuner best` says), ``None`` when no trial is feasible."""
     from rich.table import Table
@@ -465,7 +465,7 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.ru
 
 
 class _RunProgress:
-    """Renders :class:`tuner.run.Progress` events: one line per trial, a live phase line.
+    """Renders :class:`tuner.study.loop.Progress` events: one line per trial, a live phase line.
 
     The live line names the Optuna trial number (as the result lines do) and counts the budget
     left down every second from the last event's ``eta_s``.
@@ -477,7 +477,7 @@ class _RunProgress:
         from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
         from rich.text import Text
 
-        from tuner.budget import format_duration
+        from tuner.units import format_duration
 
         class TimeLeft(ProgressColumn):
             def render(self, task) -> Text:  # noqa: ANN001 - rich Task
@@ -531,7 +531,7 @@ def run_cmd(
         "--apply-best", help="After the run, persist the best trial like `tuner apply best --yes` (verify, roll back on failure).")] = False,
 ) -> None:
     """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
-    from tuner.budget import parse_duration_s
+    from tuner.units import parse_duration_s
     from tuner.config import load_config
     from tuner.errors import ConfigError
 
@@ -726,9 +726,10 @@ def dashboard_cmd(
 ) -> None:
     """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
     from tuner import history, report
+    from tuner.study.storage import check_storage
 
     location = history.resolve_location(study=study, storage=storage, config=config)
-    history.check_storage(location.storage_url)
+    check_storage(location.storage_url)
     report.check_listen_address(host, port)
     console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
                   highlight=False, soft_wrap=True)  # fmt: skip

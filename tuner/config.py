@@ -6,24 +6,27 @@ every error is one line that names the key, the bad value and the fix. ``[worklo
 ``[slo]`` are the load generator's own models (:mod:`tuner.load`), embedded as they are.
 
 Ranges left out of ``[space]`` are derived at run time from the GPU, the model and the SGLang
-version (see :func:`tuner.search.resolve_space`).
+version (see :func:`tuner.study.space.resolve_space`).
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tuner.budget import parse_duration_s
-from tuner.errors import ConfigError
+from tuner.units import parse_duration_s
+from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
 
 __all__ = [
+    "check_url_matches_port",
     "StudySection",
     "ServiceSection",
     "ModelSection",
@@ -326,13 +329,6 @@ class TunerConfig(_Section):
     storage: StorageSection = Field(default_factory=StorageSection)
     path: str | None = None
 
-    def storage_url(self) -> str:
-        """The Optuna storage URL (``[storage] url`` or ``sqlite:///studies/<study>.db``)."""
-        return self.storage.url or f"sqlite:///studies/{self.study.name}.db"
-
-    def artifacts_dir(self) -> Path:
-        """The artifact folder (``[storage] artifacts_dir`` or ``studies/<study>/artifacts``)."""
-        return Path(self.storage.artifacts_dir or f"studies/{self.study.name}/artifacts")
 
 
 def _location(loc: tuple[Any, ...]) -> str:
@@ -376,6 +372,33 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         message = first["msg"].removeprefix("Value error, ")
         raise ConfigError(f"{source}: {where}{shown} is invalid: {message}", hint=None) from None
+
+
+def check_url_matches_port(url: str | None, argv: Sequence[str]) -> None:
+    """Refuse a ``[service] url`` whose port differs from the command's ``--port`` (§2.4: default 30000).
+
+    Every trial would otherwise wait the whole start timeout for a server listening elsewhere.
+
+    Raises:
+        StudyError: Both name a port and they differ.
+    """
+    port = None
+    for i, word in enumerate(argv):
+        if word == "--port" and i + 1 < len(argv):
+            port = argv[i + 1]
+        elif word.startswith("--port="):
+            port = word.split("=", 1)[1]
+    if not url or port is None:
+        return
+    try:
+        url_port = urlsplit(url).port
+    except ValueError:
+        return
+    if url_port is not None and str(url_port) != port.strip():
+        raise StudyError(
+            f"[service] url {url!r} uses port {url_port} but the server command has --port {port}",
+            hint=f"make them match (e.g. url = \"http://127.0.0.1:{port}\")",
+        )
 
 
 def load_config(path: str | Path) -> TunerConfig:

@@ -17,9 +17,13 @@ from tuner.config import TunerConfig
 from tuner.errors import TunerError
 from tuner.launch.base import Launcher
 from tuner.load import build_workload
-from tuner.search import SEARCHED_FIELDS
+from tuner.study.budget import prior_trial_cost_s
+from tuner.study.loop import RunSummary, run_study
+from tuner.study.space import SEARCHED_FIELDS, resolve_space
+from tuner.study.storage import study_artifacts_dir, study_storage_url
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.trial import TrialExecutor
+from tuner.units import format_duration
 
 __all__ = ["resolve_gpu_monitor", "resolve_launcher", "resolve_flag_table", "resolve_environment", "tune", "dry_run"]
 
@@ -108,7 +112,7 @@ def tune(
     allow_mixed_environment: bool = False,
     storage_url: str | None = None,
     on_progress: Callable[[Any], None] | None = None,
-) -> Any:
+) -> RunSummary:
     """``tuner run``: hold the service, run the study, put the service back as it was.
 
     Args:
@@ -117,10 +121,10 @@ def tune(
         max_trials: Cap on trials in this run.
         allow_mixed_environment: Add to a study recorded in another environment.
         storage_url: Override of ``[storage] url``.
-        on_progress: Receives :class:`tuner.run.Progress` events.
+        on_progress: Receives :class:`tuner.study.loop.Progress` events.
 
     Returns:
-        The :class:`tuner.run.RunSummary`.
+        The :class:`tuner.study.loop.RunSummary`.
 
     Raises:
         TunerError: Bad config, unit, storage or environment (nothing was changed then).
@@ -129,8 +133,6 @@ def tune(
     .. note:: Restarts the production service for every trial and restores it at the end, on
        Ctrl-C, on SIGTERM and on any error.
     """
-    from tuner.run import run_study
-
     gpu = resolve_gpu_monitor(config)
     launcher = resolve_launcher(config, gpu=gpu)
     argv = launcher.current_argv()
@@ -147,9 +149,6 @@ def tune(
 
 def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None) -> str:
     """``tuner run --dry-run``: the plan and the first candidate's launch, changing nothing."""
-    from tuner.budget import format_duration
-    from tuner.search import resolve_space
-
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
@@ -157,10 +156,9 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
     space = resolve_space(config.space, baseline)
     workload = build_workload(config.workload, seed=config.study.seed)
-    budget = config.budget
-    per_trial = min(config.service.start_timeout_s / 3.0, 600.0) + budget.warmup_s + budget.measure_s + budget.stress_s
+    per_trial = prior_trial_cost_s(config)
     lines = [
-        f"study {config.study.name!r} in {config.storage_url()} (artifacts {config.artifacts_dir()})",
+        f"study {config.study.name!r} in {study_storage_url(config)} (artifacts {study_artifacts_dir(config)})",
         f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
         f"SGLang flags of {table.version}",
         f"workload: {workload.describe()}",

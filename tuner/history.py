@@ -19,18 +19,23 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import optuna
-import sqlalchemy
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
-from tuner import study as study_module
 from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, StudyInfo, TrialRecord
+from tuner.study import best
+from tuner.study.storage import (
+    STUDIES_DIR,
+    default_artifacts_dir,
+    default_storage_url,
+    read_storage,
+    study_artifacts_dir,
+    study_storage_url,
+)
 
 __all__ = [
-    "STUDIES_DIR",
     "METRICS",
     "SORT_KEYS",
     "StudyLocation",
@@ -39,10 +44,7 @@ __all__ = [
     "stored_policy",
     "MetricDelta",
     "BestChoice",
-    "default_storage_url",
     "resolve_location",
-    "check_storage",
-    "list_studies",
     "open_study",
     "select_trials",
     "choose_best",
@@ -53,9 +55,6 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", bound=BaseModel)
-
-STUDIES_DIR = Path("studies")
-"""Default home of study databases and artifacts, relative to the working directory."""
 
 METRICS: Mapping[str, tuple[str, Literal["max", "min"]]] = MappingProxyType({
     "context_capacity": ("context capacity (requests)", "max"),
@@ -103,18 +102,13 @@ class StudyLocation(BaseModel):
     artifacts_dir: Path | None = None
 
 
-def default_storage_url(study_name: str) -> str:
-    """The default storage of a study: ``sqlite:///studies/<study_name>.db`` (relative path)."""
-    return f"sqlite:///{STUDIES_DIR / (study_name + '.db')}"
-
-
 def _location_from_config(config_path: Path, study: str | None) -> StudyLocation:
     """Read ``[study]``/``[storage]`` through :mod:`tuner.config` (the writer owns that schema)."""
     cfg = load_config(config_path)
     return StudyLocation(
-        storage_url=cfg.storage_url(),
+        storage_url=study_storage_url(cfg),
         study_name=study or cfg.study.name,
-        artifacts_dir=cfg.artifacts_dir(),
+        artifacts_dir=study_artifacts_dir(cfg),
     )
 
 
@@ -165,7 +159,7 @@ def storage_urls(*, storage: str | None = None, config: Path | None = None) -> l
     if storage:
         return [storage]
     if config is not None:
-        return [load_config(config).storage_url()]
+        return [study_storage_url(load_config(config))]
     found = sorted(STUDIES_DIR.glob("*.db")) if STUDIES_DIR.is_dir() else []
     if not found:
         raise StudyError(
@@ -173,95 +167,6 @@ def storage_urls(*, storage: str | None = None, config: Path | None = None) -> l
             hint="pass --storage URL or --config FILE, or run `tuner run` first",
         )
     return [f"sqlite:///{path}" for path in found]
-
-
-def check_storage(storage_url: str) -> None:
-    """Check that ``storage_url`` names an existing Optuna storage, creating nothing.
-
-    An SQLite URL must name an existing file; any other URL must connect and hold Optuna's
-    ``studies`` table (Optuna would otherwise create an empty schema on open).
-
-    Raises:
-        StudyError: The URL is malformed, the file is missing, the database is unreachable, or it
-            holds no Optuna study tables.
-    """
-    try:
-        url = make_url(storage_url)
-    except ArgumentError as err:
-        raise StudyError(
-            f"storage URL {storage_url!r} is not a SQLAlchemy URL",
-            hint="use e.g. --storage sqlite:///studies/demo.db",
-        ) from err
-    if url.get_backend_name() == "sqlite":
-        database = url.database or ""
-        if database in ("", ":memory:") or not Path(database).is_file():
-            raise StudyError(
-                f"storage {storage_url} does not exist (no file {database or '(none)'})",
-                hint="check --storage/--study, or run `tuner run` first to create the study",
-            )
-    engine = _engine(storage_url, url)
-    try:
-        with engine.connect() as conn:
-            has_studies = sqlalchemy.inspect(conn).has_table("studies")
-    except SQLAlchemyError as err:
-        raise StudyError(
-            f"storage {storage_url} cannot be read: {_first_line(err)}",
-            hint="check the URL, that the database server is up, and its credentials",
-        ) from err
-    finally:
-        engine.dispose()
-    if not has_studies:
-        raise StudyError(
-            f"storage {storage_url} holds no Optuna study",
-            hint="point --storage at the database `tuner run` wrote",
-        )
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of an exception's text (SQLAlchemy appends SQL and a link on more lines)."""
-    return (str(err).splitlines() or [type(err).__name__])[0]
-
-
-def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
-    """A SQLAlchemy engine for ``url``, mapping an unknown dialect or a missing driver.
-
-    Raises:
-        StudyError: The URL's dialect is unknown to SQLAlchemy, or its DBAPI driver (``psycopg``,
-            ``pymysql``, ...) is not installed.
-    """
-    try:
-        return sqlalchemy.create_engine(url)
-    except NoSuchModuleError as err:
-        raise StudyError(
-            f"storage URL {storage_url} names an unknown database kind {url.drivername!r}",
-            hint="check the URL, e.g. --storage sqlite:///studies/demo.db or postgresql+psycopg://...",
-        ) from err
-    except ImportError as err:
-        driver = err.name or _first_line(err)
-        raise StudyError(
-            f"storage {storage_url} needs the database driver {driver!r}, which is not installed",
-            hint=f"install it into the tuner's Python (pip install {driver}), or check the URL",
-        ) from err
-
-
-def _rdb_storage(storage_url: str) -> optuna.storages.RDBStorage:
-    check_storage(storage_url)
-    try:
-        return optuna.storages.RDBStorage(storage_url, skip_table_creation=True)
-    except (SQLAlchemyError, RuntimeError, ValueError) as err:
-        raise StudyError(
-            f"storage {storage_url} cannot be opened by Optuna: {str(err).splitlines()[0]}",
-            hint="run `optuna storage upgrade --storage URL` if it was written by an older Optuna",
-        ) from err
-
-
-def list_studies(storage_url: str) -> list[optuna.study.StudySummary]:
-    """The studies in a storage, oldest first.
-
-    Raises:
-        StudyError: See :func:`check_storage`.
-    """
-    return optuna.get_all_study_summaries(_rdb_storage(storage_url), include_best_trial=False)
 
 
 def _parsed(raw: Any, model: type[_M]) -> _M | None:
@@ -456,7 +361,7 @@ class StoredStudy:
         """
         if self.location.artifacts_dir is not None:
             return self.location.artifacts_dir
-        default = STUDIES_DIR / self.name / "artifacts"
+        default = default_artifacts_dir(self.name)
         url = make_url(self.location.storage_url)
         if url.get_backend_name() == "sqlite" and url.database and not default.is_dir():
             beside = Path(url.database).parent / self.name / "artifacts"
@@ -479,7 +384,7 @@ def open_study(location: StudyLocation) -> StoredStudy:
         StudyError: The storage does not exist or cannot be read; the study name is unknown; no
             name was given and the storage holds zero or several studies.
     """
-    storage = _rdb_storage(location.storage_url)
+    storage = read_storage(location.storage_url)
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, False)]
     name = location.study_name
     if name is None:
@@ -670,7 +575,7 @@ def override_policy(
 def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> BestChoice:
     """Choose the best trial of a study under a policy.
 
-    The choice itself is :func:`tuner.study.choose_best`, fed with every feasible trial (the
+    The choice itself is :func:`tuner.study.best.choose_best`, fed with every feasible trial (the
     pool ``tuner run`` chooses from; the capacity band of ``throughput_within_capacity`` may hold
     dominated trials, and its count in the reason counts them). ``tuner run``'s closing summary
     calls this function on the stored study, so both say the same.
@@ -689,7 +594,7 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
     front = stored.pareto_front()
     pairs = [(v.number, v.record) for v in stored.trials if v.feasible and v.record is not None]
     choice = (
-        study_module.choose_best(
+        best.choose_best(
             pairs,
             policy=policy.policy,
             capacity_tolerance=policy.capacity_tolerance,
@@ -706,15 +611,15 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
             hint="see why with `tuner trials --failed`, then widen the config's space or relax its slo "
             "and run again",
         )
-    best = stored.trial(choice.number)
+    chosen = stored.trial(choice.number)
     baseline = stored.baseline()
     return BestChoice(
-        trial=best,
+        trial=chosen,
         front=front,
         policy=policy,
-        reason=f"trial {best.number}: {choice.reason} (policy {policy.policy})",
+        reason=f"trial {chosen.number}: {choice.reason} (policy {policy.policy})",
         baseline=baseline,
-        deltas=_deltas(best, baseline),
+        deltas=_deltas(chosen, baseline),
     )
 
 

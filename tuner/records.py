@@ -25,6 +25,7 @@ __all__ = [
     "PhaseResult",
     "TrialRecord",
     "StudyInfo",
+    "context_capacity",
 ]
 
 RECORD_ATTR = "tuner.record"
@@ -128,3 +129,15 @@ class StudyInfo(BaseModel):
     policy: dict[str, Any] = Field(default_factory=dict)
     context_tokens: int | None = None
     config_path: str | None = None
+
+
+def context_capacity(effective_max_running_requests: int | None, max_total_num_tokens: int, context_tokens: int) -> int:
+    """Requests of ``context_tokens`` that can be resident at once.
+
+    ``min(effective max_running_requests, floor(max_total_num_tokens / context_tokens))``, with
+    both numbers as the server resolved them (§2.3, §4.2 line 8).
+    """
+    by_tokens = max_total_num_tokens // max(1, context_tokens)
+    if effective_max_running_requests is None:
+        return by_tokens
+    return min(effective_max_running_requests, by_tokens)

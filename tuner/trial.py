@@ -12,7 +12,7 @@ The ordered phases of a trial (one list, like SGLang's own pipeline)::
              admits; a runtime OOM here makes the config infeasible
     record   objectives, constraints, record, artifacts (server log, per-request results, server info)
 
-Nothing here decides which config to try (:mod:`tuner.search`), tells Optuna (:mod:`tuner.run`) or
+Nothing here decides which config to try (:mod:`tuner.study.planner`), tells Optuna (:mod:`tuner.study.loop`) or
 chooses the launcher, flag table and GPU monitor (:mod:`tuner.entrypoints`, the composition root).
 """
 
@@ -31,14 +31,15 @@ from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, TunerError
 from tuner.launch.base import LaunchPhase, Launcher
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
-from tuner.records import PhaseResult, TrialRecord
-from tuner.run import TrialJob
-from tuner.search import SEARCHED_FIELDS, context_capacity
+from tuner.records import PhaseResult, TrialRecord, context_capacity
 from tuner.sglang.client import SGLangClient, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.logs import LogReport, parse_log
 from tuner.sglang.memory import KVCapacityModel
+from tuner.study.budget import prior_trial_cost_s
+from tuner.study.loop import TrialJob
+from tuner.study.space import SEARCHED_FIELDS
 
 __all__ = [
     "TrialExecutor",
@@ -138,7 +139,7 @@ def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, fac
 
 
 class TrialExecutor:
-    """Runs trials against one service (implements :class:`tuner.run.TrialRunner`).
+    """Runs trials against one service (implements :class:`tuner.study.loop.TrialRunner`).
 
     Args:
         config: The validated config.
@@ -191,10 +192,8 @@ class TrialExecutor:
         return list(self._baseline_argv)
 
     def prior_cost_s(self) -> float:
-        """A first trial's expected cost: a third of the start timeout plus the load phases."""
-        budget = self.config.budget
-        start = min(self.config.service.start_timeout_s / 3.0, 600.0)
-        return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
+        """A first trial's expected cost (:func:`tuner.study.budget.prior_trial_cost_s`)."""
+        return prior_trial_cost_s(self.config)
 
     # ---- one trial -----------------------------------------------------------------------------
 
@@ -211,7 +210,7 @@ class TrialExecutor:
 
         Returns:
             The record, with objectives, constraints and artifact files (``artifacts`` maps a name
-            to a local file; :func:`tuner.run.run_study` uploads them and stores the ids).
+            to a local file; :func:`tuner.study.loop.run_study` uploads them and stores the ids).
 
         Raises:
             KeyboardInterrupt: Ctrl-C / SIGTERM (the caller records the trial as far as it got).

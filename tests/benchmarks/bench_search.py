@@ -28,9 +28,9 @@ from offline_runner import OfflineRunner  # noqa: E402
 
 from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
 from tuner.records import TrialRecord  # noqa: E402
-from tuner.run import TrialJob, run_study  # noqa: E402
-from tuner.search import Space  # noqa: E402
-from tuner.study import choose_best  # noqa: E402
+from tuner.study.loop import TrialJob, run_study  # noqa: E402
+from tuner.study.space import Space  # noqa: E402
+from tuner.study.best import choose_best  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINTS = (10, 20, 40)
@@ -179,9 +179,9 @@ def test_search_quality(name: str) -> None:
     baseline = history[0][1]
     context_tokens = baseline.context_tokens or cfg.objective.context_tokens
     # The space the study resolved from its baseline (same for every strategy).
-    from tuner.run import _resolve  # the study's own resolution
+    from tuner.study.loop import resolve_study_space  # the study's own resolution
 
-    space = _resolve(cfg, baseline, tuner.environment(), context_tokens)
+    space = resolve_study_space(cfg, baseline, tuner.environment(), context_tokens)
     grid = _exhaustive_grid(cfg, space, context_tokens)
     optimum = _best(grid, cfg)
     assert optimum is not None, "the grid found no feasible config"

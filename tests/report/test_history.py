@@ -10,9 +10,9 @@ import pytest
 from tests.report.study_factory import make_study, ok_trial
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
+from tuner.study.storage import check_storage
 from tuner.history import (
     StudyLocation,
-    check_storage,
     choose_best,
     open_study,
     override_policy,

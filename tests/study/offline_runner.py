@@ -1,4 +1,4 @@
-"""A :class:`tuner.run.TrialRunner` on the simulator's offline evaluation (virtual time).
+"""A :class:`tuner.study.loop.TrialRunner` on the simulator's offline evaluation (virtual time).
 
 Used by the search-quality benchmark and the fast study tests: every trial sizes a simulated
 server from the rendered command line (the same flag rendering, log parsing and memory model as a
@@ -15,8 +15,9 @@ from typing import Any
 from tuner.config import TunerConfig
 from tuner.load import build_workload, capacity_probe
 from tuner.records import PhaseResult, TrialRecord
-from tuner.run import TrialJob
-from tuner.search import SEARCHED_FIELDS, context_capacity
+from tuner.records import context_capacity
+from tuner.study.loop import TrialJob
+from tuner.study.space import SEARCHED_FIELDS
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.logs import parse_log

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tuner.records import TrialRecord
-from tuner.run import _describe
+from tuner.study.loop import describe as _describe
 from tuner.sglang.failures import FailureClass
 
 

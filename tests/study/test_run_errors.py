@@ -14,7 +14,7 @@ import pytest
 from conftest import config_copy, load, tuner
 from optuna.trial import TrialState
 
-from tuner.budget import require_one_trial
+from tuner.study.budget import require_one_trial
 from tuner.errors import ConfigError
 from tuner.records import TrialRecord
 
@@ -105,7 +105,7 @@ def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_p
 
     from tuner.config import load_config
     from tuner.errors import StudyError
-    from tuner.run import MAX_INVALID_IN_A_ROW, run_study
+    from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
     from tuner.sglang.failures import FailureClass
 
     root = Path(__file__).resolve().parents[2]

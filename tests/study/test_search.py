@@ -7,8 +7,8 @@ from pathlib import Path
 from offline_runner import OfflineRunner
 
 from tuner.config import SpaceSection, load_config
-from tuner.run import run_study
-from tuner.search import resolve_space
+from tuner.study.loop import run_study
+from tuner.study.space import resolve_space
 from tuner.sglang.memory import must_fail
 
 ROOT = Path(__file__).resolve().parents[2]

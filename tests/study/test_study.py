@@ -8,21 +8,21 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tuner.budget import Budget
+from tuner.study.budget import Budget
 from tuner.errors import StudyError
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
-from tuner.study import (
+from tuner.study.best import choose_best
+from tuner.study.optuna_io import (
     KIND_ATTR,
     check_environment,
-    choose_best,
     make_sampler,
-    open_storage,
     open_study,
     records,
     recover_interrupted,
     tell_record,
 )
+from tuner.study.storage import open_storage
 
 OK = {"oom_or_crash": -1.0, "slo": -0.2, "stress": -1.0}
 

@@ -19,7 +19,7 @@ import gzip
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from tuner.errors import LogError
 from tuner.sglang.failures import Failure, FailureClass
 
 __all__ = [
+    "log_error_line",
     "RankMemory",
     "SchedulerInfo",
     "Retraction",
@@ -1118,3 +1119,25 @@ def outcome_of(failure: Failure | None) -> str:
     if failure is None:
         return "started"
     return _OUTCOMES.get(failure.failure_class, "other_error")
+
+
+# ---- the server's own error line (the run quotes it when a trial cannot start) ----------------
+
+_ERROR_LINE_RE = re.compile(r"(?i)\berror\b|exception|address already in use|no such file|not found")
+
+
+def log_error_line(lines: Sequence[str]) -> str | None:
+    """The server's own reason in its log: the last line that reads like an error.
+
+    Args:
+        lines: The server log's lines, oldest first.
+
+    Returns:
+        That line (stripped, at most 400 characters; a ``Traceback`` header is skipped), or
+        ``None`` when no line reads like an error.
+    """
+    for line in reversed(lines):
+        text = line.strip()
+        if text and _ERROR_LINE_RE.search(text) and not text.startswith("Traceback"):
+            return text[:400]
+    return None

@@ -9,68 +9,25 @@ load included); before any history exists, from the configured start timeout and
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from tuner.config import TunerConfig
 from tuner.errors import ConfigError
+from tuner.units import format_duration
 
-__all__ = ["parse_duration_s", "format_duration", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "require_one_trial", "TrialCostEstimate", "Budget"]
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)", re.IGNORECASE)
-_UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def parse_duration_s(text: str | float | int, *, name: str = "--budget") -> float:
-    """Parse a duration such as ``4h``, ``90m``, ``1h30m`` or ``45s``.
-
-    A bare number (``3``) is an error, not seconds: ``--budget 3`` meant as hours or minutes would
-    otherwise end the run before its first trial. A Python number is taken as seconds.
-
-    Args:
-        text: The duration text (case-insensitive units ``h``, ``m``, ``s``), or seconds.
-        name: The option or key the text came from, named in the error.
-
-    Returns:
-        The duration in seconds (> 0).
-
-    Raises:
-        ConfigError: The text is not a duration (a bare number included), or is not positive.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        raw = str(text).strip().replace(" ", "")
-        if re.fullmatch(r"\d+(?:\.\d+)?", raw):
-            raise ConfigError(
-                f"{name} {text!r} has no unit",
-                hint=f"write {raw}h, {raw}m or {raw}s (e.g. 4h, 90m, 1h30m)",
-            )
-        parts = _DURATION_RE.findall(raw)
-        if not parts or "".join(f"{n}{u}" for n, u in parts).lower() != raw.lower():
-            raise ConfigError(
-                f"{name} {text!r} is not a duration",
-                hint="write it like 4h, 90m, 1h30m or 45s",
-            )
-        seconds = sum(float(n) * _UNIT_S[u.lower()] for n, u in parts)
-    if seconds <= 0:
-        raise ConfigError(f"{name} {text!r} must be longer than zero", hint="give e.g. 4h or 30m")
-    return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """Format seconds as ``1h05m``, ``4m30s`` or ``12s`` for progress lines."""
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
+def prior_trial_cost_s(config: TunerConfig) -> float:
+    """A first trial's expected cost in seconds, before the study has any history: a third of
+    ``[service] start_timeout_s`` (at most 10 min) plus the warm-up, measure and stress phases and
+    5 s for the record. The one estimate ``tuner run`` budgets with and ``--dry-run`` prints."""
+    budget = config.budget
+    start = min(config.service.start_timeout_s / 3.0, 600.0)
+    return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
 
 
 def require_one_trial(total_s: float, cost_s: float, *, reserve_s: float = 0.0, name: str = "--budget") -> None:

@@ -1,4 +1,4 @@
-"""The Optuna study: storage, sampler, telling trials, resume, environment tags and "best".
+"""The Optuna side of a study (public API only): sampler, open, tell, resume, attributes.
 
 Two objectives, both maximized: ``values = [context_capacity, output_throughput]``. Constraints
 (feasible when every value ≤ 0) follow :data:`tuner.records.CONSTRAINT_NAMES` and are stored with
@@ -15,25 +15,27 @@ study user attribute :data:`~tuner.records.STUDY_ATTR`.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import optuna
-from optuna.samplers import BaseSampler, NSGAIISampler, RandomSampler, TPESampler
-from optuna.storages import BaseStorage, RDBStorage
+from optuna.samplers import BaseSampler, NSGAIISampler, PartialFixedSampler, RandomSampler, TPESampler
+from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
-from pydantic import BaseModel, ConfigDict
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, StudyInfo, TrialRecord
+from tuner.study.space import Space
 
 __all__ = [
     "DIRECTIONS",
     "ENVIRONMENT_KEYS",
     "KIND_ATTR",
-    "open_storage",
+    "SPACE_ATTR",
+    "PREDICTION_ATTR",
+    "ENVIRONMENT_ATTR",
     "open_study",
     "make_sampler",
     "constraints_of",
@@ -43,9 +45,9 @@ __all__ = [
     "check_environment",
     "records",
     "tell_record",
+    "fail_trial",
+    "set_baseline_params",
     "recover_interrupted",
-    "choose_best",
-    "BestChoice",
 ]
 
 DIRECTIONS = ("maximize", "maximize")
@@ -55,39 +57,14 @@ ENVIRONMENT_KEYS = ("sglang_version", "gpu_name", "gpu_count", "driver_version",
 KIND_ATTR = "tuner.kind"
 """User attribute set by ``enqueue_trial`` so an enqueued trial knows why it was enqueued."""
 
+SPACE_ATTR = "tuner.space"
+"""Study user attribute holding the resolved :class:`tuner.study.space.Space` (stable across resumes)."""
+PREDICTION_ATTR = "tuner.prediction"
+"""Trial user attribute (set when enqueued): the planner's prediction for the candidate."""
+ENVIRONMENT_ATTR = "tuner.environment"
+"""Trial user attribute: the SGLang version, GPU, driver and model the trial ran on."""
+
 _log = logging.getLogger(__name__)
-
-
-def open_storage(url: str) -> BaseStorage:
-    """Open an Optuna storage from a SQLAlchemy URL, creating a SQLite file's folder if needed.
-
-    Args:
-        url: ``sqlite:///studies/x.db``, ``postgresql://...``, or ``:memory:`` (in-memory, for
-            the offline benchmark).
-
-    Raises:
-        StudyError: The database cannot be opened.
-    """
-    if url == ":memory:":
-        return optuna.storages.InMemoryStorage()
-    if url.startswith("sqlite:///"):
-        from pathlib import Path
-
-        path = Path(url.removeprefix("sqlite:///"))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise StudyError(
-                f"storage folder {str(path.parent)!r} cannot be created: {err.strerror}",
-                hint="set [storage] url to a writable place",
-            ) from err
-    try:
-        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {})
-    except (SQLAlchemyError, ValueError, ImportError) as err:
-        raise StudyError(
-            f"storage {url!r} cannot be opened: {str(err).splitlines()[0]}",
-            hint="check [storage] url (e.g. sqlite:///studies/demo.db)",
-        ) from err
 
 
 def constraints_of(record: TrialRecord) -> dict[str, float]:
@@ -221,6 +198,52 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
     return frozen
 
 
+def fail_trial(study: optuna.Study, trial: optuna.Trial, partial: TrialRecord, *, requeue: bool) -> None:
+    """Store an interrupted trial's partial record and tell it FAIL; enqueue its params again.
+
+    Args:
+        study: The study.
+        trial: The running trial.
+        partial: What is known (``outcome="failed"``, the interruption as evidence).
+        requeue: Enqueue the trial's params so the next run measures them.
+    """
+    trial.set_user_attr(RECORD_ATTR, partial.model_dump(mode="json"))
+    study.tell(trial, state=TrialState.FAIL)
+    if requeue:
+        study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
+
+
+def set_baseline_params(trial: optuna.Trial, space: Space, params: Mapping[str, Any]) -> None:
+    """Record the baseline's resolved knobs as the Optuna params of its (running) trial.
+
+    Through Optuna's public API: the study's sampler is swapped for a
+    :class:`~optuna.samplers.PartialFixedSampler` fixed at those values while each knob is
+    suggested, then put back. Knobs outside the space (:meth:`Space.contains`) are left out.
+    """
+    study = trial.study
+    fixed = {name: params[name] for name in space.distributions() if space.contains(name, params.get(name))}
+    if not fixed:
+        return
+    sampler = study.sampler
+    with warnings.catch_warnings():  # experimental in name only since Optuna 2.4; its interface is public
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.sampler = PartialFixedSampler(fixed, sampler)
+    try:
+        for name, dist in space.distributions().items():
+            if name in fixed:
+                _suggest(trial, name, dist)
+    finally:
+        study.sampler = sampler
+
+
+def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:
+    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+        return trial.suggest_categorical(name, list(dist.choices))
+    if isinstance(dist, optuna.distributions.IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+
+
 def recover_interrupted(study: optuna.Study) -> list[int]:
     """Mark RUNNING trials left by a killed run as FAIL and enqueue their params again.
 
@@ -232,94 +255,8 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
     """
     recovered = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # noqa: SLF001
+        study.tell(trial.number, state=TrialState.FAIL)
         if trial.params:
             study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
         recovered.append(trial.number)
     return recovered
-
-
-class BestChoice(BaseModel):
-    """The trial chosen as best and why.
-
-    Attributes:
-        number: The Optuna trial number.
-        record: Its record.
-        reason: One sentence on why it won under the policy.
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    number: int
-    record: TrialRecord
-    reason: str
-
-
-def choose_best(
-    finished: Sequence[tuple[FrozenTrial, TrialRecord]] | Sequence[tuple[int, TrialRecord]],
-    *,
-    policy: str = "throughput_within_capacity",
-    capacity_tolerance: float = 0.05,
-    throughput_noise: float = 0.03,
-) -> BestChoice | None:
-    """Pick "best" among feasible, fully measured trials by the configured policy.
-
-    ``throughput_within_capacity`` keeps the trials whose context capacity is within
-    ``capacity_tolerance`` of the best (the band); among them, every trial whose output throughput
-    is within ``throughput_noise`` of the band's highest counts as tied (a short measured window
-    cannot tell such throughputs apart), and the tie goes to the higher context capacity, then the
-    higher throughput, then the earlier trial.
-
-    Args:
-        finished: ``(trial or number, record)`` pairs; only feasible ``ok`` records compete.
-        policy: ``throughput_within_capacity`` (see above), ``max_capacity`` (highest capacity;
-            throughput breaks ties) or ``max_throughput``.
-        capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
-        throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
-            a tie (0.03 = 3 %).
-
-    Returns:
-        The choice, or ``None`` when no trial is feasible.
-    """
-    pool = []
-    for item, record in finished:
-        number = item if isinstance(item, int) else item.number
-        if record.feasible and record.outcome == "ok" and record.context_capacity is not None:
-            pool.append((number, record))
-    if not pool:
-        return None
-    top_capacity = max(r.context_capacity or 0 for _, r in pool)
-    tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
-    if policy == "max_throughput":
-        number, record = max(pool, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
-        reason = f"highest output throughput ({tput(record):.1f} tok/s) among feasible trials"
-    elif policy == "max_capacity":
-        number, record = max(pool, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
-        reason = (
-            f"highest context capacity ({record.context_capacity} requests) among feasible trials"
-        )
-    else:
-        floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
-        band = [p for p in pool if (p[1].context_capacity or 0) >= floor]
-        fastest_number, fastest = max(band, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
-        ties = [p for p in band if tput(p[1]) >= tput(fastest) * (1.0 - throughput_noise) - 1e-9]
-        number, record = max(ties, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
-        among = (
-            f"among the {len(band)} feasible trial(s) within {capacity_tolerance:.0%} of the best "
-            f"context capacity ({top_capacity} requests)"
-        )
-        if number == fastest_number:
-            reason = f"highest output throughput ({tput(record):.1f} tok/s) {among}"
-            if len(ties) > 1:
-                reason += (
-                    f"; {len(ties) - 1} other(s) within the {throughput_noise:.0%} throughput noise "
-                    "margin have no higher context capacity"
-                )
-        else:
-            reason = (
-                f"highest context capacity ({record.context_capacity} requests) of the {len(ties)} "
-                f"trial(s) whose output throughput is within the {throughput_noise:.0%} noise margin "
-                f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
-                f"{tput(record):.1f} tok/s), {among}"
-            )
-    return BestChoice(number=number, record=record, reason=reason)

@@ -1,0 +1,676 @@
+"""The tuning run: the loop that asks, skips or launches, tells, and stops inside the budget.
+
+One run of ``tuner run`` is one :class:`StudyRun`: open (or resume) the study, check the
+environment, recover trials a killed run left RUNNING, measure the baseline (the unit's current
+flags), then repeat until the budget or the trial cap is spent: take the next enqueued trial, else
+the planner's memory-model candidate (:class:`tuner.study.planner.Planner`), else the sampler's;
+skip without a restart what an earlier failure proves infeasible (or what was already measured);
+run the rest through a :class:`TrialRunner`; tell Optuna. The runner is the seam:
+:class:`tuner.trial.TrialExecutor` restarts a real (or simulated) server; the search-quality
+benchmark plugs in the simulator's offline evaluation.
+
+The steps, one method each (the shape of Optuna's own ``_optimize``/``_run_trial``)::
+
+    run()        open → baseline() → while can_continue(): next_trial() → skip() or launch() → summary
+    baseline()   the service's own flags, once per study; its resolved knobs fix the space
+    next_trial() ask Optuna, after enqueueing the planner's candidate when nothing waits
+    skip()       tell PRUNED with the proving trial (no restart)
+    launch()     run the trial through the runner, then tell()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+import optuna
+from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from optuna.trial import TrialState
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.config import TunerConfig, check_url_matches_port
+from tuner.errors import StudyError
+from tuner.load.workloads import build_workload
+from tuner.records import StudyInfo, TrialRecord
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
+from tuner.sglang.logs import log_error_line
+from tuner.sglang.memory import KVCapacityModel, must_fail
+from tuner.study.best import BestChoice, choose_best
+from tuner.study.budget import Budget, require_one_trial
+from tuner.study.optuna_io import (
+    ENVIRONMENT_ATTR,
+    KIND_ATTR,
+    PREDICTION_ATTR,
+    SPACE_ATTR,
+    check_environment,
+    fail_trial,
+    make_sampler,
+    open_study,
+    records,
+    recover_interrupted,
+    save_study_info,
+    set_baseline_params,
+    study_info,
+    tell_record,
+)
+from tuner.study.planner import Planner
+from tuner.study.space import Space, resolve_space
+from tuner.study.storage import check_storage_folder, open_storage, study_artifacts_dir, study_storage_url
+
+__all__ = [
+    "MAX_INVALID_IN_A_ROW",
+    "TrialJob",
+    "TrialRunner",
+    "Progress",
+    "RunSummary",
+    "StudyRun",
+    "run_study",
+    "skip_reason",
+    "describe",
+    "resolve_study_space",
+]
+
+MAX_INVALID_IN_A_ROW = 3
+"""Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
+command itself is wrong (or the environment), not the candidate."""
+MAX_SKIPPED = 200
+"""Skips in one run after which the search counts as exhausted (the space holds nothing new)."""
+
+_log = logging.getLogger(__name__)
+_UNMEASURED = {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0}
+
+
+class TrialJob(BaseModel):
+    """What the runner is asked to do for one trial.
+
+    Attributes:
+        number: Optuna trial number.
+        kind: ``baseline``, ``predicted``, ``sampled`` or ``enqueued``.
+        params: Knobs to set by SGLang field name; empty for the baseline (the argv as it is).
+        prediction: The planner's prediction, stored in the record.
+        context_tokens: The context length of context capacity.
+        capacity_floor: Capacity-first fidelity: when the boot probe shows a context capacity
+            below this, the full load is skipped (0 = always load).
+        started_at: ISO time the trial started.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    kind: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    prediction: dict[str, Any] = Field(default_factory=dict)
+    context_tokens: int
+    capacity_floor: int = 0
+    started_at: str = ""
+
+
+class TrialRunner(Protocol):
+    """Runs one trial end to end and returns its record (objectives, constraints, everything)."""
+
+    def environment(self) -> dict[str, Any]:
+        """``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``, ``model``, and
+        ``gpu_total_mib`` when known."""
+        ...
+
+    def target(self) -> dict[str, Any]:
+        """``launcher``, ``unit`` or ``command``, ``url``."""
+        ...
+
+    def baseline_argv(self) -> list[str]:
+        """The command line the service runs before the study."""
+        ...
+
+    def prior_cost_s(self) -> float:
+        """The cost of one trial in seconds before any history exists."""
+        ...
+
+    def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
+        """Run ``job``; call ``on_phase(name)`` as each phase starts. Never raises for a failed
+        server: a failure is a record with ``outcome="failed"``."""
+        ...
+
+
+class Progress(BaseModel):
+    """A progress event for the CLI.
+
+    Attributes:
+        event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``.
+        number: Trial number (Optuna).
+        index: This run's trial count so far (1-based).
+        expected: About how many trials the budget allows in this run (``None`` unbounded).
+        phase: The current phase.
+        eta_s: Seconds left in the budget.
+        message: One line for the user.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    event: str
+    number: int | None = None
+    index: int = 0
+    expected: int | None = None
+    phase: str | None = None
+    eta_s: float | None = None
+    message: str = ""
+
+
+class RunSummary(BaseModel):
+    """What a run did and found.
+
+    Attributes:
+        study_name: The study.
+        storage_url: Where it is stored.
+        trials_run: Trials launched in this run (a restart each).
+        trials_skipped: Trials skipped without a restart in this run.
+        recovered: Trials a killed run left RUNNING, marked failed and re-enqueued.
+        stop_reason: ``budget``, ``trials``, ``interrupted`` or ``exhausted``.
+        baseline: The baseline's record (trial number, record).
+        best: The chosen best and why (:func:`tuner.study.best.choose_best` under the config's
+            ``[objective]``, over every trial of the study).
+        elapsed_s: Wall-clock seconds of the run.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    study_name: str
+    storage_url: str
+    trials_run: int = 0
+    trials_skipped: int = 0
+    recovered: list[int] = Field(default_factory=list)
+    stop_reason: str = "exhausted"
+    baseline: tuple[int, TrialRecord] | None = None
+    best: BestChoice | None = None
+    elapsed_s: float = 0.0
+
+
+class StudyRun:
+    """One run of a study: the state the loop's steps share, and the steps as methods.
+
+    Args:
+        config: The validated config.
+        runner: Runs one trial (real launcher or offline evaluation).
+        budget_s: Wall-clock budget in seconds (``None``: unbounded, then ``max_trials`` must be
+            given).
+        max_trials: Cap on trials launched or skipped in this run.
+        allow_mixed_environment: Add trials even if the environment differs from the study's.
+        storage_url: Override of the config's storage URL (``:memory:`` for the benchmark).
+        on_progress: Receives :class:`Progress` events.
+        clock: Monotonic clock in seconds (injectable).
+        use_planner: Enqueue the memory model's candidates (off: the sampler alone, for the
+            search-quality benchmark's comparison).
+
+    Raises:
+        StudyError: Neither budget nor trial cap given.
+    """
+
+    def __init__(
+        self,
+        config: TunerConfig,
+        runner: TrialRunner,
+        *,
+        budget_s: float | None = None,
+        max_trials: int | None = None,
+        allow_mixed_environment: bool = False,
+        storage_url: str | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        use_planner: bool = True,
+    ) -> None:
+        if budget_s is None and max_trials is None:
+            raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
+        self.config = config
+        self.runner = runner
+        self.budget_s = budget_s
+        self.max_trials = max_trials
+        self.allow_mixed_environment = allow_mixed_environment
+        self.url = storage_url or study_storage_url(config)
+        self.emit = on_progress or (lambda _p: None)
+        self.clock = clock
+        self.use_planner = use_planner
+        self.budget = Budget(budget_s, reserve_s=config.budget.restore_reserve_s, clock=clock)
+        self.summary = RunSummary(study_name=config.study.name, storage_url=self.url)
+        self.launched = 0
+        self.handled = 0
+        self.invalid_in_a_row = 0
+        self.environment: dict[str, Any] = {}
+        self.context_tokens = 0
+        self.study: optuna.Study | None = None
+        self.artifact_store: FileSystemArtifactStore | None = None
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Open the study, measure the baseline, then ask/skip/launch/tell until a stop.
+
+        Returns:
+            The summary, with the best trial chosen by the config's policy.
+
+        Raises:
+            StudyError: Storage (an explicit SQLite folder that does not exist), environment
+                mismatch, ``[service] url`` not on the command's ``--port``; after the trial is
+                stored: the baseline could not start for a reason other than memory, or
+                :data:`MAX_INVALID_IN_A_ROW` trials in a row failed ``invalid_arguments`` (the
+                message quotes the server log's error line).
+            ConfigError: ``budget_s`` is shorter than one trial's estimated cost.
+            KeyboardInterrupt: Ctrl-C or SIGTERM; the trial in flight is stored as FAIL with its
+                partial record and its params re-enqueued.
+        """
+        started = self.clock()
+        self.open()
+        self.summary.baseline = self.baseline()
+        space = self.space()
+        planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
+                          longest_input_tokens=_longest_input(self.config))
+        while self.summary.stop_reason == "exhausted" and self.can_continue():
+            trial, job = self.next_trial(space, planner)
+            if job is None:
+                continue
+            self.check_invalid_streak(trial.number, self.launch(trial, job))
+        self.summary.trials_run = self.launched
+        objective = self.config.objective
+        self.summary.best = choose_best(self.history(), policy=objective.policy,
+                                        capacity_tolerance=objective.capacity_tolerance,
+                                        throughput_noise=objective.throughput_noise)
+        self.summary.elapsed_s = self.clock() - started
+        return self.summary
+
+    def open(self) -> None:
+        """Check storage and target, open the study, store or check its environment, recover
+        RUNNING trials, check the budget holds one trial, and open the artifact store."""
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        check_storage_folder(self.url, self.config.study.name)
+        check_url_matches_port(self.runner.target().get("url"), self.runner.baseline_argv())
+        config = self.config
+        self.study = study = open_study(config.study.name, open_storage(self.url),
+                                        make_sampler(config.study.sampler, config.study.seed))
+        self.environment = self.runner.environment()
+        info = study_info(study)
+        if info is not None:
+            check_environment(info.environment, self.environment, allow_mixed=self.allow_mixed_environment)
+        self.summary.recovered = recover_interrupted(study)
+        context_tokens = config.objective.context_tokens or _context_tokens(config)
+        if info is None:
+            info = StudyInfo(environment=self.environment, target=self.runner.target(),
+                             baseline_argv=self.runner.baseline_argv(), policy=config.objective.model_dump(mode="json"),
+                             context_tokens=context_tokens, config_path=config.path)
+            save_study_info(study, info)
+        self.context_tokens = info.context_tokens or context_tokens
+        if self.budget_s is not None:
+            require_one_trial(self.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
+        if self.url != ":memory:":
+            folder = study_artifacts_dir(config)
+            if config.storage.artifacts_dir and not folder.parent.is_dir():
+                raise StudyError(
+                    f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
+                    hint="create it, or point artifacts_dir at an existing folder",
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+            self.artifact_store = FileSystemArtifactStore(str(folder))
+
+    def baseline(self) -> tuple[int, TrialRecord] | None:
+        """The study's baseline (the service's own flags), measured now when the study has none.
+
+        Its resolved knobs fix the search space (the study attribute :data:`SPACE_ATTR`) and
+        become its Optuna params.
+
+        Raises:
+            StudyError: The baseline could not start for a reason other than memory.
+        """
+        found = _baseline(self.history())
+        if found is not None or not self.can_continue():
+            return found
+        study = self._study()
+        trial = study.ask()
+        trial.set_user_attr(KIND_ATTR, "baseline")
+        job = TrialJob(number=trial.number, kind="baseline", context_tokens=self.context_tokens, started_at=_now())
+
+        def fix_space(record: TrialRecord) -> None:
+            space = resolve_study_space(self.config, record, self.environment, self.context_tokens)
+            study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
+            set_baseline_params(trial, space, record.params)
+
+        record = self.launch(trial, job, before_tell=fix_space)
+        if _could_not_start(record):
+            raise StudyError(
+                f"the baseline (trial {trial.number}, the service's own flags) could not start "
+                f"({record.failure_class.value if record.failure_class else 'failed'}): "
+                f"{_server_reason(record)}; the service was restored to its original flags",
+                hint=f"fix the service command or environment and run again (`tuner show {trial.number}` has the log)",
+            )
+        return trial.number, record
+
+    def space(self) -> Space:
+        """The study's resolved space (stored when its baseline was measured).
+
+        Raises:
+            StudyError: The study has no baseline to derive it from.
+        """
+        data = self._study().user_attrs.get(SPACE_ATTR)
+        if data is None:
+            raise StudyError(
+                f"study {self.config.study.name!r} has no baseline trial to derive its search space from",
+                hint="run again with a budget long enough for one trial",
+            )
+        return Space.model_validate(data)
+
+    def next_trial(self, space: Space, planner: Planner) -> tuple[optuna.Trial, TrialJob | None]:
+        """Ask Optuna for the next trial (after enqueueing the planner's candidate when nothing
+        waits); a trial that needs no restart is told as skipped here and has no job."""
+        study = self._study()
+        done = self.history()
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        predicted = sum(1 for _, r in done if r.kind == "predicted")
+        if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
+            tried = {_key(space.snap(r.params)) for _, r in done if r.params}
+            tried |= {_key(space.snap(t.params)) for t in waiting}
+            candidate = planner.next(done, tried)
+            if candidate is not None:
+                study.enqueue_trial(candidate.params,
+                                    user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
+        trial = study.ask()
+        kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
+        params = space.suggest(trial)
+        prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
+        floor = self.capacity_floor(done)
+        reason = skip_reason(params, done)
+        if reason is None and kind == "sampled" and self.use_planner:
+            reason = planner.screen(params, done, capacity_floor=floor)
+        if reason is not None:
+            self.skip(trial, params, kind, prediction, reason)
+            return trial, None
+        return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
+                               context_tokens=self.context_tokens, capacity_floor=floor, started_at=_now())
+
+    def skip(self, trial: optuna.Trial, params: dict[str, Any], kind: str, prediction: dict[str, Any],
+             reason: tuple[str, int]) -> None:
+        """Tell ``trial`` PRUNED with the reason and the proving trial, without a restart."""
+        text, proof = reason
+        record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
+                             proved_by_trial=proof, prediction=prediction, started_at=_now(),
+                             duration_s=0.0, constraints=dict(_UNMEASURED))
+        tell_record(self._study(), trial, record)
+        self.summary.trials_skipped += 1
+        self.handled += 1
+        self.progress("skip", trial.number, message=f"trial {trial.number} skipped: {text}")
+        if self.summary.trials_skipped > MAX_SKIPPED:
+            self.stop("exhausted")
+
+    def launch(self, trial: optuna.Trial, job: TrialJob,
+               before_tell: Callable[[TrialRecord], None] | None = None) -> TrialRecord:
+        """Run ``job`` through the runner and tell its record (a restart of the service).
+
+        Raises:
+            KeyboardInterrupt: After storing the partial record as FAIL and re-enqueueing the params.
+        """
+        self.progress("trial_start", job.number, index=self.handled + 1, message=f"trial {job.number} ({job.kind})")
+        begun = self.clock()
+        trial.set_user_attr(ENVIRONMENT_ATTR, self.environment)
+
+        def on_phase(name: str) -> None:
+            self.progress("phase", job.number, index=self.handled + 1, phase=name, message=f"trial {job.number}: {name}")
+
+        try:
+            record = self.runner.run(job, on_phase)
+        except KeyboardInterrupt:
+            partial = TrialRecord(params=job.params, kind=_kind(job.kind), outcome="failed",
+                                  failure_evidence="interrupted (Ctrl-C or SIGTERM) during the trial",
+                                  started_at=job.started_at, duration_s=self.clock() - begun)
+            fail_trial(self._study(), trial, partial, requeue=bool(job.params))
+            raise
+        self.launched += 1
+        record = self.tell(trial, record, begun, before_tell)
+        self.progress("trial_end", job.number, index=self.handled + 1, message=describe(job.number, record))
+        self.handled += 1
+        return record
+
+    def tell(self, trial: optuna.Trial, record: TrialRecord, begun: float,
+             before_tell: Callable[[TrialRecord], None] | None = None) -> TrialRecord:
+        """Complete ``record`` (log evidence, artifacts, duration) and tell Optuna."""
+        record = _with_log_evidence(record)
+        record = _upload_artifacts(trial, record, self.artifact_store)
+        if record.duration_s is None:
+            record = record.model_copy(update={"duration_s": self.clock() - begun})
+        if before_tell is not None:
+            before_tell(record)
+        tell_record(self._study(), trial, record)
+        return record
+
+    # ---- stopping ------------------------------------------------------------------------------
+
+    def can_continue(self) -> bool:
+        """Whether the trial cap and the budget leave room for one more trial (else :meth:`stop`)."""
+        if self.max_trials is not None and self.handled >= self.max_trials:
+            self.stop("trials")
+            return False
+        if not self.budget.fits(self.cost_s()):
+            self.stop("budget")
+            return False
+        return True
+
+    def check_invalid_streak(self, number: int, record: TrialRecord) -> None:
+        """Stop the run after :data:`MAX_INVALID_IN_A_ROW` ``invalid_arguments`` failures in a row.
+
+        Raises:
+            StudyError: The streak is reached (the message quotes the server's reason).
+        """
+        invalid = record.outcome == "failed" and record.failure_class is FailureClass.INVALID_ARGUMENTS
+        self.invalid_in_a_row = self.invalid_in_a_row + 1 if invalid else 0
+        if self.invalid_in_a_row >= MAX_INVALID_IN_A_ROW:
+            raise StudyError(
+                f"{self.invalid_in_a_row} trials in a row (the last {number}) were rejected as invalid_arguments: "
+                f"{_server_reason(record)}; the service was restored to its original flags",
+                hint=f"fix the service command or the [space] and run again (`tuner show {number}` has the log)",
+            )
+
+    def stop(self, reason: str) -> None:
+        """Record the stop reason and tell the CLI."""
+        self.summary.stop_reason = reason
+        self.progress("stop", None, index=self.handled, message=f"stopped: {reason}")
+
+    # ---- shared state --------------------------------------------------------------------------
+
+    def history(self) -> list[tuple[int, TrialRecord]]:
+        """``(number, record)`` of every finished trial of the study, in trial order."""
+        return [(t.number, r) for t, r in records(self._study())]
+
+    def cost_s(self) -> float:
+        """The next trial's expected cost in seconds (:meth:`tuner.study.budget.Budget.estimate`)."""
+        durations = [r.duration_s or 0.0 for _, r in self.history() if r.outcome in ("ok", "failed")]
+        return Budget.estimate(durations, self.runner.prior_cost_s()).seconds
+
+    def expected(self) -> int | None:
+        """About how many trials this run will handle in all (``None``: unbounded)."""
+        left = self.budget.trials_left(self.cost_s())
+        if left is None:
+            return self.max_trials
+        total = self.handled + left
+        return min(total, self.max_trials) if self.max_trials else total
+
+    def capacity_floor(self, done: Sequence[tuple[int, TrialRecord]]) -> int:
+        """Capacity-first fidelity: ``[budget] probe_only_below`` of the best capacity so far."""
+        best = choose_best(done, policy="max_capacity")
+        if best is None or self.config.budget.probe_only_below <= 0:
+            return 0
+        return int(self.config.budget.probe_only_below * (best.record.context_capacity or 0))
+
+    def progress(self, event: str, number: int | None, *, index: int | None = None, **fields: Any) -> None:
+        """Emit one :class:`Progress` event."""
+        self.emit(Progress(event=event, number=number, index=self.handled if index is None else index,
+                           expected=None if event == "stop" else self.expected(),
+                           eta_s=self.budget.remaining_s(), **fields))
+
+    def _study(self) -> optuna.Study:
+        if self.study is None:
+            raise RuntimeError("StudyRun.open() was not called")
+        return self.study
+
+
+def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSummary:
+    """Run (or resume) the study until the budget, the trial cap, or the search runs out.
+
+    ``StudyRun(config, runner, **options).run()``; see :class:`StudyRun` for the options and
+    :meth:`StudyRun.run` for the result and the raised errors.
+    """
+    return StudyRun(config, runner, **options).run()
+
+
+def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(params.items()))
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def skip_reason(params: Mapping[str, Any], finished: Sequence[tuple[int, TrialRecord]]) -> tuple[str, int] | None:
+    """Why ``params`` need no restart: the same config was measured, or a failure proves it fails.
+
+    Args:
+        params: The candidate's knobs by SGLang field name.
+        finished: ``(number, record)`` of the study's finished trials.
+
+    Returns:
+        ``(reason, proving trial number)``, or ``None`` when the candidate must be launched.
+    """
+    for number, record in finished:
+        if record.outcome in ("ok", "failed") and record.params and _key(
+            {k: record.params.get(k) for k in params}
+        ) == _key(params):
+            return f"the same config was measured by trial {number}", number
+    failures = [(n, r) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
+    if failures:
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(r.failure_class)) for _, r in failures])
+        if proved and index is not None:
+            number, record = failures[index]
+            return (
+                f"must fail: trial {number} failed with {record.failure_class.value} at "
+                f"mem_fraction_static={record.params.get('mem_fraction_static')} with other memory "
+                "knobs equal or smaller, and failures are monotone in these knobs",
+                number,
+            )
+    return None
+
+
+def _monotone_class(failure_class: FailureClass) -> FailureClass:
+    """A runtime OOM under the stress load bounds the reserve exactly like a CUDA-graph OOM.
+
+    Both say the ``(1 − mfs) × B`` reserve was too small for what runs out of it (§1.6, §8): a
+    larger fraction, or larger reserve knobs (``max_running_requests``, ``chunked_prefill_size``,
+    ``cuda_graph_max_bs``), leaves less headroom for a stress load that is at least as heavy
+    (capacity, and with it the stress concurrency, only grows with the fraction).
+    """
+    return FailureClass.CUDA_GRAPH_OOM if failure_class is FailureClass.RUNTIME_OOM else failure_class
+
+
+def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
+    """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id."""
+    if store is None or not record.artifacts:
+        return record
+    ids = {}
+    for name, path in record.artifacts.items():
+        try:
+            ids[name] = upload_artifact(artifact_store=store, file_path=path, study_or_trial=trial)
+        except (OSError, ValueError) as err:
+            _log.warning("artifact %s of trial %d not stored: %s", name, trial.number, err)
+    return record.model_copy(update={"artifacts": ids})
+
+
+def _kind(kind: str) -> Any:
+    return kind if kind in ("baseline", "predicted", "sampled", "enqueued") else "sampled"
+
+
+def _baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, TrialRecord] | None:
+    """The study's baseline; one that could not start is measured again (the command was fixed)."""
+    return next(((n, r) for n, r in reversed(done) if r.kind == "baseline" and not _could_not_start(r)), None)
+
+
+def _could_not_start(record: TrialRecord) -> bool:
+    """Whether a trial failed to start for a reason other than memory.
+
+    A startup memory failure (§4.3) is what the search explores; any other failure before the
+    server sized its KV pool (argparse, a missing model, a port in use, a hang) means the command
+    or the environment is broken, and every other trial would fail the same way.
+    """
+    return (
+        record.outcome == "failed"
+        and record.token_capacity is None
+        and record.failure_class not in STARTUP_MEMORY_FAILURES
+    )
+
+
+def _with_log_evidence(record: TrialRecord) -> TrialRecord:
+    """Add the server log's error line to a failure whose evidence is not a log line itself.
+
+    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
+    without quoting the server; the user needs the server's words (``--model-path ... is neither a
+    directory ...``, ``address already in use``). Reads the trial's local ``server_log`` artifact.
+    """
+    if record.outcome != "failed" or "server_log" not in record.artifacts:
+        return record
+    try:
+        with open(record.artifacts["server_log"], encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return record
+    evidence = record.failure_evidence or ""
+    if evidence and any(evidence in line for line in lines):
+        return record
+    line = log_error_line(lines)
+    if line is None or line in evidence:
+        return record
+    excerpt = [x for x in record.log_excerpt if x != line] + [line]
+    return record.model_copy(update={
+        "failure_evidence": f"{evidence}; server log: {line}" if evidence else line,
+        "log_excerpt": excerpt,
+    })
+
+
+def _server_reason(record: TrialRecord) -> str:
+    """One line for the user: the server log's error line, else the failure evidence."""
+    evidence = record.failure_evidence or "no reason recorded"
+    reason = evidence.split("; server log: ", 1)[1] if "; server log: " in evidence else evidence
+    return reason.rstrip(". ")
+
+
+def _context_tokens(config: TunerConfig) -> int:
+    return build_workload(config.workload, seed=config.study.seed).context_tokens
+
+
+def _longest_input(config: TunerConfig) -> int | None:
+    spec = config.workload
+    return int(spec.input_len) if hasattr(spec, "input_len") else None
+
+
+def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: Mapping[str, Any],
+                        context_tokens: int) -> Space:
+    """The study's space from the baseline's resolved knobs and the predicted capacity ceiling.
+
+    Args:
+        config: The config (its ``[space]``).
+        record: The baseline's record (its params and ``memory.capacity_model``).
+        environment: The run's environment (``gpu_total_mib`` when known).
+        context_tokens: The context length of context capacity (tokens).
+    """
+    hint = None
+    data = record.memory.get("capacity_model")
+    if data:
+        model = KVCapacityModel.model_validate(data)
+        hint = max(1, model.tokens(0.97) // max(1, context_tokens))
+    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"), capacity_hint=hint)
+
+
+def describe(number: int, record: TrialRecord) -> str:
+    """One progress line for a finished trial (``trial 3: capacity 12 × 4096 tokens, 812 tok/s, feasible``)."""
+    if record.outcome == "failed":
+        if record.failure_class is not None:
+            return f"trial {number}: failed ({record.failure_class.value})"
+        return f"trial {number}: failed: {record.failure_evidence or 'no evidence recorded'}"
+    tput = f"{record.output_throughput_tok_s:.0f} tok/s" if record.output_throughput_tok_s is not None else "no load"
+    return (
+        f"trial {number}: capacity {record.context_capacity} × {record.context_tokens} tokens, {tput}, "
+        f"{'feasible' if record.feasible else 'infeasible'}"
+    )

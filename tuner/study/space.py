@@ -1,0 +1,292 @@
+"""The search space: the SGLang knobs a study may change, resolved from the baseline.
+
+The space is the set of SGLang knobs the study may change (by SGLang field name). Ranges the config
+leaves out are derived from the baseline the unit runs now, its GPU and its SGLang version.
+Which candidate to try next is :mod:`tuner.study.planner`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import optuna
+from optuna.distributions import (
+    BaseDistribution,
+    CategoricalDistribution,
+    FloatDistribution,
+    IntDistribution,
+)
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuner.config import SpaceSection
+
+__all__ = ["SEARCHED_FIELDS", "Space", "resolve_space", "default_chunked_prefill_size"]
+
+SEARCHED_FIELDS = (
+    "mem_fraction_static",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+    "hicache_write_policy",
+    "page_size",
+    "cuda_graph_max_bs",
+    "schedule_conservativeness",
+)
+"""Every knob the study can change, by SGLang field name."""
+
+def default_chunked_prefill_size(gpu_total_mib: float | None) -> int:
+    """SGLang's default ``chunked_prefill_size`` for a GPU size in MiB (§2.1, 0.5.5 ≈ 0.5.10)."""
+    if gpu_total_mib is None:
+        return 4096
+    for limit_mib, size in ((20480, 2048), (35840, 2048), (61440, 4096), (163840, 8192)):
+        if gpu_total_mib < limit_mib:
+            return size
+    return 16384
+
+
+class Space(BaseModel):
+    """The resolved search space.
+
+    Attributes:
+        mem_fraction_static: ``(low, high, step)``.
+        max_running_requests: ``(low, high)``, log scale.
+        chunked_prefill_size: Choices (-1 disables chunked prefill).
+        hierarchical_cache: Whether ``enable_hierarchical_cache`` is searched.
+        hicache_ratio: ``(low, high)`` when the hierarchical cache is on.
+        hicache_write_policy: Choices when the hierarchical cache is on.
+        page_size: Choices, or ``None`` (left as the baseline has it).
+        cuda_graph_max_bs: Choices, or ``None``.
+        schedule_conservativeness: ``(low, high)``, or ``None``.
+        fixed: Knobs not searched, kept at the baseline's value.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    mem_fraction_static: tuple[float, float, float]
+    max_running_requests: tuple[int, int]
+    chunked_prefill_size: tuple[int, ...]
+    hierarchical_cache: bool = False
+    hicache_ratio: tuple[float, float] = (2.0, 4.0)
+    hicache_write_policy: tuple[str, ...] = ("write_through",)
+    page_size: tuple[int, ...] | None = None
+    cuda_graph_max_bs: tuple[int, ...] | None = None
+    schedule_conservativeness: tuple[float, float] | None = None
+    fixed: dict[str, Any] = Field(default_factory=dict)
+
+    def distributions(self) -> dict[str, BaseDistribution]:
+        """Optuna distributions of every searched knob (conditional ones included)."""
+        low, high, step = self.mem_fraction_static
+        dists: dict[str, BaseDistribution] = {
+            "mem_fraction_static": FloatDistribution(low, high, step=step),
+            "max_running_requests": IntDistribution(*self.max_running_requests, log=True),
+            "chunked_prefill_size": CategoricalDistribution(list(self.chunked_prefill_size)),
+        }
+        if self.hierarchical_cache:
+            dists["enable_hierarchical_cache"] = CategoricalDistribution([False, True])
+            dists["hicache_ratio"] = FloatDistribution(*self.hicache_ratio, step=0.5)
+            dists["hicache_write_policy"] = CategoricalDistribution(list(self.hicache_write_policy))
+        if self.page_size:
+            dists["page_size"] = CategoricalDistribution(list(self.page_size))
+        if self.cuda_graph_max_bs:
+            dists["cuda_graph_max_bs"] = CategoricalDistribution(list(self.cuda_graph_max_bs))
+        if self.schedule_conservativeness:
+            dists["schedule_conservativeness"] = FloatDistribution(
+                *self.schedule_conservativeness, step=0.1
+            )
+        return dists
+
+    def contains(self, name: str, value: Any) -> bool:
+        """Whether ``value`` is a point of knob ``name``'s distribution (in range, on its step,
+        or one of its choices); ``False`` for a knob the space does not search."""
+        dist = self.distributions().get(name)
+        if dist is None or value is None:
+            return False
+        if isinstance(dist, CategoricalDistribution):
+            return value in dist.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if not dist.low - 1e-9 <= float(value) <= dist.high + 1e-9:
+            return False
+        if isinstance(dist, IntDistribution):
+            return float(value) == int(value) and (int(value) - dist.low) % dist.step == 0
+        if dist.step is None:
+            return True
+        steps = (float(value) - dist.low) / dist.step
+        return abs(steps - round(steps)) < 1e-6
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
+        """Ask ``trial`` for every knob (enqueued values come back as they were enqueued).
+
+        Returns:
+            The candidate's params by SGLang field name (searched knobs plus :attr:`fixed`).
+        """
+        low, high, step = self.mem_fraction_static
+        params: dict[str, Any] = dict(self.fixed)
+        params["mem_fraction_static"] = trial.suggest_float("mem_fraction_static", low, high, step=step)
+        params["max_running_requests"] = trial.suggest_int("max_running_requests", *self.max_running_requests, log=True)
+        params["chunked_prefill_size"] = trial.suggest_categorical("chunked_prefill_size", list(self.chunked_prefill_size))
+        if self.hierarchical_cache:
+            on = bool(trial.suggest_categorical("enable_hierarchical_cache", [False, True]))
+            params["enable_hierarchical_cache"] = on
+            if on:  # conditional knobs (§7)
+                params["hicache_ratio"] = trial.suggest_float("hicache_ratio", *self.hicache_ratio, step=0.5)
+                params["hicache_write_policy"] = trial.suggest_categorical(
+                    "hicache_write_policy", list(self.hicache_write_policy)
+                )
+        if self.page_size:
+            params["page_size"] = trial.suggest_categorical("page_size", list(self.page_size))
+        if self.cuda_graph_max_bs:
+            params["cuda_graph_max_bs"] = trial.suggest_categorical("cuda_graph_max_bs", list(self.cuda_graph_max_bs))
+        if self.schedule_conservativeness:
+            params["schedule_conservativeness"] = trial.suggest_float(
+                "schedule_conservativeness", *self.schedule_conservativeness, step=0.1
+            )
+        params["mem_fraction_static"] = round(params["mem_fraction_static"], 6)
+        return params
+
+    def snap(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Clip and align a proposed candidate onto the space (for enqueueing).
+
+        Only searched knobs are returned (Optuna's enqueued params); conditional knobs of a
+        disabled hierarchical cache are dropped.
+        """
+        low, high, step = self.mem_fraction_static
+        mfs = float(params.get("mem_fraction_static", low))
+        mfs = min(high, max(low, low + round((mfs - low) / step) * step))
+        out: dict[str, Any] = {"mem_fraction_static": round(mfs, 6)}
+        mrr = int(params.get("max_running_requests", self.max_running_requests[1]))
+        out["max_running_requests"] = min(self.max_running_requests[1], max(self.max_running_requests[0], mrr))
+        cps = params.get("chunked_prefill_size", self.chunked_prefill_size[0])
+        out["chunked_prefill_size"] = cps if cps in self.chunked_prefill_size else _nearest(self.chunked_prefill_size, cps)
+        if self.hierarchical_cache:
+            on = bool(params.get("enable_hierarchical_cache", False))
+            out["enable_hierarchical_cache"] = on
+            if on:
+                ratio = float(params.get("hicache_ratio", self.hicache_ratio[0]))
+                lo, hi = self.hicache_ratio
+                out["hicache_ratio"] = min(hi, max(lo, lo + round((ratio - lo) / 0.5) * 0.5))
+                policy = params.get("hicache_write_policy", self.hicache_write_policy[0])
+                out["hicache_write_policy"] = policy if policy in self.hicache_write_policy else self.hicache_write_policy[0]
+        for name in ("page_size", "cuda_graph_max_bs"):
+            choices = getattr(self, name)
+            if choices:
+                value = params.get(name, choices[0])
+                out[name] = value if value in choices else _nearest(choices, value)
+        if self.schedule_conservativeness:
+            lo, hi = self.schedule_conservativeness
+            value = float(params.get("schedule_conservativeness", 1.0))
+            out["schedule_conservativeness"] = round(min(hi, max(lo, lo + round((value - lo) / 0.1) * 0.1)), 6)
+        return out
+
+    def fractions(self) -> list[float]:
+        """Every ``mem_fraction_static`` on the grid, ascending."""
+        low, high, step = self.mem_fraction_static
+        count = int(round((high - low) / step)) + 1
+        return [round(low + i * step, 6) for i in range(count)]
+
+
+def _nearest(choices: Sequence[Any], value: Any) -> Any:
+    try:
+        return min(choices, key=lambda c: abs(float(c) - float(value)))
+    except (TypeError, ValueError):
+        return choices[0]
+
+
+def _align_down(value: float, low: float, step: float) -> float:
+    return round(low + math.floor((value - low) / step + 1e-9) * step, 6)
+
+
+def resolve_space(
+    section: SpaceSection,
+    baseline: Mapping[str, Any],
+    *,
+    gpu_total_mib: float | None = None,
+    capacity_hint: int | None = None,
+) -> Space:
+    """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
+
+    Defaults, each widened so the baseline's own value is inside (the baseline is trial 0):
+
+    * ``mem_fraction_static``: from 0.05 below the baseline to 0.97.
+    * ``max_running_requests``: from a quarter of the baseline's effective value (at least 1) to
+      the larger of the baseline's and 1.5 × ``capacity_hint`` (the capacity predicted at the
+      highest fraction), log scale.
+    * ``chunked_prefill_size``: half, once and twice the baseline's (or the GPU default of §2.1).
+
+    Args:
+        section: The ``[space]`` table.
+        baseline: The baseline's resolved knobs by SGLang field name (``mem_fraction_static``,
+            ``max_running_requests`` (effective), ``chunked_prefill_size``, ...).
+        gpu_total_mib: GPU size (nvidia-smi MiB) for the chunked-prefill default.
+        capacity_hint: The context capacity predicted at the top of the fraction range.
+
+    Returns:
+        The space.
+    """
+    step = section.mem_fraction_step
+    base_mfs = float(baseline.get("mem_fraction_static") or 0.88)
+    low, high = section.mem_fraction_static or (max(0.05, base_mfs - 0.05), max(0.97, base_mfs))
+    low = min(low, base_mfs)
+    high = max(high, base_mfs)
+    # Align the grid on the baseline so its value is a grid point.
+    low = round(base_mfs - math.floor((base_mfs - low) / step + 1e-9) * step, 6)
+    high = _align_down(high, low, step)
+
+    base_mrr = int(baseline.get("max_running_requests") or 0) or None
+    if section.max_running_requests:
+        mrr_low, mrr_high = section.max_running_requests
+    else:
+        reference = base_mrr or capacity_hint or 64
+        mrr_low = max(1, reference // 4)
+        mrr_high = max(reference, int(1.5 * (capacity_hint or reference)), 8)
+        if capacity_hint:
+            mrr_low = max(1, min(mrr_low, capacity_hint // 4))
+    if base_mrr:
+        mrr_low, mrr_high = min(mrr_low, base_mrr), max(mrr_high, base_mrr)
+
+    base_cps = baseline.get("chunked_prefill_size")
+    if base_cps is None:
+        base_cps = default_chunked_prefill_size(gpu_total_mib)
+    base_cps = int(base_cps)
+    if section.chunked_prefill_size:
+        cps = list(dict.fromkeys(section.chunked_prefill_size))
+    elif base_cps <= 0:
+        cps = [-1, 4096, 8192]
+    else:
+        cps = [max(512, base_cps // 2), base_cps, base_cps * 2]
+    if base_cps not in cps:
+        cps.append(base_cps)
+
+    page_size = _with_baseline(section.page_size, baseline.get("page_size"))
+    graph_bs = _with_baseline(section.cuda_graph_max_bs, baseline.get("cuda_graph_max_bs"))
+    conservativeness = section.schedule_conservativeness
+    if conservativeness:
+        base_c = float(baseline.get("schedule_conservativeness") or 1.0)
+        conservativeness = (min(conservativeness[0], base_c), max(conservativeness[1], base_c))
+    fixed = {}
+    if not section.hierarchical_cache and baseline.get("enable_hierarchical_cache"):
+        fixed["enable_hierarchical_cache"] = True
+    return Space(
+        mem_fraction_static=(low, high, step),
+        max_running_requests=(int(mrr_low), int(mrr_high)),
+        chunked_prefill_size=tuple(sorted(dict.fromkeys(cps))),
+        hierarchical_cache=section.hierarchical_cache,
+        hicache_ratio=section.hicache_ratio,
+        hicache_write_policy=tuple(section.hicache_write_policy),
+        page_size=page_size,
+        cuda_graph_max_bs=graph_bs,
+        schedule_conservativeness=conservativeness,
+        fixed=fixed,
+    )
+
+
+def _with_baseline(choices: Sequence[int] | None, value: Any) -> tuple[int, ...] | None:
+    if not choices:
+        return None
+    out = list(dict.fromkeys(choices))
+    if value is not None and int(value) not in out:
+        out.append(int(value))
+    return tuple(sorted(out))
