@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
-from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, StudyInfo, TrialRecord
+from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study import best
 from tuner.study.storage import (
     STUDIES_DIR,
@@ -223,7 +223,7 @@ class TrialView(BaseModel):
         }
         complete = trial.state == optuna.trial.TrialState.COMPLETE and trial.values is not None
         if constraints:
-            feasible = complete and all(v <= 0.0 for v in constraints.values())
+            feasible = complete and Constraints.holds(constraints)
         else:
             feasible = complete and (record.feasible if record is not None else True)
         started = record.started_at if record and record.started_at else None

@@ -12,6 +12,7 @@ see :data:`CONSTRAINT_NAMES`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,7 @@ __all__ = [
     "RECORD_ATTR",
     "STUDY_ATTR",
     "CONSTRAINT_NAMES",
+    "Constraints",
     "PhaseResult",
     "TrialRecord",
     "StudyInfo",
@@ -37,6 +39,55 @@ CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress")
 ``oom_or_crash`` is 1.0 on any startup/runtime failure else -1.0; ``slo`` is the largest relative
 SLO overshoot (``measured/target - 1``; ≤ 0 when met); ``stress`` is 1.0 when the stress phase
 failed (OOM, errors, retraction storm) else -1.0."""
+
+
+class Constraints(BaseModel):
+    """THE feasibility rule: a trial is feasible when every constraint value is ≤ 0, and a
+    constraint the trial never got to measure counts as violated (1.0).
+
+    The values follow :data:`CONSTRAINT_NAMES` (Optuna's ``set_constraint`` names). Every place
+    that decides feasibility (the trial's record, the study's tell, the readers' views, the
+    offline benchmark's runner) goes through this class.
+
+    Attributes:
+        oom_or_crash: 1.0 on any startup or runtime failure, else -1.0.
+        slo: The largest relative SLO overshoot (``measured/target - 1``; ≤ 0 when met).
+        stress: 1.0 when the stress phase failed (OOM, errors, retraction storm), else -1.0.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    oom_or_crash: float = 1.0
+    slo: float = 1.0
+    stress: float = 1.0
+
+    @classmethod
+    def of(cls, values: Mapping[str, float]) -> Constraints:
+        """The constraints in ``values`` (name → value); a name missing there is violated."""
+        return cls(**{name: float(values[name]) for name in CONSTRAINT_NAMES if values.get(name) is not None})
+
+    @classmethod
+    def all_violated(cls) -> dict[str, float]:
+        """Every constraint violated (1.0), by name: a trial that measured nothing."""
+        return cls().values()
+
+    @staticmethod
+    def holds(values: Mapping[str, float]) -> bool:
+        """Whether every value in ``values`` is ≤ 0 (a stored set, names as stored)."""
+        return all(float(v) <= 0.0 for v in values.values())
+
+    def values(self) -> dict[str, float]:
+        """Name → value, in :data:`CONSTRAINT_NAMES` order."""
+        return {name: float(getattr(self, name)) for name in CONSTRAINT_NAMES}
+
+    def violated(self) -> list[str]:
+        """The names of the constraints that do not hold (value > 0)."""
+        return [name for name, value in self.values().items() if value > 0.0]
+
+    @property
+    def feasible(self) -> bool:
+        """Every constraint ≤ 0."""
+        return not self.violated()
 
 
 class PhaseResult(BaseModel):

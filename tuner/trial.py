@@ -31,7 +31,7 @@ from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, TunerError
 from tuner.launch.base import LaunchPhase, Launcher
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
-from tuner.records import PhaseResult, TrialRecord, context_capacity
+from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
 from tuner.sglang.client import SGLangClient, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
@@ -373,7 +373,7 @@ class TrialExecutor:
             "memory": memory,
             "phases": phases,
             "constraints": constraints,
-            "feasible": all(v <= 0 for v in constraints.values()),
+            "feasible": Constraints.of(constraints).feasible,
             "output_throughput_tok_s": summary.output_throughput if summary else None,
             "goodput_req_s": summary.goodput if summary else None,
             "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
@@ -385,7 +385,8 @@ class TrialExecutor:
         elif unmeasured is not None:
             # Not an SLO verdict: nothing was measured. No throughput, no slo value (unknown).
             constraints.pop("slo")
-            update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints, feasible=False,
+            update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints,
+                          feasible=Constraints.of(constraints).feasible,
                           output_throughput_tok_s=None, goodput_req_s=None)
         record = record.model_copy(update=update)
         return self._finish(record, report_after, self.launcher.logs(), begun, trial_dir, measure)
@@ -542,7 +543,7 @@ class TrialExecutor:
                 "outcome": "failed",
                 "failure_class": failure.failure_class,
                 "failure_evidence": failure.evidence,
-                "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
+                "constraints": Constraints.all_violated(),
                 "feasible": False,
                 "memory": memory,
             }

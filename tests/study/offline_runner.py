@@ -15,7 +15,7 @@ from typing import Any
 from tuner.config import TunerConfig
 from tuner.load import build_workload, capacity_probe
 from tuner.records import PhaseResult, TrialRecord
-from tuner.records import context_capacity
+from tuner.records import Constraints, context_capacity
 from tuner.study.loop import TrialJob
 from tuner.study.space import SEARCHED_FIELDS
 from tuner.sglang.failures import FailureClass
@@ -83,7 +83,7 @@ class OfflineRunner:
             record = record.model_copy(update={
                 "outcome": "failed", "failure_class": failure,
                 "failure_evidence": classified.evidence if classified else probe.startup_failure,
-                "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0}, "duration_s": 1.0,
+                "constraints": Constraints.all_violated(), "duration_s": 1.0,
             })
             self.history.append((job.number, record))
             return record
@@ -138,7 +138,7 @@ class OfflineRunner:
             "p99_ttft_ms": measure.p99_ttft_ms,
             "p99_itl_ms": measure.p99_itl_ms,
             "constraints": constraints,
-            "feasible": all(v <= 0 for v in constraints.values()),
+            "feasible": Constraints.of(constraints).feasible,
             "memory": memory,
             "phases": phases,
             "duration_s": 1.0,

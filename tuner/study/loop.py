@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import StudyError
 from tuner.load.workloads import build_workload
-from tuner.records import StudyInfo, TrialRecord
+from tuner.records import Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
 from tuner.sglang.logs import log_error_line
 from tuner.sglang.memory import KVCapacityModel, must_fail
@@ -80,7 +80,6 @@ MAX_SKIPPED = 200
 """Skips in one run after which the search counts as exhausted (the space holds nothing new)."""
 
 _log = logging.getLogger(__name__)
-_UNMEASURED = {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0}
 
 
 class TrialJob(BaseModel):
@@ -391,7 +390,7 @@ class StudyRun:
         text, proof = reason
         record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
                              proved_by_trial=proof, prediction=prediction, started_at=_now(),
-                             duration_s=0.0, constraints=dict(_UNMEASURED))
+                             duration_s=0.0, constraints=Constraints.all_violated())
         tell_record(self._study(), trial, record)
         self.summary.trials_skipped += 1
         self.handled += 1

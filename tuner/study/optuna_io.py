@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError
-from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, StudyInfo, TrialRecord
+from tuner.records import RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.space import Space
 
 __all__ = [
@@ -68,11 +68,9 @@ _log = logging.getLogger(__name__)
 
 
 def constraints_of(record: TrialRecord) -> dict[str, float]:
-    """The constraint values of a record by :data:`CONSTRAINT_NAMES` (≤ 0 holds).
-
-    A constraint the trial never got to measure counts as violated (1.0).
-    """
-    return {name: float(record.constraints.get(name, 1.0)) for name in CONSTRAINT_NAMES}
+    """The constraint values Optuna is told for a record, by :data:`CONSTRAINT_NAMES` (≤ 0 holds;
+    :class:`tuner.records.Constraints`: one never measured counts as violated)."""
+    return Constraints.of(record.constraints).values()
 
 
 def make_sampler(kind: str, seed: int) -> BaseSampler:
