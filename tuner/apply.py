@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import ApplyError, TunerError
-from tuner.history import StoredStudy, TrialView
+from tuner.results import StoredStudy, TrialView
 from tuner.study.storage import check_storage
 from tuner.launch.safety import SessionState
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher

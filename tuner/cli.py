@@ -417,12 +417,13 @@ from pathlib import Path as _RunPath  # noqa: E402
 from typing import Annotated as _RunAnn  # noqa: E402
 
 
-def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, history.BestChoice
-    """The closing summary; ``chosen`` is :func:`tuner.history.choose_best` on the stored study
-    (what `tuner best` says), ``None`` when no trial is feasible."""
+def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, results.BestTrial
+    """The closing summary; ``chosen`` is the run's :attr:`RunSummary.best` as
+    :func:`tuner.results.present_best` shows it (:func:`tuner.study.best.choose_best`, the rule
+    `tuner best` applies), ``None`` when no trial is feasible."""
     from rich.table import Table
 
-    from tuner.history import max_running_requests_cut
+    from tuner.study.best import max_running_requests_cut
 
     def fmt(value, spec: str = ".0f") -> str:  # noqa: ANN001
         return "-" if value is None else format(value, spec)
@@ -459,7 +460,7 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
     changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
     console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
     console.print(f"why: {chosen.reason}", highlight=False, soft_wrap=True)
-    cut = max_running_requests_cut(best, chosen.baseline)
+    cut = max_running_requests_cut(best.record, chosen.baseline.record if chosen.baseline else None)
     if cut is not None:
         console.print(cut, highlight=False, soft_wrap=True)
 
@@ -561,10 +562,11 @@ def run_cmd(
                           highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     console.print("service restored to its original flags", highlight=False)
-    from tuner import history
+    from tuner import results
 
-    stored = history.open_study(history.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
-    chosen = history.choose_best(stored) if any(v.feasible and v.record for v in stored.trials) else None
+    stored = results.open_study(results.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
+    # The run's own choice (RunSummary.best, the config's [objective]), shown with the stored views.
+    chosen = results.present_best(stored, summary.best, cfg.objective) if summary.best is not None else None
     _print_best_vs_baseline(summary, chosen)
     if apply_best and chosen is not None:
         apply_cmd(target="best", undo=False, dry_run=False, yes=True, study=None, storage=storage, config=config,
@@ -610,10 +612,10 @@ _JsonOpt = _Ann[bool, typer.Option("--json", help="Print JSON instead of a table
 
 
 def _history_study(study: str | None, storage: str | None, config: _Path | None):  # noqa: ANN202
-    from tuner import history
+    from tuner import results
 
-    return history.open_study(
-        history.resolve_location(study=study, storage=storage, config=config)
+    return results.open_study(
+        results.resolve_location(study=study, storage=storage, config=config)
     )
 
 
@@ -629,13 +631,13 @@ def trials_cmd(
     as_csv: _Ann[bool, typer.Option("--csv", help="Print CSV (params as param.<name> columns).")] = False,
 ) -> None:
     """Every trial of a study: params, capacity, throughput, p99 TTFT/ITL, feasibility, failure."""
-    from tuner import history, report
+    from tuner import report, results
     from tuner.errors import ConfigError
 
     if as_json and as_csv:
         raise ConfigError("--json and --csv exclude each other", hint="pass at most one of them")
     stored = _history_study(study, storage, config)
-    views = history.select_trials(stored.trials, feasible=feasible, failed=failed, sort=sort)
+    views = results.select_trials(stored.trials, feasible=feasible, failed=failed, sort=sort)
     if as_json:
         print(report.trials_json(views))
     elif as_csv:
@@ -673,10 +675,11 @@ def best_cmd(
     as_json: _JsonOpt = False,
 ) -> None:
     """The feasible Pareto front and the best trial under the policy, with deltas vs the baseline."""
-    from tuner import history, report
+    from tuner import report, results
+    from tuner.study.best import override_policy
 
     stored = _history_study(study, storage, config)
-    chosen = history.choose_best(stored, history.override_policy(stored, policy, tolerance))
+    chosen = results.best_trial(stored, override_policy(stored.info, policy, tolerance))
     if as_json:
         print(report.json_text(chosen.summary()))
     else:
@@ -690,10 +693,11 @@ def studies_cmd(
     as_json: _JsonOpt = False,
 ) -> None:
     """The studies in a storage (default: every studies/*.db)."""
-    from tuner import history, report
+    from tuner import report, results
+    from tuner.study.storage import list_studies
 
-    urls = history.storage_urls(storage=storage, config=config)
-    rows = {url: history.list_studies(url) for url in urls}
+    urls = results.storage_urls(storage=storage, config=config)
+    rows = {url: list_studies(url) for url in urls}
     if as_json:
         print(report.json_text(report.studies_rows(rows)))
     else:
@@ -725,10 +729,10 @@ def dashboard_cmd(
     port: _Ann[int, typer.Option("--port", help="Port to listen on.")] = 8080,
 ) -> None:
     """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
-    from tuner import history, report
+    from tuner import report, results
     from tuner.study.storage import check_storage
 
-    location = history.resolve_location(study=study, storage=storage, config=config)
+    location = results.resolve_location(study=study, storage=storage, config=config)
     check_storage(location.storage_url)
     report.check_listen_address(host, port)
     console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
@@ -755,7 +759,8 @@ def apply_cmd(
 ) -> None:
     """Persist a trial's flags (systemd drop-in 80-tuner.conf), restart, verify; roll back on failure."""
     from tuner import apply as applying
-    from tuner import history, report
+    from tuner import report, results
+    from tuner.study.best import max_running_requests_cut
     from tuner.errors import ConfigError
 
     if undo == (target is not None):
@@ -765,7 +770,7 @@ def apply_cmd(
     stored = _history_study(study, storage, config)
     view = None
     if not undo:
-        view = history.choose_best(stored).trial if target == "best" else stored.trial(int(target))
+        view = results.best_trial(stored).trial if target == "best" else stored.trial(int(target))
     cfg = applying.study_config(stored, config)
     log = applying.ApplyLog(stored.location.storage_url)
     if view is None:
@@ -774,7 +779,7 @@ def apply_cmd(
         load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
         plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load)
     console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
-    cut = history.max_running_requests_cut(view, stored.baseline()) if view is not None else None
+    cut = max_running_requests_cut(view.record, baseline.record if (baseline := stored.baseline()) else None) if view is not None else None
     if cut is not None:
         console.print(cut, markup=False, highlight=False)
     if dry_run:
@@ -797,9 +802,9 @@ def applies_cmd(
 ) -> None:
     """Every apply, undo and rollback recorded in the study's storage."""
     from tuner import apply as applying
-    from tuner import history, report
+    from tuner import report, results
 
-    location = history.resolve_location(study=study, storage=storage, config=config)
+    location = results.resolve_location(study=study, storage=storage, config=config)
     records = applying.ApplyLog(location.storage_url).records()
     if as_json:
         print(report.json_text([r.model_dump(mode="json") for r in records]))

@@ -1,6 +1,6 @@
 """Rendering of stored results: trial tables, one trial in full, the best trial, and the HTML report.
 
-Reads only what :mod:`tuner.history` loaded from the study (as vLLM's ``sweep/plot.py`` reads only
+Reads only what :mod:`tuner.results` loaded from the study (as vLLM's ``sweep/plot.py`` reads only
 stored results); it never talks to a server. Terminal output is rich; the HTML report is one
 self-contained file with plotly's JavaScript inlined, so it opens offline. Every string that came
 from a log or a server is escaped with :func:`html.escape` before it reaches the HTML.
@@ -38,15 +38,9 @@ from rich.table import Table
 from rich.text import Text
 
 from tuner.errors import ConfigError, StudyError
-from tuner.history import (
-    METRICS,
-    STUDIES_DIR,
-    BestChoice,
-    StoredStudy,
-    TrialView,
-    choose_best,
-    max_running_requests_cut,
-)
+from tuner.results import METRICS, BestTrial, StoredStudy, TrialView, best_trial
+from tuner.study.best import max_running_requests_cut
+from tuner.study.storage import STUDIES_DIR
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 
 __all__ = [
@@ -387,7 +381,7 @@ def _delta_text(name: str, delta: Any) -> str:
     return f"{sign}{_cell(delta.delta)}{ratio}"
 
 
-def best_panel(choice: BestChoice) -> Group:
+def best_panel(choice: BestTrial) -> Group:
     """``tuner best``: the feasible Pareto front, the chosen trial with the reason, and the deltas
     against the baseline."""
     front = trials_table(choice.front, title="Pareto front (feasible trials)")
@@ -414,7 +408,7 @@ def best_panel(choice: BestChoice) -> Group:
             name, _cell(base_params.get(name)), _cell(choice.trial.params.get(name))
         )
     parts: list[Any] = [front, reason, params, deltas]
-    cut = max_running_requests_cut(choice.trial, choice.baseline)
+    cut = max_running_requests_cut(choice.trial.record, choice.baseline.record if choice.baseline else None)
     if cut is not None:
         parts.append(Text(cut, style="yellow"))
     if choice.baseline is None:
@@ -771,7 +765,7 @@ tr.skipped td{color:#777}pre{background:#f7f7f7;padding:.5em;overflow-x:auto;fon
 """
 
 
-def build_html_report(stored: StoredStudy, best: BestChoice | None, best_error: str | None) -> str:
+def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: str | None) -> str:
     """The self-contained HTML report of a study, as a string.
 
     Sections: summary (study, storage, environment, baseline command, best trial and why), Pareto
@@ -831,7 +825,7 @@ def build_html_report(stored: StoredStudy, best: BestChoice | None, best_error: 
 
 
 def write_html_report(
-    stored: StoredStudy, path: Path, best: BestChoice | None, best_error: str | None = None
+    stored: StoredStudy, path: Path, best: BestTrial | None, best_error: str | None = None
 ) -> Path:
     """Write :func:`build_html_report` to ``path`` atomically (temp file, then rename).
 
@@ -869,7 +863,7 @@ def write_study_report(stored: StoredStudy, output: Path | None = None) -> Path:
     Raises:
         StudyError: The file cannot be written, or the stored policy is invalid.
     """
-    best = choose_best(stored) if stored.pareto_front() else None
+    best = best_trial(stored) if stored.pareto_front() else None
     why = None if best else "No feasible trial: no trial met every constraint (see the table)."
     return write_html_report(stored, output or STUDIES_DIR / f"{stored.name}-report.html", best, why)
 

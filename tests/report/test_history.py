@@ -1,4 +1,4 @@
-"""tuner.history on real SQLite studies: views, filters, Pareto front, best policy, bad input."""
+"""tuner.results on real SQLite studies: views, filters, Pareto front, best policy, bad input."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from tests.report.study_factory import make_study, ok_trial
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
 from tuner.study.storage import check_storage
-from tuner.history import (
+from tuner.study.best import override_policy
+from tuner.results import (
     StudyLocation,
-    choose_best,
+    best_trial,
     open_study,
-    override_policy,
     resolve_location,
     select_trials,
 )
@@ -55,23 +55,23 @@ def test_pareto_front_is_feasible_only_and_best_follows_policy(demo_study: str) 
     # trial 5 has the highest capacity but missed its SLO: not on the feasible front
     assert [v.number for v in stored.pareto_front()] == [2, 1]
     # stored policy: the fastest within 10% of the best capacity 15 (at least ceil(13.5) = 14 requests)
-    best = choose_best(stored)
+    best = best_trial(stored)
     assert best.trial.number == 1, best.reason
     assert "trial 1" in best.reason and "throughput_within_capacity" in best.reason
     assert best.deltas["context_capacity"].ratio == pytest.approx(1.4)
     assert best.deltas["output_throughput_tok_s"].delta == pytest.approx(200.0)
-    strict = choose_best(stored, override_policy(stored, None, 0.0))
+    strict = best_trial(stored, override_policy(stored.info, None, 0.0))
     assert strict.trial.number == 2  # only capacity 15 qualifies
     assert strict.deltas["context_capacity"].ratio == pytest.approx(1.5)
-    assert choose_best(stored, override_policy(stored, "max_throughput", None)).trial.number == 1
+    assert best_trial(stored, override_policy(stored.info, "max_throughput", None)).trial.number == 1
     with pytest.raises(ConfigError, match="--policy 'fastest'"):
-        override_policy(stored, "fastest", None)
+        override_policy(stored.info, "fastest", None)
 
 
 def test_no_feasible_trial_is_a_clear_error(infeasible_study: str) -> None:
     stored = open_study(StudyLocation(storage_url=infeasible_study))
     with pytest.raises(StudyError, match="has no feasible trial .*tuner trials --failed"):
-        choose_best(stored)
+        best_trial(stored)
 
 
 def test_missing_storage_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
@@ -109,8 +109,8 @@ def test_study_name_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_stored_policy_defaults_when_missing(tmp_path: Path) -> None:
     url = make_study(tmp_path / "p.db", "p", [ok_trial(0.8, 64, 10, 1000.0)], policy={"policy": "max_capacity"})
     stored = open_study(StudyLocation(storage_url=url))
-    assert choose_best(stored).policy == ObjectiveSection(policy="max_capacity")
-    assert choose_best(stored).baseline is None
+    assert best_trial(stored).policy == ObjectiveSection(policy="max_capacity")
+    assert best_trial(stored).baseline is None
 
 
 def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:

@@ -10,11 +10,21 @@ import math
 from collections.abc import Sequence
 
 from optuna.trial import FrozenTrial
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tuner.records import TrialRecord
+from tuner.config import ObjectiveSection
+from tuner.errors import ConfigError, StudyError
+from tuner.records import StudyInfo, TrialRecord
 
-__all__ = ["BestChoice", "choose_best"]
+__all__ = [
+    "BestChoice",
+    "choose_best",
+    "MetricDelta",
+    "stored_policy",
+    "override_policy",
+    "MRR_CUT_RATIO",
+    "max_running_requests_cut",
+]
 
 
 class BestChoice(BaseModel):
@@ -101,3 +111,108 @@ def choose_best(
                 f"{tput(record):.1f} tok/s), {among}"
             )
     return BestChoice(number=number, record=record, reason=reason)
+
+
+def stored_policy(info: StudyInfo | None) -> ObjectiveSection:
+    """The study's "best" policy: its stored ``[objective]`` (:attr:`StudyInfo.policy`), or the
+    config's defaults when the study stored none.
+
+    Raises:
+        StudyError: The stored policy is not a valid ``[objective]`` section.
+    """
+    raw = dict(info.policy) if info is not None else {}
+    known = {k: v for k, v in raw.items() if k in ObjectiveSection.model_fields}
+    try:
+        return ObjectiveSection.model_validate(known)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise StudyError(
+            f"the study's stored objective section is invalid: {'.'.join(map(str, first['loc']))}: "
+            f"{first['msg']}",
+            hint="pass --policy and --tolerance to choose explicitly",
+        ) from err
+
+
+class MetricDelta(BaseModel):
+    """One metric of the chosen trial against the baseline.
+
+    Attributes:
+        baseline: The baseline's value (``None`` when unknown).
+        best: The chosen trial's value.
+        delta: ``best - baseline`` in the metric's unit.
+        ratio: ``best / baseline`` (``None`` when the baseline is 0 or unknown).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    baseline: float | None
+    best: float | None
+    delta: float | None
+    ratio: float | None
+
+
+def override_policy(
+    info: StudyInfo | None, policy: str | None = None, tolerance: float | None = None
+) -> ObjectiveSection:
+    """The study's stored policy (``info``) with ``--policy``/``--tolerance`` applied.
+
+    Raises:
+        ConfigError: An unknown policy name, a tolerance outside [0, 1), or a tolerance with a
+            policy other than ``throughput_within_capacity`` (it would be ignored).
+    """
+    base = stored_policy(info)
+    update = {"policy": policy or base.policy}
+    if tolerance is not None and update["policy"] != "throughput_within_capacity":
+        raise ConfigError(
+            f"--tolerance {tolerance!r} applies only to policy throughput_within_capacity, "
+            f"not {update['policy']}",
+            hint="drop --tolerance, or pass --policy throughput_within_capacity",
+        )
+    update["capacity_tolerance"] = base.capacity_tolerance if tolerance is None else tolerance
+    try:
+        return ObjectiveSection.model_validate({**base.model_dump(), **update})
+    except ValidationError as err:
+        first = err.errors()[0]
+        flag = "--policy" if first["loc"][0] == "policy" else "--tolerance"
+        raise ConfigError(
+            f"{flag} {update[str(first['loc'][0])]!r} is invalid: {first['msg']}",
+            hint="use --policy throughput_within_capacity|max_capacity|max_throughput and "
+            "--tolerance between 0 and 1",
+        ) from err
+
+
+MRR_CUT_RATIO = 0.5
+"""A chosen ``max_running_requests`` at or below this share of the baseline's effective value is
+called out by :func:`max_running_requests_cut`."""
+
+
+def _max_running_requests(record: TrialRecord) -> int | None:
+    """The effective ``max_running_requests`` SGLang resolved for a trial (§2.3), else the asked
+    value, else ``None``."""
+    resolved = record.resolved.get("max_running_requests")
+    value = resolved.get("value") if isinstance(resolved, dict) else None
+    if value is None:
+        value = record.params.get("max_running_requests")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def max_running_requests_cut(record: TrialRecord | None, baseline: TrialRecord | None) -> str | None:
+    """One line when ``record`` caps ``max_running_requests`` well below the baseline's effective value.
+
+    A lower cap means at most that many requests of any length run at once (the rest queue), a
+    limit the context-capacity figure alone does not show.
+
+    Args:
+        record: The chosen trial's record (``None``: no line).
+        baseline: The baseline trial's record, or ``None``.
+
+    Returns:
+        ``"max_running_requests 2048 → 22: at most 22 requests of any length run at once"`` when
+        the chosen value is at most :data:`MRR_CUT_RATIO` of the baseline's, else ``None``.
+    """
+    if baseline is None or record is None:
+        return None
+    old, new = _max_running_requests(baseline), _max_running_requests(record)
+    if old is None or new is None or new > old * MRR_CUT_RATIO:
+        return None
+    return f"max_running_requests {old} → {new}: at most {new} requests of any length run at once"

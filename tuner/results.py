@@ -1,4 +1,4 @@
-"""Trial history: read a stored study, its trials, its Pareto front and its "best" trial.
+"""The read model of a stored study: where it is, its trials as views, its Pareto front and best.
 
 The readers' side of :mod:`tuner.records`: everything here reads what :mod:`tuner.study` stored
 (Optuna trials with the ``tuner.record`` user attribute, the study's ``tuner.study`` attribute) and
@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
-from tuner.study import best
+from tuner.study.best import BestChoice, MetricDelta, choose_best, stored_policy
 from tuner.study.storage import (
     STUDIES_DIR,
     default_artifacts_dir,
@@ -41,17 +41,13 @@ __all__ = [
     "StudyLocation",
     "TrialView",
     "StoredStudy",
-    "stored_policy",
-    "MetricDelta",
-    "BestChoice",
+    "BestTrial",
+    "best_trial",
+    "present_best",
     "resolve_location",
     "open_study",
     "select_trials",
-    "choose_best",
-    "override_policy",
     "storage_urls",
-    "MRR_CUT_RATIO",
-    "max_running_requests_cut",
 ]
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -460,46 +456,11 @@ def select_trials(
     return out
 
 
-def stored_policy(info: StudyInfo | None) -> ObjectiveSection:
-    """The study's "best" policy: its stored ``[objective]`` (:attr:`StudyInfo.policy`), or the
-    config's defaults when the study stored none.
+class BestTrial(BaseModel):
+    """The chosen trial as the readers show it: the view, why it won, and its deltas vs the baseline.
 
-    Raises:
-        StudyError: The stored policy is not a valid ``[objective]`` section.
-    """
-    raw = dict(info.policy) if info is not None else {}
-    known = {k: v for k, v in raw.items() if k in ObjectiveSection.model_fields}
-    try:
-        return ObjectiveSection.model_validate(known)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise StudyError(
-            f"the study's stored objective section is invalid: {'.'.join(map(str, first['loc']))}: "
-            f"{first['msg']}",
-            hint="pass --policy and --tolerance to choose explicitly",
-        ) from err
-
-
-class MetricDelta(BaseModel):
-    """One metric of the chosen trial against the baseline.
-
-    Attributes:
-        baseline: The baseline's value (``None`` when unknown).
-        best: The chosen trial's value.
-        delta: ``best - baseline`` in the metric's unit.
-        ratio: ``best / baseline`` (``None`` when the baseline is 0 or unknown).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    baseline: float | None
-    best: float | None
-    delta: float | None
-    ratio: float | None
-
-
-class BestChoice(BaseModel):
-    """The chosen trial, why, and how it compares with the baseline.
+    The choice itself is :func:`tuner.study.best.choose_best` (:attr:`choice`), the same one
+    ``tuner run``'s summary carries.
 
     Attributes:
         trial: The chosen trial.
@@ -518,6 +479,7 @@ class BestChoice(BaseModel):
     reason: str
     baseline: TrialView | None = None
     deltas: dict[str, MetricDelta] = Field(default_factory=dict)
+    choice: BestChoice | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready form (``tuner best --json``)."""
@@ -542,37 +504,7 @@ def _deltas(best: TrialView, baseline: TrialView | None) -> dict[str, MetricDelt
     return out
 
 
-def override_policy(
-    stored: StoredStudy, policy: str | None = None, tolerance: float | None = None
-) -> ObjectiveSection:
-    """The study's stored policy with ``--policy``/``--tolerance`` applied.
-
-    Raises:
-        ConfigError: An unknown policy name, a tolerance outside [0, 1), or a tolerance with a
-            policy other than ``throughput_within_capacity`` (it would be ignored).
-    """
-    base = stored_policy(stored.info)
-    update = {"policy": policy or base.policy}
-    if tolerance is not None and update["policy"] != "throughput_within_capacity":
-        raise ConfigError(
-            f"--tolerance {tolerance!r} applies only to policy throughput_within_capacity, "
-            f"not {update['policy']}",
-            hint="drop --tolerance, or pass --policy throughput_within_capacity",
-        )
-    update["capacity_tolerance"] = base.capacity_tolerance if tolerance is None else tolerance
-    try:
-        return ObjectiveSection.model_validate({**base.model_dump(), **update})
-    except ValidationError as err:
-        first = err.errors()[0]
-        flag = "--policy" if first["loc"][0] == "policy" else "--tolerance"
-        raise ConfigError(
-            f"{flag} {update[str(first['loc'][0])]!r} is invalid: {first['msg']}",
-            hint="use --policy throughput_within_capacity|max_capacity|max_throughput and "
-            "--tolerance between 0 and 1",
-        ) from err
-
-
-def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> BestChoice:
+def best_trial(stored: StoredStudy, policy: ObjectiveSection | None = None) -> BestTrial:
     """Choose the best trial of a study under a policy.
 
     The choice itself is :func:`tuner.study.best.choose_best`, fed with every feasible trial (the
@@ -591,10 +523,9 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
         StudyError: The study has no feasible trial, or its stored policy is invalid.
     """
     policy = policy or stored_policy(stored.info)
-    front = stored.pareto_front()
     pairs = [(v.number, v.record) for v in stored.trials if v.feasible and v.record is not None]
     choice = (
-        best.choose_best(
+        choose_best(
             pairs,
             policy=policy.policy,
             capacity_tolerance=policy.capacity_tolerance,
@@ -611,9 +542,21 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
             hint="see why with `tuner trials --failed`, then widen the config's space or relax its slo "
             "and run again",
         )
+    return present_best(stored, choice, policy)
+
+
+def present_best(stored: StoredStudy, choice: BestChoice, policy: ObjectiveSection) -> BestTrial:
+    """The readers' form of a choice already made (``tuner run``'s :attr:`RunSummary.best`, or
+    :func:`best_trial`'s): the chosen view, the feasible Pareto front, and deltas vs the baseline.
+
+    Raises:
+        StudyError: The chosen trial is not in ``stored``.
+    """
+    front = stored.pareto_front()
     chosen = stored.trial(choice.number)
     baseline = stored.baseline()
-    return BestChoice(
+    return BestTrial(
+        choice=choice,
         trial=chosen,
         front=front,
         policy=policy,
@@ -621,40 +564,3 @@ def choose_best(stored: StoredStudy, policy: ObjectiveSection | None = None) -> 
         baseline=baseline,
         deltas=_deltas(chosen, baseline),
     )
-
-
-MRR_CUT_RATIO = 0.5
-"""A chosen ``max_running_requests`` at or below this share of the baseline's effective value is
-called out by :func:`max_running_requests_cut`."""
-
-
-def _max_running_requests(view: TrialView) -> int | None:
-    """The effective ``max_running_requests`` SGLang resolved for a trial (§2.3), else the asked
-    value, else ``None``."""
-    resolved = view.record.resolved.get("max_running_requests") if view.record else None
-    value = resolved.get("value") if isinstance(resolved, dict) else None
-    if value is None:
-        value = view.params.get("max_running_requests")
-    return int(value) if isinstance(value, (int, float)) and value > 0 else None
-
-
-def max_running_requests_cut(view: TrialView, baseline: TrialView | None) -> str | None:
-    """One line when ``view`` caps ``max_running_requests`` well below the baseline's effective value.
-
-    A lower cap means at most that many requests of any length run at once (the rest queue), a
-    limit the context-capacity figure alone does not show.
-
-    Args:
-        view: The chosen trial.
-        baseline: The baseline trial, or ``None``.
-
-    Returns:
-        ``"max_running_requests 2048 → 22: at most 22 requests of any length run at once"`` when
-        the chosen value is at most :data:`MRR_CUT_RATIO` of the baseline's, else ``None``.
-    """
-    if baseline is None:
-        return None
-    old, new = _max_running_requests(baseline), _max_running_requests(view)
-    if old is None or new is None or new > old * MRR_CUT_RATIO:
-        return None
-    return f"max_running_requests {old} → {new}: at most {new} requests of any length run at once"
