@@ -115,7 +115,7 @@ def test_stored_policy_defaults_when_missing(tmp_path: Path) -> None:
 
 def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
     from tuner.records import RECORD_ATTR, TrialRecord
-    from tuner.report import _status
+    from tuner.report.tables import status_text as _status
 
     url = make_study(tmp_path / "i.db", "i", [ok_trial(0.8, 64, 10, 900.0, kind="baseline")])
     study = optuna.load_study(study_name="i", storage=url)

@@ -19,7 +19,7 @@ import requests
 from tests.report.cli_runner import HTML_LOG_LINE
 from tests.report.study_factory import make_study, ok_trial
 from tuner.results import StudyLocation, open_study
-from tuner.report import build_html_report
+from tuner.report.html import build_html_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -1,0 +1,30 @@
+"""``tuner explain``: why a server (or a log) sized its memory as it did."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tuner.cli.common import app, console
+
+
+@app.command("explain")
+def explain_cmd(
+    log: Annotated[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
+    unit: Annotated[str | None, typer.Option("--unit", help="systemd unit whose journal to read.")] = None,
+    url: Annotated[str | None, typer.Option("--url", help="running server, e.g. http://127.0.0.1:30000.")] = None,
+    model_config: Annotated[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,
+    journalctl: Annotated[str, typer.Option("--journalctl", help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
+    mem_fraction_static: Annotated[float | None, typer.Option("--mem-fraction-static", help="the server's fraction in (0, 1), used only when the input does not state it (a stated value wins; a different one here is reported).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
+) -> None:
+    """Where the GPU memory went, what limits capacity, predictions at other fractions, and traps."""
+    from tuner.sglang.explain import explain_from, renderables
+
+    result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
+                          mem_fraction_static=mem_fraction_static)
+    if as_json:
+        print(result.model_dump_json(indent=2))
+    else:
+        console.print(renderables(result))

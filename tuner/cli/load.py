@@ -1,0 +1,256 @@
+"""``tuner load``: drive a workload against a running server, or find its max concurrency under the SLO."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from tuner.cli.common import app, console, err_console
+
+_LOAD_SUMMARY_ROWS = (
+    ("completed / errored / incomplete", None),
+    ("duration (s)", "duration"),
+    ("request throughput (req/s)", "request_throughput"),
+    ("output throughput (tok/s)", "output_throughput"),
+    ("total throughput (tok/s)", "total_throughput"),
+    ("concurrency (mean in flight)", "concurrency"),
+    ("TTFT mean / p50 / p99 (ms)", "ttft"),
+    ("ITL mean / p50 / p99 (ms)", "itl"),
+    ("TPOT mean / p50 / p99 (ms)", "tpot"),
+    ("E2E latency mean / p50 / p99 (ms)", "e2e_latency"),
+    ("prefix-cache hit rate", "cache_hit_rate"),
+    ("error rate", "error_rate"),
+    ("goodput (req/s meeting the SLO)", "goodput"),
+    ("SLO attainment", "slo_attainment"),
+)
+
+
+def _load_fmt(value: object, pct: bool = False) -> str:
+    if value is None:
+        return "-"
+    if pct:
+        return f"{float(value):.1%}"  # type: ignore[arg-type]
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+
+def _load_summary_table(summary, title: str):  # noqa: ANN001, ANN202 - LoadSummary -> rich Table
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, key in _LOAD_SUMMARY_ROWS:
+        if key is None:
+            value = f"{summary.completed} / {summary.errored} / {summary.incomplete}"
+        elif key in ("ttft", "itl", "tpot", "e2e_latency"):
+            value = " / ".join(_load_fmt(getattr(summary, f"{p}_{key}_ms")) for p in ("mean", "median", "p99"))
+        else:
+            value = _load_fmt(getattr(summary, key), pct=key in ("cache_hit_rate", "error_rate", "slo_attainment"))
+        table.add_row(label, value)
+    if summary.slo_met is not None:
+        verdict = "[green]met[/]" if summary.slo_met else "[red]missed[/]"
+        worst = ", ".join(
+            f"{k} {'n/a' if v is None else f'{v:+.0%}'}" for k, v in summary.slo_violations.items()
+        )
+        table.add_row("SLO", f"{verdict} ({worst})")
+    return table
+
+
+def _load_check_out(path: Path | None, flag: str) -> None:
+    """Fail before any load is sent when ``path`` (an output file) could not be written."""
+    import os
+
+    from tuner.errors import ConfigError
+
+    if path is None:
+        return
+    folder = path.parent
+    if path.is_dir():
+        problem = "is a folder"
+    elif not folder.is_dir():
+        problem = f"is in a folder that does not exist ({folder})"
+    elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable"
+    else:
+        return
+    raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")
+
+
+def _load_print_errors(summary) -> None:  # noqa: ANN001 - LoadSummary
+    if summary.top_errors:
+        console.print(f"errors ({summary.errored}), most common first:", highlight=False)
+        for e in summary.top_errors:
+            console.print(f"  {e.count:>6} x {e.kind or 'error'}: {escape(e.example)}", highlight=False, soft_wrap=True)
+
+
+def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
+    p99 = "-" if stats.p99_ttft_ms_so_far is None else f"{stats.p99_ttft_ms_so_far:,.0f} ms"
+    return (
+        f"[bold]{stats.phase}[/] {stats.elapsed_s:6.1f} s  sent {stats.sent}  done {stats.completed}  "
+        f"errors {stats.errored}  in flight {stats.in_flight}  waiting {stats.waiting}  "
+        f"{stats.output_tok_s:,.0f} tok/s  p99 TTFT {p99}"
+    )
+
+
+def _load_steps_table(found):  # noqa: ANN001, ANN202 - MaxLoadResult -> rich Table
+    from rich.table import Table
+
+    table = Table(title=f"tuner load --max-under-slo ({found.knob})", title_justify="left")
+    for name in ("level", "verdict", "met [CI]", "n", "req/s", "tok/s", "p99 TTFT ms", "p99 ITL ms"):
+        table.add_column(name, justify="left" if name == "verdict" else "right",
+                         min_width=len("indeterminate") if name == "verdict" else None)
+    for step in found.steps:
+        table.add_row(
+            f"{step.value:g}", step.verdict,
+            f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}-{step.ci_high:.0%}]", str(step.judged),
+            _load_fmt(step.request_throughput), f"{step.output_throughput:,.0f}",
+            _load_fmt(step.p99_ttft_ms), _load_fmt(step.p99_itl_ms),
+        )
+    return table
+
+
+@app.command("load")
+def load_cmd(
+    url: Annotated[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
+    api: Annotated[str, typer.Option("--api", help="generate (/generate, input_ids) or completions (/v1/completions).")] = "generate",
+    workload: Annotated[str, typer.Option("--workload", help="random, shared-prefix, multi-turn or trace.")] = "random",
+    input_len: Annotated[int | None, typer.Option("--input-len", help="random: prompt tokens [1024].")] = None,
+    output_len: Annotated[int | None, typer.Option("--output-len", help="output tokens (ignore_eos) [256].")] = None,
+    range_ratio: Annotated[float | None, typer.Option("--range-ratio", help="random: lengths uniform in [L*r, L] [1.0].")] = None,
+    num_requests: Annotated[int | None, typer.Option("--num-requests", help="random: requests per pass [endless].")] = None,
+    num_groups: Annotated[int | None, typer.Option("--num-groups", help="shared-prefix: system prompts [64].")] = None,
+    prompts_per_group: Annotated[int | None, typer.Option("--prompts-per-group", help="shared-prefix: questions per system prompt [16].")] = None,
+    system_prompt_len: Annotated[int | None, typer.Option("--system-prompt-len", help="shared-prefix: tokens [2048].")] = None,
+    question_len: Annotated[int | None, typer.Option("--question-len", help="shared-prefix: tokens [128].")] = None,
+    num_sessions: Annotated[int | None, typer.Option("--num-sessions", help="multi-turn: conversations [32].")] = None,
+    turns: Annotated[int | None, typer.Option("--turns", help="multi-turn: turns per conversation [4].")] = None,
+    first_input_len: Annotated[int | None, typer.Option("--first-input-len", help="multi-turn: first prompt tokens [1024].")] = None,
+    turn_input_len: Annotated[int | None, typer.Option("--turn-input-len", help="multi-turn: new user tokens per turn [128].")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="trace: JSONL file (timestamp_s, input_len, output_len, ...).")] = None,
+    time_scale: Annotated[float | None, typer.Option("--time-scale", help="trace: multiply its time offsets [1.0].")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="seed of prompts and arrivals.")] = 0,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="token ids are drawn below this.")] = 32000,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", help="closed loop: requests in flight (with --rate: a cap).")] = None,
+    rate: Annotated[float | None, typer.Option("--rate", help="open loop: mean arrivals, requests/s.")] = None,
+    burstiness: Annotated[float, typer.Option("--burstiness", help="gamma shape of arrivals: 1 = Poisson, < 1 burstier.")] = 1.0,
+    max_under_slo: Annotated[bool, typer.Option("--max-under-slo", help="search the highest --knob level meeting --slo.")] = False,
+    knob: Annotated[str, typer.Option("--knob", help="--max-under-slo: concurrency or rate.")] = "concurrency",
+    start: Annotated[float, typer.Option("--start", help="--max-under-slo: first level.")] = 1,
+    max_value: Annotated[float, typer.Option("--max-value", help="--max-under-slo: highest level.")] = 1024,
+    time_budget: Annotated[float, typer.Option("--time-budget", help="--max-under-slo: seconds for the whole search.")] = 600,
+    target_attainment: Annotated[float, typer.Option("--target-attainment", help="--max-under-slo: share of requests that must meet the SLO.")] = 0.9,
+    slo: Annotated[str | None, typer.Option("--slo", help='limits, e.g. "p99_ttft_ms=2000,p99_itl_ms=100".')] = None,
+    duration: Annotated[float | None, typer.Option("--duration", help="measured window, s (per level with --max-under-slo).")] = None,
+    warmup: Annotated[float | None, typer.Option("--warmup", help="unmeasured warm-up, s.")] = None,
+    cooldown: Annotated[float, typer.Option("--cooldown", help="unmeasured load while measured requests finish, s.")] = 0.0,
+    max_requests: Annotated[int | None, typer.Option("--max-requests", help="measured requests to send.")] = None,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", help="limit per request, s.")] = 600.0,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="limit for the whole run, s.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="completions: model name [from /v1/models].")] = None,
+    transport: Annotated[str, typer.Option("--transport", help="raw (own HTTP/1.1, least CPU) or aiohttp.")] = "raw",
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the summary (or search result) as JSON.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", help="write one row per request as CSV.")] = None,
+    max_error_rate: Annotated[float, typer.Option("--max-error-rate", help="exit 1 above this share of errored requests (0-1); always when none completed.")] = 0.1,
+) -> None:
+    """Load an SGLang server with a streaming workload and report bench_serving's metrics.
+
+    Examples: `tuner load --url http://127.0.0.1:30000 --concurrency 64 --duration 60`;
+    `tuner load --url URL --workload shared-prefix --rate 8 --duration 120 --json out.json`;
+    `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=2000" --duration 30`.
+    """
+    import json as _json
+
+    from rich.live import Live
+
+    from tuner.errors import ConfigError, LoadError
+    from tuner.load import SLO, build_workload, find_max_under_slo_async, run_load
+    from tuner.load.runner import run_sync
+    from tuner.load.workloads import spec_from_options
+
+    if api not in ("generate", "completions"):
+        raise ConfigError(f"--api {api!r} is unknown", hint="use --api generate or --api completions")
+    if transport not in ("raw", "aiohttp"):
+        raise ConfigError(f"--transport {transport!r} is unknown", hint="use --transport raw or --transport aiohttp")
+    if max_under_slo and (concurrency is not None or rate is not None):
+        raise ConfigError("--max-under-slo searches the level itself", hint="drop --concurrency / --rate")
+    if max_under_slo and knob not in ("concurrency", "rate"):
+        raise ConfigError(f"--knob {knob!r} is unknown", hint="use --knob concurrency or --knob rate")
+    if max_under_slo and not slo:
+        raise ConfigError("--max-under-slo needs limits", hint='add --slo "p99_ttft_ms=2000,p99_itl_ms=100"')
+    if max_under_slo and csv_out is not None:
+        raise ConfigError("--csv writes per-request rows of one run", hint="drop --csv with --max-under-slo")
+    if not 0 <= max_error_rate <= 1:
+        raise ConfigError(f"--max-error-rate {max_error_rate:g} is not a share", hint="use a value in [0, 1], e.g. 0.1")
+    _load_check_out(json_out, "--json")
+    _load_check_out(csv_out, "--csv")
+    spec = spec_from_options(workload, {
+        "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio, "num_requests": num_requests,
+        "num_groups": num_groups, "prompts_per_group": prompts_per_group, "system_prompt_len": system_prompt_len,
+        "question_len": question_len, "num_sessions": num_sessions, "turns": turns,
+        "first_input_len": first_input_len, "turn_input_len": turn_input_len, "path": trace, "time_scale": time_scale,
+    })
+    limits = SLO.parse(slo) if slo else None
+    wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
+
+    with Live(console=err_console, transient=True, refresh_per_second=4) as live:
+        def tick(stats) -> None:  # noqa: ANN001 - LiveStats
+            live.update(_load_live_line(stats))
+
+        if max_under_slo:
+            def step_done(step) -> None:  # noqa: ANN001 - SearchStep
+                live.console.print(
+                    f"{knob} {step.value:g}: [bold]{step.verdict}[/] attainment "
+                    f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}, {step.ci_high:.0%}] of {step.judged}, "
+                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms"
+                    + (f" — {escape(step.note)}" if step.note else ""),
+                    soft_wrap=True,
+                )
+
+            found = run_sync(find_max_under_slo_async(
+                url, wl, limits, knob=knob, start=start, max_value=max_value,  # type: ignore[arg-type]
+                step_duration_s=duration or 30.0, warmup_s=warmup, time_budget_s=time_budget,
+                target_attainment=target_attainment, api=api, seed=seed,  # type: ignore[arg-type]
+                request_timeout_s=request_timeout, on_step=step_done, on_tick=tick,
+                transport=transport,  # type: ignore[arg-type]
+            ))
+        else:
+            result = run_sync(run_load(
+                url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness, warmup_s=warmup or 0.0,
+                duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
+                slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
+                transport=transport,  # type: ignore[arg-type]
+            ))
+    console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
+    if max_under_slo:
+        console.print(_load_steps_table(found))
+        if found.answered:
+            console.print(found.message, highlight=False, markup=False, soft_wrap=True)
+        payload = found.model_dump(mode="json")
+        partial = found.status == "aborted"
+    else:
+        mode = result.settings["mode"]
+        pace = f"concurrency {concurrency}" if mode == "closed" else (f"rate {rate:g} req/s" if rate else "trace times")
+        console.print(_load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
+        _load_print_errors(result.summary)
+        payload = result.to_json_dict()
+        partial = result.partial
+        if result.stopped_early or result.partial:
+            err_console.print(f"[yellow]{'partial' if result.partial else 'stopped early'}:[/] {result.stop_reason}",
+                              highlight=False)
+        if csv_out is not None:
+            result.write_csv(csv_out)
+    if json_out is not None:
+        try:
+            json_out.write_text(_json.dumps(payload, indent=2) + "\n")
+        except OSError as err:
+            raise ConfigError(f"cannot write --json {json_out}: {err.strerror}", hint="pass a writable path") from err
+    if partial:
+        raise typer.Exit(1)
+    if max_under_slo and not found.answered:
+        raise LoadError(f"--max-under-slo reached no answer ({found.status}): {found.message}")
+    failure = None if max_under_slo else result.summary.failure(max_error_rate)
+    if failure is not None:
+        raise LoadError(failure)

@@ -1,0 +1,146 @@
+"""The readers: ``tuner trials``, ``show``, ``best``, ``studies``, ``report``, ``dashboard``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tuner.cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    StorageOpt,
+    StudyOpt,
+    app,
+    console,
+    open_stored_study,
+)
+
+
+@app.command("trials")
+def trials_cmd(
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    feasible: Annotated[bool, typer.Option("--feasible", help="Only feasible trials.")] = False,
+    failed: Annotated[bool, typer.Option("--failed", help="Only failed or skipped trials.")] = False,
+    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.")] = None,
+    as_json: JsonOpt = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (params as param.<name> columns).")] = False,
+) -> None:
+    """Every trial of a study: params, capacity, throughput, p99 TTFT/ITL, feasibility, failure."""
+    from tuner import results
+    from tuner.errors import ConfigError
+    from tuner.report import tables
+
+    if as_json and as_csv:
+        raise ConfigError("--json and --csv exclude each other", hint="pass at most one of them")
+    stored = open_stored_study(study, storage, config)
+    views = results.select_trials(stored.trials, feasible=feasible, failed=failed, sort=sort)
+    if as_json:
+        print(tables.trials_json(views))
+    elif as_csv:
+        print(tables.trials_csv(views), end="")
+    else:
+        tables.print_fitted(tables.trials_table(views, title=f"study {stored.name}: {len(views)} trials"))
+
+
+@app.command("show")
+def show_cmd(
+    number: Annotated[int, typer.Argument(help="Trial number (see `tuner trials`).")],
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One trial in full: params, memory waterfall, load phases, failure evidence, log, artifacts."""
+    from tuner.report import tables
+
+    stored = open_stored_study(study, storage, config)
+    view = stored.trial(number)
+    if as_json:
+        print(tables.trial_json(stored, view))
+    else:
+        tables.print_fitted(tables.trial_detail(stored, view))
+
+
+@app.command("best")
+def best_cmd(
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    policy: Annotated[str | None, typer.Option("--policy", help="throughput_within_capacity, max_capacity or max_throughput (default: the study's).")] = None,
+    tolerance: Annotated[float | None, typer.Option("--tolerance", help="Capacity tolerance of throughput_within_capacity only (0.05 = 5%).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The feasible Pareto front and the best trial under the policy, with deltas vs the baseline."""
+    from tuner import results
+    from tuner.report import tables
+    from tuner.study.best import override_policy
+
+    stored = open_stored_study(study, storage, config)
+    chosen = results.best_trial(stored, override_policy(stored.info, policy, tolerance))
+    if as_json:
+        print(tables.json_text(chosen.summary()))
+    else:
+        tables.print_fitted(tables.best_panel(chosen))
+
+
+@app.command("studies")
+def studies_cmd(
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The studies in a storage (default: every studies/*.db)."""
+    from tuner import results
+    from tuner.report import tables
+    from tuner.study.storage import list_studies
+
+    urls = results.storage_urls(storage=storage, config=config)
+    rows = {url: list_studies(url) for url in urls}
+    if as_json:
+        print(tables.json_text(tables.studies_rows(rows)))
+    else:
+        for url, summaries in rows.items():
+            tables.print_fitted(tables.studies_table(summaries, url))
+
+
+@app.command("report")
+def report_cmd(
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="HTML file (default studies/<study>-report.html).")] = None,
+) -> None:
+    """Write one self-contained HTML report (plots inlined; opens offline)."""
+    from tuner.report import html
+
+    stored = open_stored_study(study, storage, config)
+    path = html.write_study_report(stored, output)
+    console.print(f"report written to {path}")
+
+
+@app.command("dashboard")
+def dashboard_cmd(
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
+) -> None:
+    """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
+    from tuner import results
+    from tuner.report import dashboard
+    from tuner.study.storage import check_storage
+
+    location = results.resolve_location(study=study, storage=storage, config=config)
+    check_storage(location.storage_url)
+    dashboard.check_listen_address(host, port)
+    console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    status = dashboard.serve_dashboard(location.storage_url, host=host, port=port)
+    if status is None:
+        console.print("dashboard stopped", highlight=False)
+    raise typer.Exit(status or 0)

@@ -1,0 +1,196 @@
+"""``tuner run`` and ``tuner init``: the study, and a starter config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tuner.cli.common import app, console, err_console
+
+
+def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, results.BestTrial
+    """The closing summary; ``chosen`` is the run's :attr:`RunSummary.best` as
+    :func:`tuner.results.present_best` shows it (:func:`tuner.study.best.choose_best`, the rule
+    `tuner best` applies), ``None`` when no trial is feasible."""
+    from rich.table import Table
+
+    from tuner.study.best import max_running_requests_cut
+
+    def fmt(value, spec: str = ".0f") -> str:  # noqa: ANN001
+        return "-" if value is None else format(value, spec)
+
+    console.print(
+        f"study [bold]{summary.study_name}[/] ({summary.storage_url}): {summary.trials_run} trial(s) launched, "
+        f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
+        + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
+        highlight=False,
+    )
+    if chosen is None:
+        console.print("no feasible trial yet: nothing beats the baseline (see `tuner trials`)")
+        return
+    base = chosen.baseline.record if chosen.baseline else None
+    best = chosen.trial
+    table = Table(title=f"best (trial {best.number}) vs baseline"
+                  + (f" (trial {chosen.baseline.number})" if chosen.baseline else ""))
+    for column in ("", "baseline", "best", "change"):
+        table.add_column(column, justify="right" if column else "left")
+    rows = [
+        ("context capacity (requests)", "context_capacity", "d"),
+        ("token capacity (tokens)", "token_capacity", "d"),
+        ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
+        ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
+        ("p99 ITL (ms)", "p99_itl_ms", ".1f"),
+        ("free after graphs (GiB)", "free_gib_after_graphs", ".2f"),
+    ]
+    for label, field, spec in rows:
+        old = getattr(base, field, None) if base else None
+        new = getattr(best.record, field, None)
+        change = f"{new / old:.2f}×" if old and new is not None and old > 0 else "-"
+        table.add_row(label, fmt(old, spec), fmt(new, spec), change)
+    console.print(table)
+    changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
+    console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
+    console.print(f"why: {chosen.reason}", highlight=False, soft_wrap=True)
+    cut = max_running_requests_cut(best.record, chosen.baseline.record if chosen.baseline else None)
+    if cut is not None:
+        console.print(cut, highlight=False, soft_wrap=True)
+
+
+class _RunProgress:
+    """Renders :class:`tuner.study.loop.Progress` events: one line per trial, a live phase line.
+
+    The live line names the Optuna trial number (as the result lines do) and counts the budget
+    left down every second from the last event's ``eta_s``.
+    """
+
+    def __init__(self) -> None:
+        import time
+
+        from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
+        from rich.text import Text
+
+        from tuner.units import format_duration
+
+        class TimeLeft(ProgressColumn):
+            def render(self, task) -> Text:  # noqa: ANN001 - rich Task
+                deadline = task.fields.get("deadline")
+                if deadline is None:
+                    return Text("")
+                return Text(f"· {format_duration(max(0.0, deadline - time.monotonic()))} left")
+
+        self._monotonic = time.monotonic
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeLeft(), console=console,
+                                 transient=True, refresh_per_second=2)
+        self.task = self.progress.add_task("starting", total=None, deadline=None)
+        self.in_flight: int | None = None
+
+    def __enter__(self) -> _RunProgress:
+        """Start the live line on a terminal only: rich's Progress ends with an empty line on any
+        other output, which would sit above an error line."""
+        if console.is_interactive:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress.live.is_started:
+            self.progress.stop()
+
+    def __call__(self, event) -> None:  # noqa: ANN001
+        deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
+        of = f" of ~{event.expected} this run" if event.expected else ""
+        if event.event == "phase":
+            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
+                                 deadline=deadline)
+        elif event.event in ("trial_end", "skip", "stop"):
+            self.in_flight = None
+            self.progress.console.print(f"  {event.message}", highlight=False)
+        elif event.event == "trial_start":
+            self.in_flight = event.number
+            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · starting",
+                                 deadline=deadline)
+
+
+@app.command("run")
+def run_cmd(
+    config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
+    budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", "-n", min=1, help="Cap on trials in this run.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
+    storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
+    allow_mixed_environment: Annotated[bool, typer.Option(
+        "--allow-mixed-environment", help="Add trials to a study recorded with another SGLang/GPU/driver/model.")] = False,
+    apply_best: Annotated[bool, typer.Option(
+        "--apply-best", help="After the run, persist the best trial like `tuner apply best --yes` (verify, roll back on failure).")] = False,
+) -> None:
+    """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
+    from tuner.config import load_config
+    from tuner.errors import ConfigError
+    from tuner.units import parse_duration_s
+
+    cfg = load_config(config)
+    text = budget or cfg.budget.total
+    budget_s = parse_duration_s(text) if text else None
+    max_trials = trials or cfg.budget.trials
+    if budget_s is None and max_trials is None and not dry_run:
+        raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
+                          hint="pass e.g. --budget 4h")
+    from tuner import entrypoints
+
+    if dry_run:
+        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
+        return
+    renderer = _RunProgress()
+    try:
+        with renderer:
+            summary = entrypoints.tune(cfg, budget_s=budget_s, max_trials=max_trials,
+                                     allow_mixed_environment=allow_mixed_environment, storage_url=storage,
+                                     on_progress=renderer)
+    except KeyboardInterrupt:  # tune() restored the service before re-raising
+        what = (f"trial {renderer.in_flight} recorded as failed (interrupted)" if renderer.in_flight is not None
+                else "no trial was in flight")
+        again = f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
+        err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
+                          highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+    console.print("service restored to its original flags", highlight=False)
+    from tuner import results
+
+    stored = results.open_study(results.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
+    # The run's own choice (RunSummary.best, the config's [objective]), shown with the stored views.
+    chosen = results.present_best(stored, summary.best, cfg.objective) if summary.best is not None else None
+    _print_best_vs_baseline(summary, chosen)
+    if apply_best and chosen is not None:
+        from tuner.cli.apply import apply_cmd
+
+        apply_cmd(target="best", undo=False, dry_run=False, yes=True, study=None, storage=storage, config=config,
+                  state_dir=None, verify_s=20.0, timeout_s=cfg.service.start_timeout_s, write=None)
+
+
+@app.command("init")
+def init_cmd(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path("tuner.toml"),
+    unit: Annotated[str | None, typer.Option("--unit", help="Read a running systemd unit (ExecStart, model, GPU, version).")] = None,
+    sim: Annotated[bool, typer.Option("--sim", help="Write a config for the simulated server instead.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a starter config from a running unit (--unit sglang.service) or for the simulator (--sim)."""
+    from tuner.errors import ConfigError
+    from tuner.starter import starter_config
+
+    if output.exists() and not force:
+        raise ConfigError(f"{output} already exists", hint="pass --force to overwrite it, or --output another file")
+    if not unit and not sim:
+        raise ConfigError("tell init what to tune", hint="pass --unit sglang.service or --sim")
+    text = starter_config(unit=unit, sim=sim)
+    if not output.parent.is_dir():
+        raise ConfigError(f"--output {output}: folder {output.parent} does not exist",
+                          hint="create it first, or pass --output in an existing folder")
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot write --output {output}: {err.strerror}", hint="pass a writable path") from err
+    console.print(f"wrote {output}; check [workload] and [slo], then `tuner run --config {output} --dry-run` "
+                  f"and `tuner run --config {output} --budget {'3m' if sim else '4h'}`",
+                  highlight=False, markup=False, soft_wrap=True)

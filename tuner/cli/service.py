@@ -1,0 +1,76 @@
+"""``tuner restore`` and ``tuner launch``: put the service back, or start it with flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tuner.cli.common import app, console
+
+
+def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | None,
+                     systemctl: str | None, journalctl: str | None, dropin_dir: Path | None,
+                     url: str | None) -> dict[str, Any] | None:  # fmt: skip
+    """The [service] settings of --config, overridden by the explicit options (None if neither)."""
+    settings: dict[str, Any] = {}
+    if config is not None:
+        from tuner.config import load_config
+
+        settings = load_config(config).service.model_dump()
+    overrides = {"unit": unit, "state_dir": state_dir, "systemctl": systemctl, "journalctl": journalctl,
+                 "dropin_dir": dropin_dir, "url": url}  # fmt: skip
+    settings.update({k: str(v) for k, v in overrides.items() if v is not None})
+    return settings or None
+
+
+@app.command("restore")
+def restore_cmd(
+    unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of locks and state files.")] = None,
+    systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
+    journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
+    dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
+    url: Annotated[str | None, typer.Option(help="Server URL checked for health.")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="How long the server may take to be healthy.")] = 900.0,
+) -> None:
+    """Put the service back as it was before a tuning run (after a crash, kill -9 or Ctrl-C).
+
+    Uses the state file the run wrote before its first change: the original command and
+    drop-ins come back, the trial drop-in goes, and the server is restarted and checked healthy.
+    """
+    from tuner.errors import ConfigError
+    from tuner.launch.factory import restore_service
+
+    if unit is None and config is None:
+        raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
+    settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
+    launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
+    shown = " ".join(launcher.current_argv())
+    if source == "nothing":
+        console.print(f"{launcher.key}: nothing to restore (no state file, no trial drop-in); {state.phase.value}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+        return
+    console.print(f"restored {launcher.key} from the {source}: {state.phase.value}, command: {shown}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+
+
+@app.command("launch")
+def launch_cmd(
+    config: Annotated[Path, typer.Option("--config", help="The run's TOML config (its service section).")],
+    set_flags: Annotated[list[str] | None, typer.Option("--set", help="FLAG=VALUE to change, e.g. mem-fraction-static=0.8; checked against the service's SGLang flags.")] = None,
+) -> None:
+    """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing.
+
+    Starting a trial for real is `tuner run`'s job: it holds the lock and restores the service.
+    """
+    from tuner.config import load_config
+    from tuner.entrypoints import resolve_flag_table, resolve_launcher
+    from tuner.launch.preview import preview
+
+    cfg = load_config(config)
+    launcher = resolve_launcher(cfg)
+    text = preview(launcher, set_flags or [], resolve_flag_table(cfg, launcher.current_argv()))
+    console.print(text, highlight=False, soft_wrap=True, markup=False)

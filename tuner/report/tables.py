@@ -1,0 +1,455 @@
+"""Terminal rendering of stored results (rich): trial tables, one trial in full, the best trial,
+the studies, the applies, and ``tuner run``'s closing summary.
+
+Reads only what :mod:`tuner.results` loaded from the study; it never talks to a server.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import optuna
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from tuner.results import METRICS, BestTrial, StoredStudy, TrialView
+from tuner.study.best import max_running_requests_cut
+
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
+
+logger = logging.getLogger(__name__)
+
+KEY_PARAMS = (
+    "mem_fraction_static",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "enable_hierarchical_cache",
+    "hicache_ratio",
+)
+"""Parameters shown first in tables, by SGLang field name; others follow alphabetically."""
+
+PIPE_MAX_WIDTH = 400
+"""Widest output (columns) :func:`print_fitted` renders for a pipe; wider cells fold."""
+
+TABLE_METRICS = (
+    "context_capacity",
+    "token_capacity",
+    "output_throughput_tok_s",
+    "p99_ttft_ms",
+    "p99_itl_ms",
+)
+_PHASE_METRICS = (
+    ("request_throughput", "req/s"),
+    ("output_throughput", "out tok/s"),
+    ("goodput", "goodput req/s"),
+    ("p99_ttft_ms", "p99 TTFT ms"),
+    ("p99_itl_ms", "p99 ITL ms"),
+    ("p99_tpot_ms", "p99 TPOT ms"),
+    ("p99_e2e_latency_ms", "p99 E2E ms"),
+    ("concurrency", "concurrency"),
+    ("slo_attainment", "SLO attain."),
+    ("error_rate", "error rate"),
+)
+
+
+def print_fitted(renderable: RenderableType, *, markup: bool = True) -> None:
+    """Print to stdout: on a terminal (or with ``COLUMNS`` set) at its width; otherwise (a pipe, a
+    CI log) at the width the content needs, up to :data:`PIPE_MAX_WIDTH` columns, so that tables
+    are neither truncated (``210…``) nor wrapped mid-word at rich's default of 80 columns.
+
+    Args:
+        renderable: A rich renderable or a string.
+        markup: Whether a string is read as rich markup.
+    """
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        options = console.options.update(max_width=PIPE_MAX_WIDTH)
+        needed = Measurement.get(console, options, renderable).maximum
+        console = Console(width=max(console.width, min(needed, PIPE_MAX_WIDTH)))
+    console.print(renderable, markup=markup)
+
+
+def key_params(trials: Iterable[TrialView]) -> list[str]:
+    """Parameter columns: :data:`KEY_PARAMS` present in any trial, then (sorted) every other
+    parameter that takes at least two distinct values (a flag only the baseline states is not a
+    column; ``tuner show`` lists every parameter)."""
+    values: dict[str, set[str]] = {}
+    for view in trials:
+        for name, value in view.params.items():
+            values.setdefault(name, set()).add(repr(value))
+    others = sorted(n for n, seen in values.items() if n not in KEY_PARAMS and len(seen) > 1)
+    return [p for p in KEY_PARAMS if p in values] + others
+
+
+def cell(value: Any) -> str:
+    """Format one value for a table cell: ``-`` for unknown, thousands separators, 3 sig. digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value)
+
+
+def _text(value: Any) -> Text:
+    """A table cell as plain :class:`Text`: log and server strings are never read as rich markup."""
+    return Text(value if isinstance(value, str) else cell(value))
+
+
+def status_text(view: TrialView) -> str:
+    """Why a trial is not feasible: its failure class, ``skipped``, or the violated constraints."""
+    if view.failure_class:
+        return view.failure_class
+    if view.record is not None and (view.record.failure_evidence or "").startswith("interrupted"):
+        return "interrupted"
+    if view.state == "RUNNING":
+        return "running, or killed (`tuner run` resumes it)"
+    if view.outcome == "skipped" or view.state == "PRUNED":
+        return "skipped"
+    if view.feasible or view.state != "COMPLETE":
+        return ""
+    return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
+
+
+def _kind(view: TrialView) -> str:
+    kind = view.kind or "-"
+    return kind if view.state == "COMPLETE" else f"{kind}/{view.state.lower()}"
+
+
+_SHORT = MappingProxyType({
+    "mem_fraction_static": "mfs",
+    "max_running_requests": "max_run",
+    "chunked_prefill_size": "chunk",
+    "enable_hierarchical_cache": "hicache",
+    "hicache_ratio": "hc_ratio",
+    "context_capacity": "ctx cap",
+    "token_capacity": "tokens",
+    "output_throughput_tok_s": "tok/s",
+    "p99_ttft_ms": "TTFT p99",
+    "p99_itl_ms": "ITL p99",
+})
+"""Column headers of the compact trial table (the caption spells them out)."""
+
+
+def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Table:
+    """The ``tuner trials`` table: number, state, kind, key params, capacities, throughput, p99
+    TTFT/ITL, feasible, failure class (or which constraint failed).
+
+    Headers are short (:data:`_SHORT`); the caption maps them to SGLang field names and units.
+    """
+    params = key_params(trials)
+    used = [p for p in params if p in _SHORT] + list(TABLE_METRICS)
+    legend = ", ".join(f"{_SHORT[k]} = {k}" for k in used)
+    table = Table(
+        title=title,
+        caption=f"{legend}; latencies in ms; ctx cap in requests",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    for name in params:
+        table.add_column(_SHORT.get(name, name), justify="right")
+    for name in TABLE_METRICS:
+        table.add_column(_SHORT[name], justify="right")
+    table.add_column("feas.")
+    table.add_column("failure", overflow="fold")
+    for view in trials:
+        style = None if view.feasible else ("red" if view.failed else "yellow")
+        table.add_row(
+            str(view.number),
+            _kind(view),
+            *[_text(view.params.get(p)) for p in params],
+            *[_text(view.metric(m)) for m in TABLE_METRICS],
+            "yes" if view.feasible else "no",
+            _text(status_text(view)),
+            style=style,
+        )
+    return table
+
+
+def trials_json(trials: Sequence[TrialView]) -> str:
+    """``tuner trials --json``: a JSON list of :meth:`TrialView.row` objects."""
+    return json_text([v.row() for v in trials])
+
+
+def json_text(data: Any) -> str:
+    """Indented JSON of a JSON-ready object (what every ``--json`` prints)."""
+    return json.dumps(data, indent=2, default=str)
+
+
+def trial_json(stored: StoredStudy, view: TrialView) -> str:
+    """``tuner show N --json``: the summary row, the whole record, and artifact paths."""
+    data = view.row()
+    data["record"] = view.record.model_dump(mode="json") if view.record else None
+    data["artifact_paths"] = {k: str(p) for k, p in stored.artifact_paths(view).items()}
+    return json_text(data)
+
+
+def trials_csv(trials: Sequence[TrialView]) -> str:
+    """``tuner trials --csv``: one row per trial; params as ``param.<name>`` columns."""
+    params = key_params(trials)
+    fields = ["number", "state", "kind", "outcome", *[f"param.{p}" for p in params], *METRICS]
+    fields += ["feasible", "failure_class", "started_at"]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for view in trials:
+        row = view.row()
+        out = {k: row.get(k) for k in fields if not k.startswith("param.")}
+        out.update({f"param.{p}": view.params.get(p) for p in params})
+        writer.writerow(out)
+    return buf.getvalue()
+
+
+def _kv_table(title: str, rows: Iterable[tuple[str, Any]], *headers: str) -> Table:
+    table = Table(title=title, title_justify="left", header_style="bold", show_header=bool(headers))
+    for i, header in enumerate(headers or ("key", "value")):
+        table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*[_text(v) for v in row])
+    return table
+
+
+def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Flatten a stored memory report (per-rank dicts, nested values) into label/value rows."""
+    rows: list[tuple[str, Any]] = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), sub)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, sub in enumerate(value):
+                walk(f"{prefix}[{i}]", sub)
+        else:
+            rows.append((prefix, value if not isinstance(value, list) else json.dumps(value)))
+
+    walk("", memory)
+    return rows
+
+
+def _waterfall(memory: dict[str, Any]) -> Any:
+    """The memory waterfall of ``tuner explain`` when :mod:`tuner.sglang.explain` can render a
+    stored memory report, else a flat table of the report's fields."""
+    try:
+        from tuner.sglang import (
+            explain,  # optional: owned by the SGLang-knowledge issue
+        )
+    except ImportError:
+        explain = None
+    render = getattr(explain, "waterfall_table", None) if explain is not None else None
+    if render is not None:
+        try:
+            return render(memory)
+        except (TypeError, ValueError, KeyError) as err:
+            logger.debug("explain.waterfall_table could not render the stored report: %s", err)
+    return _kv_table("memory (as stored)", _memory_rows(memory), "field", "value")
+
+
+def _phases_table(view: TrialView) -> Table:
+    """Load phases as columns, metrics as rows (fits a narrow terminal)."""
+    assert view.record is not None
+    phases = view.record.phases
+    table = Table(title="load phases", title_justify="left", header_style="bold")
+    table.add_column("metric")
+    for phase in phases:
+        table.add_column(phase.name, justify="right")
+    table.add_row("duration (s)", *[cell(p.duration_s) for p in phases])
+    table.add_row("completed / errored / incomplete",
+                  *[f"{p.completed} / {p.errored} / {p.incomplete}" for p in phases])  # fmt: skip
+    for key, label in _PHASE_METRICS:
+        table.add_row(label, *[cell(p.metrics.get(key)) for p in phases])
+    table.add_row(
+        "stopped early",
+        *[_text((p.stop_reason or "yes") if p.stopped_early else "no") for p in phases],
+    )
+    return table
+
+
+def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
+    """``tuner show N``: params, resolved values, the memory waterfall, each load phase, the
+    failure and its evidence, the log excerpt, and artifact paths."""
+    rec = view.record
+    head = Text()
+    head.append(f"trial {view.number}", style="bold")
+    head.append(f"  {view.state}  kind={view.kind or '-'}  outcome={view.outcome or '-'}  ")
+    head.append("feasible" if view.feasible else "infeasible", "green" if view.feasible else "red")
+    if view.started_at:
+        head.append(f"  started {view.started_at}")
+    if rec and rec.duration_s is not None:
+        head.append(f"  took {rec.duration_s:.0f} s")
+    parts: list[Any] = [head]
+    parts.append(_kv_table("params", sorted(view.params.items()), "SGLang field", "value"))
+    metrics = [(METRICS[m][0], view.metric(m)) for m in METRICS]
+    metrics.append(("constraints (≤ 0 is met)", json.dumps(view.constraints)))
+    parts.append(_kv_table("results", metrics, "metric", "value"))
+    if rec is None:
+        parts.append(Text("no tuner record stored with this trial", style="yellow"))
+        return Group(*parts)
+    if rec.resolved:
+        rows = [(k, v.get("value"), str(v.get("source", "?"))) for k, v in rec.resolved.items()]
+        parts.append(_kv_table("resolved by SGLang", rows, "field", "value", "source"))
+    if rec.prediction:
+        parts.append(_kv_table("memory-model prediction", _memory_rows(rec.prediction)))
+    if rec.memory:
+        parts.append(_waterfall(rec.memory))
+    if rec.phases:
+        parts.append(_phases_table(view))
+    if rec.failure_class or rec.failure_evidence:
+        text = Text("failure: ", style="bold red")
+        text.append(rec.failure_class.value if rec.failure_class else "?")
+        if rec.failure_evidence:
+            text.append("\nevidence: ", style="bold")
+            text.append(rec.failure_evidence)
+        parts.append(text)
+    if rec.skipped_reason:
+        proof = f" (proved by trial {rec.proved_by_trial})" if rec.proved_by_trial is not None else ""
+        parts.append(Text(f"skipped: {rec.skipped_reason}{proof}", style="yellow"))
+    if rec.argv:
+        parts.append(Panel(Text(" ".join(rec.argv)), title="command line", title_align="left"))
+    if rec.log_excerpt:
+        parts.append(
+            Panel(Text("\n".join(rec.log_excerpt)), title="log excerpt", title_align="left")
+        )
+    if rec.artifacts:
+        rows = []
+        for name, path in stored.artifact_paths(view).items():
+            rows.append((name, str(path) + ("" if path.exists() else "  (missing)")))
+        parts.append(_kv_table("artifacts", rows, "name", "path"))
+    return Group(*parts)
+
+
+def delta_text(name: str, delta: Any) -> str:
+    if delta.delta is None:
+        return "-"
+    sign = "+" if delta.delta >= 0 else ""
+    ratio = f" ({delta.ratio:.2f}×)" if delta.ratio is not None else ""
+    return f"{sign}{cell(delta.delta)}{ratio}"
+
+
+def best_panel(choice: BestTrial) -> Group:
+    """``tuner best``: the feasible Pareto front, the chosen trial with the reason, and the deltas
+    against the baseline."""
+    front = trials_table(choice.front, title="Pareto front (feasible trials)")
+    reason = Text()
+    reason.append("best: ", style="bold green")
+    reason.append(choice.reason)
+    deltas = Table(title="chosen vs baseline", title_justify="left", header_style="bold")
+    deltas.add_column("metric")
+    base_title = f"baseline (#{choice.baseline.number})" if choice.baseline else "baseline"
+    deltas.add_column(base_title, justify="right")
+    deltas.add_column(f"best (#{choice.trial.number})", justify="right")
+    deltas.add_column("change", justify="right")
+    for name, delta in choice.deltas.items():
+        deltas.add_row(
+            METRICS[name][0], cell(delta.baseline), cell(delta.best), delta_text(name, delta)
+        )
+    params = Table(title="flags of the chosen trial", title_justify="left", header_style="bold")
+    params.add_column("SGLang field")
+    params.add_column("baseline", justify="right")
+    params.add_column("best", justify="right")
+    base_params = choice.baseline.params if choice.baseline else {}
+    for name in key_params([choice.trial] + ([choice.baseline] if choice.baseline else [])):
+        params.add_row(
+            name, cell(base_params.get(name)), cell(choice.trial.params.get(name))
+        )
+    parts: list[Any] = [front, reason, params, deltas]
+    cut = max_running_requests_cut(choice.trial.record, choice.baseline.record if choice.baseline else None)
+    if cut is not None:
+        parts.append(Text(cut, style="yellow"))
+    if choice.baseline is None:
+        parts.append(Text("the study has no baseline trial to compare with", style="yellow"))
+    return Group(*parts)
+
+
+def studies_rows(
+    by_storage: dict[str, Sequence[optuna.study.StudySummary]],
+) -> list[dict[str, Any]]:
+    """``tuner studies --json``: storage, study, trials, started, target, model per study."""
+    rows = []
+    for url, summaries in by_storage.items():
+        for summary in summaries:
+            info = summary.user_attrs.get("tuner.study") or {}
+            rows.append(
+                {
+                    "storage": url,
+                    "study": summary.study_name,
+                    "n_trials": summary.n_trials,
+                    "started": summary.datetime_start.isoformat(timespec="seconds")
+                    if summary.datetime_start
+                    else None,
+                    "target": info.get("target") if isinstance(info, dict) else None,
+                    "model": (info.get("environment") or {}).get("model")
+                    if isinstance(info, dict)
+                    else None,
+                }
+            )
+    return rows
+
+
+def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: str) -> Table:
+    """``tuner studies``: name, trials, started, and the tuner's target of each study."""
+    table = Table(title=f"studies in {storage_url}", header_style="bold")
+    for header in ("study", "trials", "started", "target", "model"):
+        table.add_column(header, justify="right" if header == "trials" else "left")
+    for summary in summaries:
+        info = summary.user_attrs.get("tuner.study") or {}
+        target = info.get("target", {}) if isinstance(info, dict) else {}
+        env = info.get("environment", {}) if isinstance(info, dict) else {}
+        started = summary.datetime_start.isoformat(timespec="seconds") if summary.datetime_start else "-"
+        command = target.get("command")
+        shown = target.get("unit") or (" ".join(command) if isinstance(command, list) else command)
+        table.add_row(
+            _text(summary.study_name),
+            str(summary.n_trials),
+            started,
+            _text(str(shown or target.get("url") or "-")),
+            _text(str(env.get("model") or "-")),
+        )
+    return table
+
+
+# ---- applies -----------------------------------------------------------------------------
+
+
+def applies_table(records: Sequence[Any]) -> Table:
+    """``tuner applies``: every apply, undo and rollback with its outcome (newest last)."""
+    table = Table(title="applies", header_style="bold", box=box.SIMPLE_HEAD)
+    for header in ("#", "at", "action", "study", "trial", "target", "outcome", "what happened"):
+        table.add_column(header, justify="right" if header in ("#", "trial") else "left",
+                         overflow="fold")
+    for rec in records:
+        style = "green" if rec.outcome == "verified" else ("red" if "fail" in rec.outcome else "yellow")
+        table.add_row(
+            str(rec.id), rec.at, rec.action, rec.study, cell(rec.trial), rec.target,
+            Text(rec.outcome, style=style), Text(rec.message),
+        )
+    return table
+
+
+def apply_result(record: Any) -> Group:
+    """The outcome of one apply: its message and each verification check."""
+    parts: list[Any] = [Text(f"#{record.id} {record.action}: {record.message}", style="bold green")]
+    for check in record.checks:
+        line = Text(f"  {'ok ' if check.ok else 'FAIL'} {check.name}: ", style="green" if check.ok else "red")
+        line.append(check.detail, style="")
+        parts.append(line)
+    return Group(*parts)
