@@ -17,10 +17,10 @@ The steps are states with allowed transitions (as httpx's ``ClientState``)::
        │           └──────────┴──► ROLLING_BACK ──► ROLLED_BACK | ROLLBACK_FAILED
        └──► PRINTED   (process launcher: the command line is printed or written, nothing runs)
 
-Crash safety comes from :mod:`tuner.launch.safety`: the unit's lock is held throughout, and the
+Crash safety comes from :mod:`tuner.launch.session`: the unit's lock is held throughout, and the
 previous drop-ins are recorded in the unit's state file *before* the first change, so a tuner
 killed mid-apply leaves a state that ``tuner restore`` puts back. The rollback itself is the
-launcher's :meth:`~tuner.launch.safety.GuardedLauncher.restore` of that state.
+launcher's :meth:`~tuner.launch.base.GuardedLauncher.restore` of that state.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import ApplyError, TunerError
 from tuner.results import StoredStudy, TrialView
 from tuner.study.storage import check_storage
-from tuner.launch.safety import SessionState
+from tuner.launch.session import SessionState
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
 from tuner.sglang.client import SGLangClient

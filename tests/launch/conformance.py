@@ -24,9 +24,8 @@ import pytest
 import requests
 
 from tuner.errors import LaunchError, LockHeldError
-from tuner.launch.base import LaunchPhase
+from tuner.launch.base import GuardedLauncher, LaunchPhase
 from tuner.launch.factory import build_launcher
-from tuner.launch.safety import GuardedLauncher
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.failures import FailureClass
 

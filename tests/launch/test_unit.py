@@ -7,8 +7,12 @@ from pathlib import Path
 import pytest
 
 from tuner.errors import LaunchError
-from tuner.launch.safety import SessionState, StateStore, UnitLock
-from tuner.launch.unit import _exec_start_values, format_exec_command, split_exec_command
+from tuner.launch.session import SessionState, StateStore, UnitLock
+from tuner.launch.unit import (
+    _exec_start_values,
+    format_exec_command,
+    split_exec_command,
+)
 
 TRICKY = ["a b", 'q"uote', "it's", "semi;colon", ";", "", "100%", "$HOME", "${X}", "back\\slash", "tab\tnew\nline",
           "\x01ctl", "ünï", "--flag=v a"]

@@ -1,4 +1,8 @@
-"""The launcher contract: how a trial restarts the SGLang server with candidate flags.
+"""The launcher contract: how a trial restarts the SGLang server with candidate flags, and
+:class:`GuardedLauncher`, the base every launcher extends: it owns the session (lock → state file
+→ signals → restore, from :mod:`tuner.launch.session`) and the fail-fast watch loop
+(``wait``/``state``) that feeds the server's output to :class:`tuner.sglang.logs.LogWatcher`.
+Subclasses supply only how to read, start, poll, stop and put back their service.
 
 Implementations: :mod:`tuner.launch.systemd` (production) and :mod:`tuner.launch.process`
 (hosts without systemd, the demo). Both pass one conformance test class
@@ -21,14 +25,30 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from tuner.sglang.failures import Failure
+from tuner.errors import LaunchError, TunerError
+from tuner.launch.session import (
+    SessionState,
+    StateStore,
+    UnitLock,
+    deferred_signals,
+    interrupt_on_signals,
+)
+from tuner.sglang.client import SGLangClient
+from tuner.sglang.failures import Failure, FailureClass
+from tuner.sglang.logs import LogWatcher
 
-__all__ = ["LaunchPhase", "LaunchState", "Launcher"]
+__all__ = ["LaunchPhase", "LaunchState", "Launcher", "GuardedLauncher", "ServerPoll"]
+
+log = logging.getLogger(__name__)
 
 
 class LaunchPhase(str, Enum):
@@ -126,3 +146,354 @@ class Launcher(abc.ABC):
         Raises:
             LockHeldError: Another tuner holds this unit.
         """
+
+
+class GuardedLauncher(Launcher):
+    """The session discipline and the fail-fast watch loop, written once for every launcher.
+
+    Subclasses (:class:`~tuner.launch.systemd.SystemdLauncher`,
+    :class:`~tuner.launch.process.ProcessLauncher`) implement how to read the original, start,
+    poll and stop; this class owns the lock, the state file, signals, :meth:`wait` and
+    :meth:`state`. Log lines go through :class:`tuner.sglang.logs.LogWatcher`, so a failure line
+    ends a wait within one poll (plus :attr:`evidence_grace_s` for more specific evidence).
+
+    Args:
+        key: The unit name (or process launcher name) locks and state files are keyed by.
+        url: Base URL of the server.
+        state_dir: Folder for the lock and the state file.
+        gpu: Optional :class:`tuner.gpu.GPUMonitor`: before each start the previous server's GPU
+            memory must be released (§1.2) and no foreign process may hold any.
+        allow_foreign: Start even when a foreign process holds GPU memory.
+        poll_s: Interval of the watch loop.
+        release_timeout_s: Limit for the GPU memory of a stopped server to be freed.
+        evidence_grace_s: After a first failure line, how long to wait for the process to exit
+            and more specific evidence to arrive.
+        ready_line_grace_s: READY needs ``/health`` and the ready line (§4.2); after ``/health``
+            has answered this long without the line (output not reaching the launcher), READY.
+    """
+
+    kind: Literal["systemd", "process"]
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        url: str,
+        state_dir: Path | str,
+        gpu: Any | None = None,
+        allow_foreign: bool = False,
+        poll_s: float = 0.25,
+        release_timeout_s: float = 120.0,
+        evidence_grace_s: float = 1.5,
+        ready_line_grace_s: float = 10.0,
+    ) -> None:
+        self.key = key
+        self.url = url.rstrip("/")
+        self.state_dir = Path(state_dir)
+        self.gpu = gpu
+        self.allow_foreign = allow_foreign
+        self.poll_s = poll_s
+        self.release_timeout_s = release_timeout_s
+        self.evidence_grace_s = evidence_grace_s
+        self.lock = UnitLock(self.state_dir, key)
+        self.store = StateStore(self.state_dir, key)
+        self._state: SessionState | None = None
+        self._watcher = LogWatcher()
+        self._lines: list[str] = []
+        self._t0 = time.monotonic()
+        self._started = False
+        self._healthy_since: float | None = None
+        self.ready_line_grace_s = ready_line_grace_s
+        self._client = SGLangClient(self.url, timeout_s=2.0)
+        self.settings: dict[str, Any] = {}
+        """Settings this launcher was built from (see :mod:`tuner.launch.factory`); recorded in
+        the state file so ``tuner restore`` can rebuild it."""
+
+    # ---- hooks for subclasses -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _record_original(self) -> SessionState:
+        """Read the service as it is now (command, drop-ins, running or not), changing nothing."""
+
+    @abc.abstractmethod
+    def _own_settings(self) -> dict[str, Any]:
+        """Factory settings that rebuild this launcher (used when :attr:`settings` is empty)."""
+
+    @abc.abstractmethod
+    def _read_argv(self) -> list[str]:
+        """The service's command line as configured now."""
+
+    @abc.abstractmethod
+    def _launch(self, argv: list[str]) -> None:
+        """Start the (already stopped) server with ``argv``."""
+
+    @abc.abstractmethod
+    def _poll(self) -> ServerPoll:
+        """New output lines since the last poll and the manager's view of the server."""
+
+    def _check_startable(self) -> None:
+        """Refuse a session whose server could not be started (default: nothing to check).
+
+        Raises:
+            LaunchError: Something outside the tuner prevents the start.
+        """
+
+    def has_leftover_change(self) -> bool:
+        """Whether the service carries a tuner change no state file records (a stray trial drop-in)."""
+        return False
+
+    @abc.abstractmethod
+    def _put_back(self, state: SessionState) -> None:
+        """Put the original configuration back; start it when ``state.was_running``, else stop."""
+
+    # ---- shared behaviour ---------------------------------------------------------------
+
+    def current_argv(self) -> list[str]:
+        """The original command: the recorded one inside a session, else what runs now.
+
+        Raises:
+            LaunchError: The unit is unknown or its command cannot be read.
+        """
+        if self._state is not None:
+            return list(self._state.original_argv)
+        return self._read_argv()
+
+    def start(self, argv: list[str]) -> None:
+        """Stop the server, wait for its GPU memory to be freed, start it with ``argv``.
+
+        .. note:: Changes the production service; call inside :meth:`session`.
+
+        Raises:
+            LaunchError: The start could not be issued.
+            GPUError: GPU memory was not released in time, or a foreign process holds some.
+        """
+        if not argv:
+            raise LaunchError("empty server command", hint="pass the full server command line")
+        self.stop()
+        self._before_start()
+        self._watcher = LogWatcher()
+        self._lines = []
+        self._t0 = time.monotonic()
+        self._started = True
+        self._healthy_since = None
+        self._launch(list(argv))
+
+    def _before_start(self) -> None:
+        if self.gpu is None:
+            return
+        self.gpu.wait_released(timeout_s=self.release_timeout_s, allow_foreign=self.allow_foreign)
+        self.gpu.check_foreign(allow_foreign=self.allow_foreign)
+
+    def _feed(self, lines: list[str]) -> None:
+        for line in lines:
+            self._lines.append(line)
+            self._watcher.feed(line)
+
+    def _healthy(self) -> bool:
+        try:
+            return bool(self._client.health())
+        except TunerError:
+            return False
+
+    def state(self) -> LaunchState:
+        """The server's state now (one poll of the manager, the log and ``/health``).
+
+        Raises:
+            LaunchError: The service manager cannot be queried.
+        """
+        elapsed = time.monotonic() - self._t0
+        if not self._started:
+            return LaunchState(phase=LaunchPhase.STOPPED, elapsed_s=elapsed)
+        poll = self._poll()
+        self._feed(poll.lines)
+        if not poll.alive and poll.stopped_by_us:
+            return LaunchState(phase=LaunchPhase.STOPPED, restarts=poll.restarts, elapsed_s=elapsed)
+        if not poll.alive:
+            status = poll.exit_status
+            failure = self._watcher.report(exit_status=status).failure
+            if poll.crash_loop and (failure is None or failure.failure_class is FailureClass.CRASH):
+                why = f"; {failure.evidence}" if failure else ""
+                failure = Failure(failure_class=FailureClass.CRASH, evidence=poll.crash_loop + why,
+                                  exit_status=status)
+            if failure is None and status != 0:
+                failure = Failure(failure_class=FailureClass.CRASH, exit_status=status,
+                                  evidence=f"server exited (status {status}) with no failure line")
+            phase = LaunchPhase.FAILED if failure else LaunchPhase.EXITED
+            return LaunchState(phase=phase, failure=failure, pid=None, restarts=poll.restarts,
+                               elapsed_s=elapsed)
+        if self._watcher.failure is not None:
+            return LaunchState(phase=LaunchPhase.FAILED, failure=self._watcher.failure,
+                               pid=poll.pid, restarts=poll.restarts, elapsed_s=elapsed)
+        if self._healthy():
+            now = time.monotonic()
+            self._healthy_since = self._healthy_since or now
+            # SGLang answers /health before its warm-up ends; the ready line marks the end. Output
+            # that never reaches the launcher (StandardOutput=file:...) must not block for ever.
+            if self._watcher.ready or now - self._healthy_since >= self.ready_line_grace_s:
+                return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
+                                   elapsed_s=elapsed)
+        else:
+            self._healthy_since = None
+        return LaunchState(phase=LaunchPhase.STARTING, pid=poll.pid, restarts=poll.restarts,
+                           elapsed_s=elapsed)
+
+    def wait(self, timeout_s: float) -> LaunchState:
+        """Block until READY, FAILED, EXITED or STOPPED, or ``timeout_s`` (FAILED/startup_timeout).
+
+        A failure line ends the wait at once, after at most :attr:`evidence_grace_s` for the
+        process to exit and more specific evidence (§4.3) to arrive; the failed server is then
+        stopped so that a ``Restart=`` policy cannot loop on it.
+
+        Raises:
+            LaunchError: The service manager cannot be queried.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.state()
+            if st.phase is LaunchPhase.FAILED and st.pid is not None:
+                st = self._settle(st)
+            if st.phase is not LaunchPhase.STARTING:
+                if st.phase is LaunchPhase.FAILED:
+                    self.stop()
+                return st
+            if time.monotonic() >= deadline:
+                last = next((x for x in reversed(self._lines) if x.strip()), "no output")
+                return st.model_copy(update={"phase": LaunchPhase.FAILED, "failure": Failure(
+                    failure_class=FailureClass.STARTUP_TIMEOUT,
+                    evidence=f"not ready after {timeout_s:.0f} s; last line: {last[-300:]}",
+                )})
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+
+    def _settle(self, first: LaunchState) -> LaunchState:
+        """After a failure line: wait briefly for the exit and the most specific evidence."""
+        end = time.monotonic() + self.evidence_grace_s
+        st = first
+        while time.monotonic() < end:
+            time.sleep(self.poll_s)
+            st = self.state()
+            if st.pid is None:
+                break
+        if st.phase is not LaunchPhase.FAILED:
+            st = first
+        failure = self._watcher.report(exit_status=st.failure.exit_status if st.failure else None).failure
+        return st.model_copy(update={"failure": failure or st.failure})
+
+    def logs(self) -> list[str]:
+        """Every server output line since the last :meth:`start`, in order."""
+        return list(self._lines)
+
+    def restore(self, timeout_s: float = 900.0) -> LaunchState:
+        """Put back the recorded original and wait until healthy (when it was running).
+
+        Uses the session's state, else the state file a killed tuner left; without either, a
+        leftover trial change (the systemd trial drop-in) is removed and the service restarted,
+        and when there is none nothing is touched (so ``tuner restore`` is safe to run at any
+        time, e.g. as ``ExecStopPost=``). Takes the unit's lock when not already held. Clears the
+        state file on success.
+
+        .. note:: Changes the production service.
+
+        Raises:
+            LockHeldError: Another live tuner holds the unit.
+            LaunchError: The original could not be put back or did not become healthy.
+        """
+        owned = not self.lock.held
+        if owned and self._state is None and self.store.load() is None:
+            self._record_original()  # an unknown unit fails here, before a lock file is created
+        if owned:
+            self.lock.acquire()
+        try:
+            state = self._state or self.store.load()
+            if state is None:
+                state = self._record_original()
+                if not self.has_leftover_change():
+                    log.info("%s: no state file and no trial change; nothing to restore", self.key)
+                    phase = LaunchPhase.READY if self._healthy() else LaunchPhase.STOPPED
+                    return LaunchState(phase=phase)
+            self._watcher = LogWatcher()
+            self._lines = []
+            self._t0 = time.monotonic()
+            self._started = True
+            self._healthy_since = None
+            if state.was_running:
+                self.stop()
+                self._before_start_restore()
+            self._put_back(state)
+            if state.was_running:
+                st = self.wait(timeout_s)
+                if st.phase is not LaunchPhase.READY:
+                    why = st.failure.evidence if st.failure else st.phase.value
+                    raise LaunchError(
+                        f"{self.key} did not come back healthy on its original command: {why}",
+                        hint=f"the state file {self.store.path} is kept; fix the service, "
+                        "then run 'tuner restore' again",
+                    )
+            else:
+                st = LaunchState(phase=LaunchPhase.STOPPED)
+            self.store.clear()
+            self._state = None
+            return st
+        finally:
+            if owned:
+                self.lock.release()
+
+    def _before_start_restore(self) -> None:
+        if self.gpu is not None:
+            self.gpu.wait_released(timeout_s=self.release_timeout_s, allow_foreign=self.allow_foreign)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[GuardedLauncher]:
+        """Hold the lock and the state file; restore the original on exit, SIGINT or SIGTERM.
+
+        A state file left by a killed tuner is adopted: its recorded original (not the current,
+        half-changed service) is what this session restores.
+
+        Raises:
+            LockHeldError: Another tuner holds this unit.
+            LaunchError: The service cannot be read, the state file written, or the server could
+                not be started (e.g. a foreign program holds the process launcher's port).
+        """
+        self.lock.acquire()
+        try:
+            self._check_startable()
+            left = self.store.load()
+            if left is not None:
+                log.warning("adopting the state left by tuner PID %s (%s); its original is what "
+                            "will be restored", left.tuner_pid, left.created_at)
+                self._state = left
+            else:
+                state = self._record_original()
+                recipe = {**self._own_settings(), **self.settings}
+                self._state = state.model_copy(update={"extra": {**state.extra, "settings": recipe}})
+                self.store.save(self._state)
+            with interrupt_on_signals():
+                try:
+                    yield self
+                finally:
+                    with deferred_signals():
+                        self.restore()
+        finally:
+            self._state = None
+            self.lock.release()
+
+
+class ServerPoll(BaseModel):
+    """One look at the server by its manager (what a launcher's ``_poll`` returns).
+
+    Attributes:
+        lines: Output lines since the previous poll.
+        alive: The server process exists (starting or serving).
+        pid: Its PID as the manager sees it.
+        exit_status: Exit status when it ended (``None`` unknown).
+        restarts: Restarts by the manager since the start.
+        crash_loop: Non-empty evidence when the manager is restarting a dying server.
+        stopped_by_us: The server is down because the tuner stopped it.
+    """
+
+    lines: list[str] = Field(default_factory=list)
+    alive: bool = True
+    pid: int | None = None
+    exit_status: int | None = None
+    restarts: int = 0
+    crash_loop: str = ""
+    stopped_by_us: bool = False

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import LaunchError
-from tuner.launch.base import LaunchState
+from tuner.launch.base import GuardedLauncher, LaunchState
 from tuner.launch.process import ProcessLauncher
-from tuner.launch.safety import GuardedLauncher, StateStore, default_state_dir
+from tuner.launch.session import StateStore, default_state_dir
 from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import DEFAULT_DROPIN_DIR
 

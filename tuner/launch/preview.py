@@ -16,7 +16,13 @@ from typing import Any
 
 from tuner.errors import ConfigError, FlagError
 from tuner.launch.base import Launcher
-from tuner.sglang.flags import FlagOption, FlagTable, parse_human_int, replace_flags, validate
+from tuner.sglang.flags import (
+    FlagOption,
+    FlagTable,
+    parse_human_int,
+    replace_flags,
+    validate,
+)
 
 __all__ = ["parse_settings", "preview"]
 

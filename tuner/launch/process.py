@@ -29,7 +29,8 @@ from urllib.parse import urlsplit
 import psutil
 
 from tuner.errors import LaunchError
-from tuner.launch.safety import GuardedLauncher, SessionState, ServerPoll
+from tuner.launch.base import GuardedLauncher, ServerPoll
+from tuner.launch.session import SessionState
 from tuner.launch.unit import atomic_write_text
 
 __all__ = ["ProcessLauncher"]
@@ -72,7 +73,7 @@ class ProcessLauncher(GuardedLauncher):
         log_dir: Folder for the server log (default ``<state_dir>/logs``).
         stop_grace_s: How long SIGTERM may take before the group is SIGKILLed.
         cwd: Working folder of the server (default: the tuner's).
-        **kwargs: Passed to :class:`~tuner.launch.safety.GuardedLauncher`.
+        **kwargs: Passed to :class:`~tuner.launch.base.GuardedLauncher`.
 
     .. note:: Starting and stopping end the server it recorded; use inside :meth:`session`.
     """

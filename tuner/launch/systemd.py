@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from tuner.errors import LaunchError
-from tuner.launch.safety import GuardedLauncher, SessionState, ServerPoll
+from tuner.launch.base import GuardedLauncher, ServerPoll
+from tuner.launch.session import SessionState
 from tuner.launch.unit import DEFAULT_DROPIN_DIR, SystemdUnit
 
 __all__ = ["TRIAL_DROPIN", "SystemdLauncher"]
@@ -52,7 +53,7 @@ class SystemdLauncher(GuardedLauncher):
         journalctl: argv prefix of journalctl (idem).
         dropin_dir: Folder of the unit's drop-in folder (idem).
         state_dir: Folder for the lock and the state file.
-        **kwargs: Passed to :class:`~tuner.launch.safety.GuardedLauncher` (``gpu``,
+        **kwargs: Passed to :class:`~tuner.launch.base.GuardedLauncher` (``gpu``,
             ``allow_foreign``, ``poll_s``, ``release_timeout_s``, ``evidence_grace_s``).
 
     .. note:: Writes under ``dropin_dir`` and restarts the unit; use inside :meth:`session`.

@@ -2,7 +2,7 @@
 
 These are the low-level primitives shared by the trial launcher (:mod:`tuner.launch.systemd`, the
 ``90-tuner-trial.conf`` drop-in) and ``tuner apply`` (the persistent ``80-tuner.conf`` drop-in).
-Nothing here holds a lock or restores anything; that is :mod:`tuner.launch.safety`'s job.
+Nothing here holds a lock or restores anything; that is :mod:`tuner.launch.session`'s and :class:`tuner.launch.base.GuardedLauncher`'s job.
 
 The ``systemctl`` and ``journalctl`` commands are argv prefixes taken from configuration, so tests
 and unusual hosts point them elsewhere without code changes: ``["systemctl"]`` on a normal host,

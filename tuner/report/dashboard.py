@@ -70,7 +70,7 @@ def serve_dashboard(storage_url: str, *, host: str, port: int, stop_timeout_s: f
     Raises:
         ConfigError: ``host:port`` cannot be listened on (see :func:`check_listen_address`).
     """
-    from tuner.launch.safety import interrupt_on_signals
+    from tuner.launch.session import interrupt_on_signals
 
     check_listen_address(host, port)
     child = subprocess.Popen(dashboard_argv(storage_url, host=host, port=port), start_new_session=True)

@@ -1,0 +1,294 @@
+"""The session's safety parts: the per-unit lock, the state file, and signal handling.
+
+A session changes a production service, so three things protect it:
+
+* **Lock** (:class:`UnitLock`): one ``fcntl.flock`` file per unit under the state folder. The
+  kernel drops it when the holder dies (even by SIGKILL), so a stale lock never blocks; while it
+  is held, a second tuner is refused with the holder's PID and command line.
+* **State file** (:class:`StateStore`, :class:`SessionState`): written atomically *before the first
+  change*, recording the original command, drop-ins and whether the service was running. After a
+  crash or ``kill -9`` it is what ``tuner restore`` (and the next session) put back.
+* **Signals** (:func:`interrupt_on_signals`, :func:`deferred_signals`): SIGINT and SIGTERM become
+  ``KeyboardInterrupt`` so the session's ``finally`` restores the service; during the restore
+  itself further signals are deferred, not allowed to cut it short.
+
+They meet in :class:`tuner.launch.base.GuardedLauncher`, the base every launcher extends, which
+owns the session (lock → state file → signals → restore).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tuner.errors import LaunchError, LockHeldError
+from tuner.launch.unit import atomic_write_text
+
+__all__ = [
+    "default_state_dir",
+    "UnitLock",
+    "SessionState",
+    "StateStore",
+    "interrupt_on_signals",
+    "deferred_signals",
+]
+
+log = logging.getLogger(__name__)
+
+
+def default_state_dir() -> Path:
+    """Where locks and state files live by default.
+
+    ``/var/lib/sglang-tuner`` for root (it drives system units), else
+    ``$XDG_STATE_HOME/sglang-tuner`` (``~/.local/state/sglang-tuner``).
+    """
+    if os.geteuid() == 0:
+        return Path("/var/lib/sglang-tuner")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "sglang-tuner"
+
+
+def _safe_key(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.@-]", "_", key)
+
+
+def _ensure_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LaunchError(f"cannot create the state folder {path}: {err.strerror}",
+                          hint="set service.state_dir to a writable folder") from err
+
+
+def _own_command() -> str:
+    return " ".join(sys.argv) or sys.executable
+
+
+class UnitLock:
+    """An exclusive, crash-safe lock on one unit (``<state_dir>/<unit>.lock``).
+
+    Args:
+        state_dir: Folder for lock files (created if missing).
+        key: The unit name (or the process launcher's name).
+
+    Use as a context manager, or :meth:`acquire` / :meth:`release`.
+    """
+
+    def __init__(self, state_dir: Path | str, key: str) -> None:
+        self.key = key
+        self.path = Path(state_dir) / f"{_safe_key(key)}.lock"
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock."""
+        return self._fd is not None
+
+    def holder(self) -> dict[str, Any]:
+        """What the lock file says about its holder (``pid``, ``command``, ``since``); may be stale."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        """Take the lock without waiting.
+
+        Raises:
+            LockHeldError: Another process holds it (the message names its PID and command).
+            LaunchError: The state folder is not writable.
+        """
+        if self._fd is not None:
+            return
+        _ensure_dir(self.path.parent)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
+                              hint="set service.state_dir to a writable folder") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            h = self.holder()
+            raise LockHeldError(
+                f"{self.key} is being tuned by another tuner: PID {h.get('pid', '?')} "
+                f"({h.get('command', 'unknown command')}) since {h.get('since', '?')}",
+                hint=f"wait for it to finish or stop it (kill {h.get('pid', 'PID')}); "
+                "it restores the service on exit",
+            ) from None
+        info = {"pid": os.getpid(), "command": _own_command(),
+                "since": dt.datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Release the lock (the file stays; its content is cleared)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> UnitLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class SessionState(BaseModel):
+    """What a session changed, recorded before the first change (the restore recipe).
+
+    Attributes:
+        launcher: ``systemd`` or ``process``.
+        key: Unit name (systemd) or the process launcher's name.
+        original_argv: The command the service ran before the session.
+        original_prefix: systemd executable prefix of the original ``ExecStart=``.
+        original_dropins: systemd: every ``*.conf`` in the unit's drop-in folder, name → content.
+        dropin_folder_existed: systemd: whether the drop-in folder existed.
+        was_running: Whether the service was running (active) before the session; restore brings
+            it back up and healthy only then, otherwise leaves it stopped.
+        tuner_pid: PID of the tuner that wrote the state.
+        tuner_command: Its command line.
+        created_at: ISO time the state was written.
+        extra: Launcher-specific details (e.g. the process launcher's server record).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    launcher: Literal["systemd", "process"]
+    key: str
+    original_argv: list[str]
+    original_prefix: str = ""
+    original_dropins: dict[str, str] = Field(default_factory=dict)
+    dropin_folder_existed: bool = False
+    was_running: bool = True
+    tuner_pid: int = Field(default_factory=os.getpid)
+    tuner_command: str = Field(default_factory=_own_command)
+    created_at: str = Field(
+        default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds")
+    )
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class StateStore:
+    """The state file of one unit: ``<state_dir>/<unit>.state.json``, written atomically.
+
+    Args:
+        state_dir: Folder for state files (created on first save).
+        key: Unit name or process launcher name.
+    """
+
+    def __init__(self, state_dir: Path | str, key: str) -> None:
+        self.path = Path(state_dir) / f"{_safe_key(key)}.state.json"
+
+    def save(self, state: SessionState) -> None:
+        """Write the state atomically.
+
+        Raises:
+            LaunchError: The state folder is not writable.
+        """
+        _ensure_dir(self.path.parent)
+        try:
+            atomic_write_text(self.path, state.model_dump_json(indent=2) + "\n", mode=0o600)
+        except OSError as err:
+            raise LaunchError(f"cannot write the state file {self.path}: {err.strerror}",
+                              hint="set service.state_dir to a writable folder") from err
+
+    def load(self) -> SessionState | None:
+        """The recorded state, or ``None`` when no session left one.
+
+        Raises:
+            LaunchError: The file exists but is unreadable or malformed.
+        """
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise LaunchError(f"cannot read the state file {self.path}: {err.strerror}",
+                              hint="run as the user that ran the tuner") from err
+        try:
+            return SessionState.model_validate_json(text)
+        except ValidationError as err:
+            raise LaunchError(
+                f"the state file {self.path} is malformed ({err.error_count()} errors)",
+                hint="inspect it, put the service back by hand, then delete the file",
+            ) from err
+
+    def clear(self) -> None:
+        """Delete the state file (after a successful restore)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into ``KeyboardInterrupt`` inside the block (main thread only).
+
+    The previous handlers come back on exit. Outside the main thread this does nothing (Python
+    delivers signals to the main thread only).
+    """
+    if not _in_main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[list[int]]:
+    """Hold SIGINT/SIGTERM during a restore; yields the list of signals received meanwhile.
+
+    A restore cut short leaves the service down, which is worse than a slow exit, so signals are
+    logged and recorded instead of interrupting.
+    """
+    received: list[int] = []
+    if not _in_main_thread():
+        yield received
+        return
+
+    def note(signum: int, _frame: object) -> None:
+        received.append(signum)
+        log.warning("%s received during restore; finishing the restore first",
+                    signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
