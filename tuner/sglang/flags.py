@@ -4,7 +4,7 @@ One concept: what ``python -m sglang.launch_server`` accepts in a given release.
 :class:`FlagTable` is SGLang's own argument parser, introspected (every action's option strings,
 dest, action class, type, nargs, default, choices), either live in the unit's Python
 (:meth:`FlagTable.from_python`) or from a bundled table (:meth:`FlagTable.for_version`; tables in
-``tuner/sglang/data/`` for 0.5.5.post3, 0.5.10 and 0.5.23, ``shared/sglang-reference.md`` §3).
+``tuner/data/`` for 0.5.5.post3, 0.5.10 and 0.5.23, ``shared/sglang-reference.md`` §3).
 
 Callers speak SGLang field names (``mem_fraction_static``, ``cuda_graph_max_bs``,
 ``tp_size``); the table maps them to that version's spelling (§3.2: ``--cuda-graph-max-bs`` up to
@@ -167,7 +167,7 @@ class FlagTable:
         chosen = older[-1] if older else _BUNDLED[0]
         if not older:
             log.warning("SGLang %s is older than every bundled flag table; using %s", version, chosen)
-        text = resources.files("tuner.sglang").joinpath(f"data/flags-{chosen}.json").read_text()
+        text = resources.files("tuner.data").joinpath(f"flags-{chosen}.json").read_text()
         return cls.from_json(json.loads(text), version=version)
 
     @classmethod

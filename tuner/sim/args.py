@@ -1,6 +1,6 @@
 """The simulator's command line: ``sglang.launch_server``'s flags for one mimicked version, plus ``--sim-*``.
 
-The parser is built from the bundled flag tables (``data/flags-<version>.json``, read from SGLang's
+The parser is built from the bundled flag tables (``tuner/data/flags-<version>.json``, read from SGLang's
 own argparse, ``shared/sglang-flags/``), so every real flag of the mimicked version is accepted and
 a flag that version lacks is an argparse error (exit 2). Prefix abbreviations behave as in SGLang
 (argparse ``allow_abbrev``): ``--tp 8`` works, and in 0.5.23 ``--cuda-graph-max-bs`` is ambiguous
@@ -108,7 +108,7 @@ def flag_table(version: str) -> dict[str, Any]:
     """
     if version not in VERSIONS:
         raise SimError(f"--sim-version {version!r} is not simulated; choose one of {', '.join(VERSIONS)}.")
-    path = resources.files("tuner.sim") / "data" / f"flags-{VERSIONS[version]}.json"
+    path = resources.files("tuner.data") / f"flags-{VERSIONS[version]}.json"  # the one copy, shared with tuner.sglang
     return json.loads(path.read_text())
 
 

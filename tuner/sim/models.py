@@ -1,7 +1,7 @@
 """Simulated models: the architecture facts of a Hugging Face ``config.json`` and their weight bytes.
 
 A model is a directory holding a ``config.json`` in the Hugging Face format, or the name of a
-bundled preset (``tuner/sim/data/models/<name>/config.json``, facts copied from the public
+bundled preset (``tuner/data/models/<name>/config.json``, facts copied from the public
 configs). Parameters are counted from the config: embeddings, attention (GQA or MLA), dense and
 MoE MLPs, lm_head. Weight bytes follow the quantization config; a preset may state its per-GPU
 weight size where quantization makes the count ambiguous (``data/model_presets.json``).
@@ -35,6 +35,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 """Bytes per element of a checkpoint ``torch_dtype``."""
 
 _DATA = resources.files("tuner.sim") / "data"
+_MODELS = resources.files("tuner.data") / "models"  # the one copy of the bundled model configs
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class ModelSpec:
 
 def model_presets() -> list[str]:
     """Names of the bundled model presets."""
-    return sorted(p.name for p in (_DATA / "models").iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in _MODELS.iterdir() if (p / "config.json").is_file())
 
 
 def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
@@ -136,7 +137,7 @@ def _read_config(path_or_preset: str) -> tuple[str, dict[str, Any], str, dict[st
     elif path.name == "config.json" and path.is_file():
         file, name = path, path.parent.name
     elif path_or_preset in model_presets():
-        file = Path(str(_DATA / "models" / path_or_preset / "config.json"))
+        file = Path(str(_MODELS / path_or_preset / "config.json"))
         name = path_or_preset
     else:
         raise SimError(
@@ -154,7 +155,7 @@ def _read_config(path_or_preset: str) -> tuple[str, dict[str, Any], str, dict[st
     # Multimodal wrappers keep the language model under text_config.
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg["text_config"], "architectures": cfg.get("architectures", [])}
-    stated = stated_all.get(name, {}) if file.is_relative_to(Path(str(_DATA))) else {}
+    stated = stated_all.get(name, {}) if file.is_relative_to(Path(str(_MODELS))) else {}
     return name, cfg, str(file), stated
 
 
