@@ -1,9 +1,24 @@
 """sglang-tuner: auto-tune SGLang's memory and scheduling knobs with an Optuna study.
 
-The layers, left to right (a module imports only from layers to its left, plus ``errors``):
-config -> sglang/ (the facts) -> launch/ and load/ -> trial -> study -> apply / report -> cli.
+The layers, top to bottom: a module imports only from layers below it (``|`` separates siblings
+that do not import each other). ``[tool.importlinter]`` in ``pyproject.toml`` states the same
+order and ``tests/test_architecture.py`` runs it, so an upward import fails the suite::
+
+    cli                                   the commands (one module per group), the one-line error boundary
+    report | apply                        rendering of stored results; persisting a trial's flags
+    results | entrypoints | starter       the read model; the composition root (tune, dry_run); tuner init
+    trial                                 one trial's phases (TrialExecutor, implements study.loop.TrialRunner)
+    study                                 storage, Optuna I/O, space, planner, budget, loop, best
+    config                                the TOML schema (uses load's workload/SLO models, units)
+    launch | load | gpu                   service control; the load generator; the GPU monitor
+    records                               TrialRecord, PhaseResult, Constraints: what a trial produces
+    sglang                                SGLang's facts: flags, versions, logs, failures, memory, client
+    units                                 durations and GiB
+    errors                                the error tree
+
 ``tuner.sim`` is apart: it imports nothing from ``tuner`` and re-derives SGLang's behaviour from
-SGLang's own source, so tests never check the product against itself.
+SGLang's own source, so tests never check the product against itself. It shares only data files
+(``tuner/data/``: flag tables, model configs), which it reads with :mod:`importlib.resources`.
 """
 
 __version__ = "0.1.0"

@@ -1,0 +1,55 @@
+"""The layer order of ``tuner/__init__.py`` holds, and an import against it fails the check.
+
+Runs import-linter (``[tool.importlinter]`` in ``pyproject.toml``) on this checkout, then on a copy
+of the package with one upward import injected, which must be reported as broken.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def _copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "checkout"
+    copy.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    shutil.copytree(ROOT / "tuner", copy / "tuner", ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_the_layers_and_the_simulator_isolation_hold() -> None:
+    proc = _lint(ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 kept, 0 broken" in proc.stdout
+
+
+def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
+    copy = _copy(tmp_path)
+    records = copy / "tuner" / "records.py"
+    records.write_text(records.read_text() + "\nfrom tuner.study import loop  # noqa: E402,F401 - injected\n")
+    proc = _lint(copy)
+    assert proc.returncode != 0
+    assert "layers" in proc.stdout and "BROKEN" in proc.stdout
+    assert "tuner.records -> tuner.study.loop" in proc.stdout
+
+
+def test_a_product_import_in_the_simulator_breaks_its_isolation(tmp_path: Path) -> None:
+    copy = _copy(tmp_path)
+    clock = copy / "tuner" / "sim" / "clock.py"
+    clock.write_text(clock.read_text() + "\nfrom tuner.sglang import failures  # noqa: E402,F401 - injected\n")
+    proc = _lint(copy)
+    assert proc.returncode != 0
+    assert "tuner.sim.clock -> tuner.sglang.failures" in proc.stdout
