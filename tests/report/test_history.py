@@ -115,7 +115,7 @@ def test_stored_policy_defaults_when_missing(tmp_path: Path) -> None:
 
 def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
     from tuner.records import RECORD_ATTR, TrialRecord
-    from tuner.report.tables import status_text as _status
+    from tuner.report.tables import status_text
 
     url = make_study(tmp_path / "i.db", "i", [ok_trial(0.8, 64, 10, 900.0, kind="baseline")])
     study = optuna.load_study(study_name="i", storage=url)
@@ -126,6 +126,6 @@ def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
     study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
     study.ask()  # left RUNNING, as after kill -9
     views = {v.number: v for v in open_study(StudyLocation(storage_url=url)).trials}
-    assert _status(views[1]) == "interrupted"
-    assert _status(views[2]).startswith("running, or killed")
-    assert _status(views[0]) == ""
+    assert status_text(views[1]) == "interrupted"
+    assert status_text(views[2]).startswith("running, or killed")
+    assert status_text(views[0]) == ""

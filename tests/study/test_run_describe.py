@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from tuner.records import TrialRecord
-from tuner.study.loop import describe as _describe
+from tuner.study.loop import describe
 from tuner.sglang.failures import FailureClass
 
 
 def test_failed_trial_line_names_its_class_or_its_evidence() -> None:
     oom = TrialRecord(outcome="failed", failure_class=FailureClass.STARTUP_KV_OOM, failure_evidence="Not enough memory")
-    assert _describe(3, oom) == "trial 3: failed (startup_kv_oom)"
+    assert describe(3, oom) == "trial 3: failed (startup_kv_oom)"
     gap = TrialRecord(outcome="failed", failure_evidence="measure window held no completed request: raise [budget] measure_s to ≥ 195")
-    assert _describe(4, gap) == f"trial 4: failed: {gap.failure_evidence}"
+    assert describe(4, gap) == f"trial 4: failed: {gap.failure_evidence}"
     ok = TrialRecord(outcome="ok", context_capacity=22, context_tokens=2048, output_throughput_tok_s=48.6, feasible=True)
-    assert _describe(5, ok) == "trial 5: capacity 22 × 2048 tokens, 49 tok/s, feasible"
+    assert describe(5, ok) == "trial 5: capacity 22 × 2048 tokens, 49 tok/s, feasible"

@@ -9,54 +9,7 @@ import typer
 from rich.markup import escape
 
 from tuner.cli.common import app, console, err_console
-
-_LOAD_SUMMARY_ROWS = (
-    ("completed / errored / incomplete", None),
-    ("duration (s)", "duration"),
-    ("request throughput (req/s)", "request_throughput"),
-    ("output throughput (tok/s)", "output_throughput"),
-    ("total throughput (tok/s)", "total_throughput"),
-    ("concurrency (mean in flight)", "concurrency"),
-    ("TTFT mean / p50 / p99 (ms)", "ttft"),
-    ("ITL mean / p50 / p99 (ms)", "itl"),
-    ("TPOT mean / p50 / p99 (ms)", "tpot"),
-    ("E2E latency mean / p50 / p99 (ms)", "e2e_latency"),
-    ("prefix-cache hit rate", "cache_hit_rate"),
-    ("error rate", "error_rate"),
-    ("goodput (req/s meeting the SLO)", "goodput"),
-    ("SLO attainment", "slo_attainment"),
-)
-
-
-def _load_fmt(value: object, pct: bool = False) -> str:
-    if value is None:
-        return "-"
-    if pct:
-        return f"{float(value):.1%}"  # type: ignore[arg-type]
-    return f"{value:,.2f}" if isinstance(value, float) else str(value)
-
-
-def _load_summary_table(summary, title: str):  # noqa: ANN001, ANN202 - LoadSummary -> rich Table
-    from rich.table import Table
-
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for label, key in _LOAD_SUMMARY_ROWS:
-        if key is None:
-            value = f"{summary.completed} / {summary.errored} / {summary.incomplete}"
-        elif key in ("ttft", "itl", "tpot", "e2e_latency"):
-            value = " / ".join(_load_fmt(getattr(summary, f"{p}_{key}_ms")) for p in ("mean", "median", "p99"))
-        else:
-            value = _load_fmt(getattr(summary, key), pct=key in ("cache_hit_rate", "error_rate", "slo_attainment"))
-        table.add_row(label, value)
-    if summary.slo_met is not None:
-        verdict = "[green]met[/]" if summary.slo_met else "[red]missed[/]"
-        worst = ", ".join(
-            f"{k} {'n/a' if v is None else f'{v:+.0%}'}" for k, v in summary.slo_violations.items()
-        )
-        table.add_row("SLO", f"{verdict} ({worst})")
-    return table
+from tuner.report import tables
 
 
 def _load_check_out(path: Path | None, flag: str) -> None:
@@ -93,23 +46,6 @@ def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
         f"errors {stats.errored}  in flight {stats.in_flight}  waiting {stats.waiting}  "
         f"{stats.output_tok_s:,.0f} tok/s  p99 TTFT {p99}"
     )
-
-
-def _load_steps_table(found):  # noqa: ANN001, ANN202 - MaxLoadResult -> rich Table
-    from rich.table import Table
-
-    table = Table(title=f"tuner load --max-under-slo ({found.knob})", title_justify="left")
-    for name in ("level", "verdict", "met [CI]", "n", "req/s", "tok/s", "p99 TTFT ms", "p99 ITL ms"):
-        table.add_column(name, justify="left" if name == "verdict" else "right",
-                         min_width=len("indeterminate") if name == "verdict" else None)
-    for step in found.steps:
-        table.add_row(
-            f"{step.value:g}", step.verdict,
-            f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}-{step.ci_high:.0%}]", str(step.judged),
-            _load_fmt(step.request_throughput), f"{step.output_throughput:,.0f}",
-            _load_fmt(step.p99_ttft_ms), _load_fmt(step.p99_itl_ms),
-        )
-    return table
 
 
 @app.command("load")
@@ -161,7 +97,7 @@ def load_cmd(
     `tuner load --url URL --workload shared-prefix --rate 8 --duration 120 --json out.json`;
     `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=2000" --duration 30`.
     """
-    import json as _json
+    import json
 
     from rich.live import Live
 
@@ -203,8 +139,8 @@ def load_cmd(
             def step_done(step) -> None:  # noqa: ANN001 - SearchStep
                 live.console.print(
                     f"{knob} {step.value:g}: [bold]{step.verdict}[/] attainment "
-                    f"{_load_fmt(step.attainment, pct=True)} [{step.ci_low:.0%}, {step.ci_high:.0%}] of {step.judged}, "
-                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {_load_fmt(step.p99_ttft_ms)} ms"
+                    f"{tables.load_number(step.attainment, pct=True)} [{step.ci_low:.0%}, {step.ci_high:.0%}] of {step.judged}, "
+                    f"{step.output_throughput:,.0f} tok/s, p99 TTFT {tables.load_number(step.p99_ttft_ms)} ms"
                     + (f" — {escape(step.note)}" if step.note else ""),
                     soft_wrap=True,
                 )
@@ -225,7 +161,7 @@ def load_cmd(
             ))
     console.print(f"workload: {wl.describe()}", highlight=False, soft_wrap=True)
     if max_under_slo:
-        console.print(_load_steps_table(found))
+        console.print(tables.load_steps_table(found))
         if found.answered:
             console.print(found.message, highlight=False, markup=False, soft_wrap=True)
         payload = found.model_dump(mode="json")
@@ -233,7 +169,7 @@ def load_cmd(
     else:
         mode = result.settings["mode"]
         pace = f"concurrency {concurrency}" if mode == "closed" else (f"rate {rate:g} req/s" if rate else "trace times")
-        console.print(_load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
+        console.print(tables.load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
         _load_print_errors(result.summary)
         payload = result.to_json_dict()
         partial = result.partial
@@ -244,7 +180,7 @@ def load_cmd(
             result.write_csv(csv_out)
     if json_out is not None:
         try:
-            json_out.write_text(_json.dumps(payload, indent=2) + "\n")
+            json_out.write_text(json.dumps(payload, indent=2) + "\n")
         except OSError as err:
             raise ConfigError(f"cannot write --json {json_out}: {err.strerror}", hint="pass a writable path") from err
     if partial:

@@ -14,12 +14,8 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
     """The closing summary; ``chosen`` is the run's :attr:`RunSummary.best` as
     :func:`tuner.results.present_best` shows it (:func:`tuner.study.best.choose_best`, the rule
     `tuner best` applies), ``None`` when no trial is feasible."""
-    from rich.table import Table
-
+    from tuner.report import tables
     from tuner.study.best import max_running_requests_cut
-
-    def fmt(value, spec: str = ".0f") -> str:  # noqa: ANN001
-        return "-" if value is None else format(value, spec)
 
     console.print(
         f"study [bold]{summary.study_name}[/] ({summary.storage_url}): {summary.trials_run} trial(s) launched, "
@@ -32,24 +28,7 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
         return
     base = chosen.baseline.record if chosen.baseline else None
     best = chosen.trial
-    table = Table(title=f"best (trial {best.number}) vs baseline"
-                  + (f" (trial {chosen.baseline.number})" if chosen.baseline else ""))
-    for column in ("", "baseline", "best", "change"):
-        table.add_column(column, justify="right" if column else "left")
-    rows = [
-        ("context capacity (requests)", "context_capacity", "d"),
-        ("token capacity (tokens)", "token_capacity", "d"),
-        ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
-        ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
-        ("p99 ITL (ms)", "p99_itl_ms", ".1f"),
-        ("free after graphs (GiB)", "free_gib_after_graphs", ".2f"),
-    ]
-    for label, field, spec in rows:
-        old = getattr(base, field, None) if base else None
-        new = getattr(best.record, field, None)
-        change = f"{new / old:.2f}×" if old and new is not None and old > 0 else "-"
-        table.add_row(label, fmt(old, spec), fmt(new, spec), change)
-    console.print(table)
+    console.print(tables.best_vs_baseline_table(chosen))
     changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
     console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
     console.print(f"why: {chosen.reason}", highlight=False, soft_wrap=True)

@@ -23,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from tuner.load import LoadSummary, MaxLoadResult
 from tuner.results import METRICS, BestTrial, StoredStudy, TrialView
 from tuner.study.best import max_running_requests_cut
 
@@ -453,3 +454,100 @@ def apply_result(record: Any) -> Group:
         line.append(check.detail, style="")
         parts.append(line)
     return Group(*parts)
+
+
+# ---- tuner load and tuner run ------------------------------------------------------------
+
+LOAD_SUMMARY_ROWS = (
+    ("completed / errored / incomplete", None),
+    ("duration (s)", "duration"),
+    ("request throughput (req/s)", "request_throughput"),
+    ("output throughput (tok/s)", "output_throughput"),
+    ("total throughput (tok/s)", "total_throughput"),
+    ("concurrency (mean in flight)", "concurrency"),
+    ("TTFT mean / p50 / p99 (ms)", "ttft"),
+    ("ITL mean / p50 / p99 (ms)", "itl"),
+    ("TPOT mean / p50 / p99 (ms)", "tpot"),
+    ("E2E latency mean / p50 / p99 (ms)", "e2e_latency"),
+    ("prefix-cache hit rate", "cache_hit_rate"),
+    ("error rate", "error_rate"),
+    ("goodput (req/s meeting the SLO)", "goodput"),
+    ("SLO attainment", "slo_attainment"),
+)
+"""``tuner load``'s summary rows: label, :class:`tuner.load.LoadSummary` field (``None``: the counts)."""
+
+
+def load_number(value: object, pct: bool = False) -> str:
+    """A load figure for a table: ``-`` when unknown, a share as ``12.3%`` (``pct``), floats as ``1,234.50``."""
+    if value is None:
+        return "-"
+    if pct:
+        return f"{float(value):.1%}"  # type: ignore[arg-type]
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+
+def load_summary_table(summary: LoadSummary, title: str) -> Table:
+    """``tuner load``'s summary: one row per :data:`LOAD_SUMMARY_ROWS` entry, then the SLO verdict."""
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, key in LOAD_SUMMARY_ROWS:
+        if key is None:
+            value = f"{summary.completed} / {summary.errored} / {summary.incomplete}"
+        elif key in ("ttft", "itl", "tpot", "e2e_latency"):
+            value = " / ".join(load_number(getattr(summary, f"{p}_{key}_ms")) for p in ("mean", "median", "p99"))
+        else:
+            value = load_number(getattr(summary, key), pct=key in ("cache_hit_rate", "error_rate", "slo_attainment"))
+        table.add_row(label, value)
+    if summary.slo_met is not None:
+        verdict = "[green]met[/]" if summary.slo_met else "[red]missed[/]"
+        worst = ", ".join(
+            f"{k} {'n/a' if v is None else f'{v:+.0%}'}" for k, v in summary.slo_violations.items()
+        )
+        table.add_row("SLO", f"{verdict} ({worst})")
+    return table
+
+
+def load_steps_table(found: MaxLoadResult) -> Table:
+    """``tuner load --max-under-slo``: one row per level tried, with its verdict and Wilson interval."""
+    table = Table(title=f"tuner load --max-under-slo ({found.knob})", title_justify="left")
+    for name in ("level", "verdict", "met [CI]", "n", "req/s", "tok/s", "p99 TTFT ms", "p99 ITL ms"):
+        table.add_column(name, justify="left" if name == "verdict" else "right",
+                         min_width=len("indeterminate") if name == "verdict" else None)
+    for step in found.steps:
+        table.add_row(
+            f"{step.value:g}", step.verdict,
+            f"{load_number(step.attainment, pct=True)} [{step.ci_low:.0%}-{step.ci_high:.0%}]", str(step.judged),
+            load_number(step.request_throughput), f"{step.output_throughput:,.0f}",
+            load_number(step.p99_ttft_ms), load_number(step.p99_itl_ms),
+        )
+    return table
+
+
+def best_vs_baseline_table(chosen: BestTrial) -> Table:
+    """``tuner run``'s closing table: the chosen trial's capacity, throughput, latency and headroom
+    against the baseline's, with the ratio."""
+
+    def fmt(value: Any, spec: str = ".0f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    base = chosen.baseline.record if chosen.baseline else None
+    best = chosen.trial
+    table = Table(title=f"best (trial {best.number}) vs baseline"
+                  + (f" (trial {chosen.baseline.number})" if chosen.baseline else ""))
+    for column in ("", "baseline", "best", "change"):
+        table.add_column(column, justify="right" if column else "left")
+    rows = [
+        ("context capacity (requests)", "context_capacity", "d"),
+        ("token capacity (tokens)", "token_capacity", "d"),
+        ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
+        ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
+        ("p99 ITL (ms)", "p99_itl_ms", ".1f"),
+        ("free after graphs (GiB)", "free_gib_after_graphs", ".2f"),
+    ]
+    for label, field, spec in rows:
+        old = getattr(base, field, None) if base else None
+        new = getattr(best.record, field, None)
+        change = f"{new / old:.2f}×" if old and new is not None and old > 0 else "-"
+        table.add_row(label, fmt(old, spec), fmt(new, spec), change)
+    return table
