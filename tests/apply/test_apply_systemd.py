@@ -20,17 +20,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.report.study_factory import failed_trial, make_study, ok_trial
-from tests.sandbox import systemd_sandbox  # noqa: F401  (module-scoped fixture)
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.net import free_port
+from tests.support.sim import sim_command, wait_healthy
+from tests.support.study_factory import failed_trial, make_study, ok_trial
 from tuner.launch.unit import format_exec_command
 from tuner.sglang.flags import FlagTable, replace_flags
 
@@ -39,30 +38,13 @@ pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 TRIAL = {"mem_fraction_static": 0.85, "max_running_requests": 32, "chunked_prefill_size": 4096}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _sim_argv(port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
-        "--mem-fraction-static", "0.80", "--sim-time-scale", "0", "--host", "127.0.0.1",
-        "--port", str(port), *extra,
-    ]
+    return sim_command(port, "0.80", *extra, time_scale="0")
 
 
 def _server_info(url: str, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return requests.get(f"{url}/get_server_info", timeout=5).json()
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} not healthy within {timeout_s} s")
+    wait_healthy(url, timeout_s)
+    return requests.get(f"{url}/get_server_info", timeout=5).json()
 
 
 def _measure_tokens(argv: list[str], port: int) -> int:
@@ -75,14 +57,6 @@ def _measure_tokens(argv: list[str], port: int) -> int:
         proc.wait(timeout=30)
 
 
-def _tuner(*args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, COLUMNS="200", NO_COLOR="1")
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout_s, check=False)  # fmt: skip
-    print(f"$ tuner {' '.join(args)}\n{proc.stdout}{proc.stderr}rc={proc.returncode} at {time.monotonic():.1f}")
-    return proc
-
-
 def _unit_text(argv: list[str]) -> str:
     return (
         "[Unit]\nDescription=simulated SGLang server\n[Service]\nType=simple\n"
@@ -90,15 +64,15 @@ def _unit_text(argv: list[str]) -> str:
     )
 
 
-def test_apply_rolls_back_then_applies_and_undoes(systemd_sandbox, tmp_path: Path) -> None:  # noqa: F811
+def test_apply_rolls_back_then_applies_and_undoes(systemd_sandbox, tmp_path: Path) -> None:
     box = systemd_sandbox
     box.require_real()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     base = _sim_argv(port)
     table = FlagTable.for_version("0.5.5")
     # the study: baseline and the winner measured on a clean GPU, an OOM trial
-    probe_port = _free_port()
+    probe_port = free_port()
     base_tokens = _measure_tokens(_sim_argv(probe_port), probe_port)
     trial_tokens = _measure_tokens(replace_flags(_sim_argv(probe_port), TRIAL, table), probe_port)
     assert trial_tokens > base_tokens
@@ -147,9 +121,8 @@ url = "sqlite:///{tmp_path / 'applied.db'}"
     box.add_unit("sim.service", _unit_text([*base, "--sim-foreign-gib", "20"]))
     box.systemctl_run("start", "sim.service")
     foreign_tokens = _server_info(url)["max_total_num_tokens"]
-    proc = _tuner("apply", "best", "--yes", "--verify-s", "3", *common)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
+    proc = run_tuner("apply", "best", "--yes", "--verify-s", "3", *common, timeout_s=300)
+    line = one_error_line(proc)
     assert "rolled back" in line and "token_capacity" in line and str(trial_tokens) in line, line
     assert not dropin.exists()
     info = _server_info(url)
@@ -160,12 +133,12 @@ url = "sqlite:///{tmp_path / 'applied.db'}"
     box.add_unit("sim.service", _unit_text(base))
     box.systemctl_run("restart", "sim.service")
     assert _server_info(url)["max_total_num_tokens"] == base_tokens
-    proc = _tuner("apply", "best", "--dry-run", *common)
+    proc = run_tuner("apply", "best", "--dry-run", *common, timeout_s=300)
     assert proc.returncode == 0, proc.stderr
     assert "80-tuner.conf" in proc.stdout and "+ --mem-fraction-static 0.85\n" in proc.stdout
     assert "- --mem-fraction-static 0.80\n" in proc.stdout and "+ --max-running-requests 32\n" in proc.stdout
     assert not dropin.exists()
-    proc = _tuner("apply", "best", "--yes", "--verify-s", "3", *common)
+    proc = run_tuner("apply", "best", "--yes", "--verify-s", "3", *common, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "applied and verified" in proc.stdout
     assert dropin.is_file() and "--mem-fraction-static 0.85" in dropin.read_text()
@@ -174,7 +147,7 @@ url = "sqlite:///{tmp_path / 'applied.db'}"
     assert abs(info["max_total_num_tokens"] - trial_tokens) <= 0.01 * trial_tokens
     assert not (tmp_path / "state" / "sim.service.state.json").exists()
 
-    records = json.loads(_tuner("applies", "--storage", storage, "--json").stdout)
+    records = json.loads(run_tuner("applies", "--storage", storage, "--json").stdout)
     assert [(r["action"], r["outcome"]) for r in records] == [
         ("apply", "rolled_back"), ("rollback", "rolled_back"), ("apply", "verified"),
     ]
@@ -184,9 +157,9 @@ url = "sqlite:///{tmp_path / 'applied.db'}"
     assert records[2]["new_command"] != records[2]["previous_command"]
 
     # 3. undo: back to the unit's own command, no drop-in
-    proc = _tuner("apply", "--undo", "--yes", *common)
+    proc = run_tuner("apply", "--undo", "--yes", *common, timeout_s=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not dropin.exists()
     assert _server_info(url)["mem_fraction_static"] == 0.80
-    proc = _tuner("apply", "--undo", "--yes", *common)
+    proc = run_tuner("apply", "--undo", "--yes", *common, timeout_s=300)
     assert proc.returncode == 1 and "no verified apply on sim.service to undo" in proc.stderr

@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "study"))
-
-from offline_runner import OfflineRunner  # noqa: E402
-
-from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
-from tuner.records import TrialRecord  # noqa: E402
-from tuner.study.loop import TrialJob, run_study  # noqa: E402
-from tuner.study.space import Space  # noqa: E402
-from tuner.study.best import choose_best  # noqa: E402
+from tests.support.offline_runner import OfflineRunner
+from tuner.config import TunerConfig, load_config, parse_config
+from tuner.records import TrialRecord
+from tuner.study.best import choose_best
+from tuner.study.loop import TrialJob, run_study
+from tuner.study.space import Space
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINTS = (10, 20, 40)

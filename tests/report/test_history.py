@@ -7,7 +7,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.report.study_factory import make_study, ok_trial
+from tests.support.study_factory import make_study, ok_trial
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
 from tuner.study.storage import check_storage

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offline_runner import OfflineRunner
-
+from tests.support.offline_runner import OfflineRunner
 from tuner.config import SpaceSection, load_config
 from tuner.study.loop import run_study
 from tuner.study.space import resolve_space

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.sim._simproc import spawn, wait_ready
+from tests.support.sim import spawn, wait_ready
 from tuner.config import parse_config
 from tuner.gpu import GPUMonitor
 from tuner.sglang.flags import FlagTable

@@ -26,6 +26,7 @@ from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
 from tuner.trial import load_concurrency, render_argv
 
+
 def _sim_requests(workload: Any, limit: int) -> list[SimRequest]:
     out = []
     for i, req in enumerate(workload.passes()):

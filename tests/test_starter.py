@@ -7,20 +7,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import free_port, load, tuner
-
+from tests.support.cli import run_tuner
+from tests.support.configs import load_study
+from tests.support.net import free_port
 from tuner.records import TrialRecord
 
 
 def test_init_sim_starter_config_runs_a_feasible_measured_trial(workdir: Path) -> None:
     config = workdir / "t.toml"
-    init = tuner("init", "--sim", "-o", str(config), cwd=workdir, timeout_s=60)
+    init = run_tuner("init", "--sim", "-o", str(config), cwd=workdir, timeout_s=60)
     assert init.returncode == 0, init.stderr
     config.write_text(config.read_text().replace("30000", str(free_port())))
-    proc = tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=400)
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trial 0: capacity" in proc.stdout and ", feasible" in proc.stdout, proc.stdout
-    (trial,) = load(f"sqlite:///{workdir / 'studies' / 'sim.db'}", "sim").trials
+    (trial,) = load_study(f"sqlite:///{workdir / 'studies' / 'sim.db'}", "sim").trials
     record = TrialRecord.model_validate(trial.user_attrs["tuner.record"])
     measure = next(p for p in record.phases if p.name == "measure")
     assert record.outcome == "ok" and record.feasible and measure.completed > 0 and measure.errored == 0
