@@ -330,18 +330,28 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
         progress: Receives a line while the lock is held by another process (default: stderr).
 
     Yields:
-        The sandbox. The cross-process lock is held until the block ends.
+        The sandbox. The cross-process lock is held until the block ends (not for a forced emulator,
+        whose state lives under ``workdir``).
 
     Raises:
         SandboxBusy: Another test run held the lock for ``$TUNER_SANDBOX_WAIT_S`` (default 240 s).
     """
+    if force_emulator:  # the emulator keeps its state under workdir: no machine-wide lock needed
+        warnings.warn(f"systemd sandbox: real systemd unavailable ({force_emulator}); using "
+                      "docker-systemctl-replacement", stacklevel=3)
+        box = _emulator(workdir, force_emulator)
+        try:
+            yield box
+        finally:
+            box.stop_units()
+        return
     wait_s = float(os.environ.get("TUNER_SANDBOX_WAIT_S", _LOCK_WAIT_S))
     fd = _acquire_lock(wait_s, progress or (lambda line: print(line, file=sys.__stderr__, flush=True)))
     box: SystemdSandbox | None = None
     unshare = None
     try:
         _end_stale_sandbox(fd)
-        why = force_emulator or _why_not_real()
+        why = _why_not_real()
         if why is None:
             box, why, unshare = _boot_real(workdir, fd)
         if box is None:
