@@ -49,6 +49,7 @@ def config_copy(name: str, tmp_path: Path, *, extra_service: str = "", replace: 
         study = re.search(r'(?m)^name = "([^"]+)"', text)
         assert study is not None
         studies = tmp_path / "studies"
+        (studies / study.group(1)).mkdir(parents=True, exist_ok=True)  # [storage] folders must exist
         text += (f'\n[storage]\nurl = "sqlite:///{studies / (study.group(1) + ".db")}"\n'
                  f'artifacts_dir = "{studies / study.group(1) / "artifacts"}"\n')
     path = tmp_path / name
