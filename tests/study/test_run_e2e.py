@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,9 +94,13 @@ def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
     killed_number, killed_params = found if found else (None, {})
     assert killed_number is not None, "never saw a completed trial and a running one under load"
     before = {t.number: t.values for t in load_study(storage, "demo-sim").trials if t.state == TrialState.COMPLETE}
+    left = sorted(Path(tempfile.gettempdir()).glob("tuner-demo-sim-*"))
+    assert len(left) == 1, left  # the killed run's work folder: nothing removes a folder on SIGKILL
 
     second = run_tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=300)
     assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(Path(tempfile.gettempdir()).glob("tuner-demo-sim-*")) == left  # the resumed run removed its own
+    shutil.rmtree(left[0])
     assert f"re-enqueued interrupted trial(s) [{killed_number}]" in second.stdout.replace("\n", " ")
     after = load_study(storage, "demo-sim").trials
     assert {t.number: t.values for t in after if t.number in before} == before
