@@ -23,7 +23,7 @@ from tests.support.sandbox import boot_sandbox
 from tuner.config import parse_config
 from tuner.errors import LaunchError
 from tuner.records import TrialRecord
-from tuner.trial import starter_config
+from tuner.starter import starter_config
 
 
 def test_sim_starter_validates_and_runs_this_python() -> None:

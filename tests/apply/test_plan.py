@@ -20,8 +20,8 @@ from tests.support.study_factory import failed_trial, make_study, ok_trial, skip
 from tuner.apply import PERSISTENT_DROPIN, ApplyLog, ApplyRecord, Check, plan_apply, plan_undo
 from tuner.config import TunerConfig, parse_config
 from tuner.errors import ApplyError
-from tuner.history import StoredStudy, StudyLocation, open_study
 from tuner.launch.unit import format_exec_command
+from tuner.results import StoredStudy, StudyLocation, open_study
 
 SIM = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
        "--mem-fraction-static", "0.80", "--port", "39999", "--enable-metrics"]

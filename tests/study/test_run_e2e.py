@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import DemoRun, config_copy, load_study, service_url
 from tuner.records import TrialRecord
-from tuner.run import PHASE_ATTR
 from tuner.sglang.memory import must_fail
+from tuner.study.optuna_io import PHASE_ATTR
 
 LOAD_PHASES = ("measure", "stress")
 """Phases in which the trial's server is under load (``PHASE_ATTR``, set by the study loop)."""

@@ -14,9 +14,9 @@ import pytest
 
 from tests.support.cli import one_error_line, run_tuner
 from tests.support.configs import config_copy, load_study
-from tuner.study.budget import require_one_trial
 from tuner.errors import ConfigError
 from tuner.records import TrialRecord
+from tuner.study.budget import require_one_trial
 
 
 def test_baseline_that_cannot_start_stops_the_run_with_the_servers_reason(workdir: Path) -> None:
@@ -95,8 +95,8 @@ def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_p
     from tests.support.offline_runner import OfflineRunner
     from tuner.config import load_config
     from tuner.errors import StudyError
-    from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
     from tuner.sglang.failures import FailureClass
+    from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
 
     root = Path(__file__).resolve().parents[2]
     log = tmp_path / "server.log"

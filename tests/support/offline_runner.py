@@ -14,16 +14,15 @@ from typing import Any
 
 from tuner.config import TunerConfig
 from tuner.load import build_workload, capacity_probe
-from tuner.records import PhaseResult, TrialRecord
-from tuner.records import Constraints, context_capacity
-from tuner.study.loop import TrialJob
-from tuner.study.space import SEARCHED_FIELDS
+from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.logs import parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
+from tuner.study.loop import TrialJob
+from tuner.study.space import SEARCHED_FIELDS
 from tuner.trial import load_concurrency, render_argv
 
 

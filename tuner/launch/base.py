@@ -6,7 +6,7 @@ Subclasses supply only how to read, start, poll, stop and put back their service
 
 Implementations: :mod:`tuner.launch.systemd` (production) and :mod:`tuner.launch.process`
 (hosts without systemd, the demo). Both pass one conformance test class
-(``tests/launch/conformance.py``).
+(``tests/support/conformance.py``).
 
 Lifecycle used by a trial::
 
