@@ -13,10 +13,11 @@ from tests.support.cli import TUNER, one_error_line, run_tuner
 from tests.support.configs import config_copy
 from tests.support.conformance import START_TIMEOUT_S, Harness, LauncherConformance
 from tests.support.net import free_port
-from tests.support.sim import sim_command
+from tests.support.sim import set_flag, sim_command
 from tuner.errors import LaunchError
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
+from tuner.sglang.client import SGLangClient
 
 
 def sim_demo_argv(config: Path, mem_fraction_static: str) -> list[str]:
@@ -44,6 +45,38 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
 
 class TestProcessLauncher(LauncherConformance):
     """The launcher contract, process launcher."""
+
+
+def test_a_lasting_session_commits_keeps_its_state_when_cut_short_and_refuses_leftovers(harness: Harness) -> None:
+    """``session(restore_on_exit=False)`` (what ``tuner apply`` uses): commit keeps the change; a
+    session cut short after a start keeps its state file, which a lasting session refuses and
+    ``restore`` puts back; one left before any start removes its state file."""
+    launcher = build_launcher(harness.settings)
+    state = launcher.store.path
+
+    def mem_fraction_static() -> float:
+        with SGLangClient(harness.url) as client:
+            return client.server_info().mem_fraction_static
+
+    with launcher.session(restore_on_exit=False):
+        assert state.is_file()  # written before any change
+    assert not state.exists() and mem_fraction_static() == 0.85  # nothing started, nothing to put back
+    with launcher.session(restore_on_exit=False):
+        launcher.start(set_flag(harness.base_argv, "--mem-fraction-static", "0.7"))
+        assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY, launcher.logs()[-20:]
+        launcher.commit()
+    assert not state.exists() and mem_fraction_static() == 0.7  # the change stays
+    with pytest.raises(RuntimeError, match="cut short"), launcher.session(restore_on_exit=False):
+        launcher.start(set_flag(harness.base_argv, "--mem-fraction-static", "0.75"))
+        raise RuntimeError("cut short")
+    assert state.is_file()
+    with pytest.raises(LaunchError, match="left its state"), launcher.session(restore_on_exit=False):
+        pass
+    assert state.is_file()
+    assert launcher.restore(timeout_s=START_TIMEOUT_S).phase is LaunchPhase.READY
+    assert not state.exists() and mem_fraction_static() == 0.85  # the recorded original: the service's command
+    with pytest.raises(LaunchError, match="no session is open"):
+        launcher.commit()
 
 
 def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> None:
