@@ -1,7 +1,9 @@
 """The layer order of ``tuner/__init__.py`` holds, and an import against it fails the check.
 
 Runs import-linter (``[tool.importlinter]`` in ``pyproject.toml``) on this checkout, then on a copy
-of the package with one upward import injected, which must be reported as broken.
+of the package with one upward import injected, which must be reported as broken. And ``tuner apply``
+drives the launcher through its public calls only: no private attribute, no launcher subclass (an AST
+check, shown to catch the old ``_PersistentDropinLauncher`` shape).
 """
 
 from __future__ import annotations
