@@ -46,12 +46,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import ApplyError, TunerError
-from tuner.results import StoredStudy, TrialView
-from tuner.study.storage import check_storage
 from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
+from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
+from tuner.study.storage import check_storage
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -228,7 +228,7 @@ class ApplyPlan(BaseModel):
         else:
             verb = "replace" if self.previous_dropin is not None else "create"
             body = f"would {verb} {self.dropin_path}:\n{self.new_dropin}"
-        checks = ["ready within %.0f s" % timeout_s]
+        checks = [f"ready within {timeout_s:.0f} s"]
         if self.expected_token_capacity is not None:
             checks.append(
                 f"token capacity {self.expected_token_capacity} ± {CAPACITY_TOLERANCE:.0%}"
@@ -386,7 +386,7 @@ class ApplyLog:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _build(settings: Mapping[str, Any], gpu: Any | None = None) -> Any:

@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tuner.units import parse_duration_s
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
+from tuner.units import parse_duration_s
 
 __all__ = [
     "check_url_matches_port",

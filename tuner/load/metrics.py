@@ -440,7 +440,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         top_errors=top_errors(records),
     )
     if slo is not None and not slo.is_empty():
-        good = sum(1 for r, own in zip(done, per_request_itls) if _meets(r, slo, own))
+        good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))
         judged = len(done) + errored
         violations: dict[str, float | None] = {}
         for metric, key, limit in slo.items():

@@ -37,7 +37,7 @@ from tuner.errors import LoadError
 from tuner.load.client import Api, Transport
 from tuner.load.metrics import SLO
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
-from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
+from tuner.load.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, TraceSpec, Workload, build_workload
 
 __all__ = [
     "Verdict",

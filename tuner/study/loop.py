@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import optuna
@@ -524,7 +524,7 @@ def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def skip_reason(params: Mapping[str, Any], finished: Sequence[tuple[int, TrialRecord]]) -> tuple[str, int] | None:
