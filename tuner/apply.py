@@ -346,7 +346,9 @@ class ApplyLog:
         try:
             _METADATA.create_all(self._engine, tables=[_APPLIES])
             with self._engine.begin() as conn:
-                new_id = conn.execute(_APPLIES.insert().values(**row)).inserted_primary_key[0]
+                inserted = conn.execute(_APPLIES.insert().values(**row)).inserted_primary_key
+                assert inserted is not None  # an INSERT of one row returns its key
+                new_id = inserted[0]
         except SQLAlchemyError as err:
             raise ApplyError(
                 f"cannot record the apply in {self.storage_url}: {str(err).splitlines()[0]}",
@@ -554,7 +556,7 @@ def plan_apply(
     settings = service_settings(config, state_dir=state_dir)
     expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
     launcher = _build(settings)
-    common = dict(
+    common: dict[str, Any] = dict(
         study=stored.name,
         trial=view.number,
         expected_token_capacity=_expected_capacity(view),

@@ -354,7 +354,7 @@ async def find_max_under_slo_async(
     lo: float | None = None
     hi: float | None = None
     hi_step: SearchStep | None = None
-    status = None
+    status: Literal["found", "max_value", "indeterminate", "none_pass", "budget", "aborted"] | None = None
     value = float(int(start)) if integer else float(start)
     while status is None:  # doubling
         step = await judge(value)

@@ -844,8 +844,8 @@ def renderables(e: Explanation) -> RenderableType:
                 parts.append(Text("  fix: " + t.fix, style="green"))
     if e.findings:
         parts.append(Text("Findings", style="bold"))
-        for f in e.findings:
-            parts.append(Text("  - " + f))
+        for finding in e.findings:
+            parts.append(Text("  - " + finding))
     for w in e.warnings:
         parts.append(Text("note: " + w, style="dim"))
     return Group(*parts)

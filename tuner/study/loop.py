@@ -542,13 +542,13 @@ def skip_reason(params: Mapping[str, Any], finished: Sequence[tuple[int, TrialRe
             {k: record.params.get(k) for k in params}
         ) == _key(params):
             return f"the same config was measured by trial {number}", number
-    failures = [(n, r) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
+    failures = [(n, r, r.failure_class) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
     if failures:
-        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(r.failure_class)) for _, r in failures])
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(c)) for _, r, c in failures])
         if proved and index is not None:
-            number, record = failures[index]
+            number, record, failure_class = failures[index]
             return (
-                f"must fail: trial {number} failed with {record.failure_class.value} at "
+                f"must fail: trial {number} failed with {failure_class.value} at "
                 f"mem_fraction_static={record.params.get('mem_fraction_static')} with other memory "
                 "knobs equal or smaller, and failures are monotone in these knobs",
                 number,

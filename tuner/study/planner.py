@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -310,7 +311,7 @@ class Planner:
             # Monotone: a memory failure at (mfs, mrr) proves every mfs' >= mfs with mrr' >= mrr fails.
             return min((m for m, r in ceilings.get(family, []) if mrr >= r), default=2.0)
 
-        proposals: list[tuple[tuple[int, int], Candidate]] = []
+        proposals: list[tuple[tuple[int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
@@ -322,7 +323,7 @@ class Planner:
             # more slots than the capacity (shorter requests run alongside: throughput), same band.
             more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]] if rank == 0 else []
             for mrr in (None, base_mrr, *more):
-                found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
+                found = self._frontier(family, ref, mrr, need, partial(ceiling_of, family))
                 if found is not None:
                     found_options.append(found)
             for mfs, tokens, capacity, free, mrr in found_options:
