@@ -18,18 +18,41 @@ Kinds:
   synthetic assistant answer of ``output_len`` tokens and a new user turn. Turn ``k`` waits for turn
   ``k-1`` (:attr:`Request.after`). The server's real answer differs from the synthetic one, so the
   reusable prefix is the previous turn's prompt (what HiCache keeps warm, §7).
-* ``trace`` — replay of a JSONL trace, one object per line: ``timestamp_s``, ``input_len``,
-  ``output_len`` and optionally ``prefix_group`` (+ ``prefix_len``, tokens shared in the group) or
-  ``session`` (requests of one session form a growing conversation, like ``multi_turn``).
+* ``trace`` — replay of the traces operators have (``trace_format``, ``auto`` by default):
+
+  - ``jsonl``: one object per line, ``timestamp_s``, ``input_len``, ``output_len`` and optionally
+    ``prefix_group`` (+ ``prefix_len``, tokens shared in the group) or ``session`` (requests of one
+    session form a growing conversation, like ``multi_turn``);
+  - ``sharegpt``: bench_serving's ShareGPT conversation JSON (§6.3; a list of
+    ``{"conversations": [{"from": "human"|"gpt"|"system", "value": text}, ...]}``): every user turn
+    that has an answer is a request whose prompt is the conversation so far and whose output length
+    is the answer's; turn ``k`` waits for turn ``k-1``; no timestamps (closed loop or ``rate``);
+  - ``openai``: request logs, JSONL of OpenAI chat requests with a timestamp (``timestamp``,
+    ``created``, ``time`` or ``ts``; epoch s/ms/µs or ISO 8601) and ``messages`` at the top or under
+    ``request`` / ``body``; the output length is ``usage.completion_tokens``, else the response's
+    text, else ``max_tokens``. A request whose messages are an earlier request's messages plus an
+    assistant message (its answer) and more is that request's next turn and waits for it.
+
+  Text is never sent and no tokenizer is used: each message becomes a block of
+  ``4 + ceil(UTF-8 bytes / bytes_per_token)`` token ids (:data:`MESSAGE_OVERHEAD_TOKENS`, default
+  :data:`BYTES_PER_TOKEN` 4.0) drawn from a seed and the hash of the message with everything before
+  it, so two requests share exactly the token ids of their common leading messages, and the prefix
+  cache sees the same reuse the real traffic has. Answers are estimated the same way.
+
+:func:`estimate_reuse` walks one pass and measures the prefix reuse and the reused working set
+(the study uses it to decide whether the hierarchical cache can pay, §7).
 
 :func:`capacity_probe` builds N requests of exactly L context tokens for the capacity phase.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import hashlib
 import itertools
+import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
@@ -53,10 +76,19 @@ __all__ = [
     "designed_hit_rate",
     "WORKLOAD_KINDS",
     "spec_from_options",
+    "TRACE_FORMATS",
+    "ReuseEstimate",
+    "estimate_reuse",
+    "estimate_tokens",
 ]
 
 _FIRST_TOKEN_ID = 100
 """Lowest token id drawn; keeps clear of the special tokens at the bottom of most vocabularies."""
+
+
+BYTES_PER_TOKEN = 4.0
+"""Default UTF-8 bytes per token when a trace holds text and no token counts (~4 for English BPE
+vocabularies; CJK text, 3 bytes a character, comes out near 0.75 tokens a character)."""
 
 
 class _Spec(BaseModel):
@@ -103,17 +135,23 @@ class MultiTurnSpec(_Spec):
 
 
 class TraceSpec(_Spec):
-    """Replay of a JSONL trace (``timestamp_s``, ``input_len``, ``output_len``, optional
-    ``prefix_group`` / ``prefix_len`` / ``session``).
+    """Replay of a recorded trace: the tuner's JSONL, bench_serving's ShareGPT JSON or an
+    OpenAI-format request log (see the module docstring).
 
     Attributes:
-        path: The JSONL file.
+        path: The trace file.
         time_scale: Multiplies the trace's time offsets: 0.5 replays twice as fast.
+        trace_format: ``auto`` (from the file's first object), ``jsonl``, ``sharegpt`` or ``openai``.
+        bytes_per_token: UTF-8 bytes per token for text traces (lengths are estimated, no tokenizer).
+        max_requests: Keep the first N requests (ShareGPT: whole conversations up to N requests).
     """
 
     kind: Literal["trace"] = "trace"
     path: Path
     time_scale: float = Field(1.0, gt=0.0)
+    trace_format: Literal["auto", "jsonl", "sharegpt", "openai"] = "auto"
+    bytes_per_token: float = Field(BYTES_PER_TOKEN, gt=0.0)
+    max_requests: int | None = Field(None, ge=1)
 
 
 WorkloadSpec = Annotated[
@@ -175,6 +213,7 @@ class Workload:
         has_dependencies: Whether some request waits for another (``after``).
         has_arrivals: Whether requests carry ``arrival_s`` (trace replay).
         designed_hit_rate: The prefix-cache hit rate the workload is built for, when known.
+        trace_format: The format a trace was read as (``jsonl``, ``sharegpt``, ``openai``), else None.
     """
 
     kind: str
@@ -187,6 +226,7 @@ class Workload:
     has_dependencies: bool = False
     has_arrivals: bool = False
     designed_hit_rate: float | None = None
+    trace_format: str | None = None
 
     def __iter__(self) -> Iterator[Request]:
         return self.make_pass(0)
@@ -301,6 +341,49 @@ def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
     )
 
 
+# ---- traces ------------------------------------------------------------------------------------
+
+TRACE_FORMATS = ("auto", "jsonl", "sharegpt", "openai")
+"""``[workload] trace_format`` choices; ``auto`` looks at the file's first object."""
+
+MESSAGE_OVERHEAD_TOKENS = 4
+"""Tokens a chat template adds per message (role header and separators), added to each message's
+estimate."""
+
+_ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bard", "bing", "model"})
+_USER_ROLES = frozenset({"human", "user"})
+
+
+def estimate_tokens(text: str, *, bytes_per_token: float = BYTES_PER_TOKEN) -> int:
+    """Deterministic token count of ``text`` without a tokenizer: ``ceil(UTF-8 bytes / bytes_per_token)``.
+
+    Args:
+        text: Any text (message content).
+        bytes_per_token: UTF-8 bytes per token (> 0).
+
+    Returns:
+        Tokens, at least 1.
+    """
+    return max(1, math.ceil(len(text.encode("utf-8", "surrogatepass")) / bytes_per_token))
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A run of prompt tokens with a stable identity: equal keys get equal token ids in a pass."""
+
+    key: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _TraceItem:
+    blocks: tuple[_Block, ...]
+    output_len: int
+    arrival_s: float | None
+    group: str | None
+    parent: int | None  # index of the item this one waits for (the previous turn)
+
+
 class _TraceRow(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -318,77 +401,406 @@ class _TraceRow(BaseModel):
         return self
 
 
-def _read_trace(path: Path) -> list[_TraceRow]:
+def _digest(*parts: str) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for p in parts:
+        h.update(p.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def _bad(path: Path, where: str, problem: str, hint: str) -> LoadError:
+    return LoadError(f"trace {path} {where} is invalid: {problem}", hint=hint)
+
+
+_JSONL_HINT = "each line must be a JSON object with timestamp_s, input_len, output_len"
+_OPENAI_HINT = ("each line must be a JSON object with messages (or request.messages), a timestamp, and "
+                "usage.completion_tokens, the response text or max_tokens")
+_SHAREGPT_HINT = 'ShareGPT files are a JSON list of {"conversations": [{"from": ..., "value": ...}, ...]}'
+
+
+def _read_bytes(path: Path) -> bytes:
     try:
-        lines = path.read_bytes().splitlines()
+        return path.read_bytes()
     except OSError as err:
         raise LoadError(
-            f"trace file {path} cannot be read ({err.strerror})", hint="pass an existing JSONL file with --trace"
+            f"trace file {path} cannot be read ({err.strerror})", hint="pass an existing trace file with --trace"
         ) from err
-    rows: list[_TraceRow] = []
-    for number, line in enumerate(lines, start=1):
+
+
+def _json_lines(path: Path, data: bytes, hint: str) -> list[tuple[int, dict]]:
+    out: list[tuple[int, dict]] = []
+    for number, line in enumerate(data.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(_TraceRow.model_validate(orjson.loads(line)))
-        except (orjson.JSONDecodeError, ValidationError) as err:
-            if isinstance(err, ValidationError):
-                problem = err.errors()[0]
-                first = f"{'.'.join(map(str, problem['loc'])) or 'row'}: {problem['msg']}"
-            else:
-                first = f"not JSON ({err})"
-            raise LoadError(
-                f"trace {path} line {number} is invalid: {first}",
-                hint="each line must be a JSON object with timestamp_s, input_len, output_len",
-            ) from err
-    if not rows:
-        raise LoadError(f"trace {path} holds no request", hint="add JSONL lines with timestamp_s, input_len, output_len")
-    return sorted(rows, key=lambda r: r.timestamp_s)
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as err:
+            raise _bad(path, f"line {number}", f"not JSON ({err})", hint) from err
+        if not isinstance(obj, dict):
+            raise _bad(path, f"line {number}", "not a JSON object", hint)
+        out.append((number, obj))
+    return out
 
 
-def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
-    rows = _read_trace(spec.path)
-    start = rows[0].timestamp_s
+def _detect_format(data: bytes) -> str:
+    head = data.lstrip()[:1]
+    if head == b"[":
+        return "sharegpt"
+    for line in data.splitlines():
+        if line.strip():
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                return "jsonl"  # reported with its line number by the JSONL reader
+            if isinstance(obj, dict) and "conversations" in obj:
+                return "sharegpt"
+            if isinstance(obj, dict) and ("messages" in obj or isinstance(obj.get("request"), dict)
+                                          or isinstance(obj.get("body"), dict)):
+                return "openai"
+            return "jsonl"
+    return "jsonl"
+
+
+def _jsonl_items(path: Path, data: bytes) -> list[_TraceItem]:
+    rows: list[_TraceRow] = []
+    for number, obj in _json_lines(path, data, _JSONL_HINT):
+        try:
+            rows.append(_TraceRow.model_validate(obj))
+        except ValidationError as err:
+            problem = err.errors()[0]
+            raise _bad(path, f"line {number}", f"{'.'.join(map(str, problem['loc'])) or 'row'}: {problem['msg']}",
+                       _JSONL_HINT) from err
+    rows.sort(key=lambda r: r.timestamp_s)
     group_prefix_len: dict[str, int] = {}
     for row in rows:
         if row.prefix_group is not None:
             key = str(row.prefix_group)
             wanted = row.prefix_len or row.input_len
             group_prefix_len[key] = min(group_prefix_len.get(key, wanted), wanted)
+    items: list[_TraceItem] = []
+    sessions: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        own = _Block(f"r:{i}", row.input_len)
+        parent = None
+        group = None
+        blocks: tuple[_Block, ...] = (own,)
+        if row.session is not None:
+            group = f"session:{row.session}"
+            parent = sessions.get(group)
+            if parent is not None:
+                prev = items[parent]
+                history = (*prev.blocks, _Block(f"a:{parent}", prev.output_len))
+                extra = row.input_len - sum(b.tokens for b in history)
+                if extra > 0:
+                    blocks = (*history, _Block(f"r:{i}", extra))
+            sessions[group] = i
+        elif row.prefix_group is not None:
+            group = f"group:{row.prefix_group}"
+            n = group_prefix_len[str(row.prefix_group)]
+            rest = row.input_len - n
+            blocks = (_Block(f"g:{row.prefix_group}", n),) + ((_Block(f"r:{i}", rest),) if rest > 0 else ())
+        items.append(_TraceItem(blocks, row.output_len, row.timestamp_s, group, parent))
+    return items
+
+
+def _content_text(content: object) -> str:
+    """Message content as text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def _message_blocks(messages: list[tuple[str, str]], bytes_per_token: float) -> tuple[list[_Block], list[str]]:
+    """One block per message; a block's key chains every message before it (same history, same ids)."""
+    blocks: list[_Block] = []
+    chain: list[str] = []
+    key = ""
+    for role, text in messages:
+        key = _digest(key, role, text)
+        chain.append(key)
+        blocks.append(_Block(f"m:{key}", MESSAGE_OVERHEAD_TOKENS + estimate_tokens(text, bytes_per_token=bytes_per_token)))
+    return blocks, chain
+
+
+def _role(raw: object) -> str:
+    role = str(raw or "").lower()
+    if role in _ASSISTANT_ROLES:
+        return "assistant"
+    if role in _USER_ROLES:
+        return "user"
+    return role or "user"
+
+
+def _sharegpt_items(path: Path, data: bytes, spec: TraceSpec) -> list[_TraceItem]:
+    if data.lstrip()[:1] == b"[":
+        try:
+            entries = orjson.loads(data)
+        except orjson.JSONDecodeError as err:
+            raise _bad(path, "", f"not JSON ({err})", _SHAREGPT_HINT) from err
+        numbered = list(enumerate(entries, start=1))
+        where = "entry"
+    else:
+        numbered = _json_lines(path, data, _SHAREGPT_HINT)
+        where = "line"
+    per_conv: list[list[_TraceItem]] = []
+    total = 0
+    for number, entry in numbered:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise _bad(path, f"{where} {number}", "no conversations list", _SHAREGPT_HINT)
+        messages = [(_role(t.get("from", t.get("role"))), _content_text(t.get("value", t.get("content"))))
+                    for t in turns]
+        blocks, _ = _message_blocks(messages, spec.bytes_per_token)
+        name = f"conversation:{entry.get('id', number)}"
+        conv: list[_TraceItem] = []
+        for j, (role, _text) in enumerate(messages[:-1]):
+            if role != "user" or messages[j + 1][0] != "assistant":
+                continue
+            out = estimate_tokens(messages[j + 1][1], bytes_per_token=spec.bytes_per_token)
+            conv.append(_TraceItem(tuple(blocks[: j + 1]), out, None, name, len(conv) - 1 if conv else None))
+        if not conv:
+            continue
+        if spec.max_requests is not None and total + len(conv) > spec.max_requests and per_conv:
+            break
+        per_conv.append(conv)
+        total += len(conv)
+    # Turn-major order (every conversation's turn k before any turn k+1), so the previous turn was
+    # sent long before its successor, as in ``multi_turn``.
+    order = sorted(((k, c) for c, conv in enumerate(per_conv) for k in range(len(conv))))
+    index = {pos: i for i, pos in enumerate(order)}
+    items = []
+    for k, c in order:
+        item = per_conv[c][k]
+        parent = index[(k - 1, c)] if item.parent is not None else None
+        items.append(_TraceItem(item.blocks, item.output_len, None, item.group, parent))
+    return items
+
+
+def _timestamp_s(value: object) -> float | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        v = float(value)
+        return v / 1e6 if v > 1e14 else v / 1e3 if v > 1e11 else v
+    if isinstance(value, str):
+        try:
+            return _dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            try:
+                return _timestamp_s(float(value))
+            except ValueError:
+                return None
+    return None
+
+
+def _openai_items(path: Path, data: bytes, spec: TraceSpec) -> list[_TraceItem]:
+    parsed: list[tuple[float, int, list[tuple[str, str]], int]] = []
+    for number, obj in _json_lines(path, data, _OPENAI_HINT):
+        body = obj.get("request") if isinstance(obj.get("request"), dict) else (
+            obj.get("body") if isinstance(obj.get("body"), dict) else obj)
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
+            raise _bad(path, f"line {number}", "no messages list", _OPENAI_HINT)
+        messages = [(_role(m.get("role")), _content_text(m.get("content"))) for m in raw]
+        response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+        stamp = None
+        for holder, name in ((obj, "timestamp_s"), (obj, "timestamp"), (obj, "created"), (obj, "time"),
+                             (obj, "ts"), (body, "created"), (response, "created")):
+            stamp = _timestamp_s(holder.get(name))
+            if stamp is not None:
+                break
+        if stamp is None:
+            raise _bad(path, f"line {number}", "no timestamp (timestamp, created, time or ts)", _OPENAI_HINT)
+        usage = response.get("usage") or obj.get("usage") or {}
+        out = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if not isinstance(out, int) or out < 1:
+            choices = response.get("choices") or obj.get("choices") or []
+            text = None
+            if choices and isinstance(choices[0], dict):
+                text = (choices[0].get("message") or {}).get("content") or choices[0].get("text")
+            if text:
+                out = estimate_tokens(_content_text(text), bytes_per_token=spec.bytes_per_token)
+            else:
+                out = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(out, int) or out < 1:
+            raise _bad(path, f"line {number}", "no output length (usage.completion_tokens, response text, "
+                       "max_tokens)", _OPENAI_HINT)
+        parsed.append((stamp, number, messages, out))
+    parsed.sort(key=lambda p: (p[0], p[1]))
+    if spec.max_requests is not None:
+        parsed = parsed[: spec.max_requests]
+    items: list[_TraceItem] = []
+    by_prompt: dict[str, int] = {}  # chain key of a request's whole prompt -> its latest index
+    for i, (stamp, _number, messages, out) in enumerate(parsed):
+        blocks, chain = _message_blocks(messages, spec.bytes_per_token)
+        parent = None
+        # The previous turn: a request whose whole prompt is this one's history up to an assistant
+        # message (that request's answer).
+        for j in range(len(messages) - 1, 0, -1):
+            if messages[j][0] == "assistant" and chain[j - 1] in by_prompt:
+                parent = by_prompt[chain[j - 1]]
+                break
+        group = items[parent].group if parent is not None else None
+        if parent is not None and group is None:
+            group = f"session:{parent}"
+            items[parent] = replace(items[parent], group=group)
+        items.append(_TraceItem(tuple(blocks), out, stamp, group, parent))
+        by_prompt[chain[-1]] = i
+    return items
+
+
+def _trace_items(spec: TraceSpec) -> tuple[str, list[_TraceItem]]:
+    data = _read_bytes(spec.path)
+    fmt = _detect_format(data) if spec.trace_format == "auto" else spec.trace_format
+    if fmt == "jsonl":
+        items = _jsonl_items(spec.path, data)
+        if spec.max_requests is not None:
+            items = items[: spec.max_requests]
+    elif fmt == "sharegpt":
+        items = _sharegpt_items(spec.path, data, spec)
+    else:
+        items = _openai_items(spec.path, data, spec)
+    if not items:
+        hints = {"jsonl": "add JSONL lines with timestamp_s, input_len, output_len", "sharegpt": _SHAREGPT_HINT,
+                 "openai": _OPENAI_HINT}
+        raise LoadError(f"trace {spec.path} holds no request ({fmt} format)", hint=hints[fmt])
+    return fmt, items
+
+
+def _block_ids(seed: int, index: int, key: str, n: int, vocab_size: int) -> list[int]:
+    digest = int(_digest(key)[:16], 16)
+    return _tokens(_rng(seed, 5, index, digest >> 32, digest & 0xFFFFFFFF), n, vocab_size)
+
+
+def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
+    fmt, items = _trace_items(spec)
+    timed = [it.arrival_s for it in items if it.arrival_s is not None]
+    start = min(timed) if timed else 0.0
 
     def make_pass(index: int) -> Iterator[Request]:
-        rng = _rng(seed, 5, index)
-        prefixes = {g: _tokens(rng, n, vocab_size) for g, n in sorted(group_prefix_len.items())}
-        sessions: dict[str, tuple[list[int], str]] = {}
-        for i, row in enumerate(rows):
-            rid = f"trace-{index}-{i}"
-            after = None
-            group = None
-            if row.session is not None:
-                group = f"session:{row.session}"
-                previous = sessions.get(group)
-                if previous is None:
-                    ids = _tokens(rng, row.input_len, vocab_size)
-                else:
-                    history, after = previous
-                    extra = row.input_len - len(history)
-                    ids = history + _tokens(rng, extra, vocab_size) if extra > 0 else _tokens(rng, row.input_len, vocab_size)
-                sessions[group] = (ids + _tokens(rng, row.output_len, vocab_size), rid)
-            elif row.prefix_group is not None:
-                group = f"group:{row.prefix_group}"
-                prefix = prefixes[str(row.prefix_group)]
-                ids = prefix + _tokens(rng, row.input_len - len(prefix), vocab_size)
-            else:
-                ids = _tokens(rng, row.input_len, vocab_size)
+        cache: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            ids: list[int] = []
+            for b in item.blocks:
+                part = cache.get(b.key)
+                if part is None or len(part) != b.tokens:
+                    part = cache[b.key] = _block_ids(seed, index, b.key, b.tokens, vocab_size)
+                ids.extend(part)
             yield _make_request(
-                rid=rid, input_ids=ids, max_new_tokens=row.output_len,
-                arrival_s=(row.timestamp_s - start) * spec.time_scale, group=group, after=after,
+                rid=f"trace-{index}-{i}", input_ids=ids, max_new_tokens=item.output_len,
+                arrival_s=None if item.arrival_s is None else (item.arrival_s - start) * spec.time_scale,
+                group=item.group, after=None if item.parent is None else f"trace-{index}-{item.parent}",
             )
 
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
-        context_tokens=max(r.input_len + r.output_len for r in rows), num_requests=len(rows),
-        repeatable=False, has_dependencies=any(r.session is not None for r in rows), has_arrivals=True,
+        context_tokens=max(sum(b.tokens for b in it.blocks) + it.output_len for it in items),
+        num_requests=len(items), repeatable=False, has_dependencies=any(it.parent is not None for it in items),
+        has_arrivals=bool(timed), trace_format=fmt,
+    )
+
+
+# ---- reuse estimate ----------------------------------------------------------------------------
+
+
+class ReuseEstimate(BaseModel):
+    """How much of a workload's prompt tokens repeat an earlier request's prefix.
+
+    Found by walking one pass's prompts in send order in blocks of :attr:`block_tokens` tokens and
+    chaining a hash over the blocks (a radix tree at page granularity, like SGLang's prefix cache,
+    ``shared/sglang-reference.md`` §7): a block whose whole prefix was seen before is reusable.
+
+    Attributes:
+        requests: Requests looked at (the first ones of a pass, up to the sample limit).
+        prompt_tokens: Their prompt tokens.
+        reused_tokens: Prompt tokens whose prefix an earlier request already sent (what an unbounded
+            prefix cache would serve).
+        working_set_tokens: Distinct tokens of the prefixes that are reused at least once (what a
+            cache must hold to serve every hit).
+        distinct_tokens: Distinct prefix tokens of all prompts.
+        sessions: Groups whose requests wait for one another (multi-turn conversations).
+        prefix_groups: Groups that share a prefix without waiting (shared system prompts).
+        block_tokens: Block size of the walk, tokens.
+        sampled: Whether the pass was longer than the sample (endless or cut).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    requests: int
+    prompt_tokens: int
+    reused_tokens: int
+    working_set_tokens: int
+    distinct_tokens: int
+    sessions: int = 0
+    prefix_groups: int = 0
+    block_tokens: int = 64
+    sampled: bool = False
+
+    @property
+    def reuse_share(self) -> float:
+        """``reused_tokens / prompt_tokens`` (0-1)."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def describe(self) -> str:
+        """One sentence: the share reused, over how many requests, and the reused working set."""
+        scope = f"{self.requests} requests" + (" (a sample)" if self.sampled else "")
+        kinds = []
+        if self.sessions:
+            kinds.append(f"{self.sessions} multi-turn sessions")
+        if self.prefix_groups:
+            kinds.append(f"{self.prefix_groups} shared-prefix groups")
+        found = f"; {', '.join(kinds)}" if kinds else ""
+        return (f"{self.reuse_share:.0%} of prompt tokens repeat an earlier request's prefix "
+                f"({self.reused_tokens:,} of {self.prompt_tokens:,} over {scope}{found}); "
+                f"reused prefixes hold {self.working_set_tokens:,} distinct tokens")
+
+
+def estimate_reuse(workload: Workload, *, max_requests: int = 2000, max_tokens: int = 4_000_000,
+                   block_tokens: int = 64) -> ReuseEstimate:
+    """Estimate the prefix reuse and the reused working set of one pass of ``workload``.
+
+    Args:
+        workload: Any workload (its first pass is walked; nothing is sent).
+        max_requests: Stop after this many requests.
+        max_tokens: Stop after this many prompt tokens.
+        block_tokens: Granularity of the prefix match, tokens (a partial last block never matches).
+
+    Returns:
+        The :class:`ReuseEstimate`.
+    """
+    counts: dict[int, int] = {}
+    prompt = reused = 0
+    n = 0
+    sampled = False
+    groups_dep: set[str] = set()
+    groups_shared: set[str] = set()
+    stream = iter(workload)
+    for request in stream:
+        if n >= max_requests or prompt >= max_tokens:
+            sampled = True
+            break
+        n += 1
+        ids = request.input_ids
+        prompt += len(ids)
+        if request.group is not None:
+            (groups_dep if request.after is not None else groups_shared).add(request.group)
+        raw = np.asarray(ids, dtype=np.int64).tobytes()
+        step = block_tokens * 8
+        h = 0
+        for start in range(0, len(raw) - step + 1, step):
+            h = hash((h, raw[start:start + step]))
+            seen = counts.get(h, 0)
+            if seen:
+                reused += block_tokens
+            counts[h] = seen + 1
+    working = sum(block_tokens for c in counts.values() if c > 1)
+    return ReuseEstimate(
+        requests=n, prompt_tokens=prompt, reused_tokens=reused, working_set_tokens=working,
+        distinct_tokens=len(counts) * block_tokens, sessions=len(groups_dep),
+        prefix_groups=len(groups_shared - groups_dep), block_tokens=block_tokens, sampled=sampled,
     )
 
 
