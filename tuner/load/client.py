@@ -100,7 +100,7 @@ class _Stream:
 
     __slots__ = (
         "times", "tokens", "last_ct", "prompt_tokens", "completion_tokens", "cached_tokens",
-        "finish_reason", "error", "done", "counter", "server_rid",
+        "cached_tiers", "finish_reason", "error", "done", "counter", "server_rid",
     )
 
     def __init__(self, counter: TokenCounter | None) -> None:
@@ -110,6 +110,7 @@ class _Stream:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.cached_tokens: int | None = None
+        self.cached_tiers: dict[str, int] | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.done = False
@@ -138,6 +139,9 @@ class _Stream:
             self.prompt_tokens = meta["prompt_tokens"]
         if "cached_tokens" in meta:
             self.cached_tokens = meta["cached_tokens"]
+        tiers = meta.get("cached_tokens_details")
+        if isinstance(tiers, dict):  # 0.5.10+ with HiCache hits (§5.3)
+            self.cached_tiers = {k: int(v) for k, v in tiers.items() if isinstance(v, (int, float))}
         reason = meta.get("finish_reason")
         if reason:
             detail = reason if isinstance(reason, dict) else {"type": str(reason)}
@@ -546,6 +550,7 @@ class StreamClient:
             prompt_tokens=stream.prompt_tokens,
             completion_tokens=stream.completion_tokens,
             cached_tokens=stream.cached_tokens,
+            cached_tiers=stream.cached_tiers,
             finish_reason=stream.finish_reason,
             error=error,
             error_kind=kind,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -41,6 +41,8 @@ __all__ = [
     "summarize",
     "top_errors",
     "request_itls_s",
+    "TIERS",
+    "tier_hits_from_metrics",
 ]
 
 PERCENTILE_KEYS: tuple[str, ...] = ("mean", "median", "p50", "p90", "p95", "p99", "max")
@@ -145,6 +147,8 @@ class RequestRecord(BaseModel):
         prompt_tokens: The server's ``prompt_tokens`` (never counted client-side).
         completion_tokens: The server's ``completion_tokens``.
         cached_tokens: The server's ``cached_tokens`` (prefix-cache hit), if reported.
+        cached_tiers: The server's ``cached_tokens_details`` by tier (``device``, ``host``,
+            ``storage``; tokens), when it reports them (0.5.10+ with HiCache hits, §5.3).
         finish_reason: ``length``, ``stop``, ``abort``, ... as the server said.
         error: The error, one line, when ``status != "ok"``.
         error_kind: ``connect``, ``disconnect``, ``timeout``, ``http``, ``server``, ``cancelled``.
@@ -168,6 +172,7 @@ class RequestRecord(BaseModel):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tiers: dict[str, int] | None = None
     finish_reason: str | None = None
     error: str | None = None
     error_kind: str | None = None
@@ -254,6 +259,10 @@ class LoadSummary(BaseModel):
 
     Latency fields are ms; ``None`` when nothing was measured. Throughputs: requests/s, tokens/s.
     ``top_errors`` holds the most common errors of the window (empty when none errored).
+    ``device_hit_rate`` / ``host_hit_rate`` / ``storage_hit_rate`` split ``cache_hit_rate`` by the
+    tier that served the hit (shares of prompt tokens, 0-1) when the server reported
+    ``cached_tokens_details`` (§5.3, 0.5.10+); :func:`tier_hits_from_metrics` gives the same split
+    from ``/metrics`` counters for versions without it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -301,6 +310,9 @@ class LoadSummary(BaseModel):
     total_prompt_tokens: int | None = None
     total_cached_tokens: int | None = None
     cache_hit_rate: float | None = None
+    device_hit_rate: float | None = None
+    host_hit_rate: float | None = None
+    storage_hit_rate: float | None = None
     goodput: float | None = None
     slo_attainment: float | None = None
     slo_met: bool | None = None
@@ -382,6 +394,59 @@ def _meets(record: RequestRecord, slo: SLO, itls_ms: np.ndarray) -> bool:
     return True
 
 
+TIERS = ("device", "host", "storage")
+"""HiCache tiers in ``cached_tokens_details`` (§5.3, §7): GPU pool, pinned host pool, L3 storage."""
+
+
+def _tier_rates(reporting: Sequence[RequestRecord], prompt_total: int, cached_total: int) -> dict[str, float | None]:
+    # Details appear only on requests with a HiCache hit (§5.3); a request without them that had a
+    # hit was served by the device pool (the radix cache alone).
+    if not prompt_total or not any(r.cached_tiers for r in reporting):
+        return {}
+    sums = dict.fromkeys(TIERS, 0)
+    for r in reporting:
+        if r.cached_tiers:
+            for tier in TIERS:
+                sums[tier] += int(r.cached_tiers.get(tier) or 0)
+        else:
+            sums["device"] += r.cached_tokens or 0
+    storage = sums["storage"] if any(r.cached_tiers and "storage" in r.cached_tiers for r in reporting) else None
+    return {"device_hit_rate": sums["device"] / prompt_total, "host_hit_rate": sums["host"] / prompt_total,
+            "storage_hit_rate": None if storage is None else storage / prompt_total}
+
+
+def tier_hits_from_metrics(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
+    """Hit rates by tier from two ``/metrics`` scrapes around a window (§5.5), for versions whose
+    responses carry no ``cached_tokens_details`` (0.5.5).
+
+    ``Δsglang:cached_tokens_total / Δsglang:prompt_tokens_total`` is the hit rate; the host tier's
+    share is ``Δsglang:load_back_tokens_total`` (prefixes loaded back from host memory, §7), the
+    L3 tier's ``Δsglang:prefetched_tokens_total`` (0 without a storage backend); the device tier is
+    the rest. The load-back counter counts every load-back in the window, so the split is exact
+    when nothing but the window's requests ran.
+
+    Args:
+        before, after: :meth:`tuner.sglang.client.SGLangClient.metrics` scrapes (sample → value).
+
+    Returns:
+        ``{"cache_hit_rate", "device_hit_rate", "host_hit_rate", "storage_hit_rate"}`` (0-1 of the
+        window's prompt tokens), or ``None`` when the counters are missing or no prompt was counted.
+    """
+    def delta(name: str) -> float | None:
+        key = f"sglang:{name}_total"
+        if key not in after:
+            return None
+        return max(0.0, after[key] - before.get(key, 0.0))
+
+    prompt, cached = delta("prompt_tokens"), delta("cached_tokens")
+    if not prompt or cached is None:
+        return None
+    host = min(delta("load_back_tokens") or 0.0, cached)
+    storage = min(delta("prefetched_tokens") or 0.0, cached - host)
+    return {"cache_hit_rate": cached / prompt, "device_hit_rate": (cached - host - storage) / prompt,
+            "host_hit_rate": host / prompt, "storage_hit_rate": storage / prompt}
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> LoadSummary:
     """Summarize the measured requests of one window.
 
@@ -421,6 +486,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     reporting = [r for r in done if r.prompt_tokens is not None and any_cached]
     prompt_total = sum(r.prompt_tokens or 0 for r in reporting)
     cached_total = sum(r.cached_tokens or 0 for r in reporting)
+    tiers = _tier_rates(reporting, prompt_total, cached_total)
     fields.update(
         duration=duration_s,
         completed=len(done),
@@ -438,6 +504,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         total_cached_tokens=cached_total if reporting else None,
         cache_hit_rate=cached_total / prompt_total if reporting and prompt_total else None,
         top_errors=top_errors(records),
+        **tiers,
     )
     if slo is not None and not slo.is_empty():
         good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))
