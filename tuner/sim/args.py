@@ -119,6 +119,9 @@ class SimOptions:
     Attributes:
         gpu: GPU preset name (``--sim-gpu``).
         host_memory_gib: Host RAM, GiB (``--sim-host-memory-gib``), for the HiCache host pool (§7).
+        memory_max: ``--sim-memory-max``: the limit the pinned host pools are charged to, like a
+            systemd unit's ``MemoryMax=``: ``none`` (default), ``auto`` (this process's real
+            cgroup limit) or a size in GiB.
         version: Mimicked SGLang version (``--sim-version``).
         time_scale: Multiplier on realistic startup delays (``--sim-time-scale``); 0 = instant.
         foreign_gib: Memory held by a foreign process on GPU 0, GiB (``--sim-foreign-gib``).
@@ -127,6 +130,7 @@ class SimOptions:
 
     gpu: str = "H100-80GB"
     host_memory_gib: float = 512.0
+    memory_max: str = "none"
     version: str = "0.5.5"
     time_scale: float = 0.05
     foreign_gib: float = 0.0
@@ -164,6 +168,9 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
                        help=f"GPU preset: {', '.join(GPUS)}")
     group.add_argument("--sim-host-memory-gib", type=float, default=SimOptions.host_memory_gib,
                        help="host RAM in GiB (HiCache host pool must fit, per rank)")
+    group.add_argument("--sim-memory-max", default=SimOptions.memory_max,
+                       help="limit the pinned HiCache pools are charged to (a unit's MemoryMax=): none, auto "
+                            "(this process's cgroup memory.max) or GiB; crossing it is an OOM kill")
     group.add_argument("--sim-version", choices=list(VERSIONS), default=SimOptions.version,
                        help="SGLang version to mimic (flags, log formats, KV sizing)")
     group.add_argument("--sim-time-scale", type=float, default=SimOptions.time_scale,
@@ -248,6 +255,7 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
     sim = SimOptions(
         gpu=values.pop("sim_gpu"),
         host_memory_gib=values.pop("sim_host_memory_gib"),
+        memory_max=values.pop("sim_memory_max"),
         version=values.pop("sim_version"),
         time_scale=values.pop("sim_time_scale"),
         foreign_gib=values.pop("sim_foreign_gib"),
@@ -288,5 +296,12 @@ def _check_values(v: dict[str, Any], sim: SimOptions) -> None:
             "The arguments enable-hierarchical-cache and disable-radix-cache are mutually exclusive "
             "and cannot be used at the same time. Please use only one of them."
         )
+    if sim.memory_max not in ("none", "auto"):
+        try:
+            ok = float(sim.memory_max) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SimError(f"--sim-memory-max {sim.memory_max!r} must be none, auto or a size in GiB above 0.")
     if sim.time_scale < 0 or sim.foreign_gib < 0 or sim.host_memory_gib <= 0:
         raise SimError("--sim-time-scale and --sim-foreign-gib must be >= 0, --sim-host-memory-gib > 0.")

@@ -511,7 +511,11 @@ class StartupFailure:
         kind: ``unbalanced``, ``weight_oom``, ``kv_no_budget`` (0.5.23's early check),
             ``not_enough_memory``, ``pool_oom`` (req_to_token + KV do not fit), ``pool_too_small``,
             ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
-            ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``.
+            ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``, ``host_oom_kill``
+            (the ranks' pinned host pools pass SGLang's own check, which reads the host's available
+            memory, but exceed the service's cgroup ``memory.max``: the kernel's OOM killer ends the
+            process at the rank whose pool crosses the limit; ``requested_bytes`` is the pinned
+            total by then, ``free_bytes`` the limit).
         rank: The rank that raises.
         requested_bytes: What the failing allocation asked for (0 when not an allocation).
         free_bytes: What was free on that rank.
@@ -552,6 +556,8 @@ class MemoryPlan:
             :data:`PIECEWISE_GRAPH_TOKEN_SIZES`): the amount the default fraction reserves for them.
         draft_kv_bytes, draft_graph_bytes: The draft worker's pool and graphs.
         hicache_host_tokens, hicache_host_bytes: Host pool per rank (0 without HiCache).
+        host_memory_bytes: The simulated host's RAM (one host; every rank's pool comes out of it).
+        cgroup_max_bytes: The server's cgroup ``memory.max``, None when unlimited.
         warnings: Lines logged while sizing (``max_total_tokens=... is larger than ...``).
         failure: The first stage that did not fit, or None.
     """
@@ -579,6 +585,8 @@ class MemoryPlan:
     draft_graph_bytes: int = 0
     hicache_host_tokens: int = 0
     hicache_host_bytes: int = 0
+    host_memory_bytes: int = 0
+    cgroup_max_bytes: int | None = None
     warnings: tuple[str, ...] = ()
     failure: StartupFailure | None = None
 
@@ -636,18 +644,27 @@ def _mlp_width(model: ModelSpec, tp: int) -> float:
     return model.intermediate_size / tp
 
 
-def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes: int = 512 * GIB
-                ) -> MemoryPlan:
+def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes: int = 512 * GIB,
+                cgroup_max_bytes: int | None = None) -> MemoryPlan:
     """Walk SGLang's startup allocations on every rank; stop at the first that does not fit.
 
     Args:
         cfg: The resolved server config.
         foreign_bytes: Memory a foreign process holds on GPU 0 (lowers the baseline, §1.2).
-        host_memory_bytes: Host RAM for the HiCache host pool check (§7).
+        host_memory_bytes: Host RAM for the HiCache host pool check (§7): one host, every rank's
+            pinned pool comes out of it.
+        cgroup_max_bytes: The server's cgroup ``memory.max`` (a systemd unit's ``MemoryMax=``), or
+            None when unlimited; pinned host pools are charged to it.
 
     Returns:
         The ledger, with ``failure`` set when startup fails (§4.3).
     """
+    plan = _plan_memory(cfg, foreign_bytes, host_memory_bytes, cgroup_max_bytes)
+    return replace(plan, host_memory_bytes=host_memory_bytes, cgroup_max_bytes=cgroup_max_bytes)
+
+
+def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, cgroup_max_bytes: int | None
+                 ) -> MemoryPlan:
     gpu, model, tp, version = cfg.gpu, cfg.model, cfg.tp_size, cfg.version
     total = gpu.memory_bytes
     comm = gpu.comm_bytes(tp)
@@ -811,6 +828,9 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
             free = host_memory_bytes - HICACHE_HOST_RESERVE_BYTES - r * host_bytes
             if host_bytes > free:
                 return replace(plan, failure=StartupFailure("host_memory", r, host_bytes, max(free, 0)))
+            if cgroup_max_bytes is not None and (r + 1) * host_bytes > cgroup_max_bytes:
+                return replace(plan, failure=StartupFailure("host_oom_kill", r, (r + 1) * host_bytes,
+                                                            cgroup_max_bytes))
     return plan
 
 

@@ -154,6 +154,7 @@ class SimServer:
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_load", self.get_load)
         r.add_get("/sim/device_memory", self.device_memory)
+        r.add_get("/sim/host_memory", self.host_memory)
         r.add_get("/sim/step_times", self.step_times)
         if self.cfg.enable_metrics:
             r.add_get("/metrics", self.metrics)
@@ -479,6 +480,25 @@ class SimServer:
             gpus.append({"index": r, "total_mib": total_mib, "used_mib": used_mib, "peak_used_mib": peak_mib,
                          "free_mib": total_mib - used_mib})
         return web.json_response(gpus)
+
+    async def host_memory(self, request: web.Request) -> web.Response:
+        """``/sim/host_memory``: the simulated host's RAM and the HiCache pools pinned in it (bytes).
+
+        One host for every rank (``--sim-host-memory-gib``): ``pinned_per_rank_bytes`` (the host
+        pool of one rank, §7) times ``ranks`` is ``pinned_bytes``; ``available_bytes`` is what
+        ``psutil`` would call available on that host with this server up (total minus pinned);
+        ``cgroup_max_bytes`` is the server's real cgroup ``memory.max`` (a unit's ``MemoryMax=``),
+        null when unlimited; ``hicache_host_tokens`` is one rank's host pool in tokens.
+        """
+        plan = self.plan
+        per_rank = plan.hicache_host_bytes if self.cfg.enable_hierarchical_cache else 0
+        pinned = per_rank * self.cfg.tp_size
+        return web.json_response({
+            "total_bytes": plan.host_memory_bytes, "available_bytes": max(plan.host_memory_bytes - pinned, 0),
+            "pinned_per_rank_bytes": per_rank, "ranks": self.cfg.tp_size, "pinned_bytes": pinned,
+            "hicache_host_tokens": plan.hicache_host_tokens if per_rank else 0,
+            "cgroup_max_bytes": plan.cgroup_max_bytes,
+        })
 
     async def step_times(self, request: web.Request) -> web.Response:
         """``/sim/step_times``: recent steps as [cost-model duration, realised duration] in seconds.

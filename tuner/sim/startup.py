@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from tuner.sim.args import ParsedArgs, parse_args
@@ -42,6 +43,7 @@ __all__ = [
     "engine_spec",
     "kill_process_tree",
     "graph_failed_text",
+    "cgroup_memory_max",
 ]
 
 
@@ -66,8 +68,53 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[ParsedArgs, MemoryPlan]:
     parsed = parse_args(argv)
     cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
     plan = plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
-                       host_memory_bytes=int(parsed.sim.host_memory_gib * GIB))
+                       host_memory_bytes=int(parsed.sim.host_memory_gib * GIB),
+                       cgroup_max_bytes=_memory_max(parsed.sim.memory_max))
     return parsed, plan
+
+
+def _memory_max(option: str) -> int | None:
+    if option == "none":
+        return None
+    if option == "auto":
+        return cgroup_memory_max()
+    return int(float(option) * GIB)
+
+
+_V1_UNLIMITED = 1 << 62
+"""cgroup v1 prints ``memory.limit_in_bytes`` near 2^63 when unlimited."""
+
+
+def cgroup_memory_max(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup memory limit in bytes (a systemd unit's ``MemoryMax=``), or None.
+
+    cgroup v2 ``memory.max``, else v1 ``memory.limit_in_bytes``; None when unlimited or
+    unreadable. The pinned HiCache host pool is charged to this limit, while SGLang's own check
+    reads the host's available memory (``psutil``), which ignores it (§7).
+    """
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    entries = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    for hierarchy, controllers, path in entries:
+        if hierarchy == "0" and not controllers:
+            text = _read(Path(root) / path.lstrip("/") / "memory.max")
+            if text is not None and text.isdigit():
+                return int(text)
+    for _hierarchy, controllers, path in entries:
+        if "memory" in controllers.split(","):
+            text = _read(Path(root) / "memory" / path.lstrip("/") / "memory.limit_in_bytes")
+            if text is not None and text.isdigit() and int(text) < _V1_UNLIMITED:
+                return int(text)
+    return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 class SimLogger:
@@ -364,6 +411,10 @@ def run_startup(
         for r in range(tp):
             if fail and fail.kind in ("host_memory", "host_smaller_than_device") and r == fail.rank:
                 return die()
+            if fail and fail.kind == "host_oom_kill" and r == fail.rank:
+                # The kernel's OOM killer: SIGKILL mid-allocation, no Python traceback (the caller's
+                # kill_process_tree ends the process the same way, status 9/KILL).
+                return False
             if version == "0.5.23":
                 log.line(f"Allocating hierarchical KV host pool: {plan.hicache_host_tokens} tokens, "
                          f"{host_gb:.2f} GB host memory.", r)
