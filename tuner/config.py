@@ -171,10 +171,17 @@ class SpaceSection(_Section):
             baseline, §1.8).
         max_running_requests: ``[low, high]`` (searched on a log scale).
         chunked_prefill_size: Choices; ``-1`` disables chunked prefill (§2.1).
-        hierarchical_cache: Search ``enable_hierarchical_cache`` (and, when on, its ratio and
-            write policy) (§7).
-        hicache_ratio: ``[low, high]`` host/device pool ratio when the hierarchical cache is on.
-        hicache_write_policy: Choices when the hierarchical cache is on.
+        hierarchical_cache: Search ``enable_hierarchical_cache`` and its knobs (§7): ``true`` /
+            ``false`` force it in or out; unset (the default), the study decides from the
+            workload's prefix reuse and working set (in when evicted prefixes can be served from
+            host memory, out with the reason otherwise; the dry run says which and why).
+        hicache_ratio: ``[low, high]`` host/device pool ratio (versions that prefer the ratio;
+            default ``[2.0, 4.0]``: ≤ 0.5.10 needs more host than device tokens).
+        hicache_size: ``[low, high]`` host pool per rank in decimal GB (versions that prefer the
+            size, 0.5.23; default: a quarter to all of what the host leaves, over the ranks).
+        hicache_write_policy: Choices (default: every policy the version has).
+        hicache_io_backend: Choices (default: ``kernel`` and ``direct`` where the version has them).
+        hicache_mem_layout: Choices (default: the version's default layout and ``page_first``).
         page_size: Choices (optional).
         cuda_graph_max_bs: Choices (optional; rendered per version, §3.2).
         schedule_conservativeness: ``[low, high]`` (optional, §2.4).
@@ -184,11 +191,13 @@ class SpaceSection(_Section):
     mem_fraction_step: float = Field(default=0.005, gt=0, le=0.05)
     max_running_requests: IntRange | None = None
     chunked_prefill_size: list[int] | None = None
-    hierarchical_cache: bool = False
-    hicache_ratio: FloatRange = (2.0, 4.0)
-    hicache_write_policy: list[Literal["write_through", "write_through_selective", "write_back"]] = (
-        Field(default=["write_through"])  # pydantic copies a mutable default for each model
-    )
+    hierarchical_cache: bool | None = None
+    hicache_ratio: FloatRange | None = None
+    hicache_size: FloatRange | None = None
+    hicache_write_policy: list[Literal["write_through", "write_through_selective", "write_back"]] | None = None
+    hicache_io_backend: list[Literal["kernel", "direct"]] | None = None
+    hicache_mem_layout: list[Literal["layer_first", "page_first", "page_first_direct", "page_first_kv_split",
+                                     "page_head"]] | None = None
     page_size: list[int] | None = None
     cuda_graph_max_bs: list[int] | None = None
     schedule_conservativeness: FloatRange | None = None
@@ -219,7 +228,7 @@ class SpaceSection(_Section):
                 raise ValueError("sizes must be positive, or -1 to disable chunked prefill")
         return value
 
-    @field_validator("hicache_ratio", "schedule_conservativeness")
+    @field_validator("hicache_ratio", "hicache_size", "schedule_conservativeness")
     @classmethod
     def _positive_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
         if value is not None and not 0 < value[0] <= value[1]:

@@ -16,10 +16,12 @@ from typing import Any
 from tuner.config import TunerConfig
 from tuner.errors import TunerError
 from tuner.launch.base import Launcher
+from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.study.budget import prior_trial_cost_s
-from tuner.study.loop import RunSummary, run_study
+from tuner.study.hostcheck import ranks_of
+from tuner.study.loop import RunSummary, run_study, study_hicache
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
 from tuner.study.storage import study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor
@@ -154,7 +156,10 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     table = resolve_flag_table(config, argv)
     explicit = parse_argv(argv, table)
     baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
-    space = resolve_space(config.space, baseline)
+    ranks = ranks_of(argv)
+    host = read_host_memory(argv, url=config.service.url, unit=getattr(launcher, "unit", None))
+    hicache = study_hicache(config, device_tokens=None, version=table.version, host=host, ranks=ranks)
+    space = resolve_space(config.space, baseline, hicache=hicache)
     workload = build_workload(config.workload, seed=config.study.seed)
     per_trial = prior_trial_cost_s(config)
     lines = [
@@ -171,6 +176,12 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     ]
     for name, dist in space.distributions().items():
         lines.append(f"  {name}: {dist}")
+    lines.append(f"hierarchical cache: {hicache.reason}"
+                 + ("" if config.space.hierarchical_cache is not None else
+                    " (decided again with the measured device pool once the baseline runs)"))
+    if hicache.include:
+        lines.append(f"host memory before each launch: {host.source}; a config whose pools (per rank × {ranks} "
+                     "ranks) do not fit MemAvailable or the unit's MemoryMax is skipped without a restart")
     lines.append("first candidate: the baseline (the service's current flags), launched as:")
     lines.append(launcher.dry_run(argv))
     return "\n".join(lines)

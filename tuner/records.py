@@ -128,6 +128,11 @@ class TrialRecord(BaseModel):
             ``sampled`` (the sampler), ``enqueued`` (re-run after a killed run).
         outcome: ``ok`` (measured), ``failed`` (startup or runtime failure), ``skipped``
             (proved infeasible without a restart), ``budget`` (not started: no time left).
+        cache: The prefix cache's tiers in the measured window (§7): ``hit_rate``,
+            ``device_hit_rate``, ``host_hit_rate`` (``storage_hit_rate`` with a storage backend),
+            all 0-1 of prompt tokens, ``hit_rate_source`` (``cached_tokens_details`` or
+            ``/metrics``), and with the hierarchical cache ``host_pool_gb_per_rank``,
+            ``host_pool_ranks``, ``host_pool_gb`` (decimal GB pinned on the host).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -153,6 +158,7 @@ class TrialRecord(BaseModel):
     proved_by_trial: int | None = None
     prediction: dict[str, Any] = Field(default_factory=dict)
     memory: dict[str, Any] = Field(default_factory=dict)
+    cache: dict[str, Any] = Field(default_factory=dict)
     phases: list[PhaseResult] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict)
     log_excerpt: list[str] = Field(default_factory=list)

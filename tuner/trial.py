@@ -30,16 +30,20 @@ from typing import Any
 from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, TunerError
 from tuner.launch.base import Launcher, LaunchPhase
+from tuner.launch.hostmem import read_host_memory
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
+from tuner.load.metrics import tier_hits_from_metrics
 from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
 from tuner.sglang.client import ServerInfo, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
+from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import prior_trial_cost_s
+from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import TrialJob
-from tuner.study.space import SEARCHED_FIELDS
+from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
 
 __all__ = [
     "TrialExecutor",
@@ -58,7 +62,8 @@ _STRESS_OUTPUT_TOKENS = 32
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
-    A disabled hierarchical cache removes its flag and its ratio / write policy (§7).
+    A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
+    policy, I/O backend, memory layout; §7).
 
     Raises:
         FlagError: A knob this SGLang version lacks, or a value outside its choices.
@@ -67,7 +72,7 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
         return list(baseline_argv)
     rendered = dict(params)
     if rendered.get("enable_hierarchical_cache") is False:
-        rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
+        rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
     return replace_flags(baseline_argv, rendered, table)
 
 
@@ -170,6 +175,7 @@ class TrialExecutor:
         self._environment = dict(environment or {})
         self._baseline_argv = list(launcher.current_argv())
         self._workload = build_workload(config.workload, seed=config.study.seed)
+        self._pinned_now_bytes = 0  # host pools of the server the tuner started last (freed at its restart)
 
     # ---- the TrialRunner facts ---------------------------------------------------------------
 
@@ -194,6 +200,12 @@ class TrialExecutor:
     def prior_cost_s(self) -> float:
         """A first trial's expected cost (:func:`tuner.study.budget.prior_trial_cost_s`)."""
         return prior_trial_cost_s(self.config)
+
+    def host_memory(self) -> HostMemory:
+        """The host's memory before a launch (:func:`tuner.launch.hostmem.read_host_memory`): the
+        simulator's ``/sim/host_memory`` or ``/proc/meminfo``, and the unit's ``MemoryMax``."""
+        return read_host_memory(self._baseline_argv, url=self.config.service.url,
+                                unit=getattr(self.launcher, "unit", None), pinned_now_bytes=self._pinned_now_bytes)
 
     # ---- one trial -----------------------------------------------------------------------------
 
@@ -309,6 +321,7 @@ class TrialExecutor:
             self.config.budget, capacity=capacity, max_running_requests=facts.get("effective_max_running_requests"),
             max_total_num_tokens=facts.get("max_total_num_tokens"), mean_request_tokens=self._workload.context_tokens,
         )
+        counters_before = self._counters()
         with self._window() as window:
             try:
                 measure = run_load_sync(
@@ -326,6 +339,8 @@ class TrialExecutor:
                     failure_class=FailureClass.CRASH, evidence=f"load could not run: {err}"
                 )
             peak_used = max(peak_used, self._window_peak(window))
+        cache = self._cache(report, argv, measure.summary if measure is not None else None,
+                            counters_before, self._counters() if counters_before is not None else None)
         if measure is not None:
             phase = measure.phase_result("measure")
             if measure.stopped_early:
@@ -371,6 +386,7 @@ class TrialExecutor:
         }
         update: dict[str, Any] = {
             "memory": memory,
+            "cache": cache,
             "phases": phases,
             "constraints": constraints,
             "feasible": Constraints.of(constraints).feasible,
@@ -434,7 +450,8 @@ class TrialExecutor:
                 params[name] = resolved[name]["value"]
         if info.enable_hierarchical_cache:
             params["enable_hierarchical_cache"] = True
-            params.setdefault("hicache_ratio", info.hicache_ratio)
+            if not params.get("hicache_size"):
+                params.setdefault("hicache_ratio", info.hicache_ratio)
         return resolved, {
             "max_total_num_tokens": tokens,
             "effective_max_running_requests": mrr,
@@ -444,6 +461,47 @@ class TrialExecutor:
             "free_gib_after_graphs": free,
             "params": params,
         }
+
+    def _counters(self) -> dict[str, float] | None:
+        """A ``/metrics`` scrape (§5.5), or None without ``--enable-metrics``."""
+        try:
+            return SGLangClient(self.config.service.url, timeout_s=5.0).metrics()
+        except ServerError:
+            return None
+
+    def _cache(self, report: LogReport, argv: list[str], summary: Any, before: dict[str, float] | None,
+               after: dict[str, float] | None) -> dict[str, Any]:
+        """The prefix cache's tiers for the record: hit rates by tier and the host pool pinned (§7).
+
+        Hit rates come from ``cached_tokens_details`` per request (0.5.10+), else from ``/metrics``
+        counter deltas over the load phase (:func:`tuner.load.metrics.tier_hits_from_metrics`).
+        The host pool is the log's ``Allocating ... host memory`` per rank × the ranks that logged it.
+        """
+        out: dict[str, Any] = {}
+        if summary is not None and summary.cache_hit_rate is not None:
+            out["hit_rate"] = summary.cache_hit_rate
+        if summary is not None and summary.host_hit_rate is not None:
+            out.update(device_hit_rate=summary.device_hit_rate, host_hit_rate=summary.host_hit_rate,
+                       hit_rate_source="cached_tokens_details")
+            if summary.storage_hit_rate is not None:
+                out["storage_hit_rate"] = summary.storage_hit_rate
+        elif before is not None and after is not None:
+            tiers = tier_hits_from_metrics(before, after)
+            if tiers is not None:
+                out.update(hit_rate=out.get("hit_rate", tiers["cache_hit_rate"]),
+                           device_hit_rate=tiers["device_hit_rate"], host_hit_rate=tiers["host_hit_rate"],
+                           hit_rate_source="/metrics")
+                if parse_argv(argv, self.table).get("hicache_storage_backend"):
+                    out["storage_hit_rate"] = tiers["storage_hit_rate"]
+        self._pinned_now_bytes = 0
+        if report.host_pool_gb is not None:
+            ranks = len(report.host_pool_ranks) or ranks_of(argv)
+            out.update(host_pool_gb_per_rank=report.host_pool_gb, host_pool_ranks=ranks,
+                       host_pool_gb=round(report.host_pool_gb * ranks, 3))
+            if report.host_pool_tokens is not None:
+                out["host_pool_tokens_per_rank"] = report.host_pool_tokens
+            self._pinned_now_bytes = int(report.host_pool_gb * 1e9 * ranks)
+        return out
 
     def _context_tokens(self) -> int:
         return self.config.objective.context_tokens or self._workload.context_tokens

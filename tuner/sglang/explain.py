@@ -541,6 +541,17 @@ def _predictions(m: KVCapacityModel | None, mfs: float | None, mrr: int | None, 
     return out
 
 
+def _prefix_tier_words(report: LogReport, m: KVCapacityModel | None, device_tokens: int | None) -> str:
+    """What the host pool adds, in words: a prefix tier of N tokens, not active capacity (§7)."""
+    host_tokens = report.host_pool_tokens
+    if host_tokens is None and m is not None and m.cell_bytes and report.host_pool_gb is not None:
+        host_tokens = int(report.host_pool_gb * 1e9 // m.cell_bytes)
+    size = f"of {host_tokens:,} tokens " if host_tokens else ""
+    pool = f" of {device_tokens:,} tokens" if device_tokens else ""
+    return (f" It adds a host prefix tier {size}(evicted prefixes load back instead of being prefilled again), "
+            f"not active capacity: running requests must still fit the device pool{pool} (§7, sglang#11698).")
+
+
 def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, settings: dict[str, Setting],
            tokens: int | None, mrr: int | None, ctx: int | None, mfs: float | None, tp: int | None, prim: Any) -> list[Trap]:
     traps: list[Trap] = []
@@ -600,7 +611,8 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
         traps.append(Trap(
             id="hicache_per_rank", severity="warning" if n > 1 else "info",
             title=f"the hierarchical cache's host pool is per rank: {report.host_pool_gb:g} GB × {n} ranks = {report.host_pool_gb * n:g} GB of pinned host RAM",
-            detail="--hicache-size (decimal GB) and --hicache-ratio size each TP rank's own host pool; it must fit psutil available − 10 GiB (§7, case-16).",
+            detail="--hicache-size (decimal GB) and --hicache-ratio size each TP rank's own host pool; it must fit psutil available − 10 GiB (§7, case-16)."
+                   + _prefix_tier_words(report, m, tokens),
             evidence=[f"Allocating {report.host_pool_gb:.2f} GB host memory ({', '.join(r or 'no rank' for r in ranks)})"],
             fix="size --hicache-size as (host RAM budget) / tp",
         ))

@@ -33,9 +33,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import StudyError
-from tuner.load.workloads import build_workload
+from tuner.load.workloads import build_workload, estimate_reuse
 from tuner.records import Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
+from tuner.sglang.flags import FlagTable
+from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import log_error_line
 from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study.best import BestChoice, choose_best
@@ -58,7 +60,8 @@ from tuner.study.optuna_io import (
     tell_record,
 )
 from tuner.study.planner import Planner
-from tuner.study.space import Space, resolve_space
+from tuner.study.hostcheck import host_skip_reason, ranks_of
+from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
 from tuner.study.storage import check_storage_folder, open_storage, study_artifacts_dir, study_storage_url
 
 __all__ = [
@@ -72,6 +75,7 @@ __all__ = [
     "skip_reason",
     "describe",
     "resolve_study_space",
+    "study_hicache",
 ]
 
 MAX_INVALID_IN_A_ROW = 3
@@ -132,6 +136,9 @@ class TrialRunner(Protocol):
         """Run ``job``; call ``on_phase(name)`` as each phase starts. Never raises for a failed
         server: a failure is a record with ``outcome="failed"``."""
         ...
+
+    # Optional: ``host_memory() -> tuner.sglang.hicache.HostMemory | None``, the host's reading
+    # before a launch; a runner without it gets no host-memory check (see :meth:`StudyRun.host_check`).
 
 
 class Progress(BaseModel):
@@ -329,7 +336,10 @@ class StudyRun:
         job = TrialJob(number=trial.number, kind="baseline", context_tokens=self.context_tokens, started_at=_now())
 
         def fix_space(record: TrialRecord) -> None:
-            space = resolve_study_space(self.config, record, self.environment, self.context_tokens)
+            reader = getattr(self.runner, "host_memory", None)
+            space = resolve_study_space(self.config, record, self.environment, self.context_tokens,
+                                        host=reader() if callable(reader) else None,
+                                        ranks=ranks_of(self.runner.baseline_argv()))
             study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
             set_baseline_params(trial, space, record.params)
 
@@ -379,11 +389,27 @@ class StudyRun:
         reason = skip_reason(params, done)
         if reason is None and kind == "sampled" and self.use_planner:
             reason = planner.screen(params, done, capacity_floor=floor)
+        if reason is None:
+            reason = self.host_check(params, done)
         if reason is not None:
             self.skip(trial, params, kind, prediction, reason)
             return trial, None
         return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                context_tokens=self.context_tokens, capacity_floor=floor, started_at=_now())
+
+    def host_check(self, params: Mapping[str, Any], done: Sequence[tuple[int, TrialRecord]]) -> tuple[str, int] | None:
+        """Why ``params``'s hierarchical-cache pools must not be launched on this host (per rank ×
+        ranks against ``MemAvailable`` and the unit's ``MemoryMax``, with the margin and the
+        arithmetic, :func:`tuner.study.hostcheck.host_skip_reason`), or None. Read before every
+        launch; a runner without ``host_memory()`` is not checked."""
+        if not params.get("enable_hierarchical_cache"):
+            return None
+        reader = getattr(self.runner, "host_memory", None)
+        host = reader() if callable(reader) else None
+        version = str(self.environment.get("sglang_version") or "0.5.5")
+        argv = self.runner.baseline_argv()
+        page = params.get("page_size") or _flag_int(argv, "--page-size") or 1
+        return host_skip_reason(params, done, host, version=version, ranks=ranks_of(argv), page_size=int(page))
 
     def skip(self, trial: optuna.Trial, params: dict[str, Any], kind: str, prediction: dict[str, Any],
              reason: tuple[str, int]) -> None:
@@ -646,22 +672,47 @@ def _longest_input(config: TunerConfig) -> int | None:
     return int(spec.input_len) if hasattr(spec, "input_len") else None
 
 
+def study_hicache(config: TunerConfig, *, device_tokens: int | None, version: str | None,
+                  host: HostMemory | None = None, ranks: int = 1) -> HiCacheChoice:
+    """The hierarchical cache's place in this study's space (:func:`tuner.study.space.decide_hicache`),
+    from the workload's prefix reuse (:func:`tuner.load.workloads.estimate_reuse`, nothing sent)."""
+    reuse = None
+    if config.space.hierarchical_cache is None:
+        reuse = estimate_reuse(build_workload(config.workload, seed=config.study.seed))
+    table = FlagTable.for_version(version) if version else None
+    return decide_hicache(config.space, reuse=reuse, device_tokens=device_tokens, version=version, table=table,
+                          host=host, ranks=ranks)
+
+
 def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: Mapping[str, Any],
-                        context_tokens: int) -> Space:
-    """The study's space from the baseline's resolved knobs and the predicted capacity ceiling.
+                        context_tokens: int, *, host: HostMemory | None = None, ranks: int = 1) -> Space:
+    """The study's space from the baseline's resolved knobs, the predicted capacity ceiling and the
+    workload's prefix reuse (whether the hierarchical cache's knobs enter it, :func:`study_hicache`).
 
     Args:
-        config: The config (its ``[space]``).
-        record: The baseline's record (its params and ``memory.capacity_model``).
-        environment: The run's environment (``gpu_total_mib`` when known).
+        config: The config (its ``[space]``, ``[workload]``).
+        record: The baseline's record (its params, ``token_capacity`` and ``memory.capacity_model``).
+        environment: The run's environment (``gpu_total_mib``, ``sglang_version`` when known).
         context_tokens: The context length of context capacity (tokens).
+        host: The host's memory reading (the ``hicache_size`` range), if known.
+        ranks: Ranks on the host (``tp × pp``).
     """
     hint = None
     data = record.memory.get("capacity_model")
     if data:
         model = KVCapacityModel.model_validate(data)
         hint = max(1, model.tokens(0.97) // max(1, context_tokens))
-    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"), capacity_hint=hint)
+    hicache = study_hicache(config, device_tokens=record.token_capacity, version=environment.get("sglang_version"),
+                            host=host, ranks=ranks)
+    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
+                         capacity_hint=hint, hicache=hicache)
+
+
+def _flag_int(argv: Sequence[str], name: str) -> int | None:
+    for i, word in enumerate(argv[:-1]):
+        if word == name and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+    return None
 
 
 def describe(number: int, record: TrialRecord) -> str:

@@ -439,8 +439,7 @@ class Planner:
             if base.get("enable_hierarchical_cache"):
                 out.append({k: v for k, v in base.items() if not k.startswith("hicache_")} | {"enable_hierarchical_cache": False})
             else:
-                out.append({**base, "enable_hierarchical_cache": True, "hicache_ratio": self.space.hicache_ratio[0],
-                            "hicache_write_policy": self.space.hicache_write_policy[0]})
+                out.append({**base, **self.space.hicache_on()})
         for name in ("page_size", "cuda_graph_max_bs"):
             for value in getattr(self.space, name) or ():
                 if value != base.get(name):
