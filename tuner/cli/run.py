@@ -82,7 +82,7 @@ class _RunProgress:
         if event.event == "phase":
             self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
                                  deadline=deadline)
-        elif event.event in ("trial_end", "skip", "stop"):
+        elif event.event in ("trial_end", "skip", "stop", "note"):
             self.in_flight = None
             self.progress.console.print(f"  {event.message}", highlight=False)
         elif event.event == "trial_start":

@@ -145,7 +145,8 @@ class Progress(BaseModel):
     """A progress event for the CLI.
 
     Attributes:
-        event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``.
+        event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``, ``note`` (a decision
+            worth a line, e.g. whether the hierarchical cache is searched and why).
         number: Trial number (Optuna).
         index: This run's trial count so far (1-based).
         expected: About how many trials the budget allows in this run (``None`` unbounded).
@@ -342,6 +343,7 @@ class StudyRun:
                                         ranks=ranks_of(self.runner.baseline_argv()))
             study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
             set_baseline_params(trial, space, record.params)
+            self.progress("note", trial.number, message=f"hierarchical cache {space.hicache_reason}")
 
         record = self.launch(trial, job, before_tell=fix_space)
         if _could_not_start(record):
