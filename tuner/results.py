@@ -42,6 +42,8 @@ __all__ = [
     "TrialView",
     "StoredStudy",
     "BestTrial",
+    "CacheEffect",
+    "cache_effect",
     "best_trial",
     "present_best",
     "resolve_location",
@@ -456,6 +458,99 @@ def select_trials(
     return out
 
 
+_CACHE_KNOBS = ("enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
+                "hicache_io_backend", "hicache_mem_layout")
+
+
+class CacheEffect(BaseModel):
+    """What the hierarchical cache bought one trial: hit rates by tier, the host pool it pinned,
+    and TTFT / throughput against the same config without the cache (``shared/sglang-reference.md`` §7).
+
+    Attributes:
+        number: The trial.
+        hicache: Whether it ran with the hierarchical cache.
+        hit_rate, device_hit_rate, host_hit_rate, storage_hit_rate: Shares of prompt tokens (0-1).
+        hit_rate_source: ``cached_tokens_details`` (per request) or ``/metrics`` (counters).
+        host_pool_gb: Decimal GB pinned on the host (per rank × ranks), ``host_pool_ranks`` ranks.
+        without: The measured trial with the same flags but no hierarchical cache, if any.
+        p99_ttft_ms, output_throughput_tok_s: This trial's.
+        without_p99_ttft_ms, without_output_throughput_tok_s: The counterpart's.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    hicache: bool
+    hit_rate: float | None = None
+    device_hit_rate: float | None = None
+    host_hit_rate: float | None = None
+    storage_hit_rate: float | None = None
+    hit_rate_source: str | None = None
+    host_pool_gb: float | None = None
+    host_pool_gb_per_rank: float | None = None
+    host_pool_ranks: int | None = None
+    p99_ttft_ms: float | None = None
+    output_throughput_tok_s: float | None = None
+    without: int | None = None
+    without_p99_ttft_ms: float | None = None
+    without_output_throughput_tok_s: float | None = None
+
+    def describe(self) -> str:
+        """One line: tiers, host pool, and the comparison (or why there is none)."""
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+        parts = [f"prefix-cache hits {pct(self.hit_rate)} of prompt tokens"]
+        if self.host_hit_rate is not None:
+            tiers = f"device {pct(self.device_hit_rate)}, host {pct(self.host_hit_rate)}"
+            if self.storage_hit_rate is not None:
+                tiers += f", storage {pct(self.storage_hit_rate)}"
+            parts.append(f"({tiers}; from {self.hit_rate_source})")
+        if self.hicache and self.host_pool_gb is not None:
+            parts.append(f"; host pool {self.host_pool_gb_per_rank:g} GB × {self.host_pool_ranks} ranks = "
+                         f"{self.host_pool_gb:g} GB pinned")
+        if self.hicache:
+            if self.without is None:
+                parts.append("; no measured trial of the same flags without the cache to compare with")
+            else:
+                parts.append(f"; vs the same flags without it (trial {self.without}): p99 TTFT "
+                             f"{_num(self.without_p99_ttft_ms)} → {_num(self.p99_ttft_ms)} ms, output "
+                             f"{_num(self.without_output_throughput_tok_s)} → {_num(self.output_throughput_tok_s)} tok/s")
+        return " ".join(parts).replace(" ;", ";")
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def cache_effect(stored: StoredStudy, view: TrialView) -> CacheEffect | None:
+    """The :class:`CacheEffect` of ``view``, or None when it recorded no cache facts."""
+    rec = view.record
+    if rec is None or not rec.cache:
+        return None
+    on = bool(view.params.get("enable_hierarchical_cache"))
+    counterpart: TrialView | None = None
+    if on:
+        mine = {k: v for k, v in view.params.items() if k not in _CACHE_KNOBS}
+        for other in stored.trials:
+            o = other.record
+            if (other.number == view.number or o is None or o.outcome != "ok"
+                    or other.params.get("enable_hierarchical_cache")):
+                continue
+            if {k: v for k, v in other.params.items() if k not in _CACHE_KNOBS} == mine:
+                counterpart = other
+    c = rec.cache
+    return CacheEffect(
+        number=view.number, hicache=on, hit_rate=c.get("hit_rate"), device_hit_rate=c.get("device_hit_rate"),
+        host_hit_rate=c.get("host_hit_rate"), storage_hit_rate=c.get("storage_hit_rate"),
+        hit_rate_source=c.get("hit_rate_source"), host_pool_gb=c.get("host_pool_gb"),
+        host_pool_gb_per_rank=c.get("host_pool_gb_per_rank"), host_pool_ranks=c.get("host_pool_ranks"),
+        p99_ttft_ms=rec.p99_ttft_ms, output_throughput_tok_s=rec.output_throughput_tok_s,
+        without=counterpart.number if counterpart else None,
+        without_p99_ttft_ms=counterpart.record.p99_ttft_ms if counterpart and counterpart.record else None,
+        without_output_throughput_tok_s=(counterpart.record.output_throughput_tok_s
+                                         if counterpart and counterpart.record else None),
+    )
+
+
 class BestTrial(BaseModel):
     """The chosen trial as the readers show it: the view, why it won, and its deltas vs the baseline.
 
@@ -480,10 +575,12 @@ class BestTrial(BaseModel):
     baseline: TrialView | None = None
     deltas: dict[str, MetricDelta] = Field(default_factory=dict)
     choice: BestChoice | None = None
+    cache: CacheEffect | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready form (``tuner best --json``)."""
         return {
+            "cache": self.cache.model_dump() if self.cache else None,
             "trial": self.trial.row(),
             "reason": self.reason,
             "policy": self.policy.model_dump(),
@@ -563,4 +660,5 @@ def present_best(stored: StoredStudy, choice: BestChoice, policy: ObjectiveSecti
         reason=f"trial {chosen.number}: {choice.reason} (policy {policy.policy})",
         baseline=baseline,
         deltas=_deltas(chosen, baseline),
+        cache=cache_effect(stored, chosen),
     )

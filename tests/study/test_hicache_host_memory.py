@@ -89,6 +89,13 @@ def test_a_host_pool_that_does_not_fit_is_never_launched(tmp_path: Path) -> None
     assert record.cache["host_pool_ranks"] == 2 and record.cache["host_pool_gb"] == pytest.approx(15.73, abs=0.02)
     assert record.cache["hit_rate_source"] == "cached_tokens_details"
     assert record.cache["device_hit_rate"] + record.cache["host_hit_rate"] == pytest.approx(record.cache["hit_rate"])
+    show = tuner("show", "2", "--config", str(config), cwd=tmp_path, timeout_s=120)
+    assert show.returncode == 0, show.stderr[-2000:]
+    assert "host tier" in show.stdout and "7.86 GB × 2 ranks = 15.72 GB" in show.stdout, show.stdout
+    # The baseline is the same flags without the cache: the comparison is measured, not assumed.
+    assert "without → with, trial 0" in show.stdout, show.stdout
+    skipped_view = tuner("show", "1", "--config", str(config), cwd=tmp_path, timeout_s=120)
+    assert "does not fit the host" in skipped_view.stdout
 
 
 @pytest.mark.slow

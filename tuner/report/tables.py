@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tuner.load import LoadSummary, MaxLoadResult
-from tuner.results import METRICS, BestTrial, StoredStudy, TrialView
+from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect
 from tuner.study.best import max_running_requests_cut
 
 __all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
@@ -37,6 +37,7 @@ KEY_PARAMS = (
     "chunked_prefill_size",
     "enable_hierarchical_cache",
     "hicache_ratio",
+    "hicache_size",
 )
 """Parameters shown first in tables, by SGLang field name; others follow alphabetically."""
 
@@ -314,6 +315,9 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
         parts.append(_waterfall(rec.memory))
     if rec.phases:
         parts.append(_phases_table(view))
+    effect = cache_effect(stored, view)
+    if effect is not None:
+        parts.append(_cache_table(effect))
     if rec.failure_class or rec.failure_evidence:
         text = Text("failure: ", style="bold red")
         text.append(rec.failure_class.value if rec.failure_class else "?")
@@ -336,6 +340,30 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
             rows.append((name, str(path) + ("" if path.exists() else "  (missing)")))
         parts.append(_kv_table("artifacts", rows, "name", "path"))
     return Group(*parts)
+
+
+def _cache_table(effect: CacheEffect) -> Table:
+    """The prefix cache's tiers, the host pool, and the same flags without the cache (§7)."""
+    pct = lambda x: None if x is None else f"{x:.1%}"  # noqa: E731
+    rows: list[tuple[str, Any]] = [("hit rate (all tiers)", pct(effect.hit_rate))]
+    if effect.host_hit_rate is not None:
+        rows += [("  device tier", pct(effect.device_hit_rate)), ("  host tier", pct(effect.host_hit_rate))]
+        if effect.storage_hit_rate is not None:
+            rows.append(("  storage tier", pct(effect.storage_hit_rate)))
+        rows.append(("  source", effect.hit_rate_source))
+    if effect.hicache:
+        if effect.host_pool_gb is not None:
+            rows.append(("host pool pinned", f"{effect.host_pool_gb_per_rank:g} GB × {effect.host_pool_ranks} ranks = "
+                                             f"{effect.host_pool_gb:g} GB"))
+        if effect.without is None:
+            rows.append(("without the cache", "no measured trial of the same flags"))
+        else:
+            rows.append((f"p99 TTFT ms (without → with, trial {effect.without})",
+                         f"{cell(effect.without_p99_ttft_ms)} → {cell(effect.p99_ttft_ms)}"))
+            rows.append(("output tok/s (without → with)",
+                         f"{cell(effect.without_output_throughput_tok_s)} → {cell(effect.output_throughput_tok_s)}"))
+    return _kv_table("prefix cache (hierarchical cache: " + ("on" if effect.hicache else "off") + ")", rows,
+                     "metric", "value")
 
 
 def delta_text(name: str, delta: Any) -> str:
@@ -373,6 +401,8 @@ def best_panel(choice: BestTrial) -> Group:
             name, cell(base_params.get(name)), cell(choice.trial.params.get(name))
         )
     parts: list[Any] = [front, reason, params, deltas]
+    if choice.cache is not None:
+        parts.append(Text(choice.cache.describe()))
     cut = max_running_requests_cut(choice.trial.record, choice.baseline.record if choice.baseline else None)
     if cut is not None:
         parts.append(Text(cut, style="yellow"))
