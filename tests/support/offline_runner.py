@@ -13,10 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tuner.config import TunerConfig
+from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload, capacity_probe
 from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv
+from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.sim.engine import SimRequest
@@ -26,12 +28,14 @@ from tuner.study.space import SEARCHED_FIELDS
 from tuner.trial import load_concurrency, render_argv
 
 
-def _sim_requests(workload: Any, limit: int) -> list[SimRequest]:
+def _sim_requests(workload: Any, limit: int, after: dict[str, str] | None = None) -> list[SimRequest]:
     out = []
     for i, req in enumerate(workload.passes()):
         if i >= limit:
             break
         out.append(SimRequest(rid=req.rid, input_ids=list(req.input_ids), max_new_tokens=req.max_new_tokens))
+        if after is not None and req.after is not None:
+            after[req.rid] = req.after  # turn k waits for turn k-1, as the load generator does
     return out
 
 
@@ -50,7 +54,8 @@ class OfflineRunner:
         version = self.sim_argv[self.sim_argv.index("--sim-version") + 1] if "--sim-version" in self.sim_argv else "0.5.5"
         self.table = FlagTable.for_version(version)
         self.workload = build_workload(config.workload, seed=config.study.seed)
-        self.requests = _sim_requests(self.workload, measure_requests)
+        self.after: dict[str, str] = {}
+        self.requests = _sim_requests(self.workload, measure_requests, self.after)
         self.launches = 0
         self.failures = 0
         self.history: list[tuple[int, TrialRecord]] = []
@@ -68,6 +73,10 @@ class OfflineRunner:
 
     def prior_cost_s(self) -> float:
         return 1.0
+
+    def host_memory(self) -> HostMemory:
+        """The simulated host, read by the product from the command line (nothing runs offline)."""
+        return read_host_memory(["-m", "tuner.sim", *self.sim_argv])
 
     def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
         self.launches += 1
@@ -102,7 +111,8 @@ class OfflineRunner:
         concurrency = load_concurrency(budget, capacity=capacity, max_running_requests=probe.max_running_requests,
                                        max_total_num_tokens=probe.max_total_num_tokens,
                                        mean_request_tokens=self.workload.context_tokens)
-        measure = evaluate(argv, self.requests, concurrency=concurrency, duration_s=budget.warmup_s + budget.measure_s)
+        measure = evaluate(argv, self.requests, concurrency=concurrency, duration_s=budget.warmup_s + budget.measure_s,
+                           after=self.after)
         phases = [_phase("measure", measure)]
         failure = FailureClass.RUNTIME_OOM if measure.runtime_oom else None
         stress_failed = False
@@ -140,11 +150,24 @@ class OfflineRunner:
             "constraints": constraints,
             "feasible": Constraints.of(constraints).feasible,
             "memory": memory,
+            "cache": _cache(measure, parse_argv(argv, self.table)),
             "phases": phases,
             "duration_s": 1.0,
         })
         self.history.append((job.number, record))
         return record
+
+
+def _cache(result: EvalResult, explicit: dict[str, Any]) -> dict[str, Any]:
+    """The record's ``cache`` facts from the engine's own counters (load-back = host tier)."""
+    out: dict[str, Any] = {"hit_rate": result.cache_hit_rate, "host_hit_rate": result.host_hit_rate,
+                           "device_hit_rate": result.cache_hit_rate - result.host_hit_rate,
+                           "hit_rate_source": "/metrics"}
+    if result.host_pool_bytes_per_rank:
+        ranks = int(explicit.get("tp_size") or 1) * int(explicit.get("pp_size") or 1)
+        per_rank = round(result.host_pool_bytes_per_rank / 1e9, 2)
+        out.update(host_pool_gb_per_rank=per_rank, host_pool_ranks=ranks, host_pool_gb=round(per_rank * ranks, 2))
+    return out
 
 
 def _phase(name: str, result: EvalResult) -> PhaseResult:

@@ -124,7 +124,12 @@ class SharedPrefixSpec(_Spec):
 
 
 class MultiTurnSpec(_Spec):
-    """Conversations whose history grows and is re-sent each turn (prefix reuse across turns)."""
+    """Conversations whose history grows and is re-sent each turn (prefix reuse across turns).
+
+    ``system_prompt_len`` > 0 puts one system prompt of that many tokens, shared by every
+    session, before each session's first ``first_input_len`` tokens (a chat deployment's long
+    system prompt); the first turn's input is then ``system_prompt_len + first_input_len``.
+    """
 
     kind: Literal["multi_turn"] = "multi_turn"
     num_sessions: int = Field(32, ge=1)
@@ -132,6 +137,7 @@ class MultiTurnSpec(_Spec):
     first_input_len: int = Field(1024, ge=1)
     turn_input_len: int = Field(128, ge=1)
     output_len: int = Field(256, ge=1)
+    system_prompt_len: int = Field(0, ge=0)
 
 
 class TraceSpec(_Spec):
@@ -312,9 +318,11 @@ def _shared_prefix(spec: SharedPrefixSpec, seed: int, vocab_size: int) -> Worklo
 
 
 def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
+    system = _tokens(_rng(seed, 7), spec.system_prompt_len, vocab_size) if spec.system_prompt_len else []
+
     def make_pass(index: int) -> Iterator[Request]:
         rng = _rng(seed, 4, index)
-        histories = [_tokens(rng, spec.first_input_len, vocab_size) for _ in range(spec.num_sessions)]
+        histories = [system + _tokens(rng, spec.first_input_len, vocab_size) for _ in range(spec.num_sessions)]
         # Turn-major order: every session's turn k before any turn k+1, so the previous turn
         # was sent long before (its wait is short under any concurrency).
         for turn in range(spec.turns):
@@ -331,9 +339,12 @@ def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
                 )
 
     step = spec.output_len + spec.turn_input_len
-    inputs = [spec.first_input_len + k * step for k in range(spec.turns)]
-    # Turn k can hit turn k-1's prompt (the server's own answer differs from the synthetic one).
-    reuse = sum(inputs[:-1]) / sum(inputs)
+    first = spec.system_prompt_len + spec.first_input_len
+    inputs = [first + k * step for k in range(spec.turns)]
+    # Turn k can hit turn k-1's prompt (the server's own answer differs from the synthetic one);
+    # every session's first turn but the first can hit the shared system prompt.
+    shared = spec.system_prompt_len * (spec.num_sessions - 1) / spec.num_sessions
+    reuse = (sum(inputs[:-1]) + shared) / sum(inputs)
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=inputs[-1] + spec.output_len, num_requests=spec.num_sessions * spec.turns,

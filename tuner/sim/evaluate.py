@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tuner.sim.clock import VirtualClock
@@ -38,6 +38,7 @@ class SizedServer:
         max_total_num_tokens: KV pool size, tokens (0 when it was never sized).
         free_gib_after_graphs: Free GPU memory after CUDA graphs, GiB (§4.2 ``available_gpu_mem``).
         max_running_requests: Effective value (§2.3).
+        hicache_host_bytes: One rank's HiCache host pool (0 without it, §7).
     """
 
     engine_spec: EngineSpec | None
@@ -46,6 +47,7 @@ class SizedServer:
     max_total_num_tokens: int
     free_gib_after_graphs: float
     max_running_requests: int
+    hicache_host_bytes: int = 0
 
 
 def size_server(argv: Sequence[str]) -> SizedServer:
@@ -75,6 +77,7 @@ def size_server(argv: Sequence[str]) -> SizedServer:
     return SizedServer(
         engine_spec(plan, parsed.sim.seed), None, lines, plan.max_total_num_tokens,
         plan.available_bytes / GIB, plan.max_running_requests,
+        plan.hicache_host_bytes if plan.config.enable_hierarchical_cache else 0,
     )
 
 
@@ -105,6 +108,9 @@ class EvalResult:
         p99_tpot_ms: Time per output token after the first, ms.
         mean_e2e_latency_ms: End-to-end latency of completed requests, ms.
         cache_hit_rate: Σ cached / Σ prompt tokens of finished requests.
+        host_hit_rate: The part of it loaded back from the HiCache host tier (load-back tokens /
+            prompt tokens, §7).
+        host_pool_bytes_per_rank: The HiCache host pool of one rank (0 without it).
         log_lines: Startup and engine log lines.
     """
 
@@ -128,6 +134,8 @@ class EvalResult:
     p99_tpot_ms: float | None = None
     mean_e2e_latency_ms: float | None = None
     cache_hit_rate: float = 0.0
+    host_hit_rate: float = 0.0
+    host_pool_bytes_per_rank: int = 0
     error: str | None = None
     log_lines: list[str] = field(default_factory=list)
 
@@ -150,6 +158,7 @@ def evaluate(
     concurrency: int | None = None,
     duration_s: float | None = None,
     max_steps: int = 5_000_000,
+    after: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Start a simulated server from ``argv`` and run ``requests`` through it on virtual time.
 
@@ -162,6 +171,8 @@ def evaluate(
         concurrency: Closed-loop concurrency, or None for open loop.
         duration_s: Stop after this much simulated time (a measured window); None runs to the end.
         max_steps: Safety bound on engine steps.
+        after: rid → rid of a request that must finish first (the previous turn of a
+            conversation); closed loop only: a request waits, and the next one that may go is sent.
 
     Returns:
         The startup outcome and the workload metrics.
@@ -184,7 +195,8 @@ def evaluate(
     )
     if sized.engine_spec is None:
         return EvalResult(started=False, startup_failure=sized.failure, runtime_oom=False, log_lines=logs, **base)
-    return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps)
+    base["host_pool_bytes_per_rank"] = sized.hicache_host_bytes
+    return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps, dict(after or {}))
 
 
 def _run(
@@ -195,6 +207,7 @@ def _run(
     concurrency: int | None,
     duration_s: float | None,
     max_steps: int,
+    after: dict[str, str] | None = None,
 ) -> EvalResult:
     """Drive an engine over the workload on a virtual clock and summarise it."""
     engine = Engine(spec, logs.append)
@@ -215,6 +228,8 @@ def _run(
     runtime_oom = False
     error: str | None = None
     last_event_s = 0.0
+    queue = list(pending) if closed and after else []
+    finished_rids: set[str] = set()
 
     def submit(req: SimRequest, at_s: float) -> bool:
         nonlocal rejected
@@ -222,6 +237,7 @@ def _run(
             engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s))
         except RequestRejected:
             rejected += 1
+            finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
             return False
         timing[req.rid] = [at_s, -1.0, at_s, 0]
         return True
@@ -231,7 +247,13 @@ def _run(
         now = clock.now_s()
         if duration_s is not None and now >= duration_s:
             break
-        if closed:
+        if closed and after:
+            while in_flight < concurrency and queue:  # type: ignore[operator]
+                ready = next((i for i, q in enumerate(queue) if after.get(q.rid) in (None, *finished_rids)), None)
+                if ready is None:
+                    break  # every waiting turn waits for a turn in flight
+                in_flight += submit(queue.pop(ready), now)
+        elif closed:
             while in_flight < concurrency and nxt < n:  # type: ignore[operator]
                 in_flight += submit(pending[nxt], now)
                 nxt += 1
@@ -251,6 +273,8 @@ def _run(
             break
         steps += 1
         if dur == 0.0 and not token_reqs and not finished:  # idle: the engine never stalls (it aborts)
+            if closed and after and queue and any(after.get(q.rid) in (None, *finished_rids) for q in queue):
+                continue
             if not closed and nxt < n:
                 clock.advance_to(pending[nxt].arrival_s)
                 continue
@@ -273,6 +297,7 @@ def _run(
             total_out += k
         for r in finished:
             in_flight -= 1
+            finished_rids.add(r.rid)
             rec = timing.pop(r.rid)
             if r.finish_reason["type"] == "abort":  # the pool can never admit it (§1.4)
                 rejected += 1
@@ -302,6 +327,7 @@ def _run(
         p99_tpot_ms=_scale(_percentile(tpots, 99), ms),
         mean_e2e_latency_ms=sum(e2es) / len(e2es) * ms if e2es else None,
         cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
+        host_hit_rate=stats["load_back_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         error=error,
         log_lines=logs,
         **base,

@@ -59,9 +59,9 @@ from tuner.study.optuna_io import (
     study_info,
     tell_record,
 )
-from tuner.study.planner import Planner
+from tuner.study.planner import Candidate, Planner
 from tuner.study.hostcheck import host_skip_reason, ranks_of
-from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
+from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
 from tuner.study.storage import check_storage_folder, open_storage, study_artifacts_dir, study_storage_url
 
 __all__ = [
@@ -379,7 +379,7 @@ class StudyRun:
         if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
             tried = {_key(space.snap(r.params)) for _, r in done if r.params}
             tried |= {_key(space.snap(t.params)) for t in waiting}
-            candidate = planner.next(done, tried)
+            candidate = planner.next(done, tried) or self.cache_candidate(space, done, tried)
             if candidate is not None:
                 study.enqueue_trial(candidate.params,
                                     user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
@@ -398,6 +398,43 @@ class StudyRun:
             return trial, None
         return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                context_tokens=self.context_tokens, capacity_floor=floor, started_at=_now())
+
+    def cache_candidate(self, space: Space, done: Sequence[tuple[int, TrialRecord]],
+                        tried: set[tuple[tuple[str, Any], ...]]) -> Candidate | None:
+        """The best config so far with the hierarchical cache on, at the largest host pool of the
+        space's grid that fits this host (:meth:`host_check`), once the planner has nothing left
+        to propose; None when the space does not search the cache, the best already uses it, or
+        that config was tried. What the cache buys is then measured on the same flags (§7)."""
+        on = space.hicache_on()
+        if not on:
+            return None
+        objective = self.config.objective
+        choice = choose_best([(n, r) for n, r in done if r.params], policy=objective.policy,
+                             capacity_tolerance=objective.capacity_tolerance,
+                             throughput_noise=objective.throughput_noise)
+        if choice is None:
+            return None
+        best = dict(choice.record.params)
+        if best.get("enable_hierarchical_cache"):
+            return None
+        base = {k: v for k, v in best.items() if k not in HICACHE_KNOBS}
+        if space.hicache_size is not None:
+            knob, grid = "hicache_size", list(range(space.hicache_size[1], space.hicache_size[0] - 1, -1))
+        elif space.hicache_ratio is not None:
+            lo, hi = space.hicache_ratio
+            knob, grid = "hicache_ratio", [round(hi - 0.5 * i, 6) for i in range(int(round((hi - lo) / 0.5)) + 1)]
+        else:
+            knob, grid = "", [None]
+        for value in grid:
+            params = space.snap({**base, **on, **({knob: value} if knob else {})})
+            if _key(params) in tried:
+                return None
+            if self.host_check(params, done) is None:
+                return Candidate(params=params, prediction={
+                    "why": f"the hierarchical cache on the best flags so far (trial {choice.number}), "
+                           f"at the largest host pool that fits this host ({knob or 'default'} {value})",
+                    "compare_with_trial": choice.number})
+        return None
 
     def host_check(self, params: Mapping[str, Any], done: Sequence[tuple[int, TrialRecord]]) -> tuple[str, int] | None:
         """Why ``params``'s hierarchical-cache pools must not be launched on this host (per rank ×
