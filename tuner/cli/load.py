@@ -59,13 +59,15 @@ def load_cmd(
     num_requests: Annotated[int | None, typer.Option("--num-requests", help="random: requests per pass [endless].")] = None,
     num_groups: Annotated[int | None, typer.Option("--num-groups", help="shared-prefix: system prompts [64].")] = None,
     prompts_per_group: Annotated[int | None, typer.Option("--prompts-per-group", help="shared-prefix: questions per system prompt [16].")] = None,
-    system_prompt_len: Annotated[int | None, typer.Option("--system-prompt-len", help="shared-prefix: tokens [2048].")] = None,
+    system_prompt_len: Annotated[int | None, typer.Option("--system-prompt-len", help="shared-prefix: tokens [2048]; multi-turn: a system prompt shared by every session [0].")] = None,
     question_len: Annotated[int | None, typer.Option("--question-len", help="shared-prefix: tokens [128].")] = None,
     num_sessions: Annotated[int | None, typer.Option("--num-sessions", help="multi-turn: conversations [32].")] = None,
     turns: Annotated[int | None, typer.Option("--turns", help="multi-turn: turns per conversation [4].")] = None,
     first_input_len: Annotated[int | None, typer.Option("--first-input-len", help="multi-turn: first prompt tokens [1024].")] = None,
     turn_input_len: Annotated[int | None, typer.Option("--turn-input-len", help="multi-turn: new user tokens per turn [128].")] = None,
-    trace: Annotated[Path | None, typer.Option("--trace", help="trace: JSONL file (timestamp_s, input_len, output_len, ...).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="trace: the tuner's JSONL (timestamp_s, input_len, output_len, ...), bench_serving's ShareGPT JSON, or an OpenAI-format request log (JSONL).")] = None,
+    trace_format: Annotated[str | None, typer.Option("--trace-format", help="trace: auto, jsonl, sharegpt or openai [auto].")] = None,
+    bytes_per_token: Annotated[float | None, typer.Option("--bytes-per-token", help="trace: UTF-8 bytes per token for text traces, no tokenizer [4.0].")] = None,
     time_scale: Annotated[float | None, typer.Option("--time-scale", help="trace: multiply its time offsets [1.0].")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of prompts and arrivals.")] = 0,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="token ids are drawn below this.")] = 32000,
@@ -127,6 +129,7 @@ def load_cmd(
         "num_groups": num_groups, "prompts_per_group": prompts_per_group, "system_prompt_len": system_prompt_len,
         "question_len": question_len, "num_sessions": num_sessions, "turns": turns,
         "first_input_len": first_input_len, "turn_input_len": turn_input_len, "path": trace, "time_scale": time_scale,
+        "trace_format": trace_format, "bytes_per_token": bytes_per_token,
     })
     limits = SLO.parse(slo) if slo else None
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
