@@ -96,6 +96,10 @@ def test_a_host_pool_that_does_not_fit_is_never_launched(tmp_path: Path) -> None
     assert "without → with, trial 0" in show.stdout, show.stdout
     skipped_view = tuner("show", "1", "--config", str(config), cwd=tmp_path, timeout_s=120)
     assert "does not fit the host" in skipped_view.stdout
+    report = tuner("report", "--config", str(config), "-o", str(tmp_path / "r.html"), cwd=tmp_path, timeout_s=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    page = (tmp_path / "r.html").read_text()
+    assert "prefix cache</b>: prefix-cache hits" in page and "15.72 GB pinned" in page
 
 
 @pytest.mark.slow

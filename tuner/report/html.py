@@ -19,7 +19,7 @@ import plotly.offline
 
 from tuner.errors import StudyError
 from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, status_text
-from tuner.results import METRICS, BestTrial, StoredStudy, TrialView, best_trial
+from tuner.results import METRICS, BestTrial, StoredStudy, TrialView, best_trial, cache_effect
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.study.storage import STUDIES_DIR
 
@@ -236,6 +236,9 @@ def _trial_details_html(stored: StoredStudy) -> str:
             out.append(f"<p><b>evidence</b></p><pre>{html.escape(rec.failure_evidence)}</pre>")
         if rec.skipped_reason:
             out.append(f"<p><b>skipped</b>: {html.escape(rec.skipped_reason)}</p>")
+        effect = cache_effect(stored, view)
+        if effect is not None:
+            out.append(f"<p><b>prefix cache</b>: {html.escape(effect.describe())}</p>")
         if rec.log_excerpt:
             out.append(f"<p><b>log excerpt</b></p><pre>{html.escape(chr(10).join(rec.log_excerpt))}</pre>")
         out.append("</details>")
@@ -284,6 +287,8 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
             row = [METRICS[name][0], cell(delta.baseline), cell(delta.best), delta_text(name, delta)]
             summary.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         summary.append("</table>")
+        if best.cache is not None:
+            summary.append(f"<p><b>prefix cache of the best</b>: {html.escape(best.cache.describe())}</p>")
     elif best_error:
         summary.append(f'<p class="note">{html.escape(best_error)}</p>')
     sections = [
