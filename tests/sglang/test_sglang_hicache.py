@@ -70,3 +70,18 @@ def test_host_readers(tmp_path: Path) -> None:
                            url="http://127.0.0.1:9")  # nothing listens: the command line decides
     assert sim.mem_total_bytes == 48 * GIB and sim.mem_available_bytes == 48 * GIB and sim.cgroup_max_bytes == 20 * GIB
     assert "--sim-host-memory-gib 48" in sim.source
+
+
+def test_explain_says_a_prefix_tier_not_capacity(tmp_path: Path) -> None:
+    from tuner.sglang.explain import explain_from
+    from tuner.sim.evaluate import size_server
+
+    sized = size_server(["--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--tp", "2", "--max-total-tokens",
+                         "60000", "--enable-hierarchical-cache", "--hicache-ratio", "2"])
+    log = tmp_path / "hicache.log"
+    log.write_text("\n".join(sized.log_lines) + "\n")
+    trap = next(t for t in explain_from(log=str(log)).traps if t.id == "hicache_per_rank")
+    assert "7.86 GB × 2 ranks" in trap.title
+    # 7.86 GB / 64 KiB per token = ~120k host tokens per rank, twice the 60,000-token device pool.
+    assert "adds a host prefix tier of 1" in trap.detail and "not active capacity" in trap.detail
+    assert "device pool of 60,000 tokens" in trap.detail
