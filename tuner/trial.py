@@ -48,6 +48,7 @@ from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
 __all__ = [
     "TrialExecutor",
     "render_argv",
+    "host_pool_kill",
     "load_concurrency",
     "slo_clearly_lost",
     "measure_gap",
@@ -268,6 +269,7 @@ class TrialExecutor:
             failure = state.failure or report.failure or Failure(
                 failure_class=FailureClass.CRASH, evidence=f"server {state.phase.value} before ready"
             )
+            failure = host_pool_kill(failure, lines) or failure
             return self._failed(record, failure, report, begun, trial_dir, lines=lines)
 
         on_phase("probe")
@@ -629,6 +631,23 @@ class TrialExecutor:
         return record.model_copy(
             update={"artifacts": artifacts, "log_excerpt": excerpt, "duration_s": time.monotonic() - begun}
         )
+
+
+def host_pool_kill(failure: Failure, lines: list[str]) -> Failure | None:
+    """A start killed while pinning HiCache host pools, with no exception after them: the kernel's
+    OOM killer (the unit's ``MemoryMax`` or the host's RAM; SGLang's own check reads only the host's
+    available memory, §7) — a host-memory failure, monotone in the pool's size like SGLang's own
+    ``Not enough host memory`` error. None when the log says otherwise."""
+    if failure.failure_class not in (FailureClass.CRASH, FailureClass.STARTUP_TIMEOUT):
+        return None
+    last = max((i for i, line in enumerate(lines) if "host memory for hierarchical KV cache" in line
+                or "hierarchical KV host pool" in line), default=None)
+    if last is None or any("Traceback" in x or "Error" in x or "exception" in x for x in lines[last + 1:]):
+        return None
+    return Failure(failure_class=FailureClass.HOST_MEMORY, exit_status=failure.exit_status, rank=failure.rank,
+                   evidence=f"killed while pinning the hierarchical cache's host pools (last line: "
+                            f"{lines[last].strip()[-160:]}); pinned host memory beyond the unit's MemoryMax "
+                            "or the host's RAM is OOM-killed")
 
 
 def _excerpt(lines: list[str], evidence: str | None, *, limit: int = 20) -> list[str]:

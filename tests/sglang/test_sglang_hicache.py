@@ -85,3 +85,26 @@ def test_explain_says_a_prefix_tier_not_capacity(tmp_path: Path) -> None:
     # 7.86 GB / 64 KiB per token = ~120k host tokens per rank, twice the 60,000-token device pool.
     assert "adds a host prefix tier of 1" in trap.detail and "not active capacity" in trap.detail
     assert "device pool of 60,000 tokens" in trap.detail
+
+
+def test_a_start_oom_killed_while_pinning_is_a_host_memory_failure() -> None:
+    import subprocess
+    import sys
+
+    from tuner.sglang.failures import Failure, FailureClass
+    from tuner.trial import host_pool_kill
+
+    argv = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--tp", "4", "--max-total-tokens",
+            "200000", "--enable-hierarchical-cache", "--hicache-size", "20", "--sim-memory-max", "50",
+            "--sim-time-scale", "0", "--port", "9"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode in (-9, 137)
+    lines = (done.stdout + done.stderr).splitlines()
+    crash = Failure(failure_class=FailureClass.CRASH, evidence="exited with status 9/KILL", exit_status=137)
+    host = host_pool_kill(crash, lines)
+    assert host is not None and host.failure_class is FailureClass.HOST_MEMORY and host.exit_status == 137
+    assert "Allocating 20.00 GB host memory" in host.evidence
+    # SGLang's own host check fails with a traceback: that stays the log classifier's verdict.
+    argv[argv.index("--sim-memory-max") + 1] = "none"
+    own = subprocess.run([*argv, "--sim-host-memory-gib", "70"], capture_output=True, text=True, timeout=120, check=False)
+    assert host_pool_kill(crash, (own.stdout + own.stderr).splitlines()) is None
