@@ -16,20 +16,16 @@ Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hicache.py --run-benchm
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "study"))
-
-from offline_runner import OfflineRunner  # noqa: E402
-
-from tuner.config import TunerConfig, load_config  # noqa: E402
-from tuner.records import TrialRecord  # noqa: E402
-from tuner.sglang.failures import FailureClass  # noqa: E402
-from tuner.study.best import choose_best  # noqa: E402
-from tuner.study.loop import TrialJob, run_study  # noqa: E402
+from tests.support.offline_runner import OfflineRunner
+from tuner.config import TunerConfig, load_config
+from tuner.records import TrialRecord
+from tuner.sglang.failures import FailureClass
+from tuner.study.best import choose_best
+from tuner.study.loop import TrialJob, run_study
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHES = 10

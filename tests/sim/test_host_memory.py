@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from _simproc import run_to_exit, spawn, wait_ready
 
+from tests.support.sim import run_to_exit, spawn, wait_ready
 from tuner.sim.models import GIB
 from tuner.sim.startup import cgroup_memory_max, plan_from_argv
 

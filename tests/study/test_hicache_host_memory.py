@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import free_port, load, tuner
 from optuna.trial import TrialState
 
+from tests.support.cli import run_tuner as tuner
+from tests.support.configs import load_study as load
+from tests.support.net import free_port
 from tuner.records import TrialRecord
 from tuner.sim.startup import plan_from_argv
 

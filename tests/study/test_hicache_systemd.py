@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import free_port, load, tuner
 from optuna.trial import TrialState
 
-from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
+from tests.support.cli import run_tuner as tuner
+from tests.support.configs import load_study as load
+from tests.support.net import free_port
+from tests.support.sandbox import SystemdSandbox
 from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
 
@@ -38,7 +40,7 @@ def _healthy(url: str, timeout_s: float) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.systemd
-def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_sandbox: SystemdSandbox,  # noqa: F811
+def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_sandbox: SystemdSandbox,
                                                                         tmp_path: Path) -> None:
     box = systemd_sandbox
     box.require_real()  # MemoryMax is read from real systemd (the emulator has no cgroup properties)
