@@ -9,6 +9,8 @@ study loop, the planner, the sampler and the skipping rules run unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,35 @@ from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
 from tuner.trial import load_concurrency, render_argv
 
+_MEMO: dict[tuple, EvalResult] = {}
+"""Offline evaluations by (argv, request pool, concurrency, duration): the simulated world is
+deterministic, so a config measured once (by the grid, another seed, another strategy) is not
+simulated again."""
+
+
+def _evaluate(argv: list[str], requests: list[SimRequest], key: str, **kwargs: Any) -> EvalResult:
+    memo_key = (tuple(argv), key, tuple(sorted(kwargs.items())))
+    if memo_key not in _MEMO:
+        result = evaluate(argv, requests, **kwargs)
+        # Only the probe's startup lines are read; the engine's step lines of a load are dropped.
+        _MEMO[memo_key] = result if key == "probe" else dataclasses.replace(result, log_lines=[])
+    return _MEMO[memo_key]
+
+
+def _noisy(result: EvalResult, factor: float) -> EvalResult:
+    """``result`` on a run ``factor`` times as fast (throughput × factor, latencies ÷ factor)."""
+    if factor == 1.0:
+        return result
+    scale = lambda v: None if v is None else v / factor  # noqa: E731
+    return dataclasses.replace(
+        result, output_throughput=result.output_throughput * factor,
+        request_throughput=result.request_throughput * factor,
+        p99_ttft_ms=scale(result.p99_ttft_ms), p99_itl_ms=scale(result.p99_itl_ms),
+        mean_ttft_ms=scale(result.mean_ttft_ms), p50_ttft_ms=scale(result.p50_ttft_ms),
+        p99_tpot_ms=scale(result.p99_tpot_ms),
+    )
+
+
 def _sim_requests(workload: Any, limit: int) -> list[SimRequest]:
     out = []
     for i, req in enumerate(workload.passes()):
@@ -41,16 +72,25 @@ class OfflineRunner:
     Args:
         config: The scenario's config (``[service] command`` is ``python -m tuner.sim ...``).
         measure_requests: Requests in the measured window's pool (closed loop).
+        world_seed: Seed of the simulated world (the workload's draw); default the study's seed.
+        noise: Relative run-to-run spread of the measured speed: each launch's measured window
+            runs ``1 + u`` times as fast, ``u`` uniform in ``[-noise, noise]`` (seeded by the
+            study's seed and the launch count).
     """
 
-    def __init__(self, config: TunerConfig, *, measure_requests: int = 64) -> None:
+    def __init__(self, config: TunerConfig, *, measure_requests: int = 64, world_seed: int | None = None,
+                 noise: float = 0.0) -> None:
         self.config = config
         command = list(config.service.command or [])
         self.sim_argv = command[command.index("tuner.sim") + 1:] if "tuner.sim" in command else command
         version = self.sim_argv[self.sim_argv.index("--sim-version") + 1] if "--sim-version" in self.sim_argv else "0.5.5"
         self.table = FlagTable.for_version(version)
-        self.workload = build_workload(config.workload, seed=config.study.seed)
+        self.world_seed = config.study.seed if world_seed is None else world_seed
+        self.workload = build_workload(config.workload, seed=self.world_seed)
         self.requests = _sim_requests(self.workload, measure_requests)
+        self._pool_key = f"{config.workload.model_dump_json()}|{self.world_seed}|{measure_requests}"
+        self.noise = noise
+        self._rng = random.Random(config.study.seed * 7919 + 17)
         self.launches = 0
         self.failures = 0
         self.history: list[tuple[int, TrialRecord]] = []
@@ -75,7 +115,8 @@ class OfflineRunner:
         record = TrialRecord(params=dict(job.params), argv=argv, kind=job.kind,  # type: ignore[arg-type]
                              prediction=dict(job.prediction), context_tokens=job.context_tokens)
         budget = self.config.budget
-        probe = evaluate(argv, [], concurrency=1, duration_s=0.0)
+        probe = _evaluate(argv, [], "probe", concurrency=1, duration_s=0.0)
+        factor = 1.0 + self._rng.uniform(-self.noise, self.noise) if self.noise else 1.0
         if not probe.started:
             self.failures += 1
             classified = parse_log(probe.log_lines).failure  # the product's own classifier
@@ -102,14 +143,15 @@ class OfflineRunner:
         concurrency = load_concurrency(budget, capacity=capacity, max_running_requests=probe.max_running_requests,
                                        max_total_num_tokens=probe.max_total_num_tokens,
                                        mean_request_tokens=self.workload.context_tokens)
-        measure = evaluate(argv, self.requests, concurrency=concurrency, duration_s=budget.warmup_s + budget.measure_s)
+        measure = _noisy(_evaluate(argv, self.requests, self._pool_key, concurrency=concurrency,
+                                   duration_s=budget.warmup_s + budget.measure_s), factor)
         phases = [_phase("measure", measure)]
         failure = FailureClass.RUNTIME_OOM if measure.runtime_oom else None
         stress_failed = False
         if failure is None and capacity:
             n = max(1, min(capacity, budget.max_concurrency))
             stress_reqs = _sim_requests(capacity_probe(n, job.context_tokens, output_len=32, seed=job.number), n)
-            stress = evaluate(argv, stress_reqs, concurrency=n)
+            stress = _evaluate(argv, stress_reqs, f"stress|{n}|{job.context_tokens}", concurrency=n)
             phases.append(_phase("stress", stress))
             if stress.runtime_oom:
                 failure, stress_failed = FailureClass.RUNTIME_OOM, True
