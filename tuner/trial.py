@@ -38,14 +38,13 @@ from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.logs import LogReport, parse_log
 from tuner.sglang.memory import KVCapacityModel
-from tuner.study.budget import prior_trial_cost_s
+from tuner.study.budget import load_concurrency, prior_trial_cost_s
 from tuner.study.loop import TrialJob
 from tuner.study.space import SEARCHED_FIELDS
 
 __all__ = [
     "TrialExecutor",
     "render_argv",
-    "load_concurrency",
     "slo_clearly_lost",
     "measure_gap",
     "resolve_facts",
@@ -80,23 +79,6 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
     return replace_flags(baseline_argv, rendered, table)
-
-
-def load_concurrency(
-    budget: Any, *, capacity: int | None, max_running_requests: int | None, max_total_num_tokens: int | None,
-    mean_request_tokens: int,
-) -> int:
-    """Closed-loop concurrency of the measured window: as many requests as the config admits.
-
-    ``[budget] concurrency`` when set; else the smaller of the effective max_running_requests and
-    what the token pool holds at the workload's mean request size, at least the context capacity,
-    capped by ``[budget] max_concurrency``.
-    """
-    if budget.concurrency:
-        return int(budget.concurrency)
-    mrr = max_running_requests or capacity or 1
-    by_tokens = (max_total_num_tokens or 0) // max(1, mean_request_tokens)
-    return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
 
 
 def measure_gap(result: LoadResult | None, measure_s: float) -> str | None:

@@ -38,6 +38,7 @@ from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
 from tuner.load import build_workload  # noqa: E402
 from tuner.records import TrialRecord  # noqa: E402
 from tuner.study.best import choose_best  # noqa: E402
+from tuner.study.budget import reachable_slots  # noqa: E402
 from tuner.study.loop import TrialJob, run_study  # noqa: E402
 from tuner.study.space import Space  # noqa: E402
 
@@ -178,21 +179,23 @@ def _shares(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: T
 def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfig) -> tuple[int, int]:
     """``(exact repeats, launches above the reachable concurrency)`` among ``history``'s launches.
 
-    Reachable: ``min([budget] max_concurrency, token pool // the workload's mean request
-    tokens)`` of the launched config's own pool (the baseline, the unit's own flags, is exempt).
+    Reachable: :func:`tuner.study.budget.reachable_slots` of the launched config's own pool (its
+    context capacity, or more only up to ``min([budget] max_concurrency, pool // the workload's
+    mean request tokens)``); the baseline, the unit's own flags, is exempt.
     """
     workload = build_workload(cfg.workload, seed=0)
-    mean = getattr(workload, "mean_request_tokens", None) or workload.context_tokens
     seen: set = set()
     repeats = above = 0
     for _, record in history:
         key = tuple(sorted(space.snap(record.params).items()))
-        repeats += key in seen
+        repeats += key in seen and record.repeat_of is None  # a deliberate noise re-measurement is not waste
         seen.add(key)
         if record.kind == "baseline" or not record.token_capacity:
             continue
-        reachable = min(cfg.budget.max_concurrency, record.token_capacity // max(1, mean))
-        above += int(record.params.get("max_running_requests") or 0) > max(1, reachable)
+        reachable = reachable_slots(cfg.budget, max_total_num_tokens=record.token_capacity,
+                                    context_tokens=record.context_tokens or workload.context_tokens,
+                                    mean_request_tokens=workload.mean_request_tokens)
+        above += int(record.params.get("max_running_requests") or 0) > reachable
     return repeats, above
 
 

@@ -31,10 +31,10 @@ from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
 from tuner.study.loop import TrialJob
 from tuner.study.space import SEARCHED_FIELDS
+from tuner.study.budget import load_concurrency
 from tuner.trial import (
     assemble_record,
     failed_record,
-    load_concurrency,
     memory_facts,
     needs_probe_only,
     probe_only_record,
