@@ -52,6 +52,7 @@ __all__ = [
     "failed_record",
     "probe_only_record",
     "needs_probe_only",
+    "gpu_peak_memory",
     "stress_concurrency",
     "stress_output_tokens",
     "slo_value",
@@ -281,6 +282,19 @@ def probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int
     })
 
 
+def gpu_peak_memory(after_start_mib: float, peak_used_mib: float) -> dict[str, float]:
+    """The GPU monitor's memory facts of a trial: GiB in use after startup, the peak under load,
+    and their difference, the activation peak the planner sizes headroom with (§1.6); empty
+    without both readings (no GPU monitor)."""
+    if not (after_start_mib and peak_used_mib):
+        return {}
+    return {
+        "gpu_used_gib_after_start": round(after_start_mib / 1024, 3),
+        "gpu_peak_used_gib_under_load": round(peak_used_mib / 1024, 3),
+        "peak_activation_gib": round(max(0.0, (peak_used_mib - after_start_mib) / 1024), 3),
+    }
+
+
 def needs_probe_only(capacity: int | None, floor: int) -> bool:
     """Whether the full load is skipped: the probe's context capacity is below the job's floor."""
     return bool(floor) and capacity is not None and capacity < floor
@@ -473,6 +487,7 @@ class TrialExecutor:
             prediction=dict(job.prediction),
             context_tokens=job.context_tokens,
             started_at=job.started_at or None,
+            repeat_of=job.repeat_of,
         )
 
         on_phase("render")
@@ -587,10 +602,8 @@ class TrialExecutor:
                 stress_failed = True
 
         on_phase("record")
-        if peak_used and after_start and facts["free_gib_after_graphs"] is not None:
-            memory["gpu_used_gib_after_start"] = round(after_start / 1024, 3)
-            memory["gpu_peak_used_gib_under_load"] = round(peak_used / 1024, 3)
-            memory["peak_activation_gib"] = round(max(0.0, (peak_used - after_start) / 1024), 3)
+        if facts["free_gib_after_graphs"] is not None:
+            memory.update(gpu_peak_memory(after_start, peak_used))
         report_after = parse_log(self.launcher.logs())
         memory["retractions"] = len(report_after.retractions)
         record = assemble_record(

@@ -93,8 +93,16 @@ def _resolved_space(cfg: TunerConfig) -> tuple[Space, TrialRecord, int]:
     return resolve_study_space(cfg, baseline, runner.environment(), context_tokens), baseline, context_tokens
 
 
-@functools.cache
 def _grid(name: str) -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space, TrialRecord, int]:
+    """The exhaustive grid of scenario ``name`` (shared by scenarios that differ only in name,
+    noise and seeds: the same simulated world)."""
+    item = scenarios()[name]
+    world = item["config"].model_dump(mode="json", exclude={"study", "path"})
+    return _grid_of(json.dumps(world, sort_keys=True, default=str), item["grid_stride"], name)
+
+
+@functools.cache
+def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space, TrialRecord, int]:
     """The exhaustive grid: every (strided) fraction × chunk size × the request counts that matter.
 
     Context capacity is ``min(max_running_requests, tokens // context)``, so per (fraction, chunk)
@@ -106,8 +114,7 @@ def _grid(name: str) -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space,
     from tuner.sim.evaluate import size_server
     from tuner.trial import render_argv
 
-    item = scenarios()[name]
-    cfg = item["config"]
+    cfg = scenarios()[name]["config"]
     space, baseline, context_tokens = _resolved_space(cfg)
     runner = OfflineRunner(cfg, world_seed=0)
     lo, hi = space.max_running_requests
@@ -120,7 +127,7 @@ def _grid(name: str) -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space,
         return runner.run(TrialJob(number=count, kind="sampled", params=params, context_tokens=context_tokens),
                           lambda _p: None)
 
-    for mfs, cps in itertools.product(space.fractions()[:: item["grid_stride"]], space.chunked_prefill_size):
+    for mfs, cps in itertools.product(space.fractions()[::stride], space.chunked_prefill_size):
         base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps}
         argv = render_argv(runner.sim_argv, {**base, "max_running_requests": hi}, runner.table)
         tight = size_server(argv).max_total_num_tokens // context_tokens

@@ -35,6 +35,7 @@ from tuner.study.budget import load_concurrency
 from tuner.trial import (
     assemble_record,
     failed_record,
+    gpu_peak_memory,
     memory_facts,
     needs_probe_only,
     probe_only_record,
@@ -161,7 +162,7 @@ class OfflineRunner:
         self.launches += 1
         record = self._run(job)
         self.failures += record.outcome == "failed"
-        record = record.model_copy(update={"duration_s": 1.0})
+        record = record.model_copy(update={"duration_s": 1.0, "repeat_of": job.repeat_of})
         self.history.append((job.number, record))
         return record
 
@@ -200,6 +201,7 @@ class OfflineRunner:
         measure = _noisy(_evaluate(argv, pool, f"{self._pool_key}|{len(pool)}", concurrency=concurrency,
                                    duration_s=budget.warmup_s + budget.measure_s), factor)
         phases = [_phase("measure", measure)]
+        loads = [measure]
         runtime_failure = _runtime_failure(measure)
         summary = _summary(measure, self.config)
         stress_failed = False
@@ -211,13 +213,29 @@ class OfflineRunner:
             # no prefix, so the outcome does not depend on the seed (one memo entry per size).
             stress = _evaluate(argv, requests, f"stress|{n}|{job.context_tokens}", concurrency=n)
             phases.append(_phase("stress", stress))
+            loads.append(stress)
             runtime_failure = _runtime_failure(stress)
             stress_failed = runtime_failure is not None or bool(stress.rejected) or stress.completed < n
         memory["retractions"] = measure.retractions
+        # What the simulated GPU monitor reads (a real trial on the simulator has one, ``auto``):
+        # the memory in use after startup, and under load that plus the largest step's activations.
+        total_mib = _gpu_total_mib(self.sim_argv)
+        if total_mib and record.free_gib_after_graphs is not None:
+            after_start = total_mib - record.free_gib_after_graphs * 1024
+            peak = max(measure.peak_activation_gib, *(p.peak_activation_gib for p in loads))
+            memory.update(gpu_peak_memory(after_start, after_start + peak * 1024))
         longest = int(getattr(self.config.workload, "input_len", 0) or self.workload.context_tokens)
         return assemble_record(record, memory=memory, summary=summary, phases=phases, stress_failed=stress_failed,
                                runtime_failure=runtime_failure, unmeasured=_gap(summary),
                                load=window_load(concurrency, facts, longest))
+
+
+def _gpu_total_mib(sim_argv: list[str]) -> float | None:
+    """The simulated GPU's size as its GPU monitor reports it (MiB), from ``--sim-gpu``."""
+    from tuner.sim.gpus import get_gpu
+
+    name = sim_argv[sim_argv.index("--sim-gpu") + 1] if "--sim-gpu" in sim_argv else None
+    return float(get_gpu(name).memory_mib) if name else None
 
 
 def _gap(summary: LoadSummary) -> str | None:

@@ -66,7 +66,9 @@ def choose_best(
     ``capacity_tolerance`` of the best (the band); among them, every trial whose output throughput
     is within ``throughput_noise`` of the band's highest counts as tied (a short measured window
     cannot tell such throughputs apart), and the tie goes to the higher context capacity, then the
-    higher throughput, then the earlier trial.
+    higher throughput, then the earlier trial. A config measured more than once competes with its
+    mean throughput, and once any config was, the tie margin is the spread measured on them
+    (:func:`measured_noise`) instead of ``throughput_noise``; the choice names the tied trials.
 
     Args:
         finished: ``(trial or number, record)`` pairs; only feasible ``ok`` records compete.
@@ -74,7 +76,7 @@ def choose_best(
             throughput breaks ties) or ``max_throughput``.
         capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
         throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
-            a tie (0.03 = 3 %).
+            a tie (0.03 = 3 %) while no config was measured twice.
 
     Returns:
         The choice, or ``None`` when no trial is feasible.

@@ -16,6 +16,15 @@ The strategy is capacity-first and learns from memory facts rather than by trial
 4. When the capacity frontier stops moving, the planner tries one neighbour per other knob
    (chunked prefill size, max running requests, hierarchical cache, ...) at its own predicted
    frontier; then the Optuna sampler explores the rest.
+
+The latency SLO is a constraint of its own (:mod:`tuner.study.slo_bound`): once a measured window
+broke it, the planner first gets feasible (bisects ``max_running_requests`` of that family between
+the largest SLO-safe and the smallest SLO-breaking running-request count, from the measured
+latencies), then pushes capacity inside the bracket and tries the other chunk sizes at the safe
+load; the memory steps above never propose a load a window of the same knobs already broke. No
+proposal has more request slots than can change its result
+(:func:`tuner.study.budget.reachable_slots`), and :meth:`Planner.screen` skips a sampled config
+that is below the best capacity band, beyond those slots, or proved to break the SLO.
 """
 
 from __future__ import annotations
@@ -350,7 +359,7 @@ class Planner:
                 found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
                 if found is not None:
                     found_options.append(found)
-            bound = self._bound_for(family, bounds, base_family)
+            bound = self._bound_for(family, bounds, self._binding_family(bounds))
             for mfs, tokens, capacity, free, mrr in found_options:
                 params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
                 if _key(params) in tried:
@@ -405,17 +414,26 @@ class Planner:
         return slo_bounds(slo_points(history), normalise=normalise)
 
     @staticmethod
+    def _binding_family(bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound]) -> tuple[tuple[str, Any], ...]:
+        """The family whose windows say most about where the SLO breaks (``()`` when none broke it)."""
+        binding = [f for f, b in bounds.items() if b.binds]
+        return max(binding, key=lambda f: (len(bounds[f].points), -(bounds[f].broken or 0)), default=())
+
+    @staticmethod
     def _bound_for(
         family: tuple[tuple[str, Any], ...], bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound],
         fallback: tuple[tuple[str, Any], ...],
     ) -> SLOBound | None:
-        """The family's own SLO bound; for a family with no window yet, ``fallback``'s (an
-        estimate for choosing a proposal, never a proof)."""
+        """The family's own SLO bound when a window of it broke the SLO; else ``fallback``'s when
+        one of that broke it (an estimate for choosing a proposal, never a proof); else the
+        family's own (not binding) or ``None``."""
         own = bounds.get(family)
-        if own is not None and own.points:
+        if own is not None and own.binds:
             return own
         other = bounds.get(fallback)
-        return other if other is not None and other.binds else None
+        if other is not None and other.binds:
+            return other
+        return own
 
     def slots_cap(self, tokens: int) -> int:
         """The most request slots that can change a result for a pool of ``tokens``
@@ -462,15 +480,19 @@ class Planner:
             family = _family(incumbent.params)
         else:
             family = max(binding, key=lambda f: (len(binding[f].points), -(binding[f].broken or 0)))
-        base = bounds.get(family) or binding[max(binding, key=lambda f: len(binding[f].points))]
+        own_base = bounds.get(family)
+        base = own_base if own_base is not None and own_base.binds else binding[self._binding_family(bounds)]
         families = [family, *(f for f in self._neighbours(dict(family)) if f != family)]
         for rank, fam in enumerate(families):
             own = bounds.get(fam)
             count: int | None
             if own is not None and own.points:
                 count = own.next_count()
-                if count is None and not own.binds and base.broken is not None and base.broken > own.safe:
-                    count = int(base.broken)  # holds where the base family broke: try its break
+                if count is None and not own.binds and base.broken is not None:
+                    # It held so far: try where the base family broke, then step up by a quarter
+                    # (never a jump to the memory frontier: the SLO binds on these loads).
+                    count = int(base.broken) if base.broken > own.safe else max(int(own.safe) + 1,
+                                                                              math.ceil(own.safe * 1.25))
                 why = ("bisect running requests between the largest SLO-safe and the smallest SLO-breaking "
                        "window of these knobs" if rank == 0 else
                        f"another {self._changed(family, fam)} within the SLO bracket")

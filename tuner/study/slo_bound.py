@@ -26,7 +26,8 @@ knobs of one family only. It does **not** hold
 
 Between ``safe`` and ``broken`` the next count to try comes from the measured latencies: the
 latency ratio ``slo + 1`` is interpolated linearly in running requests (a closed loop's queueing
-latency grows about linearly with requests in flight) and solved for ``1 − AIM_MARGIN``; when the
+latency grows about linearly with requests in flight) and solved for ``1 − AIM_MARGIN`` (for the
+limit itself once a safe window is within that margin); when the
 fit says nothing useful (fewer than two points, a flat or falling slope, an estimate outside the
 bracket) the step is a bisection (geometric without a safe point, since latencies fall at least to
 one running request's).
@@ -122,9 +123,12 @@ class SLOBound(BaseModel):
     def _interpolate(self) -> float | None:
         """Running requests where the latency ratio ``slo + 1`` reaches ``1 − AIM_MARGIN``, from
         the two windows nearest the boundary (one on each side when both exist)."""
-        target = 1.0 - AIM_MARGIN
         below = [p for p in self.points if p.slo <= 0]
         above = [p for p in self.points if p.slo > 0]
+        # Aim inside by the margin, unless a safe window is already inside it (then at the limit).
+        target = 1.0 - AIM_MARGIN
+        if below and max(p.slo for p in below) + 1.0 > target:
+            target = 1.0
         if below and above:
             a = max(below, key=lambda p: p.running_requests)
             b = min(above, key=lambda p: p.running_requests)
