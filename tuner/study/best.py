@@ -139,16 +139,18 @@ def choose_best(
                       noise_measured=noise_measured is not None)
 
 
-def _config_key(record: TrialRecord) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((k, v) for k, v in record.params.items() if v is not None))
+def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:
+    """The config a trial measured (its params); a trial without params is its own."""
+    key = tuple(sorted((k, v) for k, v in record.params.items() if v is not None))
+    return key if key else ("trial", number)
 
 
 def _by_config(measured: Sequence[tuple[int, TrialRecord]]) -> list[tuple[int, TrialRecord]]:
     """One entry per config: its first trial, with the mean throughput of every window that
     measured it (``memory["throughput_windows"]`` counts them when more than one)."""
-    groups: dict[tuple[tuple[str, Any], ...], list[tuple[int, TrialRecord]]] = {}
+    groups: dict[tuple[Any, ...], list[tuple[int, TrialRecord]]] = {}
     for number, record in measured:
-        groups.setdefault(_config_key(record), []).append((number, record))
+        groups.setdefault(_config_key(record, number), []).append((number, record))
     out = []
     for items in groups.values():
         number, record = items[0]
@@ -168,10 +170,10 @@ def measured_noise(measured: Sequence[tuple[int, TrialRecord]]) -> float | None:
     Args:
         measured: ``(number, record)`` of feasible, measured trials.
     """
-    groups: dict[tuple[tuple[str, Any], ...], list[float]] = {}
-    for _, record in measured:
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for number, record in measured:
         if record.output_throughput_tok_s:
-            groups.setdefault(_config_key(record), []).append(record.output_throughput_tok_s)
+            groups.setdefault(_config_key(record, number), []).append(record.output_throughput_tok_s)
     spreads = [(max(v) - min(v)) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1]
     return max(spreads) if spreads else None
 
