@@ -189,7 +189,7 @@ def _measured(params: dict, capacity: int, tput: float) -> TrialRecord:
                        constraints={"oom_or_crash": -1.0, "slo": -0.1, "stress": -1.0})
 
 
-def test_the_measured_noise_replaces_the_fixed_margin_and_capacity_decides_ties() -> None:
+def test_the_measured_noise_widens_the_fixed_margin_and_capacity_decides_ties() -> None:
     a, b = _params(0.9, 67), _params(0.88, 64)
     history = [(1, _measured(a, 67, 380.0)), (2, _measured(b, 64, 398.0))]
     # a fixed 3 % margin: 380 is 4.5 % below 398, so the lower capacity wins

@@ -68,7 +68,9 @@ def choose_best(
     cannot tell such throughputs apart), and the tie goes to the higher context capacity, then the
     higher throughput, then the earlier trial. A config measured more than once competes with its
     mean throughput, and once any config was, the tie margin is the spread measured on them
-    (:func:`measured_noise`) instead of ``throughput_noise``; the choice names the tied trials.
+    (:func:`measured_noise`) where it exceeds ``throughput_noise`` (the configured margin is the
+    precision asked for; the measurement widens it when the box is noisier); the choice names the
+    tied trials.
 
     Args:
         finished: ``(trial or number, record)`` pairs; only feasible ``ok`` records compete.
@@ -76,7 +78,7 @@ def choose_best(
             throughput breaks ties) or ``max_throughput``.
         capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
         throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
-            a tie (0.03 = 3 %) while no config was measured twice.
+            a tie (0.03 = 3 %), or the measured spread when larger.
 
     Returns:
         The choice, or ``None`` when no trial is feasible.
@@ -90,8 +92,8 @@ def choose_best(
         return None
     pool = _by_config(measured)
     noise_measured = measured_noise(measured)
-    if noise_measured is not None:
-        throughput_noise = noise_measured
+    if noise_measured is not None:  # the measured spread, never tighter than the configured margin
+        throughput_noise = max(throughput_noise, noise_measured)
     top_capacity = max(r.context_capacity or 0 for _, r in pool)
     tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
     if policy == "max_throughput":
