@@ -1,8 +1,36 @@
-"""Shared pytest setup: benchmarks run only with ``--run-benchmarks``."""
+"""Suite-wide pytest setup.
+
+- Benchmarks (``tests/benchmarks``) run only with ``--run-benchmarks``.
+- Hygiene: the suite runs with a private temp folder (``$TMPDIR``, inherited by every process it
+  starts) and a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
+  lock/state/log folder). At the end the run FAILS if anything but pytest's own ``tmp_path``
+  folders was left in that temp folder, or if ``/var/lib/sglang-tuner`` gained entries (only a
+  warning when another test run was seen on the machine meanwhile: its entries cannot be told
+  from ours).
+- Fixtures shared by several folders: ``tuner_cli`` (the CLI in-process), ``workdir``,
+  ``systemd_sandbox`` (module-scoped), ``demo_run`` (one real ``tuner run`` of
+  ``configs/demo-sim.toml`` per session, read by the readers' and the end-to-end tests).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
 import pytest
+
+from tests.support.cli import CliResult, in_process_cli, run_tuner
+from tests.support.configs import DemoRun, config_copy
+from tests.support.sandbox import SandboxBusy, SystemdSandbox, boot_sandbox
+
+REAL_STATE_DIR = Path("/var/lib/sglang-tuner")
+"""The launcher's default state dir for root: no test may write there."""
+
+_hygiene: dict[str, object] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -14,6 +42,81 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def _other_test_runs() -> dict[int, str]:
+    """pytest processes on this machine outside this run's process tree: PID → command line."""
+    ours = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] not in ours and "pytest" in cmdline and "python" in cmdline:
+            found[proc.info["pid"]] = cmdline[:160]
+    return found
+
+
+def _entries(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the temp folder and the default state dir of this process and its children at a
+    private folder, before pytest or any test creates a temporary file."""
+    if hasattr(config, "workerinput"):  # an xdist worker inherits the controller's environment
+        return
+    private = Path(tempfile.mkdtemp(prefix="tuner-tests-"))
+    (private / "tmp").mkdir()
+    os.environ["TMPDIR"] = str(private / "tmp")
+    tempfile.tempdir = str(private / "tmp")
+    os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
+    _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0)
+
+
+def pytest_runtest_logfinish() -> None:
+    """Note other test runs now and then (they may write into /var/lib/sglang-tuner too)."""
+    if "others" in _hygiene:
+        _hygiene["reports"] = int(_hygiene["reports"]) + 1  # type: ignore[call-overload]
+        if _hygiene["reports"] % 25 == 0:
+            _hygiene["others"].update(_other_test_runs())  # type: ignore[union-attr]
+
+
+def _pytest_owned(name: str) -> bool:
+    return name.startswith("pytest-of-")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if the suite left files in the temp folder or wrote into /var/lib/sglang-tuner."""
+    private = _hygiene.get("private")
+    if not isinstance(private, Path):
+        return
+    problems = []
+    left = sorted(n for n in _entries(private / "tmp") if not _pytest_owned(n))
+    if left:
+        problems.append(f"left in the temp folder: {', '.join(left)}")
+    gained = sorted(_entries(REAL_STATE_DIR) - _hygiene["state_before"])  # type: ignore[operator]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    others: dict[int, str] = {**_hygiene["others"], **_other_test_runs()}  # type: ignore[dict-item]
+    if gained and others:
+        if reporter is not None:
+            named = "; ".join(f"PID {pid}: {cmd}" for pid, cmd in sorted(others.items())[:3])
+            reporter.write_line(f"hygiene: {REAL_STATE_DIR} gained {', '.join(gained)} while other test runs were "
+                                f"running ({named}); not attributed to this run")
+    elif gained:
+        problems.append(f"written into {REAL_STATE_DIR}: {', '.join(gained)}")
+    if problems:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if reporter is not None:
+            reporter.write_sep("=", "test hygiene", red=True)
+            for line in problems:
+                reporter.write_line(f"FAILED hygiene: {line}")
+            reporter.write_line(f"(kept for inspection: {private})")
+        return
+    if exitstatus != 0 and any((private / "tmp").iterdir()):
+        if reporter is not None:
+            reporter.write_line(f"the failed run's tmp_path folders are kept for inspection: {private}")
+        return
+    shutil.rmtree(private, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--run-benchmarks"):
         return
@@ -21,3 +124,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "benchmarks" in item.path.parts:
             item.add_marker(skip)
+
+
+@pytest.fixture()
+def tuner_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliResult]:
+    """Run ``tuner`` in this process: ``tuner_cli("trials", "--storage", url)`` → :class:`CliResult`."""
+    return in_process_cli(capsys, monkeypatch)
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A working directory for one tuner run (``studies/`` lands here)."""
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def systemd_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdSandbox]:
+    """One sandboxed service manager per test module (``tests/support/sandbox.py``).
+
+    While another test run holds the machine-wide lock it waits, saying so on stderr; past the wait
+    it skips the module's tests with the holder's PID and command line.
+    """
+    try:
+        with boot_sandbox(tmp_path_factory.mktemp("sandbox")) as box:
+            yield box
+    except SandboxBusy as busy:
+        pytest.skip(str(busy))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """The README's demo (``configs/demo-sim.toml``: the simulator under the process launcher),
+    with 4 s / 2 s load phases and three trials, run once per session."""
+    work = tmp_path_factory.mktemp("demo-run")
+    config = config_copy("demo-sim.toml", work, phases={"measure_s": 4, "stress_s": 2}, storage=True)
+    proc = run_tuner("run", "--config", str(config), "--budget", "3m", "--trials", "3", cwd=work, timeout_s=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return DemoRun(config, work, f"sqlite:///{work / 'studies' / 'demo-sim.db'}", proc)

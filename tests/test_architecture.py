@@ -1,7 +1,9 @@
 """The layer order of ``tuner/__init__.py`` holds, and an import against it fails the check.
 
 Runs import-linter (``[tool.importlinter]`` in ``pyproject.toml``) on this checkout, then on a copy
-of the package with one upward import injected, which must be reported as broken.
+of the package with one upward import injected, which must be reported as broken. And ``tuner apply``
+drives the launcher through its public calls only: no private attribute, no launcher subclass (an AST
+check, shown to catch the old ``_PersistentDropinLauncher`` shape).
 """
 
 from __future__ import annotations
@@ -53,3 +55,29 @@ def test_a_product_import_in_the_simulator_breaks_its_isolation(tmp_path: Path) 
     proc = _lint(copy)
     assert proc.returncode != 0
     assert "tuner.sim.clock -> tuner.sglang.failures" in proc.stdout
+
+
+def _private_uses(path: Path) -> list[str]:
+    """``obj._name`` on anything but ``self``/``cls``, and classes that extend a launcher, in ``path``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        if isinstance(node, ast.ClassDef):
+            for base in node.bases:
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+                if name.endswith("Launcher"):
+                    found.append(f"{path.name}:{node.lineno} class {node.name}({name})")
+    return found
+
+
+def test_apply_drives_the_launcher_through_its_public_calls(tmp_path: Path) -> None:
+    assert _private_uses(ROOT / "tuner" / "apply.py") == []
+    # the check sees the old shape: a launcher subclass overriding the private start
+    old = tmp_path / "apply.py"
+    old.write_text("class P(SystemdLauncher):\n    def _launch(self, argv):\n        self._start_unit()\n"
+                   "def execute(launcher):\n    launcher._launch([])\n")
+    assert _private_uses(old) == ["apply.py:1 class P(SystemdLauncher)", "apply.py:5 ._launch"]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tuner.units import parse_duration_s
 from tuner.config import load_config
 from tuner.errors import ConfigError
 from tuner.study.storage import study_artifacts_dir, study_storage_url
+from tuner.units import parse_duration_s
 
 ROOT = Path(__file__).resolve().parents[1]
 

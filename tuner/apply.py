@@ -17,10 +17,14 @@ The steps are states with allowed transitions (as httpx's ``ClientState``)::
        │           └──────────┴──► ROLLING_BACK ──► ROLLED_BACK | ROLLBACK_FAILED
        └──► PRINTED   (process launcher: the command line is printed or written, nothing runs)
 
-Crash safety comes from :mod:`tuner.launch.session`: the unit's lock is held throughout, and the
-previous drop-ins are recorded in the unit's state file *before* the first change, so a tuner
-killed mid-apply leaves a state that ``tuner restore`` puts back. The rollback itself is the
-launcher's :meth:`~tuner.launch.base.GuardedLauncher.restore` of that state.
+The restart is the systemd launcher's, driven through its public calls as a trial drives it
+(:mod:`tuner.launch.base`): ``SystemdLauncher(dropin_name="80-tuner.conf")``, then inside
+``launcher.session(restore_on_exit=False)`` (the unit's lock held throughout, the previous
+drop-ins recorded in the unit's state file *before* the first change) ``launcher.start(argv,
+dropin=planned_text)`` and the launcher's fail-fast ``wait``. A verified apply ends with
+``launcher.commit()``; the rollback is the launcher's
+:meth:`~tuner.launch.base.GuardedLauncher.restore` of the recorded state. A tuner killed mid-apply
+leaves that state file, which ``tuner restore --unit`` puts back.
 """
 
 from __future__ import annotations
@@ -44,8 +48,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import ApplyError, TunerError
 from tuner.results import StoredStudy, TrialView
 from tuner.study.storage import check_storage
-from tuner.launch.session import SessionState
-from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
+from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
@@ -399,40 +402,6 @@ def gpu_monitor(config: Any) -> Any | None:
     from tuner.entrypoints import resolve_gpu_monitor  # the run's own choice (nvml, the simulator's ledger, none)
 
     return resolve_gpu_monitor(config)
-
-
-class _PersistentDropinLauncher(SystemdLauncher):
-    """A systemd launcher whose start writes ``80-tuner.conf`` (or removes it) instead of the
-    trial drop-in; its fail-fast :meth:`wait` and its :meth:`restore` (the rollback) are the
-    launcher's own."""
-
-    def __init__(self, base: SystemdLauncher, dropin_text: str | None) -> None:
-        super().__init__(
-            base.unit,
-            url=base.url,
-            state_dir=base.state_dir,
-            gpu=base.gpu,
-            allow_foreign=base.allow_foreign,
-            release_timeout_s=base.release_timeout_s,
-        )
-        self.settings = getattr(base, "settings", {})
-        self._dropin_text = dropin_text
-
-    def _launch(self, argv: list[str]) -> None:
-        self.unit.check_writable()
-        if self._dropin_text is None:
-            self.unit.remove_dropin(PERSISTENT_DROPIN)
-        else:
-            self.unit.write_dropin(PERSISTENT_DROPIN, self._dropin_text)
-        self.unit.daemon_reload()
-        now = self.unit.exec_command().argv
-        if now != list(argv):
-            raise ApplyError(
-                f"after writing {PERSISTENT_DROPIN}, {self.unit.name} runs {shlex.join(now)!r} "
-                f"instead of the applied command: a drop-in sorting after it sets ExecStart=",
-                hint=f"move that ExecStart= out of {self.unit.dropin_folder} or into the unit file",
-            )
-        self._start_unit()
 
 
 def study_config(stored: StoredStudy, config: Path | None = None) -> Any:
@@ -835,7 +804,8 @@ def execute(
             what failed), or the rollback failed too (the state file is kept for ``tuner
             restore``).
         LockHeldError: Another tuner holds the unit.
-        LaunchError: The service could not be read before any change.
+        LaunchError: The service could not be read before any change, or a killed run left its
+            state file or its trial drop-in (``tuner restore --unit`` first); nothing changed.
 
     .. note:: Changes the production service.
     """
@@ -851,52 +821,26 @@ def execute(
                 ) from err
         where = f"written to {write}" if write else "printed"
         return run.record(plan.action, f"process launcher: new command line {where}")
-    base = _build(plan.settings, gpu)
-    launcher = _PersistentDropinLauncher(base, plan.new_dropin)
-    unit = launcher.unit
-    launcher.lock.acquire()
-    try:
-        if launcher.store.load() is not None:
+    launcher = _build({**plan.settings, "dropin_name": PERSISTENT_DROPIN}, gpu)
+    # the launcher's session: lock, then the state file before the first change; it refuses a
+    # state file or a trial drop-in a killed run left; it restores nothing on exit (_switch
+    # commits or rolls back), and a kill before either leaves the state file for `tuner restore`
+    with launcher.session(restore_on_exit=False):
+        if launcher.current_argv() != plan.previous_argv:
             raise ApplyError(
-                f"a tuning session left its state for {unit.name} ({launcher.store.path})",
-                hint=f"put the service back first: tuner restore --unit {unit.name}",
-            )
-        if unit.read_dropin(TRIAL_DROPIN) is not None:
-            raise ApplyError(
-                f"{unit.dropin_folder / TRIAL_DROPIN} is present: a tuning run is active or was killed",
-                hint=f"finish the run, or put the service back: tuner restore --unit {unit.name}",
-            )
-        if unit.exec_command().argv != plan.previous_argv:
-            raise ApplyError(
-                f"{unit.name}'s command changed since the plan was made",
+                f"{plan.target}'s command changed since the plan was made",
                 hint="run `tuner apply` again",
             )
-        unit.check_writable()
-        active = unit.properties().active_state in ("active", "activating", "reloading")
-        original = SessionState(
-            launcher="systemd",
-            key=unit.name,
-            original_argv=plan.previous_argv,
-            original_prefix=unit.exec_command().prefix,
-            original_dropins=unit.dropins(),
-            dropin_folder_existed=unit.dropin_folder.is_dir(),
-            was_running=active,
-            extra={"settings": launcher.settings, "apply": plan.action, "study": plan.study,
-                   "trial": plan.trial},
-        )
-        launcher.store.save(original)
         return _switch(run, launcher, timeout_s)
-    finally:
-        launcher.lock.release()
 
 
-def _switch(run: _Run, launcher: _PersistentDropinLauncher, timeout_s: float) -> ApplyRecord:
+def _switch(run: _Run, launcher: SystemdLauncher, timeout_s: float) -> ApplyRecord:
     """STARTED → READY → VERIFIED, or ROLLING_BACK → ROLLED_BACK / ROLLBACK_FAILED."""
     plan = run.plan
     failure = ""
     try:
         run.advance(ApplyState.STARTED)
-        launcher.start(plan.new_argv)
+        launcher.start(plan.new_argv, dropin=plan.new_dropin)
         st = launcher.wait(timeout_s)
         if st.phase.value != "ready":
             why = f"{st.failure.failure_class.value}: {st.failure.evidence}" if st.failure else st.phase.value
@@ -914,7 +858,7 @@ def _switch(run: _Run, launcher: _PersistentDropinLauncher, timeout_s: float) ->
         run.checks.append(Check(name="restart", ok=False, detail=failure))
     if not failure:
         run.advance(ApplyState.VERIFIED)
-        launcher.store.clear()
+        launcher.commit()
         what = f"trial {plan.trial}" if plan.action == "apply" else f"undo of apply #{plan.undoes}"
         return run.record(plan.action, f"{what} applied and verified on {plan.target}")
     run.advance(ApplyState.ROLLING_BACK)

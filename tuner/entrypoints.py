@@ -138,9 +138,9 @@ def tune(
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
     environment = resolve_environment(config, argv, table, gpu)
-    work_dir = Path(tempfile.mkdtemp(prefix=f"tuner-{config.study.name}-"))
-    with launcher.session():
-        executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=work_dir, environment=environment)
+    # Per-trial files live here until run_study uploads them to the artifact store; removed after.
+    with tempfile.TemporaryDirectory(prefix=f"tuner-{config.study.name}-") as work_dir, launcher.session():
+        executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=Path(work_dir), environment=environment)
         return run_study(
             config, executor, budget_s=budget_s, max_trials=max_trials,
             allow_mixed_environment=allow_mixed_environment, storage_url=storage_url, on_progress=on_progress,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.report.study_factory import failed_trial, make_study, ok_trial
+from tests.support.study_factory import failed_trial, make_study, ok_trial
 
 SIM = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
        "--mem-fraction-static", "0.80", "--port", "39999"]  # fmt: skip

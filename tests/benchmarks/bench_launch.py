@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conformance import free_port, set_flag, sim_command
-from tests.sandbox import boot_sandbox
+from tests.support.net import free_port
+from tests.support.sandbox import boot_sandbox
+from tests.support.sim import set_flag, sim_command
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
 from tuner.launch.unit import format_exec_command

@@ -1,7 +1,7 @@
 """Benchmark: the load generator is not the bottleneck (figures for README § Load generator).
 
 From one core (``os.sched_setaffinity``) the generator drives 1,000 concurrent streams against
-``tests/load/sse_server.py`` (its own processes, on other cores; a 1 ms timing wheel sends each
+``tests/support/sse_server.py`` (its own processes, on other cores; a 1 ms timing wheel sends each
 stream one token every 18 ms: 55,600 tokens/s offered) and must:
 
 * keep ≥ 1,000 streams in flight and receive ≥ 50,000 streamed tokens/s;
@@ -31,7 +31,7 @@ import pytest
 
 from tuner.load import RandomSpec, build_workload, run_load_sync
 
-SERVER = Path(__file__).parents[1] / "load" / "sse_server.py"
+SERVER = Path(__file__).parents[1] / "support" / "sse_server.py"
 STREAMS = int(os.environ.get("BENCH_LOAD_STREAMS", "1000"))
 ITL_MS = float(os.environ.get("BENCH_LOAD_ITL_MS", "18"))
 DURATION_S = float(os.environ.get("BENCH_LOAD_DURATION_S", "10"))

@@ -1,7 +1,7 @@
 """Search quality: the tuner's strategy vs random search vs a coarse grid, at equal server launches.
 
 The scenarios are data (``search_scenarios.toml``): simulated deployments evaluated offline
-(``tuner.sim.evaluate``, virtual time) through :class:`offline_runner.OfflineRunner`, which runs
+(``tuner.sim.evaluate``, virtual time) through :class:`tests.support.offline_runner.OfflineRunner`, which runs
 the product's own trial logic on the simulator's results. Every "launch" sizes the server from its
 rendered command line and runs the measured window and the stress load. The exhaustive grid over
 the same discrete space gives the optimum under the default policy (best = highest throughput
@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -30,9 +29,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "study"))
-
-from offline_runner import OfflineRunner  # noqa: E402
+from tests.support.offline_runner import OfflineRunner  # noqa: E402
 
 from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
 from tuner.load import build_workload  # noqa: E402

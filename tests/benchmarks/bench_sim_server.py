@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -20,8 +19,7 @@ import psutil
 import pytest
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
-from _simproc import spawn, wait_ready  # noqa: E402
+from tests.support.sim import spawn, wait_ready
 
 CONCURRENCY = 256
 INPUT_TOKENS = 256

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import shlex
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, sim_command
+from tests.support.cli import TUNER, one_error_line, run_tuner
+from tests.support.configs import config_copy
+from tests.support.conformance import START_TIMEOUT_S, Harness, LauncherConformance
+from tests.support.net import free_port
+from tests.support.sim import set_flag, sim_command
 from tuner.errors import LaunchError
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
-
-TUNER = str(Path(sys.executable).parent / "tuner")
+from tuner.sglang.client import SGLangClient
 
 
 def sim_demo_argv(config: Path, mem_fraction_static: str) -> list[str]:
@@ -46,27 +47,43 @@ class TestProcessLauncher(LauncherConformance):
     """The launcher contract, process launcher."""
 
 
-def _demo_config(tmp_path: Path, port: int) -> Path:
-    """configs/demo-sim.toml on ``port`` with its state under ``tmp_path``."""
-    state = tmp_path / "state"
-    config = tmp_path / "tuner.toml"
-    demo = (Path(__file__).parents[2] / "configs" / "demo-sim.toml").read_text()
-    config.write_text(demo.replace("30000", str(port)).replace("[service]\n", f'[service]\nstate_dir = "{state}"\n'))
-    return config
+def test_a_lasting_session_commits_keeps_its_state_when_cut_short_and_refuses_leftovers(harness: Harness) -> None:
+    """``session(restore_on_exit=False)`` (what ``tuner apply`` uses): commit keeps the change; a
+    session cut short after a start keeps its state file, which a lasting session refuses and
+    ``restore`` puts back; one left before any start removes its state file."""
+    launcher = build_launcher(harness.settings)
+    state = launcher.store.path
 
+    def mem_fraction_static() -> float:
+        with SGLangClient(harness.url) as client:
+            return client.server_info().mem_fraction_static
 
-def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> None:
-    err = done.stderr.strip()
-    assert done.returncode == code and err.startswith("error:") and "\n" not in err, (done.returncode, done.stderr)
-    assert "Traceback" not in done.stderr and all(n in err for n in needles), err
+    with launcher.session(restore_on_exit=False):
+        assert state.is_file()  # written before any change
+    assert not state.exists() and mem_fraction_static() == 0.85  # nothing started, nothing to put back
+    with launcher.session(restore_on_exit=False):
+        launcher.start(set_flag(harness.base_argv, "--mem-fraction-static", "0.7"))
+        assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY, launcher.logs()[-20:]
+        launcher.commit()
+    assert not state.exists() and mem_fraction_static() == 0.7  # the change stays
+    with pytest.raises(RuntimeError, match="cut short"), launcher.session(restore_on_exit=False):
+        launcher.start(set_flag(harness.base_argv, "--mem-fraction-static", "0.75"))
+        raise RuntimeError("cut short")
+    assert state.is_file()
+    with pytest.raises(LaunchError, match="left its state"), launcher.session(restore_on_exit=False):
+        pass
+    assert state.is_file()
+    assert launcher.restore(timeout_s=START_TIMEOUT_S).phase is LaunchPhase.READY
+    assert not state.exists() and mem_fraction_static() == 0.85  # the recorded original: the service's command
+    with pytest.raises(LaunchError, match="no session is open"):
+        launcher.commit()
 
 
 def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> None:
     port = free_port()
     state = tmp_path / "state"
-    config = _demo_config(tmp_path, port)
-    done = subprocess.run([TUNER, "launch", "--config", str(config), "--set", "mem-fraction-static=0.7"],
-                          capture_output=True, text=True, timeout=120)
+    config = config_copy("demo-sim.toml", tmp_path, port=port)
+    done = run_tuner("launch", "--config", str(config), "--set", "mem-fraction-static=0.7", timeout_s=120)
     assert done.returncode == 0, done.stderr
     first, second, command, *change = done.stdout.split("\n")
     assert first == "No server of this launcher is running, so there is nothing to stop."
@@ -75,7 +92,7 @@ def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> No
     assert command.startswith("  ") and Path(python).parent == Path(TUNER).parent and args == sim_demo_argv(config, "0.7")[1:]
     assert change == ["Command change:", "--- current argv", "+++ trial argv", "@@ -8,3 +8,3 @@",
                       " --mem-fraction-static", "-0.80", "+0.7", " --host", "", ""]
-    done = subprocess.run([TUNER, "restore", "--config", str(config)], capture_output=True, text=True, timeout=120)
+    done = run_tuner("restore", "--config", str(config), timeout_s=120)
     assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
     assert not any(p.suffix == ".log" for p in state.rglob("*")), "a preview or a no-op restore started something"
 
@@ -90,17 +107,15 @@ def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> No
     ("enable-hierarchical-cache=maybe", ("is a switch",)),
 ])
 def test_cli_launch_checks_each_set_against_the_flag_table(tmp_path: Path, setting: str, needles: tuple[str, ...]) -> None:
-    config = _demo_config(tmp_path, free_port())
-    done = subprocess.run([TUNER, "launch", "--config", str(config), "--set", setting],
-                          capture_output=True, text=True, timeout=120)
-    _one_line_error(done, *needles)
+    config = config_copy("demo-sim.toml", tmp_path, port=free_port())
+    done = run_tuner("launch", "--config", str(config), "--set", setting, timeout_s=120)
+    one_error_line(done, *needles)
     assert done.stdout == ""
 
 
 def test_cli_launch_offers_no_real_launch(tmp_path: Path) -> None:
-    done = subprocess.run([TUNER, "launch", "--config", str(_demo_config(tmp_path, free_port())), "--no-dry-run"],
-                          capture_output=True, text=True, timeout=120)
-    _one_line_error(done, "--no-dry-run", code=2)
+    done = run_tuner("launch", "--config", str(config_copy("demo-sim.toml", tmp_path, port=free_port())), "--no-dry-run", timeout_s=120)
+    one_error_line(done, "--no-dry-run", code=2)
 
 
 def test_a_foreign_server_on_the_port_is_refused_before_any_start(tmp_path: Path) -> None:
@@ -118,6 +133,5 @@ def test_a_foreign_server_on_the_port_is_refused_before_any_start(tmp_path: Path
         with pytest.raises(LaunchError, match=f"port {port} .* in use"):
             launcher.start(settings["command"])
         assert not (tmp_path / "logs").exists() and not launcher.record_path.exists()
-        done = subprocess.run([TUNER, "run", "--config", str(_demo_config(tmp_path, port)), "--budget", "1m"],
-                              capture_output=True, text=True, timeout=180, cwd=tmp_path)
-        _one_line_error(done, f"port {port}", "free port")
+        done = run_tuner("run", "--config", str(config_copy("demo-sim.toml", tmp_path, port=port)), "--budget", "1m", timeout_s=180, cwd=tmp_path)
+        one_error_line(done, f"port {port}", "free port")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conformance import START_TIMEOUT_S, Harness, LauncherConformance, free_port, set_flag, sim_command
-from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.conformance import START_TIMEOUT_S, Harness, LauncherConformance
+from tests.support.net import free_port
+from tests.support.sandbox import SystemdSandbox
+from tests.support.sim import set_flag, sim_command, wait_healthy
 from tuner.launch.base import LaunchPhase
 from tuner.launch.factory import build_launcher
 from tuner.launch.unit import format_exec_command
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.failures import FailureClass
-
-TUNER = str(Path(sys.executable).parent / "tuner")
 
 
 def _unit_text(argv: list[str], extra: str = "") -> str:
@@ -35,16 +35,6 @@ def _unit_text(argv: list[str], extra: str = "") -> str:
 
 def _folder_snapshot(folder: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in sorted(folder.glob("*"))} if folder.is_dir() else {}
-
-
-def _wait_healthy(url: str, timeout_s: float = START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    with SGLangClient(url, timeout_s=2.0) as client:
-        while time.monotonic() < deadline:
-            if client.health():
-                return
-            time.sleep(0.2)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
 
 
 @contextlib.contextmanager
@@ -63,7 +53,7 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Itera
                 "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
                 "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}
     try:
-        _wait_healthy(settings["url"])
+        wait_healthy(settings["url"], START_TIMEOUT_S)
         yield unit, settings, argv
     finally:
         box.systemctl_run("stop", unit, check=False)
@@ -128,11 +118,7 @@ def test_crash_loop_under_restart_always_is_detected_and_stopped(
             assert props.active_state in ("inactive", "failed"), props
             time.sleep(1.0)
             assert launcher.unit.properties().n_restarts == props.n_restarts, "still restarting"
-        _wait_healthy(settings["url"])
-
-
-def _cli(*args: str, cwd: Path | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*prefix, TUNER, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+        wait_healthy(settings["url"], START_TIMEOUT_S)
 
 
 def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
@@ -141,29 +127,21 @@ def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
             "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]
 
 
-def _assert_one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
-    err = done.stderr.strip()
-    assert err.startswith("error:") and "\n" not in err and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-
-
 def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
         base = _cli_target(box, settings)
         before = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
-        _assert_one_line_error(_cli("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
+        one_error_line(run_tuner("restore", "--unit", "no-such-unit", *base), "no-such-unit.service", "unknown")
         assert not [p.name for p in Path(settings["state_dir"]).glob("*no-such-unit*")], "restore left a file"
-        _assert_one_line_error(_cli("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
+        one_error_line(run_tuner("restore", "--unit", unit, *base[2:], "--systemctl", "/nonexistent/systemctl"),
                                "/nonexistent/systemctl", "not found")
         env_unit = f"env-{unit}"
         box.add_unit(env_unit, _unit_text(argv).replace("--port", "--port-from-env $PORT --port"))
-        _assert_one_line_error(_cli("restore", "--unit", env_unit, *base), "ExecStart", "environment variable")
+        one_error_line(run_tuner("restore", "--unit", env_unit, *base), "ExecStart", "environment variable")
         ro = ("unshare", "--mount", "--", "sh", "-c",
               'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"', str(box.unit_dir))
-        _assert_one_line_error(_cli("restore", "--unit", unit, *base, prefix=ro), "no permission", str(box.unit_dir))
+        one_error_line(run_tuner("restore", "--unit", unit, *base, prefix=ro), "no permission", str(box.unit_dir))
         after = _folder_snapshot(box.unit_dir / f"{unit}.d"), box.systemctl_run("show", "-p", "MainPID", unit).stdout
         assert after == before
         assert not (box.unit_dir / f"{env_unit}.d").exists()
@@ -179,13 +157,13 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         box.systemctl_run("daemon-reload")
         box.systemctl_run("restart", unit)
         base = ["--unit", unit, *_cli_target(box, settings)]
-        done = _cli("restore", *base)
+        done = run_tuner("restore", *base)
         assert done.returncode == 0 and "from the leftover trial change" in done.stdout, (done.stdout, done.stderr)
         with SGLangClient(settings["url"]) as client:
             assert client.server_info().mem_fraction_static == 0.85
         assert sorted(p.name for p in (box.unit_dir / f"{unit}.d").iterdir()) == ["10-operator.conf"]
         pid = stray.properties().main_pid
-        done = _cli("restore", *base)
+        done = run_tuner("restore", *base)
         assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
         assert stray.properties().main_pid == pid
 
@@ -202,7 +180,7 @@ def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: Sys
     box.add_unit("example-sim-live.service", text.replace("--port 30000", f"--port {port}"))
     box.systemctl_run("start", "example-sim-live.service")
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}")
+        wait_healthy(f"http://127.0.0.1:{port}", START_TIMEOUT_S)
     finally:
         box.systemctl_run("stop", "example-sim-live.service", check=False)
     box.add_unit("example-tuner-run.service", (examples / "tuner-run.service").read_text())

@@ -1,4 +1,4 @@
-"""Fixtures: the small SSE server (``sse_server.py``) as a real subprocess on a free loopback port."""
+"""Fixtures: the small SSE server (``tests/support/sse_server.py``) as a real subprocess on a free loopback port."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SERVER = Path(__file__).with_name("sse_server.py")
+SERVER = Path(__file__).parents[1] / "support" / "sse_server.py"
 
 
 class ServerProcess:

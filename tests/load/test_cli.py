@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.support.cli import run_tuner
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.cli", "load", *args], capture_output=True, text=True,
-                          timeout=180)
+    return run_tuner("load", *args, timeout_s=180)
 
 
 def test_max_under_slo_from_the_cli(start_server, tmp_path: Path) -> None:

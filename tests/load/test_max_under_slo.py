@@ -44,19 +44,28 @@ def test_undecided_level_is_rerun_long_enough_to_decide(start_server) -> None:
 
 
 def test_concurrency_search_brackets_the_server_capacity(start_server) -> None:
-    # 8 streams decode at once, 25 x 2 ms each; a 9th request waits ~55 ms for a slot, over the 40 ms TTFT limit.
-    server = start_server("--ttft-ms", "3", "--itl-ms", "2", "--capacity", "8")
+    # 2 streams decode at once, each holding its slot S = 3 + 25 x 16 ms = 403 ms; more queue.
+    # At c <= 2 nothing ever queues: TTFT = 3 ms + overheads, far under the 100 ms limit. At c = 3
+    # at most 1 of every 2 requests starts without waiting: when both slots finish together, the
+    # queued request takes one and one of the 2 resent ones waits a whole S; when they finish
+    # apart, each request waits ~S/2 - T = 200 ms - T (T: the client's turnaround). Either way
+    # the attainment at c >= 3 is <= 0.5, under the 0.8 target, whatever CPU load does to T (up
+    # to 100 ms) or to the overheads (up to 100 ms). With a 2 ms ITL (S ~ 50 ms) an extra stream
+    # cost ~6 ms - T, so the answer was a function of the box's speed (6-10 idle, 12 under load).
+    server = start_server("--ttft-ms", "3", "--itl-ms", "16", "--capacity", "2")
     steps = []
     result = find_max_under_slo(
-        server.url, RandomSpec(input_len=16, output_len=25), SLO(ttft_ms={"p99": 40}),
-        knob="concurrency", start=2, max_value=32, step_duration_s=1.5, warmup_s=0.3,
-        time_budget_s=90, target_attainment=0.8, on_step=steps.append,
+        server.url, RandomSpec(input_len=16, output_len=25), SLO(ttft_ms={"p99": 100}),
+        knob="concurrency", start=2, max_value=32, step_duration_s=4.5, warmup_s=0.5,
+        time_budget_s=120, target_attainment=0.8, on_step=steps.append,
     )
-    assert result.status == "found", result.message
-    assert 6 <= result.value <= 10 and result.upper is not None and result.upper > result.value
-    assert [s.value for s in steps][:3] == [2, 4, 8]
-    assert all(s.verdict == "pass" for s in steps if s.value <= 4)
-    assert any(s.verdict in ("fail", "indeterminate") for s in steps if s.value >= 16)
+    shown = [(s.value, s.verdict, s.judged, s.attainment) for s in steps]
+    assert result.status == "found", (result.message, shown)
+    assert result.value == 2 and result.upper == 3, shown
+    assert [s.value for s in steps if s.verdict != "indeterminate"] == [2, 4, 3], shown
+    assert all(s.verdict == "pass" for s in steps if s.value <= 2 and s.verdict != "indeterminate"), shown
+    assert not any(s.verdict == "pass" for s in steps if s.value >= 3), shown
+    assert all(s.attainment is not None and s.attainment <= 0.55 for s in steps if s.value >= 3), shown
 
 
 def test_rate_search_detects_over_saturation(start_server) -> None:

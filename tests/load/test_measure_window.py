@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from tuner.errors import LoadError
 from tuner.load import RandomSpec, build_workload, run_load_sync
 from tuner.load.arrivals import PhasePlan
-from tuner.errors import LoadError
 
 _SLOW = ("--ttft-ms", "100", "--itl-ms", "20")  # 40 output tokens → E2E ≈ 0.9 s
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 import pytest
 
+from tests.support.net import free_port
 from tuner.errors import LoadError
 from tuner.load import (
     SLO,
@@ -114,9 +114,7 @@ def test_on_tick_true_stops_promptly(start_server) -> None:
 
 @pytest.mark.parametrize("transport", ["raw", "aiohttp"])
 def test_server_down_or_wrong_url_is_one_line_load_error(sse_url: str, transport: str) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        closed_port = sock.getsockname()[1]
+    closed_port = free_port()
     wl = build_workload(RandomSpec(input_len=8, output_len=2, num_requests=1), seed=0)
     with pytest.raises(LoadError) as info:
         run_load_sync(f"http://127.0.0.1:{closed_port}", wl, concurrency=1, check_timeout_s=10, transport=transport)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.sim import SimProcess, start_healthy
 from tuner.load import (
     LiveStats,
     MultiTurnSpec,
@@ -29,53 +29,21 @@ from tuner.load import (
     run_load_sync,
 )
 
-
-class Sim:
-    """``python -m tuner.sim`` in its own process group, ready when ``/health`` answers 200."""
-
-    def __init__(self, tmp: Path) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (tmp / f"sim-{self.port}.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
-             "--host", "127.0.0.1", "--port", str(self.port), "--enable-metrics", "--sim-time-scale", "0.01"],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the simulator exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise RuntimeError(f"the simulator was not ready within 90 s; see {self.log.name}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self.log.close()
+SIM_ARGS = ["--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB", "--enable-metrics"]
 
 
 @pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    server = Sim(tmp_path_factory.mktemp("sim"))
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
+    server = start_healthy(SIM_ARGS, tmp_path_factory.mktemp("sim"), time_scale=0.01)
     yield server
-    server.kill()
+    server.stop()
 
 
 def _flush(url: str) -> None:
     assert requests.post(url + "/flush_cache", timeout=30).status_code == 200
 
 
-def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: Sim) -> None:
+def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: SimProcess) -> None:
     _flush(sim.url)
     spec = SharedPrefixSpec(num_groups=8, prompts_per_group=16, system_prompt_len=2048, question_len=128, output_len=4)
     result = run_load_sync(sim.url, build_workload(spec, seed=1), concurrency=8)
@@ -90,7 +58,7 @@ def test_shared_prefix_hit_rate_near_design_random_near_zero(sim: Sim) -> None:
     assert random.summary.cache_hit_rate is not None and random.summary.cache_hit_rate < 0.02
 
 
-def test_multi_turn_hit_rate_matches_its_design(sim: Sim) -> None:
+def test_multi_turn_hit_rate_matches_its_design(sim: SimProcess) -> None:
     _flush(sim.url)
     spec = MultiTurnSpec(num_sessions=8, turns=4, first_input_len=1024, turn_input_len=128, output_len=16)
     wl = build_workload(spec, seed=5)
@@ -100,7 +68,7 @@ def test_multi_turn_hit_rate_matches_its_design(sim: Sim) -> None:
 
 
 @pytest.mark.parametrize("transport", ["raw", "aiohttp"])
-def test_completions_api_against_the_sim(sim: Sim, transport: str) -> None:
+def test_completions_api_against_the_sim(sim: SimProcess, transport: str) -> None:
     wl = build_workload(RandomSpec(input_len=300, output_len=12, num_requests=16), seed=3)
     result = run_load_sync(sim.url, wl, concurrency=4, api="completions", transport=transport)
     s = result.summary
@@ -110,11 +78,10 @@ def test_completions_api_against_the_sim(sim: Sim, transport: str) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.cli", "load", *args], capture_output=True, text=True,
-                          timeout=180)
+    return run_tuner("load", *args, timeout_s=180)
 
 
-def test_cli_writes_json_and_csv_and_fails_in_one_line(sim: Sim, tmp_path: Path) -> None:
+def test_cli_writes_json_and_csv_and_fails_in_one_line(sim: SimProcess, tmp_path: Path) -> None:
     out, rows = tmp_path / "load.json", tmp_path / "load.csv"
     done = _cli("--url", sim.url, "--input-len", "200", "--output-len", "8", "--concurrency", "4",
                 "--max-requests", "20", "--slo", "p99_ttft_ms=60000", "--json", str(out), "--csv", str(rows))
@@ -125,14 +92,13 @@ def test_cli_writes_json_and_csv_and_fails_in_one_line(sim: Sim, tmp_path: Path)
     assert len(rows.read_text().splitlines()) == 21
     assert "output throughput" in done.stdout
     down = _cli("--url", "http://127.0.0.1:9", "--concurrency", "1", "--duration", "1")
-    assert down.returncode == 1 and "cannot connect" in down.stderr
-    assert len(down.stderr.strip().splitlines()) == 1 and "Traceback" not in down.stderr
+    one_error_line(down, "cannot connect")
     bad = _cli("--url", sim.url, "--concurrency", "1", "--duration", "1", "--slo", "p99_ttft=5")
     assert bad.returncode == 1 and "--slo" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_sim_crash_mid_run_gives_partial_result_promptly(tmp_path: Path) -> None:
-    victim = Sim(tmp_path)
+    victim = start_healthy(SIM_ARGS, tmp_path, time_scale=0.01)
     try:
         def crash(stats: LiveStats) -> None:
             if stats.elapsed_s >= 1.0 and victim.proc.poll() is None:
@@ -145,10 +111,10 @@ def test_sim_crash_mid_run_gives_partial_result_promptly(tmp_path: Path) -> None
         assert result.partial and result.stop_reason
         assert result.summary.errored + result.summary.incomplete >= 16
     finally:
-        victim.kill()
+        victim.stop()
 
 
-def test_cli_names_the_error_and_exits_1_when_no_request_completes(sim: Sim, tmp_path: Path) -> None:
+def test_cli_names_the_error_and_exits_1_when_no_request_completes(sim: SimProcess, tmp_path: Path) -> None:
     # llama-3.1-8b's context is 131072 tokens: the server rejects every 200000-token prompt (§4.4).
     out = tmp_path / "load.json"
     done = _cli("--url", sim.url, "--input-len", "200000", "--output-len", "4", "--concurrency", "1",
@@ -157,6 +123,5 @@ def test_cli_names_the_error_and_exits_1_when_no_request_completes(sim: Sim, tmp
     reason = "Input length (200000 tokens) exceeds the maximum allowed length"
     assert "errors (5), most common first:" in done.stdout and "5 x http: HTTP 400" in done.stdout
     assert reason in done.stdout.replace("\n", " ")
-    error = done.stderr.strip()
-    assert len(error.splitlines()) == 1 and "no request completed (5 errored" in error and reason in error, error
+    one_error_line(done, "no request completed (5 errored", reason)
     assert json.loads(out.read_text())["summary"]["top_errors"][0]["count"] == 5  # written before the exit

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.report.cli_runner import HTML_LOG_LINE, tuner_cli  # noqa: F401  (tuner_cli: fixture)
-from tests.report.study_factory import failed_trial, make_study, ok_trial, skipped_trial
+from tests.support.study_factory import HTML_LOG_LINE, failed_trial, make_study, ok_trial, skipped_trial
 
 
 @pytest.fixture(scope="module")

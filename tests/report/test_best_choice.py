@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.report.study_factory import make_study, ok_trial
+from tests.support.study_factory import make_study, ok_trial
 
 REPO = Path(__file__).resolve().parents[2]
 

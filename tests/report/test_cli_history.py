@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 
-
 def _one_error_line(proc, *needles: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()

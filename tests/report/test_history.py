@@ -7,11 +7,9 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.report.study_factory import make_study, ok_trial
+from tests.support.study_factory import make_study, ok_trial
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
-from tuner.study.storage import check_storage
-from tuner.study.best import override_policy
 from tuner.results import (
     StudyLocation,
     best_trial,
@@ -19,6 +17,8 @@ from tuner.results import (
     resolve_location,
     select_trials,
 )
+from tuner.study.best import override_policy
+from tuner.study.storage import check_storage
 
 
 def test_views_read_records_constraints_and_states(demo_study: str) -> None:

@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +15,11 @@ import plotly.offline
 import pytest
 import requests
 
-from tests.report.cli_runner import HTML_LOG_LINE
-from tests.report.study_factory import make_study, ok_trial
-from tuner.results import StudyLocation, open_study
+from tests.support.cli import TUNER
+from tests.support.net import free_port
+from tests.support.study_factory import HTML_LOG_LINE, make_study, ok_trial
 from tuner.report.html import build_html_report
+from tuner.results import StudyLocation, open_study
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -68,17 +68,11 @@ def test_report_renders_in_headless_chromium_offline(demo_study: str, tmp_path: 
     assert "&lt;script&gt;alert" in dom and "<script>alert" not in dom
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_dashboard_serves_the_storage_and_ctrl_c_stops_it_quietly(demo_study: str) -> None:
     """`tuner dashboard` as a terminal runs it: Ctrl-C (SIGINT to its process group) stops the
     dashboard with one line, no traceback, and leaves no server behind."""
-    port = _free_port()
-    tuner = Path(sys.executable).with_name("tuner")
+    port = free_port()
+    tuner = TUNER
     proc = subprocess.Popen(
         [str(tuner), "dashboard", "--storage", demo_study, "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -108,7 +102,7 @@ def test_dashboard_serves_the_storage_and_ctrl_c_stops_it_quietly(demo_study: st
 
 def test_dashboard_on_a_port_in_use_is_one_line(demo_study: str) -> None:
     """A port another program listens on: one error line, exit 1, no traceback, nothing started."""
-    tuner = Path(sys.executable).with_name("tuner")
+    tuner = TUNER
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

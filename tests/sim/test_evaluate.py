@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from _simproc import free_port, spawn, wait_ready
-
+from tests.support.net import free_port
+from tests.support.sim import spawn, wait_ready
 from tuner.sim.engine import SimRequest
 from tuner.sim.errors import SimError
 from tuner.sim.evaluate import _run, evaluate, size_server

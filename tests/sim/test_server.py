@@ -15,9 +15,10 @@ import aiohttp
 import psutil
 import pytest
 import requests
-from _simproc import SimProcess, free_port, spawn, wait_ready
 from aiohttp import web
 
+from tests.support.net import free_port
+from tests.support.sim import SimProcess, spawn, wait_ready
 from tuner.sim.costmodel import activation_bytes
 from tuner.sim.engine import Engine
 from tuner.sim.server import SimServer

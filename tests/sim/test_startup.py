@@ -6,7 +6,8 @@ import re
 import signal
 
 import pytest
-from _simproc import run_to_exit, spawn, wait_ready
+
+from tests.support.sim import run_to_exit, spawn, wait_ready
 
 KILLED = -signal.SIGKILL  # kill_process_tree: the unit dies with 9/KILL (status 137 in a shell)
 SIGQUIT_LINE = "Received sigquit from a child process. It usually means the child failed."

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import config_copy, load, tuner
 from optuna.trial import TrialState
 
+from tests.support.cli import TUNER, run_tuner
+from tests.support.configs import DemoRun, config_copy, load_study, service_url
 from tuner.records import TrialRecord
 from tuner.sglang.memory import must_fail
+from tuner.study.optuna_io import PHASE_ATTR
+
+LOAD_PHASES = ("measure", "stress")
+"""Phases in which the trial's server is under load (``PHASE_ATTR``, set by the study loop)."""
 
 
 def _server_down(url: str) -> bool:
@@ -26,59 +32,60 @@ def _server_down(url: str) -> bool:
     return False
 
 
-FAST = {"measure_s = 10": "measure_s = 5", "stress_s = 6": "stress_s = 3"}
+FAST = {"measure_s": 5, "stress_s": 3}
 
 
-def _wait_running_trial(proc: subprocess.Popen, storage: str, db: Path, timeout_s: float) -> tuple[int, dict] | None:
-    """Poll the study until a trial is RUNNING after at least one completed; return it."""
+def _wait_trial_under_load(proc: subprocess.Popen, storage: str, db: Path, timeout_s: float) -> tuple[int, dict] | None:
+    """Poll the study until a trial after a completed one is RUNNING in a load phase; return it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(1.0)
+        time.sleep(0.3)
         if not db.exists():
             continue
         try:
-            trials = load(storage, "demo-sim").trials
+            trials = load_study(storage, "demo-sim").trials
         except Exception:  # noqa: BLE001 - the study may not exist yet
             continue
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        running = [t for t in trials if t.state == TrialState.RUNNING and t.params]
-        if complete and running:
-            time.sleep(3.0)  # inside its load phase
-            return running[0].number, dict(running[0].params)
+        loaded = [t for t in trials if t.state == TrialState.RUNNING and t.params
+                  and t.user_attrs.get(PHASE_ATTR) in LOAD_PHASES]
+        if complete and loaded:
+            return loaded[0].number, dict(loaded[0].params)
     return None
 
 
-def _url(config: Path) -> str:
-    line = next(x for x in config.read_text().splitlines() if x.startswith("url = "))
-    return line.split('"')[1]
+def _start_run(config: Path, workdir: Path, **pipes: int) -> subprocess.Popen:
+    return subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "6"], cwd=workdir, text=True,
+                            **pipes)
 
 
 @pytest.mark.slow
-def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, replace=FAST)
-    proc = tuner("run", "--config", str(config), "--budget", "50s", cwd=workdir, timeout_s=400)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "service restored" in proc.stdout
-    assert "vs baseline" in proc.stdout or "nothing beats the baseline" in proc.stdout
-    assert (workdir / "studies" / "demo-sim.db").exists()
-    study = load(f"sqlite:///{workdir}/studies/demo-sim.db", "demo-sim")
+def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(demo_run: DemoRun) -> None:
+    out = demo_run.stdout
+    assert "service restored" in out
+    assert "vs baseline" in out and "nothing beats the baseline" not in out, out[-2000:]
+    assert "none (the baseline is best)" not in out, out[-2000:]
+    assert (demo_run.work / "studies" / "demo-sim.db").exists()
+    study = load_study(demo_run.storage, "demo-sim")
     done = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     assert len(done) >= 2
     first = TrialRecord.model_validate(done[0].user_attrs["tuner.record"])
     assert first.kind == "baseline" and first.context_capacity and first.memory.get("capacity_model")
-    assert first.artifacts.get("server_log") and (workdir / "studies" / "demo-sim" / "artifacts").is_dir()
+    assert first.artifacts.get("server_log") and (demo_run.work / "studies" / "demo-sim" / "artifacts").is_dir()
     assert done[0].values[0] == first.context_capacity
-    assert _server_down(_url(config))  # the demo server was not running before: restored = stopped
+    best = max((t for t in done if t.state == TrialState.COMPLETE), key=lambda t: t.values[0])
+    assert best.values[0] > first.context_capacity, "the demo found no config with more contexts than the baseline"
+    assert done[0].user_attrs[PHASE_ATTR] == "record"  # the last phase of a measured trial
+    assert _server_down(service_url(demo_run.config))  # the demo server was not running before: restored = stopped
 
 
 @pytest.mark.slow
 def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, replace=FAST)
+    config = config_copy("demo-sim.toml", workdir, phases=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), "--trials", "6"],
-                            cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start_run(config, workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        found = _wait_running_trial(proc, storage, workdir / "studies" / "demo-sim.db", 240)
+        found = _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240)
         if found is not None:
             os.kill(proc.pid, signal.SIGKILL)
     finally:
@@ -86,30 +93,33 @@ def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
             proc.kill()
         proc.wait(timeout=30)
     killed_number, killed_params = found if found else (None, {})
-    assert killed_number is not None, "never saw a completed and a running trial"
-    before = {t.number: t.values for t in load(storage, "demo-sim").trials if t.state == TrialState.COMPLETE}
+    assert killed_number is not None, "never saw a completed trial and a running one under load"
+    before = {t.number: t.values for t in load_study(storage, "demo-sim").trials if t.state == TrialState.COMPLETE}
+    left = sorted(Path(tempfile.gettempdir()).glob("tuner-demo-sim-*"))
+    assert len(left) == 1, left  # the killed run's work folder: nothing removes a folder on SIGKILL
 
-    second = tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=300)
+    second = run_tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=300)
     assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(Path(tempfile.gettempdir()).glob("tuner-demo-sim-*")) == left  # the resumed run removed its own
+    shutil.rmtree(left[0])
     assert f"re-enqueued interrupted trial(s) [{killed_number}]" in second.stdout.replace("\n", " ")
-    after = load(storage, "demo-sim").trials
+    after = load_study(storage, "demo-sim").trials
     assert {t.number: t.values for t in after if t.number in before} == before
     assert after[killed_number].state == TrialState.FAIL
     rerun = [t for t in after if t.number > killed_number and t.user_attrs.get("tuner.kind") == "enqueued"]
     assert rerun and rerun[0].params == killed_params
     assert rerun[0].state == TrialState.COMPLETE
-    assert _server_down(_url(config))
+    assert _server_down(service_url(config))
 
 
 @pytest.mark.slow
 def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, replace=FAST)
+    config = config_copy("demo-sim.toml", workdir, phases=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), "--trials", "6"],
-                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_run(config, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        found = _wait_running_trial(proc, storage, workdir / "studies" / "demo-sim.db", 240)
-        assert found is not None, "never saw a completed and a running trial"
+        found = _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240)
+        assert found is not None, "never saw a completed trial and a running one under load"
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=120)
     finally:
@@ -120,22 +130,22 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
     number, params = found
     assert f"interrupted: trial {number} recorded as failed (interrupted), service restored" in err, err[-1000:]
     assert f"resume with `tuner run --config {config}" in err
-    trials = load(storage, "demo-sim").trials
+    trials = load_study(storage, "demo-sim").trials
     interrupted = trials[number]
     assert interrupted.state == TrialState.FAIL
     record = TrialRecord.model_validate(interrupted.user_attrs["tuner.record"])
     assert "interrupted" in (record.failure_evidence or "")
     waiting = [t for t in trials if t.state == TrialState.WAITING]
     assert waiting and waiting[0].system_attrs["fixed_params"] == params
-    assert _server_down(_url(config))
+    assert _server_down(service_url(config))
 
 
 @pytest.mark.slow
 def test_reference_twin_reaches_145x_capacity_without_oom_or_proved_restarts(workdir: Path) -> None:
     config = config_copy("reference-sim.toml", workdir, replace={'measure_s = 20': 'measure_s = 8'})
-    proc = tuner("run", "--config", str(config), "--trials", "2", cwd=workdir, timeout_s=500)
+    proc = run_tuner("run", "--config", str(config), "--trials", "2", cwd=workdir, timeout_s=500)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    study = load(f"sqlite:///{workdir}/studies/reference-sim.db", "reference-sim")
+    study = load_study(f"sqlite:///{workdir}/studies/reference-sim.db", "reference-sim")
     stored = [(t.number, TrialRecord.model_validate(t.user_attrs["tuner.record"])) for t in study.trials
               if "tuner.record" in t.user_attrs]
     baseline = stored[0][1]

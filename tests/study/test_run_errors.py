@@ -11,33 +11,24 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import config_copy, load, tuner
-from optuna.trial import TrialState
 
-from tuner.study.budget import require_one_trial
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.configs import config_copy, load_study
 from tuner.errors import ConfigError
 from tuner.records import TrialRecord
-
-
-def _one_error_line(proc, needle: str) -> str:  # noqa: ANN001 - CompletedProcess
-    assert proc.returncode == 1, (proc.stdout[-1500:], proc.stderr[-1500:])
-    assert "Traceback" not in proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert needle in lines[0], lines[0]
-    return lines[0]
+from tuner.study.budget import require_one_trial
 
 
 def test_baseline_that_cannot_start_stops_the_run_with_the_servers_reason(workdir: Path) -> None:
     config = config_copy("demo-sim.toml", workdir, replace={'"llama-3.1-8b"': '"/nonexistent/model"'})
-    proc = tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
-    line = _one_error_line(proc, "--model-path '/nonexistent/model' is neither a directory")
+    proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
+    line = one_error_line(proc, "--model-path '/nonexistent/model' is neither a directory")
     assert "baseline (trial 0" in line and "restored" in line and "`tuner show 0`" in line
-    trials = load(f"sqlite:///{workdir}/studies/demo-sim.db", "demo-sim").trials
+    trials = load_study(f"sqlite:///{workdir}/studies/demo-sim.db", "demo-sim").trials
     assert len(trials) == 1  # stopped at once: no candidate was launched after it
     record = TrialRecord.model_validate(trials[0].user_attrs["tuner.record"])
     assert record.failure_class is not None and record.failure_class.value == "invalid_arguments"
-    shown = tuner("show", "0", "--config", str(config), cwd=workdir, timeout_s=120)
+    shown = run_tuner("show", "0", "--config", str(config), cwd=workdir, timeout_s=120)
     assert shown.returncode == 0, shown.stderr
     assert "neither a directory with a config.json" in " ".join(shown.stdout.split())
 
@@ -48,8 +39,8 @@ def test_baseline_on_a_port_held_by_another_program_stops_the_run(workdir: Path)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen(1)
-        proc = tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
-    line = _one_error_line(proc, str(port))
+        proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
+    line = one_error_line(proc, str(port))
     assert "in use" in line
 
 
@@ -58,16 +49,16 @@ def test_url_on_another_port_than_the_command_is_refused_before_any_trial(workdi
     text = config.read_text()
     url_line = next(x for x in text.splitlines() if x.startswith("url = "))
     config.write_text(text.replace(url_line, 'url = "http://127.0.0.1:9"'))
-    proc = tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=120)
-    _one_error_line(proc, "uses port 9 but the server command has --port")
+    proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=120)
+    one_error_line(proc, "uses port 9 but the server command has --port")
 
 
 @pytest.mark.parametrize(("budget", "needle"), [("3", "--budget '3' has no unit"),
                                                 ("10s", "shorter than one trial")])
 def test_budget_without_unit_or_shorter_than_a_trial_is_one_line(workdir: Path, budget: str, needle: str) -> None:
     config = config_copy("demo-sim.toml", workdir)
-    proc = tuner("run", "--config", str(config), "--budget", budget, cwd=workdir, timeout_s=120)
-    line = _one_error_line(proc, needle)
+    proc = run_tuner("run", "--config", str(config), "--budget", budget, cwd=workdir, timeout_s=120)
+    line = one_error_line(proc, needle)
     if budget == "10s":
         assert "give at least --budget 1m" in line
 
@@ -81,32 +72,31 @@ def test_require_one_trial_names_the_minimum_in_whole_minutes() -> None:
 def test_explicit_storage_in_a_missing_folder_is_refused_and_not_created(workdir: Path) -> None:
     config = config_copy("demo-sim.toml", workdir)
     missing = workdir / "no" / "such"
-    proc = tuner("run", "--config", str(config), "--budget", "5m", "--storage", f"sqlite:///{missing}/x.db",
+    proc = run_tuner("run", "--config", str(config), "--budget", "5m", "--storage", f"sqlite:///{missing}/x.db",
                  cwd=workdir, timeout_s=120)
-    _one_error_line(proc, f"folder '{missing}' does not exist")
+    one_error_line(proc, f"folder '{missing}' does not exist")
     assert not (workdir / "no").exists()
 
 
 def test_init_into_a_missing_folder_is_one_line_and_its_suggested_dry_run_works(workdir: Path) -> None:
-    proc = tuner("init", "--sim", "-o", str(workdir / "missing" / "x.toml"), cwd=workdir, timeout_s=60)
-    _one_error_line(proc, f"folder {workdir / 'missing'} does not exist")
-    made = tuner("init", "--sim", cwd=workdir, timeout_s=60)
+    proc = run_tuner("init", "--sim", "-o", str(workdir / "missing" / "x.toml"), cwd=workdir, timeout_s=60)
+    one_error_line(proc, f"folder {workdir / 'missing'} does not exist")
+    made = run_tuner("init", "--sim", cwd=workdir, timeout_s=60)
     assert made.returncode == 0, made.stderr
     suggested = made.stdout.split("`")[1].split()
     assert suggested == ["tuner", "run", "--config", "tuner.toml", "--dry-run"]
-    dry = tuner(*suggested[1:], cwd=workdir, timeout_s=120)
+    dry = run_tuner(*suggested[1:], cwd=workdir, timeout_s=120)
     assert dry.returncode == 0, dry.stderr
     assert "first candidate: the baseline" in dry.stdout
     assert not (workdir / "studies").exists()  # --dry-run changes nothing
 
 
 def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_path: Path) -> None:
-    from offline_runner import OfflineRunner
-
+    from tests.support.offline_runner import OfflineRunner
     from tuner.config import load_config
     from tuner.errors import StudyError
-    from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
     from tuner.sglang.failures import FailureClass
+    from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
 
     root = Path(__file__).resolve().parents[2]
     log = tmp_path / "server.log"

@@ -3,46 +3,34 @@
 from __future__ import annotations
 
 import json
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import requests
-from conftest import free_port, load, tuner
 
-from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
+from tests.support.cli import run_tuner
+from tests.support.configs import load_study
+from tests.support.net import free_port
+from tests.support.sandbox import SystemdSandbox
+from tests.support.sim import sim_command, wait_healthy
 from tuner.launch.unit import format_exec_command
 from tuner.records import StudyInfo, TrialRecord
 
 
-def _healthy(url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    return False
-
-
 @pytest.mark.slow
 @pytest.mark.systemd
-def test_study_under_systemd_restores_the_unit(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+def test_study_under_systemd_restores_the_unit(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:
     box = systemd_sandbox
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
-            "--mem-fraction-static", "0.80", "--sim-time-scale", "0.01", "--host", "127.0.0.1", "--port", str(port)]
+    argv = sim_command(port, "0.80", gpu="L4-24GB", time_scale="0.01")
     unit = f"sglang-sim-{port}.service"
     box.add_unit(unit, "[Unit]\nDescription=simulated SGLang (study test)\n[Service]\n"
                        f"Environment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(argv)}\n")
     box.systemctl_run("daemon-reload")
     box.systemctl_run("start", unit)
     try:
-        assert _healthy(url, 60), "the unit did not come up"
+        wait_healthy(url, 60)
         config = tmp_path / "systemd.toml"
         config.write_text(
             f'[study]\nname = "sd"\n\n[service]\nlauncher = "systemd"\nunit = "{unit}"\nurl = "{url}"\n'
@@ -53,9 +41,9 @@ def test_study_under_systemd_restores_the_unit(systemd_sandbox: SystemdSandbox, 
             '[slo]\nitl_ms = { p99 = 5000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
             "[budget]\nwarmup_s = 1\nmeasure_s = 4\nstress_s = 2\nmax_concurrency = 16\n"
         )
-        proc = tuner("run", "--config", str(config), "--trials", "2", cwd=tmp_path, timeout_s=400)
+        proc = run_tuner("run", "--config", str(config), "--trials", "2", cwd=tmp_path, timeout_s=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        study = load(f"sqlite:///{tmp_path}/studies/sd.db", "sd")
+        study = load_study(f"sqlite:///{tmp_path}/studies/sd.db", "sd")
         info = StudyInfo.model_validate(study.user_attrs["tuner.study"])
         assert info.baseline_argv == argv and info.target["unit"] == unit
         records = [TrialRecord.model_validate(t.user_attrs["tuner.record"]) for t in study.trials]
@@ -66,7 +54,7 @@ def test_study_under_systemd_restores_the_unit(systemd_sandbox: SystemdSandbox, 
         # Restored: the original command runs again, no trial drop-in is left.
         show = box.systemctl_run("show", "-p", "ActiveState", "-p", "DropInPaths", unit).stdout
         assert "ActiveState=active" in show and "tuner" not in show
-        assert _healthy(url, 60)
+        wait_healthy(url, 60)
         served = requests.get(f"{url}/get_server_info", timeout=5).json()
         assert served["mem_fraction_static"] == 0.80
     finally:

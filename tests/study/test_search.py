@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offline_runner import OfflineRunner
-
+from tests.support.offline_runner import OfflineRunner
 from tuner.config import SpaceSection, load_config
+from tuner.sglang.memory import must_fail
 from tuner.study.loop import run_study
 from tuner.study.space import resolve_space
-from tuner.sglang.memory import must_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 

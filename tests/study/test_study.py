@@ -8,11 +8,11 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tuner.study.budget import Budget
 from tuner.errors import StudyError
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.study.best import choose_best
+from tuner.study.budget import Budget
 from tuner.study.optuna_io import (
     KIND_ATTR,
     check_environment,

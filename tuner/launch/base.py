@@ -6,7 +6,7 @@ Subclasses supply only how to read, start, poll, stop and put back their service
 
 Implementations: :mod:`tuner.launch.systemd` (production) and :mod:`tuner.launch.process`
 (hosts without systemd, the demo). Both pass one conformance test class
-(``tests/launch/conformance.py``).
+(``tests/support/conformance.py``).
 
 Lifecycle used by a trial::
 
@@ -19,6 +19,16 @@ Lifecycle used by a trial::
         state = launcher.wait(timeout_s=900)    # READY, or FAILED with a classified Failure
         lines = launcher.logs()                 # every server line since start()
     # the original service is back and healthy here
+
+Lifecycle used by ``tuner apply`` (a change that stays)::
+
+    with launcher.session(restore_on_exit=False):  # lock + state file; refuses a killed run's leftovers
+        launcher.start(argv)
+        if launcher.wait(timeout_s=900).phase is LaunchPhase.READY and verified:
+            launcher.commit()                # the change stays: the state file is cleared
+        else:
+            launcher.restore()               # the rollback: the recorded original, healthy
+    # a kill before commit() or restore() leaves the state file: `tuner restore` puts it back
 """
 
 from __future__ import annotations
@@ -140,12 +150,19 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     @contextlib.contextmanager
-    def session(self) -> Iterator[Launcher]:
+    def session(self, *, restore_on_exit: bool = True) -> Iterator[Launcher]:
         """Hold the per-unit lock and the state file; restore the original on exit, SIGINT, SIGTERM.
+
+        With ``restore_on_exit=False`` the caller ends the session with :meth:`commit` (the change
+        stays) or :meth:`restore` (it is undone); see :meth:`GuardedLauncher.session`.
 
         Raises:
             LockHeldError: Another tuner holds this unit.
         """
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Keep the session's change: clear the state file; the session's exit restores nothing."""
 
 
 class GuardedLauncher(Launcher):
@@ -198,6 +215,8 @@ class GuardedLauncher(Launcher):
         self.lock = UnitLock(self.state_dir, key)
         self.store = StateStore(self.state_dir, key)
         self._state: SessionState | None = None
+        self._changed = False  # start() ran in this session (the service may differ from its state file)
+        self._committed = False
         self._watcher = LogWatcher()
         self._lines: list[str] = []
         self._t0 = time.monotonic()
@@ -269,6 +288,7 @@ class GuardedLauncher(Launcher):
         """
         if not argv:
             raise LaunchError("empty server command", hint="pass the full server command line")
+        self._changed = True
         self.stop()
         self._before_start()
         self._watcher = LogWatcher()
@@ -442,21 +462,32 @@ class GuardedLauncher(Launcher):
             self.gpu.wait_released(timeout_s=self.release_timeout_s, allow_foreign=self.allow_foreign)
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[GuardedLauncher]:
+    def session(self, *, restore_on_exit: bool = True) -> Iterator[GuardedLauncher]:
         """Hold the lock and the state file; restore the original on exit, SIGINT or SIGTERM.
 
         A state file left by a killed tuner is adopted: its recorded original (not the current,
         half-changed service) is what this session restores.
 
+        With ``restore_on_exit=False`` (``tuner apply``: a change meant to stay) the caller ends
+        the session with :meth:`commit` (keep the change) or :meth:`restore` (undo it). Such a
+        session refuses a state file left by a killed tuner and a leftover trial change
+        (:meth:`has_leftover_change`), since committing over them would make them permanent. It
+        does not catch signals, and its exit restores nothing: left without a commit or a restore
+        after :meth:`start`, its state file stays for ``tuner restore``; left before any
+        :meth:`start`, the state file is removed (nothing was changed).
+
         Raises:
             LockHeldError: Another tuner holds this unit.
             LaunchError: The service cannot be read, the state file written, or the server could
-                not be started (e.g. a foreign program holds the process launcher's port).
+                not be started (e.g. a foreign program holds the process launcher's port); with
+                ``restore_on_exit=False``, a killed tuner's state file or trial change is present.
         """
         self.lock.acquire()
         try:
             self._check_startable()
             left = self.store.load()
+            if not restore_on_exit:
+                self._refuse_leftovers(left)
             if left is not None:
                 log.warning("adopting the state left by tuner PID %s (%s); its original is what "
                             "will be restored", left.tuner_pid, left.created_at)
@@ -466,15 +497,55 @@ class GuardedLauncher(Launcher):
                 recipe = {**self._own_settings(), **self.settings}
                 self._state = state.model_copy(update={"extra": {**state.extra, "settings": recipe}})
                 self.store.save(self._state)
+            self._changed = self._committed = False
+            if not restore_on_exit:
+                try:
+                    yield self
+                finally:
+                    if not self._changed and not self._committed:
+                        self.store.clear()  # nothing was started: the service is its original
+                return
             with interrupt_on_signals():
                 try:
                     yield self
                 finally:
-                    with deferred_signals():
-                        self.restore()
+                    if not self._committed:
+                        with deferred_signals():
+                            self.restore()
         finally:
             self._state = None
             self.lock.release()
+
+    def commit(self) -> None:
+        """Keep the session's change: the service as it runs now becomes its own configuration.
+
+        Clears the state file, so neither the session's exit nor ``tuner restore`` puts the
+        original back; :meth:`current_argv` reads the service again.
+
+        .. note:: Call inside :meth:`session`, after the change was verified.
+
+        Raises:
+            LaunchError: No session is open on this launcher.
+        """
+        if self._state is None or not self.lock.held:
+            raise LaunchError(f"nothing to commit on {self.key}: no session is open",
+                              hint="call commit() inside launcher.session()")
+        self.store.clear()
+        self._state = None
+        self._committed = True
+
+    def _refuse_leftovers(self, left: SessionState | None) -> None:
+        """Refuse a lasting change over a killed tuner's state file or trial change."""
+        if left is not None:
+            raise LaunchError(
+                f"a tuning session left its state for {self.key} ({self.store.path})",
+                hint=f"put the service back first: tuner restore --unit {self.key}",
+            )
+        if self.has_leftover_change():
+            raise LaunchError(
+                f"{self.key} still carries a trial's change: a tuning run is active or was killed",
+                hint=f"finish the run, or put the service back: tuner restore --unit {self.key}",
+            )
 
 
 class ServerPoll(BaseModel):

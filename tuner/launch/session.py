@@ -52,9 +52,12 @@ log = logging.getLogger(__name__)
 def default_state_dir() -> Path:
     """Where locks and state files live by default.
 
-    ``/var/lib/sglang-tuner`` for root (it drives system units), else
+    ``$SGLANG_TUNER_STATE_DIR`` when set (a private folder for a test run or a second
+    installation), else ``/var/lib/sglang-tuner`` for root (it drives system units), else
     ``$XDG_STATE_HOME/sglang-tuner`` (``~/.local/state/sglang-tuner``).
     """
+    if os.environ.get("SGLANG_TUNER_STATE_DIR"):
+        return Path(os.environ["SGLANG_TUNER_STATE_DIR"])
     if os.geteuid() == 0:
         return Path("/var/lib/sglang-tuner")
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

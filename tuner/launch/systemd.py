@@ -16,6 +16,10 @@ stopped, not waited out.
 
 Restore removes the trial drop-in, puts back every drop-in the unit had (byte for byte) and
 restarts it on its original command, waiting until ``/health`` answers.
+
+``tuner apply`` uses the same launcher with ``dropin_name="80-tuner.conf"`` (a drop-in meant to
+stay, sorting before the trial's) and :meth:`SystemdLauncher.start`'s ``dropin=`` text, inside a
+``session(restore_on_exit=False)`` that it commits (see :mod:`tuner.launch.base`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import shlex
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from tuner.errors import LaunchError
 from tuner.launch.base import GuardedLauncher, ServerPoll
@@ -41,6 +45,8 @@ TRIAL_DROPIN = "90-tuner-trial.conf"
 """File name of the per-trial drop-in (sorts after the operator's own and ``80-tuner.conf``)."""
 
 _DEAD_STATES = ("inactive", "failed")
+_DERIVED: Final = object()
+"""``start(argv)`` without ``dropin=``: the drop-in is derived from argv."""
 
 
 class SystemdLauncher(GuardedLauncher):
@@ -53,6 +59,9 @@ class SystemdLauncher(GuardedLauncher):
         journalctl: argv prefix of journalctl (idem).
         dropin_dir: Folder of the unit's drop-in folder (idem).
         state_dir: Folder for the lock and the state file.
+        dropin_name: File name of the drop-in :meth:`start` writes in the unit's drop-in folder:
+            :data:`TRIAL_DROPIN` for trials, ``80-tuner.conf`` for ``tuner apply``. Whatever the
+            name, a leftover :data:`TRIAL_DROPIN` is never part of the recorded original.
         **kwargs: Passed to :class:`~tuner.launch.base.GuardedLauncher` (``gpu``,
             ``allow_foreign``, ``poll_s``, ``release_timeout_s``, ``evidence_grace_s``).
 
@@ -70,11 +79,14 @@ class SystemdLauncher(GuardedLauncher):
         journalctl: Sequence[str] = ("journalctl",),
         dropin_dir: Path | str = DEFAULT_DROPIN_DIR,
         state_dir: Path | str,
+        dropin_name: str = TRIAL_DROPIN,
         **kwargs: Any,
     ) -> None:
         if not isinstance(unit, SystemdUnit):
             unit = SystemdUnit(unit, systemctl=systemctl, journalctl=journalctl, dropin_dir=dropin_dir)
         self.unit = unit
+        self.dropin_name = dropin_name
+        self._dropin_text: Any = _DERIVED
         super().__init__(key=unit.name, url=url, state_dir=state_dir, **kwargs)
         self._cursor = ""
         self._restarts0 = 0
@@ -129,7 +141,7 @@ class SystemdLauncher(GuardedLauncher):
         )
         change = "".join(diff) or "(none)\n"
         return (
-            f"Would write {self.unit.dropin_folder / TRIAL_DROPIN}:\n{text}\n"
+            f"Would write {self.unit.dropin_folder / self.dropin_name}:\n{text}\n"
             f"Then would run systemctl daemon-reload, stop {self.unit.name}, wait until its GPU memory "
             f"is released, and start {self.unit.name}.\nCommand change:\n{change}"
             f"As a shell line: {shlex.join(argv)}"
@@ -143,12 +155,49 @@ class SystemdLauncher(GuardedLauncher):
 
     # ---- control ----------------------------------------------------------------------------
 
+    def start(self, argv: list[str], *, dropin: Any = _DERIVED) -> None:
+        """Stop the unit, wait for its GPU memory to be freed, start it on ``argv`` through
+        :attr:`dropin_name`.
+
+        Args:
+            argv: The command the unit must run.
+            dropin: The exact text to write as :attr:`dropin_name` (``tuner apply``'s planned
+                drop-in), or ``None`` to remove that file; the unit must then run ``argv`` (checked
+                after ``daemon-reload``, before the start). Default: an ``ExecStart=`` drop-in
+                for ``argv`` with the trial header.
+
+        .. note:: Changes the production service; call inside :meth:`session`.
+
+        Raises:
+            LaunchError: The start could not be issued, or with ``dropin=`` the unit does not run
+                ``argv`` after the write (a drop-in sorting after it sets ``ExecStart=``).
+            GPUError: GPU memory was not released in time, or a foreign process holds some.
+        """
+        self._dropin_text = dropin
+        try:
+            super().start(argv)
+        finally:
+            self._dropin_text = _DERIVED
+
     def _launch(self, argv: list[str]) -> None:
-        prefix = self._state.original_prefix if self._state else ""
         self.unit.check_writable()
-        self.unit.write_dropin(TRIAL_DROPIN, self.unit.exec_start_dropin(argv, prefix=prefix,
-                                                                        header=self._header()))
+        text = self._dropin_text
+        if text is _DERIVED:
+            prefix = self._state.original_prefix if self._state else ""
+            text = self.unit.exec_start_dropin(argv, prefix=prefix, header=self._header())
+        if text is None:
+            self.unit.remove_dropin(self.dropin_name)
+        else:
+            self.unit.write_dropin(self.dropin_name, text)
         self.unit.daemon_reload()
+        if self._dropin_text is not _DERIVED:
+            now = self.unit.exec_command().argv
+            if now != list(argv):
+                raise LaunchError(
+                    f"after writing {self.dropin_name}, {self.unit.name} runs {shlex.join(now)!r} "
+                    "instead of the requested command: a drop-in sorting after it sets ExecStart=",
+                    hint=f"move that ExecStart= out of {self.unit.dropin_folder} or into the unit file",
+                )
         self._start_unit()
 
     def _start_unit(self) -> None:

@@ -44,6 +44,7 @@ from tuner.study.budget import Budget, reachable_slots, require_one_trial
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     KIND_ATTR,
+    PHASE_ATTR,
     PREDICTION_ATTR,
     SPACE_ATTR,
     check_environment,
@@ -426,6 +427,7 @@ class StudyRun:
         trial.set_user_attr(ENVIRONMENT_ATTR, self.environment)
 
         def on_phase(name: str) -> None:
+            trial.set_user_attr(PHASE_ATTR, name)
             self.progress("phase", job.number, index=self.handled + 1, phase=name, message=f"trial {job.number}: {name}")
 
         try:

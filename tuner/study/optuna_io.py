@@ -36,6 +36,7 @@ __all__ = [
     "SPACE_ATTR",
     "PREDICTION_ATTR",
     "ENVIRONMENT_ATTR",
+    "PHASE_ATTR",
     "open_study",
     "make_sampler",
     "constraints_of",
@@ -63,6 +64,9 @@ PREDICTION_ATTR = "tuner.prediction"
 """Trial user attribute (set when enqueued): the planner's prediction for the candidate."""
 ENVIRONMENT_ATTR = "tuner.environment"
 """Trial user attribute: the SGLang version, GPU, driver and model the trial ran on."""
+PHASE_ATTR = "tuner.phase"
+"""Trial user attribute: the phase the trial is in now (``render``, ``start``, ``probe``, ``measure``,
+``stress``, ``record``), set as each phase starts, so a reader of a RUNNING trial sees it."""
 
 _log = logging.getLogger(__name__)
 

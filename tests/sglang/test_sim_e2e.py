@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from sglang_http import free_port
 
-from tuner.sglang.client import SGLangClient, ServerNotReady
+from tests.support.net import free_port
+from tuner.sglang.client import ServerNotReady, SGLangClient
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, Failure, FailureClass
 from tuner.sglang.logs import LogReport, LogWatcher, outcome_of
 from tuner.sglang.memory import KVCapacityModel, cell_size_bytes

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conformance import START_TIMEOUT_S, free_port, set_flag, sim_command
+from tests.support.conformance import START_TIMEOUT_S
+from tests.support.net import free_port
+from tests.support.sim import set_flag, sim_command
 from tuner.errors import GPUError
 from tuner.gpu import GPUMonitor, NvmlBackend, SimBackend
 from tuner.launch.base import LaunchPhase

@@ -7,12 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.net import free_port as _free_port
+from tests.support.sglang_http import serve as _serve
 from tuner.errors import ServerError
-from tuner.sglang.client import SGLangClient, ServerNotReady
+from tuner.sglang.client import ServerNotReady, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
-
-from sglang_http import free_port as _free_port
-from sglang_http import serve as _serve
 
 INFO_055 = {
     "version": "0.5.5.post3", "mem_fraction_static": 0.88, "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,

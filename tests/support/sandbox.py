@@ -12,12 +12,14 @@ systemd semantics (``NRestarts``, ``Restart=``, journald cursors) call
 
 Boots are serialized across processes (other engineers' test runs too) with an ``fcntl`` lock on
 :data:`LOCK_PATH`, held for the sandbox's whole life: two systemd instances would share the root
-cgroup folders. A sandbox left by a killed test run is ended (by its recorded host PID, verified
-by its command line) when the next one takes the lock.
+cgroup folders. The holder writes its PID and command line into the lock file; a waiter prints
+who holds it every :data:`_PROGRESS_EVERY_S` seconds and, after ``$TUNER_SANDBOX_WAIT_S``
+(default :data:`_LOCK_WAIT_S`), skips with the holder's PID and command line named. A sandbox
+left by a killed test run is ended (by its recorded host PID, verified by its command line) when
+the next one takes the lock.
 
-Use it from a test module (one boot per module; reuse it for several scenarios)::
-
-    from tests.sandbox import systemd_sandbox  # noqa: F401  (the module-scoped fixture)
+Use the module-scoped ``systemd_sandbox`` fixture (``tests/conftest.py``; one boot per module,
+reuse it for several scenarios)::
 
     def test_something(systemd_sandbox):
         box = systemd_sandbox
@@ -42,10 +44,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -53,7 +54,7 @@ import pytest
 
 from tuner.launch.unit import SystemdUnit
 
-__all__ = ["LOCK_PATH", "SystemdSandbox", "boot_sandbox", "systemd_sandbox"]
+__all__ = ["LOCK_PATH", "SandboxBusy", "SystemdSandbox", "boot_sandbox", "lock_holder"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ LOCK_PATH = Path("/tmp/tuner-systemd-sandbox.lock")
 SYSTEMD = Path("/lib/systemd/systemd")
 TARGET = "tuner-sandbox.target"
 _JOURNALD_UNITS = ("systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket")
-_LOCK_TIMEOUT_S = 280.0  # under pytest-timeout's 300 s, so a busy sandbox fails with a clear message
+_LOCK_WAIT_S = 240.0  # under pytest-timeout's 300 s, so a busy sandbox skips with its holder named
+_PROGRESS_EVERY_S = 15.0
 _BOOT_TIMEOUT_S = 30.0
 
 
@@ -125,18 +127,57 @@ class SystemdSandbox:
                 self.systemctl_run("stop", name, check=False, timeout_s=60)
 
 
-def _acquire_lock(timeout_s: float) -> int:
+class SandboxBusy(Exception):
+    """Another process held :data:`LOCK_PATH` for the whole wait; the message names it."""
+
+
+def lock_holder(fd: int) -> str:
+    """Who holds the sandbox lock, from what the holder wrote into it: ``PID n (command line)``."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        info = {}
+    pid = info.get("owner_pid")
+    if not pid:
+        return "a process that wrote no owner (an older test run)"
+    cmdline = info.get("owner_cmdline") or ""
+    with contextlib.suppress(psutil.Error):
+        cmdline = " ".join(psutil.Process(pid).cmdline()) or cmdline
+    return f"PID {pid} ({cmdline[:200]})"
+
+
+def _acquire_lock(wait_s: float, progress: Callable[[str], None]) -> int:
+    """Take :data:`LOCK_PATH`, waiting up to ``wait_s`` and reporting every :data:`_PROGRESS_EVERY_S`.
+
+    Raises:
+        SandboxBusy: Still held after ``wait_s`` (the message names the holder).
+    """
     fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o666)
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    reported = began
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
+            break
         except BlockingIOError:
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - began
+            if waited > wait_s:
+                holder = lock_holder(fd)
                 os.close(fd)
-                raise TimeoutError(f"{LOCK_PATH} held by another test run for {timeout_s:.0f} s") from None
+                raise SandboxBusy(f"the systemd sandbox lock {LOCK_PATH} is held by {holder} after waiting "
+                                  f"{waited:.0f} s; wait for that test run (or set TUNER_SANDBOX_WAIT_S)") from None
+            if time.monotonic() - reported >= _PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                progress(f"waiting {waited:.0f} s for the systemd sandbox lock, held by {lock_holder(fd)}")
             time.sleep(0.5)
+    _write_lock_info(fd, {})
+    return fd
+
+
+def _write_lock_info(fd: int, extra: dict[str, object]) -> None:
+    info = {"owner_pid": os.getpid(), "owner_cmdline": " ".join(sys.argv), **extra}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
 
 
 def _end_stale_sandbox(fd: int) -> None:
@@ -231,9 +272,7 @@ def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subp
         unshare.wait(10)
         tail = (workdir / "systemd-console.log").read_text(errors="replace")[-300:]
         return None, f"unshare did not start systemd (exit {unshare.poll()}): {tail.strip()}", None
-    info = {"host_pid": child.pid, "create_time": child.create_time(), "owner_pid": os.getpid()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
+    _write_lock_info(fd, {"host_pid": child.pid, "create_time": child.create_time()})
     prefix = ["nsenter", "-t", str(child.pid), "-m", "-p"]
     box = SystemdSandbox("systemd", unit_dir, [*prefix, "systemctl"], [*prefix, "journalctl"], host_pid=child.pid)
     deadline = time.monotonic() + _BOOT_TIMEOUT_S
@@ -281,22 +320,38 @@ def _emulator(workdir: Path, why: str) -> SystemdSandbox:
 
 
 @contextlib.contextmanager
-def boot_sandbox(workdir: Path, *, force_emulator: str | None = None) -> Iterator[SystemdSandbox]:
+def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> Iterator[SystemdSandbox]:
     """Boot a sandbox under ``workdir``, yield it, tear it down.
 
     Args:
         workdir: An empty folder for unit files and the console log.
         force_emulator: Use the emulator and give this as the reason (tests of the fallback).
+        progress: Receives a line while the lock is held by another process (default: stderr).
 
     Yields:
-        The sandbox. The cross-process lock is held until the block ends.
+        The sandbox. The cross-process lock is held until the block ends (not for a forced emulator,
+        whose state lives under ``workdir``).
+
+    Raises:
+        SandboxBusy: Another test run held the lock for ``$TUNER_SANDBOX_WAIT_S`` (default 240 s).
     """
-    fd = _acquire_lock(_LOCK_TIMEOUT_S)
+    if force_emulator:  # the emulator keeps its state under workdir: no machine-wide lock needed
+        warnings.warn(f"systemd sandbox: real systemd unavailable ({force_emulator}); using "
+                      "docker-systemctl-replacement", stacklevel=3)
+        box = _emulator(workdir, force_emulator)
+        try:
+            yield box
+        finally:
+            box.stop_units()
+        return
+    wait_s = float(os.environ.get("TUNER_SANDBOX_WAIT_S", _LOCK_WAIT_S))
+    fd = _acquire_lock(wait_s, progress or (lambda line: print(line, file=sys.__stderr__, flush=True)))
     box: SystemdSandbox | None = None
     unshare = None
     try:
         _end_stale_sandbox(fd)
-        why = force_emulator or _why_not_real()
+        why = _why_not_real()
         if why is None:
             box, why, unshare = _boot_real(workdir, fd)
         if box is None:
@@ -313,10 +368,3 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None) -> Iterato
         os.ftruncate(fd, 0)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-
-
-@pytest.fixture(scope="module")
-def systemd_sandbox() -> Iterator[SystemdSandbox]:
-    """Module-scoped pytest fixture: one sandbox per test module (see the module docstring)."""
-    with tempfile.TemporaryDirectory(prefix="tuner-sandbox-") as tmp, boot_sandbox(Path(tmp)) as box:
-        yield box

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.sim._simproc import spawn, wait_ready
+from tests.support.sim import spawn, wait_ready
 from tuner.config import parse_config
+from tuner.entrypoints import resolve_environment as detect_environment
 from tuner.gpu import GPUMonitor
 from tuner.sglang.flags import FlagTable
-from tuner.entrypoints import resolve_environment as detect_environment
 
 
 def test_sim_gpu_size_is_read_from_the_ledger(tmp_path: Path) -> None:

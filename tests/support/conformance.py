@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from typing import Any
 import pytest
 import requests
 
+from tests.support.cli import TUNER
+from tests.support.sim import set_flag
 from tuner.errors import LaunchError, LockHeldError
 from tuner.launch.base import GuardedLauncher, LaunchPhase
 from tuner.launch.factory import build_launcher
@@ -41,30 +42,6 @@ with launcher.session():
     print("STARTED", flush=True)
     time.sleep(300)
 """
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def sim_command(port: int, mem_fraction_static: str = "0.85") -> list[str]:
-    """The simulator serving on ``port``, starting in about a second."""
-    return [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB",
-            "--mem-fraction-static", mem_fraction_static, "--host", "127.0.0.1", "--port", str(port),
-            "--sim-time-scale", "0.02"]
-
-
-def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
-    """``argv`` with ``flag``'s value replaced (or the pair appended)."""
-    out = list(argv)
-    if flag in out:
-        out[out.index(flag) + 1] = value
-    else:
-        out += [flag, value]
-    return out
 
 
 @dataclass
@@ -193,7 +170,7 @@ class LauncherConformance:
         key = build_launcher(harness.settings).key
         state_dir = harness.settings["state_dir"]
         assert (Path(state_dir) / f"{key}.state.json").exists()
-        cli = [str(Path(sys.executable).parent / "tuner"), "restore", "--unit", key, "--state-dir", state_dir,
+        cli = [TUNER, "restore", "--unit", key, "--state-dir", state_dir,
                "--timeout-s", str(START_TIMEOUT_S)]
         done = subprocess.run(cli, capture_output=True, text=True, timeout=START_TIMEOUT_S + 60)
         assert done.returncode == 0, done.stderr

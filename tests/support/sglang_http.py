@@ -1,8 +1,7 @@
-"""Test helper for tests/sglang: a real HTTP server on 127.0.0.1 serving canned SGLang answers."""
+"""Test helper (tests/sglang): a real HTTP server on 127.0.0.1 serving canned SGLang answers."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,11 +33,3 @@ def serve(routes: dict[str, tuple[int, str]]) -> Iterator[str]:
         server.server_close()
         thread.join(timeout=5)
 
-
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

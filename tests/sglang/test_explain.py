@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_http import free_port, serve
 
+from tests.support.cli import TUNER, run_tuner
+from tests.support.net import free_port
+from tests.support.sglang_http import serve
 from tuner.sglang.explain import Explanation, waterfall_steps
 from tuner.sglang.logs import read_log
 from tuner.sglang.memory import KVCapacityModel
@@ -20,11 +21,8 @@ from tuner.sglang.memory import KVCapacityModel
 HERE = Path(__file__).resolve().parent
 REFERENCE = HERE.parents[0] / "fixtures" / "logs" / "reference-0.5.5-tp8.log"
 CASES = HERE.parents[0] / "fixtures" / "cases"
-TUNER = str(Path(sys.executable).with_name("tuner"))
-
-
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TUNER, "explain", *args], capture_output=True, text=True, timeout=120, check=False)
+    return run_tuner("explain", *args)
 
 
 def _json(*args: str) -> dict[str, Any]:

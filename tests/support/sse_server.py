@@ -1,6 +1,6 @@
 """A small, fast SGLang-shaped SSE server for the load generator's tests and benchmark.
 
-Run as a subprocess: ``python tests/load/sse_server.py --port 0 [--ttft-ms 5 --itl-ms 20 --workers 2]``;
+Run as a subprocess: ``python tests/support/sse_server.py --port 0 [--ttft-ms 5 --itl-ms 20 --workers 2]``;
 it prints ``PORT <n>`` once listening. It answers ``POST /generate`` (``input_ids``,
 ``sampling_params.max_new_tokens``; SSE ``data: {json}`` lines with cumulative
 ``meta_info.completion_tokens``, ``prompt_tokens``, ``cached_tokens``, ``finish_reason`` and

@@ -14,6 +14,9 @@ import optuna
 
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, PhaseResult, StudyInfo, TrialRecord
 
+HTML_LOG_LINE = '[TP0] Scheduler hit an exception: <script>alert("pwned")</script> & <b>bold</b>'
+"""A log line with HTML in it: the report must show it escaped."""
+
 DISTRIBUTIONS = {
     "mem_fraction_static": optuna.distributions.FloatDistribution(0.5, 0.98),
     "max_running_requests": optuna.distributions.IntDistribution(8, 512),
