@@ -29,11 +29,11 @@ from typing import Any
 
 from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, TunerError
-from tuner.launch.base import LaunchPhase, Launcher
+from tuner.launch.base import Launcher, LaunchPhase
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
 from tuner.load.metrics import LoadSummary
 from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
-from tuner.sglang.client import SGLangClient, ServerInfo
+from tuner.sglang.client import ServerInfo, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.logs import LogReport, parse_log

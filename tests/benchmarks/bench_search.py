@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 
 from tests.support.offline_runner import OfflineRunner  # noqa: E402
-
 from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
 from tuner.load import build_workload  # noqa: E402
 from tuner.records import TrialRecord  # noqa: E402
@@ -313,7 +312,7 @@ def _check_targets(item: dict[str, Any], figures: dict[str, Any], rows: list[str
         if min(tuner[20]["capacity"] + tuner[20]["throughput"]) < 0.98:
             problems.append("below 98 % of the optimum at 20 launches")
         for n in CHECKPOINTS:
-            for t_cap, r_cap in zip(tuner[n]["capacity"], rand[n]["capacity"]):
+            for t_cap, r_cap in zip(tuner[n]["capacity"], rand[n]["capacity"], strict=True):
                 if t_cap < r_cap:
                     problems.append(f"below random search at {n} launches")
                     break
@@ -323,7 +322,7 @@ def _check_targets(item: dict[str, Any], figures: dict[str, Any], rows: list[str
         if max(tuner[10]["failed"]) > 0:
             problems.append("a failed launch in the first 10")
     if item["noise"]:
-        same = sum(a == b for a, b in zip(tuner[20]["chosen_capacity"], figures["noise_free_choice"]))
+        same = sum(a == b for a, b in zip(tuner[20]["chosen_capacity"], figures["noise_free_choice"], strict=True))
         if same < min(4, len(item["seeds"]) - 1):
             problems.append(f"noisy choice equals the noise-free one in only {same} seeds")
     assert not problems, "; ".join(dict.fromkeys(problems)) + "\n" + "\n".join(rows)

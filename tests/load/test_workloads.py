@@ -153,7 +153,8 @@ def test_spec_from_cli_options() -> None:
 
 
 def test_mean_request_tokens_is_the_mean_not_the_longest() -> None:
-    from tuner.load.workloads import RandomSpec, build_workload as build
+    from tuner.load.workloads import RandomSpec
+    from tuner.load.workloads import build_workload as build
 
     workload = build(RandomSpec(kind="random", input_len=2000, output_len=200, range_ratio=0.5, num_requests=2000),
                      seed=3)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -429,7 +429,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
             e2e.append(r.e2e_latency_s * 1000)
         per_request_itls.append(_itls_s(r) * 1000)
     itl = np.concatenate(per_request_itls) if per_request_itls else np.empty(0)
-    fields: dict[str, object] = {}
+    fields: dict[str, Any] = {}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
         for key, value in _stats(np.asarray(values, dtype=float)).items():
             fields[f"{key}_{name}_ms"] = value
@@ -458,9 +458,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         top_errors=top_errors(records),
     )
     if slo is not None and not slo.is_empty():
-        good = sum(1 for r, own in zip(done, per_request_itls) if _meets(r, slo, own))
+        good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))
         judged = len(done) + errored
-        violations = slo_violations(slo, fields)  # type: ignore[arg-type]
+        violations = slo_violations(slo, fields)
         fields.update(
             goodput=good / duration,
             slo_attainment=good / judged if judged else None,

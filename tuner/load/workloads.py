@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
@@ -149,7 +149,7 @@ class Request(BaseModel):
         return len(self.input_ids)
 
 
-def _make_request(**fields: object) -> Request:
+def _make_request(**fields: Any) -> Request:
     # Built from trusted values; skipping validation keeps 1k-token prompts cheap.
     fields.setdefault("arrival_s", None)
     fields.setdefault("group", None)
@@ -424,7 +424,7 @@ def build_workload(
     """
     if vocab_size <= _FIRST_TOKEN_ID:
         raise LoadError(f"vocab_size {vocab_size} is too small", hint=f"use a vocab_size above {_FIRST_TOKEN_ID}")
-    builders = {"random": _random, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "trace": _trace}
+    builders: dict[str, Callable[..., Workload]] = {"random": _random, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "trace": _trace}
     return builders[spec.kind](spec, seed, vocab_size)
 
 
@@ -494,7 +494,7 @@ def spec_from_options(
     cls = WORKLOAD_KINDS.get(kind)
     if cls is None:
         raise ConfigError(f"--workload {kind!r} is unknown", hint=f"use one of {', '.join(WORKLOAD_KINDS)}")
-    given = {k: v for k, v in options.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
     for name in given:
         if name not in cls.model_fields:
             flag = "--trace" if name == "path" else "--" + name.replace("_", "-")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM

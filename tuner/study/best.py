@@ -228,7 +228,7 @@ def override_policy(
             policy other than ``throughput_within_capacity`` (it would be ignored).
     """
     base = stored_policy(info)
-    update = {"policy": policy or base.policy}
+    update: dict[str, Any] = {"policy": policy or base.policy}
     if tolerance is not None and update["policy"] != "throughput_within_capacity":
         raise ConfigError(
             f"--tolerance {tolerance!r} applies only to policy throughput_within_capacity, "

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import optuna
@@ -596,7 +596,7 @@ def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def skip_reason(
@@ -618,13 +618,13 @@ def skip_reason(
     for number, record in finished:
         if record.outcome in ("ok", "failed") and record.params and _key(snap(dict(record.params))) == wanted:
             return f"the same config was measured by trial {number}", number
-    failures = [(n, r) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
+    failures = [(n, r, r.failure_class) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
     if failures:
-        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(r.failure_class)) for _, r in failures])
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(c)) for _, r, c in failures])
         if proved and index is not None:
-            number, record = failures[index]
+            number, record, failure_class = failures[index]
             return (
-                f"must fail: trial {number} failed with {record.failure_class.value} at "
+                f"must fail: trial {number} failed with {failure_class.value} at "
                 f"mem_fraction_static={record.params.get('mem_fraction_static')} with other memory "
                 "knobs equal or smaller, and failures are monotone in these knobs",
                 number,

@@ -31,14 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuner.config import BudgetSection
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.memory import KVCapacityModel
-from tuner.config import BudgetSection
 from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, slo_bounds, slo_points
 from tuner.study.space import Space
@@ -335,7 +336,7 @@ class Planner:
         if slo_step is not None:
             return slo_step
 
-        proposals: list[tuple[tuple[int, int], Candidate]] = []
+        proposals: list[tuple[tuple[int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
@@ -356,7 +357,7 @@ class Planner:
                 elif self.budget is None:
                     more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]]
             for mrr in (None, base_mrr, *more):
-                found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
+                found = self._frontier(family, ref, mrr, need, partial(ceiling_of, family))
                 if found is not None:
                     found_options.append(found)
             bound = self._bound_for(family, bounds, self._binding_family(bounds))
@@ -577,14 +578,14 @@ class Planner:
                 "and the pool over the mean request length); predicted, not launched",
                 ref.number,
             )
-        bound = self.slo_bounds(history).get(family)
+        slo = self.slo_bounds(history).get(family)
         running = self.running_requests(mrr, tokens) if tokens > 0 else mrr
-        if bound is not None and bound.violates(running):
+        if slo is not None and slo.violates(running):
             return (
-                f"must break the SLO: trial {bound.broken_trial} broke it running {bound.broken:g} requests at once "
+                f"must break the SLO: trial {slo.broken_trial} broke it running {slo.broken:g} requests at once "
                 f"with the same other knobs, and this config runs {running} (closed-loop latency grows with the "
                 "requests in flight at equal knobs); not launched",
-                int(bound.broken_trial or ref.number),
+                int(slo.broken_trial if slo.broken_trial is not None else ref.number),
             )
         measured = [int(p.params["max_running_requests"]) for p in points if _family(p.params) == family]
         if measured and mrr > 2 * max(measured):

@@ -106,7 +106,7 @@ class Space(BaseModel):
             return False
         if isinstance(dist, CategoricalDistribution):
             return value in dist.choices
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(dist, (IntDistribution, FloatDistribution)):
             return False
         if not dist.low - 1e-9 <= float(value) <= dist.high + 1e-9:
             return False
