@@ -53,7 +53,7 @@ def scenarios() -> dict[str, TunerConfig]:
 
 
 def _study(cfg: TunerConfig) -> tuple[OfflineRunner, list[tuple[int, TrialRecord]], object]:
-    runner = OfflineRunner(cfg, measure_requests=256)
+    runner = OfflineRunner(cfg, pool_requests=256)
     summary = run_study(cfg, runner, max_trials=4 * LAUNCHES, storage_url=":memory:")
     return runner, runner.history[:LAUNCHES], summary
 
@@ -89,7 +89,7 @@ def test_cache_on_where_it_pays_off_where_it_cannot(name: str) -> None:
     on = bool(best.params.get("enable_hierarchical_cache"))
     # Cache off: the chosen flags without it (one more offline launch, outside the study's 10).
     off_params = {k: v for k, v in best.params.items() if not k.startswith("hicache_")} | {"enable_hierarchical_cache": False}
-    off = OfflineRunner(cfg, measure_requests=256).run(
+    off = OfflineRunner(cfg, pool_requests=256).run(
         TrialJob(number=99, kind="sampled", params=off_params, context_tokens=best.context_tokens or 0), lambda _p: None)
     # The best of a study that could not use the cache.
     blind_cfg = _with(cfg, cfg.study.name + "-nocache", space={"hierarchical_cache": False})

@@ -39,6 +39,7 @@ __all__ = [
     "ErrorCount",
     "LoadSummary",
     "summarize",
+    "slo_violations",
     "top_errors",
     "request_itls_s",
     "TIERS",
@@ -445,6 +446,21 @@ def tier_hits_from_metrics(before: Mapping[str, float], after: Mapping[str, floa
     storage = min(delta("prefetched_tokens") or 0.0, cached - host)
     return {"cache_hit_rate": cached / prompt, "device_hit_rate": (cached - host - storage) / prompt,
             "host_hit_rate": host / prompt, "storage_hit_rate": storage / prompt}
+def slo_violations(slo: SLO, measured: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Each limit's relative overshoot, ``measured / limit − 1`` (≤ 0 when it holds).
+
+    Args:
+        slo: The limits.
+        measured: Summary fields by name (``p99_ttft_ms``, ``p99_itl_ms``, ...; ms).
+
+    Returns:
+        ``{"p99_ttft_ms": 0.12, ...}`` for every limit; ``None`` where nothing was measured.
+    """
+    out: dict[str, float | None] = {}
+    for metric, key, limit in slo.items():
+        value = measured.get(f"{key}_{metric}_ms")
+        out[f"{key}_{metric}_ms"] = None if value is None else float(value) / limit - 1
+    return out
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> LoadSummary:
@@ -509,10 +525,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     if slo is not None and not slo.is_empty():
         good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))
         judged = len(done) + errored
-        violations: dict[str, float | None] = {}
-        for metric, key, limit in slo.items():
-            measured = fields[f"{key}_{metric}_ms"]
-            violations[f"{key}_{metric}_ms"] = None if measured is None else measured / limit - 1
+        violations = slo_violations(slo, fields)
         fields.update(
             goodput=good / duration,
             slo_attainment=good / judged if judged else None,

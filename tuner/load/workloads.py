@@ -214,6 +214,9 @@ class Workload:
         spec: The spec it was built from (``None`` for a capacity probe).
         seed: The seed.
         context_tokens: The longest ``input + output`` of any request (tokens).
+        mean_request_tokens: The mean ``input + output`` of a request (tokens): what a request
+            holds of the KV pool on average, so how many run at once (the longest is
+            :attr:`context_tokens`).
         num_requests: Requests in one pass, ``None`` when endless.
         repeatable: Whether :meth:`passes` may go beyond the first pass.
         has_dependencies: Whether some request waits for another (``after``).
@@ -229,10 +232,15 @@ class Workload:
     context_tokens: int
     num_requests: int | None
     repeatable: bool
+    mean_request_tokens: int = 0
     has_dependencies: bool = False
     has_arrivals: bool = False
     designed_hit_rate: float | None = None
     trace_format: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.mean_request_tokens:
+            object.__setattr__(self, "mean_request_tokens", self.context_tokens)
 
     def __iter__(self) -> Iterator[Request]:
         return self.make_pass(0)
@@ -288,6 +296,10 @@ def _random(spec: RandomSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=spec.input_len + spec.output_len, num_requests=spec.num_requests,
+        mean_request_tokens=round(
+            (max(int(spec.input_len * spec.range_ratio), 1) + spec.input_len) / 2
+            + (max(int(spec.output_len * spec.range_ratio), 1) + spec.output_len) / 2
+        ),
         repeatable=True, designed_hit_rate=0.0,
     )
 
@@ -348,6 +360,7 @@ def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=inputs[-1] + spec.output_len, num_requests=spec.num_sessions * spec.turns,
+        mean_request_tokens=round(sum(inputs) / len(inputs)) + spec.output_len,
         repeatable=True, has_dependencies=spec.turns > 1, designed_hit_rate=reuse,
     )
 
@@ -812,6 +825,9 @@ def estimate_reuse(workload: Workload, *, max_requests: int = 2000, max_tokens: 
         requests=n, prompt_tokens=prompt, reused_tokens=reused, working_set_tokens=working,
         distinct_tokens=len(counts) * block_tokens, sessions=len(groups_dep),
         prefix_groups=len(groups_shared - groups_dep), block_tokens=block_tokens, sampled=sampled,
+        context_tokens=max(r.input_len + r.output_len for r in rows), num_requests=len(rows),
+        mean_request_tokens=round(sum(r.input_len + r.output_len for r in rows) / len(rows)),
+        repeatable=False, has_dependencies=any(r.session is not None for r in rows), has_arrivals=True,
     )
 
 

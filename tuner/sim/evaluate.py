@@ -111,6 +111,8 @@ class EvalResult:
         host_hit_rate: The part of it loaded back from the HiCache host tier (load-back tokens /
             prompt tokens, §7).
         host_pool_bytes_per_rank: The HiCache host pool of one rank (0 without it).
+        peak_activation_gib: The largest step's activation memory per GPU, GiB (what the simulated
+            GPU monitor adds to the memory in use under load).
         log_lines: Startup and engine log lines.
     """
 
@@ -137,6 +139,7 @@ class EvalResult:
     host_hit_rate: float = 0.0
     host_pool_bytes_per_rank: int = 0
     error: str | None = None
+    peak_activation_gib: float = 0.0
     log_lines: list[str] = field(default_factory=list)
 
 
@@ -329,6 +332,7 @@ def _run(
         cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         host_hit_rate=stats["load_back_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         error=error,
+        peak_activation_gib=stats["peak_activation_bytes"] / GIB,
         log_lines=logs,
         **base,
     )

@@ -388,6 +388,7 @@ def resolve_space(
     *,
     gpu_total_mib: float | None = None,
     capacity_hint: int | None = None,
+    slots_hint: int | None = None,
     hicache: HiCacheChoice | None = None,
 ) -> Space:
     """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
@@ -395,9 +396,12 @@ def resolve_space(
     Defaults, each widened so the baseline's own value is inside (the baseline is trial 0):
 
     * ``mem_fraction_static``: from 0.05 below the baseline to 0.97.
-    * ``max_running_requests``: from a quarter of the baseline's effective value (at least 1) to
-      the larger of the baseline's and 1.5 × ``capacity_hint`` (the capacity predicted at the
-      highest fraction), log scale.
+    * ``max_running_requests``: from 1 (a latency SLO may bind at any count of requests in
+      flight; the scale is logarithmic) to the larger of the baseline's and 1.5 ×
+      ``capacity_hint`` (the capacity predicted at the highest fraction), but no more than
+      ``slots_hint`` (the most slots that can change a result,
+      :func:`tuner.study.budget.reachable_slots` at the highest fraction) and at least the
+      capacity hint; the baseline's own value widens the range only up to ``slots_hint``.
     * ``chunked_prefill_size``: half, once and twice the baseline's (or the GPU default of §2.1).
 
     Args:
@@ -406,6 +410,7 @@ def resolve_space(
             ``max_running_requests`` (effective), ``chunked_prefill_size``, ...).
         gpu_total_mib: GPU size (nvidia-smi MiB) for the chunked-prefill default.
         capacity_hint: The context capacity predicted at the top of the fraction range.
+        slots_hint: The reachable request slots at the top of the fraction range.
         hicache: The hierarchical cache's decision (:func:`decide_hicache`); None = decided from
             ``[space] hierarchical_cache`` alone (unset = out, no reuse estimate).
 
@@ -426,12 +431,14 @@ def resolve_space(
         mrr_low, mrr_high = section.max_running_requests
     else:
         reference = base_mrr or capacity_hint or 64
-        mrr_low = max(1, reference // 4)
+        mrr_low = 1
         mrr_high = max(reference, int(1.5 * (capacity_hint or reference)), 8)
-        if capacity_hint:
-            mrr_low = max(1, min(mrr_low, capacity_hint // 4))
+        if slots_hint:
+            mrr_high = max(min(mrr_high, slots_hint), capacity_hint or 1, 2)
     if base_mrr:
-        mrr_low, mrr_high = min(mrr_low, base_mrr), max(mrr_high, base_mrr)
+        mrr_low = min(mrr_low, base_mrr)
+        if not slots_hint or section.max_running_requests or base_mrr <= mrr_high:
+            mrr_high = max(mrr_high, base_mrr)
 
     base_cps = baseline.get("chunked_prefill_size")
     if base_cps is None:
