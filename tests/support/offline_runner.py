@@ -55,7 +55,8 @@ simulated again."""
 
 
 def _evaluate(argv: list[str], requests: list[SimRequest], key: str, **kwargs: Any) -> EvalResult:
-    memo_key = (tuple(argv), key, tuple(sorted(kwargs.items())))
+    memo_key = (tuple(argv), key, tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                                              for k, v in kwargs.items())))
     if memo_key not in _MEMO:
         result = evaluate(argv, requests, **kwargs)
         # The probe's startup lines are read whole; of a load, only its last lines (a crash).

@@ -722,6 +722,7 @@ def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=max(sum(b.tokens for b in it.blocks) + it.output_len for it in items),
+        mean_request_tokens=round(sum(sum(b.tokens for b in it.blocks) + it.output_len for it in items) / len(items)),
         num_requests=len(items), repeatable=False, has_dependencies=any(it.parent is not None for it in items),
         has_arrivals=bool(timed), trace_format=fmt,
     )
@@ -825,9 +826,6 @@ def estimate_reuse(workload: Workload, *, max_requests: int = 2000, max_tokens: 
         requests=n, prompt_tokens=prompt, reused_tokens=reused, working_set_tokens=working,
         distinct_tokens=len(counts) * block_tokens, sessions=len(groups_dep),
         prefix_groups=len(groups_shared - groups_dep), block_tokens=block_tokens, sampled=sampled,
-        context_tokens=max(r.input_len + r.output_len for r in rows), num_requests=len(rows),
-        mean_request_tokens=round(sum(r.input_len + r.output_len for r in rows) / len(rows)),
-        repeatable=False, has_dependencies=any(r.session is not None for r in rows), has_arrivals=True,
     )
 
 
