@@ -503,6 +503,8 @@ _P = {
     "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
 }
 
+_BATCH_RUNNING = re.compile(r"#running-req: (\d+)")
+_BATCH_USAGE = re.compile(r"(?<!swa )token usage: ([\d.]+)")
 _BATCH_FIELDS = {
     "#new-seq": ("new_seq", int),
     "#new-token": ("new_token", int),
@@ -655,7 +657,7 @@ class LogWatcher:
         self._serving = False
         self._fields: dict[str, Any] = {}
         self._retractions: list[Retraction] = []
-        self._batches: deque[dict[str, Any]] = deque(maxlen=_MAX_BATCH_LINES)
+        self._batches: deque[list[Any]] = deque(maxlen=_MAX_BATCH_LINES)
         self._summary: dict[str, Any] = {"prefill_lines": 0, "decode_lines": 0, "decode_lines_without_cuda_graph": 0}
         self._rejections: list[InputRejection] = []
         self._oom: OOMDetail | None = None
@@ -766,7 +768,7 @@ class LogWatcher:
             host_pool_ranks=list(self._fields.get("host_pool_ranks", [])),
             ready=self.ready,
             retractions=list(self._retractions),
-            batches=[BatchLine(**b) for b in self._batches],
+            batches=self._batch_lines(),
             batch_summary=BatchSummary(**summary),
             failure=failure,
             failure_site=self._failure_site if self.failure is not None else None,
@@ -1094,7 +1096,30 @@ class LogWatcher:
         self._scheduler = info
 
     def _batch(self, kind: str, body: str, rank: str | None, ts: str | None) -> None:
+        """One batch line: the summary from three C-level searches; the full fields are parsed
+        lazily, only for the kept (last :data:`_MAX_BATCH_LINES`) lines, at :meth:`report` time."""
         self._serving = True
+        self._batches.append([kind, ts, rank, body, None])
+        s = self._summary
+        s[f"{kind}_lines"] += 1
+        m = _BATCH_RUNNING.search(body)
+        running = int(m.group(1)) if m else None
+        if running is not None and running > (s.get("max_running_req") or 0):
+            s["max_running_req"] = running
+        if m := _BATCH_USAGE.search(body):
+            try:
+                usage = float(m.group(1))
+            except ValueError:
+                usage = None  # truncated value
+            if usage is not None and usage > (s.get("max_token_usage") or 0.0):
+                s["max_token_usage"] = usage
+        if kind == "decode" and "cuda graph: False" in body:
+            s["decode_lines_without_cuda_graph"] += 1
+            if running is not None:
+                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, running)
+
+    @staticmethod
+    def _batch_values(body: str) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for part in body.split(","):
             if ":" not in part:
@@ -1111,19 +1136,16 @@ class LogWatcher:
                 continue  # truncated value
             if raw not in ("True", "False") and typ is bool:
                 values.pop(name)
-        self._batches.append({"kind": kind, "timestamp": ts, "rank": rank, **values})
-        s = self._summary
-        s[f"{kind}_lines"] += 1
-        usage = values.get("token_usage", values.get("full_token_usage"))
-        running = values.get("running_req")
-        if running is not None:
-            s["max_running_req"] = max(s.get("max_running_req") or 0, running)
-        if usage is not None:
-            s["max_token_usage"] = max(s.get("max_token_usage") or 0.0, usage)
-        if kind == "decode" and values.get("cuda_graph") is False:
-            s["decode_lines_without_cuda_graph"] += 1
-            if running is not None:
-                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, running)
+        return values
+
+    def _batch_lines(self) -> list[BatchLine]:
+        out = []
+        for entry in self._batches:
+            if entry[4] is None:
+                kind, ts, rank, body, _ = entry
+                entry[4] = BatchLine(kind=kind, timestamp=ts, rank=rank, **self._batch_values(body))
+            out.append(entry[4])
+        return out
 
     def _command_flags(self, msg: str) -> None:
         tokens = msg.split()
