@@ -459,6 +459,8 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
 # ---------------------------------------------------------------------------------------------
 
 _P = {
+    "dist_begin": re.compile(r"^Init torch distributed begin\."),
+    "parallel_end": re.compile(r"^Init parallel ends\. elapsed=" + _NUM + " s"),
     "dist_end": re.compile(r"Init torch distributed ends\.(?:.*?elapsed=" + _NUM + r" s,)?.*?mem usage=" + _NUM + " GB"),
     "baseline": re.compile(r"Memory baseline taken\..*?mem usage=" + _NUM + " GB"),
     "load_begin": re.compile(r"Load weight begin\..*?avail mem=" + _NUM + " GB"),
@@ -869,6 +871,11 @@ class LogWatcher:
                 self._server_args.setdefault(k, v.strip().strip("'\""))
             return True
         known = self._parse_failure(msg, rank)
+        if _P["dist_begin"].search(msg):  # nothing to read; a startup line all the same
+            return True
+        if m := _P["parallel_end"].search(msg):  # 0.5.23: the baseline line follows
+            self._log(rank, "init_parallel_end", msg)
+            return True
         if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
             self._new_start(rank)
             d = self._target_or_draft(rank, "baseline_gib")
@@ -956,6 +963,7 @@ class LogWatcher:
             self._phase = "after_capture"
             if sched := _P["scheduler"].search(msg):  # some logs glue the scheduler line on (case-21)
                 self._scheduler_line(int(sched.group("tokens")), sched.group("rest"))
+                self._log(rank, "scheduler", sched.group(0))
             return True
         if m := _P["cap_begin"].search(msg):
             self._phase = "capture"
@@ -964,6 +972,7 @@ class LogWatcher:
             return True
         if m := _P["scheduler"].search(msg):
             self._scheduler_line(int(m.group("tokens")), m.group("rest"))
+            self._log(rank, "scheduler", msg)
             return True
         if m := _P["host_pool_old"].search(msg):
             self._log(rank, "host_pool", msg)
@@ -1091,7 +1100,7 @@ class LogWatcher:
         for key in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests", "context_len"):
             if m := re.search(key + r"=(-?\d+)", rest):
                 info[key] = int(m.group(1))
-        if m := re.search(r"available_gpu_mem=" + _NUM + " GB", rest):
+        if m := re.search(r"available_[gc]pu_mem=" + _NUM + " GB", rest):  # "available_cpu_mem" on CPU servers
             info["available_gpu_mem_gib"] = float(m.group(1))
         self._scheduler = info
 
