@@ -311,3 +311,19 @@ def test_0523_speculative_draft_and_target_lines() -> None:
     assert (tp0.weight_gib, tp0.kv_tokens, tp0.graph_gib, tp0.graph_bs) == (73.0, 120000, pytest.approx(0.7), [1, 2, 4, 8])
     assert tp0.draft is not None and (tp0.draft.weight_gib, tp0.draft.graph_gib, tp0.draft.kv_tokens) == (1.2, 0.2, None)
     assert r.version_format == "0.5.23" and r.failure is None
+
+
+def test_0_5_23_lines_real_sglang_prints() -> None:
+    """What the real 0.5.23 package prints (issue point 11): the settings echo as a dict, the
+    overlap weight load's commit line, compressed-tensors, ATTN_CP/MOE_DP rank-prefix tokens."""
+    r = parse_log(["[2026-01-01 00:00:00] server_args={'mem_fraction_static': 0.85, 'model_path': '/m', 'cuda_graph_bs': [1, 2]}"])
+    assert r.server_args == {"mem_fraction_static": "0.85", "model_path": "/m", "cuda_graph_bs": "[1, 2]"}
+    r = parse_log([
+        "[2026-01-01 00:00:00 DP0 ATTN_CP1 MOE_DP0 TP3 EP3] Load weight end. elapsed=2.00 s, type=Qwen3ForCausalLM, "
+        "quant=compressed-tensors, avail mem=60.00 GB, mem usage=10.00 GB.",
+        "[2026-01-01 00:00:01 TP0] Load weight end. Committed real weights after CUDA graph capture in 3.21 s "
+        "(capture overlap window 2.00 s, startup overlap total 9.10 s)",
+    ])
+    assert "DP0 ATTN_CP1 MOE_DP0 TP3 EP3" in r.ranks and r.ranks["DP0 ATTN_CP1 MOE_DP0 TP3 EP3"].weight_dtype == "compressed-tensors"
+    assert r.weights_committed_after_capture and r.ranks.get("TP0") is None  # no memory numbers on the commit line
+    assert r.logged["TP0"][0].values["startup overlap total"].value == 9.1

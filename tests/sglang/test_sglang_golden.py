@@ -126,7 +126,11 @@ def _field_pattern(inner: str) -> str:
     expr, _, spec = inner.rpartition(":") if render._SPEC.match(inner.rsplit(":", 1)[-1]) and ":" in inner else (inner, "", "")
     if spec.endswith(("f", "d")):
         return r"-?\d+(?:\.\d+)?"
-    if " if " in inner or "server_args" in inner:
+    if "_server_args_for_logging" in inner:  # 0.5.23: resolved_dict(), a dict
+        return r"\{.*\}"
+    if inner.startswith("server_args!r"):  # 0.5.5/0.5.10: f"{server_args=}", the dataclass repr
+        return r"ServerArgs\(.*\)"
+    if " if " in inner:
         return ".*?"
     return r"(?:\[[^\]]*\]|[^,\[]*?)"
 

@@ -298,7 +298,8 @@ class LogReport(BaseModel):
         input_rejections: Too-long requests (case-26).
         oom: Numbers of a CUDA OOM message, if any.
         req_slots_available / req_slots_requested: ``alloc_req_slots`` numbers (case-29).
-        server_args: ``key=value`` pairs of a logged ``server_args=ServerArgs(...)`` line and
+        server_args: ``key=value`` pairs of a logged ``server_args=ServerArgs(...)`` (0.5.5, 0.5.10) or
+            ``server_args={...}`` (0.5.23, a dict) line and
             flags of a logged launch command, as strings.
         exit_status: The process exit status, when a systemd line reports it.
         sglang_lines: How many lines were recognized as SGLang output.

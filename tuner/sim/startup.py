@@ -400,8 +400,11 @@ def log_startup(parsed: ParsedArgs, plan: MemoryPlan, log: SimLogger, *, time_sc
         True when the engine is up; False after a failure's lines (see :func:`run_startup`).
     """
     cfg = plan.config
-    args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
-    log.line(f"server_args=ServerArgs({args_repr})", None)
+    if cfg.version == "0.5.23":  # entrypoints/engine.py: server_args={resolved_dict()}
+        log.line(f"server_args={dict(cfg.server_args)!r}", None)
+    else:  # f"{server_args=}": the dataclass repr
+        args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
+        log.line(f"server_args=ServerArgs({args_repr})", None)
     for warning in cfg.warnings:
         log.line(warning, None)
     return run_startup(plan, log, time_scale=time_scale)
