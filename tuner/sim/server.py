@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tuner.sim.args import VERSIONS
@@ -100,6 +100,7 @@ class _Pending:
     first_token_s: float | None = None
     last_token_s: float | None = None
     text: str = ""
+    out_ids: list[int] = field(default_factory=list)
     direct: tuple[asyncio.Transport, Callable[[_Update], bytes]] | None = None
     done: asyncio.Future | None = None
 
@@ -128,6 +129,8 @@ class SimServer:
         self._events_seen = 0
         self._progress: asyncio.Event | None = None
         self._step_log: list[tuple[float, float]] = []
+        # SGLang's multiprocess collector emits no ``*_created`` series (§5.5); neither does the simulator.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self._hist = self._make_histograms() if self.cfg.enable_metrics else None
         if self.cfg.enable_metrics:
@@ -517,6 +520,9 @@ class SimServer:
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             return self._reject("sampling_params must be a JSON object.")
+        if self.version == "0.5.23" and (unknown := sorted(set(sp) - SAMPLING_PARAMS_0_5_23)):
+            # 0.5.23's /generate contract gate (entrypoints/api_contract.py) refuses unknown fields.
+            return self._reject(f"unknown field `sampling_params.{unknown[0]}`")
         text, ids = body.get("text"), body.get("input_ids")
         batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
         try:
@@ -552,6 +558,9 @@ class SimServer:
             return web.json_response(self._generate_body(p, upd, out_ids))
         args = self.cfg.server_args  # 0.5.5 spells it --stream-output
         incremental = bool(args.get("incremental_streaming_output") or args.get("stream_output"))
+        # Streamed output_ids (managers/tokenizer_manager.py): 0.5.5 always sends the new ids;
+        # 0.5.10+ send the new ids only with --incremental-streaming-output, else all ids so far.
+        cumulative_ids = self.version != "0.5.5" and not incremental
 
         retractions = "num_retractions" if self.version == "0.5.23" else "total_retractions"
         meta_head = f'"meta_info": {{"id": {json.dumps(p.rid)}, "finish_reason": null, "prompt_tokens": '
@@ -559,12 +568,18 @@ class SimServer:
         def encode(upd: _Update) -> bytes:
             if upd.finish is not None:
                 chunk = self._generate_body(p, upd, [], new_ids=upd.token_ids, incremental=incremental)
+                if cumulative_ids:
+                    p.out_ids.extend(upd.token_ids)
+                    chunk["output_ids"] = list(p.out_ids)
                 return b"data: " + json.dumps(chunk).encode() + b"\n\n"
             # The hot path (every token of every stream): the same JSON as _generate_body, formatted directly.
             new_text = detokenize(upd.token_ids)
             p.text += new_text
             text = json.dumps(new_text if incremental else p.text)
-            return (f'data: {{"text": {text}, "output_ids": {upd.token_ids}, {meta_head}{upd.prompt_tokens}, '
+            if cumulative_ids:
+                p.out_ids.extend(upd.token_ids)
+            ids = p.out_ids if cumulative_ids else upd.token_ids
+            return (f'data: {{"text": {text}, "output_ids": {ids}, {meta_head}{upd.prompt_tokens}, '
                     f'"weight_version": "default", "completion_tokens": {upd.completion_tokens}, '
                     f'"cached_tokens": {upd.cached_tokens}, "{retractions}": 0}}}}\n\n').encode()
 
@@ -732,6 +747,15 @@ class SimServer:
                              buckets=(0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200,
                                       250, 300, 350, 500, 1000)),
         }
+
+
+SAMPLING_PARAMS_0_5_23 = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width", "json_schema", "regex", "ebnf",
+    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params", "watermark",
+})
+"""The fields of ``SamplingParams`` in SGLang 0.5.23 (``srt/sampling/sampling_params.py``)."""
 
 
 def _max_new_tokens(value: Any, default: int) -> int:
