@@ -5,7 +5,8 @@ journal, a running server's ``/get_server_info``) and, optionally, the model's `
 It holds the memory waterfall (``shared/sglang-reference.md`` §1.2, §1.6, §4.2), the capacity
 limit (§2.3, §8), predictions at other fractions (§1.8, :mod:`tuner.sglang.memory`) and the known
 traps with their evidence. ``--json`` prints :meth:`Explanation.model_dump`; the schema is in
-``docs/explain-schema.md``. :func:`renderables` gives the rich text view the CLI prints.
+``docs/explain-schema.md``. The rich text view is :mod:`tuner.report.explain` (print and rich
+belong to the CLI and report layers).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
-from tuner.sglang.failures import LEVERS, RESERVE_FAILURES, Failure, FailureClass, Lever
+from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
 from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, parse_log_bytes
 from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, effective_max_running_requests, max_req_input_len, req_to_token_gib
 from tuner.sglang.modelconfig import ModelArch
@@ -40,10 +38,8 @@ __all__ = [
     "Explanation",
     "explain",
     "read_journal",
-    "renderables",
     "explain_from",
     "waterfall_steps",
-    "waterfall_table",
 ]
 
 SCHEMA_VERSION = 1
@@ -1023,21 +1019,8 @@ def _findings(m: KVCapacityModel | None, cap: Capacity, mfs: float | None, traps
 
 
 # ---------------------------------------------------------------------------------------------
-# Text view
+# Stored trial reports
 # ---------------------------------------------------------------------------------------------
-
-
-def _fmt(x: float | None, unit: str = "GiB") -> str:
-    return "—" if x is None else f"{x:,.2f} {unit}"
-
-
-def _steps_table(steps: Sequence[WaterfallStep]) -> Table:
-    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
-    for col in ("item", "GiB", "tokens", "source"):
-        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
-    for s in steps:
-        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
-    return wf
 
 
 def waterfall_steps(memory: Mapping[str, Any]) -> list[WaterfallStep]:
@@ -1055,63 +1038,6 @@ def waterfall_steps(memory: Mapping[str, Any]) -> list[WaterfallStep]:
     mfs = model.observed_mem_fraction_static if model else None
     return _waterfall(report, info, model, report.max_total_num_tokens or (model.observed_tokens if model else None),
                       sched.max_running_requests if sched else None, sched.context_len if sched else memory.get("context_len"), mfs)
-
-
-def waterfall_table(memory: Mapping[str, Any]) -> Table:
-    """A rich table of :func:`waterfall_steps` (``tuner show`` uses it)."""
-    return _steps_table(waterfall_steps(memory))
-
-
-def renderables(e: Explanation) -> RenderableType:
-    """The rich text view of an explanation (the CLI prints it)."""
-    parts: list[RenderableType] = []
-    head = Text()
-    head.append("SGLang memory explained", style="bold")
-    head.append(f"  state: {e.state}")
-    if e.sglang_version:
-        head.append(f"  version: {e.sglang_version}")
-    if e.log_format:
-        head.append(f"  log format: {e.log_format}")
-    parts.append(head)
-    if e.sources:
-        parts.append(Text("from: " + "; ".join(e.sources), style="dim"))
-    parts.append(_steps_table(e.waterfall))
-    parts.append(Text("Capacity: " + e.capacity.statement, style="bold"))
-    if e.capacity.fits:
-        ft = Table(title="Requests resident at once", title_justify="left")
-        for col in ("request tokens", "requests", "limited by"):
-            ft.add_column(col, justify="right" if col != "limited by" else "left")
-        for f in e.capacity.fits:
-            ft.add_row(f"{f.request_tokens:,}", f"{f.resident_requests:,}", f.limited_by)
-        parts.append(ft)
-    if e.predictions:
-        pt = Table(title="At other mem_fraction_static values", title_justify="left")
-        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "free after graphs", "note"):
-            pt.add_column(col, justify="left" if col == "note" else "right")
-        for p in e.predictions:
-            pt.add_row(f"{p.mem_fraction_static:.3f}", f"{p.max_total_num_tokens:,}", f"{p.delta_tokens:+,}" if p.delta_tokens is not None else "",
-                       f"{p.kv_pool_gib:.2f}", _fmt(p.free_after_graphs_gib), p.note or "")
-        parts.append(pt)
-    if e.traps:
-        parts.append(Text("Traps", style="bold"))
-        colours = {"info": "cyan", "warning": "yellow", "error": "red"}
-        for t in e.traps:
-            line = Text()
-            line.append(f"[{t.severity}] ", style=colours[t.severity])
-            line.append(t.title, style="bold")
-            parts.append(line)
-            parts.append(Text("  " + t.detail))
-            for ev in t.evidence:
-                parts.append(Text("  evidence: " + ev, style="dim"))
-            if t.fix:
-                parts.append(Text("  fix: " + t.fix, style="green"))
-    if e.findings:
-        parts.append(Text("Findings", style="bold"))
-        for f in e.findings:
-            parts.append(Text("  - " + f))
-    for w in e.warnings:
-        parts.append(Text("note: " + w, style="dim"))
-    return Group(*parts)
 
 
 def explain_from(
