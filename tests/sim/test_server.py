@@ -279,6 +279,8 @@ def test_version_differences(tmp_path) -> None:
         assert bad.status_code == 400 and "max_new_tokenz" in bad.json()["error"]["message"]
         text = requests.get(f"{proc.url}/metrics", timeout=TIMEOUT_S).text
         assert "_created" not in text  # SGLang's multiprocess collector emits no *_created series
+        for family in ("sglang:spec_accept_length", "sglang:spec_accept_rate", "sglang:kv_evictable_tokens", "sglang:startup_time_seconds"):
+            assert re.search(rf"^{family}\{{.*\}} [\d.e+-]+$", text, re.M), family
         assert re.search(r"^sglang:max_total_num_tokens\{.*\} \d+", text, re.M)
         assert "sglang:graph_memory_usage_gb" in text
         assert [g["index"] for g in requests.get(f"{proc.url}/sim/device_memory", timeout=TIMEOUT_S).json()] == [0, 1]

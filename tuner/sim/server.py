@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import psutil
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -123,6 +124,7 @@ class SimServer:
         self.engine = Engine(engine_spec(plan, seed), log=lambda msg: log.line(msg, 0))
         self.version = self.cfg.version
         self.ready = False
+        self.startup_s = 0.0
         self._pending: dict[str, _Pending] = {}
         self._wake: asyncio.Event | None = None
         self._t0 = time.monotonic()
@@ -356,6 +358,8 @@ class SimServer:
         if not self.skip_warmup:
             await self._collect(self._submit([0] * 8, 8, True))
         self.ready = True
+        # Engine startup time: from the process's start to ready (sglang:engine_startup_time).
+        self.startup_s = max(0.0, time.time() - psutil.Process().create_time())
         self.log.line("The server is fired up and ready to roll!", None)
 
     # ------------------------------------------------------------------ handlers
@@ -858,6 +862,21 @@ class _SchedulerCollector:
                       s["evicted_tokens_total"])
         yield counter("sglang:load_back_tokens", "Number of tokens loaded back from host memory.",
                       s["load_back_tokens_total"])
+        # Families SGLang has for what the simulator models (metrics/collector.py 0.5.5,
+        # observability/metrics_collector.py 0.5.23): speculative acceptance, startup time,
+        # evictable KV tokens (0.5.23), the per-request retraction histogram's gauge twin (0.5.5).
+        cost = srv.engine.spec.cost
+        if cost.spec_num_draft_tokens:
+            yield gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.", cost.spec_accept_length)
+            yield gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.",
+                        cost.spec_accept_length / cost.spec_num_draft_tokens)
+        if version == "0.5.23":
+            yield gauge("sglang:kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.",
+                        s["evictable_tokens"])
+            yield gauge("sglang:startup_time_seconds", "Engine startup duration by phase in seconds.", srv.startup_s,
+                        labels=sched + ["phase"], values=sv + ["total"])
+        else:
+            yield gauge("sglang:engine_startup_time", "The time taken for the engine to start up.", srv.startup_s)
         if version != "0.5.5":
             yield gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.",
                         plan.max_total_num_tokens)
