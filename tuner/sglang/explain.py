@@ -665,7 +665,8 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
         traps.append(_failure_trap(report.failure, m, report, mfs))
     # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
     if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
-        after = m.baseline_gib - prim.weight_gib
+        # What was left after the weights: the logged 'Load weight end' avail mem where printed, not B − W.
+        after = prim.weight_end_avail_gib if prim.weight_end_avail_gib is not None else m.baseline_gib - prim.weight_gib
         wrong = float(mfs) * after
         traps.append(Trap(
             id="fraction_misread", severity="info",
@@ -991,9 +992,15 @@ def _shortfall_trap(report: LogReport, settings: Mapping[str, Setting]) -> Trap:
     if short_by_pages:
         detail += ("more tokens were free than asked for, so the free slots were not whole free pages: each request takes whole pages "
                    f"of page_size{f' {page}' if page else ''} tokens (decode over-estimates one new page per request).")
+        assert sf is not None and sf.requested_tokens is not None and sf.available_size is not None
+        if sf.kind == "decode":  # "Try to allocate len(seq_lens) × token_per_req": one token per running request
+            need = f"{sf.requested_tokens:,} decode requests a new page each (up to {sf.requested_tokens:,} × page_size" + (
+                f" = {sf.requested_tokens * int(page):,} tokens)" if page else " tokens)")
+        else:
+            need = f"{sf.requested_tokens:,} tokens in whole pages"
         lever = Lever(knob="page_size", direction="lower",
-                      why=f"{sf.available_size:,} free tokens could not give {sf.requested_tokens:,} whole pages: a smaller page size "  # type: ignore[union-attr]
-                          "wastes less per request (or fewer running requests); a lower fraction makes it worse")
+                      why=f"{sf.available_size:,} free tokens could not give {need}: a smaller page size wastes less per "
+                          "request (or fewer running requests); a lower fraction makes it worse")
     else:
         detail += "the pool itself was exhausted (not CUDA memory)."
         lever = Lever(knob="mem_fraction_static", direction="raise",
