@@ -752,7 +752,11 @@ class LogWatcher:
         ranks = {key: self._freeze_rank(key, d) for key, d in self._ranks.items()}
         warnings = list(self._warnings)
         if ranks and not self._scheduler and self._sglang_lines:
-            warnings.append("no scheduler line (max_total_num_tokens=...): the start did not finish or the log is partial")
+            missing = {"weights": "the weight-end, KV, pool, graph and scheduler lines", "after_weights": "the KV, pool, graph and scheduler lines",
+                       "kv_pool": "the 'Memory pool end', graph and scheduler lines", "after_pool": "the graph and scheduler lines",
+                       "capture": "the rest of graph capture and the scheduler line", "after_capture": "the scheduler line"}.get(self._phase)
+            warnings.append("no scheduler line (max_total_num_tokens=...): the start did not finish or the log is partial"
+                            + (f"; it ends in phase {self._phase}, so {missing} are missing (not guessed)" if missing and failure is None else ""))
         if self.ready is False and self._scheduler and failure is None:
             warnings.append("no ready line: the log ends before 'The server is fired up and ready to roll!'")
         summary = dict(self._summary)
