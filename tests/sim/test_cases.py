@@ -38,7 +38,7 @@ SKIPPED = {
     "case-27": "a hybrid SWA model (DeepSeek-V4) under load; no startup inputs",
     "case-29": "a runtime req_to_token exhaustion; the GPU count/tp and model are not stated",
     "case-30": "ROCm MI355X with the AITER attention backend (not simulated); its K size from the token count is "
-               "checked in tests/sglang/test_sglang_cases.py",
+               "checked in tests/sglang/test_cases.py",
     "case-31": "ROCm MI355 with the AITER workspace (not simulated); the fraction and workspace are debug prints",
     "case-32": "only the HIP OOM lines; no startup inputs",
     "case-33": "SGLang-Omni; only the error line, the weights are the doc's prose",

@@ -12,19 +12,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.sim import spawn, wait_ready
 from tuner.sglang.logs import clean_line, parse_log
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sglang-formats"
 FORMATS = Path(__file__).resolve().parents[2] / "tuner" / "data" / "log-formats.json"
 VERSIONS = ["0.5.5.post3", "0.5.10", "0.5.23"]
 SIM_VERSION = {"0.5.5.post3": "0.5.5", "0.5.10": "0.5.10", "0.5.23": "0.5.23"}
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
 
 
 def _module(name: str) -> Any:
@@ -165,8 +164,6 @@ SIM_RUNS = [
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_simulator_prints_only_lines_sglang_has(version: str, tmp_path: Path) -> None:
-    from _simproc import spawn, wait_ready
-
     templates = _templates(version)
     anchors = {k: re.compile(v) for k, v in extract.ANCHORS.items()}
     problems = []
