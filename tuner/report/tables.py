@@ -248,20 +248,14 @@ def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _waterfall(memory: dict[str, Any]) -> Any:
-    """The memory waterfall of ``tuner explain`` when :mod:`tuner.sglang.explain` can render a
-    stored memory report, else a flat table of the report's fields."""
+    """The memory waterfall of ``tuner explain`` for a stored memory report, else a flat table of
+    the report's fields (a report stored by an older version that does not validate)."""
+    from tuner.report.explain import waterfall_table
+
     try:
-        from tuner.sglang import (
-            explain,  # optional: owned by the SGLang-knowledge issue
-        )
-    except ImportError:
-        explain = None  # type: ignore[assignment]  # the optional-import idiom: a module or None
-    render = getattr(explain, "waterfall_table", None) if explain is not None else None
-    if render is not None:
-        try:
-            return render(memory)
-        except (TypeError, ValueError, KeyError) as err:
-            logger.debug("explain.waterfall_table could not render the stored report: %s", err)
+        return waterfall_table(memory)
+    except (TypeError, ValueError, KeyError) as err:
+        logger.debug("explain.waterfall_table could not render the stored report: %s", err)
     return _kv_table("memory (as stored)", _memory_rows(memory), "field", "value")
 
 
