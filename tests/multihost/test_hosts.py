@@ -12,7 +12,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from tuner.errors import StudyError
-from tuner.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, recover_own
+from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, recover_own
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

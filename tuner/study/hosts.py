@@ -34,7 +34,8 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import optuna
 import sqlalchemy
@@ -43,6 +44,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError
+from tuner.records import RECORD_ATTR
+from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
 
 __all__ = [
     "HOST_ATTR",
@@ -52,8 +55,10 @@ __all__ = [
     "is_postgres",
     "rdb_of",
     "heartbeat_interval",
+    "same_environment",
     "RequeueOnce",
     "ClaimLock",
+    "schema_lock",
     "TrialHeartbeat",
     "reap_stale",
     "recover_own",
@@ -65,10 +70,8 @@ HOST_ENV = "TUNER_HOST"
 """Environment variable overriding the host name (one machine simulating several hosts)."""
 REQUEUED_ATTR = "tuner.requeued_from"
 """User attribute of a re-queued trial: ``{"trial": n, "host": the dead host}``."""
-KIND_ATTR = "tuner.kind"
-"""Mirrors :data:`tuner.study.KIND_ATTR` (a re-queued trial runs as ``enqueued``)."""
 _LOCK_CLASS = 0x53474C54  # "SGLT" (fits an int4): the first key of the advisory lock
-_OWN_ATTRS = ("tuner.record", "tuner.environment", HOST_ATTR)
+_OWN_ATTRS = (RECORD_ATTR, ENVIRONMENT_ATTR, HOST_ATTR)
 """User attributes of a dead trial that describe its own run, not its candidate (not copied)."""
 
 _log = logging.getLogger(__name__)
@@ -88,6 +91,14 @@ def heartbeat_interval(storage: BaseStorage) -> int | None:
     """The storage's heartbeat interval in seconds, or ``None`` when it keeps no heartbeats."""
     getter = getattr(storage, "get_heartbeat_interval", None)
     return getter() if callable(getter) else None
+
+
+def same_environment(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two environments agree on every :data:`~tuner.study.optuna_io.ENVIRONMENT_KEYS`
+    fact both state (a trial recorded without one counts as the same)."""
+    if not a or not b:
+        return True
+    return all(a.get(k) == b.get(k) for k in ENVIRONMENT_KEYS if a.get(k) is not None and b.get(k) is not None)
 
 
 def rdb_of(storage: BaseStorage) -> RDBStorage | None:
@@ -153,7 +164,6 @@ def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
     Returns:
         The numbers of the trials marked FAIL.
     """
-    storage = study._storage  # noqa: SLF001
     callback = RequeueOnce()
     recovered = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
@@ -161,11 +171,10 @@ def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
         if shared and owner != host:
             continue
         try:
-            if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):  # noqa: SLF001
-                continue
-        except optuna.exceptions.UpdateFinishedTrialError:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # another host reaped it first
-        callback(study, storage.get_trial(trial._trial_id))  # noqa: SLF001
+        callback(study, study.get_trials(deepcopy=False)[trial.number])
         recovered.append(trial.number)
     return recovered
 
@@ -237,6 +246,37 @@ class ClaimLock:
         if row is None:
             return "holder unknown"
         return f"held by {row[0] or 'a client'} from {row[1] or 'a local socket'}, backend pid {row[2]}"
+
+
+@contextlib.contextmanager
+def schema_lock(url: str, engine_kwargs: dict | None = None, *, timeout_s: float = 120.0) -> Iterator[None]:
+    """Serialize opening a study storage on a PostgreSQL server (Optuna's ``CREATE TABLE`` and
+    ``create_study`` race when several hosts start at once); a no-op elsewhere.
+
+    Raises:
+        SQLAlchemyError, ImportError: The server cannot be reached or its driver is missing (the
+            caller maps them).
+        StudyError: The lock was not free within ``timeout_s``.
+    """
+    if not url.startswith("postgresql"):
+        yield
+        return
+    engine = sqlalchemy.create_engine(url, **(engine_kwargs or {}))
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            keys = {"a": _LOCK_CLASS, "b": 0}
+            deadline = time.monotonic() + timeout_s
+            while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:a, :b)"), keys).scalar():
+                if time.monotonic() > deadline:
+                    raise StudyError(f"another host has held the storage's schema lock for over {timeout_s:.0f} s",
+                                     hint="check the other hosts' tuners and run again")
+                time.sleep(0.05)
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
+    finally:
+        engine.dispose()
 
 
 class TrialHeartbeat:
