@@ -443,6 +443,7 @@ class StudyRun:
              reason: tuple[str, int]) -> None:
         """Tell ``trial`` PRUNED with the reason and the proving trial, without a restart."""
         text, proof = reason
+        trial.set_user_attr(HOST_ATTR, self.host)
         record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
                              proved_by_trial=proof, prediction=prediction, started_at=_now(),
                              duration_s=0.0, constraints=Constraints.all_violated())
