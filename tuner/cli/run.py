@@ -16,9 +16,12 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
     `tuner best` applies), ``None`` when no trial is feasible."""
     from tuner.report import tables
     from tuner.study.best import max_running_requests_cut
+    from tuner.study.storage import display_url, is_shared_url
 
     console.print(
-        f"study [bold]{summary.study_name}[/] ({summary.storage_url}): {summary.trials_run} trial(s) launched, "
+        f"study [bold]{summary.study_name}[/] ({display_url(summary.storage_url)})"
+        + (f" on host {summary.host}" if is_shared_url(summary.storage_url) and summary.host else "")
+        + f": {summary.trials_run} trial(s) launched, "
         f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
         highlight=False,

@@ -33,6 +33,7 @@ __all__ = [
     "check_storage",
     "read_storage",
     "list_studies",
+    "copy_study",
 ]
 
 STUDIES_DIR = Path("studies")
@@ -315,3 +316,48 @@ def list_studies(storage_url: str) -> list[optuna.study.StudySummary]:
     return optuna.get_all_study_summaries(read_storage(storage_url), include_best_trial=False)
 
 
+
+
+def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str | None = None) -> int:
+    """Copy a study between storages (SQLite ↔ PostgreSQL) with ``optuna.copy_study``.
+
+    Trials (params, values, states, constraints, user and system attributes, the tuner's records)
+    and the study's attributes are copied; artifact files stay in their folder
+    (``studies/<study>/artifacts``), referenced by id. Checked before anything is written: the
+    source study exists; the target is a new SQLite file in an existing folder, an existing
+    storage, or an empty database, and holds no study of that name.
+
+    Args:
+        from_url: The source storage URL (must exist).
+        to_url: The target storage URL (created when it is a new SQLite file or an empty database).
+        study_name: The study to copy.
+        to_study_name: Its name in the target (default: the same).
+
+    Returns:
+        The number of trials copied.
+
+    Raises:
+        StudyError: The source or its study is missing, the target is unusable or already holds
+            the study.
+    """
+    target_name = to_study_name or study_name
+    source = read_storage(from_url)
+    names = [s.study_name for s in optuna.get_all_study_summaries(source, include_best_trial=False)]
+    if study_name not in names:
+        raise StudyError(f"storage {display_url(from_url)} holds no study {study_name!r} "
+                         f"(it holds {', '.join(names) or 'none'})", hint="pass one of those to --study")
+    if to_url.startswith("sqlite:///"):
+        folder = Path(to_url.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise StudyError(f"storage {to_url!r}: folder {str(folder)!r} does not exist",
+                             hint="create it first, or copy into an existing folder")
+    else:
+        check_run_storage(to_url)
+    target = open_storage(to_url)
+    existing = [s.study_name for s in optuna.get_all_study_summaries(target, include_best_trial=False)]
+    if target_name in existing:
+        raise StudyError(f"storage {display_url(to_url)} already holds a study {target_name!r}",
+                         hint="pass --to-study NEW_NAME, or copy into another storage")
+    optuna.copy_study(from_study_name=study_name, from_storage=source, to_storage=target,
+                      to_study_name=target_name)
+    return len(optuna.load_study(study_name=target_name, storage=target).trials)
