@@ -14,7 +14,7 @@ Rate: launched trials (not skips) completed within :data:`WINDOW_S` seconds afte
 completed, per minute. Quality: the best (the config's policy) among the first :data:`K_LAUNCHES`
 launches to complete, study-wide.
 
-Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hosts.py --run-benchmarks -s`` (about 4
+Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hosts.py --run-benchmarks -s`` (about 8
 minutes; figures in README § Many hosts).
 """
 
@@ -37,11 +37,11 @@ from tests.postgres import postgres_cluster  # noqa: E402, F401  (the fixture)
 from tuner.records import RECORD_ATTR, TrialRecord  # noqa: E402
 from tuner.study.best import choose_best  # noqa: E402
 
-TRIAL_S = 3.0
+TRIAL_S = 12.0
 """Wall-clock seconds of one launch (restart + load phases of a real trial, scaled down)."""
-WINDOW_S = 60.0
+WINDOW_S = 96.0
 """Seconds after the baseline in which finished launches are counted."""
-K_LAUNCHES = 15
+K_LAUNCHES = 8
 """Launches compared for search quality (the first to complete, study-wide)."""
 SCENARIO = "8B on L4, 4k contexts, chunks to 16k"
 
@@ -68,7 +68,7 @@ def _worker(url: str, host: str, budget_s: float) -> None:
 def _run(cluster, workers: int) -> dict:  # noqa: ANN001 - PostgresCluster
     url = cluster.create_database()
     ctx = multiprocessing.get_context("spawn")
-    budget_s = WINDOW_S + 15.0
+    budget_s = WINDOW_S + 40.0
     procs = [ctx.Process(target=_worker, args=(url, f"worker-{i}", budget_s)) for i in range(workers)]
     for proc in procs:
         proc.start()
@@ -81,7 +81,6 @@ def _run(cluster, workers: int) -> dict:  # noqa: ANN001 - PostgresCluster
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and RECORD_ATTR in t.user_attrs]
     launched = sorted([(t, r) for t, r in done if r.outcome in ("ok", "failed")], key=lambda p: p[0].datetime_complete)
     baseline = [t for t, r in launched if r.kind == "baseline"]
-    assert len(baseline) == 1
     start = baseline[0].datetime_complete
     counted = [t for t, r in launched if r.kind != "baseline" and (t.datetime_complete - start).total_seconds() <= WINDOW_S]
     keys = [tuple(sorted(t.params.items())) for t, _ in launched]
@@ -91,8 +90,9 @@ def _run(cluster, workers: int) -> dict:  # noqa: ANN001 - PostgresCluster
     cfg = scenarios()[SCENARIO]
     best = choose_best(first, policy=cfg.objective.policy, capacity_tolerance=cfg.objective.capacity_tolerance,
                        throughput_noise=cfg.objective.throughput_noise)
-    return {
+    out = {
         "workers": workers,
+        "baselines": len(baseline),
         "rate_per_min": len(counted) / WINDOW_S * 60.0,
         "launches": len(launched),
         "duplicates": len(keys) - len(set(keys)),
@@ -100,10 +100,18 @@ def _run(cluster, workers: int) -> dict:  # noqa: ANN001 - PostgresCluster
         "best_capacity": best.record.context_capacity if best else None,
         "best_tput": best.record.output_throughput_tok_s if best else None,
         "failed_share": sum(1 for _, r in first if r.outcome == "failed") / max(1, len(first)),
+        "skipped": sum(1 for _, r in done if r.outcome == "skipped"),
     }
+    print(f"\n{out}", flush=True)
+    if len(baseline) != 1:
+        for t, r in sorted(done, key=lambda p: p[0].number)[:12]:
+            print(t.number, t.state.name, r.kind, t.user_attrs.get("tuner.host"), t.datetime_start.time(),
+                  t.datetime_complete.time(), flush=True)
+    return out
 
 
 @pytest.mark.benchmark
+@pytest.mark.timeout(1800)
 def test_trials_per_minute_scale_with_hosts_and_quality_holds(postgres_cluster) -> None:  # noqa: ANN001
     results = {n: _run(postgres_cluster, n) for n in (1, 2, 4)}
     single = results[1]
@@ -114,6 +122,7 @@ def test_trials_per_minute_scale_with_hosts_and_quality_holds(postgres_cluster) 
               f"best of the first {K_LAUNCHES}: {res['best_capacity']} contexts, {res['best_tput']:.1f} tok/s, "
               f"{res['failed_share']:.0%} failed")
     for n, res in results.items():
+        assert res["baselines"] == 1
         assert res["duplicates"] == 0
         assert len(res["hosts"]) == n
         assert res["rate_per_min"] >= 0.9 * n * single["rate_per_min"], (n, res["rate_per_min"])

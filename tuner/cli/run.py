@@ -82,7 +82,9 @@ class _RunProgress:
     def __call__(self, event) -> None:  # noqa: ANN001
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
         of = f" of ~{event.expected} this run" if event.expected else ""
-        if event.event == "phase":
+        if event.event == "phase" and event.number is None:  # about the study, not this host's trial
+            self.progress.console.print(f"  {event.message}", highlight=False)
+        elif event.event == "phase":
             self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
                                  deadline=deadline)
         elif event.event in ("trial_end", "skip", "stop"):

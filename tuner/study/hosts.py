@@ -4,14 +4,14 @@ Every host of a fleet runs its own ``tuner run`` against its own local unit, and
 one Optuna study in a PostgreSQL ``RDBStorage`` (SQLite is single-host: Optuna's docs, and
 "database is locked" with concurrent writers, optuna/optuna#820). Three things make that safe:
 
-* **Claims.** Choosing the next config (reading every trial, RUNNING ones included, asking the
-  planner or the sampler, ``study.ask()`` and setting the params) is one critical section under a
-  PostgreSQL session-level advisory lock keyed on the study (:class:`ClaimLock`). Inside it a host
-  sees every config that another host runs or has measured, so no config is launched twice, and
-  the trial it creates is RUNNING with its params and host before the lock is released. Why a lock
-  and not "ask, re-read, back off": the section takes milliseconds against trials of minutes, it
-  adds nothing to Optuna's schema, PostgreSQL drops it with the connection of a host that dies
-  (a dead host never holds it), and no trial numbers are burnt on lost races.
+* **Claims.** A host chooses its next config (planner, constant-liar sampler) on its own, then
+  checks and claims it in a critical section under a PostgreSQL session-level advisory lock keyed
+  on the study (:class:`ClaimLock`): it re-reads the trials, skips the config when another host
+  measured it or claimed it first, and otherwise marks the trial with its host before the lock is
+  released, so no config is launched twice. Why a lock and not only "ask, re-read, back off": the
+  section takes milliseconds against trials of minutes, it adds nothing to Optuna's schema,
+  PostgreSQL drops it with the connection of a host that dies (a dead host never holds it), and the
+  first claim wins deterministically.
 * **Heartbeats.** Optuna 5 beats only inside ``study.optimize``; the tuner drives trials with
   ask/tell, so :class:`TrialHeartbeat` records the storage's heartbeat for the running trial in a
   thread (``heartbeat_interval``) and, on each beat, runs Optuna's ``fail_stale_trials`` for the
@@ -132,7 +132,7 @@ class RequeueOnce(RetryHeartbeatStaleTrialCallback):
         attrs[KIND_ATTR] = "enqueued"
         attrs[REQUEUED_ATTR] = {"trial": trial.number, "host": trial.user_attrs.get(HOST_ATTR)}
         copied.user_attrs = attrs
-        _log.warning("trial %d (host %s) is dead; its params are queued again",
+        _log.info("trial %d (host %s) is dead; its params are queued again",
                      trial.number, trial.user_attrs.get(HOST_ATTR))
         super().__call__(study, copied)
 

@@ -92,6 +92,7 @@ __all__ = [
     "describe",
     "resolve_study_space",
     "preflight",
+    "claimed_reason",
 ]
 
 MAX_INVALID_IN_A_ROW = 3
@@ -159,7 +160,8 @@ class Progress(BaseModel):
 
     Attributes:
         event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``.
-        number: Trial number (Optuna).
+        number: Trial number (Optuna); ``None`` for a note about the shared study (waiting for
+            another host's baseline, another host's dead trial reaped).
         index: This run's trial count so far (1-based).
         expected: About how many trials the budget allows in this run (``None`` unbounded).
         phase: The current phase.
@@ -354,23 +356,30 @@ class StudyRun:
             StudyError: The baseline could not start for a reason other than memory.
         """
         study = self._study()
+        waited, waited_s = False, 0.0
         while True:
             with self._claim():
                 found = self._own_baseline()
                 if found is not None or not self.can_continue():
                     return found
+                # The study attribute the baseline's tell stores first: a baseline of this
+                # environment is done even if its trial is not in this host's view yet.
+                done_elsewhere = SPACE_ATTR in study.user_attrs and self._study_environment()
                 measuring = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                              if t.user_attrs.get(KIND_ATTR) == "baseline"
                              and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), self.environment)]
-                if not measuring:
+                if not measuring and not (done_elsewhere and waited_s < _BASELINE_VISIBLE_S):
                     trial = study.ask()
                     trial.set_user_attr(KIND_ATTR, "baseline")
                     self._own(trial)
                     break
             # Another host measures this environment's baseline now: once per study, not per host.
-            self.progress("phase", None, phase="waiting", message=(
-                f"waiting for the baseline (trial {measuring[0].number}) on host "
-                f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}"))
+            waited_s += _WAIT_POLL_S
+            if not waited and measuring:
+                self.progress("phase", None, phase="waiting", message=(
+                    f"waiting for the baseline (trial {measuring[0].number}) on host "
+                    f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}"))
+            waited = True
             time.sleep(_WAIT_POLL_S)
         job = TrialJob(number=trial.number, kind="baseline", context_tokens=self.context_tokens, started_at=_now())
         def fix_space(record: TrialRecord) -> None:
@@ -410,32 +419,39 @@ class StudyRun:
         """Ask Optuna for the next trial (after enqueueing the planner's candidate when nothing
         waits); a trial that needs no restart is told as skipped here and has no job."""
         study = self._study()
+        done = self.history()
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        predicted = sum(1 for _, r in done if r.kind == "predicted")
+        predicted += sum(1 for t in running if t.user_attrs.get(KIND_ATTR) == "predicted")
+        if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
+            # Every host's trials count: what runs elsewhere now is as tried as what finished.
+            tried = {_key(space.snap(r.params)) for _, r in done if r.params}
+            tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
+            candidate = planner.next(done, tried)
+            if candidate is not None:
+                study.enqueue_trial(candidate.params,
+                                    user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
+        trial = study.ask()  # the sampler (constant liar) sees every host's RUNNING trials
+        kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
+        params = space.suggest(trial)
+        prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
+        floor = self.capacity_floor(done)
+        reason = skip_reason(params, done)
+        if reason is None and kind == "sampled" and self.use_planner:
+            reason = planner.screen(params, done, capacity_floor=floor)
+        if reason is not None:
+            self.skip(trial, params, kind, prediction, reason)
+            return trial, None
+        # Check and claim: under the study's lock, re-read what other hosts measured or claimed
+        # since; the first to claim a config wins, a later host skips it (no restart).
         with self._claim():
-            done = self.history()
-            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-            running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            predicted = sum(1 for _, r in done if r.kind == "predicted")
-            predicted += sum(1 for t in running if t.user_attrs.get(KIND_ATTR) == "predicted")
-            if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
-                # Every host's claims count: what runs elsewhere now is as tried as what finished.
-                tried = {_key(space.snap(r.params)) for _, r in done if r.params}
-                tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
-                candidate = planner.next(done, tried)
-                if candidate is not None:
-                    study.enqueue_trial(candidate.params,
-                                        user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
-            trial = study.ask()
-            kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
-            params = space.suggest(trial)
-            prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
-            floor = self.capacity_floor(done)
-            reason = skip_reason(params, done) or running_reason(params, running)
-            if reason is None and kind == "sampled" and self.use_planner:
-                reason = planner.screen(params, done, capacity_floor=floor)
-            if reason is not None:
-                self.skip(trial, params, kind, prediction, reason)
-                return trial, None
-            self._own(trial)  # RUNNING with its params, host and heartbeat before the lock goes
+            reason = claimed_reason(trial, study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
+            if reason is None:
+                self._own(trial)  # RUNNING with its params, host and heartbeat before the lock goes
+        if reason is not None:
+            self.skip(trial, params, kind, prediction, reason)
+            return trial, None
         return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                context_tokens=self.context_tokens, capacity_floor=floor, started_at=_now())
 
@@ -470,7 +486,7 @@ class StudyRun:
 
         def on_reaped(numbers: list[int]) -> None:
             self.summary.recovered.extend(numbers)
-            self.progress("phase", job.number, index=self.handled + 1, phase="reaped", message=(
+            self.progress("phase", None, index=self.handled + 1, phase="reaped", message=(
                 f"trial(s) {numbers} of another host had no heartbeat for "
                 f"{self.config.storage.grace_period_s} s: marked FAIL, params queued again"))
 
@@ -615,22 +631,34 @@ class StudyRun:
 
 _WAIT_POLL_S = 1.0
 """Seconds between looks at the study while another host measures the baseline."""
+_BASELINE_VISIBLE_S = 30.0
+"""How long a host waits for a baseline whose space is stored to show among the finished trials."""
 
 
-def running_reason(params: Mapping[str, Any], running: Sequence[optuna.trial.FrozenTrial]) -> tuple[str, int] | None:
-    """Why ``params`` need no restart now: another host runs the same config.
+def claimed_reason(trial: optuna.Trial, others: Sequence[optuna.trial.FrozenTrial]) -> tuple[str, int] | None:
+    """Why ``trial`` must not launch: another trial with the same Optuna params was measured
+    (COMPLETE) or claimed by a host (RUNNING with :data:`~tuner.study.hosts.HOST_ATTR`).
+
+    Read under the claim lock, so of two hosts that drew the same config the first to claim it
+    launches it and the other skips it; RUNNING trials not yet claimed (another host still
+    choosing) do not count.
 
     Args:
-        params: The candidate's knobs by SGLang field name.
-        running: The study's RUNNING trials (read under the claim lock).
+        trial: This host's asked trial, params suggested, not yet claimed.
+        others: The study's COMPLETE and RUNNING trials.
 
     Returns:
-        ``(reason, running trial number)``, or ``None``.
+        ``(reason, trial number)``, or ``None`` to launch.
     """
-    for trial in running:
-        if trial.params and all(params.get(k) == v for k, v in trial.params.items()):
-            host = trial.user_attrs.get(HOST_ATTR, "another host")
-            return f"the same config is running on host {host} (trial {trial.number})", trial.number
+    mine = _key(trial.params)
+    for other in others:
+        if other.number == trial.number or not other.params or _key(other.params) != mine:
+            continue
+        if other.state is TrialState.COMPLETE:
+            return f"the same config was measured by trial {other.number}", other.number
+        host = other.user_attrs.get(HOST_ATTR)
+        if host is not None:
+            return f"the same config is running on host {host} (trial {other.number})", other.number
     return None
 
 
