@@ -3,43 +3,29 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.postgres import PASSWORD, PostgresCluster
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.configs import config_copy, service_url
+from tests.support.net import free_port
+from tests.support.postgres import PASSWORD, PostgresCluster
 
 
 def _config(tmp_path: Path) -> tuple[Path, str]:
-    text = (ROOT / "configs" / "demo-sim.toml").read_text().replace("30000", str(_free_port()))
-    text = text.replace("[service]\n", f'[service]\nstate_dir = "{tmp_path / "state"}"\n', 1)
-    path = tmp_path / "tuner.toml"
-    path.write_text(text)
-    url = next(x for x in text.splitlines() if x.startswith('url = "http')).split('"')[1]
-    return path, url
+    path = config_copy("demo-sim.toml", tmp_path)
+    return path, service_url(path)
 
 
 def _tuner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, check=False, env=dict(os.environ, TUNER_HOST="host-x"))
+    return run_tuner(*args, cwd=cwd, env=dict(os.environ, TUNER_HOST="host-x", COLUMNS="200", NO_COLOR="1"))
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 1, (proc.returncode, proc.stdout[-1000:], proc.stderr[-2000:])
-    err = proc.stderr.strip()
-    assert "Traceback" not in proc.stderr and len(err.splitlines()) == 1, proc.stderr
+    err = one_error_line(proc)
     assert PASSWORD not in err and "wrong-pw" not in err  # passwords never printed
     return err
 
@@ -60,7 +46,7 @@ def test_bad_postgresql_storages_are_refused_before_the_unit_is_touched(
     postgres_cluster.sql(foreign.rsplit("/", 1)[1], "CREATE TABLE orders (id int)")
     cases = {
         "credentials": (postgres_cluster.url("postgres", password="wrong-pw"), "refused the credentials of user 'tuner'"),
-        "unreachable": (postgres_cluster.url("postgres", port=_free_port()), "is unreachable"),
+        "unreachable": (postgres_cluster.url("postgres", port=free_port()), "is unreachable"),
         "database": (postgres_cluster.url("no_such_db"), "database 'no_such_db' does not exist"),
         "driver": (f"postgresql+pg8000://tuner:{PASSWORD}@127.0.0.1:{postgres_cluster.port}/postgres",
                    "needs the database driver 'pg8000'"),

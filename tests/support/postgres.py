@@ -9,15 +9,11 @@ over TCP so a test can try wrong credentials; it is stopped (``pg_ctl stop -m im
 folder removed at the end. Durability is off (``fsync``, ``synchronous_commit``): a test cluster
 never outlives its test run.
 
-Use it from a conftest (one cluster per session, a fresh database per test)::
-
-    from tests.postgres import postgres_cluster, postgres_url  # noqa: F401  (the fixtures)
-
-    def test_something(postgres_url):    # "postgresql+psycopg://tuner:...@127.0.0.1:PORT/t_..."
-        ...
-
-Without the package (no ``initdb``) or without ``psycopg`` the fixtures skip, saying which and
-the fix; ``.ci/run`` installs both.
+The fixtures are in ``tests/conftest.py``: ``postgres_cluster`` (one per session) and
+``postgres_url`` (a fresh database per test, ``postgresql+psycopg://tuner:...@127.0.0.1:PORT/t_...``).
+Without the package (no ``initdb``) or without ``psycopg`` they skip, saying which and the fix;
+``.ci/run`` installs both. The cluster's folder is made in ``/tmp`` itself (the suite's private
+``$TMPDIR`` is mode 0700, which the ``postgres`` user cannot enter) and removed at the end.
 """
 
 from __future__ import annotations
@@ -34,9 +30,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-__all__ = ["PostgresCluster", "boot_postgres", "find_bin_dir", "postgres_cluster", "postgres_url"]
+__all__ = ["PASSWORD", "USER", "PostgresCluster", "boot_postgres", "find_bin_dir", "missing_reason"]
 
 USER = "tuner"
 """The cluster's superuser (the tests' role)."""
@@ -114,7 +108,7 @@ def boot_postgres(*, bin_dir: Path | None = None) -> Iterator[PostgresCluster]:
     if bin_dir is None:
         raise RuntimeError("PostgreSQL server binaries not found")
     run_as = "postgres" if os.geteuid() == 0 else None
-    root = Path(tempfile.mkdtemp(prefix="tuner-pg-"))
+    root = Path(tempfile.mkdtemp(prefix="tuner-pg-", dir="/tmp"))
     os.chmod(root, 0o755)
     if run_as:
         shutil.chown(root, user=run_as, group=run_as)
@@ -150,20 +144,12 @@ def boot_postgres(*, bin_dir: Path | None = None) -> Iterator[PostgresCluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def postgres_cluster() -> Iterator[PostgresCluster]:
-    """One private PostgreSQL cluster for the test session (skips, saying why, without the package)."""
+def missing_reason() -> str | None:
+    """Why no cluster can be made here (the skip reason, naming the fix), or ``None``."""
     try:
         import psycopg  # noqa: F401
     except ImportError:
-        pytest.skip("psycopg is not installed: pip install -e '.[test]' (it pulls the postgres extra)")
+        return "psycopg is not installed: pip install -e '.[test]' (it pulls the postgres extra)"
     if find_bin_dir() is None:
-        pytest.skip("PostgreSQL is not installed (no initdb/pg_ctl): apt-get install postgresql")
-    with boot_postgres() as cluster:
-        yield cluster
-
-
-@pytest.fixture
-def postgres_url(postgres_cluster: PostgresCluster) -> str:
-    """A fresh, empty database on the session's cluster: ``postgresql+psycopg://...``."""
-    return postgres_cluster.create_database()
+        return "PostgreSQL is not installed (no initdb/pg_ctl): apt-get install postgresql"
+    return None
