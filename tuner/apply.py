@@ -46,13 +46,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import ApplyError, TunerError
-from tuner.results import StoredStudy, TrialView
-from tuner.study.hosts import host_name
-from tuner.study.storage import check_storage, is_shared_url
 from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
+from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
+from tuner.study.hosts import host_name
+from tuner.study.storage import check_storage, is_shared_url
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -229,7 +229,7 @@ class ApplyPlan(BaseModel):
         else:
             verb = "replace" if self.previous_dropin is not None else "create"
             body = f"would {verb} {self.dropin_path}:\n{self.new_dropin}"
-        checks = ["ready within %.0f s" % timeout_s]
+        checks = [f"ready within {timeout_s:.0f} s"]
         if self.expected_token_capacity is not None:
             checks.append(
                 f"token capacity {self.expected_token_capacity} ± {CAPACITY_TOLERANCE:.0%}"
@@ -352,7 +352,9 @@ class ApplyLog:
         try:
             _METADATA.create_all(self._engine, tables=[_APPLIES])
             with self._engine.begin() as conn:
-                new_id = conn.execute(_APPLIES.insert().values(**row)).inserted_primary_key[0]
+                inserted = conn.execute(_APPLIES.insert().values(**row)).inserted_primary_key
+                assert inserted is not None  # an INSERT of one row returns its key
+                new_id = inserted[0]
         except SQLAlchemyError as err:
             raise ApplyError(
                 f"cannot record the apply in {self.storage_url}: {str(err).splitlines()[0]}",
@@ -392,7 +394,7 @@ class ApplyLog:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 def _build(settings: Mapping[str, Any], gpu: Any | None = None) -> Any:
@@ -560,7 +562,7 @@ def plan_apply(
     settings = service_settings(config, state_dir=state_dir)
     expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
     launcher = _build(settings)
-    common = dict(
+    common: dict[str, Any] = dict(
         study=stored.name,
         trial=view.number,
         expected_token_capacity=_expected_capacity(view),

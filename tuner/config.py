@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tuner.units import parse_duration_s
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
+from tuner.units import parse_duration_s
 
 __all__ = [
     "check_url_matches_port",
@@ -187,7 +187,7 @@ class SpaceSection(_Section):
     hierarchical_cache: bool = False
     hicache_ratio: FloatRange = (2.0, 4.0)
     hicache_write_policy: list[Literal["write_through", "write_through_selective", "write_back"]] = (
-        Field(default_factory=lambda: ["write_through"])
+        Field(default=["write_through"])  # pydantic copies a mutable default for each model
     )
     page_size: list[int] | None = None
     cuda_graph_max_bs: list[int] | None = None

@@ -17,11 +17,11 @@ from tuner.config import TunerConfig
 from tuner.errors import TunerError
 from tuner.launch.base import Launcher
 from tuner.load import build_workload
+from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.study.budget import prior_trial_cost_s
 from tuner.study.loop import RunSummary, preflight, run_study
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
 from tuner.study.storage import study_artifacts_dir, study_storage_url
-from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.trial import TrialExecutor
 from tuner.units import format_duration
 

@@ -128,6 +128,11 @@ class TrialRecord(BaseModel):
             ``sampled`` (the sampler), ``enqueued`` (re-run after a killed run).
         outcome: ``ok`` (measured), ``failed`` (startup or runtime failure), ``skipped``
             (proved infeasible without a restart), ``budget`` (not started: no time left).
+        measured_load: The load the server ran in the measured window: ``streams`` (closed-loop
+            concurrency), ``running_requests`` (of them, at most the effective
+            max_running_requests), ``chunk_tokens`` (tokens per prefill chunk); the planner's SLO
+            model learns where the latency SLO breaks from it.
+        repeat_of: The trial this one re-measures (same config, to measure the noise), or ``None``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -145,6 +150,8 @@ class TrialRecord(BaseModel):
     goodput_req_s: float | None = None
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
+    measured_load: dict[str, float] = Field(default_factory=dict)
+    repeat_of: int | None = None
     feasible: bool = False
     constraints: dict[str, float] = Field(default_factory=dict)
     failure_class: FailureClass | None = None

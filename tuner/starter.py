@@ -7,7 +7,7 @@ filled in with :meth:`str.format`.
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def starter_config(*, unit: str | None, sim: bool) -> str:
     port = flag("--port") or "30000"
     name = unit.removesuffix(".service").replace("@", "-")
     return _template("starter-unit.toml").format(
-        unit=unit, when=datetime.now(timezone.utc).date().isoformat(), name=name,
+        unit=unit, when=datetime.now(UTC).date().isoformat(), name=name,
         url=f"http://127.0.0.1:{port}",
         python_line=f'python = "{python}"\n' if python else "",
         model_line=(f'config_json = "{config_json}"\n' if config_json and config_json.exists() else "")

@@ -29,24 +29,35 @@ from typing import Any
 
 from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, TunerError
-from tuner.launch.base import LaunchPhase, Launcher
+from tuner.launch.base import Launcher, LaunchPhase
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
+from tuner.load.metrics import LoadSummary
 from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
-from tuner.sglang.client import SGLangClient, ServerInfo
+from tuner.sglang.client import ServerInfo, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.logs import LogReport, parse_log
 from tuner.sglang.memory import KVCapacityModel
-from tuner.study.budget import prior_trial_cost_s
+from tuner.study.budget import load_concurrency, prior_trial_cost_s
 from tuner.study.loop import TrialJob
 from tuner.study.space import SEARCHED_FIELDS
 
 __all__ = [
     "TrialExecutor",
     "render_argv",
-    "load_concurrency",
     "slo_clearly_lost",
     "measure_gap",
+    "resolve_facts",
+    "memory_facts",
+    "failed_record",
+    "probe_only_record",
+    "needs_probe_only",
+    "gpu_peak_memory",
+    "stress_concurrency",
+    "stress_output_tokens",
+    "slo_value",
+    "assemble_record",
+    "window_load",
 ]
 
 _log = logging.getLogger(__name__)
@@ -69,23 +80,6 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update({"enable_hierarchical_cache": None, "hicache_ratio": None, "hicache_write_policy": None})
     return replace_flags(baseline_argv, rendered, table)
-
-
-def load_concurrency(
-    budget: Any, *, capacity: int | None, max_running_requests: int | None, max_total_num_tokens: int | None,
-    mean_request_tokens: int,
-) -> int:
-    """Closed-loop concurrency of the measured window: as many requests as the config admits.
-
-    ``[budget] concurrency`` when set; else the smaller of the effective max_running_requests and
-    what the token pool holds at the workload's mean request size, at least the context capacity,
-    capped by ``[budget] max_concurrency``.
-    """
-    if budget.concurrency:
-        return int(budget.concurrency)
-    mrr = max_running_requests or capacity or 1
-    by_tokens = (max_total_num_tokens or 0) // max(1, mean_request_tokens)
-    return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
 
 
 def measure_gap(result: LoadResult | None, measure_s: float) -> str | None:
@@ -136,6 +130,273 @@ def slo_clearly_lost(stats: LiveStats, slo: SLO, *, min_completed: int = 16, fac
         return False
     limits = list(slo.ttft_ms.values())
     return bool(limits) and stats.p99_ttft_ms_so_far > factor * max(limits)
+
+
+def _log_float(report: LogReport, name: str) -> float | None:
+    """A numeric ``server_args`` echo of the startup log (``None`` when absent or not a number)."""
+    try:
+        return float(report.server_args[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def resolve_facts(
+    report: LogReport, info: ServerInfo, argv: list[str], table: FlagTable, context_tokens: int
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """What SGLang resolved for a started server, with sources, and the trial's derived facts.
+
+    Each value comes from ``/get_server_info`` first, else the startup log (the scheduler line,
+    the capture lines, the ``server_args=ServerArgs(...)`` echo), so a command that sets no
+    ``--mem-fraction-static`` gets the fraction SGLang chose for the GPU, never an assumed one
+    (§2.1, §4.2, §5.2).
+
+    Args:
+        report: The parsed startup log.
+        info: ``/get_server_info`` normalised (``ServerInfo.from_json({})`` when not read).
+        argv: The launched command line.
+        table: The flag table of the SGLang version.
+        context_tokens: The context length of context capacity (tokens).
+
+    Returns:
+        ``(resolved, facts)``: ``resolved`` maps a field to ``{"value", "source"}``; ``facts``
+        holds ``max_total_num_tokens``, ``effective_max_running_requests``,
+        ``chunked_prefill_size``, ``context_len``, ``context_capacity``, ``free_gib_after_graphs``
+        (GiB) and ``params`` (the searched knobs as the server runs them).
+    """
+    resolved: dict[str, dict[str, Any]] = {}
+
+    def put(name: str, *candidates: tuple[Any, str]) -> Any:
+        for value, source in candidates:
+            if value is not None:
+                resolved[name] = {"value": value, "source": source}
+                return value
+        return None
+
+    sched = report.scheduler
+    tokens = put("max_total_num_tokens", (info.max_total_num_tokens, "server_info"),
+                 (report.max_total_num_tokens, "log:scheduler"))
+    mrr = put("max_running_requests", (info.effective_max_running_requests, "server_info:effective"),
+              (sched.max_running_requests if sched else None, "log:scheduler"),
+              (info.max_running_requests, "server_info:arg"))
+    cps = put("chunked_prefill_size", (sched.chunked_prefill_size if sched else None, "log:scheduler"),
+              (info.chunked_prefill_size, "server_info"))
+    put("mem_fraction_static", (info.mem_fraction_static, "server_info"),
+        (_log_float(report, "mem_fraction_static"), "log:server_args"))
+    context_len = put("context_length", (sched.context_len if sched else None, "log:scheduler"),
+                      (info.context_length, "server_info"))
+    page = _log_float(report, "page_size")
+    put("page_size", (info.page_size, "server_info"), (int(page) if page else None, "log:server_args"))
+    put("cuda_graph_max_bs", (info.cuda_graph_max_bs, "server_info"))
+    put("max_prefill_tokens", (sched.max_prefill_tokens if sched else None, "log:scheduler"),
+        (info.max_prefill_tokens, "server_info"))
+    free = put("available_gpu_mem_gib", (sched.available_gpu_mem_gib if sched else None, "log:scheduler"))
+    rank = report.primary()
+    if free is None and rank is not None:
+        free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
+    capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
+    # The baseline's knobs: what its command line sets, plus what SGLang resolved for the
+    # three knobs every study searches (the others stay at SGLang's own default).
+    explicit = parse_argv(argv, table)
+    params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
+    for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
+        if name not in params and name in resolved:
+            params[name] = resolved[name]["value"]
+    if info.enable_hierarchical_cache:
+        params["enable_hierarchical_cache"] = True
+        params.setdefault("hicache_ratio", info.hicache_ratio)
+    return resolved, {
+        "max_total_num_tokens": tokens,
+        "effective_max_running_requests": mrr,
+        "chunked_prefill_size": cps,
+        "context_len": context_len,
+        "context_capacity": capacity,
+        "free_gib_after_graphs": free,
+        "params": params,
+    }
+
+
+def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
+                 resolved: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The per-rank memory report, plus the memory model calibrated on it (§1.2, §1.6, §8).
+
+    Args:
+        report: The parsed startup log.
+        info: ``/get_server_info`` normalised (empty when not read).
+        facts: :func:`resolve_facts`' facts.
+        resolved: :func:`resolve_facts`' resolved values (the fraction SGLang runs).
+
+    Returns:
+        ``ranks``, ``server_info``, ``scheduler``, ``context_len``, ``page_size``, ``weight_gib``,
+        ``kv_pool_gib``, ``graph_gib`` (GiB) and ``capacity_model`` (or ``capacity_model_error``).
+    """
+    rank = report.primary()
+    memory: dict[str, Any] = {
+        "ranks": {key: r.model_dump(mode="json") for key, r in report.ranks.items()},
+        "server_info": {
+            "weight_gib": info.weight_gib, "kvcache_gib": info.kvcache_gib, "graph_gib": info.graph_gib,
+            "startup_available_gib": info.startup_available_gib,
+        },
+        "scheduler": report.scheduler.model_dump(mode="json") if report.scheduler else None,
+    }
+    memory["context_len"] = facts.get("context_len")
+    memory["page_size"] = (resolved.get("page_size") or {}).get("value") or 1
+    memory["weight_gib"] = (rank.weight_gib if rank else None) or info.weight_gib
+    memory["kv_pool_gib"] = (rank.kv_pool_gib if rank else None) or info.kvcache_gib
+    memory["graph_gib"] = (rank.graph_gib if rank else None) or info.graph_gib
+    mfs = (resolved.get("mem_fraction_static") or {}).get("value")
+    if mfs is not None:
+        try:
+            model = KVCapacityModel.from_report(report, None, float(mfs), max_total_tokens=info.max_total_tokens)
+        except TunerError as err:
+            memory["capacity_model_error"] = str(err)
+        else:
+            memory["capacity_model"] = model.model_dump(mode="json")
+    return memory
+
+
+def failed_record(record: TrialRecord, failure: Failure, report: LogReport | None) -> TrialRecord:
+    """``record`` as a failed trial: the failure, every constraint violated, the per-rank memory lines."""
+    memory = {}
+    if report is not None:
+        memory = {"ranks": {k: r.model_dump(mode="json") for k, r in report.ranks.items()}}
+    return record.model_copy(update={
+        "outcome": "failed", "failure_class": failure.failure_class, "failure_evidence": failure.evidence,
+        "constraints": Constraints.all_violated(), "feasible": False, "memory": memory,
+    })
+
+
+def probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int, floor: int) -> TrialRecord:
+    """``record`` when the boot probe shows a capacity below ``floor``: no load was run.
+
+    It started (``oom_or_crash`` holds) but has no SLO verdict, so it is not feasible.
+    """
+    return record.model_copy(update={
+        "memory": {**memory, "probe_only": True},
+        "skipped_reason": (
+            f"probe only: context capacity {capacity} is below {floor} "
+            "(the share of the best feasible capacity that can still matter); full load not run"
+        ),
+        "constraints": {"oom_or_crash": -1.0, "slo": 1.0, "stress": 1.0},
+        "feasible": False,
+        "output_throughput_tok_s": 0.0,
+    })
+
+
+def gpu_peak_memory(after_start_mib: float, peak_used_mib: float) -> dict[str, float]:
+    """The GPU monitor's memory facts of a trial: GiB in use after startup, the peak under load,
+    and their difference, the activation peak the planner sizes headroom with (§1.6); empty
+    without both readings (no GPU monitor)."""
+    if not (after_start_mib and peak_used_mib):
+        return {}
+    return {
+        "gpu_used_gib_after_start": round(after_start_mib / 1024, 3),
+        "gpu_peak_used_gib_under_load": round(peak_used_mib / 1024, 3),
+        "peak_activation_gib": round(max(0.0, (peak_used_mib - after_start_mib) / 1024), 3),
+    }
+
+
+def needs_probe_only(capacity: int | None, floor: int) -> bool:
+    """Whether the full load is skipped: the probe's context capacity is below the job's floor."""
+    return bool(floor) and capacity is not None and capacity < floor
+
+
+def stress_output_tokens(context_tokens: int) -> int:
+    """Output tokens of each stress request (a quarter of the context, at most 32: enough decode
+    steps that the batch is resident together)."""
+    return min(_STRESS_OUTPUT_TOKENS, max(1, context_tokens // 4))
+
+
+def stress_concurrency(capacity: int, budget: Any) -> int:
+    """Requests of the stress phase: the context capacity, capped by ``[budget] max_concurrency``."""
+    return max(1, min(capacity, budget.max_concurrency))
+
+
+def slo_value(summary: LoadSummary | None) -> float:
+    """The ``slo`` constraint of a measured window: the largest relative overshoot of any limit
+    (``measured / limit − 1``), at least the error rate when requests errored, 1.0 when nothing
+    completed or no window ran; ≤ 0 when every limit holds."""
+    if summary is None:
+        return 1.0
+    violations = [v for v in summary.slo_violations.values() if v is not None]
+    value = max(violations) if violations else -1.0
+    if summary.error_rate > 0:
+        value = max(value, summary.error_rate)
+    if summary.completed == 0:
+        value = max(value, 1.0)
+    return float(value)
+
+
+def assemble_record(
+    record: TrialRecord,
+    *,
+    memory: dict[str, Any],
+    summary: LoadSummary | None,
+    phases: list[PhaseResult],
+    stress_failed: bool,
+    runtime_failure: Failure | None,
+    unmeasured: str | None,
+    load: Mapping[str, float] | None = None,
+) -> TrialRecord:
+    """The one trial logic: a started trial's phases → its record, constraints and feasibility.
+
+    Both the real trial (:class:`TrialExecutor`) and the search benchmark's offline runner call
+    it, so the benchmark measures the product's record.
+
+    Args:
+        record: The record so far (params, argv, resolved, capacities).
+        memory: :func:`memory_facts`, plus what the GPU monitor measured under load.
+        summary: The measured window's summary (``None`` when it did not run).
+        phases: The load phases that ran (measure, stress).
+        stress_failed: The stress phase failed (OOM, errors, cut).
+        runtime_failure: The server died under load (classified), or ``None``.
+        unmeasured: :func:`measure_gap`'s verdict (no completed request), or ``None``.
+        load: The load the server ran in the measured window (``streams``: closed-loop
+            concurrency; ``running_requests``: at most the effective max_running_requests;
+            ``chunk_tokens``: tokens per prefill chunk), stored as ``measured_load``.
+
+    Returns:
+        The record with ``constraints`` (``oom_or_crash``, ``slo`` (:func:`slo_value`),
+        ``stress``) and ``feasible`` by :class:`tuner.records.Constraints`; ``outcome="failed"``
+        on a runtime failure, or with no ``slo`` value when nothing was measured.
+    """
+    constraints = {
+        "oom_or_crash": 1.0 if runtime_failure is not None else -1.0,
+        "slo": slo_value(summary),
+        "stress": 1.0 if stress_failed else -1.0,
+    }
+    update: dict[str, Any] = {
+        "memory": memory,
+        "phases": phases,
+        "constraints": constraints,
+        "feasible": Constraints.of(constraints).feasible,
+        "output_throughput_tok_s": summary.output_throughput if summary else None,
+        "goodput_req_s": summary.goodput if summary else None,
+        "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
+        "p99_itl_ms": summary.p99_itl_ms if summary else None,
+        "measured_load": dict(load or {}),
+    }
+    if runtime_failure is not None:
+        update.update(outcome="failed", failure_class=runtime_failure.failure_class,
+                      failure_evidence=runtime_failure.evidence)
+    elif unmeasured is not None:
+        # Not an SLO verdict: nothing was measured. No throughput, no slo value (unknown).
+        constraints.pop("slo")
+        update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints,
+                      feasible=Constraints.of(constraints).feasible,
+                      output_throughput_tok_s=None, goodput_req_s=None)
+    return record.model_copy(update=update)
+
+
+def window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens: int) -> dict[str, float]:
+    """The load a measured window puts on the server: closed-loop ``streams``, the
+    ``running_requests`` the server admits of them (effective max_running_requests) and the
+    ``chunk_tokens`` of a prefill chunk (``chunked_prefill_size``; the longest prompt when
+    chunking is off, §2.1)."""
+    mrr = facts.get("effective_max_running_requests") or concurrency
+    cps = facts.get("chunked_prefill_size")
+    chunk = int(cps) if cps and int(cps) > 0 else longest_input_tokens
+    return {"streams": float(concurrency), "running_requests": float(min(concurrency, int(mrr))),
+            "chunk_tokens": float(chunk)}
 
 
 class TrialExecutor:
@@ -226,6 +487,7 @@ class TrialExecutor:
             prediction=dict(job.prediction),
             context_tokens=job.context_tokens,
             started_at=job.started_at or None,
+            repeat_of=job.repeat_of,
         )
 
         on_phase("render")
@@ -267,7 +529,7 @@ class TrialExecutor:
                 lines=lines,
             )
         after_start = self._gpu_used_mib()
-        resolved, facts = self._resolve(report, info, argv)
+        resolved, facts = resolve_facts(report, info, argv, self.table, self._context_tokens())
         if job.kind == "baseline":
             record = record.model_copy(update={"params": facts["params"]})
         capacity = facts["context_capacity"]
@@ -280,22 +542,10 @@ class TrialExecutor:
             }
         )
         (trial_dir / "server_info.json").write_text(json.dumps(info.raw, indent=2, default=str))
-        memory = self._memory(report, info, facts)
+        memory = memory_facts(report, info, facts, resolved)
 
-        if job.capacity_floor and capacity is not None and capacity < job.capacity_floor:
-            memory["probe_only"] = True
-            record = record.model_copy(
-                update={
-                    "memory": memory,
-                    "skipped_reason": (
-                        f"probe only: context capacity {capacity} is below {job.capacity_floor} "
-                        "(the share of the best feasible capacity that can still matter); full load not run"
-                    ),
-                    "constraints": {"oom_or_crash": -1.0, "slo": 1.0, "stress": 1.0},
-                    "feasible": False,
-                    "output_throughput_tok_s": 0.0,
-                }
-            )
+        if needs_probe_only(capacity, job.capacity_floor):
+            record = probe_only_record(record, memory, capacity or 0, job.capacity_floor)
             return self._finish(record, report, lines, begun, trial_dir, None)
 
         phases: list[PhaseResult] = []
@@ -307,7 +557,8 @@ class TrialExecutor:
         on_phase("measure")
         concurrency = load_concurrency(
             self.config.budget, capacity=capacity, max_running_requests=facts.get("effective_max_running_requests"),
-            max_total_num_tokens=facts.get("max_total_num_tokens"), mean_request_tokens=self._workload.context_tokens,
+            max_total_num_tokens=facts.get("max_total_num_tokens"),
+            mean_request_tokens=self._workload.mean_request_tokens,
         )
         with self._window() as window:
             try:
@@ -351,134 +602,30 @@ class TrialExecutor:
                 stress_failed = True
 
         on_phase("record")
-        if peak_used and after_start and facts["free_gib_after_graphs"] is not None:
-            memory["gpu_used_gib_after_start"] = round(after_start / 1024, 3)
-            memory["gpu_peak_used_gib_under_load"] = round(peak_used / 1024, 3)
-            memory["peak_activation_gib"] = round(max(0.0, (peak_used - after_start) / 1024), 3)
+        if facts["free_gib_after_graphs"] is not None:
+            memory.update(gpu_peak_memory(after_start, peak_used))
         report_after = parse_log(self.launcher.logs())
         memory["retractions"] = len(report_after.retractions)
-        summary = measure.summary if measure is not None else None
-        violations = [v for v in (summary.slo_violations.values() if summary else []) if v is not None]
-        slo_value = max(violations) if violations else (-1.0 if summary is not None else 1.0)
-        if summary is not None and summary.error_rate > 0:
-            slo_value = max(slo_value, summary.error_rate)
-        if summary is not None and summary.completed == 0:
-            slo_value = max(slo_value, 1.0)
-        constraints = {
-            "oom_or_crash": 1.0 if runtime_failure is not None else -1.0,
-            "slo": float(slo_value),
-            "stress": 1.0 if stress_failed else -1.0,
-        }
-        update: dict[str, Any] = {
-            "memory": memory,
-            "phases": phases,
-            "constraints": constraints,
-            "feasible": Constraints.of(constraints).feasible,
-            "output_throughput_tok_s": summary.output_throughput if summary else None,
-            "goodput_req_s": summary.goodput if summary else None,
-            "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
-            "p99_itl_ms": summary.p99_itl_ms if summary else None,
-        }
-        if runtime_failure is not None:
-            update.update(outcome="failed", failure_class=runtime_failure.failure_class,
-                          failure_evidence=runtime_failure.evidence)
-        elif unmeasured is not None:
-            # Not an SLO verdict: nothing was measured. No throughput, no slo value (unknown).
-            constraints.pop("slo")
-            update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints,
-                          feasible=Constraints.of(constraints).feasible,
-                          output_throughput_tok_s=None, goodput_req_s=None)
-        record = record.model_copy(update=update)
+        record = assemble_record(
+            record, memory=memory, summary=measure.summary if measure is not None else None, phases=phases,
+            stress_failed=stress_failed, runtime_failure=runtime_failure, unmeasured=unmeasured,
+            load=window_load(concurrency, facts, self._workload_longest_input()),
+        )
         return self._finish(record, report_after, self.launcher.logs(), begun, trial_dir, measure)
 
     # ---- pieces ------------------------------------------------------------------------------
 
-    def _resolve(self, report: LogReport, info: ServerInfo, argv: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-        """What SGLang resolved, with sources, and the derived facts of the trial."""
-        resolved: dict[str, dict[str, Any]] = {}
-
-        def put(name: str, *candidates: tuple[Any, str]) -> Any:
-            for value, source in candidates:
-                if value is not None:
-                    resolved[name] = {"value": value, "source": source}
-                    return value
-            return None
-
-        sched = report.scheduler
-        tokens = put("max_total_num_tokens", (info.max_total_num_tokens, "server_info"),
-                     (report.max_total_num_tokens, "log:scheduler"))
-        mrr = put("max_running_requests", (info.effective_max_running_requests, "server_info:effective"),
-                  (sched.max_running_requests if sched else None, "log:scheduler"),
-                  (info.max_running_requests, "server_info:arg"))
-        cps = put("chunked_prefill_size", (sched.chunked_prefill_size if sched else None, "log:scheduler"),
-                  (info.chunked_prefill_size, "server_info"))
-        put("mem_fraction_static", (info.mem_fraction_static, "server_info"))
-        context_len = put("context_length", (sched.context_len if sched else None, "log:scheduler"),
-                          (info.context_length, "server_info"))
-        put("page_size", (info.page_size, "server_info"))
-        put("cuda_graph_max_bs", (info.cuda_graph_max_bs, "server_info"))
-        put("max_prefill_tokens", (sched.max_prefill_tokens if sched else None, "log:scheduler"),
-            (info.max_prefill_tokens, "server_info"))
-        free = put("available_gpu_mem_gib", (sched.available_gpu_mem_gib if sched else None, "log:scheduler"))
-        rank = report.primary()
-        if free is None and rank is not None:
-            free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
-        context_tokens = self._context_tokens()
-        capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
-        # The baseline's knobs: what its command line sets, plus what SGLang resolved for the
-        # three knobs every study searches (the others stay at SGLang's own default).
-        explicit = parse_argv(argv, self.table)
-        params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
-        for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
-            if name not in params and name in resolved:
-                params[name] = resolved[name]["value"]
-        if info.enable_hierarchical_cache:
-            params["enable_hierarchical_cache"] = True
-            params.setdefault("hicache_ratio", info.hicache_ratio)
-        return resolved, {
-            "max_total_num_tokens": tokens,
-            "effective_max_running_requests": mrr,
-            "chunked_prefill_size": cps,
-            "context_len": context_len,
-            "context_capacity": capacity,
-            "free_gib_after_graphs": free,
-            "params": params,
-        }
-
     def _context_tokens(self) -> int:
         return self.config.objective.context_tokens or self._workload.context_tokens
 
-    def _memory(self, report: LogReport, info: ServerInfo, facts: Mapping[str, Any]) -> dict[str, Any]:
-        """The per-rank memory report, plus the memory model calibrated on it (§1.2, §1.6, §8)."""
-        rank = report.primary()
-        memory: dict[str, Any] = {
-            "ranks": {key: r.model_dump(mode="json") for key, r in report.ranks.items()},
-            "server_info": {
-                "weight_gib": info.weight_gib, "kvcache_gib": info.kvcache_gib, "graph_gib": info.graph_gib,
-                "startup_available_gib": info.startup_available_gib,
-            },
-            "scheduler": report.scheduler.model_dump(mode="json") if report.scheduler else None,
-        }
-        memory["context_len"] = facts.get("context_len")
-        memory["page_size"] = info.page_size or 1
-        memory["weight_gib"] = (rank.weight_gib if rank else None) or info.weight_gib
-        memory["kv_pool_gib"] = (rank.kv_pool_gib if rank else None) or info.kvcache_gib
-        memory["graph_gib"] = (rank.graph_gib if rank else None) or info.graph_gib
-        mfs = info.mem_fraction_static
-        if mfs is not None:
-            try:
-                model = KVCapacityModel.from_report(report, None, float(mfs), max_total_tokens=info.max_total_tokens)
-            except TunerError as err:
-                memory["capacity_model_error"] = str(err)
-            else:
-                memory["capacity_model"] = model.model_dump(mode="json")
-        return memory
+    def _workload_longest_input(self) -> int:
+        return int(getattr(self.config.workload, "input_len", 0) or self._workload.context_tokens)
 
     def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob) -> tuple[LoadResult | None, Failure | None, float]:
         """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
         budget = self.config.budget
-        n = max(1, min(capacity, budget.max_concurrency))
-        output = min(_STRESS_OUTPUT_TOKENS, max(1, job.context_tokens // 4))
+        n = stress_concurrency(capacity, budget)
+        output = stress_output_tokens(job.context_tokens)
         workload = capacity_probe(n, job.context_tokens, output_len=output, seed=self.config.study.seed + job.number)
         result = None
         peak = 0.0
@@ -535,20 +682,7 @@ class TrialExecutor:
         *,
         lines: list[str] | None = None,
     ) -> TrialRecord:
-        memory = {}
-        if report is not None:
-            memory = {"ranks": {k: r.model_dump(mode="json") for k, r in report.ranks.items()}}
-        record = record.model_copy(
-            update={
-                "outcome": "failed",
-                "failure_class": failure.failure_class,
-                "failure_evidence": failure.evidence,
-                "constraints": Constraints.all_violated(),
-                "feasible": False,
-                "memory": memory,
-            }
-        )
-        return self._finish(record, report, lines or [], begun, trial_dir, None)
+        return self._finish(failed_record(record, failure, report), report, lines or [], begun, trial_dir, None)
 
     def _finish(
         self,

@@ -47,7 +47,6 @@ def _worker(url: str, host: str, budget_s: float, cwd: str) -> None:
     os.chdir(cwd)  # its studies/<study>/artifacts folder lands in the test's folder
     from tests.benchmarks.bench_search import scenarios
     from tests.support.offline_runner import OfflineRunner
-
     from tuner.study.loop import run_study
 
     class TimedRunner(OfflineRunner):

@@ -102,7 +102,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
     # Tokens/s streamed while the measured window was fully loaded (all phases' streams count).
     window = next(p for p in result.phases if p.name == "measure")
     tokens_in_window = sum(
-        n for r in result.records for t, n in zip(r.chunk_times_s, r.chunk_tokens) if window.start_s <= t < window.end_s
+        n for r in result.records for t, n in zip(r.chunk_times_s, r.chunk_tokens, strict=True) if window.start_s <= t < window.end_s
     )
     streamed_tok_s = tokens_in_window / (window.end_s - window.start_s)
     added_ms = np.array([
@@ -147,7 +147,7 @@ def test_one_core_drives_1000_streams_and_50k_tokens_per_s(tmp_path: Path) -> No
         # machine): near 0 on an idle machine; the TTFT figures mean little when it is not.
         "client_runqueue_wait_share": round((waits1[0] - waits0[0]) / (wall1 - wall0), 3),
         "server_runqueue_wait_share": round(
-            max(b - a for a, b in zip(waits0[1:], waits1[1:])) / (wall1 - wall0), 3),
+            max(b - a for a, b in zip(waits0[1:], waits1[1:], strict=True)) / (wall1 - wall0), 3),
         "median_itl_ms": round(s.median_itl_ms or 0, 3),
     }
     print("\nBENCH_LOAD " + json.dumps(figures))

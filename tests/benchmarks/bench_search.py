@@ -1,102 +1,118 @@
-"""Search quality: the tuner's strategy vs random search vs grids, at equal server launches.
+"""Search quality: the tuner's strategy vs random search vs a coarse grid, at equal server launches.
 
-Each scenario is a simulated deployment evaluated offline (``tuner.sim.evaluate``, virtual time):
-every "launch" sizes the server from its rendered command line and runs the measured window and
-the stress load. The exhaustive grid over the same discrete space gives the optimum under the
-default policy (best = highest throughput within 5 % of the best feasible context capacity). For
-each strategy we report, after 10, 20 and 40 launches, the share of the grid optimum's context
-capacity reached by the strategy's own "best", that best's throughput relative to the grid best's,
-and the share of launches spent on configs that failed (startup or runtime OOM).
+The scenarios are data (``search_scenarios.toml``): simulated deployments evaluated offline
+(``tuner.sim.evaluate``, virtual time) through :class:`tests.support.offline_runner.OfflineRunner`, which runs
+the product's own trial logic on the simulator's results. Every "launch" sizes the server from its
+rendered command line and runs the measured window and the stress load. The exhaustive grid over
+the same discrete space gives the optimum under the default policy (best = highest throughput
+within 5 % of the best feasible context capacity). For each strategy and study seed, after 5, 10
+and 20 launches: the share of the grid optimum's context capacity reached by the strategy's own
+"best", that best's (noise-free) throughput relative to the grid best's, the share of launches that
+failed (startup or runtime OOM), the first launch where both shares reach 98 %, exact repeats of a
+launched config, and launches with more request slots than the workload can ever run at once.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_search.py --run-benchmarks -s``
-(figures in README § Tuning run).
+(figures in README § Tuning run). ``BENCH_SEARCH_JSON=path`` also writes the figures as JSON.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
+import os
 import time
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.offline_runner import OfflineRunner
-from tuner.config import TunerConfig, load_config, parse_config
-from tuner.records import TrialRecord
-from tuner.study.best import choose_best
-from tuner.study.loop import TrialJob, run_study
-from tuner.study.space import Space
+from tests.support.offline_runner import OfflineRunner  # noqa: E402
+from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
+from tuner.load import build_workload  # noqa: E402
+from tuner.records import TrialRecord  # noqa: E402
+from tuner.study.best import choose_best  # noqa: E402
+from tuner.study.budget import reachable_slots  # noqa: E402
+from tuner.study.loop import TrialJob, run_study  # noqa: E402
+from tuner.study.space import Space  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINTS = (10, 20, 40)
+CHECKPOINTS = (5, 10, 20)
+LAUNCHES = max(CHECKPOINTS)
 
 
-def _scenario(name: str, argv: list[str], workload: dict, context_tokens: int, slo: dict, **space: object) -> TunerConfig:
-    return parse_config({
-        "study": {"name": name, "seed": 0},
-        "service": {"launcher": "process", "command": ["{python}", "-m", "tuner.sim", *argv]},
-        "space": {"mem_fraction_step": 0.01, **space},
-        "workload": workload,
-        "slo": slo,
-        "objective": {"context_tokens": context_tokens},
-        "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64},
-    })
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
-def scenarios() -> dict[str, TunerConfig]:
-    reference = load_config(ROOT / "configs" / "reference-sim.toml")
-    reference = reference.model_copy(update={"space": reference.space.model_copy(update={"mem_fraction_step": 0.01})})
-    return {
-        "8B on L40S, 16k contexts": _scenario(
-            "l40s-8b", ["--model-path", "llama-3.1-8b", "--sim-gpu", "L40S-48GB", "--mem-fraction-static", "0.83"],
-            {"kind": "random", "input_len": 8192, "output_len": 128, "range_ratio": 0.25}, 16384,
-            {"ttft_ms": {"p99": 20000}, "itl_ms": {"p99": 2000}},
-        ),
-        "70B tp4 on H100, 8k contexts": _scenario(
-            "h100-70b", ["--model-path", "llama-3.1-70b", "--tp-size", "4", "--sim-gpu", "H100-80GB",
-                         "--mem-fraction-static", "0.85"],
-            {"kind": "random", "input_len": 4096, "output_len": 128, "range_ratio": 0.25}, 8192,
-            {"ttft_ms": {"p99": 30000}, "itl_ms": {"p99": 3000}},
-        ),
-        "reference twin (Kimi-K2.5 tp8, 32k)": reference,
-        # Small activation headroom: the 8B's weights fill 2/3 of an L4, the unit runs 8192-token
-        # chunks, and the fraction a chunk size tolerates falls as the chunk grows (0.97 at 2048,
-        # 0.96 at 4096, 0.94 at 8192, 0.89 at 16384; above it the stress load OOMs at runtime, and
-        # 0.99 fails CUDA-graph capture). The optimum is an interior (fraction, chunk) pair.
-        "8B on L4, 4k contexts, chunks to 16k": _scenario(
-            "l4-8b-chunks", ["--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--mem-fraction-static", "0.85",
-                             "--chunked-prefill-size", "8192"],
-            {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25}, 4096,
-            {"ttft_ms": {"p99": 30000}, "itl_ms": {"p99": 3000}},
-            mem_fraction_static=[0.80, 0.99], chunked_prefill_size=[2048, 4096, 8192, 16384],
-        ),
-    }
+def scenarios() -> dict[str, dict[str, Any]]:
+    """The scenarios of ``search_scenarios.toml``: name → ``config``, ``binds``, ``noise``,
+    ``seeds``, ``grid_stride``."""
+    data = tomllib.loads((Path(__file__).with_name("search_scenarios.toml")).read_text(encoding="utf-8"))
+    out = {}
+    for item in data["scenario"]:
+        config = item.get("config", {})
+        if "config_file" in item:
+            base = load_config(ROOT / item["config_file"]).model_dump(mode="json", exclude_none=True)
+            base.pop("path", None)
+            config = _merge(base, config)
+        config = _merge({"study": {"name": item["name"], "seed": 0}}, config)
+        out[item["name"]] = {
+            "config": parse_config(config), "binds": item.get("binds", "memory"), "noise": float(item.get("noise", 0.0)),
+            "seeds": list(item.get("seeds", [0, 1, 2])), "grid_stride": int(item.get("grid_stride", 1)),
+        }
+    return out
 
 
-def _launched(runner: OfflineRunner) -> list[tuple[int, TrialRecord]]:
-    return list(runner.history)
+def _with_seed(cfg: TunerConfig, seed: int, sampler: str = "tpe") -> TunerConfig:
+    return cfg.model_copy(update={"study": cfg.study.model_copy(update={"seed": seed, "sampler": sampler})})
 
 
-def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig) -> TrialRecord | None:
-    choice = choose_best(history, policy=cfg.objective.policy, capacity_tolerance=cfg.objective.capacity_tolerance)
+def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, *, noise: float | None = None) -> TrialRecord | None:
+    choice = choose_best(history, policy=cfg.objective.policy, capacity_tolerance=cfg.objective.capacity_tolerance,
+                         throughput_noise=cfg.objective.throughput_noise if noise is None else noise)
     return choice.record if choice else None
 
 
-def _exhaustive_grid(cfg: TunerConfig, space: Space, context_tokens: int) -> list[tuple[int, TrialRecord]]:
-    """Every grid fraction × chunk size, with every ``max_running_requests`` that can matter.
+def _resolved_space(cfg: TunerConfig) -> tuple[Space, TrialRecord, int]:
+    """The space the study resolves from its baseline (the study's own resolution)."""
+    from tuner.study.loop import resolve_study_space
+
+    runner = OfflineRunner(cfg, world_seed=0)
+    context_tokens = cfg.objective.context_tokens or runner.workload.context_tokens
+    baseline = runner.run(TrialJob(number=0, kind="baseline", context_tokens=context_tokens), lambda _p: None)
+    return resolve_study_space(cfg, baseline, runner.environment(), context_tokens), baseline, context_tokens
+
+
+def _grid(name: str) -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space, TrialRecord, int]:
+    """The exhaustive grid of scenario ``name`` (shared by scenarios that differ only in name,
+    noise and seeds: the same simulated world)."""
+    item = scenarios()[name]
+    world = item["config"].model_dump(mode="json", exclude={"study", "path"})
+    return _grid_of(json.dumps(world, sort_keys=True, default=str), item["grid_stride"], name)
+
+
+@functools.cache
+def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, TrialRecord]], TrialRecord, Space, TrialRecord, int]:
+    """The exhaustive grid: every (strided) fraction × chunk size × the request counts that matter.
 
     Context capacity is ``min(max_running_requests, tokens // context)``, so per (fraction, chunk)
-    the values that matter are 1..tight (``tight`` = the token-matched count) and the powers of two
-    above it (throughput of shorter requests). Powers of two and ``tight`` are evaluated; between
-    the largest feasible one and the next infeasible one (the SLO binds on concurrency), every
-    integer is found by bisection (feasibility is monotone there: more requests in flight, longer
-    latencies, more activation memory).
+    the counts that matter are 1..tight (``tight`` = the token-matched count) and the powers of
+    two above it (throughput of shorter requests). Powers of two and ``tight`` are evaluated;
+    between the largest feasible one and the next infeasible one (the SLO binds on concurrency),
+    every integer is found by bisection (feasibility is monotone there on this simulator).
     """
     from tuner.sim.evaluate import size_server
     from tuner.trial import render_argv
 
-    runner = OfflineRunner(cfg)
+    cfg = scenarios()[name]["config"]
+    space, baseline, context_tokens = _resolved_space(cfg)
+    runner = OfflineRunner(cfg, world_seed=0)
     lo, hi = space.max_running_requests
     powers = {lo, hi, *(2**k for k in range(0, 13) if lo <= 2**k <= hi)}
     count = 0
@@ -107,7 +123,7 @@ def _exhaustive_grid(cfg: TunerConfig, space: Space, context_tokens: int) -> lis
         return runner.run(TrialJob(number=count, kind="sampled", params=params, context_tokens=context_tokens),
                           lambda _p: None)
 
-    for mfs, cps in itertools.product(space.fractions(), space.chunked_prefill_size):
+    for mfs, cps in itertools.product(space.fractions()[::stride], space.chunked_prefill_size):
         base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps}
         argv = render_argv(runner.sim_argv, {**base, "max_running_requests": hi}, runner.table)
         tight = size_server(argv).max_total_num_tokens // context_tokens
@@ -124,22 +140,9 @@ def _exhaustive_grid(cfg: TunerConfig, space: Space, context_tokens: int) -> lis
                 good = mid
             else:
                 bad = mid
-    return runner.history
-
-
-def _evaluate_all(cfg: TunerConfig, params_list: list[dict], context_tokens: int) -> list[tuple[int, TrialRecord]]:
-    runner = OfflineRunner(cfg)
-    for i, params in enumerate(params_list):
-        runner.run(TrialJob(number=i, kind="sampled", params=params, context_tokens=context_tokens), lambda _p: None)
-    return runner.history
-
-
-def _strategy(cfg: TunerConfig, *, planner: bool, sampler: str, launches: int) -> OfflineRunner:
-    cfg = cfg.model_copy(update={"study": cfg.study.model_copy(update={"sampler": sampler})})
-    runner = OfflineRunner(cfg)
-    # Trials include skips (no launch): allow enough trials for ``launches`` launches.
-    run_study(cfg, runner, max_trials=launches * 4, storage_url=":memory:", use_planner=planner)
-    return runner
+    optimum = _best(runner.history, cfg)
+    assert optimum is not None, "the grid found no feasible config"
+    return runner.history, optimum, space, baseline, context_tokens
 
 
 def _coarse_grid(space: Space, n: int) -> list[dict]:
@@ -156,50 +159,170 @@ def _coarse_grid(space: Space, n: int) -> list[dict]:
     return grid[:n]
 
 
-def _shares(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: TrialRecord, n: int) -> tuple[float, float, float]:
+def _true_throughput(cfg: TunerConfig, record: TrialRecord) -> float:
+    """The noise-free throughput of ``record``'s config (the simulated world without noise)."""
+    runner = OfflineRunner(cfg, world_seed=0)
+    again = runner.run(TrialJob(number=0, kind="sampled", params=dict(record.params),
+                                context_tokens=record.context_tokens or 1), lambda _p: None)
+    return again.output_throughput_tok_s or 0.0
+
+
+def _shares(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: TrialRecord, n: int,
+            *, noisy: bool) -> tuple[float, float, float, int | None]:
     part = history[:n]
     best = _best(part, cfg)
-    cap = (best.context_capacity or 0) / optimum.context_capacity if best else 0.0
-    tput = (best.output_throughput_tok_s or 0) / optimum.output_throughput_tok_s if best else 0.0
+    if best is None:
+        return 0.0, 0.0, sum(1 for _, r in part if r.outcome == "failed") / max(1, len(part)), None
+    tput = _true_throughput(cfg, best) if noisy else (best.output_throughput_tok_s or 0.0)
+    cap = (best.context_capacity or 0) / optimum.context_capacity
     failed = sum(1 for _, r in part if r.outcome == "failed") / max(1, len(part))
-    return cap, tput, failed
+    return cap, tput / optimum.output_throughput_tok_s, failed, best.context_capacity
+
+
+def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfig) -> tuple[int, int]:
+    """``(exact repeats, launches above the reachable concurrency)`` among ``history``'s launches.
+
+    Reachable: :func:`tuner.study.budget.reachable_slots` of the launched config's own pool (its
+    context capacity, or more only up to ``min([budget] max_concurrency, pool // the workload's
+    mean request tokens)``); the baseline, the unit's own flags, is exempt.
+    """
+    workload = build_workload(cfg.workload, seed=0)
+    seen: set = set()
+    repeats = above = 0
+    for _, record in history:
+        key = tuple(sorted(space.snap(record.params).items()))
+        repeats += key in seen and record.repeat_of is None  # a deliberate noise re-measurement is not waste
+        seen.add(key)
+        if record.kind == "baseline" or not record.token_capacity:
+            continue
+        reachable = reachable_slots(cfg.budget, max_total_num_tokens=record.token_capacity,
+                                    context_tokens=record.context_tokens or workload.context_tokens,
+                                    mean_request_tokens=workload.mean_request_tokens)
+        above += int(record.params.get("max_running_requests") or 0) > reachable
+    return repeats, above
+
+
+def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float) -> list[tuple[int, TrialRecord]]:
+    cfg = _with_seed(cfg, seed, "tpe" if planner else "random")
+    runner = OfflineRunner(cfg, world_seed=0, noise=noise)
+    # Trials include skips (no launch): allow enough trials for LAUNCHES launches.
+    run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner)
+    return runner.history[:LAUNCHES]
+
+
+def _until(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: TrialRecord, *, noisy: bool) -> int | None:
+    for n in range(1, len(history) + 1):
+        cap, tput, _, _ = _shares(history, cfg, optimum, n, noisy=noisy)
+        if cap >= 0.98 and tput >= 0.98:
+            return n
+    return None
+
+
+def _first_feasible(history: list[tuple[int, TrialRecord]]) -> int | None:
+    return next((i + 1 for i, (_, r) in enumerate(history) if r.feasible and r.outcome == "ok"), None)
 
 
 @pytest.mark.benchmark
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("name", list(scenarios()))
 def test_search_quality(name: str) -> None:
-    cfg = scenarios()[name]
+    item = scenarios()[name]
+    cfg, noise, seeds = item["config"], item["noise"], item["seeds"]
     t0 = time.monotonic()
-    tuner = _strategy(cfg, planner=True, sampler="tpe", launches=max(CHECKPOINTS))
-    history = _launched(tuner)
-    baseline = history[0][1]
-    context_tokens = baseline.context_tokens or cfg.objective.context_tokens
-    # The space the study resolved from its baseline (same for every strategy).
-    from tuner.study.loop import resolve_study_space  # the study's own resolution
-
-    space = resolve_study_space(cfg, baseline, tuner.environment(), context_tokens)
-    grid = _exhaustive_grid(cfg, space, context_tokens)
-    optimum = _best(grid, cfg)
-    assert optimum is not None, "the grid found no feasible config"
-    random_hist = _launched(_strategy(cfg, planner=False, sampler="random", launches=max(CHECKPOINTS)))
+    grid, optimum, space, baseline, context_tokens = _grid(name)
+    noisy = noise > 0
     rows = [f"\n{name}: grid optimum {optimum.context_capacity} contexts × {context_tokens} tokens, "
             f"{optimum.output_throughput_tok_s:.0f} tok/s (params {optimum.params}); baseline "
-            f"{baseline.context_capacity} contexts; exhaustive grid = {len(grid)} launches; "
-            f"{time.monotonic() - t0:.0f} s"]
-    results = {}
-    for label, hist in (("tuner", history), ("random", random_hist)):
-        for n in CHECKPOINTS:
-            results[(label, n)] = _shares(hist, cfg, optimum, n)
-    for n in CHECKPOINTS:
-        coarse = [(0, baseline)] + _evaluate_all(cfg, _coarse_grid(space, n - 1), context_tokens)
-        results[("coarse grid", n)] = _shares(coarse, cfg, optimum, n)
+            f"{baseline.context_capacity} contexts, {baseline.output_throughput_tok_s or 0:.0f} tok/s, "
+            f"{'feasible' if baseline.feasible else 'infeasible'}; exhaustive grid = {len(grid)} launches"]
+    figures: dict[str, Any] = {"scenario": name, "binds": item["binds"], "noise": noise, "seeds": seeds,
+                               "optimum": {"context_capacity": optimum.context_capacity,
+                                           "output_throughput_tok_s": optimum.output_throughput_tok_s,
+                                           "params": optimum.params},
+                               "baseline_capacity": baseline.context_capacity, "grid_launches": len(grid),
+                               "strategies": {}}
+    histories = {("tuner", s): _study(cfg, s, planner=True, noise=noise) for s in seeds}
+    histories |= {("random", s): _study(cfg, s, planner=False, noise=noise) for s in seeds}
+    coarse_runner = OfflineRunner(cfg, world_seed=0, noise=noise)
+    coarse = [(0, baseline)]
+    for i, params in enumerate(_coarse_grid(space, LAUNCHES - 1)):
+        coarse.append((i + 1, coarse_runner.run(TrialJob(number=i + 1, kind="sampled", params=params,
+                                                         context_tokens=context_tokens), lambda _p: None)))
+    histories |= {("coarse grid", None): coarse}
     for label in ("tuner", "random", "coarse grid"):
+        runs = [(s, h) for (lab, s), h in histories.items() if lab == label]
         cells = []
+        per: dict[str, Any] = {}
         for n in CHECKPOINTS:
-            cap, tput, failed = results[(label, n)]
-            cells.append(f"@{n}: capacity {cap:.0%}, throughput {tput:.0%}, failed {failed:.0%}")
-        rows.append(f"  {label:12s} " + " | ".join(cells))
+            shares = [_shares(h, cfg, optimum, n, noisy=noisy) for _, h in runs]
+            caps, tputs, fails = [x[0] for x in shares], [x[1] for x in shares], [x[2] for x in shares]
+            per[n] = {"capacity": caps, "throughput": tputs, "failed": fails, "chosen_capacity": [x[3] for x in shares]}
+            cells.append(f"@{n}: cap {min(caps):.0%}-{max(caps):.0%} tput {min(tputs):.0%}-{max(tputs):.0%} "
+                         f"failed {sum(fails) / len(fails):.0%}")
+        until = [_until(h, cfg, optimum, noisy=noisy) for _, h in runs]
+        feasible_at = [_first_feasible(h) for _, h in runs]
+        waste = [_waste(h, space, cfg) for _, h in runs]
+        per |= {"until_98": until, "first_feasible": feasible_at, "repeats": [w[0] for w in waste],
+                "above_reachable": [w[1] for w in waste], "launches": [len(h) for _, h in runs]}
+        figures["strategies"][label] = per
+        rows.append(f"  {label:12s} " + " | ".join(cells)
+                    + f" | ≥98 % at {until} | first feasible {feasible_at} | repeats {per['repeats']}"
+                    + f" | above reachable {per['above_reachable']}")
+    if noisy:
+        # The noise-free choice among the configs the noisy study measured: the same history with
+        # every window's true (noise-free) throughput; and, for reference, a noise-free study's own.
+        truth = []
+        for s in seeds:
+            measured = [(n, r.model_copy(update={"output_throughput_tok_s": _true_throughput(cfg, r)})
+                         if r.outcome == "ok" and r.feasible else r) for n, r in histories[("tuner", s)][:LAUNCHES]]
+            best = _best(measured, cfg)
+            truth.append(best.context_capacity if best else None)
+        clean = [_best(_study(cfg, s, planner=True, noise=0.0), cfg) for s in seeds]
+        chosen = figures["strategies"]["tuner"][20]["chosen_capacity"]
+        clean_caps = [r.context_capacity if r else None for r in clean]
+        figures["noise_free_choice"] = truth
+        figures["noise_free_study_choice"] = clean_caps
+        rows.append(f"  chosen capacity @20 with noise {chosen} vs noise-free on the same trials {truth} "
+                    f"(a noise-free study's own choice: {clean_caps})")
+    rows.append(f"  ({time.monotonic() - t0:.0f} s)")
     print("\n".join(rows))
-    cap20, _, failed20 = results[("tuner", 20)]
-    assert cap20 >= 0.98, rows
-    assert failed20 < 0.10, rows
+    out = os.environ.get("BENCH_SEARCH_JSON")
+    if out:
+        path = Path(out)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = figures
+        path.write_text(json.dumps(data, indent=1, default=str))
+    _check_targets(item, figures, rows)
+
+
+def _check_targets(item: dict[str, Any], figures: dict[str, Any], rows: list[str]) -> None:
+    """The issue's acceptance targets (README § Tuning run states which hold)."""
+    tuner, rand = figures["strategies"]["tuner"], figures["strategies"]["random"]
+    problems = []
+    if any(tuner["repeats"]) or any(tuner["above_reachable"]):
+        problems.append("exact repeats or launches above the reachable concurrency")
+    fails = [f for n in (LAUNCHES,) for f in tuner[n]["failed"]]
+    if max(fails) > 0.10:
+        problems.append("more than 10 % failed launches")
+    if item["binds"] == "slo":
+        if any(f is None or f > 5 for f in tuner["first_feasible"]):
+            problems.append("no feasible config within 5 launches")
+        if min(tuner[10]["capacity"] + tuner[10]["throughput"]) < 0.95:
+            problems.append("below 95 % of the optimum at 10 launches")
+        if min(tuner[20]["capacity"] + tuner[20]["throughput"]) < 0.98:
+            problems.append("below 98 % of the optimum at 20 launches")
+        for n in CHECKPOINTS:
+            for t_cap, r_cap in zip(tuner[n]["capacity"], rand[n]["capacity"], strict=True):
+                if t_cap < r_cap:
+                    problems.append(f"below random search at {n} launches")
+                    break
+    else:
+        if min(tuner[5]["capacity"] + tuner[5]["throughput"]) < 0.98:
+            problems.append("below 98 % of the optimum at 5 launches")
+        if max(tuner[10]["failed"]) > 0:
+            problems.append("a failed launch in the first 10")
+    if item["noise"]:
+        same = sum(a == b for a, b in zip(tuner[20]["chosen_capacity"], figures["noise_free_choice"], strict=True))
+        if same < min(4, len(item["seeds"]) - 1):
+            problems.append(f"noisy choice equals the noise-free one in only {same} seeds")
+    assert not problems, "; ".join(dict.fromkeys(problems)) + "\n" + "\n".join(rows)

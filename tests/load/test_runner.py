@@ -64,16 +64,16 @@ def test_phases_window_and_max_requests(sse_url: str) -> None:
 
 
 def test_open_loop_follows_arrival_offsets_and_endless_needs_a_stop(sse_url: str) -> None:
-    offsets = list(zip(range(4000), arrival_offsets_s(100.0, burstiness=1.0, seed=5)))
+    offsets = list(zip(range(4000), arrival_offsets_s(100.0, burstiness=1.0, seed=5), strict=False))
     gaps = np.diff([t for _, t in offsets])
     assert gaps.mean() == pytest.approx(0.01, rel=0.1) and gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.15)
-    steady = np.diff([t for _, t in zip(range(4000), arrival_offsets_s(100.0, burstiness=4.0, seed=5))])
+    steady = np.diff([t for _, t in zip(range(4000), arrival_offsets_s(100.0, burstiness=4.0, seed=5), strict=False)])
     assert steady.std() / steady.mean() == pytest.approx(0.5, rel=0.15)
     wl = build_workload(RandomSpec(input_len=16, output_len=4), seed=3)
     result = run_load_sync(sse_url, wl, rate=40.0, max_requests=12, seed=5)
     sends = sorted(r.send_time_s for r in result.records)
-    planned = [t for _, t in zip(range(12), arrival_offsets_s(40.0, seed=5))]
-    assert len(sends) == 12 and all(s >= p - 0.005 for s, p in zip(sends, planned))
+    planned = [t for _, t in zip(range(12), arrival_offsets_s(40.0, seed=5), strict=False)]
+    assert len(sends) == 12 and all(s >= p - 0.005 for s, p in zip(sends, planned, strict=True))
     with pytest.raises(LoadError, match="endless"):
         run_load_sync(sse_url, wl, rate=10.0)
     with pytest.raises(LoadError, match="--concurrency"):

@@ -150,3 +150,15 @@ def test_spec_from_cli_options() -> None:
         with pytest.raises(ConfigError) as info:
             spec_from_options(kind, options)
         assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_mean_request_tokens_is_the_mean_not_the_longest() -> None:
+    from tuner.load.workloads import RandomSpec
+    from tuner.load.workloads import build_workload as build
+
+    workload = build(RandomSpec(kind="random", input_len=2000, output_len=200, range_ratio=0.5, num_requests=2000),
+                     seed=3)
+    sizes = [len(r.input_ids) + r.max_new_tokens for r in workload]
+    assert workload.context_tokens == 2200 and max(sizes) <= 2200
+    assert abs(workload.mean_request_tokens - sum(sizes) / len(sizes)) <= 0.02 * workload.mean_request_tokens
+    assert workload.mean_request_tokens < 0.8 * workload.context_tokens

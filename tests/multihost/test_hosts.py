@@ -7,7 +7,6 @@ import time
 
 import optuna
 import pytest
-from optuna.distributions import FloatDistribution
 from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
@@ -65,7 +64,7 @@ def test_claim_lock_serializes_concurrent_critical_sections(postgres_url: str) -
         t.join()
     spans.sort()
     assert len(spans) == 9
-    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), spans
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False)), spans
 
 
 def test_a_dead_hosts_trial_fails_within_the_grace_period_and_is_queued_once(postgres_url: str) -> None:

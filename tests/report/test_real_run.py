@@ -28,7 +28,7 @@ def test_trials_json_matches_what_optuna_stored(demo_run: DemoRun, tuner_cli) ->
     trials = study.get_trials(deepcopy=False)
     assert [r["number"] for r in rows] == [t.number for t in trials] and len(rows) == 3
     assert rows[0]["kind"] == "baseline"
-    for row, trial in zip(rows, trials):
+    for row, trial in zip(rows, trials, strict=True):
         assert row["state"] == trial.state.name
         if trial.values is not None:
             assert row["values"] == list(trial.values)

@@ -142,7 +142,7 @@ def test_new_token_ratio_decays_to_its_minimum_over_600_decode_steps():
 
 def _shared_prefix_workload(rng, groups=6, per_group=6, system=1024, question=64):
     reqs = []
-    for g in range(groups):
+    for _ in range(groups):
         prefix = ids(system, rng)
         reqs += [prefix + ids(question, rng) for _ in range(per_group)]
     rng.shuffle(reqs)
@@ -461,7 +461,7 @@ def test_real_and_virtual_clocks_give_the_same_run():
     real = drive(RealClock())
     assert [ev for _, ev in virtual] == [ev for _, ev in real]
     # a real sleep lasts at least as long as asked, so every event is no earlier than on virtual time
-    assert all(tr >= tv - 1e-9 for (tv, _), (tr, _) in zip(virtual, real))
+    assert all(tr >= tv - 1e-9 for (tv, _), (tr, _) in zip(virtual, real, strict=True))
 
 
 @pytest.mark.parametrize("overrides", [

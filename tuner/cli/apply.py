@@ -46,7 +46,7 @@ def apply_cmd(
         raise ConfigError(f"apply target {target!r} is neither `best` nor a trial number", hint="e.g. `tuner apply 7`")
     stored = open_stored_study(study, storage, config)
     view = None
-    if not undo:
+    if target is not None:  # not undo (checked above)
         view = results.best_trial(stored).trial if target == "best" else stored.trial(int(target))
     cfg = applying.study_config(stored, config)
     log = applying.ApplyLog(stored.location.storage_url)

@@ -11,7 +11,7 @@ and the ranges :func:`tuner.sglang.flags.validate` knows (``mem_fraction_static`
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tuner.errors import ConfigError, FlagError
@@ -36,7 +36,7 @@ def _typed(opt: FlagOption, flag: str, raw: str) -> Any:
         if raw.lower() in _TRUE + _FALSE:
             return raw.lower() in _TRUE
         raise FlagError(f"{flag} is a switch, not {raw!r}", hint=f"write {flag.lstrip('-')}=true or =false")
-    readers = {"int": (int, "an integer"), "float": (float, "a number"),
+    readers: dict[str, tuple[Callable[[str], Any], str]] = {"int": (int, "an integer"), "float": (float, "a number"),
                "human_readable_int": (parse_human_int, "an integer such as 4096 or 128k"),
                "loads": (json.loads, "JSON"), "json_list_type": (json.loads, "a JSON list")}
     read, kind = readers.get(opt.type or "", (str, "text"))

@@ -649,7 +649,7 @@ class SystemdUnit:
         args = ["-u", self.name, "-o", "json", "--no-pager"]
         args += ["--cursor", cursor] if cursor else []
         proc = self._run(self.journalctl, args)
-        lines: list[str] = []
+        lines = []
         new_cursor = cursor
         for raw in proc.stdout.splitlines():
             try:

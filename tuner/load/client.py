@@ -576,7 +576,7 @@ class StreamClient:
         for attempt in range(2):
             try:
                 conn, reused = await self._connection()
-            except (OSError, asyncio.TimeoutError) as err:
+            except (TimeoutError, OSError) as err:
                 reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
                 return None, ("error", "connect", f"cannot connect to {self.base_url}: {reason}")
             finished = False
@@ -587,7 +587,7 @@ class StreamClient:
                 if reused and not conn.got_bytes and attempt == 0:
                     continue
                 return None, ("error", "disconnect", f"connection lost: {err}")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None, ("error", "timeout", f"no complete answer within {timeout_s:g} s")
             except _ProtocolError as err:
                 return None, ("error", "server", str(err))
@@ -639,7 +639,7 @@ class StreamClient:
             return "error", "connect", f"cannot connect to {self.base_url}: {err.os_error or err}"
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as err:
             return "error", "disconnect", f"connection lost: {type(err).__name__}: {err}"
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+        except (TimeoutError, aiohttp.ServerTimeoutError):
             return "error", "timeout", f"no complete answer within {self.request_timeout_s:g} s"
         except aiohttp.ClientError as err:
             return "error", "http", f"{type(err).__name__}: {err}"
@@ -665,7 +665,7 @@ class StreamClient:
                 if resp.status == 200:
                     data = await resp.json(loads=orjson.loads, content_type=None)
                     self.model = data["data"][0]["id"]
-        except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError):
             self.model = self.model or "default"
 
     async def check(self, *, timeout_s: float = 30.0) -> RequestRecord:
@@ -692,7 +692,7 @@ class StreamClient:
         try:
             # send() turns the cancellation into an "incomplete" record, so wait_for returns it.
             record = await asyncio.wait_for(self.send(probe, t0=time.monotonic()), timeout_s)
-        except asyncio.TimeoutError as err:
+        except TimeoutError as err:
             raise timeout from err
         if record.status == "incomplete":
             raise timeout

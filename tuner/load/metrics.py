@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -39,6 +39,7 @@ __all__ = [
     "ErrorCount",
     "LoadSummary",
     "summarize",
+    "slo_violations",
     "top_errors",
     "request_itls_s",
 ]
@@ -382,6 +383,23 @@ def _meets(record: RequestRecord, slo: SLO, itls_ms: np.ndarray) -> bool:
     return True
 
 
+def slo_violations(slo: SLO, measured: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Each limit's relative overshoot, ``measured / limit − 1`` (≤ 0 when it holds).
+
+    Args:
+        slo: The limits.
+        measured: Summary fields by name (``p99_ttft_ms``, ``p99_itl_ms``, ...; ms).
+
+    Returns:
+        ``{"p99_ttft_ms": 0.12, ...}`` for every limit; ``None`` where nothing was measured.
+    """
+    out: dict[str, float | None] = {}
+    for metric, key, limit in slo.items():
+        value = measured.get(f"{key}_{metric}_ms")
+        out[f"{key}_{metric}_ms"] = None if value is None else float(value) / limit - 1
+    return out
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> LoadSummary:
     """Summarize the measured requests of one window.
 
@@ -411,7 +429,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
             e2e.append(r.e2e_latency_s * 1000)
         per_request_itls.append(_itls_s(r) * 1000)
     itl = np.concatenate(per_request_itls) if per_request_itls else np.empty(0)
-    fields: dict[str, object] = {}
+    fields: dict[str, Any] = {}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
         for key, value in _stats(np.asarray(values, dtype=float)).items():
             fields[f"{key}_{name}_ms"] = value
@@ -440,12 +458,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         top_errors=top_errors(records),
     )
     if slo is not None and not slo.is_empty():
-        good = sum(1 for r, own in zip(done, per_request_itls) if _meets(r, slo, own))
+        good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))
         judged = len(done) + errored
-        violations: dict[str, float | None] = {}
-        for metric, key, limit in slo.items():
-            measured = fields[f"{key}_{metric}_ms"]
-            violations[f"{key}_{metric}_ms"] = None if measured is None else measured / limit - 1
+        violations = slo_violations(slo, fields)
         fields.update(
             goodput=good / duration,
             slo_attainment=good / judged if judged else None,

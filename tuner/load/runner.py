@@ -266,7 +266,7 @@ class _Run:
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), 2.0)
             writer.close()
-        except (OSError, asyncio.TimeoutError) as err:
+        except (TimeoutError, OSError) as err:
             if self.fatal is None:
                 self.fatal = f"server died mid-run: a stream was cut and {self.client.base_url} refuses connections ({err})"
         finally:
@@ -340,7 +340,7 @@ class _Run:
                     try:
                         await asyncio.wait_for(stop.wait(), delay)
                         break
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 self.plan.advance(self.now())
                 if self.plan.sending_stopped:

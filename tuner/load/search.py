@@ -37,7 +37,7 @@ from tuner.errors import LoadError
 from tuner.load.client import Api, Transport
 from tuner.load.metrics import SLO
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
-from tuner.load.workloads import RandomSpec, SharedPrefixSpec, MultiTurnSpec, TraceSpec, Workload, build_workload
+from tuner.load.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, TraceSpec, Workload, build_workload
 
 __all__ = [
     "Verdict",
@@ -354,7 +354,7 @@ async def find_max_under_slo_async(
     lo: float | None = None
     hi: float | None = None
     hi_step: SearchStep | None = None
-    status = None
+    status: Literal["found", "max_value", "indeterminate", "none_pass", "budget", "aborted"] | None = None
     value = float(int(start)) if integer else float(start)
     while status is None:  # doubling
         step = await judge(value)

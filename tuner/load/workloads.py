@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
@@ -149,7 +149,7 @@ class Request(BaseModel):
         return len(self.input_ids)
 
 
-def _make_request(**fields: object) -> Request:
+def _make_request(**fields: Any) -> Request:
     # Built from trusted values; skipping validation keeps 1k-token prompts cheap.
     fields.setdefault("arrival_s", None)
     fields.setdefault("group", None)
@@ -170,6 +170,9 @@ class Workload:
         spec: The spec it was built from (``None`` for a capacity probe).
         seed: The seed.
         context_tokens: The longest ``input + output`` of any request (tokens).
+        mean_request_tokens: The mean ``input + output`` of a request (tokens): what a request
+            holds of the KV pool on average, so how many run at once (the longest is
+            :attr:`context_tokens`).
         num_requests: Requests in one pass, ``None`` when endless.
         repeatable: Whether :meth:`passes` may go beyond the first pass.
         has_dependencies: Whether some request waits for another (``after``).
@@ -184,9 +187,14 @@ class Workload:
     context_tokens: int
     num_requests: int | None
     repeatable: bool
+    mean_request_tokens: int = 0
     has_dependencies: bool = False
     has_arrivals: bool = False
     designed_hit_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.mean_request_tokens:
+            object.__setattr__(self, "mean_request_tokens", self.context_tokens)
 
     def __iter__(self) -> Iterator[Request]:
         return self.make_pass(0)
@@ -242,6 +250,10 @@ def _random(spec: RandomSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=spec.input_len + spec.output_len, num_requests=spec.num_requests,
+        mean_request_tokens=round(
+            (max(int(spec.input_len * spec.range_ratio), 1) + spec.input_len) / 2
+            + (max(int(spec.output_len * spec.range_ratio), 1) + spec.output_len) / 2
+        ),
         repeatable=True, designed_hit_rate=0.0,
     )
 
@@ -297,6 +309,7 @@ def _multi_turn(spec: MultiTurnSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=inputs[-1] + spec.output_len, num_requests=spec.num_sessions * spec.turns,
+        mean_request_tokens=round(sum(inputs) / len(inputs)) + spec.output_len,
         repeatable=True, has_dependencies=spec.turns > 1, designed_hit_rate=reuse,
     )
 
@@ -388,6 +401,7 @@ def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
     return Workload(
         kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
         context_tokens=max(r.input_len + r.output_len for r in rows), num_requests=len(rows),
+        mean_request_tokens=round(sum(r.input_len + r.output_len for r in rows) / len(rows)),
         repeatable=False, has_dependencies=any(r.session is not None for r in rows), has_arrivals=True,
     )
 
@@ -410,7 +424,7 @@ def build_workload(
     """
     if vocab_size <= _FIRST_TOKEN_ID:
         raise LoadError(f"vocab_size {vocab_size} is too small", hint=f"use a vocab_size above {_FIRST_TOKEN_ID}")
-    builders = {"random": _random, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "trace": _trace}
+    builders: dict[str, Callable[..., Workload]] = {"random": _random, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "trace": _trace}
     return builders[spec.kind](spec, seed, vocab_size)
 
 
@@ -480,7 +494,7 @@ def spec_from_options(
     cls = WORKLOAD_KINDS.get(kind)
     if cls is None:
         raise ConfigError(f"--workload {kind!r} is unknown", hint=f"use one of {', '.join(WORKLOAD_KINDS)}")
-    given = {k: v for k, v in options.items() if v is not None}
+    given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
     for name in given:
         if name not in cls.model_fields:
             flag = "--trace" if name == "path" else "--" + name.replace("_", "-")

@@ -269,7 +269,7 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
     summary = [
         f"<p><b>study</b> {html.escape(stored.name)} — <b>storage</b> "
         f"{html.escape(stored.location.storage_url)} — {len(stored.trials)} trials — "
-        f"generated {html.escape(dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds'))}</p>"
+        f"generated {html.escape(dt.datetime.now(dt.UTC).isoformat(timespec='seconds'))}</p>"
     ]
     if info is not None:
         env = ", ".join(f"{k}={v}" for k, v in info.environment.items())

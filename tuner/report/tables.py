@@ -11,7 +11,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -225,7 +225,7 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
     return buf.getvalue()
 
 
-def _kv_table(title: str, rows: Iterable[tuple[str, Any]], *headers: str) -> Table:
+def _kv_table(title: str, rows: Iterable[tuple[Any, ...]], *headers: str) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold", show_header=bool(headers))
     for i, header in enumerate(headers or ("key", "value")):
         table.add_column(header, justify="left" if i == 0 else "right", overflow="fold")
@@ -260,7 +260,7 @@ def _waterfall(memory: dict[str, Any]) -> Any:
             explain,  # optional: owned by the SGLang-knowledge issue
         )
     except ImportError:
-        explain = None
+        explain = None  # type: ignore[assignment]  # the optional-import idiom: a module or None
     render = getattr(explain, "waterfall_table", None) if explain is not None else None
     if render is not None:
         try:
@@ -313,7 +313,7 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
         parts.append(Text("no tuner record stored with this trial", style="yellow"))
         return Group(*parts)
     if rec.resolved:
-        rows = [(k, v.get("value"), str(v.get("source", "?"))) for k, v in rec.resolved.items()]
+        rows: list[tuple[Any, ...]] = [(k, v.get("value"), str(v.get("source", "?"))) for k, v in rec.resolved.items()]
         parts.append(_kv_table("resolved by SGLang", rows, "field", "value", "source"))
     if rec.prediction:
         parts.append(_kv_table("memory-model prediction", _memory_rows(rec.prediction)))
@@ -389,7 +389,7 @@ def best_panel(choice: BestTrial) -> Group:
 
 
 def studies_rows(
-    by_storage: dict[str, Sequence[optuna.study.StudySummary]],
+    by_storage: Mapping[str, Sequence[optuna.study.StudySummary]],
 ) -> list[dict[str, Any]]:
     """``tuner studies --json``: storage, study, trials, started, target, model per study."""
     rows = []

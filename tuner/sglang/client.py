@@ -44,8 +44,7 @@ def _num(x: Any) -> float | None:
     if isinstance(x, (int, float)):
         return float(x)
     if isinstance(x, dict):
-        vals = [_num(v) for v in x.values()]
-        vals = [v for v in vals if v is not None]
+        vals = [n for v in x.values() if (n := _num(v)) is not None]
         return round(sum(vals), 6) if vals else None
     return None
 
@@ -108,7 +107,7 @@ class ServerInfo(BaseModel):
         """Normalise a ``/get_server_info`` or ``/server_info`` body of any version (§5.2)."""
         states = data.get("internal_states") or [{}]
         state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-        mem = state.get("memory_usage") if isinstance(state.get("memory_usage"), dict) else {}
+        mem = state["memory_usage"] if isinstance(state.get("memory_usage"), dict) else {}
 
         def arg(*names: str) -> Any:
             for name in names:

@@ -26,7 +26,14 @@ from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.logs import LogReport, parse_log_bytes
-from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, effective_max_running_requests, max_req_input_len, req_to_token_gib
+from tuner.sglang.memory import (
+    GIB,
+    KVCapacityModel,
+    cell_size_bytes,
+    effective_max_running_requests,
+    max_req_input_len,
+    req_to_token_gib,
+)
 from tuner.sglang.modelconfig import ModelArch
 
 __all__ = [
@@ -837,8 +844,8 @@ def renderables(e: Explanation) -> RenderableType:
                 parts.append(Text("  fix: " + t.fix, style="green"))
     if e.findings:
         parts.append(Text("Findings", style="bold"))
-        for f in e.findings:
-            parts.append(Text("  - " + f))
+        for finding in e.findings:
+            parts.append(Text("  - " + finding))
     for w in e.warnings:
         parts.append(Text("note: " + w, style="dim"))
     return Group(*parts)

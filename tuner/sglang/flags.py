@@ -450,10 +450,10 @@ def replace_flags(argv: Sequence[str], params: Mapping[str, Any], table: FlagTab
     """
     params = {k: v for k, v in params.items() if v is not None or table.has(k)}  # None + unknown: nothing to do
     tuned: dict[str, str] = {}
-    for field in params:
-        opt = table.option(field)
-        for name in {field, opt.dest, *_ALIAS_OF.get(field, ()), *_ALIAS_OF.get(opt.dest, ())}:
-            tuned[name] = field
+    for key in params:
+        spec = table.option(key)
+        for name in {key, spec.dest, *_ALIAS_OF.get(key, ()), *_ALIAS_OF.get(spec.dest, ())}:
+            tuned[name] = key
     out: list[str] = []
     placed: set[str] = set()
     for opt, toks, _value in _tokens(argv, table):

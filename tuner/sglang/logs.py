@@ -795,9 +795,8 @@ class LogWatcher:
             self._fields["mrr_requested"] = int(m.group(1))
             self._fields["mrr_reduced"] = int(m.group(2))
             return True
-        if (m := _P["input_long"].search(msg)) or (m2 := _P["input_ctx"].search(msg)):
-            mm = m or m2  # type: ignore[possibly-undefined]
-            limit = "max_req_input_len" if m else "context_length"
+        if mm := (_P["input_long"].search(msg) or _P["input_ctx"].search(msg)):
+            limit: Literal["max_req_input_len", "context_length"] = "max_req_input_len" if mm.re is _P["input_long"] else "context_length"
             rej = InputRejection(input_tokens=int(mm.group(1)), max_allowed_tokens=int(mm.group(2)), limit=limit, rank=rank)
             if rej not in self._rejections:
                 self._rejections.append(rej)

@@ -29,9 +29,9 @@ Behaviour (``shared/sglang-reference.md``):
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Sequence
 
 __all__ = ["MatchResult", "PrefixCache", "WRITE_POLICIES", "LOAD_BACK_THRESHOLD_TOKENS"]
 

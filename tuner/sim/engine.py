@@ -53,8 +53,8 @@ Rules modelled (§2.4 unless noted):
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 from tuner.sim import costmodel
 from tuner.sim.cache import PrefixCache
@@ -191,7 +191,7 @@ class FinishEvent:
         return self.finish_reason.get("message", "") if self.finish_reason.get("type") == "abort" else None
 
 
-Event = Union[TokenEvent, FinishEvent]
+Event = TokenEvent | FinishEvent
 
 
 @dataclass(frozen=True)
@@ -861,7 +861,7 @@ class Engine:
             need += extra
         if not self._alloc(need):
             return False
-        for r, extra in zip(reqs, grow):
+        for r, extra in zip(reqs, grow, strict=True):
             r.private += extra
         return True
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
@@ -105,6 +105,8 @@ class EvalResult:
         p99_tpot_ms: Time per output token after the first, ms.
         mean_e2e_latency_ms: End-to-end latency of completed requests, ms.
         cache_hit_rate: Σ cached / Σ prompt tokens of finished requests.
+        peak_activation_gib: The largest step's activation memory per GPU, GiB (what the simulated
+            GPU monitor adds to the memory in use under load).
         log_lines: Startup and engine log lines.
     """
 
@@ -129,6 +131,7 @@ class EvalResult:
     mean_e2e_latency_ms: float | None = None
     cache_hit_rate: float = 0.0
     error: str | None = None
+    peak_activation_gib: float = 0.0
     log_lines: list[str] = field(default_factory=list)
 
 
@@ -303,6 +306,7 @@ def _run(
         mean_e2e_latency_ms=sum(e2es) / len(e2es) * ms if e2es else None,
         cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         error=error,
+        peak_activation_gib=stats["peak_activation_bytes"] / GIB,
         log_lines=logs,
         **base,
     )

@@ -529,7 +529,7 @@ class SimServer:
             texts = text if isinstance(text, list) else [None] * len(items)
             pendings: list[_Pending] = []
             try:
-                prompts = [self._input_ids(t, i) for t, i in zip(texts, items)]
+                prompts = [self._input_ids(t, i) for t, i in zip(texts, items, strict=False)]
                 for prompt in prompts:
                     pendings.append(self._submit(prompt, max_new, ignore_eos))
             except RequestRejected as err:
@@ -540,7 +540,7 @@ class SimServer:
             for upd, _ids in results:
                 if (error := _abort_error(upd)) is not None:
                     return self._reject(*error)
-            return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results)])
+            return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results, strict=True)])
         try:
             p = self._submit(self._input_ids(text, ids), max_new, ignore_eos, rid=body.get("rid"))
         except RequestRejected as err:

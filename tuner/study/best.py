@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from optuna.trial import FrozenTrial
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -19,6 +20,7 @@ from tuner.records import StudyInfo, TrialRecord
 __all__ = [
     "BestChoice",
     "choose_best",
+    "measured_noise",
     "MetricDelta",
     "stored_policy",
     "override_policy",
@@ -34,6 +36,11 @@ class BestChoice(BaseModel):
         number: The Optuna trial number.
         record: Its record.
         reason: One sentence on why it won under the policy.
+        tied: Other trials statistically tied with it on throughput (within :attr:`noise`);
+            capacity decided among them.
+        noise: The relative throughput margin treated as a tie.
+        noise_measured: Whether :attr:`noise` was measured from re-measured configs
+            (:func:`measured_noise`) rather than ``[objective] throughput_noise``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -41,6 +48,9 @@ class BestChoice(BaseModel):
     number: int
     record: TrialRecord
     reason: str
+    tied: list[int] = []
+    noise: float | None = None
+    noise_measured: bool = False
 
 
 def choose_best(
@@ -56,7 +66,11 @@ def choose_best(
     ``capacity_tolerance`` of the best (the band); among them, every trial whose output throughput
     is within ``throughput_noise`` of the band's highest counts as tied (a short measured window
     cannot tell such throughputs apart), and the tie goes to the higher context capacity, then the
-    higher throughput, then the earlier trial.
+    higher throughput, then the earlier trial. A config measured more than once competes with its
+    mean throughput, and once any config was, the tie margin is the spread measured on them
+    (:func:`measured_noise`) where it exceeds ``throughput_noise`` (the configured margin is the
+    precision asked for; the measurement widens it when the box is noisier); the choice names the
+    tied trials.
 
     Args:
         finished: ``(trial or number, record)`` pairs; only feasible ``ok`` records compete.
@@ -64,18 +78,22 @@ def choose_best(
             throughput breaks ties) or ``max_throughput``.
         capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
         throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
-            a tie (0.03 = 3 %).
+            a tie (0.03 = 3 %), or the measured spread when larger.
 
     Returns:
         The choice, or ``None`` when no trial is feasible.
     """
-    pool = []
+    measured = []
     for item, record in finished:
         number = item if isinstance(item, int) else item.number
         if record.feasible and record.outcome == "ok" and record.context_capacity is not None:
-            pool.append((number, record))
-    if not pool:
+            measured.append((number, record))
+    if not measured:
         return None
+    pool = _by_config(measured)
+    noise_measured = measured_noise(measured)
+    if noise_measured is not None:  # the measured spread, never tighter than the configured margin
+        throughput_noise = max(throughput_noise, noise_measured)
     top_capacity = max(r.context_capacity or 0 for _, r in pool)
     tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
     if policy == "max_throughput":
@@ -110,7 +128,56 @@ def choose_best(
                 f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
                 f"{tput(record):.1f} tok/s), {among}"
             )
-    return BestChoice(number=number, record=record, reason=reason)
+    tied: list[int] = []
+    if policy == "throughput_within_capacity":
+        tied = sorted(n for n, _ in ties if n != number)
+        if tied and noise_measured is not None:
+            reason += (f"; statistically tied with trial(s) {', '.join(map(str, tied))} (throughputs within "
+                       f"±{throughput_noise:.1%}, the spread measured on re-measured configs)")
+    repeats = record.memory.get("throughput_windows")
+    if repeats:
+        reason += f"; its throughput is the mean of {repeats} measured windows"
+    return BestChoice(number=number, record=record, reason=reason, tied=tied, noise=throughput_noise,
+                      noise_measured=noise_measured is not None)
+
+
+def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:
+    """The config a trial measured (its params); a trial without params is its own."""
+    key = tuple(sorted((k, v) for k, v in record.params.items() if v is not None))
+    return key if key else ("trial", number)
+
+
+def _by_config(measured: Sequence[tuple[int, TrialRecord]]) -> list[tuple[int, TrialRecord]]:
+    """One entry per config: its first trial, with the mean throughput of every window that
+    measured it (``memory["throughput_windows"]`` counts them when more than one)."""
+    groups: dict[tuple[Any, ...], list[tuple[int, TrialRecord]]] = {}
+    for number, record in measured:
+        groups.setdefault(_config_key(record, number), []).append((number, record))
+    out = []
+    for items in groups.values():
+        number, record = items[0]
+        if len(items) > 1:
+            mean = sum(r.output_throughput_tok_s or 0.0 for _, r in items) / len(items)
+            record = record.model_copy(update={"output_throughput_tok_s": mean,
+                                               "memory": {**record.memory, "throughput_windows": len(items)}})
+        out.append((number, record))
+    return out
+
+
+def measured_noise(measured: Sequence[tuple[int, TrialRecord]]) -> float | None:
+    """The run-to-run throughput spread of this study: over every config measured more than once,
+    the largest ``(max − min) / mean`` of its windows' output throughputs; ``None`` when no config
+    was measured twice.
+
+    Args:
+        measured: ``(number, record)`` of feasible, measured trials.
+    """
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for number, record in measured:
+        if record.output_throughput_tok_s:
+            groups.setdefault(_config_key(record, number), []).append(record.output_throughput_tok_s)
+    spreads = [(max(v) - min(v)) / (sum(v) / len(v)) for v in groups.values() if len(v) > 1]
+    return max(spreads) if spreads else None
 
 
 def stored_policy(info: StudyInfo | None) -> ObjectiveSection:
@@ -161,7 +228,7 @@ def override_policy(
             policy other than ``throughput_within_capacity`` (it would be ignored).
     """
     base = stored_policy(info)
-    update = {"policy": policy or base.policy}
+    update: dict[str, Any] = {"policy": policy or base.policy}
     if tolerance is not None and update["policy"] != "throughput_within_capacity":
         raise ConfigError(
             f"--tolerance {tolerance!r} applies only to policy throughput_within_capacity, "

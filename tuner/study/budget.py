@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from tuner.config import TunerConfig
+from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import ConfigError
 from tuner.units import format_duration
 
-__all__ = ["prior_trial_cost_s", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
@@ -28,6 +28,52 @@ def prior_trial_cost_s(config: TunerConfig) -> float:
     budget = config.budget
     start = min(config.service.start_timeout_s / 3.0, 600.0)
     return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
+
+
+def load_concurrency(
+    budget: BudgetSection, *, capacity: int | None, max_running_requests: int | None, max_total_num_tokens: int | None,
+    mean_request_tokens: int,
+) -> int:
+    """Closed-loop concurrency of the measured window: as many requests as the config admits.
+
+    ``[budget] concurrency`` when set; else the smaller of the effective max_running_requests and
+    what the token pool holds at the workload's mean request size, at least the context capacity,
+    capped by ``[budget] max_concurrency``.
+
+    Args:
+        budget: ``[budget]``.
+        capacity: The context capacity (requests of the longest context resident at once).
+        max_running_requests: The effective max_running_requests (``None``: unknown).
+        max_total_num_tokens: The KV pool (tokens).
+        mean_request_tokens: The workload's mean ``input + output`` (tokens).
+
+    Returns:
+        Client streams (≥ 1).
+    """
+    if budget.concurrency:
+        return int(budget.concurrency)
+    mrr = max_running_requests or capacity or 1
+    by_tokens = (max_total_num_tokens or 0) // max(1, mean_request_tokens)
+    return max(1, min(budget.max_concurrency, mrr, max(by_tokens, capacity or 1)))
+
+
+def reachable_slots(
+    budget: BudgetSection, *, max_total_num_tokens: int, context_tokens: int, mean_request_tokens: int
+) -> int:
+    """The most request slots that can change a trial's result: its context capacity
+    (``pool // context_tokens``, the objective), or more only as far as the measured window can
+    ever run at once (``[budget] max_concurrency`` (or ``concurrency``), and the pool divided by the
+    workload's mean request length). Slots beyond it cannot change what is measured.
+
+    Args:
+        budget: ``[budget]``.
+        max_total_num_tokens: The KV pool (tokens).
+        context_tokens: The context length of context capacity (tokens).
+        mean_request_tokens: The workload's mean ``input + output`` (tokens).
+    """
+    streams = int(budget.concurrency or budget.max_concurrency)
+    by_mean = max_total_num_tokens // max(1, mean_request_tokens)
+    return max(1, max_total_num_tokens // max(1, context_tokens), min(streams, by_mean))
 
 
 def require_one_trial(total_s: float, cost_s: float, *, reserve_s: float = 0.0, name: str = "--budget") -> None:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import optuna
@@ -42,7 +42,19 @@ from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
 from tuner.sglang.logs import log_error_line
 from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study.best import BestChoice, choose_best
-from tuner.study.budget import Budget, require_one_trial
+from tuner.study.budget import Budget, reachable_slots, require_one_trial
+from tuner.study.hosts import (
+    HOST_ATTR,
+    ClaimLock,
+    TrialHeartbeat,
+    heartbeat_interval,
+    host_name,
+    is_postgres,
+    reap_stale,
+    recover_own,
+    same_environment,
+    schema_lock,
+)
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     KIND_ATTR,
@@ -61,17 +73,6 @@ from tuner.study.optuna_io import (
 )
 from tuner.study.planner import Planner
 from tuner.study.space import Space, resolve_space
-from tuner.study.hosts import (
-    HOST_ATTR,
-    ClaimLock,
-    TrialHeartbeat,
-    host_name,
-    is_postgres,
-    reap_stale,
-    recover_own,
-    same_environment,
-    schema_lock,
-)
 from tuner.study.storage import (
     check_run_storage,
     check_storage_folder,
@@ -98,6 +99,10 @@ __all__ = [
 MAX_INVALID_IN_A_ROW = 3
 """Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
 command itself is wrong (or the environment), not the candidate."""
+MAX_NOISE_REPEATS = 2
+"""Configs a study re-measures at most to measure the throughput noise (:meth:`StudyRun.noise_repeat`)."""
+REPEAT_ATTR = "tuner.repeat_of"
+"""Trial user attribute: the trial a deliberate re-measurement repeats."""
 MAX_SKIPPED = 200
 """Skips in one run after which the search counts as exhausted (the space holds nothing new)."""
 
@@ -116,6 +121,7 @@ class TrialJob(BaseModel):
         capacity_floor: Capacity-first fidelity: when the boot probe shows a context capacity
             below this, the full load is skipped (0 = always load).
         started_at: ISO time the trial started.
+        repeat_of: The trial this one re-measures (the noise), or ``None``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -127,6 +133,7 @@ class TrialJob(BaseModel):
     context_tokens: int
     capacity_floor: int = 0
     started_at: str = ""
+    repeat_of: int | None = None
 
 
 class TrialRunner(Protocol):
@@ -293,7 +300,8 @@ class StudyRun:
         self.summary.baseline = self.baseline()
         space = self.space()
         planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
-                          longest_input_tokens=_longest_input(self.config))
+                          longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
+                          mean_request_tokens=_mean_request_tokens(self.config))
         while self.summary.stop_reason == "exhausted" and self.can_continue():
             trial, job = self.next_trial(space, planner)
             if job is None:
@@ -432,14 +440,24 @@ class StudyRun:
             if candidate is not None:
                 study.enqueue_trial(candidate.params,
                                     user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
+            elif (repeat := self.noise_repeat(done, space)) is not None:
+                number, params, why = repeat
+                study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
+                                                        PREDICTION_ATTR: {"why": why}})
         trial = study.ask()  # the sampler (constant liar) sees every host's RUNNING trials
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         params = space.suggest(trial)
         prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
         floor = self.capacity_floor(done)
-        reason = skip_reason(params, done)
+        repeat_of = trial.user_attrs.get(REPEAT_ATTR)
+        if repeat_of is not None:  # a deliberate re-measurement (the noise), not a wasted repeat
+            with self._claim():
+                self._own(trial)
+            return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
+                                   context_tokens=self.context_tokens, started_at=_now(), repeat_of=int(repeat_of))
+        reason = skip_reason(params, done, space)
         if reason is None and kind == "sampled" and self.use_planner:
-            reason = planner.screen(params, done, capacity_floor=floor)
+            reason = planner.screen(params, done, capacity_floor=self.band_floor(done))
         if reason is not None:
             self.skip(trial, params, kind, prediction, reason)
             return trial, None
@@ -500,6 +518,8 @@ class StudyRun:
             fail_trial(self._study(), trial, partial, requeue=bool(job.params))
             raise
         self.launched += 1
+        if job.repeat_of is not None:
+            record = record.model_copy(update={"repeat_of": job.repeat_of})
         record = self.tell(trial, record, begun, before_tell)
         self.progress("trial_end", job.number, index=self.handled + 1, message=describe(job.number, record))
         self.handled += 1
@@ -568,6 +588,60 @@ class StudyRun:
         total = self.handled + left
         return min(total, self.max_trials) if self.max_trials else total
 
+    def noise_repeat(
+        self, done: Sequence[tuple[int, TrialRecord]], space: Space
+    ) -> tuple[int, dict[str, Any], str] | None:
+        """A config to measure once more, so "best" rests on the measured noise, or ``None``.
+
+        When the planner has nothing left and the two fastest configs of the best capacity band
+        differ in throughput by less than twice the noise margin (the measured spread once a
+        config was measured twice, else ``[objective] throughput_noise``), the chosen one, then the
+        runner-up, is re-measured once (:data:`MAX_NOISE_REPEATS` in a study). Capacity is exact
+        (the pool is sized at startup); throughput is what needs the repeat.
+
+        Returns:
+            ``(trial re-measured, its params on the grid, why)``.
+        """
+        objective = self.config.objective
+        repeated = {r.repeat_of for _, r in done if r.repeat_of is not None}
+        if objective.policy != "throughput_within_capacity" or len(repeated) >= MAX_NOISE_REPEATS:
+            return None
+        choice = choose_best(done, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
+                             throughput_noise=objective.throughput_noise)
+        if choice is None:
+            return None
+        top = max(r.context_capacity or 0 for _, r in done if r.feasible and r.outcome == "ok")
+        floor = math.ceil(top * (1.0 - objective.capacity_tolerance) - 1e-9)
+        band: dict[tuple[tuple[str, Any], ...], tuple[int, TrialRecord]] = {}
+        for number, record in done:
+            if record.feasible and record.outcome == "ok" and (record.context_capacity or 0) >= floor:
+                band.setdefault(_key(space.snap(record.params)), (number, record))
+        ranked = sorted(band.values(), key=lambda item: -(item[1].output_throughput_tok_s or 0.0))
+        if len(ranked) < 2:
+            return None
+        first, second = (r.output_throughput_tok_s or 0.0 for _, r in ranked[:2])
+        margin = choice.noise if choice.noise is not None else objective.throughput_noise
+        if first <= 0 or (first - second) / first >= 2 * margin:
+            return None
+        others = [item for item in ranked[:2] if item[0] != choice.number]
+        chosen = next((item for item in ranked if item[0] == choice.number), None)
+        for number, record in ([chosen] if chosen else []) + others:
+            if number not in repeated:
+                why = (f"re-measure trial {number}: the band's two fastest configs differ by "
+                       f"{(first - second) / first:.1%} in throughput, within twice the {margin:.1%} noise margin")
+                return number, space.snap(record.params), why
+        return None
+
+    def band_floor(self, done: Sequence[tuple[int, TrialRecord]]) -> int:
+        """The least context capacity that can still win on the policy: the best feasible
+        capacity's band (``[objective] capacity_tolerance``) for ``throughput_within_capacity`` and
+        ``max_capacity``; 0 for ``max_throughput`` (any capacity may win there)."""
+        objective = self.config.objective
+        best = choose_best(done, policy="max_capacity")
+        if best is None or objective.policy == "max_throughput":
+            return 0
+        return math.ceil((best.record.context_capacity or 0) * (1.0 - objective.capacity_tolerance) - 1e-9)
+
     def capacity_floor(self, done: Sequence[tuple[int, TrialRecord]]) -> int:
         """Capacity-first fidelity: ``[budget] probe_only_below`` of the best capacity so far."""
         best = choose_best(done, policy="max_capacity")
@@ -603,8 +677,9 @@ class StudyRun:
         trial.set_user_attr(HOST_ATTR, self.host)
         trial.set_user_attr(ENVIRONMENT_ATTR, self.environment)
         storage = self._study()._storage  # noqa: SLF001 - the storage this run opened
-        if getattr(storage, "get_heartbeat_interval", lambda: None)() is not None:
-            storage.record_heartbeat(self._trial_id(trial))
+        record = getattr(storage, "record_heartbeat", None)  # RDBStorage (Optuna's BaseHeartbeat)
+        if record is not None and heartbeat_interval(storage) is not None:
+            record(self._trial_id(trial))
 
     def _trial_id(self, trial: optuna.Trial) -> int:
         study = self._study()
@@ -706,31 +781,35 @@ def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def skip_reason(params: Mapping[str, Any], finished: Sequence[tuple[int, TrialRecord]]) -> tuple[str, int] | None:
+def skip_reason(
+    params: Mapping[str, Any], finished: Sequence[tuple[int, TrialRecord]], space: Space | None = None
+) -> tuple[str, int] | None:
     """Why ``params`` need no restart: the same config was measured, or a failure proves it fails.
 
     Args:
         params: The candidate's knobs by SGLang field name.
         finished: ``(number, record)`` of the study's finished trials.
+        space: The study's space: configs are compared on its grid (the baseline's resolved
+            knobs, and floats, land on the same point), else as given.
 
     Returns:
         ``(reason, proving trial number)``, or ``None`` when the candidate must be launched.
     """
+    snap = space.snap if space is not None else (lambda p: {k: p.get(k) for k in params})
+    wanted = _key(snap(dict(params)))
     for number, record in finished:
-        if record.outcome in ("ok", "failed") and record.params and _key(
-            {k: record.params.get(k) for k in params}
-        ) == _key(params):
+        if record.outcome in ("ok", "failed") and record.params and _key(snap(dict(record.params))) == wanted:
             return f"the same config was measured by trial {number}", number
-    failures = [(n, r) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
+    failures = [(n, r, r.failure_class) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
     if failures:
-        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(r.failure_class)) for _, r in failures])
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(c)) for _, r, c in failures])
         if proved and index is not None:
-            number, record = failures[index]
+            number, record, failure_class = failures[index]
             return (
-                f"must fail: trial {number} failed with {record.failure_class.value} at "
+                f"must fail: trial {number} failed with {failure_class.value} at "
                 f"mem_fraction_static={record.params.get('mem_fraction_static')} with other memory "
                 "knobs equal or smaller, and failures are monotone in these knobs",
                 number,
@@ -823,6 +902,10 @@ def _context_tokens(config: TunerConfig) -> int:
     return build_workload(config.workload, seed=config.study.seed).context_tokens
 
 
+def _mean_request_tokens(config: TunerConfig) -> int:
+    return build_workload(config.workload, seed=config.study.seed).mean_request_tokens
+
+
 def _longest_input(config: TunerConfig) -> int | None:
     spec = config.workload
     return int(spec.input_len) if hasattr(spec, "input_len") else None
@@ -838,12 +921,16 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
         environment: The run's environment (``gpu_total_mib`` when known).
         context_tokens: The context length of context capacity (tokens).
     """
-    hint = None
+    hint = slots = None
     data = record.memory.get("capacity_model")
     if data:
         model = KVCapacityModel.model_validate(data)
-        hint = max(1, model.tokens(0.97) // max(1, context_tokens))
-    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"), capacity_hint=hint)
+        top = model.tokens(0.97)
+        hint = max(1, top // max(1, context_tokens))
+        slots = reachable_slots(config.budget, max_total_num_tokens=top, context_tokens=context_tokens,
+                                mean_request_tokens=_mean_request_tokens(config))
+    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
+                         capacity_hint=hint, slots_hint=slots)
 
 
 def describe(number: int, record: TrialRecord) -> str:

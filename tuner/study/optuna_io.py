@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.samplers import BaseSampler, NSGAIISampler, PartialFixedSampler, RandomSampler, TPESampler
@@ -51,7 +51,7 @@ __all__ = [
     "recover_interrupted",
 ]
 
-DIRECTIONS = ("maximize", "maximize")
+DIRECTIONS: tuple[Literal["minimize", "maximize"], ...] = ("maximize", "maximize")
 """Context capacity (requests of the workload's context length), output throughput (tok/s)."""
 ENVIRONMENT_KEYS = ("sglang_version", "gpu_name", "gpu_count", "driver_version", "model")
 """The environment facts a study refuses to mix (:func:`check_environment`)."""
@@ -247,6 +247,7 @@ def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDist
         return trial.suggest_categorical(name, list(dist.choices))
     if isinstance(dist, optuna.distributions.IntDistribution):
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    assert isinstance(dist, optuna.distributions.FloatDistribution), dist  # the space makes only these three kinds
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
 
 

@@ -16,19 +16,32 @@ The strategy is capacity-first and learns from memory facts rather than by trial
 4. When the capacity frontier stops moving, the planner tries one neighbour per other knob
    (chunked prefill size, max running requests, hierarchical cache, ...) at its own predicted
    frontier; then the Optuna sampler explores the rest.
+
+The latency SLO is a constraint of its own (:mod:`tuner.study.slo_bound`): once a measured window
+broke it, the planner first gets feasible (bisects ``max_running_requests`` of that family between
+the largest SLO-safe and the smallest SLO-breaking running-request count, from the measured
+latencies), then pushes capacity inside the bracket and tries the other chunk sizes at the safe
+load; the memory steps above never propose a load a window of the same knobs already broke. No
+proposal has more request slots than can change its result
+(:func:`tuner.study.budget.reachable_slots`), and :meth:`Planner.screen` skips a sampled config
+that is below the best capacity band, beyond those slots, or proved to break the SLO.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuner.config import BudgetSection
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.memory import KVCapacityModel
+from tuner.study.budget import load_concurrency, reachable_slots
+from tuner.study.slo_bound import SLOBound, slo_bounds, slo_points
 from tuner.study.space import Space
 
 __all__ = ["Candidate", "Planner"]
@@ -89,6 +102,9 @@ class Planner:
         peak_safety: Factor on the measured activation peak.
         margin_gib: Extra GiB kept free above the scaled peak.
         longest_input_tokens: The workload's longest prompt (activation peak with chunking off).
+        budget: ``[budget]`` (``max_concurrency``: the measured window's streams), or ``None``.
+        mean_request_tokens: The workload's mean ``input + output`` (tokens): with ``budget``,
+            how many requests a pool can run at once (:func:`tuner.study.budget.reachable_slots`).
     """
 
     def __init__(
@@ -100,8 +116,12 @@ class Planner:
         peak_safety: float = 1.15,
         margin_gib: float = 0.25,
         longest_input_tokens: int | None = None,
+        budget: BudgetSection | None = None,
+        mean_request_tokens: int | None = None,
     ) -> None:
         self.space = space
+        self.budget = budget
+        self.mean_request_tokens = mean_request_tokens or context_tokens
         self.context_tokens = context_tokens
         self.capacity_tolerance = capacity_tolerance
         self.peak_safety = peak_safety
@@ -292,7 +312,9 @@ class Planner:
         points = self._points(history)
         if not points:
             return None
-        feasible = [p for p in points if p.feasible] or points
+        bounds = self.slo_bounds(history)
+        measured_feasible = [p for p in points if p.feasible]
+        feasible = measured_feasible or points
         incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
         best_capacity = incumbent.capacity
         oom_frees: list[tuple[dict[str, Any], float]] = []
@@ -310,7 +332,11 @@ class Planner:
             # Monotone: a memory failure at (mfs, mrr) proves every mfs' >= mfs with mrr' >= mrr fails.
             return min((m for m, r in ceilings.get(family, []) if mrr >= r), default=2.0)
 
-        proposals: list[tuple[tuple[int, int], Candidate]] = []
+        slo_step = self._slo_step(points, measured_feasible, bounds, tried, oom_frees, ceiling_of)
+        if slo_step is not None:
+            return slo_step
+
+        proposals: list[tuple[tuple[int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
@@ -320,15 +346,29 @@ class Planner:
             found_options = []
             # Tight: just enough request slots for the capacity; or the incumbent's own count; or
             # more slots than the capacity (shorter requests run alongside: throughput), same band.
-            more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]] if rank == 0 else []
+            # "More" is bounded by what the measured window can run at once (the pool over the mean
+            # request, [budget] max_concurrency): the reachable count, and halfway to it (log scale).
+            more: list[int] = []
+            if rank == 0:
+                top = incumbent.model.tokens(incumbent.params["mem_fraction_static"], page_size=incumbent.page_size)
+                reach = min(self.slots_cap(top), self.space.max_running_requests[1])
+                if self.budget is not None and reach > base_mrr:
+                    more = sorted({reach, int(round(math.sqrt(reach * base_mrr)))} - {base_mrr})
+                elif self.budget is None:
+                    more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]]
             for mrr in (None, base_mrr, *more):
-                found = self._frontier(family, ref, mrr, need, lambda slots, f=family: ceiling_of(f, slots))
+                found = self._frontier(family, ref, mrr, need, partial(ceiling_of, family))
                 if found is not None:
                     found_options.append(found)
+            bound = self._bound_for(family, bounds, self._binding_family(bounds))
             for mfs, tokens, capacity, free, mrr in found_options:
                 params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
                 if _key(params) in tried:
                     continue
+                if mrr > self.slots_cap(tokens):
+                    continue  # more slots than the measured window can ever run at once
+                if bound is not None and bound.violates(self.running_requests(mrr, tokens)):
+                    continue  # at least the load of a window that broke the SLO
                 if rank == 0 and capacity <= best_capacity and mrr not in more:
                     continue
                 if rank > 0 and capacity < best_capacity * (1.0 - self.capacity_tolerance):
@@ -362,15 +402,157 @@ class Planner:
         proposals.sort(key=lambda item: item[0])
         return proposals[0][1]
 
+    # -- the latency SLO and the reachable load ---------------------------------------------------
+
+    def slo_bounds(self, history: Sequence[tuple[int, TrialRecord]]) -> dict[tuple[tuple[str, Any], ...], SLOBound]:
+        """Per family (on the space's grid), where the SLO breaks (:mod:`tuner.study.slo_bound`)."""
+        low_mfs, low_mrr = self.space.mem_fraction_static[0], self.space.max_running_requests[0]
+
+        def normalise(family: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+            return _family(self.space.snap({**dict(family), "mem_fraction_static": low_mfs,
+                                            "max_running_requests": low_mrr}))
+
+        return slo_bounds(slo_points(history), normalise=normalise)
+
+    @staticmethod
+    def _binding_family(bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound]) -> tuple[tuple[str, Any], ...]:
+        """The family whose windows say most about where the SLO breaks (``()`` when none broke it)."""
+        binding = [f for f, b in bounds.items() if b.binds]
+        return max(binding, key=lambda f: (len(bounds[f].points), -(bounds[f].broken or 0)), default=())
+
+    @staticmethod
+    def _bound_for(
+        family: tuple[tuple[str, Any], ...], bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound],
+        fallback: tuple[tuple[str, Any], ...],
+    ) -> SLOBound | None:
+        """The family's own SLO bound when a window of it broke the SLO; else ``fallback``'s when
+        one of that broke it (an estimate for choosing a proposal, never a proof); else the
+        family's own (not binding) or ``None``."""
+        own = bounds.get(family)
+        if own is not None and own.binds:
+            return own
+        other = bounds.get(fallback)
+        if other is not None and other.binds:
+            return other
+        return own
+
+    def slots_cap(self, tokens: int) -> int:
+        """The most request slots that can change a result for a pool of ``tokens``
+        (:func:`tuner.study.budget.reachable_slots`; the space's top without a ``[budget]``)."""
+        if self.budget is None:
+            return self.space.max_running_requests[1]
+        return reachable_slots(self.budget, max_total_num_tokens=tokens, context_tokens=self.context_tokens,
+                               mean_request_tokens=self.mean_request_tokens)
+
+    def running_requests(self, mrr: int, tokens: int) -> int:
+        """Requests a config runs at once in the measured window: its slots, as far as the closed
+        loop's streams (:func:`tuner.study.budget.load_concurrency`) fill them."""
+        if self.budget is None:
+            return mrr
+        capacity = min(mrr, tokens // max(1, self.context_tokens))
+        streams = load_concurrency(self.budget, capacity=capacity, max_running_requests=mrr,
+                                   max_total_num_tokens=tokens, mean_request_tokens=self.mean_request_tokens)
+        return min(mrr, streams)
+
+    def _slo_step(
+        self,
+        points: Sequence[_Point],
+        feasible: Sequence[_Point],
+        bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound],
+        tried: set[tuple[tuple[str, Any], ...]],
+        oom_frees: Sequence[tuple[dict[str, Any], float]],
+        ceiling_of: Callable[[tuple[tuple[str, Any], ...], int], float],
+    ) -> Candidate | None:
+        """The next launch while the latency SLO binds: get feasible, then push inside it.
+
+        With no feasible trial, the family whose windows say most about the SLO is bisected
+        between its largest safe and its smallest broken running-request count (from the measured
+        latencies, :meth:`tuner.study.slo_bound.SLOBound.next_count`); with a feasible incumbent,
+        its family's bracket is narrowed the same way (capacity = slots inside the SLO), then each
+        other family (chunked prefill size, ...) is measured at the incumbent's safe load and, if
+        it holds there, at its family's break. ``None``: the SLO does not bind, or every bracket
+        is closed (the memory planner goes on, with the SLO rule filtering its proposals).
+        """
+        binding = {f: b for f, b in bounds.items() if b.binds}
+        if not binding:
+            return None
+        if feasible:
+            incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
+            family = _family(incumbent.params)
+        else:
+            family = max(binding, key=lambda f: (len(binding[f].points), -(binding[f].broken or 0)))
+        own_base = bounds.get(family)
+        base = own_base if own_base is not None and own_base.binds else binding[self._binding_family(bounds)]
+        families = [family, *(f for f in self._neighbours(dict(family)) if f != family)]
+        for rank, fam in enumerate(families):
+            own = bounds.get(fam)
+            count: int | None
+            if own is not None and own.points:
+                count = own.next_count()
+                if count is None and not own.binds and base.broken is not None:
+                    # It held so far: try where the base family broke, then step up by a quarter
+                    # (never a jump to the memory frontier: the SLO binds on these loads).
+                    count = int(base.broken) if base.broken > own.safe else max(int(own.safe) + 1,
+                                                                              math.ceil(own.safe * 1.25))
+                why = ("bisect running requests between the largest SLO-safe and the smallest SLO-breaking "
+                       "window of these knobs" if rank == 0 else
+                       f"another {self._changed(family, fam)} within the SLO bracket")
+            else:
+                count = int(base.safe) if base.safe else base.next_count()
+                why = f"another {self._changed(family, fam)} at the SLO-safe load of trial {base.safe_trial}"
+            if count is None or count < 1:
+                continue
+            candidate = self._at_count(fam, count, points, tried, oom_frees, ceiling_of, why, own or base)
+            if candidate is not None:
+                return candidate
+        return None
+
+    def _at_count(
+        self,
+        family: tuple[tuple[str, Any], ...],
+        count: int,
+        points: Sequence[_Point],
+        tried: set[tuple[tuple[str, Any], ...]],
+        oom_frees: Sequence[tuple[dict[str, Any], float]],
+        ceiling_of: Callable[[tuple[tuple[str, Any], ...], int], float],
+        why: str,
+        bound: SLOBound,
+    ) -> Candidate | None:
+        """``family`` with ``count`` request slots at the smallest fraction whose pool holds them
+        (the memory frontier at that count), or ``None`` (already tried, or memory forbids it)."""
+        ref = self._reference(family, count, points)
+        need = self._need_gib(family, points, oom_frees)
+        found = self._frontier(family, ref, count, need, lambda slots: ceiling_of(family, slots))
+        if found is None:
+            return None
+        mfs, tokens, capacity, free, mrr = found
+        params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
+        if _key(params) in tried:
+            return None
+        return Candidate(params=params, prediction={
+            "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
+            "need_gib": round(need, 3), "calibrated_on_trial": ref.number,
+            "running_requests": self.running_requests(mrr, tokens),
+            "slo_safe_running_requests": bound.safe, "slo_safe_trial": bound.safe_trial,
+            "slo_broken_running_requests": bound.broken, "slo_broken_trial": bound.broken_trial,
+            "why": why,
+        })
+
     def screen(
         self, params: Mapping[str, Any], history: Sequence[tuple[int, TrialRecord]], *, capacity_floor: int = 0
     ) -> tuple[str, int] | None:
-        """Why a sampled config is not worth a restart, by the calibrated memory model.
+        """Why a sampled config is not worth a restart, by the calibrated models.
 
-        Two predictions (not proofs, and recorded as such): its headroom after graphs is below
-        what a runtime OOM under the stress load already showed too small, scaled by the ratio of
-        prefill chunks (activations grow with the chunk, §1.6); or its context capacity is below
-        ``capacity_floor`` (it cannot matter for "best"). Returns ``(reason, calibration trial)`` or ``None`` to launch it.
+        Predictions (not proofs, and the reasons say "predicted"): its context capacity is below
+        ``capacity_floor`` (the best feasible trial's capacity band: it cannot win on the policy);
+        it has more request slots than can change its result (:meth:`slots_cap`); its headroom
+        after graphs is below what a runtime OOM under the stress load already showed too small,
+        scaled by the ratio of prefill chunks (activations grow with the chunk, §1.6). One proof
+        (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it runs at least as many requests
+        at once as a window of the same other knobs that broke the SLO.
+
+        Returns:
+            ``(reason, proving or calibration trial)``, or ``None`` to launch it.
         """
         points = self._points(history)
         if not points:
@@ -384,8 +566,26 @@ class Planner:
         if capacity_floor and capacity < capacity_floor:
             return (
                 f"predicted context capacity {capacity} (model calibrated on trial {ref.number}) is below "
-                f"{capacity_floor}, the least that can still matter for best; not launched",
+                f"{capacity_floor}, the capacity band of the best feasible trial, so it cannot win on the "
+                "policy; not launched",
                 ref.number,
+            )
+        if tokens > 0 and mrr > self.slots_cap(tokens):
+            return (
+                f"max_running_requests={mrr} is more than the {self.slots_cap(tokens)} requests this config can "
+                f"change the result with (predicted pool {tokens} tokens, model calibrated on trial {ref.number}: "
+                "its context capacity, or what the measured window can run at once by [budget] max_concurrency "
+                "and the pool over the mean request length); predicted, not launched",
+                ref.number,
+            )
+        slo = self.slo_bounds(history).get(family)
+        running = self.running_requests(mrr, tokens) if tokens > 0 else mrr
+        if slo is not None and slo.violates(running):
+            return (
+                f"must break the SLO: trial {slo.broken_trial} broke it running {slo.broken:g} requests at once "
+                f"with the same other knobs, and this config runs {running} (closed-loop latency grows with the "
+                "requests in flight at equal knobs); not launched",
+                int(slo.broken_trial if slo.broken_trial is not None else ref.number),
             )
         measured = [int(p.params["max_running_requests"]) for p in points if _family(p.params) == family]
         if measured and mrr > 2 * max(measured):

@@ -106,7 +106,7 @@ class Space(BaseModel):
             return False
         if isinstance(dist, CategoricalDistribution):
             return value in dist.choices
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(dist, (IntDistribution, FloatDistribution)):
             return False
         if not dist.low - 1e-9 <= float(value) <= dist.high + 1e-9:
             return False
@@ -205,15 +205,19 @@ def resolve_space(
     *,
     gpu_total_mib: float | None = None,
     capacity_hint: int | None = None,
+    slots_hint: int | None = None,
 ) -> Space:
     """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
 
     Defaults, each widened so the baseline's own value is inside (the baseline is trial 0):
 
     * ``mem_fraction_static``: from 0.05 below the baseline to 0.97.
-    * ``max_running_requests``: from a quarter of the baseline's effective value (at least 1) to
-      the larger of the baseline's and 1.5 × ``capacity_hint`` (the capacity predicted at the
-      highest fraction), log scale.
+    * ``max_running_requests``: from 1 (a latency SLO may bind at any count of requests in
+      flight; the scale is logarithmic) to the larger of the baseline's and 1.5 ×
+      ``capacity_hint`` (the capacity predicted at the highest fraction), but no more than
+      ``slots_hint`` (the most slots that can change a result,
+      :func:`tuner.study.budget.reachable_slots` at the highest fraction) and at least the
+      capacity hint; the baseline's own value widens the range only up to ``slots_hint``.
     * ``chunked_prefill_size``: half, once and twice the baseline's (or the GPU default of §2.1).
 
     Args:
@@ -222,6 +226,7 @@ def resolve_space(
             ``max_running_requests`` (effective), ``chunked_prefill_size``, ...).
         gpu_total_mib: GPU size (nvidia-smi MiB) for the chunked-prefill default.
         capacity_hint: The context capacity predicted at the top of the fraction range.
+        slots_hint: The reachable request slots at the top of the fraction range.
 
     Returns:
         The space.
@@ -240,12 +245,14 @@ def resolve_space(
         mrr_low, mrr_high = section.max_running_requests
     else:
         reference = base_mrr or capacity_hint or 64
-        mrr_low = max(1, reference // 4)
+        mrr_low = 1
         mrr_high = max(reference, int(1.5 * (capacity_hint or reference)), 8)
-        if capacity_hint:
-            mrr_low = max(1, min(mrr_low, capacity_hint // 4))
+        if slots_hint:
+            mrr_high = max(min(mrr_high, slots_hint), capacity_hint or 1, 2)
     if base_mrr:
-        mrr_low, mrr_high = min(mrr_low, base_mrr), max(mrr_high, base_mrr)
+        mrr_low = min(mrr_low, base_mrr)
+        if not slots_hint or section.max_running_requests or base_mrr <= mrr_high:
+            mrr_high = max(mrr_high, base_mrr)
 
     base_cps = baseline.get("chunked_prefill_size")
     if base_cps is None:

@@ -1,0 +1,198 @@
+"""Where the latency SLO breaks, learned from the measured windows: the planner's SLO constraint.
+
+Every measured window records the load the server ran (``TrialRecord.measured_load``:
+``running_requests`` admitted of the closed loop's streams, ``chunk_tokens`` per prefill chunk) and
+its ``slo`` constraint (``measured / limit − 1`` of the worst limit, at least the error rate). Per
+*family* (every knob but ``mem_fraction_static`` and ``max_running_requests``, so one chunked
+prefill size), the windows bracket the largest running-request count that meets the SLO:
+
+* ``safe``: the most running requests of a window that met the SLO;
+* ``broken``: the fewest running requests of a window that broke it (with the server healthy:
+  no crash, no failed stress phase; those are memory facts, not latency facts).
+
+**The monotone rule** (used like the memory rules, to skip without a restart): at equal other
+knobs, a closed loop with more running requests has at least the latency percentiles of one with
+fewer. TTFT queues behind more prefills and every decode step carries a larger batch (ITL, TPOT);
+the server is work-conserving, so nothing gets faster with more work in flight. It holds for the
+knobs of one family only. It does **not** hold
+
+* across chunked prefill sizes: a larger chunk lengthens the steps it joins (ITL) but finishes a
+  prompt in fewer steps (TTFT), so either can go either way;
+* across ``mem_fraction_static`` when the pool, not ``max_running_requests``, limits the running
+  requests (retractions, §4.4): then the measured ``running_requests`` overstates the load and the
+  rule is not applied to a config whose pool holds fewer requests than its slots;
+* within the measurement noise: a window close to the limit may land on either side (the planner
+  aims inside the boundary by :data:`AIM_MARGIN`).
+
+Between ``safe`` and ``broken`` the next count to try comes from the measured latencies: the
+latency ratio ``slo + 1`` is interpolated linearly in running requests (a closed loop's queueing
+latency grows about linearly with requests in flight) and solved for ``1 − AIM_MARGIN`` (for the
+limit itself once a safe window is within that margin); when the
+fit says nothing useful (fewer than two points, a flat or falling slope, an estimate outside the
+bracket) the step is a bisection (geometric without a safe point, since latencies fall at least to
+one running request's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tuner.records import TrialRecord
+
+__all__ = ["AIM_MARGIN", "SLOPoint", "SLOBound", "slo_points", "slo_bounds", "family_of"]
+
+AIM_MARGIN = 0.05
+"""Relative latency margin the planner aims inside the SLO (so a noisy window still meets it)."""
+
+_MEMORY_KNOBS = ("mem_fraction_static", "max_running_requests")
+
+
+def family_of(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Every knob but ``mem_fraction_static`` and ``max_running_requests``, as a sorted key."""
+    return tuple(sorted((k, v) for k, v in params.items() if k not in _MEMORY_KNOBS))
+
+
+class SLOPoint(BaseModel):
+    """One measured window as the SLO model sees it.
+
+    Attributes:
+        number: The trial.
+        family: :func:`family_of` its params.
+        running_requests: Requests the server ran at once (closed loop, capped by its slots).
+        slo: The ``slo`` constraint (≤ 0: met).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    number: int
+    family: tuple[tuple[str, Any], ...]
+    running_requests: float
+    slo: float
+
+
+class SLOBound(BaseModel):
+    """What one family's windows say about the SLO.
+
+    Attributes:
+        safe: Most running requests of a window that met the SLO (0: none yet).
+        safe_trial: That window's trial.
+        broken: Fewest running requests of a window that broke it (``None``: none broke it).
+        broken_trial: That window's trial.
+        points: The family's windows, by running requests.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    safe: float = 0.0
+    safe_trial: int | None = None
+    broken: float | None = None
+    broken_trial: int | None = None
+    points: tuple[SLOPoint, ...] = ()
+
+    @property
+    def binds(self) -> bool:
+        """Whether the SLO broke in this family at some load."""
+        return self.broken is not None
+
+    @property
+    def converged(self) -> bool:
+        """Whether the bracket is down to adjacent counts (or a safe point at 1 request)."""
+        return self.broken is not None and self.broken - self.safe <= max(1.0, 0.02 * self.broken)
+
+    def violates(self, running_requests: float) -> bool:
+        """The monotone rule: at least as many running requests as a window that broke the SLO."""
+        return self.broken is not None and running_requests >= self.broken
+
+    def next_count(self) -> int | None:
+        """The running-request count to measure next inside the bracket, or ``None`` (converged
+        or not binding)."""
+        if self.broken is None or self.converged:
+            return None
+        lo, hi = self.safe, self.broken
+        estimate = self._interpolate()
+        if estimate is None or not lo < estimate < hi:
+            estimate = (lo + hi) / 2 if lo > 0 else hi / 4
+        count = int(math.floor(estimate))
+        count = max(int(lo) + 1, min(int(math.ceil(hi)) - 1, count))
+        return max(1, count)
+
+    def _interpolate(self) -> float | None:
+        """Running requests where the latency ratio ``slo + 1`` reaches ``1 − AIM_MARGIN``, from
+        the two windows nearest the boundary (one on each side when both exist)."""
+        below = [p for p in self.points if p.slo <= 0]
+        above = [p for p in self.points if p.slo > 0]
+        # Aim inside by the margin, unless a safe window is already inside it (then at the limit).
+        target = 1.0 - AIM_MARGIN
+        if below and max(p.slo for p in below) + 1.0 > target:
+            target = 1.0
+        if below and above:
+            a = max(below, key=lambda p: p.running_requests)
+            b = min(above, key=lambda p: p.running_requests)
+        elif len(above) >= 2:
+            a, b = sorted(above, key=lambda p: p.running_requests)[:2]
+        elif above:  # one window: latency proportional to the requests in flight
+            p = above[0]
+            return p.running_requests * target / (p.slo + 1.0)
+        else:
+            return None
+        dr = b.running_requests - a.running_requests
+        if dr <= 0:
+            return None
+        slope = (b.slo - a.slo) / dr
+        if slope <= 0:
+            return None
+        return a.running_requests + (target - (a.slo + 1.0)) / slope
+
+
+def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
+    """The measured windows of ``history`` that give an SLO verdict on a healthy server."""
+    out = []
+    for number, record in history:
+        load = record.measured_load
+        value = record.constraints.get("slo")
+        if (
+            record.outcome != "ok"
+            or value is None
+            or not load.get("running_requests")
+            or record.constraints.get("oom_or_crash", 1.0) > 0
+            or record.constraints.get("stress", 1.0) > 0
+            or record.memory.get("probe_only")
+        ):
+            continue
+        out.append(SLOPoint(number=number, family=family_of(record.params),
+                            running_requests=float(load["running_requests"]), slo=float(value)))
+    return out
+
+
+def slo_bounds(points: Sequence[SLOPoint], *, normalise: Any = None) -> dict[tuple[tuple[str, Any], ...], SLOBound]:
+    """One :class:`SLOBound` per family of ``points``.
+
+    Args:
+        points: :func:`slo_points`.
+        normalise: Maps a family key to the key it is compared under (e.g. snapped to the space),
+            or ``None``.
+    """
+    families: dict[tuple[tuple[str, Any], ...], list[SLOPoint]] = {}
+    for p in points:
+        key = normalise(p.family) if normalise else p.family
+        families.setdefault(key, []).append(p)
+    out = {}
+    for key, items in families.items():
+        items = sorted(items, key=lambda p: p.running_requests)
+        met = [p for p in items if p.slo <= 0]
+        broke = [p for p in items if p.slo > 0]
+        safe = max(met, key=lambda p: p.running_requests, default=None)
+        # A window that broke the SLO at fewer requests than one that met it is noise near the
+        # boundary (the rule cannot hold for both): the bracket keeps the breaks above the safe one.
+        above_safe = [p for p in broke if safe is None or p.running_requests > safe.running_requests]
+        broken = min(above_safe, key=lambda p: p.running_requests, default=None)
+        out[key] = SLOBound(
+            safe=safe.running_requests if safe else 0.0, safe_trial=safe.number if safe else None,
+            broken=broken.running_requests if broken else None, broken_trial=broken.number if broken else None,
+            points=tuple(items),
+        )
+    return out
