@@ -78,7 +78,7 @@ def _run(cluster, workers: int, cwd: Path) -> dict:  # noqa: ANN001 - PostgresCl
     baseline = [t for t, r in launched if r.kind == "baseline"]
     start = baseline[0].datetime_complete
     counted = [t for t, r in launched if r.kind != "baseline" and (t.datetime_complete - start).total_seconds() <= WINDOW_S]
-    keys = [tuple(sorted(t.params.items())) for t, _ in launched]
+    keys = [tuple(sorted(t.params.items())) for t, r in launched if r.repeat_of is None]  # repeats: the noise
     from tests.benchmarks.bench_search import scenarios
 
     cfg = scenarios()[SCENARIO]
