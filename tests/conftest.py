@@ -8,7 +8,8 @@
   warning when another test run was seen on the machine meanwhile: its entries cannot be told
   from ours).
 - Fixtures shared by several folders: ``tuner_cli`` (the CLI in-process), ``workdir``,
-  ``systemd_sandbox`` (module-scoped), ``demo_run`` (one real ``tuner run`` of
+  ``systemd_sandbox`` (module-scoped), ``postgres_cluster`` (session) and ``postgres_url`` (a
+  fresh database per test) on a real PostgreSQL server, ``demo_run`` (one real ``tuner run`` of
   ``configs/demo-sim.toml`` per session, read by the readers' and the end-to-end tests).
 """
 
@@ -25,6 +26,7 @@ import pytest
 
 from tests.support.cli import CliResult, in_process_cli, run_tuner
 from tests.support.configs import DemoRun, config_copy
+from tests.support.postgres import PostgresCluster, boot_postgres, missing_reason
 from tests.support.sandbox import SandboxBusy, SystemdSandbox, boot_sandbox
 
 REAL_STATE_DIR = Path("/var/lib/sglang-tuner")
@@ -150,6 +152,23 @@ def systemd_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System
             yield box
     except SandboxBusy as busy:
         pytest.skip(str(busy))
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[PostgresCluster]:
+    """One private PostgreSQL cluster per session (``tests/support/postgres.py``): initdb/pg_ctl
+    as the ``postgres`` user, 127.0.0.1 on a free port; skips with the fix when not installed."""
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with boot_postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster: PostgresCluster) -> str:
+    """A fresh, empty database on the session's cluster: ``postgresql+psycopg://...``."""
+    return postgres_cluster.create_database()
 
 
 @pytest.fixture(scope="session")

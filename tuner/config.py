@@ -303,12 +303,29 @@ class StorageSection(_Section):
 
     Attributes:
         url: SQLAlchemy URL of the Optuna storage (default ``sqlite:///studies/<study>.db``,
-            relative to the working directory).
-        artifacts_dir: Artifact folder (default ``studies/<study>/artifacts``).
+            relative to the working directory). ``postgresql+psycopg://user:pw@host/db`` shares
+            one study between many hosts (``pip install 'sglang-tuner[postgres]'``).
+        artifacts_dir: Artifact folder (default ``studies/<study>/artifacts``; local to each host).
+        heartbeat_interval_s: Seconds between a running trial's heartbeats in the storage
+            (Optuna's ``heartbeat_interval``; whole seconds).
+        grace_period_s: Seconds without a heartbeat after which another host marks a running trial
+            FAIL and queues its params once more (Optuna's ``grace_period``; whole seconds, more
+            than the interval).
     """
 
     url: str | None = None
     artifacts_dir: str | None = None
+    heartbeat_interval_s: int = Field(default=30, ge=1, le=3600)
+    grace_period_s: int = Field(default=120, ge=2, le=86400)
+
+    @model_validator(mode="after")
+    def _grace_after_interval(self) -> StorageSection:
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"grace_period_s ({self.grace_period_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), e.g. 4 times it"
+            )
+        return self
 
 
 class TunerConfig(_Section):

@@ -19,7 +19,7 @@ from tuner.launch.base import Launcher
 from tuner.load import build_workload
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.study.budget import prior_trial_cost_s
-from tuner.study.loop import RunSummary, run_study
+from tuner.study.loop import RunSummary, preflight, run_study
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
 from tuner.study.storage import study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor
@@ -138,6 +138,8 @@ def tune(
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
     environment = resolve_environment(config, argv, table, gpu)
+    preflight(config, environment=environment, storage_url=storage_url,
+              allow_mixed_environment=allow_mixed_environment)  # storage + environment, before the lock
     # Per-trial files live here until run_study uploads them to the artifact store; removed after.
     with tempfile.TemporaryDirectory(prefix=f"tuner-{config.study.name}-") as work_dir, launcher.session():
         executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=Path(work_dir), environment=environment)

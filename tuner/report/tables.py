@@ -147,8 +147,9 @@ _SHORT = MappingProxyType({
 
 
 def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Table:
-    """The ``tuner trials`` table: number, state, kind, key params, capacities, throughput, p99
-    TTFT/ITL, feasible, failure class (or which constraint failed).
+    """The ``tuner trials`` table: number, host (when the study's trials ran on more than one),
+    kind, key params, capacities, throughput, p99 TTFT/ITL, feasible, failure class (or which
+    constraint failed).
 
     Headers are short (:data:`_SHORT`); the caption maps them to SGLang field names and units.
     """
@@ -164,7 +165,10 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         collapse_padding=True,
         pad_edge=False,
     )
+    hosts = len({v.host for v in trials if v.host}) > 1  # a study shared by many hosts
     table.add_column("#", justify="right", no_wrap=True)
+    if hosts:
+        table.add_column("host", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     for name in params:
         table.add_column(_SHORT.get(name, name), justify="right")
@@ -176,6 +180,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         style = None if view.feasible else ("red" if view.failed else "yellow")
         table.add_row(
             str(view.number),
+            *([view.host or "-"] if hosts else []),
             _kind(view),
             *[_text(view.params.get(p)) for p in params],
             *[_text(view.metric(m)) for m in TABLE_METRICS],
@@ -208,7 +213,7 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
     """``tuner trials --csv``: one row per trial; params as ``param.<name>`` columns."""
     params = key_params(trials)
     fields = ["number", "state", "kind", "outcome", *[f"param.{p}" for p in params], *METRICS]
-    fields += ["feasible", "failure_class", "started_at"]
+    fields += ["feasible", "failure_class", "started_at", "host"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
@@ -287,6 +292,8 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
     head.append(f"trial {view.number}", style="bold")
     head.append(f"  {view.state}  kind={view.kind or '-'}  outcome={view.outcome or '-'}  ")
     head.append("feasible" if view.feasible else "infeasible", "green" if view.feasible else "red")
+    if view.host:
+        head.append(f"  host {view.host}")
     if view.started_at:
         head.append(f"  started {view.started_at}")
     if rec and rec.duration_s is not None:

@@ -81,17 +81,21 @@ def make_sampler(kind: str, seed: int) -> BaseSampler:
     """The sampler of the study.
 
     Args:
-        kind: ``tpe`` (multivariate multi-objective TPE with constraints), ``nsga2`` or ``random``.
+        kind: ``tpe`` (multivariate multi-objective TPE with constraints and the constant liar for
+            trials running on other hosts), ``nsga2`` or ``random``.
         seed: Sampler seed.
     """
     if kind == "random":
         return RandomSampler(seed=seed)
     if kind == "nsga2":
         return NSGAIISampler(seed=seed, population_size=8)
+    # constant_liar: trials RUNNING on other hosts count as bad results while they run, so
+    # hosts sharing a study do not all sample the same region (no effect with one host).
     return TPESampler(
         seed=seed,
         multivariate=True,
         n_startup_trials=4,
+        constant_liar=True,
     )
 
 
