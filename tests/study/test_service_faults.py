@@ -31,8 +31,7 @@ from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the mo
 from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
 
-pytestmark = [pytest.mark.slow, pytest.mark.systemd,
-              pytest.mark.xfail(strict=True, reason="issue 11: reproduces on this code; fixed in the next commits")]
+pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
 TRIAL_DROPIN = "90-tuner-trial.conf"
 
