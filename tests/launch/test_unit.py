@@ -112,3 +112,24 @@ def test_lock_is_per_unit_per_host_and_stale_after_kill_9(tmp_path: Path, monkey
         assert lock.holder()["pid"] != holder.pid
     assert f"tuner PID {holder.pid}" in caplog.text and "ended without releasing" in caplog.text
     assert lock.holder() == {}  # released: cleared
+
+
+def test_a_killed_holders_state_file_must_be_restored_first(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    left = tmp_path / "a" / "sglang.service.state.json"
+    left.parent.mkdir()
+    left.write_text("{}")
+    hold = _HOLD.replace("lock_dir=sys.argv[1])", f"lock_dir=sys.argv[1], state_file=__import__('pathlib').Path({str(left)!r}))")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "locks")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(10)
+    other = UnitLock("sglang.service", lock_dir=tmp_path / "locks", state_file=tmp_path / "b" / "sglang.service.state.json")
+    with pytest.raises(LaunchError, match="left its state in") as err:
+        other.acquire()
+    assert f"--state-dir {left.parent}" in str(err.value) and not other.held
+    with UnitLock("sglang.service", lock_dir=tmp_path / "locks", state_file=left):  # its own restore may
+        pass

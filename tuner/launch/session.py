@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 def default_state_dir() -> Path:
-    """Where locks and state files live by default.
+    """Where state files (the restore recipes) live by default (locks: :func:`default_lock_dir`).
 
     ``$SGLANG_TUNER_STATE_DIR`` when set (a private folder for a test run or a second
     installation), else ``/var/lib/sglang-tuner`` for root (it drives system units), else
@@ -193,7 +193,9 @@ class UnitLock:
         """Take the lock without waiting.
 
         Raises:
-            LockHeldError: Another process holds it (the message names its PID and command).
+            LockHeldError: Another process holds it (the message names its PID and command); or a
+                holder that died (``kill -9``) left a state file in another state folder, which
+                ``tuner restore`` must use first (the message names the command).
             LaunchError: The lock folder is not writable.
         """
         if self._fd is not None:
@@ -219,9 +221,19 @@ class UnitLock:
             # The file was replaced under a live holder (deleted and re-created): still its lock.
             os.close(fd)
             raise self._held_error()
+        left = previous.get("state_file")
+        if left and left != str(self.state_file) and Path(left).exists():
+            # A killed tuner with another state folder left its restore recipe: putting the service
+            # back from it first keeps the original (and spares a second restart of the service).
+            os.close(fd)
+            raise LockHeldError(
+                f"{self.key}: tuner PID {previous.get('pid', '?')} ({previous.get('command', '?')}) ended "
+                f"without restoring it and left its state in {left}",
+                hint=f"put the service back first: tuner restore --unit {self.key} --state-dir {Path(left).parent}",
+            )
         if previous.get("pid"):
             log.info("%s: taking over the lock of tuner PID %s, which ended without releasing it "
-                        "(kill -9 or a crash)", self.key, previous["pid"])
+                     "(kill -9 or a crash)", self.key, previous["pid"])
         info = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "command": _own_command(),
                 "since": dt.datetime.now().isoformat(timespec="seconds"),
                 "state_file": str(self.state_file) if self.state_file else None}

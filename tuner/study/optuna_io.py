@@ -280,7 +280,9 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
         if record is not None and _complete(record):
             # Killed inside tell_record: the whole record was stored, only Optuna's finish was not.
             # It is a measured trial; measuring it again would cost a restart and change nothing.
-            tell_record(study, optuna.trial.Trial(study, trial._trial_id), record)  # noqa: SLF001 - the id of a RUNNING trial
+            with warnings.catch_warnings():  # constraints the killed run already set are kept as they were
+                warnings.simplefilter("ignore", UserWarning)
+                tell_record(study, optuna.trial.Trial(study, trial._trial_id), record)  # noqa: SLF001 - a RUNNING trial's id
             _log.info("trial %d: its record was stored before the run was killed; kept as measured", trial.number)
             continue
         study.tell(trial.number, state=TrialState.FAIL)
