@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.report.study_factory import failed_trial, make_study
+from tests.support.study_factory import failed_trial, make_study
 
 HOSTILE = [
     "\x1b[31m[TP0] Scheduler hit an exception:\x1b[0m CUDA out of memory",

@@ -24,10 +24,12 @@ from pathlib import Path
 import optuna
 import pytest
 import requests
-from conftest import free_port, load, tuner
 from optuna.trial import TrialState
 
-from tests.sandbox import SystemdSandbox, systemd_sandbox  # noqa: F401 - the module-scoped fixture
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.configs import load_study as load
+from tests.support.net import free_port
+from tests.support.sandbox import SystemdSandbox
 from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
 
@@ -99,7 +101,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(systemd_sandbox: SystemdSandbox) -> Iterator[Served]:  # noqa: F811
+def served(systemd_sandbox: SystemdSandbox) -> Iterator[Served]:
     box = systemd_sandbox
     box.require_real()
     unit = Served(box)
@@ -122,10 +124,7 @@ def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 1, (proc.returncode, proc.stdout[-1500:], proc.stderr[-3000:])
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return lines[0]
+    return one_error_line(proc)
 
 
 def _study_file(path: Path, *, trials: int = 30) -> None:
@@ -169,7 +168,7 @@ def test_refused_run_leaves_the_unit_alone(served: Served, tmp_path: Path, locks
     args, _ = make(tmp_path)
     config = served.config(tmp_path)
     before = served.ensure_serving()
-    proc = tuner("run", "--config", str(config), "--trials", "1", *args, cwd=tmp_path, timeout_s=150)
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", *args, cwd=tmp_path, timeout_s=150)
     line = _one_line_error(proc)
     assert all(w in line for w in words), line
     assert served.pid_state() == before, f"the unit was touched: {line}"
@@ -181,7 +180,7 @@ def test_url_port_mismatch_is_refused_before_any_change(served: Served, tmp_path
     other = free_port()
     config = served.config(tmp_path, url=f"http://127.0.0.1:{other}")
     before = served.ensure_serving()
-    proc = tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
     line = _one_line_error(proc)
     assert str(other) in line and str(served.port) in line, line
     assert served.pid_state() == before
@@ -202,7 +201,7 @@ def test_broken_journal_is_refused_before_any_change(served: Served, tmp_path: P
     journalctl = ["/nonexistent/journalctl"] if case == "missing" else _failing_journalctl(tmp_path)
     config = served.config(tmp_path, journalctl=journalctl)
     before = served.ensure_serving()
-    proc = tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
     line = _one_line_error(proc)
     assert "journal" in line and journalctl[0] in line, line
     assert served.pid_state() == before
@@ -250,13 +249,13 @@ def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Serv
         _wait(lambda: _in_trial(served), 150, "the first tuner's baseline to serve", holder)
         time.sleep(2.0)  # inside its load phase: the first tuner does not restart the unit for 40 s
         before = served.pid_state()
-        proc = tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
+        proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
         line = _one_line_error(proc)
         assert str(holder.pid) in line and "tuner" in line, line
         assert served.pid_state() == before, "the refused tuner touched the unit"
         assert not (tmp_path / "state-second").exists() or not list((tmp_path / "state-second").iterdir())
         # restore (and apply) by anyone else is refused too while the first tuner lives
-        proc = tuner("restore", "--config", str(second), cwd=tmp_path, timeout_s=120)
+        proc = run_tuner("restore", "--config", str(second), cwd=tmp_path, timeout_s=120)
         assert str(holder.pid) in _one_line_error(proc)
         assert served.pid_state() == before
     finally:
@@ -267,15 +266,15 @@ def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Serv
     serving = served.pid_state()
     assert serving[1] == "active"
     with _read_only(served.dropin_folder):
-        proc = tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=120)
+        proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=120)
         line = _one_line_error(proc)
         assert str(served.dropin_folder) in line, line
         assert served.pid_state() == serving, "restore stopped a serving unit it could not put back"
         assert _healthy(served.url, 5)
-        proc = tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
+        proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
         assert str(served.dropin_folder) in _one_line_error(proc)
         assert served.pid_state() == serving
-    proc = tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=200)
+    proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
     assert _healthy(served.url, 60)
@@ -339,7 +338,7 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     assert crashes == [], f"false server crashes recorded: {crashes}"
     assert after[1] == "active", "the unit was left stopped"
     assert _healthy(served.url, 10)
-    proc = tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)
+    proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
 
