@@ -26,8 +26,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError
-from tuner.sglang.failures import FailureClass
 from tuner.records import RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
+from tuner.sglang.failures import FailureClass
 from tuner.study.space import Space
 
 __all__ = [

@@ -330,7 +330,7 @@ def storage_errors(url: str) -> Iterator[None]:
     try:
         yield
     except (optuna.exceptions.StorageInternalError, SQLAlchemyError, sqlite3.Error, OSError) as err:
-        chain = []
+        chain: list[BaseException] = []
         cause: BaseException | None = err
         while cause is not None and len(chain) < 8:
             chain.append(cause)
