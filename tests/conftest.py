@@ -2,8 +2,8 @@
 
 - Benchmarks (``tests/benchmarks``) run only with ``--run-benchmarks``.
 - Hygiene: the suite runs with a private temp folder (``$TMPDIR``, inherited by every process it
-  starts) and a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
-  lock/state/log folder). At the end the run FAILS if anything but pytest's own ``tmp_path``
+  starts), a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
+  state/log folder) and a private unit-lock folder (``$SGLANG_TUNER_LOCK_DIR``). At the end the run FAILS if anything but pytest's own ``tmp_path``
   folders was left in that temp folder, or if ``/var/lib/sglang-tuner`` gained entries (only a
   warning when another test run was seen on the machine meanwhile: its entries cannot be told
   from ours).
@@ -70,6 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TMPDIR"] = str(private / "tmp")
     tempfile.tempdir = str(private / "tmp")
     os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
+    os.environ["SGLANG_TUNER_LOCK_DIR"] = str(private / "locks")  # not the host's /run/lock/sglang-tuner
     _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0)
 
 

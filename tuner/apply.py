@@ -438,7 +438,7 @@ def service_settings(config: Any, *, state_dir: Path | None = None) -> dict[str,
 
     Args:
         config: A :class:`tuner.config.TunerConfig`.
-        state_dir: Folder of locks and state files (default: the launcher's).
+        state_dir: Folder of state files (default: the launcher's).
     """
     settings = config.service.model_dump(mode="json")
     if state_dir is not None:
@@ -536,7 +536,7 @@ def plan_apply(
         stored: The study.
         view: The trial to apply; it must be feasible and carry its record.
         config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
-        state_dir: Folder of locks and state files (default: the config's, else the launcher's).
+        state_dir: Folder of state files (default: the config's, else the launcher's).
         load: The load check to run after the restart, or ``None``.
 
     Returns:
@@ -613,7 +613,7 @@ def plan_undo(
         stored: The study whose storage holds the apply records.
         config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
         log_: The apply records.
-        state_dir: Folder of locks and state files.
+        state_dir: Folder of state files.
 
     Raises:
         ApplyError: Nothing to undo, the launcher is not systemd, or ``80-tuner.conf`` was

@@ -97,8 +97,9 @@ class ServiceSection(_Section):
         gpu_monitor: ``nvml`` (real GPUs), ``sim`` (the simulator's ledger at ``url``), ``none``,
             or ``auto`` (``sim`` when the command runs ``tuner.sim``, else ``nvml``).
         allow_foreign: Start even when a foreign process holds GPU memory.
-        state_dir: Folder of the unit lock and the restore state (default: the launcher's,
-            ``/var/lib/sglang-tuner`` for root).
+        state_dir: Folder of the restore state (default: the launcher's, ``/var/lib/sglang-tuner``
+            for root). The unit's lock is host-wide whatever this is (``/run/lock/sglang-tuner``,
+            see :func:`tuner.launch.session.default_lock_dir`).
     """
 
     launcher: Literal["systemd", "process"] = "systemd"

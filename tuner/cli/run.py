@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tuner.cli.common import app, console, err_console
+from tuner.report.tables import terminal_safe
 
 
 def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, results.BestTrial
@@ -89,7 +90,7 @@ class _RunProgress:
                                  deadline=deadline)
         elif event.event in ("trial_end", "skip", "stop"):
             self.in_flight = None
-            self.progress.console.print(f"  {event.message}", highlight=False)
+            self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
         elif event.event == "trial_start":
             self.in_flight = event.number
             self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · starting",

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +28,7 @@ from tuner.load import LoadSummary, MaxLoadResult
 from tuner.results import METRICS, BestTrial, StoredStudy, TrialView
 from tuner.study.best import max_running_requests_cut
 
-__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +285,22 @@ def _phases_table(view: TrialView) -> Table:
     return table
 
 
+_CONTROL = re.compile(
+    r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"   # OSC (window title, hyperlink) to BEL or ST
+    r"|\x1b[P^_X][^\x1b]*(?:\x1b\\)?"         # DCS, PM, APC, SOS strings
+    r"|\x1b\[[0-?]*[ -/]*[@-~]"               # CSI (colours, cursor moves, clear screen)
+    r"|\x1b[ -/]*[0-~]?"                       # other escapes (charset, keypad, a lone ESC)
+    r"|\x9b[0-?]*[ -/]*[@-~]"                  # 8-bit CSI
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"         # the other C0/C1 controls (tab and newline stay)
+)
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` without terminal control sequences (ANSI colours, OSC titles and hyperlinks, cursor
+    moves, backspaces): server text (log lines, evidence, argv) must never drive the terminal."""
+    return _CONTROL.sub("", text)
+
+
 def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
     """``tuner show N``: params, resolved values, the memory waterfall, each load phase, the
     failure and its evidence, the log excerpt, and artifact paths."""
@@ -320,16 +337,16 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
         text.append(rec.failure_class.value if rec.failure_class else "?")
         if rec.failure_evidence:
             text.append("\nevidence: ", style="bold")
-            text.append(rec.failure_evidence)
+            text.append(terminal_safe(rec.failure_evidence))
         parts.append(text)
     if rec.skipped_reason:
         proof = f" (proved by trial {rec.proved_by_trial})" if rec.proved_by_trial is not None else ""
         parts.append(Text(f"skipped: {rec.skipped_reason}{proof}", style="yellow"))
     if rec.argv:
-        parts.append(Panel(Text(" ".join(rec.argv)), title="command line", title_align="left"))
+        parts.append(Panel(Text(terminal_safe(" ".join(rec.argv))), title="command line", title_align="left"))
     if rec.log_excerpt:
         parts.append(
-            Panel(Text("\n".join(rec.log_excerpt)), title="log excerpt", title_align="left")
+            Panel(Text(terminal_safe("\n".join(rec.log_excerpt))), title="log excerpt", title_align="left")
         )
     if rec.artifacts:
         rows = []

@@ -69,6 +69,9 @@ class FailureClass(str, Enum):
     """``alloc_req_slots runs out of memory`` (§4.4): req_to_token pool exhausted."""
     CRASH = "crash"
     """Any other exit or exception."""
+    JOURNAL_UNREADABLE = "journal_unreadable"
+    """Not the server's failure: the service manager's journal stopped answering during the
+    trial, so its log (and any OOM or invalid-flag line in it) could not be read. The run stops."""
 
 
 Phase = Literal["init", "weights", "after_weights", "kv_pool", "after_pool", "capture", "after_capture", "host_pool", "serving"]

@@ -721,7 +721,7 @@ class LogWatcher:
         with the phase it hung in and the last SGLang line as evidence (a launcher's wait ran out)."""
         return Failure(
             failure_class=FailureClass.STARTUP_TIMEOUT,
-            evidence=f"no ready line after {timeout_s:.0f} s (phase {self._phase}); last SGLang line: {self._last_sglang_line}",
+            evidence=f"no ready line after {timeout_s:.0f} s (phase {self._phase}); {self._last_line_evidence()}",
         )
 
     def feed_many(self, lines: Iterable[str]) -> None:
@@ -1283,7 +1283,7 @@ class LogWatcher:
         return True
 
     def _failure_from_exit(self, status: int) -> Failure:
-        last = self._last_sglang_line
+        last = self._last_sglang_line or "no SGLang line before the exit"
         if status == 2 and not self._ranks:
             return Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="exited with status 2 (argparse) before any startup line", exit_status=status)
         if not self.ready and self._phase == "host_pool":
@@ -1293,7 +1293,13 @@ class LogWatcher:
                 exit_status=status,
             )
         where = "while serving" if self._serving else f"during startup (phase {self._phase})"
-        return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; last SGLang line: {last}", exit_status=status)
+        return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; {self._last_line_evidence()}", exit_status=status)
+
+    def _last_line_evidence(self) -> str:
+        """``last SGLang line: …``, or what it means that there is none (evidence never says None)."""
+        if self._last_sglang_line:
+            return f"last SGLang line: {self._last_sglang_line}"
+        return "no SGLang line reached the tuner"
 
     def _freeze_rank(self, key: str, d: dict[str, Any]) -> RankMemory:
         draft = d.get("draft")

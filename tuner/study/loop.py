@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
@@ -35,7 +34,7 @@ from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import TunerConfig, check_url_matches_port
-from tuner.errors import StudyError
+from tuner.errors import ServiceControlError, StudyError
 from tuner.load.workloads import build_workload
 from tuner.records import Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
@@ -74,9 +73,11 @@ from tuner.study.optuna_io import (
 from tuner.study.planner import Planner
 from tuner.study.space import Space, resolve_space
 from tuner.study.storage import (
+    check_artifacts_folder,
     check_run_storage,
     check_storage_folder,
     open_storage,
+    storage_errors,
     study_artifacts_dir,
     study_storage_url,
 )
@@ -92,7 +93,6 @@ __all__ = [
     "skip_reason",
     "describe",
     "resolve_study_space",
-    "preflight",
     "claimed_reason",
 ]
 
@@ -296,17 +296,18 @@ class StudyRun:
                 partial record and its params re-enqueued.
         """
         started = self.clock()
-        self.open()
-        self.summary.baseline = self.baseline()
-        space = self.space()
-        planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
-                          longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
-                          mean_request_tokens=_mean_request_tokens(self.config))
-        while self.summary.stop_reason == "exhausted" and self.can_continue():
-            trial, job = self.next_trial(space, planner)
-            if job is None:
-                continue
-            self.check_invalid_streak(trial.number, self.launch(trial, job))
+        with storage_errors(self.url):
+            self.open()
+            self.summary.baseline = self.baseline()
+            space = self.space()
+            planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
+                              longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
+                              mean_request_tokens=_mean_request_tokens(self.config))
+            while self.summary.stop_reason == "exhausted" and self.can_continue():
+                trial, job = self.next_trial(space, planner)
+                if job is None:
+                    continue
+                self.check_invalid_streak(trial.number, self.launch(trial, job))
         self.summary.trials_run = self.launched
         objective = self.config.objective
         self.summary.best = choose_best(self.history(), policy=objective.policy,
@@ -320,7 +321,7 @@ class StudyRun:
         RUNNING trials, check the budget holds one trial, and open the artifact store."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         check_storage_folder(self.url, self.config.study.name)
-        check_run_storage(self.url)
+        check_run_storage(self.url, self.config.study.name)
         check_url_matches_port(self.runner.target().get("url"), self.runner.baseline_argv())
         config = self.config
         storage = open_storage(self.url, heartbeat_interval_s=config.storage.heartbeat_interval_s,
@@ -345,12 +346,8 @@ class StudyRun:
         if self.budget_s is not None:
             require_one_trial(self.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
         if self.url != ":memory:":
+            check_artifacts_folder(config)
             folder = study_artifacts_dir(config)
-            if config.storage.artifacts_dir and not folder.parent.is_dir():
-                raise StudyError(
-                    f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
-                    hint="create it, or point artifacts_dir at an existing folder",
-                )
             folder.mkdir(parents=True, exist_ok=True)
             self.artifact_store = FileSystemArtifactStore(str(folder))
 
@@ -494,6 +491,10 @@ class StudyRun:
 
         Raises:
             KeyboardInterrupt: After storing the partial record as FAIL and re-enqueueing the params.
+            ServiceControlError: The service could not be changed (its drop-in folder became
+                unwritable); stored and re-enqueued the same way, and the run stops.
+            StudyError: The journal stopped answering during the trial (stored as FAIL with
+                ``journal_unreadable``, re-enqueued): the run stops instead of measuring blind.
         """
         self.progress("trial_start", job.number, index=self.handled + 1, message=f"trial {job.number} ({job.kind})")
         begun = self.clock()
@@ -511,12 +512,24 @@ class StudyRun:
         try:
             with TrialHeartbeat(self._study(), self._trial_id(trial), on_reaped=on_reaped):
                 record = self.runner.run(job, on_phase)
-        except KeyboardInterrupt:
-            partial = TrialRecord(params=job.params, kind=_kind(job.kind), outcome="failed",
-                                  failure_evidence="interrupted (Ctrl-C or SIGTERM) during the trial",
+        except (KeyboardInterrupt, ServiceControlError) as err:
+            why = ("interrupted (Ctrl-C or SIGTERM) during the trial" if isinstance(err, KeyboardInterrupt)
+                   else f"not run: the service could not be changed ({err.message})")
+            partial = TrialRecord(params=job.params, kind=_kind(job.kind), outcome="failed", failure_evidence=why,
                                   started_at=job.started_at, duration_s=self.clock() - begun)
             fail_trial(self._study(), trial, partial, requeue=bool(job.params))
             raise
+        if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
+            # Not the candidate's failure: FAIL (not a measured trial) and measured again next run.
+            fail_trial(self._study(), trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
+            _log.warning("trial %d: %s", job.number, record.failure_evidence)
+            raise StudyError(
+                f"trial {job.number} stopped: the service manager's journal stopped answering "
+                f"({record.failure_evidence}); the trial is recorded as journal_unreadable, not measured, "
+                "and the service was restored",
+                hint="check journald (systemctl status systemd-journald; journalctl --verify) and run the "
+                "same command again to resume",
+            )
         self.launched += 1
         if job.repeat_of is not None:
             record = record.model_copy(update={"repeat_of": job.repeat_of})
@@ -735,36 +748,6 @@ def claimed_reason(trial: optuna.Trial, others: Sequence[optuna.trial.FrozenTria
         if host is not None:
             return f"the same config is running on host {host} (trial {other.number})", other.number
     return None
-
-
-def preflight(config: TunerConfig, *, environment: Mapping[str, Any], storage_url: str | None = None,
-              allow_mixed_environment: bool = False) -> None:
-    """Validate the study's storage and environment before the run takes any lock or restarts.
-
-    Reads only: the storage must be usable (:func:`tuner.study.storage.check_run_storage`), and
-    when the study exists its environment must match this host's.
-
-    Raises:
-        StudyError: As :func:`check_run_storage` and :func:`check_environment`.
-    """
-    url = storage_url or study_storage_url(config)
-    check_storage_folder(url, config.study.name)
-    check_run_storage(url)
-    if url == ":memory:" or (url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file()):
-        return
-    from tuner.study.storage import read_storage
-
-    try:
-        storage = read_storage(url)
-    except StudyError:
-        return  # an empty database: the run creates the schema
-    try:
-        study = optuna.load_study(study_name=config.study.name, storage=storage)
-    except KeyError:
-        return
-    info = study_info(study)
-    if info is not None:
-        check_environment(info.environment, dict(environment), allow_mixed=allow_mixed_environment)
 
 
 def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSummary:

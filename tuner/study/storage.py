@@ -8,6 +8,10 @@ SQLite path must name an existing folder.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -28,8 +32,10 @@ __all__ = [
     "display_url",
     "is_shared_url",
     "open_storage",
-    "check_run_storage",
     "check_storage_folder",
+    "check_artifacts_folder",
+    "check_run_storage",
+    "storage_errors",
     "check_storage",
     "read_storage",
     "list_studies",
@@ -133,11 +139,11 @@ def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_per
         raise _connect_error(url, err, hint="check [storage] url (e.g. sqlite:///studies/demo.db)") from err
 
 
-def check_run_storage(url: str) -> None:
-    """Check, creating nothing, that ``tuner run`` can keep its study in ``url``: call before any
-    lock or restart.
+def _check_server_storage(url: str) -> bool:
+    """Check, creating nothing, that a database server can keep the study (the part of
+    :func:`check_run_storage` for a shared URL; SQLite and ``:memory:`` pass).
 
-    SQLite and ``:memory:`` pass (the folder rule is :func:`check_storage_folder`). A database
+    Returns whether the database already holds Optuna's tables. A database
     server must be reachable with the URL's credentials, and be either empty or an Optuna storage:
     a database holding other tables and no Optuna ``studies`` table is someone else's.
 
@@ -146,7 +152,7 @@ def check_run_storage(url: str) -> None:
             credentials, missing database, or a database that is not a study storage.
     """
     if not is_shared_url(url):
-        return
+        return False
     try:
         parsed = make_url(url)
     except ArgumentError as err:
@@ -167,6 +173,7 @@ def check_run_storage(url: str) -> None:
             "and no Optuna studies table",
             hint="point [storage] url / --storage at an empty database (e.g. createdb tuner) or one `tuner run` wrote",
         )
+    return "studies" in tables
 
 
 def _connect_error(url: str, err: BaseException, *, hint: str | None = None) -> StudyError:
@@ -352,7 +359,7 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
             raise StudyError(f"storage {to_url!r}: folder {str(folder)!r} does not exist",
                              hint="create it first, or copy into an existing folder")
     else:
-        check_run_storage(to_url)
+        _check_server_storage(to_url)
     target = open_storage(to_url)
     existing = [s.study_name for s in optuna.get_all_study_summaries(target, include_best_trial=False)]
     if target_name in existing:
@@ -361,3 +368,152 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
     optuna.copy_study(from_study_name=study_name, from_storage=source, to_storage=target,
                       to_study_name=target_name)
     return len(optuna.load_study(study_name=target_name, storage=target).trials)
+
+
+def check_artifacts_folder(config: TunerConfig) -> None:
+    """Refuse an explicit ``[storage] artifacts_dir`` whose parent folder does not exist.
+
+    Raises:
+        StudyError: The parent of the explicit artifacts folder is missing.
+    """
+    folder = study_artifacts_dir(config)
+    if config.storage.artifacts_dir and not folder.parent.is_dir():
+        raise StudyError(
+            f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
+            hint="create it, or point artifacts_dir at an existing folder",
+        )
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+
+
+def _sqlite_file(url: str) -> Path | None:
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _nearest_existing(folder: Path) -> Path:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def check_run_storage(url: str, study_name: str) -> bool:
+    """Everything a run needs of its storage, checked before the run changes anything.
+
+    A database server (PostgreSQL, MySQL) must be reachable with the URL's credentials and be empty
+    or an Optuna storage. An explicit SQLite folder must exist (:func:`check_storage_folder`) and be
+    writable; an existing file must be an SQLite database that is not 0 bytes, passes ``PRAGMA quick_check``, is
+    writable, and is empty or an Optuna storage. Creates and changes nothing (the file is read
+    through a read-only connection).
+
+    Args:
+        url: The storage URL the run will write.
+        study_name: The study (its default URL's ``studies/`` folder is created by the run).
+
+    Returns:
+        Whether the storage may already hold the study (Optuna's tables exist, or a non-SQLite URL).
+
+    Raises:
+        StudyError: One line naming the file (or the server: unreachable, wrong credentials, missing
+            database or driver, someone else's tables) and the fix.
+    """
+    check_storage_folder(url, study_name)
+    if is_shared_url(url):
+        return _check_server_storage(url)
+    path = _sqlite_file(url)
+    if path is None:
+        return url != ":memory:"
+    if not path.exists():
+        blocked = _nearest_existing(path.parent)
+        if not os.access(blocked, os.W_OK | os.X_OK):
+            raise StudyError(f"storage {url!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
+                             hint="point [storage] url (or --storage) at a writable folder")
+        return False
+    where = f"storage {url!r}: the file {str(path)!r}"
+    if path.stat().st_size == 0:
+        raise StudyError(f"{where} is empty (0 bytes), not a study database",
+                         hint="delete the empty file to start a new study there, or point --storage at the study's file")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(len(_SQLITE_MAGIC))
+    except OSError as err:
+        raise StudyError(f"{where} cannot be read: {err.strerror}", hint="run as the user that owns it") from err
+    if magic != _SQLITE_MAGIC:
+        raise StudyError(f"{where} is not an SQLite database",
+                         hint="point --storage at the study's .db file, or at a new file name")
+    tables, problem = _inspect_sqlite(path)
+    if problem:
+        raise StudyError(
+            f"{where} is corrupt ({problem})",
+            hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
+            "and run with --storage sqlite:///recovered.db",
+        )
+    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)):
+        raise StudyError(f"{where} is read-only (the file or its folder)",
+                         hint="run as the user that owns it, or copy it to a writable folder")
+    if tables and not _OPTUNA_TABLES <= tables:
+        raise StudyError(f"{where} is an SQLite database but not an Optuna study storage",
+                         hint="point --storage at the study's file, or at a new file name")
+    return bool(tables)
+
+
+def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
+    """``(table names, "")``, or ``(…, what is wrong)`` for a damaged file; read-only connection."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as err:
+        return frozenset(), str(err)
+    try:
+        tables = frozenset(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        rows = [str(r[0]) for r in conn.execute("PRAGMA quick_check(3)")]
+    except sqlite3.DatabaseError as err:
+        return frozenset(), str(err)
+    finally:
+        conn.close()
+    return tables, "" if rows == ["ok"] else "; ".join(rows)[:200]
+
+
+_DISK_FULL = ("database or disk is full", "no space left on device", "disk i/o error")
+_READ_ONLY = ("attempt to write a readonly database", "read-only file system")
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn a storage failure during a run into one line naming the file and the fix.
+
+    Optuna reports any failed commit as ``StorageInternalError`` ("... invalid data in the
+    commit, e.g. exceeding max length"); the cause SQLite gives (``database or disk is full``,
+    ``readonly database``) is what the user needs. Every trial told before the failure is already
+    committed (one transaction per tell), so nothing finished is lost.
+
+    Raises:
+        StudyError: For a full disk or a storage that became read-only (chained to the cause);
+            other errors pass through unchanged.
+    """
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, SQLAlchemyError, sqlite3.Error, OSError) as err:
+        chain: list[BaseException] = []
+        cause: BaseException | None = err
+        while cause is not None and len(chain) < 8:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        text = " ".join(str(c) for c in chain).lower()
+        path = _sqlite_file(url)
+        where = f"the file {str(path)!r}" if path else url
+        if any(k in text for k in _DISK_FULL):
+            folder = path.parent if path else None
+            raise StudyError(
+                f"storage {url!r}: the disk holding {where} is full; every trial finished before is stored",
+                hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
+                + "and run the same command again to resume",
+            ) from err
+        if any(k in text for k in _READ_ONLY):
+            raise StudyError(f"storage {url!r}: {where} became read-only during the run; "
+                             "every trial finished before is stored",
+                             hint="make it writable again and run the same command to resume") from err
+        raise
