@@ -8,6 +8,8 @@
 - ``tests/launch``: the launchers (the conformance class, both launchers), units, the emulator.
 - ``tests/load``, ``tests/sglang``, ``tests/sim``: the load generator, SGLang's facts, the simulator.
 - ``tests/cli``: the CLI's one-line error boundary.
+- ``tests/multihost``: many hosts on one study in a real PostgreSQL server (``tuner/study/hosts.py``,
+  three ``tuner run`` processes, a killed host, bad storages, ``copy-study``).
 - ``tests/test_config.py``, ``test_gpu.py``, ``test_trial.py``, ``test_starter.py``,
   ``test_architecture.py``: the top-level modules and the layer contract.
 - ``tests/benchmarks``: speed and search-quality figures (``--run-benchmarks``).

@@ -2,13 +2,14 @@
 
 - Benchmarks (``tests/benchmarks``) run only with ``--run-benchmarks``.
 - Hygiene: the suite runs with a private temp folder (``$TMPDIR``, inherited by every process it
-  starts) and a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
-  lock/state/log folder). At the end the run FAILS if anything but pytest's own ``tmp_path``
+  starts), a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
+  state/log folder) and a private unit-lock folder (``$SGLANG_TUNER_LOCK_DIR``). At the end the run FAILS if anything but pytest's own ``tmp_path``
   folders was left in that temp folder, or if ``/var/lib/sglang-tuner`` gained entries (only a
   warning when another test run was seen on the machine meanwhile: its entries cannot be told
   from ours).
 - Fixtures shared by several folders: ``tuner_cli`` (the CLI in-process), ``workdir``,
-  ``systemd_sandbox`` (module-scoped), ``demo_run`` (one real ``tuner run`` of
+  ``systemd_sandbox`` (module-scoped), ``postgres_cluster`` (session) and ``postgres_url`` (a
+  fresh database per test) on a real PostgreSQL server, ``demo_run`` (one real ``tuner run`` of
   ``configs/demo-sim.toml`` per session, read by the readers' and the end-to-end tests).
 """
 
@@ -25,6 +26,7 @@ import pytest
 
 from tests.support.cli import CliResult, in_process_cli, run_tuner
 from tests.support.configs import DemoRun, config_copy
+from tests.support.postgres import PostgresCluster, boot_postgres, missing_reason
 from tests.support.sandbox import SandboxBusy, SystemdSandbox, boot_sandbox
 
 REAL_STATE_DIR = Path("/var/lib/sglang-tuner")
@@ -68,6 +70,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["TMPDIR"] = str(private / "tmp")
     tempfile.tempdir = str(private / "tmp")
     os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
+    os.environ["SGLANG_TUNER_LOCK_DIR"] = str(private / "locks")  # not the host's /run/lock/sglang-tuner
     _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0)
 
 
@@ -150,6 +153,23 @@ def systemd_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System
             yield box
     except SandboxBusy as busy:
         pytest.skip(str(busy))
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[PostgresCluster]:
+    """One private PostgreSQL cluster per session (``tests/support/postgres.py``): initdb/pg_ctl
+    as the ``postgres`` user, 127.0.0.1 on a free port; skips with the fix when not installed."""
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with boot_postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def postgres_url(postgres_cluster: PostgresCluster) -> str:
+    """A fresh, empty database on the session's cluster: ``postgresql+psycopg://...``."""
+    return postgres_cluster.create_database()
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,8 @@ from tuner.launch.unit import SystemdUnit, atomic_write_text
 from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
-from tuner.study.storage import check_storage
+from tuner.study.hosts import host_name
+from tuner.study.storage import check_storage, is_shared_url
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -328,6 +329,9 @@ class ApplyLog:
         check_storage(storage_url)
         self.storage_url = storage_url
         self._engine = sa.create_engine(storage_url)
+        # A study shared by many hosts: every host's unit has the same name, so its records (and
+        # its undo stack) are this host's own: the target is stored as "<host>/<unit>".
+        self._prefix = f"{host_name()}/" if is_shared_url(storage_url) else ""
 
     def close(self) -> None:
         """Release the database connections."""
@@ -340,6 +344,8 @@ class ApplyLog:
             ApplyError: The database refused the write.
         """
         row = record.model_dump(exclude={"id"})
+        if self._prefix and not row["target"].startswith(self._prefix):
+            row["target"] = self._prefix + row["target"]
         row["previous_command"] = json.dumps(record.previous_command)
         row["new_command"] = json.dumps(record.new_command)
         row["checks"] = json.dumps([c.model_dump() for c in record.checks])
@@ -354,15 +360,15 @@ class ApplyLog:
                 f"cannot record the apply in {self.storage_url}: {str(err).splitlines()[0]}",
                 hint="check that the study database is writable",
             ) from err
-        return record.model_copy(update={"id": int(new_id)})
+        return record.model_copy(update={"id": int(new_id), "target": row["target"]})
 
     def records(self, *, target: str | None = None) -> list[ApplyRecord]:
-        """Every record, oldest first (only ``target``'s when given); empty when none yet."""
+        """Every record, oldest first (only ``target``'s on this host when given); empty when none yet."""
         if not sa.inspect(self._engine).has_table("tuner_applies"):
             return []
         query = sa.select(_APPLIES).order_by(_APPLIES.c.id)
         if target is not None:
-            query = query.where(_APPLIES.c.target == target)
+            query = query.where(_APPLIES.c.target == self._prefix + target)
         with self._engine.connect() as conn:
             rows = conn.execute(query).mappings().all()
         out = []
@@ -432,7 +438,7 @@ def service_settings(config: Any, *, state_dir: Path | None = None) -> dict[str,
 
     Args:
         config: A :class:`tuner.config.TunerConfig`.
-        state_dir: Folder of locks and state files (default: the launcher's).
+        state_dir: Folder of state files (default: the launcher's).
     """
     settings = config.service.model_dump(mode="json")
     if state_dir is not None:
@@ -530,7 +536,7 @@ def plan_apply(
         stored: The study.
         view: The trial to apply; it must be feasible and carry its record.
         config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
-        state_dir: Folder of locks and state files (default: the config's, else the launcher's).
+        state_dir: Folder of state files (default: the config's, else the launcher's).
         load: The load check to run after the restart, or ``None``.
 
     Returns:
@@ -607,7 +613,7 @@ def plan_undo(
         stored: The study whose storage holds the apply records.
         config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
         log_: The apply records.
-        state_dir: Folder of locks and state files.
+        state_dir: Folder of state files.
 
     Raises:
         ApplyError: Nothing to undo, the launcher is not systemd, or ``80-tuner.conf`` was

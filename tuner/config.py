@@ -97,8 +97,9 @@ class ServiceSection(_Section):
         gpu_monitor: ``nvml`` (real GPUs), ``sim`` (the simulator's ledger at ``url``), ``none``,
             or ``auto`` (``sim`` when the command runs ``tuner.sim``, else ``nvml``).
         allow_foreign: Start even when a foreign process holds GPU memory.
-        state_dir: Folder of the unit lock and the restore state (default: the launcher's,
-            ``/var/lib/sglang-tuner`` for root).
+        state_dir: Folder of the restore state (default: the launcher's, ``/var/lib/sglang-tuner``
+            for root). The unit's lock is host-wide whatever this is (``/run/lock/sglang-tuner``,
+            see :func:`tuner.launch.session.default_lock_dir`).
     """
 
     launcher: Literal["systemd", "process"] = "systemd"
@@ -312,12 +313,29 @@ class StorageSection(_Section):
 
     Attributes:
         url: SQLAlchemy URL of the Optuna storage (default ``sqlite:///studies/<study>.db``,
-            relative to the working directory).
-        artifacts_dir: Artifact folder (default ``studies/<study>/artifacts``).
+            relative to the working directory). ``postgresql+psycopg://user:pw@host/db`` shares
+            one study between many hosts (``pip install 'sglang-tuner[postgres]'``).
+        artifacts_dir: Artifact folder (default ``studies/<study>/artifacts``; local to each host).
+        heartbeat_interval_s: Seconds between a running trial's heartbeats in the storage
+            (Optuna's ``heartbeat_interval``; whole seconds).
+        grace_period_s: Seconds without a heartbeat after which another host marks a running trial
+            FAIL and queues its params once more (Optuna's ``grace_period``; whole seconds, more
+            than the interval).
     """
 
     url: str | None = None
     artifacts_dir: str | None = None
+    heartbeat_interval_s: int = Field(default=30, ge=1, le=3600)
+    grace_period_s: int = Field(default=120, ge=2, le=86400)
+
+    @model_validator(mode="after")
+    def _grace_after_interval(self) -> StorageSection:
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"grace_period_s ({self.grace_period_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), e.g. 4 times it"
+            )
+        return self
 
 
 class TunerConfig(_Section):

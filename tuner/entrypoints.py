@@ -18,6 +18,7 @@ from tuner.errors import TunerError
 from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
+from tuner.preflight import check_run
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.study.budget import prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
@@ -93,7 +94,9 @@ def resolve_environment(config: TunerConfig, argv: list[str], table: FlagTable, 
             snapshot = []
     if snapshot:  # the device's own size (NVML, or the simulator's ledger), never parsed from a name
         env["gpu_total_mib"] = min(g.total_mib for g in snapshot)
-    if gpu is not None and (config.service.launcher == "systemd" or "gpu_name" not in env):
+    # The identity must not depend on whether the unit runs now: the simulator's device is named by
+    # --sim-gpu (its ledger, readable only while it runs, has no name), a real one by NVML.
+    if gpu is not None and "gpu_name" not in env:
         if snapshot:
             env["gpu_name"] = snapshot[0].name
             env["gpu_count"] = len(snapshot)
@@ -129,7 +132,9 @@ def tune(
         The :class:`tuner.study.loop.RunSummary`.
 
     Raises:
-        TunerError: Bad config, unit, storage or environment (nothing was changed then).
+        TunerError: Bad config, unit, storage, budget or environment, found by
+            :func:`tuner.preflight.check_run` before the lock or any change (nothing was changed
+            then); or a failure during the run, after the service was restored.
         KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored.
 
     .. note:: Restarts the production service for every trial and restores it at the end, on
@@ -140,6 +145,8 @@ def tune(
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
     environment = resolve_environment(config, argv, table, gpu)
+    check_run(config, launcher, environment=environment, storage_url=storage_url, budget_s=budget_s,
+              max_trials=max_trials, allow_mixed_environment=allow_mixed_environment)
     # Per-trial files live here until run_study uploads them to the artifact store; removed after.
     with tempfile.TemporaryDirectory(prefix=f"tuner-{config.study.name}-") as work_dir, launcher.session():
         executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=Path(work_dir), environment=environment)

@@ -32,6 +32,7 @@ __all__ = [
     "FlagError",
     "ServerError",
     "LaunchError",
+    "ServiceControlError",
     "LockHeldError",
     "LoadError",
     "StudyError",
@@ -78,6 +79,11 @@ class ServerError(TunerError):
 
 class LaunchError(TunerError):
     """Service control failed: unknown unit, unreadable ExecStart, systemctl missing, no permission."""
+
+
+class ServiceControlError(LaunchError):
+    """The tuner cannot change the service as a trial needs (its drop-in folder became read-only or
+    unwritable): not the candidate's failure, so the run stops instead of recording a crash."""
 
 
 class LockHeldError(LaunchError):

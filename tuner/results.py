@@ -26,6 +26,7 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, choose_best, stored_policy
+from tuner.study.hosts import HOST_ATTR
 from tuner.study.storage import (
     STUDIES_DIR,
     default_artifacts_dir,
@@ -199,6 +200,8 @@ class TrialView(BaseModel):
         record: The parsed ``tuner.record`` attribute; ``None`` for a trial written by something
             else (it is still listed).
         started_at: ISO start time (the record's, else Optuna's ``datetime_start``).
+        host: The host that ran the trial (:data:`tuner.study.hosts.HOST_ATTR`), ``None`` for a
+            trial stored before hosts were recorded.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -211,6 +214,7 @@ class TrialView(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     record: TrialRecord | None = None
     started_at: str | None = None
+    host: str | None = None
 
     @classmethod
     def from_frozen(cls, trial: optuna.trial.FrozenTrial) -> TrialView:
@@ -236,6 +240,7 @@ class TrialView(BaseModel):
             params=dict(record.params) if record and record.params else dict(trial.params),
             record=record,
             started_at=started,
+            host=trial.user_attrs.get(HOST_ATTR),
         )
 
     def metric(self, name: str) -> Any:
@@ -279,7 +284,8 @@ class TrialView(BaseModel):
 
     def row(self) -> dict[str, Any]:
         """A flat JSON-ready summary (``tuner trials --json``): number, state, kind, outcome,
-        params, the :data:`METRICS` fields, feasible, failure_class, values, constraints."""
+        params, the :data:`METRICS` fields, feasible, failure_class, values, constraints,
+        started_at, host."""
         row: dict[str, Any] = {
             "number": self.number,
             "state": self.state,
@@ -294,6 +300,7 @@ class TrialView(BaseModel):
             values=self.values,
             constraints=self.constraints,
             started_at=self.started_at,
+            host=self.host,
         )
         return row
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TunerConfig
-from tuner.errors import LaunchError, LoadError, ServerError, TunerError
+from tuner.errors import LaunchError, LoadError, ServerError, ServiceControlError, TunerError
 from tuner.launch.base import Launcher, LaunchPhase
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
@@ -488,6 +488,8 @@ class TrialExecutor:
 
         Raises:
             KeyboardInterrupt: Ctrl-C / SIGTERM (the caller records the trial as far as it got).
+            ServiceControlError: The launcher could not change the service (e.g. its drop-in
+                folder became read-only); nothing was stopped, and the run must stop.
         """
         begun = time.monotonic()
         trial_dir = self.work_dir / f"trial-{job.number}"
@@ -521,6 +523,8 @@ class TrialExecutor:
         try:
             self.launcher.start(argv)
             state = self.launcher.wait(timeout_s=self.config.service.start_timeout_s)
+        except ServiceControlError:
+            raise  # the host refused the change (read-only drop-in folder): not a server crash
         except (LaunchError, ServerError) as err:
             return self._failed(
                 record, Failure(failure_class=FailureClass.CRASH, evidence=str(err)), None, begun, trial_dir

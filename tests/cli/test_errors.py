@@ -14,7 +14,7 @@ from tests.support.configs import config_copy
 
 def tuner(*args: str) -> subprocess.CompletedProcess[str]:
     """The installed script with a bare environment (no venv on PATH, 120 columns)."""
-    kept = {k: os.environ[k] for k in ("TMPDIR", "SGLANG_TUNER_STATE_DIR") if k in os.environ}  # hygiene
+    kept = {k: os.environ[k] for k in ("TMPDIR", "SGLANG_TUNER_STATE_DIR", "SGLANG_TUNER_LOCK_DIR") if k in os.environ}  # hygiene
     return run_tuner(*args, env={"COLUMNS": "120", "PATH": "/usr/bin:/bin", **kept})
 
 

@@ -65,9 +65,71 @@ def test_state_file_round_trip_and_malformed(tmp_path: Path) -> None:
 
 
 def test_lock_names_the_holder(tmp_path: Path) -> None:
-    with UnitLock(tmp_path, "sglang.service"):
+    with UnitLock("sglang.service", lock_dir=tmp_path):
         with pytest.raises(LaunchError, match="PID") as err:
-            UnitLock(tmp_path, "sglang.service").acquire()
+            UnitLock("sglang.service", lock_dir=tmp_path).acquire()
         assert "\n" not in str(err.value)
-    with UnitLock(tmp_path, "sglang.service") as again:  # released on exit
+    with UnitLock("sglang.service", lock_dir=tmp_path) as again:  # released on exit
         assert again.held
+
+
+_HOLD = (
+    "import sys, time\n"
+    "from tuner.launch.session import UnitLock\n"
+    "lock = UnitLock('sglang.service', lock_dir=sys.argv[1]); lock.acquire()\n"
+    "print('held', flush=True); time.sleep(120)\n"
+)
+
+
+def test_lock_is_per_unit_per_host_and_stale_after_kill_9(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tuner.launch.process import ProcessLauncher
+
+    monkeypatch.setenv("SGLANG_TUNER_LOCK_DIR", str(tmp_path / "locks"))
+    # two launchers with different state folders (and so different studies) share one lock
+    one = ProcessLauncher(["/bin/true"], url="http://127.0.0.1:1", state_dir=tmp_path / "a")
+    two = ProcessLauncher(["/bin/true"], url="http://127.0.0.1:1", state_dir=tmp_path / "b")
+    assert one.lock.path == two.lock.path == tmp_path / "locks" / "process-1.lock"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "locks")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LaunchError, match=f"PID {holder.pid} ") as err:
+            UnitLock("sglang.service", lock_dir=tmp_path / "locks").acquire()
+        assert "python" in str(err.value) and "\n" not in str(err.value)
+        recorded = UnitLock("sglang.service", lock_dir=tmp_path / "locks").holder()
+        assert recorded["pid"] == holder.pid and recorded["start_time"] > 0
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+    # kill -9 never released it: the content names a dead PID; the kernel dropped the flock
+    lock = UnitLock("sglang.service", lock_dir=tmp_path / "locks")
+    assert lock.holder()["pid"] == holder.pid
+    with caplog.at_level("INFO"), lock:
+        assert lock.holder()["pid"] != holder.pid
+    assert f"tuner PID {holder.pid}" in caplog.text and "ended without releasing" in caplog.text
+    assert lock.holder() == {}  # released: cleared
+
+
+def test_a_killed_holders_state_file_must_be_restored_first(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    left = tmp_path / "a" / "sglang.service.state.json"
+    left.parent.mkdir()
+    left.write_text("{}")
+    hold = _HOLD.replace("lock_dir=sys.argv[1])", f"lock_dir=sys.argv[1], state_file=__import__('pathlib').Path({str(left)!r}))")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "locks")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(10)
+    other = UnitLock("sglang.service", lock_dir=tmp_path / "locks", state_file=tmp_path / "b" / "sglang.service.state.json")
+    with pytest.raises(LaunchError, match="left its state in") as err:
+        other.acquire()
+    assert f"--state-dir {left.parent}" in str(err.value) and not other.held
+    with UnitLock("sglang.service", lock_dir=tmp_path / "locks", state_file=left):  # its own restore may
+        pass

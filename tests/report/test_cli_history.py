@@ -81,9 +81,9 @@ def test_unusable_storage_url_is_one_line_for_every_reader(tuner_cli) -> None:
                ["apply", "best", "--dry-run"], ["applies"]]
     postgres = "postgresql+psycopg://u:p@127.0.0.1:1/db"  # port 1: nothing listens (connection refused)
     if importlib.util.find_spec("psycopg") is None:
-        refused = ("'psycopg'", "not installed", "pip install psycopg")
-    else:
-        refused = (postgres, "cannot be read", "database server is up")
+        refused = ("'psycopg'", "not installed", "pip install 'sglang-tuner[postgres]'")
+    else:  # the password is never printed
+        refused = ("postgresql+psycopg://u:***@127.0.0.1:1/db", "is unreachable", "check the host and port")
     for url, needles in ((postgres, refused), ("bogus://x", ("bogus://x", "unknown database kind", "check the URL"))):
         for args in readers:
             _one_error_line(tuner_cli(*args, "--storage", url), *needles)

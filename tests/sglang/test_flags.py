@@ -62,6 +62,16 @@ def test_parse_argv_types_and_aliases() -> None:
     assert parse_human_int("1Mi") == 2**20
 
 
+def test_parse_human_int_is_sglangs_case_sensitive_rule() -> None:
+    """SGLang's human_readable_int (srt/utils/common.py, 0.5.10 and 0.5.23): case-sensitive
+    suffixes, decimals with SI suffixes only."""
+    assert parse_human_int("16k") == 16000 and parse_human_int("25.6k") == 25600 and parse_human_int("2Ki") == 2048
+    assert parse_human_int("-1") == -1
+    for bad in ("16K", "1.5Ki", "1 k", "1kb"):
+        with pytest.raises(ValueError):
+            parse_human_int(bad)
+
+
 def test_validate_reasons() -> None:
     old, new = FlagTable.for_version("0.5.10"), FlagTable.for_version("0.5.23")
     bad = {"enable_hierarchical_cache": True, "disable_radix_cache": True, "hicache_ratio": 1.0,

@@ -173,7 +173,9 @@ def test_watcher_sets_failure_at_once_and_upgrades_to_specific_evidence() -> Non
         (["ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.6. Raise"], None, "startup_kv_oom"),
         (["Capture cuda graph begin. avail mem=1.00 GB", "torch.OutOfMemoryError: CUDA out of memory."], None, "cuda_graph_oom"),
         (["The server is fired up and ready to roll!", "Scheduler hit an exception: x", "torch.OutOfMemoryError: CUDA out of memory. Tried"], None, "runtime_oom"),
-        (["Decode out of memory. Try to lower your batch size."], None, "runtime_oom"),
+        (["Decode out of memory. Try to lower your batch size."], None, "kv_page_shortfall"),
+        (["RuntimeError: memory allocation failed with OOM"], None, "kv_page_shortfall"),
+        (["[2025-01-06 02:58:44 TP0] Decode out of memory happened. #retracted_reqs: 1, #new_token_ratio: 0.0980 -> 0.9446"], None, None),
         (["ValueError: Not enough host memory available. Requesting 160 GB but only have 90 GB free."], None, "host_memory"),
         (["The memory capacity is unbalanced. Some GPUs may be occupied by other processes. min_per_gpu_memory=1"], None, "unbalanced_memory"),
         (["launch_server.py: error: ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode"], 2, "invalid_arguments"),
@@ -217,7 +219,7 @@ def _frame(func: str, file: str = "/usr/lib/python3/dist-packages/sglang/srt/mod
         # a 0.5.5/0.5.10 draft worker loads after the target's KV pool, from the reserve (§1.5)
         ([*_WEIGHTS_DONE, "KV Cache is allocated. #tokens: 1000, K size: 0.10 GB, V size: 0.10 GB", "Capture cuda graph end. Time elapsed: 1.00 s. mem usage=0.10 GB. avail mem=0.50 GB.",
           "Load weight begin. avail mem=0.50 GB", _EXC, _frame("load_model"), _OOM], "cuda_graph_oom", "load_model"),
-        ([_OOM], "runtime_oom", None),  # nothing of a start: a fragment of a running server's log
+        ([_OOM], "startup_oom", None),  # nothing of a start and nothing of serving: a startup OOM, phase unknown
     ],
 )
 def test_generic_oom_is_classified_by_where_it_was_raised(lines: list[str], expected: str, site: str | None) -> None:
@@ -309,3 +311,19 @@ def test_0523_speculative_draft_and_target_lines() -> None:
     assert (tp0.weight_gib, tp0.kv_tokens, tp0.graph_gib, tp0.graph_bs) == (73.0, 120000, pytest.approx(0.7), [1, 2, 4, 8])
     assert tp0.draft is not None and (tp0.draft.weight_gib, tp0.draft.graph_gib, tp0.draft.kv_tokens) == (1.2, 0.2, None)
     assert r.version_format == "0.5.23" and r.failure is None
+
+
+def test_0_5_23_lines_real_sglang_prints() -> None:
+    """What the real 0.5.23 package prints (issue point 11): the settings echo as a dict, the
+    overlap weight load's commit line, compressed-tensors, ATTN_CP/MOE_DP rank-prefix tokens."""
+    r = parse_log(["[2026-01-01 00:00:00] server_args={'mem_fraction_static': 0.85, 'model_path': '/m', 'cuda_graph_bs': [1, 2]}"])
+    assert r.server_args == {"mem_fraction_static": "0.85", "model_path": "/m", "cuda_graph_bs": "[1, 2]"}
+    r = parse_log([
+        "[2026-01-01 00:00:00 DP0 ATTN_CP1 MOE_DP0 TP3 EP3] Load weight end. elapsed=2.00 s, type=Qwen3ForCausalLM, "
+        "quant=compressed-tensors, avail mem=60.00 GB, mem usage=10.00 GB.",
+        "[2026-01-01 00:00:01 TP0] Load weight end. Committed real weights after CUDA graph capture in 3.21 s "
+        "(capture overlap window 2.00 s, startup overlap total 9.10 s)",
+    ])
+    assert "DP0 ATTN_CP1 MOE_DP0 TP3 EP3" in r.ranks and r.ranks["DP0 ATTN_CP1 MOE_DP0 TP3 EP3"].weight_dtype == "compressed-tensors"
+    assert r.weights_committed_after_capture and r.ranks.get("TP0") is None  # no memory numbers on the commit line
+    assert r.logged["TP0"][0].values["startup overlap total"].value == 9.1

@@ -37,6 +37,15 @@ SKIPPED = {
     "case-26": "the GPU is not stated; the ~59,868-token pool is inferred, not logged",
     "case-27": "a hybrid SWA model (DeepSeek-V4) under load; no startup inputs",
     "case-29": "a runtime req_to_token exhaustion; the GPU count/tp and model are not stated",
+    "case-30": "ROCm MI355X with the AITER attention backend (not simulated); its K size from the token count is "
+               "checked in tests/sglang/test_cases.py",
+    "case-31": "ROCm MI355 with the AITER workspace (not simulated); the fraction and workspace are debug prints",
+    "case-32": "only the HIP OOM lines; no startup inputs",
+    "case-33": "SGLang-Omni; only the error line, the weights are the doc's prose",
+    "case-34": "a hybrid GDN model with a draft on RTX 5090 (not simulated); the model is not named",
+    "case-37": "a runtime KV page shortfall under load (engine behaviour); the model and GPU are not stated",
+    "case-38": "a runtime retraction of two long generations (engine behaviour); the GPU is not stated",
+    "case-41": "Qwen3-Omni (multimodal, not simulated) on 4 unnamed GPUs",
 }
 
 

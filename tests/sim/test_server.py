@@ -268,7 +268,19 @@ def test_version_differences(tmp_path) -> None:
         assert out["completion_tokens"] == 20 and out["num_retractions"] == 0
         assert out["spec_verify_ct"] < 20 and out["spec_accept_length"] == pytest.approx(20 / out["spec_verify_ct"])
         assert requests.get(f"{proc.url}/ready", timeout=TIMEOUT_S).status_code == 200
+        # 0.5.10+ stream all output ids so far (no --incremental-streaming-output); 0.5.23 refuses an
+        # unknown sampling_params field with 400 (its /generate contract gate).
+        with requests.post(f"{proc.url}/generate", json={"input_ids": [1, 2, 3], "stream": True, "sampling_params":
+                                                         {"max_new_tokens": 5, "ignore_eos": True}},
+                           stream=True, timeout=TIMEOUT_S) as resp:
+            data = [c for c in sse(resp) if isinstance(c, dict)]
+        assert [len(c["output_ids"]) for c in data] == [c["meta_info"]["completion_tokens"] for c in data] and len(data[-1]["output_ids"]) == 5
+        bad = requests.post(f"{proc.url}/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokenz": 5}}, timeout=TIMEOUT_S)
+        assert bad.status_code == 400 and "max_new_tokenz" in bad.json()["error"]["message"]
         text = requests.get(f"{proc.url}/metrics", timeout=TIMEOUT_S).text
+        assert "_created" not in text  # SGLang's multiprocess collector emits no *_created series
+        for family in ("sglang:spec_accept_length", "sglang:spec_accept_rate", "sglang:kv_evictable_tokens", "sglang:startup_time_seconds"):
+            assert re.search(rf"^{family}\{{.*\}} [\d.e+-]+$", text, re.M), family
         assert re.search(r"^sglang:max_total_num_tokens\{.*\} \d+", text, re.M)
         assert "sglang:graph_memory_usage_gb" in text
         assert [g["index"] for g in requests.get(f"{proc.url}/sim/device_memory", timeout=TIMEOUT_S).json()] == [0, 1]

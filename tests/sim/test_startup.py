@@ -146,6 +146,10 @@ def test_unbalanced_memory_with_a_foreign_process(tmp_path) -> None:
                   r"min_per_gpu_memory=([\d.]+), local_gpu_memory=([\d.]+), local_gpu_memory \* 0\.9=([\d.]+)", log)
     assert m and float(m.group(1)) < float(m.group(3))
     assert "Load weight begin" not in log
+    # 0.5.10+ raise a RuntimeError naming pre_model_load_memory (model_runner.py / distributed/bootstrap.py).
+    status, log = run_to_exit(["--model-path", "llama-3.1-70b", "--tp", "4", "--sim-foreign-gib", "10", "--sim-version", "0.5.23"], tmp_path)
+    assert status == KILLED and "RuntimeError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. " \
+        "pre_model_load_memory=" in log
 
 
 def test_mutually_exclusive_cache_flags_fail_before_start(tmp_path) -> None:

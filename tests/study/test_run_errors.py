@@ -44,13 +44,18 @@ def test_baseline_on_a_port_held_by_another_program_stops_the_run(workdir: Path)
     assert "in use" in line
 
 
-def test_url_on_another_port_than_the_command_is_refused_before_any_trial(workdir: Path) -> None:
+def test_url_on_another_port_than_the_command_is_refused_before_any_trial(workdir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_TUNER_LOCK_DIR", str(workdir / "locks"))
     config = config_copy("demo-sim.toml", workdir)
     text = config.read_text()
     url_line = next(x for x in text.splitlines() if x.startswith("url = "))
     config.write_text(text.replace(url_line, 'url = "http://127.0.0.1:9"'))
     proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=120)
     one_error_line(proc, "uses port 9 but the server command has --port")
+    # refused before the lock: no process-<port>.lock, no state file, no server log
+    left = [p.name for d in (workdir / "locks", workdir / "state") if d.exists() for p in d.rglob("*")]
+    assert left == [], left
 
 
 @pytest.mark.parametrize(("budget", "needle"), [("3", "--budget '3' has no unit"),

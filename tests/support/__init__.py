@@ -4,6 +4,7 @@
 - :mod:`tests.support.cli`: the ``tuner`` CLI as a subprocess or in-process, the one-error-line check.
 - :mod:`tests.support.sim`: the simulator as a real process; polling ``/health``.
 - :mod:`tests.support.configs`: bundled configs copied onto free ports and temporary folders; stored studies.
+- :mod:`tests.support.postgres`: a private PostgreSQL cluster (initdb/pg_ctl) for the many-hosts tests.
 - :mod:`tests.support.sandbox`: real systemd booted in a private PID namespace (or its emulator).
 - :mod:`tests.support.conformance`: the launcher contract every launcher passes.
 - :mod:`tests.support.study_factory`: SQLite studies written the way ``tuner run`` stores them.

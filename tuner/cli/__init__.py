@@ -32,7 +32,9 @@ def main() -> None:
     try:
         rc = app(standalone_mode=False)
     except TunerError as err:
-        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
+        from tuner.report.tables import terminal_safe
+
+        err_console.print(f"[bold red]error:[/] {escape(terminal_safe(str(err)))}", highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except typer.TyperException as err:  # click's usage errors (typer's public base class)
         ctx = getattr(err, "ctx", None)

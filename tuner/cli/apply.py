@@ -28,7 +28,7 @@ def apply_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of locks and state files.")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).")] = None,
     verify_s: Annotated[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="How long the server may take to be ready.")] = 900.0,
     write: Annotated[Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,

@@ -20,7 +20,8 @@ def explain_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
 ) -> None:
     """Where the GPU memory went, what limits capacity, predictions at other fractions, and traps."""
-    from tuner.sglang.explain import explain_from, renderables
+    from tuner.report.explain import renderables
+    from tuner.sglang.explain import explain_from
 
     result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
                           mem_fraction_static=mem_fraction_static)

@@ -107,6 +107,22 @@ def studies_cmd(
             tables.print_fitted(tables.studies_table(summaries, url))
 
 
+@app.command("copy-study")
+def copy_study_cmd(
+    from_url: Annotated[str, typer.Option("--from", help="Source storage URL, e.g. sqlite:///studies/demo.db.")],
+    to_url: Annotated[str, typer.Option("--to", help="Target storage URL, e.g. postgresql+psycopg://user:pw@db/tuner.")],
+    study: Annotated[str, typer.Option("--study", help="The study to copy.")],
+    to_study: Annotated[str | None, typer.Option("--to-study", help="Its name in the target (default: the same).")] = None,
+) -> None:
+    """Copy a study between storages (SQLite <-> PostgreSQL), e.g. to share a local study with a fleet."""
+    from tuner.study.storage import copy_study, display_url
+
+    count = copy_study(from_url, to_url, study, to_study)
+    console.print(f"copied study {study} ({count} trials) from {display_url(from_url)} to "
+                  f"{display_url(to_url)} as {to_study or study}; artifact files stay where they are",
+                  highlight=False, soft_wrap=True)
+
+
 @app.command("report")
 def report_cmd(
     study: StudyOpt = None,
@@ -133,12 +149,12 @@ def dashboard_cmd(
     """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
     from tuner import results
     from tuner.report import dashboard
-    from tuner.study.storage import check_storage
+    from tuner.study.storage import check_storage, display_url
 
     location = results.resolve_location(study=study, storage=storage, config=config)
     check_storage(location.storage_url)
     dashboard.check_listen_address(host, port)
-    console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
+    console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {display_url(location.storage_url)}; Ctrl-C stops it)",
                   highlight=False, soft_wrap=True)  # fmt: skip
     status = dashboard.serve_dashboard(location.storage_url, host=host, port=port)
     if status is None:

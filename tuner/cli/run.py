@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tuner.cli.common import app, console, err_console
+from tuner.report.tables import terminal_safe
 
 
 def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, results.BestTrial
@@ -16,9 +17,12 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
     `tuner best` applies), ``None`` when no trial is feasible."""
     from tuner.report import tables
     from tuner.study.best import max_running_requests_cut
+    from tuner.study.storage import display_url, is_shared_url
 
     console.print(
-        f"study [bold]{summary.study_name}[/] ({summary.storage_url}): {summary.trials_run} trial(s) launched, "
+        f"study [bold]{summary.study_name}[/] ({display_url(summary.storage_url)})"
+        + (f" on host {summary.host}" if is_shared_url(summary.storage_url) and summary.host else "")
+        + f": {summary.trials_run} trial(s) launched, "
         f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
         highlight=False,
@@ -79,12 +83,14 @@ class _RunProgress:
     def __call__(self, event) -> None:  # noqa: ANN001
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
         of = f" of ~{event.expected} this run" if event.expected else ""
-        if event.event == "phase":
+        if event.event == "phase" and event.number is None:  # about the study, not this host's trial
+            self.progress.console.print(f"  {event.message}", highlight=False)
+        elif event.event == "phase":
             self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
                                  deadline=deadline)
         elif event.event in ("trial_end", "skip", "stop", "note"):
             self.in_flight = None
-            self.progress.console.print(f"  {event.message}", highlight=False)
+            self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
         elif event.event == "trial_start":
             self.in_flight = event.number
             self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · starting",

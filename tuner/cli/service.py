@@ -29,7 +29,7 @@ def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | No
 def restore_cmd(
     unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of locks and state files.")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).")] = None,
     systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
     journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
     dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
@@ -65,12 +65,15 @@ def launch_cmd(
     """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing.
 
     Starting a trial for real is `tuner run`'s job: it holds the lock and restores the service.
+    After the preview the service checks a run makes first are made (exit 1 with the reason when one fails).
     """
     from tuner.config import load_config
     from tuner.entrypoints import resolve_flag_table, resolve_launcher
     from tuner.launch.preview import preview
+    from tuner.preflight import check_service
 
     cfg = load_config(config)
     launcher = resolve_launcher(cfg)
     text = preview(launcher, set_flags or [], resolve_flag_table(cfg, launcher.current_argv()))
     console.print(text, highlight=False, soft_wrap=True, markup=False)
+    check_service(launcher)  # after the preview: what `tuner run` would refuse this service for (exit 1)

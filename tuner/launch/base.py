@@ -2,7 +2,13 @@
 :class:`GuardedLauncher`, the base every launcher extends: it owns the session (lock → state file
 → signals → restore, from :mod:`tuner.launch.session`) and the fail-fast watch loop
 (``wait``/``state``) that feeds the server's output to :class:`tuner.sglang.logs.LogWatcher`.
-Subclasses supply only how to read, start, poll, stop and put back their service.
+Subclasses supply only how to check, read, start, poll, stop and put back their service.
+
+What it never does: stop a service it then cannot start again. :meth:`GuardedLauncher.preflight`
+checks, changing nothing, everything a session will need (manager, unit, drop-in folder, journal,
+state and lock folders); :meth:`GuardedLauncher.start` checks it can write the trial's change
+before it stops the server; :meth:`GuardedLauncher.restore` checks it can write what it must put
+back before it stops anything, and otherwise leaves the running service alone and says what to fix.
 
 Implementations: :mod:`tuner.launch.systemd` (production) and :mod:`tuner.launch.process`
 (hosts without systemd, the demo). Both pass one conformance test class
@@ -46,11 +52,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LaunchError, TunerError
 from tuner.launch.session import (
+    LOCK_DIR_ENV,
     SessionState,
     StateStore,
     UnitLock,
     deferred_signals,
     interrupt_on_signals,
+    writable_folder,
 )
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
@@ -212,8 +220,11 @@ class GuardedLauncher(Launcher):
         self.poll_s = poll_s
         self.release_timeout_s = release_timeout_s
         self.evidence_grace_s = evidence_grace_s
-        self.lock = UnitLock(self.state_dir, key)
         self.store = StateStore(self.state_dir, key)
+        self.lock = UnitLock(key, state_file=self.store.path)
+        self._preflighted = False
+        self._restoring = False
+        self._journal_warned = False
         self._state: SessionState | None = None
         self._changed = False  # start() ran in this session (the service may differ from its state file)
         self._committed = False
@@ -253,8 +264,32 @@ class GuardedLauncher(Launcher):
     def _check_startable(self) -> None:
         """Refuse a session whose server could not be started (default: nothing to check).
 
+        Called by :meth:`preflight`; changes nothing.
+
         Raises:
             LaunchError: Something outside the tuner prevents the start.
+        """
+
+    def _check_service(self, *, restore: bool) -> None:
+        """Check, changing nothing, that the manager is reachable and the service known and readable
+        (and, unless ``restore``, that a trial's change can be written and its log read).
+
+        Raises:
+            LaunchError: One line naming what is wrong and the fix.
+        """
+
+    def _check_can_change(self) -> None:
+        """Refuse, before the running server is stopped, a trial change that cannot be written.
+
+        Raises:
+            ServiceControlError: The change cannot be written (e.g. a read-only drop-in folder).
+        """
+
+    def _check_can_put_back(self, state: SessionState) -> None:
+        """Refuse, before anything is stopped, a restore that could not write what it must.
+
+        Raises:
+            LaunchError: Names what to fix; the running service is left as it is.
         """
 
     def has_leftover_change(self) -> bool:
@@ -266,6 +301,29 @@ class GuardedLauncher(Launcher):
         """Put the original configuration back; start it when ``state.was_running``, else stop."""
 
     # ---- shared behaviour ---------------------------------------------------------------
+
+    def preflight(self, *, restore: bool = False) -> None:
+        """Check everything a session (or, with ``restore``, a restore) needs, changing nothing.
+
+        The service (:meth:`_check_service`: systemd reachable, unit known, command readable; for a
+        session also the drop-in folder writable and the journal readable), the server startable
+        (:meth:`_check_startable`, sessions only), and the state and lock folders writable.
+        :func:`tuner.preflight.check_service` and :func:`tuner.preflight.check_run` call it before
+        the lock is taken; :meth:`session` and :meth:`restore` call it when nobody did.
+
+        Raises:
+            LaunchError: The first check that fails, one line with its fix.
+        """
+        self._check_service(restore=restore)
+        if not restore:
+            self._check_startable()
+        for folder, what in ((self.state_dir, "state folder (service.state_dir)"),
+                             (self.lock.path.parent, f"lock folder (${LOCK_DIR_ENV})")):
+            blocked = writable_folder(folder)
+            if blocked is not None:
+                raise LaunchError(f"the {what} {folder} cannot be written ({blocked} is not writable)",
+                                  hint="run as root, or point it at a writable folder")
+        self._preflighted = True
 
     def current_argv(self) -> list[str]:
         """The original command: the recorded one inside a session, else what runs now.
@@ -283,11 +341,14 @@ class GuardedLauncher(Launcher):
         .. note:: Changes the production service; call inside :meth:`session`.
 
         Raises:
+            ServiceControlError: The change cannot be written (checked before the server is
+                stopped, so the running server is left as it is).
             LaunchError: The start could not be issued.
             GPUError: GPU memory was not released in time, or a foreign process holds some.
         """
         if not argv:
             raise LaunchError("empty server command", hint="pass the full server command line")
+        self._check_can_change()
         self._changed = True
         self.stop()
         self._before_start()
@@ -326,6 +387,15 @@ class GuardedLauncher(Launcher):
             return LaunchState(phase=LaunchPhase.STOPPED, elapsed_s=elapsed)
         poll = self._poll()
         self._feed(poll.lines)
+        if poll.journal_error:
+            if not self._journal_warned:
+                log.warning("warning: %s; %s", poll.journal_error,
+                            "restoring on /health alone" if self._restoring else "the trial ends here")
+                self._journal_warned = True
+            if not self._restoring:
+                return LaunchState(phase=LaunchPhase.FAILED, pid=poll.pid, restarts=poll.restarts, elapsed_s=elapsed,
+                                   failure=Failure(failure_class=FailureClass.JOURNAL_UNREADABLE,
+                                                   evidence=poll.journal_error))
         if not poll.alive and poll.stopped_by_us:
             return LaunchState(phase=LaunchPhase.STOPPED, restarts=poll.restarts, elapsed_s=elapsed)
         if not poll.alive:
@@ -413,14 +483,20 @@ class GuardedLauncher(Launcher):
 
         .. note:: Changes the production service.
 
+        Never makes things worse: before it stops anything it checks that it can write what it
+        must put back (:meth:`_check_can_put_back`); if it cannot, the running service is left as
+        it is and the error names what to fix. A journal that fails meanwhile is warned about and
+        the restore goes on with ``/health`` alone.
+
         Raises:
             LockHeldError: Another live tuner holds the unit.
-            LaunchError: The original could not be put back or did not become healthy.
+            LaunchError: The unit is unknown or the manager unreachable (before the lock); the
+                original cannot be written (before anything is stopped); or it did not become
+                healthy.
         """
         owned = not self.lock.held
-        if owned and self._state is None and self.store.load() is None:
-            self._record_original()  # an unknown unit fails here, before a lock file is created
         if owned:
+            self.preflight(restore=True)  # an unknown unit fails here, before a lock file is created
             self.lock.acquire()
         try:
             state = self._state or self.store.load()
@@ -430,26 +506,31 @@ class GuardedLauncher(Launcher):
                     log.info("%s: no state file and no trial change; nothing to restore", self.key)
                     phase = LaunchPhase.READY if self._healthy() else LaunchPhase.STOPPED
                     return LaunchState(phase=phase)
+            self._check_can_put_back(state)
             self._watcher = LogWatcher()
             self._lines = []
             self._t0 = time.monotonic()
             self._started = True
             self._healthy_since = None
-            if state.was_running:
-                self.stop()
-                self._before_start_restore()
-            self._put_back(state)
-            if state.was_running:
-                st = self.wait(timeout_s)
-                if st.phase is not LaunchPhase.READY:
-                    why = st.failure.evidence if st.failure else st.phase.value
-                    raise LaunchError(
-                        f"{self.key} did not come back healthy on its original command: {why}",
-                        hint=f"the state file {self.store.path} is kept; fix the service, "
-                        "then run 'tuner restore' again",
-                    )
-            else:
-                st = LaunchState(phase=LaunchPhase.STOPPED)
+            self._restoring = True
+            try:
+                if state.was_running:
+                    self.stop()
+                    self._before_start_restore()
+                self._put_back(state)
+                if state.was_running:
+                    st = self.wait(timeout_s)
+                    if st.phase is not LaunchPhase.READY:
+                        why = st.failure.evidence if st.failure else st.phase.value
+                        raise LaunchError(
+                            f"{self.key} did not come back healthy on its original command: {why}",
+                            hint=f"the state file {self.store.path} is kept; fix the service, "
+                            "then run 'tuner restore' again",
+                        )
+                else:
+                    st = LaunchState(phase=LaunchPhase.STOPPED)
+            finally:
+                self._restoring = False
             self.store.clear()
             self._state = None
             return st
@@ -476,15 +557,18 @@ class GuardedLauncher(Launcher):
         after :meth:`start`, its state file stays for ``tuner restore``; left before any
         :meth:`start`, the state file is removed (nothing was changed).
 
+        Runs :meth:`preflight` first unless it already ran: every refusal comes before the lock.
+
         Raises:
             LockHeldError: Another tuner holds this unit.
             LaunchError: The service cannot be read, the state file written, or the server could
                 not be started (e.g. a foreign program holds the process launcher's port); with
                 ``restore_on_exit=False``, a killed tuner's state file or trial change is present.
         """
+        if not self._preflighted:
+            self.preflight()
         self.lock.acquire()
         try:
-            self._check_startable()
             left = self.store.load()
             if not restore_on_exit:
                 self._refuse_leftovers(left)
@@ -559,6 +643,8 @@ class ServerPoll(BaseModel):
         restarts: Restarts by the manager since the start.
         crash_loop: Non-empty evidence when the manager is restarting a dying server.
         stopped_by_us: The server is down because the tuner stopped it.
+        journal_error: Non-empty when the server's log could not be read (its journal stopped
+            answering): a trial ends with ``journal_unreadable``; a restore goes on with /health.
     """
 
     lines: list[str] = Field(default_factory=list)
@@ -568,3 +654,4 @@ class ServerPoll(BaseModel):
     restarts: int = 0
     crash_loop: str = ""
     stopped_by_us: bool = False
+    journal_error: str = ""

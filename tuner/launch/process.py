@@ -30,7 +30,7 @@ import psutil
 
 from tuner.errors import LaunchError
 from tuner.launch.base import GuardedLauncher, ServerPoll
-from tuner.launch.session import SessionState
+from tuner.launch.session import SessionState, writable_folder
 from tuner.launch.unit import atomic_write_text
 
 __all__ = ["ProcessLauncher"]
@@ -167,6 +167,14 @@ class ProcessLauncher(GuardedLauncher):
 
     def _check_startable(self) -> None:
         self._check_port_free()
+
+    def _check_service(self, *, restore: bool) -> None:
+        """The server log's folder can be written (the state and lock folders are checked by
+        :meth:`preflight`)."""
+        blocked = writable_folder(self.log_dir)
+        if blocked is not None and not restore:
+            raise LaunchError(f"the server log folder {self.log_dir} cannot be written ({blocked} is not writable)",
+                              hint="set service.log_dir to a writable folder")
 
     def _check_port_free(self, timeout_s: float = 1.0) -> None:
         """Raise when a server this launcher did not start accepts connections on the URL's port.

@@ -2,9 +2,11 @@
 
 A session changes a production service, so three things protect it:
 
-* **Lock** (:class:`UnitLock`): one ``fcntl.flock`` file per unit under the state folder. The
-  kernel drops it when the holder dies (even by SIGKILL), so a stale lock never blocks; while it
-  is held, a second tuner is refused with the holder's PID and command line.
+* **Lock** (:class:`UnitLock`): one ``fcntl.flock`` file per unit per host
+  (``/run/lock/sglang-tuner/<unit>.lock``, whatever the state folder and the study). The kernel
+  drops it when the holder dies (even by SIGKILL), so a stale lock never blocks; while it is held,
+  a second tuner (``run``, ``apply``, ``restore``) is refused with the holder's PID and command
+  line.
 * **State file** (:class:`StateStore`, :class:`SessionState`): written atomically *before the first
   change*, recording the original command, drop-ins and whether the service was running. After a
   crash or ``kill -9`` it is what ``tuner restore`` (and the next session) put back.
@@ -13,7 +15,7 @@ A session changes a production service, so three things protect it:
   itself further signals are deferred, not allowed to cut it short.
 
 They meet in :class:`tuner.launch.base.GuardedLauncher`, the base every launcher extends, which
-owns the session (lock → state file → signals → restore).
+owns the session (preflight → lock → state file → signals → restore).
 """
 
 from __future__ import annotations
@@ -27,18 +29,23 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuner.errors import LaunchError, LockHeldError
 from tuner.launch.unit import atomic_write_text
 
 __all__ = [
+    "LOCK_DIR_ENV",
+    "default_lock_dir",
     "default_state_dir",
+    "writable_folder",
     "UnitLock",
     "SessionState",
     "StateStore",
@@ -50,7 +57,7 @@ log = logging.getLogger(__name__)
 
 
 def default_state_dir() -> Path:
-    """Where locks and state files live by default.
+    """Where state files (the restore recipes) live by default (locks: :func:`default_lock_dir`).
 
     ``$SGLANG_TUNER_STATE_DIR`` when set (a private folder for a test run or a second
     installation), else ``/var/lib/sglang-tuner`` for root (it drives system units), else
@@ -77,22 +84,87 @@ def _ensure_dir(path: Path) -> None:
 
 
 def _own_command() -> str:
-    return " ".join(sys.argv) or sys.executable
+    """This process's command line as the kernel has it (``tuner run --config ...``)."""
+    try:
+        words = psutil.Process().cmdline()
+    except psutil.Error:
+        words = list(sys.argv)
+    text = " ".join(re.sub(r"[\x00-\x1f\x7f\s]+", " ", w) for w in words).strip()  # one line, always
+    return (text[:297] + "...") if len(text) > 300 else (text or sys.executable)
+
+
+def writable_folder(folder: Path) -> Path | None:
+    """``None`` when files can be created under ``folder`` (it, or its nearest existing ancestor, is
+    a writable folder), else the folder that blocks it. Changes nothing."""
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK):
+        return None
+    return probe
+
+
+LOCK_DIR_ENV = "SGLANG_TUNER_LOCK_DIR"
+"""Environment variable overriding :func:`default_lock_dir` (tests, hosts without ``/run/lock``)."""
+
+
+def default_lock_dir() -> Path:
+    """The host-wide folder of unit locks: one lock per unit per host, whatever the state folder.
+
+    ``$SGLANG_TUNER_LOCK_DIR`` when set; else ``/run/lock/sglang-tuner`` (a tmpfs, emptied at boot)
+    when ``/run/lock`` is writable; else ``$XDG_RUNTIME_DIR/sglang-tuner``, else
+    ``<tmp>/sglang-tuner-locks``.
+    """
+    env = os.environ.get(LOCK_DIR_ENV)
+    if env:
+        return Path(env)
+    run_lock = Path("/run/lock")
+    if run_lock.is_dir() and os.access(run_lock, os.W_OK | os.X_OK):
+        return run_lock / "sglang-tuner"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "sglang-tuner"
+    return Path(tempfile.gettempdir()) / "sglang-tuner-locks"
+
+
+def _start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the process a lock file names still runs (same PID *and* start time: PIDs are reused)."""
+    pid, since = holder.get("pid"), holder.get("start_time")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    started = _start_time(pid)
+    return started is not None and (since is None or abs(started - float(since)) < 1.0)
 
 
 class UnitLock:
-    """An exclusive, crash-safe lock on one unit (``<state_dir>/<unit>.lock``).
+    """The host-wide, crash-safe lock on one unit: ``<lock_dir>/<unit>.lock``.
+
+    One lock per unit per host, whatever the tuner's ``state_dir`` and study: ``tuner run``,
+    ``apply``, ``restore`` and ``launch`` all take it before their first change. It is an
+    ``fcntl.flock`` the kernel drops when the holder dies (even by SIGKILL); the file records the
+    holder's PID, process start time, command line and state file, so a refusal names the holder
+    and a lock left by a crash is known stale (its PID gone, or reused by a process started at
+    another time).
 
     Args:
-        state_dir: Folder for lock files (created if missing).
         key: The unit name (or the process launcher's name).
+        lock_dir: Folder of lock files (default :func:`default_lock_dir`; created if missing).
+        state_file: The holder's state file, recorded for ``tuner restore`` hints.
 
     Use as a context manager, or :meth:`acquire` / :meth:`release`.
     """
 
-    def __init__(self, state_dir: Path | str, key: str) -> None:
+    def __init__(self, key: str, *, lock_dir: Path | str | None = None, state_file: Path | None = None) -> None:
         self.key = key
-        self.path = Path(state_dir) / f"{_safe_key(key)}.lock"
+        self.path = Path(lock_dir or default_lock_dir()) / f"{_safe_key(key)}.lock"
+        self.state_file = state_file
         self._fd: int | None = None
 
     @property
@@ -101,40 +173,70 @@ class UnitLock:
         return self._fd is not None
 
     def holder(self) -> dict[str, Any]:
-        """What the lock file says about its holder (``pid``, ``command``, ``since``); may be stale."""
+        """What the lock file says about its holder (``pid``, ``start_time``, ``command``, ``since``,
+        ``state_file``); empty when released; may be stale."""
         try:
-            return json.loads(self.path.read_text(encoding="utf-8") or "{}")
+            data = json.loads(self.path.read_text(encoding="utf-8") or "{}")
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}
+
+    def _held_error(self) -> LockHeldError:
+        h = self.holder()
+        return LockHeldError(
+            f"{self.key} is being tuned by another tuner: PID {h.get('pid', '?')} "
+            f"({h.get('command', 'unknown command')}) since {h.get('since', '?')}",
+            hint=f"wait for it to finish or stop it (kill {h.get('pid', 'PID')}); it restores the service on exit",
+        )
 
     def acquire(self) -> None:
         """Take the lock without waiting.
 
         Raises:
-            LockHeldError: Another process holds it (the message names its PID and command).
-            LaunchError: The state folder is not writable.
+            LockHeldError: Another process holds it (the message names its PID and command); or a
+                holder that died (``kill -9``) left a state file in another state folder, which
+                ``tuner restore`` must use first (the message names the command).
+            LaunchError: The lock folder is not writable.
         """
         if self._fd is not None:
             return
-        _ensure_dir(self.path.parent)
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise LaunchError(f"cannot create the lock folder {folder}: {err.strerror}",
+                              hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
-                              hint="set service.state_dir to a writable folder") from err
+                              hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            h = self.holder()
+            raise self._held_error() from None
+        previous = self.holder()
+        if previous and _alive(previous):
+            # The file was replaced under a live holder (deleted and re-created): still its lock.
+            os.close(fd)
+            raise self._held_error()
+        left = previous.get("state_file")
+        if left and left != str(self.state_file) and Path(left).exists():
+            # A killed tuner with another state folder left its restore recipe: putting the service
+            # back from it first keeps the original (and spares a second restart of the service).
+            os.close(fd)
             raise LockHeldError(
-                f"{self.key} is being tuned by another tuner: PID {h.get('pid', '?')} "
-                f"({h.get('command', 'unknown command')}) since {h.get('since', '?')}",
-                hint=f"wait for it to finish or stop it (kill {h.get('pid', 'PID')}); "
-                "it restores the service on exit",
-            ) from None
-        info = {"pid": os.getpid(), "command": _own_command(),
-                "since": dt.datetime.now().isoformat(timespec="seconds")}
+                f"{self.key}: tuner PID {previous.get('pid', '?')} ({previous.get('command', '?')}) ended "
+                f"without restoring it and left its state in {left}",
+                hint=f"put the service back first: tuner restore --unit {self.key} --state-dir {Path(left).parent}",
+            )
+        if previous.get("pid"):
+            log.info("%s: taking over the lock of tuner PID %s, which ended without releasing it "
+                     "(kill -9 or a crash)", self.key, previous["pid"])
+        info = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "command": _own_command(),
+                "since": dt.datetime.now().isoformat(timespec="seconds"),
+                "state_file": str(self.state_file) if self.state_file else None}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         os.fsync(fd)

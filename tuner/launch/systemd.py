@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from tuner.errors import LaunchError
+from tuner.errors import LaunchError, ServiceControlError
 from tuner.launch.base import GuardedLauncher, ServerPoll
 from tuner.launch.session import SessionState
 from tuner.launch.unit import DEFAULT_DROPIN_DIR, SystemdUnit
@@ -89,6 +89,7 @@ class SystemdLauncher(GuardedLauncher):
         self._dropin_text: Any = _DERIVED
         super().__init__(key=unit.name, url=url, state_dir=state_dir, **kwargs)
         self._cursor = ""
+        self._journal_error = ""
         self._restarts0 = 0
         self._stopped_by_us = False
 
@@ -103,9 +104,8 @@ class SystemdLauncher(GuardedLauncher):
         return list(self.unit.exec_command().argv)
 
     def _record_original(self) -> SessionState:
-        """Read command, drop-ins and activity, checking up front that the tuner can change them."""
+        """Read command, drop-ins and activity (changing nothing; :meth:`preflight` checks the rest)."""
         cmd = self.unit.exec_command()  # also checks the unit exists
-        self.unit.check_writable()
         dropins = self.unit.dropins()
         if TRIAL_DROPIN in dropins:
             log.warning("%s already has %s from an earlier run; it is not part of the original",
@@ -123,6 +123,42 @@ class SystemdLauncher(GuardedLauncher):
             was_running=active,
             extra={"dropin_dir": str(self.unit.dropin_dir), "url": self.url},
         )
+
+    def _check_service(self, *, restore: bool) -> None:
+        """systemctl reachable, the unit known, its ``ExecStart=`` readable; for a session also the
+        drop-in folder writable and the journal readable (``journalctl`` present, answering, and
+        journald running): a trial whose log cannot be read would miss OOM and invalid-flag lines."""
+        self.unit.exec_command()  # reaches systemctl, checks the unit exists and its command reads exactly
+        if not restore:
+            self.unit.check_writable()
+            self.unit.check_journal()
+
+    def _check_can_change(self) -> None:
+        try:
+            self.unit.check_writable()
+        except LaunchError as err:
+            raise ServiceControlError(
+                f"{err.message}; {self.unit.name} was not stopped for the trial",
+                hint=err.hint,
+            ) from err
+
+    def _check_can_put_back(self, state: SessionState) -> None:
+        current = self.unit.dropins()
+        stale = [n for n in current if n not in state.original_dropins and (n == TRIAL_DROPIN or "tuner" in n)]
+        differ = [n for n, text in state.original_dropins.items() if current.get(n) != text]
+        if not stale and not differ:
+            return
+        try:
+            self.unit.check_writable()
+        except LaunchError as err:
+            props = self.unit.properties()
+            serving = f"{props.active_state} with MainPID {props.main_pid}" if props.main_pid else props.active_state
+            what = ", ".join([f"remove {n}" for n in stale] + [f"rewrite {n}" for n in differ])
+            raise LaunchError(
+                f"cannot restore {self.unit.name}: {err.message} (to {what}); "
+                f"{self.unit.name} was left as it is ({serving}) and the state file {self.store.path} is kept",
+                hint=f"{err.hint}, then run 'tuner restore --unit {self.unit.name} --state-dir {self.state_dir}'",
+            ) from err
 
     def has_leftover_change(self) -> bool:
         return self.unit.read_dropin(TRIAL_DROPIN) is not None
@@ -203,7 +239,11 @@ class SystemdLauncher(GuardedLauncher):
     def _start_unit(self) -> None:
         """Start (after reset-failed) with a journal cursor and NRestarts baseline taken first."""
         self.unit.reset_failed()
-        self._cursor = self.unit.journal_cursor()
+        self._journal_error = ""
+        try:
+            self._cursor = self.unit.journal_cursor()
+        except LaunchError as err:
+            self._cursor, self._journal_error = "", f"the journal of {self.unit.name} stopped answering: {err.message}"
         self._restarts0 = self.unit.properties().n_restarts or 0
         self._stopped_by_us = False
         self.unit.start()
@@ -220,11 +260,11 @@ class SystemdLauncher(GuardedLauncher):
 
     def _poll(self) -> ServerPoll:
         props = self.unit.properties()
-        lines, self._cursor = self.unit.journal_after(self._cursor)
+        lines = self._read_journal()
         restarts = max(0, (props.n_restarts or 0) - self._restarts0)
         looping = props.sub_state == "auto-restart" or restarts > 0
         dead = props.active_state in _DEAD_STATES or looping
-        if dead:
+        if dead and not self._journal_error:
             lines += self._drain_journal()
         crash_loop = ""
         if looping:
@@ -242,14 +282,26 @@ class SystemdLauncher(GuardedLauncher):
             restarts=restarts,
             crash_loop=crash_loop,
             stopped_by_us=dead and self._stopped_by_us and not looping,
+            journal_error=self._journal_error,
         )
+
+    def _read_journal(self) -> list[str]:
+        """New journal lines since the cursor; a journalctl that fails sets ``_journal_error``."""
+        if self._journal_error:
+            return []
+        try:
+            lines, self._cursor = self.unit.journal_after(self._cursor)
+        except LaunchError as err:
+            self._journal_error = f"the journal of {self.unit.name} stopped answering: {err.message}"
+            return []
+        return lines
 
     def _drain_journal(self, rounds: int = 4, pause_s: float = 0.15) -> list[str]:
         """Read the journal until it stops growing (journald may lag the process's death)."""
         out: list[str] = []
         for _ in range(rounds):
             time.sleep(pause_s)
-            more, self._cursor = self.unit.journal_after(self._cursor)
+            more = self._read_journal()
             if not more:
                 break
             out += more

@@ -369,13 +369,15 @@ class SystemdUnit:
                               hint="check that the service manager is responsive") from err
         if check and proc.returncode != 0:
             detail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            tool = "journalctl" if prefix is self.journalctl else "systemctl"
             if "System has not been booted with systemd" in proc.stderr:
-                raise LaunchError(f"systemctl cannot reach systemd: {detail}", hint=_FIX_SYSTEMCTL)
+                raise LaunchError(f"{tool} cannot reach systemd: {detail}", hint=_FIX_SYSTEMCTL)
             if "Access denied" in proc.stderr or "Interactive authentication" in proc.stderr:
-                raise LaunchError(f"no permission for 'systemctl {' '.join(args)}': {detail}",
+                raise LaunchError(f"no permission for '{tool} {' '.join(args)}': {detail}",
                                   hint="run the tuner as root or grant it polkit rights for the unit")
-            raise LaunchError(f"'systemctl {' '.join(args)}' failed: {detail}",
-                              hint=f"see 'journalctl -u {self.name}'")
+            hint = ("check journald: systemctl status systemd-journald" if tool == "journalctl"
+                    else f"see 'journalctl -u {self.name}'")
+            raise LaunchError(f"'{tool} {' '.join(args)}' failed: {detail}", hint=hint)
         return proc
 
     def systemctl_run(self, *args: str, timeout_s: float | None = None) -> str:
@@ -526,15 +528,29 @@ class SystemdUnit:
     def check_writable(self) -> None:
         """Raise unless the tuner may create, replace and remove files in :attr:`dropin_folder`.
 
+        Changes nothing (``os.access``, and ``statvfs`` for a read-only mount).
+
         Raises:
-            LaunchError: The folder (or its parent, when it does not exist yet) is not writable.
+            LaunchError: The folder (or its parent, when it does not exist yet) is missing, on a
+                read-only file system, or not writable by this user; the message names it.
         """
         target = self.dropin_folder if self.dropin_folder.exists() else self.dropin_dir
-        if not target.is_dir() or not os.access(target, os.W_OK | os.X_OK):
-            raise LaunchError(
-                f"no permission to write drop-ins in {target}",
-                hint="run the tuner as root, or set service.dropin_dir to the folder holding the unit",
-            )
+        if not target.is_dir():
+            raise LaunchError(f"the drop-in folder {target} does not exist",
+                              hint="set service.dropin_dir to the folder holding the unit (/etc/systemd/system)")
+        if os.access(target, os.W_OK | os.X_OK):
+            return
+        try:
+            read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        if read_only:
+            raise LaunchError(f"cannot write drop-ins in {target}: read-only file system",
+                              hint=f"remount it read-write (mount -o remount,rw on the mount holding {target})")
+        raise LaunchError(
+            f"no permission to write drop-ins in {target}",
+            hint="run the tuner as root, or set service.dropin_dir to the folder holding the unit",
+        )
 
     def write_dropin(self, filename: str, text: str) -> Path:
         """Write ``<unit>.d/<filename>`` atomically, creating the folder if needed.
@@ -629,8 +645,44 @@ class SystemdUnit:
         return f"line:{len(self._unit_lines_plain())}"
 
     def _unit_lines_plain(self) -> list[str]:
-        proc = self._run(self.journalctl, ["-u", self.name, "--no-pager"], check=False)
-        return proc.stdout.splitlines() if proc.returncode == 0 else []
+        return self._run(self.journalctl, ["-u", self.name, "--no-pager"]).stdout.splitlines()
+
+    def check_journal(self) -> None:
+        """Refuse, changing nothing, a journal the tuner could not read a trial's log from.
+
+        Runs ``journalctl -n 1 --show-cursor`` (real journald; then ``systemd-journald`` must be
+        active, or no line reaches the journal) or, for managers without cursors (the emulator),
+        ``journalctl -u UNIT``.
+
+        Raises:
+            LaunchError: journalctl is missing, exits non-zero, or journald is not running.
+        """
+        cmd = " ".join(self.journalctl)
+        fix = "set service.journalctl to a working journalctl (e.g. [\"journalctl\"]) and check journald"
+        try:
+            proc = self._run(self.journalctl, ["-n", "1", "--show-cursor", "-o", "cat", "--no-pager"], check=False)
+            if proc.returncode == 0 and _last_cursor(proc.stdout):
+                state = self.show_unit("systemd-journald.service", "ActiveState").get("ActiveState", "")
+                if state not in ("active", "reloading"):
+                    raise LaunchError(f"journald is not running (systemd-journald.service is {state or 'unknown'}): "
+                                      f"no log line of {self.name} would reach the tuner",
+                                      hint="start it: systemctl start systemd-journald")
+                return
+            self._run(self.journalctl, ["-u", self.name, "-n", "1", "--no-pager"])
+        except LaunchError as err:
+            if "journald is not running" in str(err):
+                raise
+            raise LaunchError(f"the journal of {self.name} cannot be read with {cmd!r}: {err.message}",
+                              hint=fix) from err
+
+    def show_unit(self, unit: str, *props: str) -> dict[str, str]:
+        """``systemctl show -p A,B UNIT`` for another unit (e.g. journald) as a dict.
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        out = self.systemctl_run("show", "-p", ",".join(props), unit)
+        return {k: v for k, sep, v in (line.partition("=") for line in out.splitlines()) if sep}
 
     def journal_after(self, cursor: str) -> tuple[list[str], str]:
         """The unit's journal lines after ``cursor`` (message text only), and the new cursor.

@@ -203,13 +203,14 @@ def _figure_html(fig: go.Figure | str, div_id: str) -> str:
 
 def _trial_rows_html(stored: StoredStudy) -> str:
     params = key_params(stored.trials)
-    heads = ["#", "state", "kind", *params, *[METRICS[m][0] for m in TABLE_METRICS]]
+    hosts = len({v.host for v in stored.trials if v.host}) > 1  # a study shared by many hosts
+    heads = ["#", *(["host"] if hosts else []), "state", "kind", *params, *[METRICS[m][0] for m in TABLE_METRICS]]
     heads += ["feasible", "failure"]
     out = ['<div style="overflow-x:auto"><table><thead><tr>']
     out += [f"<th>{html.escape(h)}</th>" for h in heads]
     out.append("</tr></thead><tbody>")
     for view in stored.trials:
-        cells = [str(view.number), view.state, view.kind or "-"]
+        cells = [str(view.number), *([view.host or "-"] if hosts else []), view.state, view.kind or "-"]
         cells += [cell(view.params.get(p)) for p in params]
         cells += [cell(view.metric(m)) for m in TABLE_METRICS]
         cells += ["yes" if view.feasible else "no", status_text(view)]

@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +28,7 @@ from tuner.load import LoadSummary, MaxLoadResult
 from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect
 from tuner.study.best import max_running_requests_cut
 
-__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ _SHORT = MappingProxyType({
 
 
 def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Table:
-    """The ``tuner trials`` table: number, state, kind, key params, capacities, throughput, p99
-    TTFT/ITL, feasible, failure class (or which constraint failed).
+    """The ``tuner trials`` table: number, host (when the study's trials ran on more than one),
+    kind, key params, capacities, throughput, p99 TTFT/ITL, feasible, failure class (or which
+    constraint failed).
 
     Headers are short (:data:`_SHORT`); the caption maps them to SGLang field names and units.
     """
@@ -165,7 +167,10 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         collapse_padding=True,
         pad_edge=False,
     )
+    hosts = len({v.host for v in trials if v.host}) > 1  # a study shared by many hosts
     table.add_column("#", justify="right", no_wrap=True)
+    if hosts:
+        table.add_column("host", no_wrap=True)
     table.add_column("kind", no_wrap=True)
     for name in params:
         table.add_column(_SHORT.get(name, name), justify="right")
@@ -177,6 +182,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         style = None if view.feasible else ("red" if view.failed else "yellow")
         table.add_row(
             str(view.number),
+            *([view.host or "-"] if hosts else []),
             _kind(view),
             *[_text(view.params.get(p)) for p in params],
             *[_text(view.metric(m)) for m in TABLE_METRICS],
@@ -209,7 +215,7 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
     """``tuner trials --csv``: one row per trial; params as ``param.<name>`` columns."""
     params = key_params(trials)
     fields = ["number", "state", "kind", "outcome", *[f"param.{p}" for p in params], *METRICS]
-    fields += ["feasible", "failure_class", "started_at"]
+    fields += ["feasible", "failure_class", "started_at", "host"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
@@ -249,20 +255,14 @@ def _memory_rows(memory: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _waterfall(memory: dict[str, Any]) -> Any:
-    """The memory waterfall of ``tuner explain`` when :mod:`tuner.sglang.explain` can render a
-    stored memory report, else a flat table of the report's fields."""
+    """The memory waterfall of ``tuner explain`` for a stored memory report, else a flat table of
+    the report's fields (a report stored by an older version that does not validate)."""
+    from tuner.report.explain import waterfall_table
+
     try:
-        from tuner.sglang import (
-            explain,  # optional: owned by the SGLang-knowledge issue
-        )
-    except ImportError:
-        explain = None  # type: ignore[assignment]  # the optional-import idiom: a module or None
-    render = getattr(explain, "waterfall_table", None) if explain is not None else None
-    if render is not None:
-        try:
-            return render(memory)
-        except (TypeError, ValueError, KeyError) as err:
-            logger.debug("explain.waterfall_table could not render the stored report: %s", err)
+        return waterfall_table(memory)
+    except (TypeError, ValueError, KeyError) as err:
+        logger.debug("explain.waterfall_table could not render the stored report: %s", err)
     return _kv_table("memory (as stored)", _memory_rows(memory), "field", "value")
 
 
@@ -286,6 +286,22 @@ def _phases_table(view: TrialView) -> Table:
     return table
 
 
+_CONTROL = re.compile(
+    r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"   # OSC (window title, hyperlink) to BEL or ST
+    r"|\x1b[P^_X][^\x1b]*(?:\x1b\\)?"         # DCS, PM, APC, SOS strings
+    r"|\x1b\[[0-?]*[ -/]*[@-~]"               # CSI (colours, cursor moves, clear screen)
+    r"|\x1b[ -/]*[0-~]?"                       # other escapes (charset, keypad, a lone ESC)
+    r"|\x9b[0-?]*[ -/]*[@-~]"                  # 8-bit CSI
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"         # the other C0/C1 controls (tab and newline stay)
+)
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` without terminal control sequences (ANSI colours, OSC titles and hyperlinks, cursor
+    moves, backspaces): server text (log lines, evidence, argv) must never drive the terminal."""
+    return _CONTROL.sub("", text)
+
+
 def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
     """``tuner show N``: params, resolved values, the memory waterfall, each load phase, the
     failure and its evidence, the log excerpt, and artifact paths."""
@@ -294,6 +310,8 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
     head.append(f"trial {view.number}", style="bold")
     head.append(f"  {view.state}  kind={view.kind or '-'}  outcome={view.outcome or '-'}  ")
     head.append("feasible" if view.feasible else "infeasible", "green" if view.feasible else "red")
+    if view.host:
+        head.append(f"  host {view.host}")
     if view.started_at:
         head.append(f"  started {view.started_at}")
     if rec and rec.duration_s is not None:
@@ -323,16 +341,16 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
         text.append(rec.failure_class.value if rec.failure_class else "?")
         if rec.failure_evidence:
             text.append("\nevidence: ", style="bold")
-            text.append(rec.failure_evidence)
+            text.append(terminal_safe(rec.failure_evidence))
         parts.append(text)
     if rec.skipped_reason:
         proof = f" (proved by trial {rec.proved_by_trial})" if rec.proved_by_trial is not None else ""
         parts.append(Text(f"skipped: {rec.skipped_reason}{proof}", style="yellow"))
     if rec.argv:
-        parts.append(Panel(Text(" ".join(rec.argv)), title="command line", title_align="left"))
+        parts.append(Panel(Text(terminal_safe(" ".join(rec.argv))), title="command line", title_align="left"))
     if rec.log_excerpt:
         parts.append(
-            Panel(Text("\n".join(rec.log_excerpt)), title="log excerpt", title_align="left")
+            Panel(Text(terminal_safe("\n".join(rec.log_excerpt))), title="log excerpt", title_align="left")
         )
     if rec.artifacts:
         rows = []

@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = [
     # failures
-    "FailureClass", "Failure", "STARTUP_MEMORY_FAILURES",
+    "FailureClass", "Failure", "Lever", "LEVERS", "STARTUP_MEMORY_FAILURES", "RESERVE_FAILURES", "KV_SHORT_FAILURES",
     # logs
     "RankMemory", "SchedulerInfo", "LogReport", "LogWatcher", "parse_log", "read_log", "classify", "outcome_of",
     # memory, model config
@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 _HOME = {
-    "FailureClass": "failures", "Failure": "failures", "STARTUP_MEMORY_FAILURES": "failures",
+    "FailureClass": "failures", "Failure": "failures", "STARTUP_MEMORY_FAILURES": "failures", "Lever": "failures",
+    "LEVERS": "failures", "RESERVE_FAILURES": "failures", "KV_SHORT_FAILURES": "failures",
     "RankMemory": "logs", "SchedulerInfo": "logs", "LogReport": "logs", "LogWatcher": "logs", "parse_log": "logs",
     "read_log": "logs", "classify": "logs", "outcome_of": "logs",
     "ModelArch": "modelconfig", "load_model_config": "modelconfig",

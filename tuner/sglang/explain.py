@@ -5,7 +5,8 @@ journal, a running server's ``/get_server_info``) and, optionally, the model's `
 It holds the memory waterfall (``shared/sglang-reference.md`` §1.2, §1.6, §4.2), the capacity
 limit (§2.3, §8), predictions at other fractions (§1.8, :mod:`tuner.sglang.memory`) and the known
 traps with their evidence. ``--json`` prints :meth:`Explanation.model_dump`; the schema is in
-``docs/explain-schema.md``. :func:`renderables` gives the rich text view the CLI prints.
+``docs/explain-schema.md``. The rich text view is :mod:`tuner.report.explain` (print and rich
+belong to the CLI and report layers).
 """
 
 from __future__ import annotations
@@ -18,14 +19,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
 
 from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
-from tuner.sglang.failures import Failure, FailureClass
-from tuner.sglang.logs import LogReport, parse_log_bytes
+from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
+from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
     KVCapacityModel,
@@ -47,10 +45,8 @@ __all__ = [
     "Explanation",
     "explain",
     "read_journal",
-    "renderables",
     "explain_from",
     "waterfall_steps",
-    "waterfall_table",
 ]
 
 SCHEMA_VERSION = 1
@@ -142,6 +138,8 @@ class Trap(BaseModel):
     detail: str
     evidence: list[str] = Field(default_factory=list)
     fix: str | None = None
+    lever: Lever | None = None
+    """The knob this trap says to move, which way and why (``None``: informational)."""
 
 
 class Explanation(BaseModel):
@@ -157,6 +155,11 @@ class Explanation(BaseModel):
     """``ready``: a ready line, batch lines, or a live server; ``failed``: a classified failure;
     ``starting``: startup lines without a ready line (or a partial log); ``unknown``: neither."""
     failure: Failure | None
+    diagnosis: Failure | None = None
+    """The failure, else the soft diagnosis of a server that kept running (``retraction_storm``);
+    ``failure_class``, ``phase`` and the quoted ``evidence`` line."""
+    lever: Lever | None = None
+    """The one knob to move first, which way and why: the diagnosis's, else the first trap's."""
     settings: dict[str, Setting]
     waterfall: list[WaterfallStep]
     capacity: Capacity
@@ -165,6 +168,13 @@ class Explanation(BaseModel):
     traps: list[Trap]
     findings: list[str]
     warnings: list[str]
+    logged: dict[str, list[LoggedLine]] = Field(default_factory=dict)
+    """Every number of every recognised line per rank prefix (``""``: no prefix), as printed
+    (value and unit), plus each rank's last prefill and decode batch line."""
+    oom: OOMDetail | None = None
+    """The numbers of a CUDA/HIP OOM message (MiB / GiB converted; ``logged`` has them as printed)."""
+    kv_shortfall: KVShortfall | None = None
+    """The KV allocator's page shortfall (tokens asked, available, evictable), if logged."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,8 +338,10 @@ def explain(
         settings["context_len"] = Setting(value=model.max_position_embeddings, source="model_config")
     if sched and sched.chunked_prefill_size is not None:
         settings["chunked_prefill_size"] = Setting(value=sched.chunked_prefill_size, source="log:scheduler")
-    if prim and prim.cuda_graph_max_bs is not None:
-        settings["cuda_graph_max_bs"] = Setting(value=prim.cuda_graph_max_bs, source="log:capture bs list")
+    if sched and sched.max_prefill_tokens is not None:
+        settings["max_prefill_tokens"] = Setting(value=sched.max_prefill_tokens, source="log:scheduler")
+    if report is not None and report.cuda_graph_max_bs is not None:
+        settings["cuda_graph_max_bs"] = Setting(value=report.cuda_graph_max_bs, source="log:capture bs list")
     ctx = _val(settings, "context_len")
     if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx:
         version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
@@ -390,9 +402,11 @@ def explain(
 
     waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
     capacity = _capacity(tokens, mrr, ctx)
-    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions)
+    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions,
+                               failed=report.failure if report else None)
     traps = _traps(report, info, kv_model, settings, tokens, mrr, ctx, mfs, tp, prim)
     traps += _metric_traps(metrics or {})
+    traps.sort(key=lambda t: _TRAP_ORDER.get(t.id, 50))
     findings += _findings(kv_model, capacity, mfs, traps)
     if metrics:
         live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
@@ -419,11 +433,41 @@ def explain(
         }
     elif cell:
         model_out = {"source": None, "cell_bytes": cell, "cell_source": cell_source}
+    if report is not None and report.weights_committed_after_capture and prim is not None and prim.weight_gib is None:
+        warnings.append("weights were loaded in 0.5.23's overlap mode ('Load weight end. Committed real weights ...'): the log "
+                        "prints no weight memory, so W and the baseline split are unknown")
+    diagnosis = report.diagnosis if report else None
     return Explanation(
         sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
-        state=state, failure=failure, settings=settings, waterfall=waterfall, capacity=capacity, model=model_out,
-        predictions=predictions, traps=traps, findings=findings, warnings=warnings,
+        state=state, failure=failure, diagnosis=diagnosis, lever=_pick_lever(diagnosis, traps), settings=settings, waterfall=waterfall,
+        capacity=capacity, model=model_out, predictions=predictions, traps=traps, findings=findings, warnings=warnings,
+        logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
+        kv_shortfall=report.kv_shortfall if report else None,
     )
+
+
+_TRAP_ORDER = {"failure": 0, "retractions": 1, "kv_pool_nearly_full": 2, "context_exceeds_pool": 3, "after_pool_allocation": 4,
+               "cuda_graph_bs_below_max_running_requests": 5, "idle_reserve": 6}
+"""Which trap's lever comes first when there is no failure (most binding first); unlisted traps after."""
+
+
+def _pick_lever(diagnosis: Failure | None, traps: Sequence[Trap]) -> Lever | None:
+    """The diagnosis's lever, unless it names no knob (a crash) and a trap does; else the first
+    trap (in :data:`_TRAP_ORDER`) with a lever of severity warning or error."""
+    first = None
+    for t in traps:
+        if t.lever is None:
+            continue
+        if t.id in ("failure", "retractions") and diagnosis is not None:
+            if t.lever.knob is not None:
+                return t.lever
+            first = first or t.lever
+            continue
+        if t.severity != "info":
+            return t.lever
+    if first is not None:
+        return first
+    return LEVERS[diagnosis.failure_class] if diagnosis is not None else None
 
 
 def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,
@@ -441,9 +485,24 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
         add(WaterfallStep(item="weights", label="weights (W)", gib=weight, source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
     kv = prim.kv_pool_gib if prim and prim.kv_pool_gib is not None else (info.kvcache_gib if info else None)
     if kv is not None or tokens is not None:
-        add(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=tokens, source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info"))
+        add(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=tokens, source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info",
+                          note=f"K {prim.k_size_gib} + V {prim.v_size_gib} GiB" if prim and prim.k_size_gib is not None else None))
+    if prim is not None and prim.kv_pool_gib is None and prim.kv_pool_consumed_gib is not None:
+        add(WaterfallStep(item="pool_drop", label="free memory taken by init_memory_pool (KV pool + req_to_token)", gib=prim.kv_pool_consumed_gib,
+                          source="derived: Load weight end − Memory pool end avail mem", note="the log prints no KV size line"))
+    state = prim.mamba_cache_gib if prim else None
+    if state is not None:
+        add(WaterfallStep(item="state_pool", label="hybrid state pool (Mamba/GDN conv + ssm state)", gib=state, source="log:Mamba Cache is allocated",
+                          note="carved out of the static budget before the KV pool (§1.2)"))
+    if prim and prim.swa_pool_gib is not None:
+        add(WaterfallStep(item="swa_pool", label="sliding-window KV pool (hybrid SWA)", gib=prim.swa_pool_gib, tokens=prim.swa_tokens, source="log:SWAKVPool mem usage"))
+    draft = _draft_of(report, prim)
+    if draft is not None and draft.kv_pool_gib is not None and report is not None and _draft_in_budget(report):
+        add(WaterfallStep(item="draft_kv_pool", label="draft model's KV pool (inside the profiled budget, 0.5.16+)", gib=round(draft.kv_pool_gib, 2),
+                          tokens=draft.kv_tokens, source="log:KV Cache is allocated (second line)",
+                          note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
     if m is not None and mfs is not None and weight is not None and kv is not None:
-        other = mfs * m.baseline_gib - weight - kv
+        other = mfs * m.baseline_gib - weight - kv - (state or 0.0)
         add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
                           note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
     if m is not None and mfs is not None:
@@ -456,38 +515,95 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
     elif info and info.graph_gib is not None:
         add(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=info.graph_gib, source="server_info"))
     draft_in_reserve = 0.0
-    if prim and prim.draft is not None:
-        d = prim.draft
-        if report is not None and report.version_format == "0.5.23":
-            # 0.5.23 loads the draft before profiling (its weights are static, in "other static")
+    if draft is not None:
+        d = draft
+        if report is not None and _draft_in_budget(report):
+            # 0.5.16+ loads the draft before profiling (its weights are static, in "other static")
             # and counts its KV in the target's cell; only its graphs come out of the reserve (§1.5).
-            add(WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
-                              gib=d.graph_gib, source="log:Capture draft ... end", note=f"draft weights {d.weight_gib} GiB counted before profiling"))
+            if d.graph_gib is not None:
+                add(WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
+                                  gib=d.graph_gib, source="log:Capture draft ... end",
+                                  note=f"draft weights {d.weight_gib} GiB counted before profiling" if d.weight_gib is not None else None))
         else:
             draft_in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
             total = draft_in_reserve + (d.graph_gib or 0.0)
+            parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
             add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
-                              source="log:draft Load weight/KV/Capture", note=f"weights {d.weight_gib}, KV {d.kv_pool_gib}, graphs {d.graph_gib}"))
+                              source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)"))
     if m is not None and m.other_reserve_gib is not None:
         add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft_in_reserve, 2) + 0.0, source="derived"))
+    after_pool = _after_pool_drop(report, prim)
+    if after_pool is not None:
+        gib, src, note = after_pool
+        add(WaterfallStep(item="after_pool_allocation", label="taken after the KV pool, before graph capture (attention workspace, buffers)",
+                          gib=gib, source=src, note=note))
     free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
     free_src = "log:scheduler available_gpu_mem"
-    if free is None and prim is not None:
-        draft_end = prim.draft.graph_end_avail_gib if prim.draft else None
+    pending = report is not None and report.scheduler is None and not report.ready and report.last_phase == "capture"
+    if free is None and prim is not None and not pending:
+        draft_end = draft.graph_end_avail_gib if draft else None
         free = draft_end if draft_end is not None else prim.graph_end_avail_gib  # the last capture of the start
         free_src = "log:Capture ... end avail mem"
     if free is None and info and info.startup_available_gib is not None:
         free, free_src = info.startup_available_gib, "server_info:startup_available"
     if free is not None:
         add(WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src))
+    elif pending and report is not None:
+        last = report.capture_progress_avail_gib
+        src = "log:Capturing batches avail_mem"
+        if last is None and prim is not None:
+            last = prim.graph_end_avail_gib if prim.graph_end_avail_gib is not None else prim.graph_begin_avail_gib
+            src = "log:Capture ... avail mem"
+        if last is not None:
+            add(WaterfallStep(item="free_so_far", label="free at the last capture line (capture still pending: not the runtime headroom)",
+                              gib=last, source=src, note="the log ends before the scheduler line; later graphs and buffers come out of this"))
     return steps
+
+
+def _draft_of(report: LogReport | None, prim: Any) -> Any:
+    """The draft model's lines: the binding rank's, else any rank's (each rank prints its own)."""
+    if prim is not None and prim.draft is not None:
+        return prim.draft
+    if report is None:
+        return None
+    return next((r.draft for r in report.ranks.values() if r.draft is not None), None)
+
+
+def _draft_in_budget(report: LogReport) -> bool:
+    """0.5.16+ sizes the draft's KV inside the profiled budget (the target's cell grows, §1.5); before,
+    the draft's weights and KV come out of the reserve."""
+    return report.version_format in ("0.5.16", "0.5.23")
+
+
+AFTER_POOL_GIB = 2.0
+"""A drop of free memory between ``Memory pool end`` and the first graph-capture line above which
+something large was allocated outside the budget (attention workspace such as AITER's, §1.6)."""
+
+
+def _after_pool_drop(report: LogReport | None, prim: Any) -> tuple[float, str, str] | None:
+    """``(GiB, source, note)`` of what was allocated after the (last) KV pool and before graph
+    capture: ``Memory pool end`` avail minus the first capture line's avail, when ≥ 1 GiB."""
+    if report is None or prim is None:
+        return None
+    draft = prim.draft
+    pool_end = draft.memory_pool_end_avail_gib if draft is not None and draft.memory_pool_end_avail_gib is not None else prim.memory_pool_end_avail_gib
+    if pool_end is None:
+        return None
+    begin, src, note = prim.graph_begin_avail_gib, "log:Memory pool end − Capture ... begin avail mem", "nothing of graphs yet"
+    if begin is None and report.capture_progress_avail_gib is not None:
+        begin, src = report.capture_progress_avail_gib, "log:Memory pool end − Capturing batches avail_mem"
+        note = "includes the graphs captured so far"
+    if begin is None or pool_end - begin < 1.0:
+        return None
+    return round(pool_end - begin, 2), src, note
 
 
 def _capacity(tokens: int | None, mrr: int | None, ctx: int | None) -> Capacity:
     if not tokens or tokens <= 0:
         return Capacity(max_total_num_tokens=tokens, effective_max_running_requests=mrr, context_len=ctx, max_req_input_len=None,
                         kv_bound_above_tokens=None, limit="unknown", statement="no KV pool size in the input")
-    lengths = sorted({n for n in (1024, 4096, 8192, 32768, ctx) if n})
+    # A request longer than the context length is rejected, never resident (§1.4): no row for it.
+    lengths = sorted({n for n in (1024, 4096, 8192, 32768, ctx) if n and (not ctx or n <= ctx)})
     fits = []
     for n in lengths:
         by_kv = tokens // n
@@ -512,9 +628,14 @@ def _capacity(tokens: int | None, mrr: int | None, ctx: int | None) -> Capacity:
 
 
 def _predictions(m: KVCapacityModel | None, mfs: float | None, mrr: int | None, ctx: int | None, page: int,
-                 graph_bs: int | None, fractions: Sequence[float] | None) -> list[Prediction]:
+                 graph_bs: int | None, fractions: Sequence[float] | None, failed: Failure | None = None) -> list[Prediction]:
+    """Pool and headroom at fractions around ``mfs``. A start that failed from the reserve at
+    ``mfs`` (``cuda_graph_oom``, ``startup_oom``) fails at every higher fraction too (§1.6): those
+    rows say ``starts: false`` whatever the headroom arithmetic says (it cannot see an allocation
+    the log does not print, e.g. an attention workspace)."""
     if m is None or mfs is None:
         return []
+    reserve_failed = failed is not None and failed.failure_class in (FailureClass.CUDA_GRAPH_OOM, FailureClass.STARTUP_OOM)
     mfs = float(mfs)
     if fractions is None:
         fractions = [mfs + d for d in (-0.04, -0.02, 0.0, 0.01, 0.02, 0.04, 0.05)]
@@ -529,7 +650,10 @@ def _predictions(m: KVCapacityModel | None, mfs: float | None, mrr: int | None, 
             free = m.headroom_gib(f, max_running_requests=mrr, context_len=ctx, cuda_graph_max_bs=graph_bs)
         starts = t > 0 and (free is None or free > 0)
         note = None
-        if t <= 0:
+        if reserve_failed and f >= float(mfs) - 1e-9:
+            starts = False
+            note = f"the log's start failed at {float(mfs):g} ({failed.failure_class.value}); a higher fraction leaves a smaller reserve"  # type: ignore[union-attr]
+        elif t <= 0:
             note = "startup KV OOM: Not enough memory (§4.3)"
         elif free is not None and free <= 0:
             note = "no room for graphs/activations: CUDA-graph or runtime OOM"
@@ -559,7 +683,8 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
         traps.append(_failure_trap(report.failure, m, report, mfs))
     # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
     if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
-        after = m.baseline_gib - prim.weight_gib
+        # What was left after the weights: the logged 'Load weight end' avail mem where printed, not B − W.
+        after = prim.weight_end_avail_gib if prim.weight_end_avail_gib is not None else m.baseline_gib - prim.weight_gib
         wrong = float(mfs) * after
         traps.append(Trap(
             id="fraction_misread", severity="info",
@@ -581,6 +706,9 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
                     f"would add ≈{hundredths * m.tokens_per_hundredth():,.0f} tokens; the safe ceiling is the activation peak of the "
                     "largest prefill chunk, found under a stress load (tuner run)."),
             evidence=[f"available_gpu_mem={free:.2f} GB"], fix="raise --mem-fraction-static step by step under peak-prefill load (tuner run does this)",
+            lever=Lever(knob="mem_fraction_static", direction="raise",
+                        why=f"{free:.2f} GiB sits idle after graphs; each +0.01 turns {m.baseline_gib / 100:.2f} GiB of it into "
+                            f"≈{m.tokens_per_hundredth():,.0f} KV tokens (raise under peak-prefill load, keeping the activation peak)"),
         ))
     graph_bs = _val(settings, "cuda_graph_max_bs")
     if graph_bs and mrr and graph_bs < mrr:
@@ -603,6 +731,8 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             title=f"CUDA graphs cover decode batches up to {graph_bs}, but up to {mrr} requests are admitted",
             detail="Decode batches above the largest captured size run eagerly and slower, so the batch grows and stays large (case-21)." + note,
             evidence=ev, fix="raise --cuda-graph-max-bs (0.5.23: --cuda-graph-max-bs-decode); graphs for 128 cost ~0.15 GB on a small model",
+            lever=Lever(knob="cuda_graph_max_bs", direction="raise",
+                        why=f"decode batches above {graph_bs} run without CUDA graphs while up to {mrr} requests are admitted (slow, and the batch stays large)"),
         ))
     if report is not None and report.host_pool_gb is not None:
         ranks = report.host_pool_ranks
@@ -615,6 +745,8 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
                    + _prefix_tier_words(report, m, tokens),
             evidence=[f"Allocating {report.host_pool_gb:.2f} GB host memory ({', '.join(r or 'no rank' for r in ranks)})"],
             fix="size --hicache-size as (host RAM budget) / tp",
+            lever=Lever(knob="hicache_size", direction="lower",
+                        why=f"each of the {n} ranks pins its own {report.host_pool_gb:g} GB host pool: size it as (host RAM budget) / {n}"),
         ))
     spec = _val(settings, "speculative_algorithm")
     if (report is not None and report.max_running_requests_reset_for_speculative) or (spec and mrr == 48 and _val(settings, "max_running_requests") in (None, 48)):
@@ -624,6 +756,7 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             detail="With --speculative-algorithm and no --max-running-requests, SGLang admits at most 48 requests (§1.5), whatever the KV pool holds.",
             evidence=["Max running requests is reset to 48 for speculative decoding" if report and report.max_running_requests_reset_for_speculative else f"speculative_algorithm={spec}, max_running_requests=48"],
             fix="set --max-running-requests explicitly",
+            lever=Lever(knob="max_running_requests", direction="set", why="speculative decoding without --max-running-requests admits at most 48 requests (§1.5)"),
         ))
     if report is not None and report.max_total_tokens_requested is not None:
         prof = report.max_total_tokens_profiled
@@ -654,13 +787,39 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             detail=("The longest accepted input is min(context_len − 1, max_total_num_tokens − 1) − 5"
                     + (f" = {max_req_input_len(tokens, ctx):,} tokens" if ctx and tokens else "") + ", so long requests are rejected although --context-length accepts them (§1.4, case-26)."),
             evidence=ev, fix="enlarge the KV pool (higher --mem-fraction-static, more GPUs, fp8 KV) or lower --context-length to what fits",
+            lever=Lever(knob="context_length", direction="lower",
+                        why=(f"the pool holds {tokens:,} tokens, so inputs over {max_req_input_len(tokens, ctx):,} are rejected although context_len is {ctx:,}; "
+                             if ctx and tokens else "requests longer than the pool allows were rejected; ")
+                            + "lower --context-length to what fits, or enlarge the pool (a higher fraction, fp8 KV, more GPUs)"),
         ))
     if report is not None and report.retractions:
-        n = sum(r.retracted_reqs for r in report.retractions)
+        traps.append(_retraction_trap(report, tokens))
+    elif report is not None and (report.batch_summary.max_token_usage or 0.0) >= 0.9:
+        usage = report.batch_summary.max_token_usage or 0.0
+        last = next((b for b in reversed(report.batches) if b.kind == "decode"), None)
         traps.append(Trap(
-            id="retractions", severity="warning", title=f"the KV pool filled up: {len(report.retractions)} retraction(s), {n} request(s) retracted",
-            detail="Retraction is the soft signal that KV capacity binds (§4.4, §8); decode slows while requests are re-queued (case-27).",
-            evidence=[f"KV cache pool is full. Retract requests. #retracted_reqs: {report.retractions[-1].retracted_reqs}"],
+            id="kv_pool_nearly_full", severity="warning", title=f"the KV pool was nearly full: token usage reached {usage:.2f}",
+            detail="Near a full pool the scheduler retracts requests and decode slows while they are re-run (§4.4, case-27).",
+            evidence=[f"token usage {usage:.2f}" + (f", #running-req {last.running_req}, #token {last.num_token}" if last else "")],
+            lever=_kv_full_lever(last.running_req if last else None, last.num_token if last else None, usage),
+        ))
+    if report is not None and report.kv_shortfall is not None and report.failure is None:
+        traps.append(_shortfall_trap(report, settings))
+    after_pool = _after_pool_drop(report, prim)
+    if after_pool is not None and after_pool[0] >= AFTER_POOL_GIB:
+        gib, _src, _note = after_pool
+        rocm = report is not None and report.oom is not None and report.oom.vendor == "hip"
+        traps.append(Trap(
+            id="after_pool_allocation", severity="warning",
+            title=f"{gib:.2f} GiB was allocated after the KV pool and before graph capture",
+            detail=("Something outside the profiled budget took it from the (1 − mem_fraction_static) reserve: usually an attention "
+                    "backend's workspace (on ROCm the AITER backend sizes its buffers from max_total_num_tokens or the context "
+                    "length, §1.6)" + (" — the OOM was a HIP OOM" if rocm else "") + ". Graphs, the req_to_token table and "
+                    "activations must fit what is left; predictions at higher fractions cannot see this allocation."),
+            evidence=[f"Memory pool end ... avail mem → first capture line: −{gib:.2f} GB"],
+            lever=Lever(knob="mem_fraction_static", direction="lower",
+                        why=f"{gib:.2f} GiB allocated after the pool comes out of the reserve; a lower fraction (or --max-total-tokens, "
+                            "or a shorter --context-length for a workspace sized by it) leaves room for it"),
         ))
     if report is not None and report.max_running_requests_reduced_to is not None:
         traps.append(Trap(
@@ -693,6 +852,9 @@ _FIXES = {
     FailureClass.HOST_MEMORY: "lower --hicache-size / --hicache-ratio (per rank) to fit host RAM",
     FailureClass.UNBALANCED_MEMORY: "another process holds GPU memory; free it (wait for a stopped server to exit)",
     FailureClass.RUNTIME_OOM: "lower --chunked-prefill-size or --mem-fraction-static to leave activation headroom",
+    FailureClass.STARTUP_OOM: "lower --mem-fraction-static to leave a larger reserve (the log does not show the phase)",
+    FailureClass.KV_PAGE_SHORTFALL: "a smaller --page-size, fewer running requests, or more KV; not a lower fraction",
+    FailureClass.RETRACTION_STORM: "more KV (a higher fraction, fp8 KV) when few long requests fill the pool, else admit fewer",
     FailureClass.REQUEST_SLOT_EXHAUSTION: "the req_to_token pool ran out of request slots; see the SGLang issue for your version",
     FailureClass.INVALID_ARGUMENTS: "fix the flag for this SGLang version (tuner knows each version's spellings)",
     FailureClass.STARTUP_TIMEOUT: "raise the start timeout, or look for a hang in the log",
@@ -709,6 +871,10 @@ _MEANING = {
     FailureClass.HOST_MEMORY: "the hierarchical cache's host pool (per rank) did not fit host RAM (§7)",
     FailureClass.UNBALANCED_MEMORY: "free memory differed between GPUs at startup (§1.1)",
     FailureClass.RUNTIME_OOM: "CUDA ran out of memory while serving: activations outgrew the headroom (§4.4)",
+    FailureClass.STARTUP_OOM: ("the GPU ran out of memory before the server was ready, and the log shows no startup phase line or known frame; "
+                               "nothing of serving either, so it is a startup OOM (§4.3)"),
+    FailureClass.KV_PAGE_SHORTFALL: "the KV allocator had no free pages for the batch; this is KV-pool accounting, not CUDA memory (§4.4)",
+    FailureClass.RETRACTION_STORM: "the KV pool was full and the scheduler retracted running requests (§4.4)",
     FailureClass.REQUEST_SLOT_EXHAUSTION: "the req_to_token pool had no request slot left (§4.4, case-29)",
     FailureClass.INVALID_ARGUMENTS: "the command line was rejected",
     FailureClass.STARTUP_TIMEOUT: "no ready line within the start timeout",
@@ -737,14 +903,24 @@ def _reserve_fix(report: LogReport | None, m: KVCapacityModel | None, mfs: float
 
 
 def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None, mfs: float | None = None) -> Trap:
-    fix = _FIXES.get(failure.failure_class)
-    detail = _MEANING.get(failure.failure_class, failure.failure_class.value) + "."
+    """The ``failure`` trap: what the class means, the phase, the quoted evidence line, and the lever
+    with the log's numbers (§4.3, §4.4)."""
+    cls = failure.failure_class
+    fix = _FIXES.get(cls)
+    detail = _MEANING.get(cls, cls.value) + "."
     site = report.failure_site if report else None
-    if failure.failure_class is FailureClass.CUDA_GRAPH_OOM:
+    lever = LEVERS[cls]
+    oom = report.oom if report else None
+    if cls in (FailureClass.CUDA_GRAPH_OOM, FailureClass.STARTUP_OOM):
         fix = _reserve_fix(report, m, mfs)
-    if failure.failure_class is FailureClass.RUNTIME_OOM and report is not None and not report.ready and not report.batch_summary.prefill_lines:
+        lever = Lever(knob="mem_fraction_static", direction="lower", why=fix)
+    if cls is FailureClass.STARTUP_OOM and oom is not None and oom.tried_to_allocate_mib is not None and oom.total_capacity_gib is not None:
+        if oom.tried_to_allocate_mib / 1024 > 0.5 * oom.total_capacity_gib:
+            lever = Lever(knob="tp_size", direction="raise", why=f"one allocation of {oom.tried_to_allocate_mib / 1024:.2f} GiB is over half the "
+                          f"GPU's {oom.total_capacity_gib:.2f} GiB: more GPUs or a smaller model, not a fraction")
+    if cls is FailureClass.RUNTIME_OOM and report is not None and not report.ready and not report.batch_summary.prefill_lines:
         detail = "CUDA ran out of memory running a batch before the server was ready (the warm-up request): activations outgrew the headroom (§4.4)."
-    if failure.failure_class is FailureClass.STARTUP_KV_OOM:
+    if cls is FailureClass.STARTUP_KV_OOM:
         low = m.min_fraction() if m is not None else None
         if low is None and report is not None:
             begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None]
@@ -753,9 +929,106 @@ def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport
                 low = (min(begins) - min(ends)) / min(begins)
         if low is not None:
             fix = f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline), plus ≈0.01 per {m.tokens_per_hundredth():,.0f} tokens" if m else f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline) plus the KV pool you want"
-    title = f"the server failed: {failure.failure_class.value}" + (f" (raised in {site})" if site else "")
+            if low >= 0.95:
+                lever = Lever(knob="tp_size", direction="raise", why=f"the weights alone take {low:.3f} of the free memory: no fraction leaves a KV pool; more GPUs or a smaller checkpoint")
+            else:
+                lever = Lever(knob="mem_fraction_static", direction="raise", why=fix)
+    if cls is FailureClass.KV_PAGE_SHORTFALL and report is not None:
+        trap = _shortfall_trap(report, {})
+        detail, fix, lever = trap.detail, trap.fix, trap.lever or lever
+    if cls is FailureClass.REQUEST_SLOT_EXHAUSTION and report is not None and report.req_slots_available is not None:
+        lever = Lever(knob="max_running_requests", direction="set",
+                      why=f"the req_to_token pool had {report.req_slots_available} slot(s) for {report.req_slots_requested} request(s): "
+                          "slots leak or are all held while the KV pool may have room; an explicit --max-running-requests sizes the pool "
+                          "(SGLang's hint to lower it helps only when the slots are really all in use)")
+    if oom is not None and oom.tried_to_allocate_mib is not None:
+        what = f"tried to allocate {oom.tried_to_allocate_mib:,.2f} MiB"
+        if oom.free_mib is not None:
+            what += f" with {oom.free_mib:,.2f} MiB free"
+        if oom.total_capacity_gib is not None:
+            what += f" of {oom.total_capacity_gib:.2f} GiB"
+        detail += f" The {'HIP' if oom.vendor == 'hip' else 'CUDA'} allocator {what}."
+    where = f"phase {failure.phase}" if failure.phase and failure.phase != "init" else None
+    if failure.phase == "init" and cls in (FailureClass.STARTUP_OOM, FailureClass.RUNTIME_OOM, FailureClass.CRASH):
+        where = "no startup phase line in the log"
+    title = f"the server failed: {cls.value}" + (f" (raised in {site})" if site else "") + (f" [{where}]" if where else "")
     return Trap(id="failure", severity="error", title=title, detail=detail,
-                evidence=[failure.evidence], fix=fix)
+                evidence=[failure.evidence], fix=fix, lever=lever)
+
+
+def _kv_full_lever(running: int | None, in_use: int | None, usage: float | None) -> Lever:
+    """The lever of a full KV pool: with few, long requests, more KV (a higher fraction); with
+    many, fewer admitted requests. 'Lower the offered concurrency' with 2 running requests is wrong."""
+    per_req = in_use / running if running and in_use else None
+    if (running is not None and running <= 16) or (per_req is not None and per_req >= 4096):
+        return Lever(knob="mem_fraction_static", direction="raise",
+                     why=(f"only {running} request(s) held the pool" if running is not None else "few requests held the pool")
+                         + (f" (≈{per_req:,.0f} tokens each)" if per_req else "")
+                         + ": fewer requests would not help; the pool needs more tokens (a higher fraction, fp8 KV, more GPUs)")
+    who = f"{running} requests of ≈{per_req:,.0f} tokens" if per_req else "many requests"
+    return Lever(knob="max_running_requests", direction="lower",
+                 why=f"{who} filled the pool: admitting fewer avoids retraction; or enlarge the pool (a higher fraction)")
+
+
+def _retraction_trap(report: LogReport, tokens: int | None) -> Trap:
+    """Retractions (§4.4; the 0.4.x wording ``Decode out of memory happened``): a full pool, not a CUDA OOM."""
+    n = sum(r.retracted_reqs for r in report.retractions)
+    last = report.retractions[-1]
+    decodes = [b for b in report.batches if b.kind == "decode"]
+    before = next((b for b in reversed(decodes) if b.rank == last.rank), decodes[-1] if decodes else None)
+    running = before.running_req if before else None
+    in_use = before.num_token if before else None
+    ratio = (f" The new-token ratio jumped {last.new_token_ratio_before:g} → {last.new_token_ratio_after:g}, so admission turns conservative."
+             if last.new_token_ratio_before is not None and last.new_token_ratio_after is not None else "")
+    ranks = sorted({r.rank or "" for r in report.retractions})
+    return Trap(
+        id="retractions", severity="warning",
+        title=f"the KV pool filled up: {len(report.retractions)} retraction line(s) on {len(ranks)} rank(s), {n} request(s) retracted",
+        detail=("Retraction is the soft signal that KV capacity binds (§4.4, §8), not a CUDA OOM: the scheduler evicts running "
+                "requests and re-runs them later, and decode slows meanwhile (case-27)." + ratio
+                + (f" Before it, {running} request(s) held {in_use:,} tokens" + (f" of {tokens:,}" if tokens else "") + "." if running is not None and in_use else "")),
+        evidence=[report.soft_failure.evidence if report.soft_failure else f"#retracted_reqs: {last.retracted_reqs}"],
+        lever=_kv_full_lever(running, in_use, before.token_usage if before else None),
+    )
+
+
+def _shortfall_trap(report: LogReport, settings: Mapping[str, Setting]) -> Trap:
+    """The KV allocator's page shortfall (``Decode out of memory. Try to lower your batch size.``, §4.4):
+    free tokens that are not whole free pages for every request. A lower fraction makes it worse."""
+    sf = report.kv_shortfall
+    page = settings.get("page_size").value if settings.get("page_size") else None  # type: ignore[union-attr]
+    nums = []
+    if sf is not None:
+        if sf.requested_tokens is not None:
+            nums.append(f"asked for {sf.requested_tokens:,} tokens")
+        if sf.available_tokens is not None or sf.available_size is not None:
+            avail = sf.available_tokens if sf.available_tokens is not None else sf.available_size
+            nums.append(f"{avail:,} available" + (f" ({sf.available_size:,} free + {sf.evictable_size:,} evictable)"
+                                                   if sf.available_size is not None and sf.evictable_size is not None else ""))
+    short_by_pages = (sf is not None and sf.requested_tokens is not None and sf.available_size is not None
+                      and sf.available_size >= sf.requested_tokens)
+    detail = ("The KV allocator had no free pages for the batch (" + ", ".join(nums) + "): " if nums else "The KV allocator had no free pages for the batch: ")
+    if short_by_pages:
+        detail += ("more tokens were free than asked for, so the free slots were not whole free pages: each request takes whole pages "
+                   f"of page_size{f' {page}' if page else ''} tokens (decode over-estimates one new page per request).")
+        assert sf is not None and sf.requested_tokens is not None and sf.available_size is not None
+        if sf.kind == "decode":  # "Try to allocate len(seq_lens) × token_per_req": one token per running request
+            need = f"{sf.requested_tokens:,} decode requests a new page each (up to {sf.requested_tokens:,} × page_size" + (
+                f" = {sf.requested_tokens * int(page):,} tokens)" if page else " tokens)")
+        else:
+            need = f"{sf.requested_tokens:,} tokens in whole pages"
+        lever = Lever(knob="page_size", direction="lower",
+                      why=f"{sf.available_size:,} free tokens could not give {need}: a smaller page size wastes less per "
+                          "request (or fewer running requests); a lower fraction makes it worse")
+    else:
+        detail += "the pool itself was exhausted (not CUDA memory)."
+        lever = Lever(knob="mem_fraction_static", direction="raise",
+                      why="the KV pool had fewer free tokens than the batch needs: more KV (a higher fraction) or fewer running requests; "
+                          "a lower fraction makes it worse")
+    return Trap(id="kv_page_shortfall", severity="error" if report.failure is not None else "warning",
+                title="the KV allocator ran out of pages (not a CUDA OOM)", detail=detail,
+                evidence=[report.failure.evidence if report.failure else "Decode out of memory. Try to lower your batch size."],
+                fix=lever.why, lever=lever)
 
 
 def _findings(m: KVCapacityModel | None, cap: Capacity, mfs: float | None, traps: list[Trap]) -> list[str]:
@@ -772,21 +1045,8 @@ def _findings(m: KVCapacityModel | None, cap: Capacity, mfs: float | None, traps
 
 
 # ---------------------------------------------------------------------------------------------
-# Text view
+# Stored trial reports
 # ---------------------------------------------------------------------------------------------
-
-
-def _fmt(x: float | None, unit: str = "GiB") -> str:
-    return "—" if x is None else f"{x:,.2f} {unit}"
-
-
-def _steps_table(steps: Sequence[WaterfallStep]) -> Table:
-    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
-    for col in ("item", "GiB", "tokens", "source"):
-        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
-    for s in steps:
-        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
-    return wf
 
 
 def waterfall_steps(memory: Mapping[str, Any]) -> list[WaterfallStep]:
@@ -804,63 +1064,6 @@ def waterfall_steps(memory: Mapping[str, Any]) -> list[WaterfallStep]:
     mfs = model.observed_mem_fraction_static if model else None
     return _waterfall(report, info, model, report.max_total_num_tokens or (model.observed_tokens if model else None),
                       sched.max_running_requests if sched else None, sched.context_len if sched else memory.get("context_len"), mfs)
-
-
-def waterfall_table(memory: Mapping[str, Any]) -> Table:
-    """A rich table of :func:`waterfall_steps` (``tuner show`` uses it)."""
-    return _steps_table(waterfall_steps(memory))
-
-
-def renderables(e: Explanation) -> RenderableType:
-    """The rich text view of an explanation (the CLI prints it)."""
-    parts: list[RenderableType] = []
-    head = Text()
-    head.append("SGLang memory explained", style="bold")
-    head.append(f"  state: {e.state}")
-    if e.sglang_version:
-        head.append(f"  version: {e.sglang_version}")
-    if e.log_format:
-        head.append(f"  log format: {e.log_format}")
-    parts.append(head)
-    if e.sources:
-        parts.append(Text("from: " + "; ".join(e.sources), style="dim"))
-    parts.append(_steps_table(e.waterfall))
-    parts.append(Text("Capacity: " + e.capacity.statement, style="bold"))
-    if e.capacity.fits:
-        ft = Table(title="Requests resident at once", title_justify="left")
-        for col in ("request tokens", "requests", "limited by"):
-            ft.add_column(col, justify="right" if col != "limited by" else "left")
-        for f in e.capacity.fits:
-            ft.add_row(f"{f.request_tokens:,}", f"{f.resident_requests:,}", f.limited_by)
-        parts.append(ft)
-    if e.predictions:
-        pt = Table(title="At other mem_fraction_static values", title_justify="left")
-        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "free after graphs", "note"):
-            pt.add_column(col, justify="left" if col == "note" else "right")
-        for p in e.predictions:
-            pt.add_row(f"{p.mem_fraction_static:.3f}", f"{p.max_total_num_tokens:,}", f"{p.delta_tokens:+,}" if p.delta_tokens is not None else "",
-                       f"{p.kv_pool_gib:.2f}", _fmt(p.free_after_graphs_gib), p.note or "")
-        parts.append(pt)
-    if e.traps:
-        parts.append(Text("Traps", style="bold"))
-        colours = {"info": "cyan", "warning": "yellow", "error": "red"}
-        for t in e.traps:
-            line = Text()
-            line.append(f"[{t.severity}] ", style=colours[t.severity])
-            line.append(t.title, style="bold")
-            parts.append(line)
-            parts.append(Text("  " + t.detail))
-            for ev in t.evidence:
-                parts.append(Text("  evidence: " + ev, style="dim"))
-            if t.fix:
-                parts.append(Text("  fix: " + t.fix, style="green"))
-    if e.findings:
-        parts.append(Text("Findings", style="bold"))
-        for finding in e.findings:
-            parts.append(Text("  - " + finding))
-    for w in e.warnings:
-        parts.append(Text("note: " + w, style="dim"))
-    return Group(*parts)
 
 
 def explain_from(

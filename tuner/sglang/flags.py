@@ -20,6 +20,7 @@ import logging
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from importlib import resources
 from typing import Any
 
@@ -264,20 +265,31 @@ class FlagTable:
 # Values
 # ---------------------------------------------------------------------------------------------
 
-_HUMAN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(k|K|M|G|Ki|Mi|Gi)?\s*$")
-_HUMAN_SCALE = {None: 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
+_HUMAN_SCALE = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
 def parse_human_int(text: str) -> int:
-    """Parse SGLang's ``human_readable_int`` (``128k``, ``1Mi``; §3.2).
+    """Parse SGLang's ``human_readable_int`` exactly as SGLang does (§3.2; ``srt/utils/common.py``
+    of 0.5.10 and 0.5.23): SI suffixes ``k M G T`` and IEC suffixes ``Ki Mi Gi Ti``, case-sensitive
+    (``16K`` is rejected), decimals with SI suffixes only (``25.6k``), else a plain integer.
 
     Raises:
         ValueError: Not such a number.
     """
-    m = _HUMAN.match(text)
-    if not m:
-        raise ValueError(f"not a human-readable int: {text!r}")
-    return int(float(m.group(1)) * _HUMAN_SCALE[m.group(2)])
+    value = text.strip()
+    m = _HUMAN.fullmatch(value)
+    if m:
+        number, suffix = m.groups()
+        if suffix.endswith("i") and "." in number:
+            raise ValueError(f"not a human-readable int: {text!r} (decimals are not allowed with IEC suffixes)")
+        if suffix.endswith("i"):
+            return int(number) * _HUMAN_SCALE[suffix]
+        return int(Decimal(number) * _HUMAN_SCALE[suffix])
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"not a human-readable int: {text!r} (suffixes are case-sensitive: 1k, 1M, 1Ki, 1Mi)") from None
 
 
 def _format(value: Any) -> str:

@@ -48,6 +48,7 @@ __all__ = [
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _MAX_BATCH_LINES = 2000
+_MAX_LOGGED_LINES = 200
 _NUM = r"(-?\d+(?:\.\d+)?)"
 
 # ---------------------------------------------------------------------------------------------
@@ -211,12 +212,59 @@ class InputRejection(BaseModel):
     rank: str | None = None
 
 
+class LoggedValue(BaseModel):
+    """One number of a recognised line, as SGLang printed it (``value`` in ``unit``; a list for
+    ``bs=[...]``-style lists). GB in SGLang's GPU lines is GiB (§0 Units)."""
+
+    model_config = _FROZEN
+
+    value: float | int | list[int]
+    unit: str | None = None
+
+
+class LoggedLine(BaseModel):
+    """Every number of one recognised SGLang line (``tuner explain``'s ``logged`` block).
+
+    Attributes:
+        line: What the line is: ``load_weight_begin``, ``load_weight_end``, ``kv_cache_allocated``,
+            ``memory_pool_end``, ``capture_begin``, ``capture_end``, ``capture_progress``,
+            ``scheduler``, ``oom``, ``kv_allocator``, ``retraction``, ``prefill_batch``, ... .
+        role: ``target`` or ``draft`` for lines speculative decoding prints twice, else ``None``.
+        values: Name as printed (``avail mem``, ``#tokens``, ``K size``) → value and unit.
+        text: The line itself (prefixes stripped, at most 300 characters).
+    """
+
+    model_config = _FROZEN
+
+    line: str
+    role: str | None = None
+    values: dict[str, LoggedValue]
+    text: str
+
+
+class KVShortfall(BaseModel):
+    """The KV allocator's ``Prefill/Decode out of memory. Try to lower your batch size.`` message
+    and its continuation lines (§4.4; ``mem_cache/common.py`` 0.5.5/0.5.10, ``allocation.py``
+    0.5.23; older releases print ``Avaliable tokens:`` and ``available_size()=``). Token counts.
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["prefill", "decode", "allocator"]
+    requested_tokens: int | None = None
+    available_tokens: int | None = None
+    available_size: int | None = None
+    evictable_size: int | None = None
+
+
 class OOMDetail(BaseModel):
     """Numbers of torch's ``CUDA out of memory. Tried to allocate X. GPU n has a total capacity of Y``."""
 
     model_config = _FROZEN
 
     tried_to_allocate_mib: float | None = None
+    vendor: Literal["cuda", "hip"] | None = None
+    """``HIP out of memory`` (ROCm) or ``CUDA out of memory``."""
     gpu_index: int | None = None
     total_capacity_gib: float | None = None
     free_mib: float | None = None
@@ -250,10 +298,21 @@ class LogReport(BaseModel):
         input_rejections: Too-long requests (case-26).
         oom: Numbers of a CUDA OOM message, if any.
         req_slots_available / req_slots_requested: ``alloc_req_slots`` numbers (case-29).
-        server_args: ``key=value`` pairs of a logged ``server_args=ServerArgs(...)`` line and
+        server_args: ``key=value`` pairs of a logged ``server_args=ServerArgs(...)`` (0.5.5, 0.5.10) or
+            ``server_args={...}`` (0.5.23, a dict) line and
             flags of a logged launch command, as strings.
         exit_status: The process exit status, when a systemd line reports it.
         sglang_lines: How many lines were recognized as SGLang output.
+        soft_failure: A diagnosis of a server that kept running (``retraction_storm``), never a
+            launch failure (``failure`` stays ``None`` for it).
+        kv_shortfall: The KV allocator's page shortfall numbers, if its message was logged.
+        logged: Every number of every recognised line, per rank prefix (``""`` without one), in
+            log order, plus the last prefill and decode batch line of each rank (bounded).
+        capture_progress_avail_gib: ``avail_mem`` of the last ``Capturing batches (bs=.. avail_mem=..)``
+            progress line: free memory while capture was still running.
+        weights_committed_after_capture: 0.5.23 ``--startup-weight-load-mode overlap`` printed
+            ``Load weight end. Committed real weights ...``: its weight line has no memory numbers.
+        last_phase: The last startup phase line seen (see :attr:`LogWatcher.phase`).
     """
 
     model_config = _FROZEN
@@ -284,19 +343,45 @@ class LogReport(BaseModel):
     req_slots_requested: int | None = None
     exit_status: int | None = None
     sglang_lines: int = 0
+    soft_failure: Failure | None = None
+    kv_shortfall: KVShortfall | None = None
+    logged: dict[str, list[LoggedLine]] = Field(default_factory=dict)
+    capture_progress_avail_gib: float | None = None
+    weights_committed_after_capture: bool = False
+    last_phase: str | None = None
 
     def primary(self) -> RankMemory | None:
-        """The binding rank: the one with the least free memory after weights (both SGLang
-        readings are a MIN over ranks, §1.1), else TP0, else the first rank seen."""
+        """The binding rank, as SGLang takes it: both of its memory readings are a MIN over ranks
+        (§1.1), so the rank with the least free memory after weights; among the ranks that printed
+        the KV line when some did (a rank that printed nothing of the pool, e.g. TP0 in a cut
+        excerpt, is never preferred, case-41), then the least free memory after the pool; else
+        TP0, else the first rank seen."""
         if not self.ranks:
             return None
-        with_avail = [r for r in self.ranks.values() if r.weight_end_avail_gib is not None]
-        if with_avail:
-            return min(with_avail, key=lambda r: r.weight_end_avail_gib)  # type: ignore[arg-type,return-value]
+        ranks = list(self.ranks.values())
+        with_kv = [r for r in ranks if r.kv_tokens is not None]
+        pool = with_kv or ranks
+        for attr in ("weight_end_avail_gib", "memory_pool_end_avail_gib"):
+            with_avail = [r for r in pool if getattr(r, attr) is not None]
+            if with_avail:
+                return min(with_avail, key=lambda r: getattr(r, attr))
+        if with_kv:
+            return with_kv[0]
         for key in ("TP0", "DP0 TP0", ""):
             if key in self.ranks:
                 return self.ranks[key]
-        return next(iter(self.ranks.values()))
+        return ranks[0]
+
+    @property
+    def cuda_graph_max_bs(self) -> int | None:
+        """Largest captured decode batch size on any rank (0.5.5 logs the list on rank 0 only)."""
+        sizes = [r.cuda_graph_max_bs for r in self.ranks.values() if r.cuda_graph_max_bs is not None]
+        return max(sizes) if sizes else None
+
+    @property
+    def diagnosis(self) -> Failure | None:
+        """The failure, else the soft diagnosis of a server that kept running."""
+        return self.failure or self.soft_failure
 
     @property
     def max_total_num_tokens(self) -> int | None:
@@ -323,7 +408,8 @@ _JOURNAL_NUMERIC = re.compile(r"^\[?\s*\d+\.\d+\]? \S+ (?P<ident>[^\s\[:]+)(?:\[
 _GLUED = re.compile(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[^\]]{0,60}\] ")
 _HEAD = re.compile(r"^\[?(?P<head>[^\[\]]{0,120})\]\s?")
 _TIME = re.compile(r"(?:\d{4}-\d\d-\d\d[ T])?\d\d:\d\d:\d\d(?:[.,]\d+)?")
-_RANK_TOKEN = re.compile(r"\b(?:DP|PP|TP|EP|CP)\d+\b")
+_RANK_TOKEN = re.compile(r"\b(?:ATTN_CP|ATTN_DP|ATTN_TP|MOE_DP|MOE_EP|DP|PP|TP|EP|CP)\d+\b")
+"""Rank-prefix tokens (0.5.23 adds ``ATTN_CP`` and ``MOE_DP``: ``scheduler.py`` builds the prefix)."""
 _SYSTEMD_EXIT = re.compile(r"Main process exited, code=(?P<code>\w+), status=(?P<status>\d+)")
 
 
@@ -374,9 +460,12 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
 # ---------------------------------------------------------------------------------------------
 
 _P = {
+    "dist_begin": re.compile(r"^Init torch distributed begin\."),
+    "parallel_end": re.compile(r"^Init parallel ends\. elapsed=" + _NUM + " s"),
     "dist_end": re.compile(r"Init torch distributed ends\.(?:.*?elapsed=" + _NUM + r" s,)?.*?mem usage=" + _NUM + " GB"),
     "baseline": re.compile(r"Memory baseline taken\..*?mem usage=" + _NUM + " GB"),
     "load_begin": re.compile(r"Load weight begin\..*?avail mem=" + _NUM + " GB"),
+    "load_end_committed": re.compile(r"Load weight end\. Committed real weights"),
     "load_end": re.compile(r"Load weight end\.(?P<body>.*?)avail mem=" + _NUM + r" GB(?:, mem usage=" + _NUM + " GB)?"),
     "kv_dtype": re.compile(r"Using KV cache dtype: (\S+)"),
     "kv_alloc": re.compile(
@@ -388,27 +477,37 @@ _P = {
     "mamba": re.compile(r"Mamba Cache is allocated\..*?conv_state size: " + _NUM + r" ?GB, ssm_state size: " + _NUM + r" ?GB"),
     "swa_pool": re.compile(r"SWAKVPool mem usage: " + _NUM + r" GB, swa size: (\d+), full size: (\d+)"),
     "pool_end": re.compile(r"Memory pool end\..*?avail mem=" + _NUM + " GB"),
+    "cap_progress": re.compile(r"Capturing (?:batches \(bs=(?P<bs>\d+)|num tokens \(num_tokens=(?P<nt>\d+)) avail_mem=(?P<avail>" + _NUM[1:-1] + r") GB\)"),
+    "cap_bs_list": re.compile(r"Capture cuda graph bs \[([\d,\s]*)\]"),
     "cap_begin": re.compile(r"Capture (?P<name>.*?) begin\.(?P<body>.*)"),
     "cap_end": re.compile(r"Capture (?P<name>.*?) end\.(?P<body>.*)"),
     "scheduler": re.compile(r"max_total_num_tokens=(?P<tokens>-?\d+)(?P<rest>.*)"),
     "host_pool_old": re.compile(r"Allocating " + _NUM + r" GB host memory for hierarchical KV cache"),
     "host_pool_new": re.compile(r"Allocating (?:.*?)hierarchical KV host pool: (\d+) tokens, " + _NUM + " GB host memory"),
     "ready": re.compile(r"The server is fired up and ready to roll"),
-    "retract": re.compile(r"KV cache pool is full\. Retract requests\.\s*#retracted_reqs: (\d+)(?:, #new_tokens_gained: (\d+))?(?:, #new_token_ratio: " + _NUM + r" -> " + _NUM + ")?"),
+    "retract": re.compile(r"(?:KV cache pool is full\. Retract requests\.|Decode out of memory happened\.)\s*#retracted_reqs: (\d+)"
+                          r"(?:, #new_tokens_gained: (\d+))?(?:, #mamba_num_gained: \d+)?(?:, #new_token_ratio: " + _NUM + r" -> " + _NUM + ")?"),
     "batch": re.compile(r"(?P<kind>Prefill|Decode) batch(?: \[\d+\])?[.,]\s*(?P<body>.*)"),
     "mtt_larger": re.compile(r"max_total_tokens=(-?\d+) is larger than the profiled value (-?\d+)"),
     "mrr_spec": re.compile(r"Max running requests is reset to (\d+) for speculative decoding"),
     "mrr_reduced": re.compile(r"max_running_requests was reduced from the requested (\d+) to (\d+)"),
     "input_long": re.compile(r"Input length \((\d+) tokens\) exceeds the maximum allowed length \((\d+) tokens\)"),
     "input_ctx": re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"),
-    "server_args": re.compile(r"server_args=ServerArgs\((.*)\)?"),
-    "req_slots": re.compile(r"available_size\(\)=(\d+)(?:, num_reqs=(\d+))?"),
-    "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" (MiB|GiB|KiB|B)"),
+    "server_args": re.compile(r"server_args=(?:ServerArgs\((?P<obj>.*)\)?|(?P<dict>\{.*))"),
+    "req_slots": re.compile(r"req_to_token_pool\.available_size\(\)=(\d+)(?:, num_reqs=(\d+))?"),
+    "alloc_try": re.compile(r"^Try to allocate (\d+) tokens"),
+    "alloc_avail": re.compile(r"^Ava(?:ila|lia)ble (?:full )?tokens: (\d+)(?: \((?:full_)?available_size=(\d+) \+ (?:full_)?evictable_size=(\d+)\))?"),
+    "alloc_avail_old": re.compile(r"token_to_kv_pool(?:_allocator)?\.available_size\(\)=(\d+)"),
+    "alloc_evict_old": re.compile(r"tree_cache\.evictable_size\(\)=(\d+)"),
+    "serving": re.compile(r"\"(?:POST|GET) /\S+ HTTP/1\.[01]\" \d{3}|sglang\.bench_serving|bench_serving\.py"),
+    "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" ?(MiB|GiB|KiB|B)"),
     "oom_gpu": re.compile(r"GPU (\d+) has a total capacity of " + _NUM),
     "oom_free": re.compile(r"of which " + _NUM + r" (MiB|GiB|KiB|B) is free"),
     "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
 }
 
+_BATCH_RUNNING = re.compile(r"#running-req: (\d+)")
+_BATCH_USAGE = re.compile(r"(?<!swa )token usage: ([\d.]+)")
 _BATCH_FIELDS = {
     "#new-seq": ("new_seq", int),
     "#new-token": ("new_token", int),
@@ -465,8 +564,9 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
     (90, FailureClass.UNBALANCED_MEMORY, re.compile(r"The memory capacity is unbalanced")),
     (90, FailureClass.REQUEST_SLOT_EXHAUSTION, re.compile(r"alloc_req_slots runs out of memory")),
     (85, FailureClass.INVALID_ARGUMENTS, re.compile(r"(?:launch_server(?:\.py)?|sglang(?: serve)?|\S+\.py): error: |error: unrecognized arguments|error: ambiguous option|error: argument --")),
-    (80, FailureClass.RUNTIME_OOM, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size")),
-    (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|CUDA error: out of memory")),
+    (80, FailureClass.KV_PAGE_SHORTFALL, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size|memory allocation failed with OOM")),
+    (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|(?:CUDA|HIP) error: out of memory"
+                          r"|hipErrorOutOfMemory|cudaErrorMemoryAllocation")),
     (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|[Ss]cheduler is dead|Initialization failed|Watchdog timeout")),
 ]
 
@@ -478,6 +578,47 @@ _FAILURE_WORDS = re.compile(
     r"|profiled value|capacity|Tried to allocate"
 )
 """Every failure pattern contains one of these words (a cheap gate before the failure patterns)."""
+
+
+_UNITS = r"GB|GiB|MiB|MB|KiB|KB|B|s|ms|%|tokens"
+_NUMBER = re.compile(r"(?<![\w.\-])(-?\d+(?:\.\d+)?)(?![\w.]*\w)(?:\s?(" + _UNITS + r")\b)?")
+_LIST = re.compile(r"(?P<key>[\w#]+)(?:=| )\[(?P<items>[\d,\s]*)\]")
+_KEY_STOP = re.compile(r".*(?:[,;(|]|\.\s|^)")
+
+
+def _numbers(msg: str) -> dict[str, dict[str, Any]]:
+    """Every number of one line, named by the words before it (``avail mem=274.42 GB`` →
+    ``{"avail mem": {"value": 274.42, "unit": "GB"}}``), as printed; ``key=[1, 2, 4]`` lists give
+    an integer list; ``a -> b`` gives ``key`` and ``key (after)``; a name seen twice gets `` #2``."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(key: str, value: Any, unit: str | None) -> str:
+        key = key.strip(" =:.+").strip() or "value"
+        name, n = key, 2
+        while name in out:
+            name, n = f"{key} #{n}", n + 1
+        out[name] = {"value": value, "unit": unit}
+        return key
+
+    text = msg.replace("()", "  ")
+    for m in _LIST.finditer(text):
+        items = [int(x) for x in m.group("items").replace(" ", "").split(",") if x]
+        put(m.group("key"), items, None)
+        text = text[:m.start()] + " " * (m.end() - m.start()) + text[m.end():]
+    last_key, last_end = None, 0
+    for m in _NUMBER.finditer(text):
+        before = text[last_end:m.start()]
+        last_end = m.end()
+        if before.strip() == "->" and last_key is not None:
+            put(last_key + " (after)", float(m.group(1)), m.group(2))
+            continue
+        head = _KEY_STOP.match(before)
+        key = (before[head.end():] if head else before).strip()
+        if len(key) > 48:
+            key = key[-48:].split(" ", 1)[-1]
+        raw = m.group(1)
+        last_key = put(key, float(raw) if "." in raw else int(raw), m.group(2))
+    return out
 
 
 def _float(x: str | None) -> float | None:
@@ -519,7 +660,7 @@ class LogWatcher:
         self._serving = False
         self._fields: dict[str, Any] = {}
         self._retractions: list[Retraction] = []
-        self._batches: deque[dict[str, Any]] = deque(maxlen=_MAX_BATCH_LINES)
+        self._batches: deque[list[Any]] = deque(maxlen=_MAX_BATCH_LINES)
         self._summary: dict[str, Any] = {"prefill_lines": 0, "decode_lines": 0, "decode_lines_without_cuda_graph": 0}
         self._rejections: list[InputRejection] = []
         self._oom: OOMDetail | None = None
@@ -530,6 +671,26 @@ class LogWatcher:
         self._sglang_lines = 0
         self._frames: deque[tuple[str, str]] = deque(maxlen=64)
         self._failure_site: str | None = None
+        self._logged: dict[str, list[LoggedLine]] = {}
+        self._last_batch: dict[tuple[str, str], str] = {}
+        self._shortfall: dict[str, Any] | None = None
+        self._progress_avail: float | None = None
+        self._committed = False
+        self._soft: Failure | None = None
+
+    def _log(self, rank: str | None, line: str, msg: str, role: str | None = None) -> None:
+        """Keep every number of a recognised line for the ``logged`` block (bounded per rank)."""
+        key = rank or ""
+        lines = self._logged.setdefault(key, [])
+        if len(lines) >= _MAX_LOGGED_LINES:
+            return
+        values = _numbers(msg)
+        if not values:
+            return
+        entry = LoggedLine.model_validate({"line": line, "role": role, "values": values, "text": msg[:300]})
+        if lines and lines[-1] == entry:
+            return
+        lines.append(entry)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -560,7 +721,7 @@ class LogWatcher:
         with the phase it hung in and the last SGLang line as evidence (a launcher's wait ran out)."""
         return Failure(
             failure_class=FailureClass.STARTUP_TIMEOUT,
-            evidence=f"no ready line after {timeout_s:.0f} s (phase {self._phase}); last SGLang line: {self._last_sglang_line}",
+            evidence=f"no ready line after {timeout_s:.0f} s (phase {self._phase}); {self._last_line_evidence()}",
         )
 
     def feed_many(self, lines: Iterable[str]) -> None:
@@ -591,7 +752,11 @@ class LogWatcher:
         ranks = {key: self._freeze_rank(key, d) for key, d in self._ranks.items()}
         warnings = list(self._warnings)
         if ranks and not self._scheduler and self._sglang_lines:
-            warnings.append("no scheduler line (max_total_num_tokens=...): the start did not finish or the log is partial")
+            missing = {"weights": "the weight-end, KV, pool, graph and scheduler lines", "after_weights": "the KV, pool, graph and scheduler lines",
+                       "kv_pool": "the 'Memory pool end', graph and scheduler lines", "after_pool": "the graph and scheduler lines",
+                       "capture": "the rest of graph capture and the scheduler line", "after_capture": "the scheduler line"}.get(self._phase)
+            warnings.append("no scheduler line (max_total_num_tokens=...): the start did not finish or the log is partial"
+                            + (f"; it ends in phase {self._phase}, so {missing} are missing (not guessed)" if missing and failure is None else ""))
         if self.ready is False and self._scheduler and failure is None:
             warnings.append("no ready line: the log ends before 'The server is fired up and ready to roll!'")
         summary = dict(self._summary)
@@ -610,7 +775,7 @@ class LogWatcher:
             host_pool_ranks=list(self._fields.get("host_pool_ranks", [])),
             ready=self.ready,
             retractions=list(self._retractions),
-            batches=[BatchLine(**b) for b in self._batches],
+            batches=self._batch_lines(),
             batch_summary=BatchSummary(**summary),
             failure=failure,
             failure_site=self._failure_site if self.failure is not None else None,
@@ -628,7 +793,21 @@ class LogWatcher:
             server_args=dict(self._server_args),
             exit_status=status,
             sglang_lines=self._sglang_lines,
+            soft_failure=self._soft,
+            kv_shortfall=KVShortfall(**self._shortfall) if self._shortfall else None,
+            logged=self._logged_with_batches(),
+            capture_progress_avail_gib=self._progress_avail,
+            weights_committed_after_capture=self._committed,
+            last_phase=self._phase,
         )
+
+    def _logged_with_batches(self) -> dict[str, list[LoggedLine]]:
+        out = {k: list(v) for k, v in self._logged.items()}
+        for (rank, kind), msg in self._last_batch.items():
+            out.setdefault(rank, []).append(
+                LoggedLine.model_validate({"line": f"last_{kind}_batch", "values": _numbers(msg), "text": msg[:300]})
+            )
+        return out
 
     # -- parsing --------------------------------------------------------------------------------
 
@@ -676,7 +855,9 @@ class LogWatcher:
 
     def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:
         if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
-            self._batch(m.group("kind").lower(), m.group("body"), rank, ts)
+            kind = m.group("kind").lower()
+            self._batch(kind, m.group("body"), rank, ts)
+            self._last_batch[(rank or "", kind)] = m.group("body")
             return True
         if msg.startswith('File "') and (m := _P["frame"].match(msg)):  # a traceback frame
             self._frames.append((m.group("file"), m.group("func")))
@@ -689,21 +870,40 @@ class LogWatcher:
                     self._version = version
         if m := _P["server_args"].search(msg):  # an echo of every setting: never failure evidence
             self._new_start("*")
-            for k, v in re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group(1)):
-                self._server_args.setdefault(k, v.strip("'\""))
+            if m.group("dict") is not None:  # 0.5.23: server_args={...} from resolved_dict()
+                pairs = re.findall(r"['\"](\w+)['\"]:\s*('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,{}]+)", m.group("dict"))
+            else:
+                pairs = re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group("obj"))
+            for k, v in pairs:
+                self._server_args.setdefault(k, v.strip().strip("'\""))
             return True
         known = self._parse_failure(msg, rank)
+        if _P["dist_begin"].search(msg):  # nothing to read; a startup line all the same
+            return True
+        if m := _P["parallel_end"].search(msg):  # 0.5.23: the baseline line follows
+            self._log(rank, "init_parallel_end", msg)
+            return True
         if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
             self._new_start(rank)
-            self._target_or_draft(rank, "baseline_gib")["baseline_gib"] = float(m.groups()[-1])
+            d = self._target_or_draft(rank, "baseline_gib")
+            d["baseline_gib"] = float(m.groups()[-1])
+            self._log(rank, "distributed_init", msg, self._role(rank, d))
             return True
         if m := _P["load_begin"].search(msg):
             self._phase = "weights"
-            self._target_or_draft(rank, "load_begin_avail_gib")["load_begin_avail_gib"] = float(m.group(1))
+            d = self._target_or_draft(rank, "load_begin_avail_gib")
+            d["load_begin_avail_gib"] = float(m.group(1))
+            self._log(rank, "load_weight_begin", msg, self._role(rank, d))
+            return True
+        if _P["load_end_committed"].search(msg):  # 0.5.23 overlap weight loading: no memory numbers
+            self._phase = "after_weights" if self._phase in ("init", "weights") else self._phase
+            self._committed = True
+            self._log(rank, "load_weight_end_committed", msg)
             return True
         if m := _P["load_end"].search(msg):
             self._phase = "after_weights"
             d = self._target_or_draft(rank, "weight_end_avail_gib")
+            self._log(rank, "load_weight_end", msg, self._role(rank, d))
             body = m.group("body")
             d["weight_end_avail_gib"] = float(m.group(2))
             d["weight_gib"] = _float(m.group(3))
@@ -711,22 +911,26 @@ class LogWatcher:
                 d["model_class"] = t.group(1)
             if t := re.search(r"dtype=([\w.]+)", body):
                 d["weight_dtype"] = t.group(1)
-            elif t := re.search(r"quant=([\w.]+)", body):
+            elif t := re.search(r"quant=([\w.\-]+)", body):
                 d["weight_dtype"] = t.group(1)
             return True
         if m := _P["kv_dtype"].search(msg):
             self._fields["kv_cache_dtype"] = m.group(1)
+            self._log(rank, "kv_cache_dtype", msg)
             return True
         if m := _P["post_capture"].search(msg):  # 0.5.23, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (§1.7)
             d = self._rank(rank)
             d.update(kv_tokens=int(m.group("tokens")), kv_size_gib=float(m.group(3)), k_size_gib=None, v_size_gib=None)
             if m.group("dtype"):
                 d["kv_dtype"] = m.group("dtype")
+            self._log(rank, "post_capture_kv_sizing", msg)
             return True
         if m := _P["mamba"].search(msg):  # hybrid Mamba models carve their state out first (§1.2)
             self._rank(rank)["mamba_cache_gib"] = round(sum(float(x) for x in m.groups()), 4)
+            self._log(rank, "mamba_cache_allocated", msg)
             return True
         if m := _P["swa_pool"].search(msg):  # hybrid SWA models (§4.2 item 5)
+            self._log(rank, "swa_kv_pool", msg)
             d = self._rank(rank)
             d.update(swa_pool_gib=float(m.group(1)), swa_tokens=int(m.group(2)))
             if d.get("kv_tokens") is None:
@@ -735,6 +939,7 @@ class LogWatcher:
         if m := _P["kv_alloc"].search(msg):
             self._phase = "kv_pool"
             d = self._target_or_draft(rank, "kv_tokens")
+            self._log(rank, "kv_cache_allocated", msg, self._role(rank, d))
             d["kv_tokens"] = int(m.group("tokens"))
             d["k_size_gib"] = _float(m.group("k"))
             d["v_size_gib"] = _float(m.group("v"))
@@ -746,26 +951,44 @@ class LogWatcher:
             self._phase = "after_pool"
             d = self._target_or_draft(rank, "memory_pool_end_avail_gib")
             d["memory_pool_end_avail_gib"] = float(m.group(1))
+            self._log(rank, "memory_pool_end", msg, self._role(rank, d))
+            return True
+        if m := _P["cap_progress"].search(msg):  # tqdm progress of graph capture (rank 0's stderr)
+            self._phase = "capture"
+            self._progress_avail = float(m.group("avail"))
+            self._log(rank, "capture_progress", m.group(0))
+            return True
+        if m := _P["cap_bs_list"].search(msg):  # 0.5.5: "Capture cuda graph bs [1, 2, ...]" (rank 0)
+            sizes = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+            if sizes:
+                self._rank(rank)["graph_bs"] = sizes
+            self._log(rank, "capture_bs_list", msg)
             return True
         if m := _P["cap_end"].search(msg):
+            self._log(rank, "capture_end", msg.split("max_total_num_tokens=")[0])
             self._capture(rank, m.group("name"), m.group("body"), end=True)
             self._phase = "after_capture"
             if sched := _P["scheduler"].search(msg):  # some logs glue the scheduler line on (case-21)
                 self._scheduler_line(int(sched.group("tokens")), sched.group("rest"))
+                self._log(rank, "scheduler", sched.group(0))
             return True
         if m := _P["cap_begin"].search(msg):
             self._phase = "capture"
+            self._log(rank, "capture_begin", msg)
             self._capture(rank, m.group("name"), m.group("body"), end=False)
             return True
         if m := _P["scheduler"].search(msg):
             self._scheduler_line(int(m.group("tokens")), m.group("rest"))
+            self._log(rank, "scheduler", msg)
             return True
         if m := _P["host_pool_old"].search(msg):
+            self._log(rank, "host_pool", msg)
             self._phase = "host_pool"
             self._fields.setdefault("host_pool_gb", float(m.group(1)))
             self._host_rank(rank)
             return True
         if m := _P["host_pool_new"].search(msg):
+            self._log(rank, "host_pool", msg)
             self._phase = "host_pool"
             self._fields.setdefault("host_pool_tokens", int(m.group(1)))
             self._fields.setdefault("host_pool_gb", float(m.group(2)))
@@ -778,6 +1001,9 @@ class LogWatcher:
             return True
         if m := _P["retract"].search(msg):
             self._serving = True
+            self._log(rank, "retraction", msg)
+            if self._soft is None:
+                self._soft = Failure(failure_class=FailureClass.RETRACTION_STORM, evidence=msg[:500], rank=rank, phase="serving")
             self._retractions.append(Retraction(
                 retracted_reqs=int(m.group(1)), new_tokens_gained=_int(m.group(2)),
                 new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
@@ -785,27 +1011,64 @@ class LogWatcher:
             ))
             return True
         if m := _P["mtt_larger"].search(msg):
+            self._log(rank, "max_total_tokens_larger_than_profiled", msg)
             self._fields["mtt_requested"] = int(m.group(1))
             self._fields["mtt_profiled"] = int(m.group(2))
             return True
         if m := _P["mrr_spec"].search(msg):
+            self._log(rank, "max_running_requests_reset_for_speculative", msg)
             self._fields["mrr_spec"] = int(m.group(1))
             return True
         if m := _P["mrr_reduced"].search(msg):
+            self._log(rank, "max_running_requests_reduced", msg)
             self._fields["mrr_requested"] = int(m.group(1))
             self._fields["mrr_reduced"] = int(m.group(2))
             return True
         if mm := (_P["input_long"].search(msg) or _P["input_ctx"].search(msg)):
             limit: Literal["max_req_input_len", "context_length"] = "max_req_input_len" if mm.re is _P["input_long"] else "context_length"
             rej = InputRejection(input_tokens=int(mm.group(1)), max_allowed_tokens=int(mm.group(2)), limit=limit, rank=rank)
+            self._log(rank, "input_too_long", msg)
             if rej not in self._rejections:
                 self._rejections.append(rej)
             self._serving = True
             return True
+        if self._shortfall is not None and self._shortfall_line(msg, rank):
+            return True
+        if _P["serving"].search(msg):  # an HTTP request or a benchmark client: the server was serving
+            self._serving = True
         if "sglang.launch_server" in msg or "sglang serve" in msg or re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
             self._command_flags(msg)
             return known or "sglang" in msg
         return known
+
+    def _role(self, rank: str | None, d: dict[str, Any]) -> str | None:
+        """``draft`` when ``d`` is the draft's dict of ``rank``, ``target`` when a draft exists, else None."""
+        top = self._ranks.get(rank or "")
+        if top is None or top.get("draft") is None:
+            return None
+        return "target" if d is top else "draft"
+
+    def _shortfall_line(self, msg: str, rank: str | None) -> bool:
+        """The continuation lines of the KV allocator's message (``Try to allocate N tokens.``,
+        ``Available tokens: X (available_size=A + evictable_size=E)``, the older
+        ``Avaliable tokens: X`` / ``...available_size()=A`` / ``...evictable_size()=E``)."""
+        sf = self._shortfall
+        assert sf is not None
+        if m := _P["alloc_try"].search(msg):
+            sf.setdefault("requested_tokens", int(m.group(1)))
+        elif m := _P["alloc_avail"].search(msg):
+            sf.setdefault("available_tokens", int(m.group(1)))
+            if m.group(2) is not None:
+                sf.setdefault("available_size", int(m.group(2)))
+                sf.setdefault("evictable_size", int(m.group(3)))
+        elif m := _P["alloc_avail_old"].search(msg):
+            sf.setdefault("available_size", int(m.group(1)))
+        elif m := _P["alloc_evict_old"].search(msg):
+            sf.setdefault("evictable_size", int(m.group(1)))
+        else:
+            return False
+        self._log(rank, "kv_allocator", msg)
+        return True
 
     def _host_rank(self, rank: str | None) -> None:
         ranks = self._fields.setdefault("host_pool_ranks", [])
@@ -843,12 +1106,35 @@ class LogWatcher:
         for key in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests", "context_len"):
             if m := re.search(key + r"=(-?\d+)", rest):
                 info[key] = int(m.group(1))
-        if m := re.search(r"available_gpu_mem=" + _NUM + " GB", rest):
+        if m := re.search(r"available_[gc]pu_mem=" + _NUM + " GB", rest):  # "available_cpu_mem" on CPU servers
             info["available_gpu_mem_gib"] = float(m.group(1))
         self._scheduler = info
 
     def _batch(self, kind: str, body: str, rank: str | None, ts: str | None) -> None:
+        """One batch line: the summary from three C-level searches; the full fields are parsed
+        lazily, only for the kept (last :data:`_MAX_BATCH_LINES`) lines, at :meth:`report` time."""
         self._serving = True
+        self._batches.append([kind, ts, rank, body, None])
+        s = self._summary
+        s[f"{kind}_lines"] += 1
+        m = _BATCH_RUNNING.search(body)
+        running = int(m.group(1)) if m else None
+        if running is not None and running > (s.get("max_running_req") or 0):
+            s["max_running_req"] = running
+        if m := _BATCH_USAGE.search(body):
+            try:
+                usage = float(m.group(1))
+            except ValueError:
+                usage = None  # truncated value
+            if usage is not None and usage > (s.get("max_token_usage") or 0.0):
+                s["max_token_usage"] = usage
+        if kind == "decode" and "cuda graph: False" in body:
+            s["decode_lines_without_cuda_graph"] += 1
+            if running is not None:
+                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, running)
+
+    @staticmethod
+    def _batch_values(body: str) -> dict[str, Any]:
         values: dict[str, Any] = {}
         for part in body.split(","):
             if ":" not in part:
@@ -865,19 +1151,16 @@ class LogWatcher:
                 continue  # truncated value
             if raw not in ("True", "False") and typ is bool:
                 values.pop(name)
-        self._batches.append({"kind": kind, "timestamp": ts, "rank": rank, **values})
-        s = self._summary
-        s[f"{kind}_lines"] += 1
-        usage = values.get("token_usage", values.get("full_token_usage"))
-        running = values.get("running_req")
-        if running is not None:
-            s["max_running_req"] = max(s.get("max_running_req") or 0, running)
-        if usage is not None:
-            s["max_token_usage"] = max(s.get("max_token_usage") or 0.0, usage)
-        if kind == "decode" and values.get("cuda_graph") is False:
-            s["decode_lines_without_cuda_graph"] += 1
-            if running is not None:
-                s["max_running_req_without_cuda_graph"] = max(s.get("max_running_req_without_cuda_graph") or 0, running)
+        return values
+
+    def _batch_lines(self) -> list[BatchLine]:
+        out = []
+        for entry in self._batches:
+            if entry[4] is None:
+                kind, ts, rank, body, _ = entry
+                entry[4] = BatchLine(kind=kind, timestamp=ts, rank=rank, **self._batch_values(body))
+            out.append(entry[4])
+        return out
 
     def _command_flags(self, msg: str) -> None:
         tokens = msg.split()
@@ -902,23 +1185,28 @@ class LogWatcher:
                 continue
             if cls is None:
                 cls = self._oom_class(msg)
-            self._oom_numbers(msg)
+            if self._oom_numbers(msg):
+                self._log(rank, "oom", msg)
+            if cls is FailureClass.KV_PAGE_SHORTFALL and self._shortfall is None:
+                kind = "prefill" if "Prefill" in msg else "decode" if "Decode" in msg else "allocator"
+                self._shortfall = {"kind": kind}
             if m := _P["req_slots"].search(msg):
                 self._fields["req_slots_available"] = int(m.group(1))
                 self._fields["req_slots_requested"] = _int(m.group(2))
+                self._log(rank, "alloc_req_slots", msg)
             if prio > self._failure_prio:
                 self._failure_prio = prio
-                self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank)
+                self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
                 site = self._oom_site()
                 self._failure_site = site[1] if site else None
             return True
         if m := _P["mtt_larger"].search(msg):
             if int(m.group(2)) <= 0 and self._failure_prio < 90:
                 self._failure_prio = 90
-                self.failure = Failure(failure_class=FailureClass.STARTUP_KV_OOM, evidence=msg[:500], rank=rank)
+                self.failure = Failure(failure_class=FailureClass.STARTUP_KV_OOM, evidence=msg[:500], rank=rank, phase=self._phase)
             return False
-        if self.failure is not None and self._oom is None:
-            self._oom_numbers(msg)
+        if self.failure is not None and self._oom_numbers(msg):
+            self._log(rank, "oom", msg)
         return False
 
     def _oom_site(self) -> tuple[str, str] | None:
@@ -940,13 +1228,16 @@ class LogWatcher:
     def _oom_class(self, msg: str) -> FailureClass:
         """Class of a generic CUDA OOM by where it was raised (§4.3 startup vs §4.4 runtime).
 
-        While serving (a ready line, batch lines) it is a runtime OOM. Before ready, the
+        While serving (a ready line, batch lines, HTTP request lines, a benchmark client) it is a
+        runtime OOM. Before ready, the
         traceback's innermost known frame decides, else the startup phase reached: loading the
         target's weights (or earlier) → weight-load OOM; anything allocated after the KV pool is
         sized (``init_memory_pool``'s req_to_token table and KV pool, CUDA graphs, a draft worker
         loaded after the target's pool, §1.2, §1.5, §1.6) → CUDA-graph OOM, the class of "the
         ``(1 − mem_fraction_static)`` reserve was too small"; the warm-up batch → runtime OOM. A
-        log that shows nothing of a start (a fragment) gives a runtime OOM.
+        log that shows neither a phase line, a known frame nor anything of serving (an excerpt
+        with the error alone, e.g. a HIP OOM in an attention backend's init) gives
+        ``startup_oom``: before ready, phase unknown.
         """
         site = self._oom_site()
         if "capture" in msg.lower() or "cuda_graph" in msg:
@@ -963,25 +1254,36 @@ class LogWatcher:
                 return FailureClass.CUDA_GRAPH_OOM
             if kind == "weights" or self._ranks or self._server_args:
                 return FailureClass.WEIGHT_LOAD_OOM
-            return FailureClass.RUNTIME_OOM
+            return FailureClass.STARTUP_OOM
         return FailureClass.CUDA_GRAPH_OOM
 
-    def _oom_numbers(self, msg: str) -> None:
+    def _oom_numbers(self, msg: str) -> bool:
+        """Merge the numbers of torch's OOM message into :attr:`_oom` (the message may span lines:
+        ``Tried to allocate X.`` then ``GPU n has a total capacity of Y of which Z is free``).
+        Returns whether the line held one of them."""
         tried = _P["oom_tried"].search(msg)
         gpu = _P["oom_gpu"].search(msg)
-        if not tried and not gpu:
-            return
-        scale = {"MiB": 1.0, "GiB": 1024.0, "KiB": 1 / 1024, "B": 1 / 2**20}
         free = _P["oom_free"].search(msg)
-        self._oom = OOMDetail(
-            tried_to_allocate_mib=float(tried.group(1)) * scale[tried.group(2)] if tried else None,
-            free_mib=float(free.group(1)) * scale[free.group(2)] if free else None,
-            gpu_index=int(gpu.group(1)) if gpu else None,
-            total_capacity_gib=float(gpu.group(2)) if gpu else None,
-        )
+        vendor = "hip" if "HIP" in msg or "hipError" in msg else "cuda" if "CUDA" in msg or "cudaError" in msg else None
+        if not (tried or gpu or free):
+            if vendor and self._oom is not None and self._oom.vendor is None:
+                self._oom = self._oom.model_copy(update={"vendor": vendor})
+            return False
+        scale = {"MiB": 1.0, "GiB": 1024.0, "KiB": 1 / 1024, "B": 1 / 2**20}
+        new: dict[str, Any] = {"vendor": vendor}
+        if tried:
+            new["tried_to_allocate_mib"] = float(tried.group(1)) * scale[tried.group(2)]
+        if free:
+            new["free_mib"] = float(free.group(1)) * scale[free.group(2)]
+        if gpu:
+            new["gpu_index"], new["total_capacity_gib"] = int(gpu.group(1)), float(gpu.group(2))
+        old = self._oom.model_dump() if self._oom else {}
+        merged = {**old, **{k: v for k, v in new.items() if old.get(k) is None}}
+        self._oom = OOMDetail(**merged)
+        return True
 
     def _failure_from_exit(self, status: int) -> Failure:
-        last = self._last_sglang_line
+        last = self._last_sglang_line or "no SGLang line before the exit"
         if status == 2 and not self._ranks:
             return Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="exited with status 2 (argparse) before any startup line", exit_status=status)
         if not self.ready and self._phase == "host_pool":
@@ -991,7 +1293,13 @@ class LogWatcher:
                 exit_status=status,
             )
         where = "while serving" if self._serving else f"during startup (phase {self._phase})"
-        return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; last SGLang line: {last}", exit_status=status)
+        return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; {self._last_line_evidence()}", exit_status=status)
+
+    def _last_line_evidence(self) -> str:
+        """``last SGLang line: …``, or what it means that there is none (evidence never says None)."""
+        if self._last_sglang_line:
+            return f"last SGLang line: {self._last_sglang_line}"
+        return "no SGLang line reached the tuner"
 
     def _freeze_rank(self, key: str, d: dict[str, Any]) -> RankMemory:
         draft = d.get("draft")
@@ -1069,7 +1377,7 @@ def parse_log_bytes(data: bytes, *, source: str, exit_status: int | None = None)
     if b"\x00" in head or sum(b < 9 or 13 < b < 32 for b in head) > len(head) // 100:
         raise LogError(f"log {source} is binary, not text", hint="pass the SGLang server's text output, not a binary file")
     report = parse_log(data.decode("utf-8", errors="replace").splitlines(), exit_status=exit_status)
-    if report.sglang_lines == 0:
+    if report.sglang_lines == 0 and not report.server_args:
         raise LogError(
             f"log {source} holds no SGLang line (no memory, scheduler, batch or failure line)",
             hint="pass the output of `python -m sglang.launch_server` (e.g. journalctl -u UNIT)",
@@ -1108,7 +1416,9 @@ _OUTCOMES = {
     FailureClass.STARTUP_KV_OOM: "startup_oom",
     FailureClass.WEIGHT_LOAD_OOM: "startup_oom",
     FailureClass.CUDA_GRAPH_OOM: "startup_oom",
+    FailureClass.STARTUP_OOM: "startup_oom",
     FailureClass.RUNTIME_OOM: "runtime_oom",
+    FailureClass.KV_PAGE_SHORTFALL: "runtime_oom",
 }
 
 

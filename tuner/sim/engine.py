@@ -412,7 +412,7 @@ class Engine:
         Returns:
             ``num_running_reqs``, ``num_queue_reqs``, ``num_used_tokens``, ``token_usage``,
             ``gen_throughput``, ``cache_hit_rate``, ``new_token_ratio``, ``max_total_num_tokens``,
-            ``hicache_host_used_tokens``, ``hicache_host_total_tokens``,
+            ``hicache_host_used_tokens``, ``evictable_tokens`` (radix-cached, unreferenced KV tokens), ``hicache_host_total_tokens``,
             ``peak_activation_bytes`` (the largest step's activation bytes per GPU since start,
             :func:`tuner.sim.costmodel.activation_bytes`; CUDA-graph decode steps run inside the
             captured graphs' memory and add none) and the counters ``prompt_tokens_total``,
@@ -431,6 +431,7 @@ class Engine:
             "new_token_ratio": self.new_token_ratio,
             "max_total_num_tokens": self._total,
             "hicache_host_used_tokens": self.cache.host_used_tokens,
+            "evictable_tokens": self.cache.evictable_tokens,
             "hicache_host_total_tokens": self.spec.hicache_host_tokens or 0,
             "peak_activation_bytes": self.peak_activation_bytes,
             "prompt_tokens_total": self.prompt_tokens_total,

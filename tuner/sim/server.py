@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import psutil
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tuner.sim.args import VERSIONS
@@ -100,6 +101,7 @@ class _Pending:
     first_token_s: float | None = None
     last_token_s: float | None = None
     text: str = ""
+    out_ids: list[int] = field(default_factory=list)
     direct: tuple[asyncio.Transport, Callable[[_Update], bytes]] | None = None
     done: asyncio.Future | None = None
 
@@ -122,12 +124,15 @@ class SimServer:
         self.engine = Engine(engine_spec(plan, seed), log=lambda msg: log.line(msg, 0))
         self.version = self.cfg.version
         self.ready = False
+        self.startup_s = 0.0
         self._pending: dict[str, _Pending] = {}
         self._wake: asyncio.Event | None = None
         self._t0 = time.monotonic()
         self._events_seen = 0
         self._progress: asyncio.Event | None = None
         self._step_log: list[tuple[float, float]] = []
+        # SGLang's multiprocess collector emits no ``*_created`` series (§5.5); neither does the simulator.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         self._hist = self._make_histograms() if self.cfg.enable_metrics else None
         if self.cfg.enable_metrics:
@@ -354,6 +359,8 @@ class SimServer:
         if not self.skip_warmup:
             await self._collect(self._submit([0] * 8, 8, True))
         self.ready = True
+        # Engine startup time: from the process's start to ready (sglang:engine_startup_time).
+        self.startup_s = max(0.0, time.time() - psutil.Process().create_time())
         self.log.line("The server is fired up and ready to roll!", None)
 
     # ------------------------------------------------------------------ handlers
@@ -537,6 +544,9 @@ class SimServer:
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             return self._reject("sampling_params must be a JSON object.")
+        if self.version == "0.5.23" and (unknown := sorted(set(sp) - SAMPLING_PARAMS_0_5_23)):
+            # 0.5.23's /generate contract gate (entrypoints/api_contract.py) refuses unknown fields.
+            return self._reject(f"unknown field `sampling_params.{unknown[0]}`")
         text, ids = body.get("text"), body.get("input_ids")
         batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
         try:
@@ -572,6 +582,9 @@ class SimServer:
             return web.json_response(self._generate_body(p, upd, out_ids))
         args = self.cfg.server_args  # 0.5.5 spells it --stream-output
         incremental = bool(args.get("incremental_streaming_output") or args.get("stream_output"))
+        # Streamed output_ids (managers/tokenizer_manager.py): 0.5.5 always sends the new ids;
+        # 0.5.10+ send the new ids only with --incremental-streaming-output, else all ids so far.
+        cumulative_ids = self.version != "0.5.5" and not incremental
 
         retractions = "num_retractions" if self.version == "0.5.23" else "total_retractions"
         meta_head = f'"meta_info": {{"id": {json.dumps(p.rid)}, "finish_reason": null, "prompt_tokens": '
@@ -579,12 +592,18 @@ class SimServer:
         def encode(upd: _Update) -> bytes:
             if upd.finish is not None:
                 chunk = self._generate_body(p, upd, [], new_ids=upd.token_ids, incremental=incremental)
+                if cumulative_ids:
+                    p.out_ids.extend(upd.token_ids)
+                    chunk["output_ids"] = list(p.out_ids)
                 return b"data: " + json.dumps(chunk).encode() + b"\n\n"
             # The hot path (every token of every stream): the same JSON as _generate_body, formatted directly.
             new_text = detokenize(upd.token_ids)
             p.text += new_text
             text = json.dumps(new_text if incremental else p.text)
-            return (f'data: {{"text": {text}, "output_ids": {upd.token_ids}, {meta_head}{upd.prompt_tokens}, '
+            if cumulative_ids:
+                p.out_ids.extend(upd.token_ids)
+            ids = p.out_ids if cumulative_ids else upd.token_ids
+            return (f'data: {{"text": {text}, "output_ids": {ids}, {meta_head}{upd.prompt_tokens}, '
                     f'"weight_version": "default", "completion_tokens": {upd.completion_tokens}, '
                     f'"cached_tokens": {upd.cached_tokens}, "{retractions}": 0}}}}\n\n').encode()
 
@@ -754,6 +773,15 @@ class SimServer:
         }
 
 
+SAMPLING_PARAMS_0_5_23 = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "beam_width", "json_schema", "regex", "ebnf",
+    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params", "watermark",
+})
+"""The fields of ``SamplingParams`` in SGLang 0.5.23 (``srt/sampling/sampling_params.py``)."""
+
+
 def _max_new_tokens(value: Any, default: int) -> int:
     """A request's output limit: ``default`` when unset; SGLang's error for a bad value."""
     if value is None:
@@ -854,6 +882,21 @@ class _SchedulerCollector:
                       s["evicted_tokens_total"])
         yield counter("sglang:load_back_tokens", "Number of tokens loaded back from host memory.",
                       s["load_back_tokens_total"])
+        # Families SGLang has for what the simulator models (metrics/collector.py 0.5.5,
+        # observability/metrics_collector.py 0.5.23): speculative acceptance, startup time,
+        # evictable KV tokens (0.5.23), the per-request retraction histogram's gauge twin (0.5.5).
+        cost = srv.engine.spec.cost
+        if cost.spec_num_draft_tokens:
+            yield gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.", cost.spec_accept_length)
+            yield gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.",
+                        cost.spec_accept_length / cost.spec_num_draft_tokens)
+        if version == "0.5.23":
+            yield gauge("sglang:kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool.",
+                        s["evictable_tokens"])
+            yield gauge("sglang:startup_time_seconds", "Engine startup duration by phase in seconds.", srv.startup_s,
+                        labels=sched + ["phase"], values=sv + ["total"])
+        else:
+            yield gauge("sglang:engine_startup_time", "The time taken for the engine to start up.", srv.startup_s)
         if version != "0.5.5":
             yield gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.",
                         plan.max_total_num_tokens)

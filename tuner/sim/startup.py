@@ -212,9 +212,17 @@ def _failure_exception(plan: MemoryPlan, f: StartupFailure) -> tuple[str, str]:
     if f.kind == "unbalanced":
         d = f.detail
         local = d["local_gpu_memory"]
+        if plan.config.version == "0.5.5":  # model_runner.py: a ValueError naming min_per_gpu_memory
+            return "init_torch_distributed", (
+                "ValueError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. "
+                f"min_per_gpu_memory={d['min_per_gpu_memory']!r}, local_gpu_memory={local!r}, "
+                f"local_gpu_memory * 0.9={local * 0.9!r}"
+            )
+        # 0.5.10 (model_runner.py) and 0.5.23 (distributed/bootstrap.py): a RuntimeError naming
+        # pre_model_load_memory (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK defaults to on).
         return "init_torch_distributed", (
-            "ValueError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. "
-            f"min_per_gpu_memory={d['min_per_gpu_memory']!r}, local_gpu_memory={local!r}, "
+            "RuntimeError: The memory capacity is unbalanced. Some GPUs may be occupied by other processes. "
+            f"pre_model_load_memory={d['min_per_gpu_memory']!r}, local_gpu_memory={local!r}, "
             f"local_gpu_memory * 0.9={local * 0.9!r}"
         )
     if f.kind in ("weight_oom", "draft_weight_oom", "draft_kv_oom", "pool_oom"):
@@ -321,7 +329,8 @@ def run_startup(
         return False
 
     # 1. distributed init and the baseline (§1.1, §4.2 line 1).
-    log.all_ranks(lambda r: "Init torch distributed begin.")
+    if version != "0.5.23":  # 0.5.23's bootstrap prints no begin line (srt/distributed/bootstrap.py)
+        log.all_ranks(lambda r: "Init torch distributed begin.")
     t = wait(delays.dist_init_tp_s if tp > 1 else delays.dist_init_s)
     if fail and fail.kind == "unbalanced":
         return die()
@@ -360,7 +369,8 @@ def run_startup(
             log.all_ranks(lambda r, w=w: w)
     if fail and fail.kind in ("kv_no_budget", "not_enough_memory", "pool_oom"):
         return die(0 if fail.kind != "pool_oom" else None)
-    log.line(f"Using KV cache dtype: {TORCH_DTYPE_NAMES[cfg.kv_cache_dtype]}", 0)
+    if version != "0.5.23":  # 0.5.23 prints the dtype in the KV line instead
+        log.line(f"Using KV cache dtype: {TORCH_DTYPE_NAMES[cfg.kv_cache_dtype]}", 0)
     wait(delays.kv_alloc_s)
     log.all_ranks(lambda r: _kv_line(plan, version))
     if fail and fail.kind == "draft_kv_oom" and version == "0.5.23":
@@ -416,7 +426,7 @@ def run_startup(
                 # kill_process_tree ends the process the same way, status 9/KILL).
                 return False
             if version == "0.5.23":
-                log.line(f"Allocating hierarchical KV host pool: {plan.hicache_host_tokens} tokens, "
+                log.line(f"Allocating kv hierarchical KV host pool: {plan.hicache_host_tokens} tokens, "
                          f"{host_gb:.2f} GB host memory.", r)
             else:
                 log.line(f"Allocating {host_gb:.2f} GB host memory for hierarchical KV cache.", r)
@@ -441,8 +451,11 @@ def log_startup(parsed: ParsedArgs, plan: MemoryPlan, log: SimLogger, *, time_sc
         True when the engine is up; False after a failure's lines (see :func:`run_startup`).
     """
     cfg = plan.config
-    args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
-    log.line(f"server_args=ServerArgs({args_repr})", None)
+    if cfg.version == "0.5.23":  # entrypoints/engine.py: server_args={resolved_dict()}
+        log.line(f"server_args={dict(cfg.server_args)!r}", None)
+    else:  # f"{server_args=}": the dataclass repr
+        args_repr = ", ".join(f"{k}={v!r}" for k, v in cfg.server_args.items())
+        log.line(f"server_args=ServerArgs({args_repr})", None)
     for warning in cfg.warnings:
         log.line(warning, None)
     return run_startup(plan, log, time_scale=time_scale)
@@ -464,8 +477,9 @@ def _capture(plan: MemoryPlan, log: SimLogger, wait: Callable[[float], float], d
     phase = ("verify" if spec else "decode") if runner == "target" else "decode"
     if version == "0.5.23":
         per_req = cfg.speculative.num_draft_tokens if (spec and runner == "target") else 1
+        # 0.5.23 lists the sizes on the end line only (cuda_graph_setup.py).
         log.all_ranks(lambda r: f"Capture {runner} {phase} CUDA graph begin. backend=full, "
-                                f"num_tokens_per_req={per_req}, bs={bs}, avail mem={_gb(before(r) or 0)} GB")
+                                f"num_tokens_per_req={per_req}, avail mem={_gb(before(r) or 0)} GB")
     else:
         log.all_ranks(lambda r: "Capture cuda graph begin. This can take up to several minutes. "
                                 f"avail mem={_gb(before(r) or 0)} GB")

@@ -20,10 +20,11 @@ The steps, one method each (the shape of Optuna's own ``_optimize``/``_run_trial
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -33,7 +34,7 @@ from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import TunerConfig, check_url_matches_port
-from tuner.errors import StudyError
+from tuner.errors import ServiceControlError, StudyError
 from tuner.load.workloads import build_workload, estimate_reuse
 from tuner.records import Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
@@ -43,6 +44,18 @@ from tuner.sglang.logs import log_error_line
 from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study.best import BestChoice, choose_best
 from tuner.study.budget import Budget, reachable_slots, require_one_trial
+from tuner.study.hosts import (
+    HOST_ATTR,
+    ClaimLock,
+    TrialHeartbeat,
+    heartbeat_interval,
+    host_name,
+    is_postgres,
+    reap_stale,
+    recover_own,
+    same_environment,
+    schema_lock,
+)
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     KIND_ATTR,
@@ -54,16 +67,23 @@ from tuner.study.optuna_io import (
     make_sampler,
     open_study,
     records,
-    recover_interrupted,
     save_study_info,
     set_baseline_params,
     study_info,
     tell_record,
 )
-from tuner.study.planner import Candidate, Planner
 from tuner.study.hostcheck import host_skip_reason, ranks_of
+from tuner.study.planner import Candidate, Planner
 from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
-from tuner.study.storage import check_storage_folder, open_storage, study_artifacts_dir, study_storage_url
+from tuner.study.storage import (
+    check_artifacts_folder,
+    check_run_storage,
+    check_storage_folder,
+    open_storage,
+    storage_errors,
+    study_artifacts_dir,
+    study_storage_url,
+)
 
 __all__ = [
     "MAX_INVALID_IN_A_ROW",
@@ -77,6 +97,7 @@ __all__ = [
     "describe",
     "resolve_study_space",
     "study_hicache",
+    "claimed_reason",
 ]
 
 MAX_INVALID_IN_A_ROW = 3
@@ -154,7 +175,8 @@ class Progress(BaseModel):
     Attributes:
         event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``, ``note`` (a decision
             worth a line, e.g. whether the hierarchical cache is searched and why).
-        number: Trial number (Optuna).
+        number: Trial number (Optuna); ``None`` for a note about the shared study (waiting for
+            another host's baseline, another host's dead trial reaped).
         index: This run's trial count so far (1-based).
         expected: About how many trials the budget allows in this run (``None`` unbounded).
         phase: The current phase.
@@ -181,7 +203,9 @@ class RunSummary(BaseModel):
         storage_url: Where it is stored.
         trials_run: Trials launched in this run (a restart each).
         trials_skipped: Trials skipped without a restart in this run.
-        recovered: Trials a killed run left RUNNING, marked failed and re-enqueued.
+        recovered: Trials a killed run of this host left RUNNING, or another host's trials silent for
+            the grace period, marked FAIL (their params re-queued once).
+        host: The host name this run recorded on its trials (:func:`tuner.study.hosts.host_name`).
         stop_reason: ``budget``, ``trials``, ``interrupted`` or ``exhausted``.
         baseline: The baseline's record (trial number, record).
         best: The chosen best and why (:func:`tuner.study.best.choose_best` under the config's
@@ -196,6 +220,7 @@ class RunSummary(BaseModel):
     trials_run: int = 0
     trials_skipped: int = 0
     recovered: list[int] = Field(default_factory=list)
+    host: str = ""
     stop_reason: str = "exhausted"
     baseline: tuple[int, TrialRecord] | None = None
     best: BestChoice | None = None
@@ -255,6 +280,10 @@ class StudyRun:
         self.context_tokens = 0
         self.study: optuna.Study | None = None
         self.artifact_store: FileSystemArtifactStore | None = None
+        self.host = host_name()
+        self.summary.host = self.host
+        self.shared = False
+        self.claims: ClaimLock | None = None
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -275,17 +304,18 @@ class StudyRun:
                 partial record and its params re-enqueued.
         """
         started = self.clock()
-        self.open()
-        self.summary.baseline = self.baseline()
-        space = self.space()
-        planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
-                          longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
-                          mean_request_tokens=_mean_request_tokens(self.config))
-        while self.summary.stop_reason == "exhausted" and self.can_continue():
-            trial, job = self.next_trial(space, planner)
-            if job is None:
-                continue
-            self.check_invalid_streak(trial.number, self.launch(trial, job))
+        with storage_errors(self.url):
+            self.open()
+            self.summary.baseline = self.baseline()
+            space = self.space()
+            planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
+                              longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
+                              mean_request_tokens=_mean_request_tokens(self.config))
+            while self.summary.stop_reason == "exhausted" and self.can_continue():
+                trial, job = self.next_trial(space, planner)
+                if job is None:
+                    continue
+                self.check_invalid_streak(trial.number, self.launch(trial, job))
         self.summary.trials_run = self.launched
         objective = self.config.objective
         self.summary.best = choose_best(self.history(), policy=objective.policy,
@@ -299,31 +329,33 @@ class StudyRun:
         RUNNING trials, check the budget holds one trial, and open the artifact store."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         check_storage_folder(self.url, self.config.study.name)
+        check_run_storage(self.url, self.config.study.name)
         check_url_matches_port(self.runner.target().get("url"), self.runner.baseline_argv())
         config = self.config
-        self.study = study = open_study(config.study.name, open_storage(self.url),
-                                        make_sampler(config.study.sampler, config.study.seed))
+        storage = open_storage(self.url, heartbeat_interval_s=config.storage.heartbeat_interval_s,
+                               grace_period_s=config.storage.grace_period_s)
         self.environment = self.runner.environment()
-        info = study_info(study)
-        if info is not None:
-            check_environment(info.environment, self.environment, allow_mixed=self.allow_mixed_environment)
-        self.summary.recovered = recover_interrupted(study)
         context_tokens = config.objective.context_tokens or _context_tokens(config)
-        if info is None:
-            info = StudyInfo(environment=self.environment, target=self.runner.target(),
-                             baseline_argv=self.runner.baseline_argv(), policy=config.objective.model_dump(mode="json"),
-                             context_tokens=context_tokens, config_path=config.path)
-            save_study_info(study, info)
+        with schema_lock(self.url):  # hosts starting together: one creates the study and its info
+            self.study = study = open_study(config.study.name, storage,
+                                            make_sampler(config.study.sampler, config.study.seed))
+            info = study_info(study)
+            if info is not None:
+                check_environment(info.environment, self.environment, allow_mixed=self.allow_mixed_environment)
+            else:
+                info = StudyInfo(environment=self.environment, target=self.runner.target(),
+                                 baseline_argv=self.runner.baseline_argv(), policy=config.objective.model_dump(mode="json"),
+                                 context_tokens=context_tokens, config_path=config.path)
+                save_study_info(study, info)
+        self.shared = is_postgres(storage)
+        self.claims = ClaimLock(storage, storage.get_study_id_from_name(config.study.name))
+        self.summary.recovered = recover_own(study, self.host, shared=self.shared) + reap_stale(study)
         self.context_tokens = info.context_tokens or context_tokens
         if self.budget_s is not None:
             require_one_trial(self.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
         if self.url != ":memory:":
+            check_artifacts_folder(config)
             folder = study_artifacts_dir(config)
-            if config.storage.artifacts_dir and not folder.parent.is_dir():
-                raise StudyError(
-                    f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
-                    hint="create it, or point artifacts_dir at an existing folder",
-                )
             folder.mkdir(parents=True, exist_ok=True)
             self.artifact_store = FileSystemArtifactStore(str(folder))
 
@@ -336,20 +368,43 @@ class StudyRun:
         Raises:
             StudyError: The baseline could not start for a reason other than memory.
         """
-        found = _baseline(self.history())
-        if found is not None or not self.can_continue():
-            return found
         study = self._study()
-        trial = study.ask()
-        trial.set_user_attr(KIND_ATTR, "baseline")
+        waited, waited_s = False, 0.0
+        while True:
+            with self._claim():
+                found = self._own_baseline()
+                if found is not None or not self.can_continue():
+                    return found
+                # The study attribute the baseline's tell stores first: a baseline of this
+                # environment is done even if its trial is not in this host's view yet.
+                done_elsewhere = SPACE_ATTR in study.user_attrs and self._study_environment()
+                measuring = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                             if t.user_attrs.get(KIND_ATTR) == "baseline"
+                             and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), self.environment)]
+                if not measuring and not (done_elsewhere and waited_s < _BASELINE_VISIBLE_S):
+                    trial = study.ask()
+                    trial.set_user_attr(KIND_ATTR, "baseline")
+                    self._own(trial)
+                    break
+            # Another host measures this environment's baseline now: once per study, not per host.
+            waited_s += _WAIT_POLL_S
+            if not waited and measuring:
+                self.progress("phase", None, phase="waiting", message=(
+                    f"waiting for the baseline (trial {measuring[0].number}) on host "
+                    f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}"))
+            waited = True
+            time.sleep(_WAIT_POLL_S)
         job = TrialJob(number=trial.number, kind="baseline", context_tokens=self.context_tokens, started_at=_now())
-
         def fix_space(record: TrialRecord) -> None:
             reader = getattr(self.runner, "host_memory", None)
             space = resolve_study_space(self.config, record, self.environment, self.context_tokens,
                                         host=reader() if callable(reader) else None,
                                         ranks=ranks_of(self.runner.baseline_argv()))
-            study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
+            stored = study.user_attrs.get(SPACE_ATTR)
+            if stored is None or self._study_environment():
+                study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
+            else:  # a mixed-environment host's own baseline: the study keeps its space
+                space = Space.model_validate(stored)
             set_baseline_params(trial, space, record.params)
             self.progress("note", trial.number, message=f"hierarchical cache {space.hicache_reason}")
 
@@ -383,10 +438,13 @@ class StudyRun:
         study = self._study()
         done = self.history()
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         predicted = sum(1 for _, r in done if r.kind == "predicted")
+        predicted += sum(1 for t in running if t.user_attrs.get(KIND_ATTR) == "predicted")
         if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
+            # Every host's trials count: what runs elsewhere now is as tried as what finished.
             tried = {_key(space.snap(r.params)) for _, r in done if r.params}
-            tried |= {_key(space.snap(t.params)) for t in waiting}
+            tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
             candidate = planner.next(done, tried) or self.cache_candidate(space, done, tried)
             if candidate is not None:
                 study.enqueue_trial(candidate.params,
@@ -395,13 +453,15 @@ class StudyRun:
                 number, params, why = repeat
                 study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
                                                         PREDICTION_ATTR: {"why": why}})
-        trial = study.ask()
+        trial = study.ask()  # the sampler (constant liar) sees every host's RUNNING trials
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         params = space.suggest(trial)
         prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
         floor = self.capacity_floor(done)
         repeat_of = trial.user_attrs.get(REPEAT_ATTR)
         if repeat_of is not None:  # a deliberate re-measurement (the noise), not a wasted repeat
+            with self._claim():
+                self._own(trial)
             return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                    context_tokens=self.context_tokens, started_at=_now(), repeat_of=int(repeat_of))
         reason = skip_reason(params, done, space)
@@ -409,6 +469,15 @@ class StudyRun:
             reason = planner.screen(params, done, capacity_floor=self.band_floor(done))
         if reason is None:
             reason = self.host_check(params, done)
+        if reason is not None:
+            self.skip(trial, params, kind, prediction, reason)
+            return trial, None
+        # Check and claim: under the study's lock, re-read what other hosts measured or claimed
+        # since; the first to claim a config wins, a later host skips it (no restart).
+        with self._claim():
+            reason = claimed_reason(trial, study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
+            if reason is None:
+                self._own(trial)  # RUNNING with its params, host and heartbeat before the lock goes
         if reason is not None:
             self.skip(trial, params, kind, prediction, reason)
             return trial, None
@@ -470,6 +539,7 @@ class StudyRun:
              reason: tuple[str, int]) -> None:
         """Tell ``trial`` PRUNED with the reason and the proving trial, without a restart."""
         text, proof = reason
+        trial.set_user_attr(HOST_ATTR, self.host)
         record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
                              proved_by_trial=proof, prediction=prediction, started_at=_now(),
                              duration_s=0.0, constraints=Constraints.all_violated())
@@ -486,23 +556,45 @@ class StudyRun:
 
         Raises:
             KeyboardInterrupt: After storing the partial record as FAIL and re-enqueueing the params.
+            ServiceControlError: The service could not be changed (its drop-in folder became
+                unwritable); stored and re-enqueued the same way, and the run stops.
+            StudyError: The journal stopped answering during the trial (stored as FAIL with
+                ``journal_unreadable``, re-enqueued): the run stops instead of measuring blind.
         """
         self.progress("trial_start", job.number, index=self.handled + 1, message=f"trial {job.number} ({job.kind})")
         begun = self.clock()
-        trial.set_user_attr(ENVIRONMENT_ATTR, self.environment)
 
         def on_phase(name: str) -> None:
             trial.set_user_attr(PHASE_ATTR, name)
             self.progress("phase", job.number, index=self.handled + 1, phase=name, message=f"trial {job.number}: {name}")
 
+        def on_reaped(numbers: list[int]) -> None:
+            self.summary.recovered.extend(numbers)
+            self.progress("phase", None, index=self.handled + 1, phase="reaped", message=(
+                f"trial(s) {numbers} of another host had no heartbeat for "
+                f"{self.config.storage.grace_period_s} s: marked FAIL, params queued again"))
+
         try:
-            record = self.runner.run(job, on_phase)
-        except KeyboardInterrupt:
-            partial = TrialRecord(params=job.params, kind=_kind(job.kind), outcome="failed",
-                                  failure_evidence="interrupted (Ctrl-C or SIGTERM) during the trial",
+            with TrialHeartbeat(self._study(), self._trial_id(trial), on_reaped=on_reaped):
+                record = self.runner.run(job, on_phase)
+        except (KeyboardInterrupt, ServiceControlError) as err:
+            why = ("interrupted (Ctrl-C or SIGTERM) during the trial" if isinstance(err, KeyboardInterrupt)
+                   else f"not run: the service could not be changed ({err.message})")
+            partial = TrialRecord(params=job.params, kind=_kind(job.kind), outcome="failed", failure_evidence=why,
                                   started_at=job.started_at, duration_s=self.clock() - begun)
             fail_trial(self._study(), trial, partial, requeue=bool(job.params))
             raise
+        if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
+            # Not the candidate's failure: FAIL (not a measured trial) and measured again next run.
+            fail_trial(self._study(), trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
+            _log.warning("trial %d: %s", job.number, record.failure_evidence)
+            raise StudyError(
+                f"trial {job.number} stopped: the service manager's journal stopped answering "
+                f"({record.failure_evidence}); the trial is recorded as journal_unreadable, not measured, "
+                "and the service was restored",
+                hint="check journald (systemctl status systemd-journald; journalctl --verify) and run the "
+                "same command again to resume",
+            )
         self.launched += 1
         if job.repeat_of is not None:
             record = record.model_copy(update={"repeat_of": job.repeat_of})
@@ -641,10 +733,86 @@ class StudyRun:
                            expected=None if event == "stop" else self.expected(),
                            eta_s=self.budget.remaining_s(), **fields))
 
+    @contextlib.contextmanager
+    def _claim(self) -> Iterator[None]:
+        """The study's claim lock for one ``with`` block (a no-op off PostgreSQL).
+
+        Other hosts' dead trials are reaped first, so their params are queued before this host
+        chooses."""
+        if self.claims is None:
+            raise RuntimeError("StudyRun.open() was not called")
+        with self.claims.held():
+            reaped = reap_stale(self._study())
+            if reaped:
+                self.summary.recovered.extend(reaped)
+                self.progress("phase", None, phase="reaped", message=(
+                    f"trial(s) {reaped} of another host had no heartbeat for "
+                    f"{self.config.storage.grace_period_s} s: marked FAIL, params queued again"))
+            yield
+
+    def _own(self, trial: optuna.Trial) -> None:
+        """Mark ``trial`` as this host's: host name, environment and a first heartbeat."""
+        trial.set_user_attr(HOST_ATTR, self.host)
+        trial.set_user_attr(ENVIRONMENT_ATTR, self.environment)
+        storage = self._study()._storage  # noqa: SLF001 - the storage this run opened
+        record = getattr(storage, "record_heartbeat", None)  # RDBStorage (Optuna's BaseHeartbeat)
+        if record is not None and heartbeat_interval(storage) is not None:
+            record(self._trial_id(trial))
+
+    def _trial_id(self, trial: optuna.Trial) -> int:
+        study = self._study()
+        storage = study._storage  # noqa: SLF001
+        return storage.get_trial_id_from_study_id_trial_number(
+            storage.get_study_id_from_name(study.study_name), trial.number)
+
+    def _own_baseline(self) -> tuple[int, TrialRecord] | None:
+        """The study's finished baseline measured in this run's environment (any host's)."""
+        found = [(t.number, r) for t, r in records(self._study())
+                 if same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), self.environment)]
+        return _baseline(found)
+
+    def _study_environment(self) -> bool:
+        """Whether this run's environment is the study's own (not a mixed-in host)."""
+        info = study_info(self._study())
+        return info is None or same_environment(info.environment, self.environment)
+
     def _study(self) -> optuna.Study:
         if self.study is None:
             raise RuntimeError("StudyRun.open() was not called")
         return self.study
+
+
+_WAIT_POLL_S = 1.0
+"""Seconds between looks at the study while another host measures the baseline."""
+_BASELINE_VISIBLE_S = 30.0
+"""How long a host waits for a baseline whose space is stored to show among the finished trials."""
+
+
+def claimed_reason(trial: optuna.Trial, others: Sequence[optuna.trial.FrozenTrial]) -> tuple[str, int] | None:
+    """Why ``trial`` must not launch: another trial with the same Optuna params was measured
+    (COMPLETE) or claimed by a host (RUNNING with :data:`~tuner.study.hosts.HOST_ATTR`).
+
+    Read under the claim lock, so of two hosts that drew the same config the first to claim it
+    launches it and the other skips it; RUNNING trials not yet claimed (another host still
+    choosing) do not count.
+
+    Args:
+        trial: This host's asked trial, params suggested, not yet claimed.
+        others: The study's COMPLETE and RUNNING trials.
+
+    Returns:
+        ``(reason, trial number)``, or ``None`` to launch.
+    """
+    mine = _key(trial.params)
+    for other in others:
+        if other.number == trial.number or not other.params or _key(other.params) != mine:
+            continue
+        if other.state is TrialState.COMPLETE:
+            return f"the same config was measured by trial {other.number}", other.number
+        host = other.user_attrs.get(HOST_ATTR)
+        if host is not None:
+            return f"the same config is running on host {host} (trial {other.number})", other.number
+    return None
 
 
 def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSummary:

@@ -27,6 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
+from tuner.sglang.failures import FailureClass
 from tuner.study.space import Space
 
 __all__ = [
@@ -81,17 +82,21 @@ def make_sampler(kind: str, seed: int) -> BaseSampler:
     """The sampler of the study.
 
     Args:
-        kind: ``tpe`` (multivariate multi-objective TPE with constraints), ``nsga2`` or ``random``.
+        kind: ``tpe`` (multivariate multi-objective TPE with constraints and the constant liar for
+            trials running on other hosts), ``nsga2`` or ``random``.
         seed: Sampler seed.
     """
     if kind == "random":
         return RandomSampler(seed=seed)
     if kind == "nsga2":
         return NSGAIISampler(seed=seed, population_size=8)
+    # constant_liar: trials RUNNING on other hosts count as bad results while they run, so
+    # hosts sharing a study do not all sample the same region (no effect with one host).
     return TPESampler(
         seed=seed,
         multivariate=True,
         n_startup_trials=4,
+        constant_liar=True,
     )
 
 
@@ -215,6 +220,18 @@ def fail_trial(study: optuna.Study, trial: optuna.Trial, partial: TrialRecord, *
         study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
 
 
+def _complete(record: TrialRecord) -> bool:
+    """Whether a RUNNING trial's record is a finished measurement (what :func:`tell_record` stores).
+
+    Partial records (an interruption, a service that could not be changed, a lost journal: what
+    :func:`fail_trial` stores) carry no constraints or say the journal was lost; a finished one
+    always has its constraints filled.
+    """
+    return bool(record.constraints) and record.duration_s is not None and (
+        record.failure_class is not FailureClass.JOURNAL_UNREADABLE
+    )
+
+
 def set_baseline_params(trial: optuna.Trial, space: Space, params: Mapping[str, Any]) -> None:
     """Record the baseline's resolved knobs as the Optuna params of its (running) trial.
 
@@ -248,16 +265,30 @@ def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDist
 
 
 def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Mark RUNNING trials left by a killed run as FAIL and enqueue their params again.
+    """Finish the RUNNING trials a killed run left: keep the measured ones, re-enqueue the rest.
+
+    A trial whose whole record was stored before the kill (killed inside :func:`tell_record`,
+    between the record and Optuna's finish) is told as :func:`tell_record` would have (COMPLETE
+    with its values, or PRUNED): it is not measured again. Every other RUNNING trial (no record,
+    or a partial one) is marked FAIL and its params are enqueued again.
 
     Call at the start of a run, before any new trial is asked for. (Only one tuner may drive a
-    unit at a time: the launcher's session lock guarantees no RUNNING trial is live.)
+    unit at a time: the unit's host-wide lock guarantees no RUNNING trial is live.)
 
     Returns:
         The numbers of the trials that were marked FAIL and re-enqueued.
     """
     recovered = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        record = record_of(trial)
+        if record is not None and _complete(record):
+            # Killed inside tell_record: the whole record was stored, only Optuna's finish was not.
+            # It is a measured trial; measuring it again would cost a restart and change nothing.
+            with warnings.catch_warnings():  # constraints the killed run already set are kept as they were
+                warnings.simplefilter("ignore", UserWarning)
+                tell_record(study, optuna.trial.Trial(study, trial._trial_id), record)  # noqa: SLF001 - a RUNNING trial's id
+            _log.info("trial %d: its record was stored before the run was killed; kept as measured", trial.number)
+            continue
         study.tell(trial.number, state=TrialState.FAIL)
         if trial.params:
             study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})

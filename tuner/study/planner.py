@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import BudgetSection
 from tuner.records import TrialRecord
-from tuner.sglang.failures import FailureClass
+from tuner.sglang.failures import RESERVE_FAILURES, FailureClass
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, slo_bounds, slo_points
@@ -46,8 +46,9 @@ from tuner.study.space import Space
 
 __all__ = ["Candidate", "Planner"]
 
-_CEILING_FAILURES = frozenset({FailureClass.CUDA_GRAPH_OOM, FailureClass.RUNTIME_OOM})
-"""Failures that bound ``mem_fraction_static`` from above (the reserve was too small, §1.6)."""
+_CEILING_FAILURES = RESERVE_FAILURES
+"""Failures that bound ``mem_fraction_static`` from above (the reserve was too small, §1.6); a KV
+page shortfall or a retraction storm never does (:data:`tuner.sglang.failures.KV_SHORT_FAILURES`)."""
 
 
 class Candidate(BaseModel):

@@ -8,6 +8,10 @@ SQLite path must name an existing folder.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -25,11 +29,17 @@ __all__ = [
     "default_artifacts_dir",
     "study_storage_url",
     "study_artifacts_dir",
+    "display_url",
+    "is_shared_url",
     "open_storage",
     "check_storage_folder",
+    "check_artifacts_folder",
+    "check_run_storage",
+    "storage_errors",
     "check_storage",
     "read_storage",
     "list_studies",
+    "copy_study",
 ]
 
 STUDIES_DIR = Path("studies")
@@ -56,15 +66,52 @@ def study_artifacts_dir(config: TunerConfig) -> Path:
     return Path(config.storage.artifacts_dir) if config.storage.artifacts_dir else default_artifacts_dir(config.study.name)
 
 
-def open_storage(url: str) -> BaseStorage:
+def display_url(url: str) -> str:
+    """``url`` with its password hidden (``postgresql+psycopg://tuner:***@db:5432/tuner``), for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def is_shared_url(url: str) -> bool:
+    """Whether ``url`` names a database server (PostgreSQL, MySQL) that many hosts can share."""
+    return url != ":memory:" and not url.startswith("sqlite")
+
+
+def _engine_kwargs(url: str) -> dict:
+    """SQLAlchemy engine options: SQLite's lock timeout; for a server, a 10 s connect timeout, a
+    pre-ping of pooled connections (a heartbeat thread keeps one for hours) and, on PostgreSQL,
+    the host name as ``application_name`` (shown in ``pg_stat_activity`` and the claim lock's
+    holder)."""
+    if url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 30}}
+    kwargs: dict = {"pool_pre_ping": True}
+    if url.startswith("postgresql"):
+        from tuner.study.hosts import host_name
+
+        kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"sglang-tuner {host_name()}"[:63]}
+    return kwargs
+
+
+def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_period_s: int | None = None) -> BaseStorage:
     """Open an Optuna storage from a SQLAlchemy URL, creating a SQLite file's folder if needed.
 
+    On a database server the schema is created under the study's schema lock
+    (:func:`tuner.study.hosts.schema_lock`), so hosts that start together do not race Optuna's
+    ``CREATE TABLE``. With ``heartbeat_interval_s`` the storage keeps trial heartbeats and fails
+    trials silent for ``grace_period_s``, re-queueing them once
+    (:class:`tuner.study.hosts.RequeueOnce`).
+
     Args:
-        url: ``sqlite:///studies/x.db``, ``postgresql://...``, or ``:memory:`` (in-memory, for
-            the offline benchmark).
+        url: ``sqlite:///studies/x.db``, ``postgresql+psycopg://user:pw@host/db``, or
+            ``:memory:`` (in-memory, for the offline benchmark).
+        heartbeat_interval_s: Optuna's ``heartbeat_interval`` (whole seconds), or ``None``.
+        grace_period_s: Optuna's ``grace_period`` (whole seconds), or ``None`` (2 × interval).
 
     Raises:
-        StudyError: The database cannot be opened.
+        StudyError: The database cannot be opened (one line naming the fix: driver, server,
+            credentials, database).
     """
     if url == ":memory:":
         return optuna.storages.InMemoryStorage()
@@ -77,13 +124,95 @@ def open_storage(url: str) -> BaseStorage:
                 f"storage folder {str(path.parent)!r} cannot be created: {err.strerror}",
                 hint="set [storage] url to a writable place",
             ) from err
+    from tuner.study.hosts import RequeueOnce, schema_lock
+
+    heartbeat: dict = {}
+    if heartbeat_interval_s is not None:
+        heartbeat = {"heartbeat_interval": int(heartbeat_interval_s), "grace_period": grace_period_s,
+                     "heartbeat_stale_trial_callback": RequeueOnce()}
     try:
-        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {})
-    except (SQLAlchemyError, ValueError, ImportError) as err:
+        with schema_lock(url, _engine_kwargs(url)):
+            return RDBStorage(url, engine_kwargs=_engine_kwargs(url), **heartbeat)
+    except ImportError as err:
+        raise _driver_error(url, err) from err
+    except (SQLAlchemyError, ValueError, RuntimeError) as err:
+        raise _connect_error(url, err, hint="check [storage] url (e.g. sqlite:///studies/demo.db)") from err
+
+
+def _check_server_storage(url: str) -> bool:
+    """Check, creating nothing, that a database server can keep the study (the part of
+    :func:`check_run_storage` for a shared URL; SQLite and ``:memory:`` pass).
+
+    Returns whether the database already holds Optuna's tables. A database
+    server must be reachable with the URL's credentials, and be either empty or an Optuna storage:
+    a database holding other tables and no Optuna ``studies`` table is someone else's.
+
+    Raises:
+        StudyError: Malformed URL, unknown dialect, missing driver, unreachable server, wrong
+            credentials, missing database, or a database that is not a study storage.
+    """
+    if not is_shared_url(url):
+        return False
+    try:
+        parsed = make_url(url)
+    except ArgumentError as err:
+        raise StudyError(f"storage URL {url!r} is not a SQLAlchemy URL",
+                         hint="write it like postgresql+psycopg://user:password@host:5432/database") from err
+    engine = _engine(url, parsed)
+    try:
+        with engine.connect() as conn:
+            tables = set(sqlalchemy.inspect(conn).get_table_names())
+    except SQLAlchemyError as err:
+        raise _connect_error(url, err) from err
+    finally:
+        engine.dispose()
+    if tables and "studies" not in tables:
+        shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
         raise StudyError(
-            f"storage {url!r} cannot be opened: {str(err).splitlines()[0]}",
-            hint="check [storage] url (e.g. sqlite:///studies/demo.db)",
-        ) from err
+            f"storage {display_url(url)} is not a study storage: it holds {len(tables)} other table(s) ({shown}) "
+            "and no Optuna studies table",
+            hint="point [storage] url / --storage at an empty database (e.g. createdb tuner) or one `tuner run` wrote",
+        )
+    return "studies" in tables
+
+
+def _connect_error(url: str, err: BaseException, *, hint: str | None = None) -> StudyError:
+    """One line for a database that refused us: which of server, credentials, database, and the fix."""
+    text = _first_line(err)
+    shown = display_url(url)
+    low = text.lower()
+    try:
+        parsed = make_url(url)
+        where, user, database = f"{parsed.host or 'localhost'}:{parsed.port or 5432}", parsed.username, parsed.database
+    except ArgumentError:
+        where, user, database = "the server", None, None
+    if "password authentication failed" in low or "no password supplied" in low or "access denied" in low:
+        return StudyError(f"storage {shown}: the database refused the credentials of user {user!r}",
+                          hint="check the user and password in the URL ([storage] url or --storage)")
+    if "does not exist" in low and "database" in low:
+        return StudyError(f"storage {shown}: database {database!r} does not exist on {where}",
+                          hint=f"create it first (createdb {database}) or fix the database name in the URL")
+    if any(word in low for word in ("connection refused", "could not translate host name", "timeout expired",
+                                    "no route to host", "network is unreachable", "name or service not known",
+                                    "ssl negotiation", "could not connect", "connection timed out")):
+        return StudyError(f"storage {shown}: the database server at {where} is unreachable ({_reason(text)})",
+                          hint="check the host and port in the URL, and that PostgreSQL runs and accepts connections there")
+    return StudyError(f"storage {shown} cannot be opened: {text}",
+                      hint=hint or "check the URL, that the database server is up, and its credentials")
+
+
+def _reason(text: str) -> str:
+    """The driver's reason without its "connection to server at ... failed:" preamble."""
+    return text.rsplit("failed: ", 1)[-1].strip() if "failed: " in text else text
+
+
+def _driver_error(url: str, err: ImportError) -> StudyError:
+    driver = err.name or _first_line(err)
+    if driver.startswith("psycopg"):
+        return StudyError(f"storage {display_url(url)} needs the PostgreSQL driver {driver!r}, which is not installed",
+                          hint="pip install 'sglang-tuner[postgres]' (psycopg 3) and write postgresql+psycopg://...")
+    return StudyError(f"storage {display_url(url)} needs the database driver {driver!r}, which is not installed",
+                      hint=f"install it into the tuner's Python (pip install {driver}), or check the URL")
 
 
 def check_storage_folder(url: str, study_name: str) -> None:
@@ -135,15 +264,12 @@ def check_storage(storage_url: str) -> None:
         with engine.connect() as conn:
             has_studies = sqlalchemy.inspect(conn).has_table("studies")
     except SQLAlchemyError as err:
-        raise StudyError(
-            f"storage {storage_url} cannot be read: {_first_line(err)}",
-            hint="check the URL, that the database server is up, and its credentials",
-        ) from err
+        raise _connect_error(storage_url, err) from err
     finally:
         engine.dispose()
     if not has_studies:
         raise StudyError(
-            f"storage {storage_url} holds no Optuna study",
+            f"storage {display_url(storage_url)} holds no Optuna study",
             hint="point --storage at the database `tuner run` wrote",
         )
 
@@ -161,18 +287,14 @@ def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
             ``pymysql``, ...) is not installed.
     """
     try:
-        return sqlalchemy.create_engine(url)
+        return sqlalchemy.create_engine(url, **_engine_kwargs(storage_url))
     except NoSuchModuleError as err:
         raise StudyError(
-            f"storage URL {storage_url} names an unknown database kind {url.drivername!r}",
+            f"storage URL {display_url(storage_url)} names an unknown database kind {url.drivername!r}",
             hint="check the URL, e.g. --storage sqlite:///studies/demo.db or postgresql+psycopg://...",
         ) from err
     except ImportError as err:
-        driver = err.name or _first_line(err)
-        raise StudyError(
-            f"storage {storage_url} needs the database driver {driver!r}, which is not installed",
-            hint=f"install it into the tuner's Python (pip install {driver}), or check the URL",
-        ) from err
+        raise _driver_error(storage_url, err) from err
 
 
 def read_storage(storage_url: str) -> optuna.storages.RDBStorage:
@@ -183,10 +305,11 @@ def read_storage(storage_url: str) -> optuna.storages.RDBStorage:
     """
     check_storage(storage_url)
     try:
-        return optuna.storages.RDBStorage(storage_url, skip_table_creation=True)
+        return optuna.storages.RDBStorage(storage_url, skip_table_creation=True,
+                                          engine_kwargs=_engine_kwargs(storage_url))
     except (SQLAlchemyError, RuntimeError, ValueError) as err:
         raise StudyError(
-            f"storage {storage_url} cannot be opened by Optuna: {str(err).splitlines()[0]}",
+            f"storage {display_url(storage_url)} cannot be opened by Optuna: {str(err).splitlines()[0]}",
             hint="run `optuna storage upgrade --storage URL` if it was written by an older Optuna",
         ) from err
 
@@ -200,3 +323,197 @@ def list_studies(storage_url: str) -> list[optuna.study.StudySummary]:
     return optuna.get_all_study_summaries(read_storage(storage_url), include_best_trial=False)
 
 
+
+
+def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str | None = None) -> int:
+    """Copy a study between storages (SQLite ↔ PostgreSQL) with ``optuna.copy_study``.
+
+    Trials (params, values, states, constraints, user and system attributes, the tuner's records)
+    and the study's attributes are copied; artifact files stay in their folder
+    (``studies/<study>/artifacts``), referenced by id. Checked before anything is written: the
+    source study exists; the target is a new SQLite file in an existing folder, an existing
+    storage, or an empty database, and holds no study of that name.
+
+    Args:
+        from_url: The source storage URL (must exist).
+        to_url: The target storage URL (created when it is a new SQLite file or an empty database).
+        study_name: The study to copy.
+        to_study_name: Its name in the target (default: the same).
+
+    Returns:
+        The number of trials copied.
+
+    Raises:
+        StudyError: The source or its study is missing, the target is unusable or already holds
+            the study.
+    """
+    target_name = to_study_name or study_name
+    source = read_storage(from_url)
+    names = [s.study_name for s in optuna.get_all_study_summaries(source, include_best_trial=False)]
+    if study_name not in names:
+        raise StudyError(f"storage {display_url(from_url)} holds no study {study_name!r} "
+                         f"(it holds {', '.join(names) or 'none'})", hint="pass one of those to --study")
+    if to_url.startswith("sqlite:///"):
+        folder = Path(to_url.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise StudyError(f"storage {to_url!r}: folder {str(folder)!r} does not exist",
+                             hint="create it first, or copy into an existing folder")
+    else:
+        _check_server_storage(to_url)
+    target = open_storage(to_url)
+    existing = [s.study_name for s in optuna.get_all_study_summaries(target, include_best_trial=False)]
+    if target_name in existing:
+        raise StudyError(f"storage {display_url(to_url)} already holds a study {target_name!r}",
+                         hint="pass --to-study NEW_NAME, or copy into another storage")
+    optuna.copy_study(from_study_name=study_name, from_storage=source, to_storage=target,
+                      to_study_name=target_name)
+    return len(optuna.load_study(study_name=target_name, storage=target).trials)
+
+
+def check_artifacts_folder(config: TunerConfig) -> None:
+    """Refuse an explicit ``[storage] artifacts_dir`` whose parent folder does not exist.
+
+    Raises:
+        StudyError: The parent of the explicit artifacts folder is missing.
+    """
+    folder = study_artifacts_dir(config)
+    if config.storage.artifacts_dir and not folder.parent.is_dir():
+        raise StudyError(
+            f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
+            hint="create it, or point artifacts_dir at an existing folder",
+        )
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+
+
+def _sqlite_file(url: str) -> Path | None:
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url.removeprefix("sqlite:///").split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _nearest_existing(folder: Path) -> Path:
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def check_run_storage(url: str, study_name: str) -> bool:
+    """Everything a run needs of its storage, checked before the run changes anything.
+
+    A database server (PostgreSQL, MySQL) must be reachable with the URL's credentials and be empty
+    or an Optuna storage. An explicit SQLite folder must exist (:func:`check_storage_folder`) and be
+    writable; an existing file must be an SQLite database that is not 0 bytes, passes ``PRAGMA quick_check``, is
+    writable, and is empty or an Optuna storage. Creates and changes nothing (the file is read
+    through a read-only connection).
+
+    Args:
+        url: The storage URL the run will write.
+        study_name: The study (its default URL's ``studies/`` folder is created by the run).
+
+    Returns:
+        Whether the storage may already hold the study (Optuna's tables exist, or a non-SQLite URL).
+
+    Raises:
+        StudyError: One line naming the file (or the server: unreachable, wrong credentials, missing
+            database or driver, someone else's tables) and the fix.
+    """
+    check_storage_folder(url, study_name)
+    if is_shared_url(url):
+        return _check_server_storage(url)
+    path = _sqlite_file(url)
+    if path is None:
+        return url != ":memory:"
+    if not path.exists():
+        blocked = _nearest_existing(path.parent)
+        if not os.access(blocked, os.W_OK | os.X_OK):
+            raise StudyError(f"storage {url!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
+                             hint="point [storage] url (or --storage) at a writable folder")
+        return False
+    where = f"storage {url!r}: the file {str(path)!r}"
+    if path.stat().st_size == 0:
+        raise StudyError(f"{where} is empty (0 bytes), not a study database",
+                         hint="delete the empty file to start a new study there, or point --storage at the study's file")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(len(_SQLITE_MAGIC))
+    except OSError as err:
+        raise StudyError(f"{where} cannot be read: {err.strerror}", hint="run as the user that owns it") from err
+    if magic != _SQLITE_MAGIC:
+        raise StudyError(f"{where} is not an SQLite database",
+                         hint="point --storage at the study's .db file, or at a new file name")
+    tables, problem = _inspect_sqlite(path)
+    if problem:
+        raise StudyError(
+            f"{where} is corrupt ({problem})",
+            hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
+            "and run with --storage sqlite:///recovered.db",
+        )
+    if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)):
+        raise StudyError(f"{where} is read-only (the file or its folder)",
+                         hint="run as the user that owns it, or copy it to a writable folder")
+    if tables and not _OPTUNA_TABLES <= tables:
+        raise StudyError(f"{where} is an SQLite database but not an Optuna study storage",
+                         hint="point --storage at the study's file, or at a new file name")
+    return bool(tables)
+
+
+def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
+    """``(table names, "")``, or ``(…, what is wrong)`` for a damaged file; read-only connection."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    except sqlite3.Error as err:
+        return frozenset(), str(err)
+    try:
+        tables = frozenset(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        rows = [str(r[0]) for r in conn.execute("PRAGMA quick_check(3)")]
+    except sqlite3.DatabaseError as err:
+        return frozenset(), str(err)
+    finally:
+        conn.close()
+    return tables, "" if rows == ["ok"] else "; ".join(rows)[:200]
+
+
+_DISK_FULL = ("database or disk is full", "no space left on device", "disk i/o error")
+_READ_ONLY = ("attempt to write a readonly database", "read-only file system")
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn a storage failure during a run into one line naming the file and the fix.
+
+    Optuna reports any failed commit as ``StorageInternalError`` ("... invalid data in the
+    commit, e.g. exceeding max length"); the cause SQLite gives (``database or disk is full``,
+    ``readonly database``) is what the user needs. Every trial told before the failure is already
+    committed (one transaction per tell), so nothing finished is lost.
+
+    Raises:
+        StudyError: For a full disk or a storage that became read-only (chained to the cause);
+            other errors pass through unchanged.
+    """
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, SQLAlchemyError, sqlite3.Error, OSError) as err:
+        chain: list[BaseException] = []
+        cause: BaseException | None = err
+        while cause is not None and len(chain) < 8:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
+        text = " ".join(str(c) for c in chain).lower()
+        path = _sqlite_file(url)
+        where = f"the file {str(path)!r}" if path else url
+        if any(k in text for k in _DISK_FULL):
+            folder = path.parent if path else None
+            raise StudyError(
+                f"storage {url!r}: the disk holding {where} is full; every trial finished before is stored",
+                hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
+                + "and run the same command again to resume",
+            ) from err
+        if any(k in text for k in _READ_ONLY):
+            raise StudyError(f"storage {url!r}: {where} became read-only during the run; "
+                             "every trial finished before is stored",
+                             hint="make it writable again and run the same command to resume") from err
+        raise

@@ -1,0 +1,111 @@
+"""The claim lock, heartbeats and the dead-host reaper against a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import optuna
+import pytest
+from optuna.storages import RDBStorage
+from optuna.trial import TrialState
+
+from tuner.errors import StudyError
+from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, recover_own
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _host_study(url: str, *, interval: int = 1, grace: int = 2) -> optuna.Study:
+    """One host's view: its own storage object (its own connections), the shared study."""
+    storage = RDBStorage(url, heartbeat_interval=interval, grace_period=grace,
+                         heartbeat_stale_trial_callback=RequeueOnce())
+    return optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
+
+
+def _claim(study: optuna.Study, host: str, x: float) -> optuna.Trial:
+    trial = study.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    trial.set_user_attr(HOST_ATTR, host)
+    return trial
+
+
+def test_claim_lock_excludes_other_hosts_and_names_the_holder(postgres_url: str) -> None:
+    a, b = _host_study(postgres_url), _host_study(postgres_url)
+    lock_a = ClaimLock(a._storage, a._study_id)
+    lock_b = ClaimLock(b._storage, b._study_id, timeout_s=0.5)
+    inside: list[str] = []
+    with lock_a.held():
+        inside.append("a")
+        with pytest.raises(StudyError, match="claim lock for over 0 s .*held by .*backend pid"):
+            with lock_b.held():
+                inside.append("b")
+    with lock_b.held():  # released by a: b gets it at once
+        inside.append("b")
+    assert inside == ["a", "b"]
+
+
+def test_claim_lock_serializes_concurrent_critical_sections(postgres_url: str) -> None:
+    studies = [_host_study(postgres_url) for _ in range(3)]
+    spans: list[tuple[float, float]] = []
+
+    def host(study: optuna.Study) -> None:
+        lock = ClaimLock(study._storage, study._study_id)
+        for _ in range(3):
+            with lock.held():
+                begun = time.monotonic()
+                time.sleep(0.05)
+                spans.append((begun, time.monotonic()))
+
+    threads = [threading.Thread(target=host, args=(s,)) for s in studies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans.sort()
+    assert len(spans) == 9
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False)), spans
+
+
+def test_a_dead_hosts_trial_fails_within_the_grace_period_and_is_queued_once(postgres_url: str) -> None:
+    dead, alive = _host_study(postgres_url), _host_study(postgres_url)
+    victim = _claim(dead, "host-a", 0.3)
+    with TrialHeartbeat(dead, victim._trial_id):
+        time.sleep(1.2)  # beats, then host-a "dies": no tell, no more beats
+    died = time.monotonic()
+    survivor = _claim(alive, "host-b", 0.6)
+    reaped: list[int] = []
+    with TrialHeartbeat(alive, survivor._trial_id, on_reaped=reaped.extend):
+        while not reaped and time.monotonic() - died < 10:
+            time.sleep(0.1)
+    took = time.monotonic() - died
+    assert reaped == [victim.number]
+    assert took <= 2 + 1 + 1.5, took  # grace + one beat interval (+ scheduling)
+    trials = alive.get_trials()
+    assert trials[victim.number].state is TrialState.FAIL
+    assert trials[survivor.number].state is TrialState.RUNNING  # its own beats keep it alive
+    waiting = [t for t in trials if t.state is TrialState.WAITING]
+    assert len(waiting) == 1
+    assert waiting[0].params == victim.params
+    assert waiting[0].user_attrs[REQUEUED_ATTR] == {"trial": victim.number, "host": "host-a"}
+    assert waiting[0].user_attrs["tuner.kind"] == "enqueued" and HOST_ATTR not in waiting[0].user_attrs
+    # The re-queued trial dies too: it is not queued a third time.
+    retried = alive.ask()
+    assert retried.params == victim.params
+    alive._storage.record_heartbeat(retried._trial_id)
+    time.sleep(3.2)
+    with TrialHeartbeat(alive, survivor._trial_id):
+        time.sleep(1.5)
+    trials = alive.get_trials()
+    assert trials[retried.number].state is TrialState.FAIL
+    assert not [t for t in trials if t.state is TrialState.WAITING]
+
+
+def test_recover_own_leaves_other_hosts_running_trials(postgres_url: str) -> None:
+    study = _host_study(postgres_url, interval=30, grace=120)
+    mine, theirs = _claim(study, "host-a", 0.1), _claim(study, "host-b", 0.2)
+    assert recover_own(study, "host-a", shared=True) == [mine.number]
+    trials = study.get_trials()
+    assert trials[mine.number].state is TrialState.FAIL
+    assert trials[theirs.number].state is TrialState.RUNNING
+    assert [t.params for t in trials if t.state is TrialState.WAITING] == [mine.params]

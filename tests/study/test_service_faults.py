@@ -1,0 +1,407 @@
+"""Fault suite: an operator's bad day under real systemd 252 in a PID namespace (the simulator as the unit).
+
+Every case reads the unit's ``MainPID`` and ``ActiveState`` before and after: a refusal must change
+nothing on the host (not even a restart), a second tuner on the same unit is refused naming the
+holder, a broken journal is refused up front or reported as its own failure, a restore that cannot
+write the drop-in folder leaves the serving unit serving, and a full disk is one line that loses no
+completed trial. Real parts only: the sandbox's systemd and journald, the simulator as a real
+server process, real SQLite files, a real tmpfs, a real read-only bind mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+import requests
+from optuna.trial import TrialState
+
+from tests.support.cli import one_error_line, run_tuner
+from tests.support.configs import load_study as load
+from tests.support.net import free_port
+from tests.support.sandbox import SystemdSandbox
+from tuner.launch.unit import format_exec_command
+from tuner.records import TrialRecord
+
+pytestmark = [pytest.mark.slow, pytest.mark.systemd]
+
+TRIAL_DROPIN = "90-tuner-trial.conf"
+
+
+def _healthy(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+class Served:
+    """The unit under test: the simulator on a free port, started before the module's cases."""
+
+    def __init__(self, box: SystemdSandbox) -> None:
+        self.box = box
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
+                     "--mem-fraction-static", "0.80", "--sim-time-scale", "0.01", "--host", "127.0.0.1",
+                     "--port", str(self.port)]
+        self.unit = f"sglang-faults-{self.port}.service"
+        self.dropin_folder = box.unit_dir / f"{self.unit}.d"
+
+    def pid_state(self) -> tuple[int, str]:
+        """``(MainPID, ActiveState)`` as systemd reports them now."""
+        out = self.box.systemctl_run("show", "-p", "MainPID", "-p", "ActiveState", self.unit).stdout
+        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        return int(props["MainPID"]), props["ActiveState"]
+
+    def ensure_serving(self) -> tuple[int, str]:
+        """Start the unit on its own command if it is not serving; return ``pid_state()``."""
+        if self.pid_state()[1] != "active":
+            self.box.systemctl_run("start", self.unit)
+        assert _healthy(self.url, 90), "the unit did not come up"
+        before = self.pid_state()
+        assert before[0] > 0 and before[1] == "active", before
+        return before
+
+    def tuner_dropins(self) -> list[str]:
+        return sorted(p.name for p in self.dropin_folder.glob("*.conf")) if self.dropin_folder.is_dir() else []
+
+    def config(self, tmp: Path, *, name: str = "sd", state: str = "state", url: str | None = None,
+               journalctl: list[str] | None = None, measure_s: int = 4, storage: str = "") -> Path:
+        """A systemd config for this unit; storage defaults to ``studies/<name>.db`` under ``tmp``."""
+        text = (
+            f'[study]\nname = "{name}"\n\n'
+            + (f'[storage]\nurl = "{storage}"\n\n' if storage else "")
+            + f'[service]\nlauncher = "systemd"\nunit = "{self.unit}"\nurl = "{url or self.url}"\n'
+            f"systemctl = {json.dumps(self.box.systemctl)}\njournalctl = {json.dumps(journalctl or self.box.journalctl)}\n"
+            f'dropin_dir = "{self.box.unit_dir}"\nstate_dir = "{tmp / state}"\nstart_timeout_s = 90\n'
+            'gpu_monitor = "sim"\n\n[space]\nmem_fraction_step = 0.01\n\n'
+            '[workload]\nkind = "random"\ninput_len = 1000\noutput_len = 16\n\n'
+            '[slo]\nitl_ms = { p99 = 5000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
+            f"[budget]\nwarmup_s = 1\nmeasure_s = {measure_s}\nstress_s = 2\nmax_concurrency = 16\n"
+        )
+        path = tmp / f"{name}.toml"
+        path.write_text(text)
+        return path
+
+
+@pytest.fixture(scope="module")
+def served(systemd_sandbox: SystemdSandbox) -> Iterator[Served]:
+    box = systemd_sandbox
+    box.require_real()
+    unit = Served(box)
+    box.add_unit(unit.unit, "[Unit]\nDescription=simulated SGLang (fault suite)\n[Service]\n"
+                            f"Environment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(unit.argv)}\n")
+    box.systemctl_run("start", unit.unit)
+    try:
+        assert _healthy(unit.url, 90), "the unit did not come up"
+        yield unit
+    finally:
+        box.systemctl_run("stop", unit.unit, check=False)
+
+
+@pytest.fixture
+def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The host-wide lock folder, private to this test (the product's default is /run/lock/sglang-tuner)."""
+    folder = tmp_path / "locks"
+    monkeypatch.setenv("SGLANG_TUNER_LOCK_DIR", str(folder))
+    return folder
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    return one_error_line(proc)
+
+
+def _study_file(path: Path, *, trials: int = 30) -> None:
+    """A real Optuna SQLite study with some finished trials (written by Optuna itself)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(study_name="sd", storage=f"sqlite:///{path}", directions=["maximize", "maximize"])
+    for i in range(trials):
+        trial = study.ask()
+        trial.set_user_attr("tuner.record", {"note": "x" * 2000, "i": i})
+        study.tell(trial, [float(i), float(i)])
+
+
+def _half_truncated(tmp: Path) -> tuple[list[str], str]:
+    db = tmp / "studies" / "sd.db"
+    _study_file(db)
+    size = db.stat().st_size
+    with open(db, "r+b") as handle:
+        handle.truncate(size // 2)
+    return [], str(db)
+
+
+def _zero_bytes(tmp: Path) -> tuple[list[str], str]:
+    db = tmp / "studies" / "sd.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    db.write_bytes(b"")
+    return [], str(db)
+
+
+REFUSALS = {
+    "corrupt-sqlite": (_half_truncated, ("sd.db", "corrupt")),
+    "zero-byte-sqlite": (_zero_bytes, ("sd.db", "empty")),
+    "budget-5s": (lambda tmp: (["--budget", "5s"], ""), ("budget",)),
+    "missing-storage-folder": (lambda tmp: (["--storage", "sqlite:////nonexistent/x.db"], ""), ("/nonexistent",)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_run_leaves_the_unit_alone(served: Served, tmp_path: Path, locks: Path, case: str) -> None:
+    make, words = REFUSALS[case]
+    args, _ = make(tmp_path)
+    config = served.config(tmp_path)
+    before = served.ensure_serving()
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", *args, cwd=tmp_path, timeout_s=150)
+    line = _one_line_error(proc)
+    assert all(w in line for w in words), line
+    assert served.pid_state() == before, f"the unit was touched: {line}"
+    assert served.tuner_dropins() == []
+    assert not list((tmp_path / "state").glob("*.state.json")) if (tmp_path / "state").exists() else True
+
+
+def test_url_port_mismatch_is_refused_before_any_change(served: Served, tmp_path: Path, locks: Path) -> None:
+    other = free_port()
+    config = served.config(tmp_path, url=f"http://127.0.0.1:{other}")
+    before = served.ensure_serving()
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
+    line = _one_line_error(proc)
+    assert str(other) in line and str(served.port) in line, line
+    assert served.pid_state() == before
+    assert served.tuner_dropins() == []
+    leftovers = [p.name for d in (locks, tmp_path / "state") if d.exists() for p in d.iterdir()]
+    assert leftovers == [], leftovers
+
+
+def _failing_journalctl(tmp: Path) -> list[str]:
+    script = tmp / "journalctl-failing"
+    script.write_text("#!/bin/sh\necho 'Failed to open journal: Input/output error' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return [str(script)]
+
+
+@pytest.mark.parametrize("case", ["missing", "failing"])
+def test_broken_journal_is_refused_before_any_change(served: Served, tmp_path: Path, locks: Path, case: str) -> None:
+    journalctl = ["/nonexistent/journalctl"] if case == "missing" else _failing_journalctl(tmp_path)
+    config = served.config(tmp_path, journalctl=journalctl)
+    before = served.ensure_serving()
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150)
+    line = _one_line_error(proc)
+    assert "journal" in line and journalctl[0] in line, line
+    assert served.pid_state() == before
+    assert served.tuner_dropins() == []
+
+
+def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            out = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the tuner exited ({proc.returncode}) before {what}: {out[-2000:]}")
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _background_run(config: Path, cwd: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), *args], cwd=cwd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _in_trial(served: Served) -> bool:
+    return TRIAL_DROPIN in served.tuner_dropins() and _healthy(served.url, 0.5)
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[None]:
+    """``folder`` read-only for the tuner (a bind mount on the host; systemd in its namespace still reads it)."""
+    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Served, tmp_path: Path, locks: Path) -> None:
+    served.ensure_serving()
+    first = served.config(tmp_path, name="first", state="state-first", measure_s=40)
+    second = served.config(tmp_path, name="second", state="state-second")
+    holder = _background_run(first, tmp_path, "--trials", "2")
+    try:
+        _wait(lambda: _in_trial(served), 150, "the first tuner's baseline to serve", holder)
+        time.sleep(2.0)  # inside its load phase: the first tuner does not restart the unit for 40 s
+        before = served.pid_state()
+        proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
+        line = _one_line_error(proc)
+        assert str(holder.pid) in line and "tuner" in line, line
+        assert served.pid_state() == before, "the refused tuner touched the unit"
+        assert not (tmp_path / "state-second").exists() or not list((tmp_path / "state-second").iterdir())
+        # restore (and apply) by anyone else is refused too while the first tuner lives
+        proc = run_tuner("restore", "--config", str(second), cwd=tmp_path, timeout_s=120)
+        assert str(holder.pid) in _one_line_error(proc)
+        assert served.pid_state() == before
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+        for left in Path(tempfile.gettempdir()).glob("tuner-first-*"):  # its trial work folder (kill -9)
+            shutil.rmtree(left, ignore_errors=True)
+    # The first tuner died by kill -9 while its trial served: its state file is the restore recipe.
+    assert TRIAL_DROPIN in served.tuner_dropins()
+    serving = served.pid_state()
+    assert serving[1] == "active"
+    with _read_only(served.dropin_folder):
+        proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=120)
+        line = _one_line_error(proc)
+        assert str(served.dropin_folder) in line, line
+        assert served.pid_state() == serving, "restore stopped a serving unit it could not put back"
+        assert _healthy(served.url, 5)
+        proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
+        assert str(served.dropin_folder) in _one_line_error(proc)
+        assert served.pid_state() == serving
+    proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+    assert _healthy(served.url, 60)
+    assert requests.get(f"{served.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80
+
+
+def _dying_journalctl(tmp: Path, box: SystemdSandbox) -> tuple[list[str], Path]:
+    flag = tmp / "journal-dead"
+    script = tmp / "journalctl-dying"
+    real = " ".join(f"'{w}'" for w in box.journalctl)
+    script.write_text(f"#!/bin/sh\nif [ -e '{flag}' ]; then echo 'Failed to get journal access: Bad message' >&2; "
+                      f"exit 1; fi\nexec {real} \"$@\"\n")
+    script.chmod(0o755)
+    return [str(script)], flag
+
+
+def test_journal_dying_mid_run_is_reported_not_a_silent_success(served: Served, tmp_path: Path, locks: Path) -> None:
+    served.ensure_serving()
+    journalctl, flag = _dying_journalctl(tmp_path, served.box)
+    config = served.config(tmp_path, journalctl=journalctl, measure_s=8)
+    run = _background_run(config, tmp_path, "--trials", "3")
+    try:
+        _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
+        flag.touch()
+        _, err = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+    assert run.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "journal" in err.splitlines()[-1], err[-3000:]
+    assert "warning" in err.lower(), err[-3000:]
+    study = load(f"sqlite:///{tmp_path}/studies/sd.db", "sd")
+    record = TrialRecord.model_validate(study.trials[0].user_attrs["tuner.record"])
+    assert record.outcome == "failed" and record.failure_class.value == "journal_unreadable", record
+    assert len(study.trials) == 1, "the run went on without a journal"
+    # restored on its own command although the journal stayed broken (health only)
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+    assert _healthy(served.url, 60)
+
+
+def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_path: Path, locks: Path) -> None:
+    served.ensure_serving()
+    config = served.config(tmp_path, measure_s=4)
+    storage = f"sqlite:///{tmp_path}/studies/sd.db"
+    run = _background_run(config, tmp_path, "--trials", "4")
+    try:
+        _wait(lambda: _completed(storage) >= 1 and _in_trial(served), 200, "the baseline to finish", run)
+        with _read_only(served.dropin_folder):
+            _, err = run.communicate(timeout=300)
+            after = served.pid_state()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+    assert run.returncode == 1, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert str(served.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
+    study = load(storage, "sd")
+    crashes = [t.number for t in study.trials if (t.user_attrs.get("tuner.record") or {}).get("failure_class") == "crash"]
+    assert crashes == [], f"false server crashes recorded: {crashes}"
+    assert after[1] == "active", "the unit was left stopped"
+    assert _healthy(served.url, 10)
+    proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+
+
+def _completed(storage: str) -> int:
+    try:
+        return sum(1 for t in load(storage, "sd").trials if t.state == TrialState.COMPLETE)
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _fill(folder: Path) -> Path:
+    """Fill the tmpfs to the last byte (the next write by anyone fails with ENOSPC)."""
+    filler = folder / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for chunk in (1 << 20, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_path: Path, locks: Path) -> None:
+    served.ensure_serving()
+    with _tmpfs(tmp_path / "disk", "8m") as disk:
+        db = disk / "sd.db"
+        storage = f"sqlite:///{db}"
+        config = served.config(tmp_path, storage=storage)
+        run = _background_run(config, tmp_path, "--trials", "4")
+        try:
+            _wait(lambda: _completed(storage) >= 1, 200, "the first completed trial", run)
+            filler = _fill(disk)
+            _, err = run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait(30)
+        assert run.returncode == 1, err[-3000:]
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert str(db) in lines[0] and "full" in lines[0], lines[0]
+        filler.unlink()
+        study = load(storage, "sd")
+        done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+        assert done and TrialRecord.model_validate(done[0].user_attrs["tuner.record"]).kind == "baseline"
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+    assert _healthy(served.url, 60)

@@ -1,0 +1,105 @@
+"""Preflight: every check a command needs, made before it takes the unit's lock, writes a state file
+or calls a ``systemctl`` verb that changes anything.
+
+On a production box a refusal must change nothing, not even a restart. So ``tuner run``, ``tuner
+apply``, ``tuner restore`` and ``tuner launch`` validate here first and only then take the unit's
+lock and write the state file (:meth:`tuner.launch.base.GuardedLauncher.session`):
+
+* **config**: a budget or a trial cap; ``[service] url`` on the command's ``--port``
+  (:func:`tuner.config.check_url_matches_port`, ``shared/sglang-reference.md`` §2.4); an explicit
+  artifacts folder that exists.
+* **storage** (:func:`tuner.study.storage.check_run_storage`): an explicit SQLite folder that
+  exists and is writable; an existing file that is an SQLite database (not 0 bytes, not corrupt),
+  empty or an Optuna storage; the study, when stored, recorded in this environment.
+* **budget**: at least one trial's estimated cost (:func:`tuner.study.budget.require_one_trial`,
+  with the stored trials' durations when the study exists).
+* **service** (:meth:`tuner.launch.base.GuardedLauncher.preflight`): ``systemctl`` reachable, the
+  unit known and its command readable, the drop-in folder writable, the journal readable and
+  journald running (systemd); the port free (process launcher); the state and lock folders
+  writable.
+
+Each check raises a :class:`~tuner.errors.TunerError` whose message is one line naming the problem
+and the fix; none of them changes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optuna
+
+from tuner.config import TunerConfig, check_url_matches_port
+from tuner.errors import StudyError
+from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
+from tuner.study.optuna_io import check_environment, records, study_info
+from tuner.study.storage import check_artifacts_folder, check_run_storage, read_storage, study_storage_url
+
+__all__ = ["check_run", "check_service"]
+
+
+def check_service(launcher: Any, *, restore: bool = False) -> None:
+    """The service checks of ``apply``, ``restore`` and ``launch`` (and ``run``, via :func:`check_run`).
+
+    Args:
+        launcher: The :class:`tuner.launch.base.GuardedLauncher` the command would hold.
+        restore: Only what a restore needs (the manager reachable, the unit known, the state and
+            lock folders writable); whether the drop-ins can be rewritten is checked by the
+            restore itself before it stops anything, against what it has to write.
+
+    Raises:
+        LaunchError: The first service check that fails (one line with its fix).
+    """
+    launcher.preflight(restore=restore)
+
+
+def check_run(
+    config: TunerConfig,
+    launcher: Any,
+    *,
+    environment: Mapping[str, Any],
+    storage_url: str | None,
+    budget_s: float | None,
+    max_trials: int | None,
+    allow_mixed_environment: bool,
+) -> None:
+    """Everything ``tuner run`` checks before it takes the unit or writes anything.
+
+    Args:
+        config: The validated config.
+        launcher: The :class:`tuner.launch.base.GuardedLauncher` the run would hold.
+        environment: This run's environment facts (:func:`tuner.entrypoints.resolve_environment`).
+        storage_url: ``--storage`` (else the config's).
+        budget_s: The wall-clock budget in seconds, or ``None``.
+        max_trials: The trial cap, or ``None``.
+        allow_mixed_environment: ``--allow-mixed-environment``.
+
+    Raises:
+        TunerError: The first check that fails (see the module docstring), one line with its fix.
+    """
+    if budget_s is None and max_trials is None:
+        raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
+    check_url_matches_port(launcher.url, launcher.current_argv())
+    url = storage_url or study_storage_url(config)
+    check_artifacts_folder(config)
+    durations: list[float] = []
+    if check_run_storage(url, config.study.name):
+        durations = _check_stored_study(config.study.name, url, environment, allow_mixed_environment)
+    if budget_s is not None:
+        require_one_trial(budget_s, Budget.estimate(durations, prior_trial_cost_s(config)).seconds,
+                          reserve_s=config.budget.restore_reserve_s)
+    check_service(launcher)
+
+
+def _check_stored_study(name: str, url: str, environment: Mapping[str, Any], allow_mixed: bool) -> list[float]:
+    """Check a stored study's environment; return its finished trials' durations in seconds."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = read_storage(url)
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        return []  # a storage without this study: the run creates it there
+    info = study_info(study)
+    if info is not None:
+        check_environment(info.environment, dict(environment), allow_mixed=allow_mixed)
+    return [r.duration_s or 0.0 for _, r in records(study) if r.outcome in ("ok", "failed")]

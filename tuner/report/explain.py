@@ -1,0 +1,94 @@
+"""The rich text view of ``tuner explain`` (:class:`tuner.sglang.explain.Explanation`) and the
+waterfall table of a stored trial memory report (``tuner show``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from tuner.sglang.explain import Explanation, WaterfallStep, waterfall_steps
+
+__all__ = ["renderables", "waterfall_table"]
+
+
+def _fmt(x: float | None, unit: str = "GiB") -> str:
+    return "—" if x is None else f"{x:,.2f} {unit}"
+
+
+def _steps_table(steps: Sequence[WaterfallStep]) -> Table:
+    wf = Table(title="Memory per GPU (waterfall)", title_justify="left")
+    for col in ("item", "GiB", "tokens", "source"):
+        wf.add_column(col, justify="right" if col in ("GiB", "tokens") else "left")
+    for s in steps:
+        wf.add_row(s.label, _fmt(s.gib, "").strip(), f"{s.tokens:,}" if s.tokens is not None else "", s.source)
+    return wf
+
+
+def waterfall_table(memory: Mapping[str, Any]) -> Table:
+    """A rich table of :func:`waterfall_steps` (``tuner show`` uses it)."""
+    return _steps_table(waterfall_steps(memory))
+
+
+def renderables(e: Explanation) -> RenderableType:
+    """The rich text view of an explanation (the CLI prints it)."""
+    parts: list[RenderableType] = []
+    head = Text()
+    head.append("SGLang memory explained", style="bold")
+    head.append(f"  state: {e.state}")
+    if e.sglang_version:
+        head.append(f"  version: {e.sglang_version}")
+    if e.log_format:
+        head.append(f"  log format: {e.log_format}")
+    parts.append(head)
+    if e.sources:
+        parts.append(Text("from: " + "; ".join(e.sources), style="dim"))
+    parts.append(_steps_table(e.waterfall))
+    parts.append(Text("Capacity: " + e.capacity.statement, style="bold"))
+    if e.capacity.fits:
+        ft = Table(title="Requests resident at once", title_justify="left")
+        for col in ("request tokens", "requests", "limited by"):
+            ft.add_column(col, justify="right" if col != "limited by" else "left")
+        for f in e.capacity.fits:
+            ft.add_row(f"{f.request_tokens:,}", f"{f.resident_requests:,}", f.limited_by)
+        parts.append(ft)
+    if e.predictions:
+        pt = Table(title="At other mem_fraction_static values", title_justify="left")
+        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "free after graphs", "note"):
+            pt.add_column(col, justify="left" if col == "note" else "right")
+        for p in e.predictions:
+            pt.add_row(f"{p.mem_fraction_static:.3f}", f"{p.max_total_num_tokens:,}", f"{p.delta_tokens:+,}" if p.delta_tokens is not None else "",
+                       f"{p.kv_pool_gib:.2f}", _fmt(p.free_after_graphs_gib), p.note or "")
+        parts.append(pt)
+    if e.traps:
+        parts.append(Text("Traps", style="bold"))
+        colours = {"info": "cyan", "warning": "yellow", "error": "red"}
+        for t in e.traps:
+            line = Text()
+            line.append(f"[{t.severity}] ", style=colours[t.severity])
+            line.append(t.title, style="bold")
+            parts.append(line)
+            parts.append(Text("  " + t.detail))
+            for ev in t.evidence:
+                parts.append(Text("  evidence: " + ev, style="dim"))
+            if t.fix:
+                parts.append(Text("  fix: " + t.fix, style="green"))
+    if e.lever is not None:
+        lever = Text()
+        lever.append("Lever: ", style="bold")
+        lever.append(f"{e.lever.direction} {e.lever.knob}" if e.lever.knob else "no knob", style="bold green")
+        lever.append(f"  ({e.lever.why})")
+        parts.append(lever)
+    if e.diagnosis is not None:
+        where = f", phase {e.diagnosis.phase}" if e.diagnosis.phase else ""
+        parts.append(Text(f"Diagnosis: {e.diagnosis.failure_class.value}{where}; evidence: {e.diagnosis.evidence}", style="bold"))
+    if e.findings:
+        parts.append(Text("Findings", style="bold"))
+        for finding in e.findings:
+            parts.append(Text("  - " + finding))
+    for w in e.warnings:
+        parts.append(Text("note: " + w, style="dim"))
+    return Group(*parts)

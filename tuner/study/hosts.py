@@ -1,0 +1,332 @@
+"""Many hosts, one study: host names, the claim lock, trial heartbeats and the dead-host reaper.
+
+Every host of a fleet runs its own ``tuner run`` against its own local unit, and all of them share
+one Optuna study in a PostgreSQL ``RDBStorage`` (SQLite is single-host: Optuna's docs, and
+"database is locked" with concurrent writers, optuna/optuna#820). Three things make that safe:
+
+* **Claims.** A host chooses its next config (planner, constant-liar sampler) on its own, then
+  checks and claims it in a critical section under a PostgreSQL session-level advisory lock keyed
+  on the study (:class:`ClaimLock`): it re-reads the trials, skips the config when another host
+  measured it or claimed it first, and otherwise marks the trial with its host before the lock is
+  released, so no config is launched twice. Why a lock and not only "ask, re-read, back off": the
+  section takes milliseconds against trials of minutes, it adds nothing to Optuna's schema,
+  PostgreSQL drops it with the connection of a host that dies (a dead host never holds it), and the
+  first claim wins deterministically.
+* **Heartbeats.** Optuna 5 beats only inside ``study.optimize``; the tuner drives trials with
+  ask/tell, so :class:`TrialHeartbeat` records the storage's heartbeat for the running trial in a
+  thread (``heartbeat_interval``) and, on each beat, runs Optuna's ``fail_stale_trials`` for the
+  whole study: a trial whose host stopped beating for ``grace_period`` seconds is marked FAIL by
+  whichever host notices first, and the storage's ``heartbeat_stale_trial_callback``
+  (:class:`RequeueOnce`, a ``RetryHeartbeatStaleTrialCallback(max_retry=1)``) queues its params
+  once more for any host to run.
+* **Hosts.** Each trial keeps the host that ran it (user attribute :data:`HOST_ATTR`);
+  :func:`host_name` is ``$TUNER_HOST`` or the machine's host name (tests run three "hosts" on one
+  machine with distinct ``TUNER_HOST``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import optuna
+import sqlalchemy
+from optuna.storages import BaseStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
+
+from tuner.errors import StudyError
+from tuner.records import RECORD_ATTR
+from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
+
+__all__ = [
+    "HOST_ATTR",
+    "HOST_ENV",
+    "REQUEUED_ATTR",
+    "host_name",
+    "is_postgres",
+    "rdb_of",
+    "heartbeat_interval",
+    "same_environment",
+    "RequeueOnce",
+    "ClaimLock",
+    "schema_lock",
+    "TrialHeartbeat",
+    "reap_stale",
+    "recover_own",
+]
+
+HOST_ATTR = "tuner.host"
+"""Trial user attribute: the host name that ran (or runs) the trial."""
+HOST_ENV = "TUNER_HOST"
+"""Environment variable overriding the host name (one machine simulating several hosts)."""
+REQUEUED_ATTR = "tuner.requeued_from"
+"""User attribute of a re-queued trial: ``{"trial": n, "host": the dead host}``."""
+_LOCK_CLASS = 0x53474C54  # "SGLT" (fits an int4): the first key of the advisory lock
+_OWN_ATTRS = (RECORD_ATTR, ENVIRONMENT_ATTR, HOST_ATTR)
+"""User attributes of a dead trial that describe its own run, not its candidate (not copied)."""
+
+_log = logging.getLogger(__name__)
+
+# The tuner beats itself (ask/tell, not study.optimize): Optuna's notes on that are noise here.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning,
+                        message=r".*(heartbeat|fail_stale_trials|RetryHeartbeatStaleTrialCallback).*")
+warnings.filterwarnings("ignore", message=r"Heartbeat of storage is supposed to be used with Study\.optimize")
+
+
+def host_name() -> str:
+    """This host's name: ``$TUNER_HOST`` when set, else :func:`socket.gethostname`."""
+    return (os.environ.get(HOST_ENV) or "").strip() or socket.gethostname()
+
+
+def heartbeat_interval(storage: BaseStorage) -> int | None:
+    """The storage's heartbeat interval in seconds, or ``None`` when it keeps no heartbeats."""
+    getter = getattr(storage, "get_heartbeat_interval", None)
+    return getter() if callable(getter) else None
+
+
+def same_environment(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether two environments agree on every :data:`~tuner.study.optuna_io.ENVIRONMENT_KEYS`
+    fact both state (a trial recorded without one counts as the same)."""
+    if not a or not b:
+        return True
+    return all(a.get(k) == b.get(k) for k in ENVIRONMENT_KEYS if a.get(k) is not None and b.get(k) is not None)
+
+
+def rdb_of(storage: BaseStorage) -> RDBStorage | None:
+    """The ``RDBStorage`` behind ``storage`` (a study wraps it in Optuna's cache), or ``None``."""
+    backend = getattr(storage, "_backend", storage)
+    return backend if isinstance(backend, RDBStorage) else None
+
+
+def is_postgres(storage: BaseStorage) -> bool:
+    """Whether ``storage`` is (or wraps) an ``RDBStorage`` on PostgreSQL (the many-hosts backend)."""
+    rdb = rdb_of(storage)
+    return rdb is not None and rdb.engine.dialect.name == "postgresql"
+
+
+class RequeueOnce(RetryHeartbeatStaleTrialCallback):
+    """Optuna's retry callback, queueing a dead trial's params once, as an ``enqueued`` trial.
+
+    The copy keeps the candidate (params, distributions, the planner's prediction) and drops what
+    described the dead run (its record, environment, host); :data:`REQUEUED_ATTR` names the dead
+    trial and its host. A trial re-queued once and dead again is not queued a third time.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(max_retry=1)
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if not trial.params:
+            return  # a baseline that died before its params were stored: the next host measures it anew
+        copied = copy.deepcopy(trial)
+        attrs = {k: v for k, v in trial.user_attrs.items() if k not in _OWN_ATTRS}
+        attrs[KIND_ATTR] = "enqueued"
+        attrs[REQUEUED_ATTR] = {"trial": trial.number, "host": trial.user_attrs.get(HOST_ATTR)}
+        copied.user_attrs = attrs
+        _log.info("trial %d (host %s) is dead; its params are queued again",
+                     trial.number, trial.user_attrs.get(HOST_ATTR))
+        super().__call__(study, copied)
+
+
+def reap_stale(study: optuna.Study) -> list[int]:
+    """Mark RUNNING trials whose heartbeat is older than the grace period FAIL (Optuna's
+    ``fail_stale_trials``; their params are re-queued once by :class:`RequeueOnce`).
+
+    Returns:
+        The numbers of the trials that were RUNNING before and are FAIL now.
+    """
+    if heartbeat_interval(study._storage) is None:  # noqa: SLF001 - fail_stale_trials reads it too
+        return []
+    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    if not running:
+        return []
+    optuna.storages.fail_stale_trials(study)
+    still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    return [t.number for t in running if t.number not in still]
+
+
+def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
+    """Mark this host's RUNNING trials FAIL and re-queue their params once (a killed run's).
+
+    Called after this host took its unit's lock, so none of its own trials can be live. On a
+    single-host storage (``shared=False``) every RUNNING trial is this host's. Another host's
+    RUNNING trial is left to the heartbeat (:func:`reap_stale`): it may be alive.
+
+    Returns:
+        The numbers of the trials marked FAIL.
+    """
+    callback = RequeueOnce()
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = trial.user_attrs.get(HOST_ATTR)
+        if shared and owner != host:
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # another host reaped it first
+        callback(study, study.get_trials(deepcopy=False)[trial.number])
+        recovered.append(trial.number)
+    return recovered
+
+
+class ClaimLock:
+    """The study's claim lock: one host at a time chooses and creates its next trial.
+
+    On PostgreSQL a session-level advisory lock ``pg_advisory_lock(SGLT, study_id)`` held on one
+    pooled connection for the critical section only; elsewhere (SQLite, in-memory: one host) a
+    no-op.
+
+    Args:
+        storage: The study's storage.
+        study_id: The study's id in it.
+        timeout_s: How long to wait for another host's critical section (it takes milliseconds;
+            a host stopped inside it, e.g. by SIGSTOP, is the only way to wait this long).
+        poll_s: Seconds between tries.
+    """
+
+    def __init__(self, storage: BaseStorage, study_id: int, *, timeout_s: float = 120.0, poll_s: float = 0.05) -> None:
+        rdb = rdb_of(storage)
+        self._engine = rdb.engine if rdb is not None and is_postgres(rdb) else None
+        self._study_id = int(study_id)
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the lock for a ``with`` block.
+
+        Raises:
+            StudyError: The lock was not free within ``timeout_s`` (names the holder), or the
+                database failed.
+        """
+        if self._engine is None:
+            yield
+            return
+        keys = {"a": _LOCK_CLASS, "b": self._study_id}
+        try:
+            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        except SQLAlchemyError as err:
+            raise StudyError(f"the study's claim lock cannot be taken: {_first_line(err)}",
+                             hint="check that the database server is up") from err
+        try:
+            deadline = time.monotonic() + self._timeout_s
+            while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:a, :b)"), keys).scalar():
+                if time.monotonic() > deadline:
+                    raise StudyError(
+                        f"another host has held the study's claim lock for over {self._timeout_s:.0f} s "
+                        f"({self._holder(conn)})",
+                        hint="check that host's tuner (stopped or hung?) and run again",
+                    )
+                time.sleep(self._poll_s)
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
+        except SQLAlchemyError as err:
+            raise StudyError(f"the study's claim lock failed: {_first_line(err)}",
+                             hint="check that the database server is up") from err
+        finally:
+            conn.close()
+
+    def _holder(self, conn: sqlalchemy.Connection) -> str:
+        row = conn.execute(sqlalchemy.text(
+            "SELECT a.application_name, a.client_addr, a.pid FROM pg_locks l JOIN pg_stat_activity a "
+            "ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.classid = CAST(:a AS oid) AND l.objid = CAST(:b AS oid) "
+            "AND l.granted LIMIT 1"), {"a": _LOCK_CLASS, "b": self._study_id}).first()
+        if row is None:
+            return "holder unknown"
+        return f"held by {row[0] or 'a client'} from {row[1] or 'a local socket'}, backend pid {row[2]}"
+
+
+@contextlib.contextmanager
+def schema_lock(url: str, engine_kwargs: dict | None = None, *, timeout_s: float = 120.0) -> Iterator[None]:
+    """Serialize opening a study storage on a PostgreSQL server (Optuna's ``CREATE TABLE`` and
+    ``create_study`` race when several hosts start at once); a no-op elsewhere.
+
+    Raises:
+        SQLAlchemyError, ImportError: The server cannot be reached or its driver is missing (the
+            caller maps them).
+        StudyError: The lock was not free within ``timeout_s``.
+    """
+    if not url.startswith("postgresql"):
+        yield
+        return
+    engine = sqlalchemy.create_engine(url, **(engine_kwargs or {}))
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            keys = {"a": _LOCK_CLASS, "b": 0}
+            deadline = time.monotonic() + timeout_s
+            while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:a, :b)"), keys).scalar():
+                if time.monotonic() > deadline:
+                    raise StudyError(f"another host has held the storage's schema lock for over {timeout_s:.0f} s",
+                                     hint="check the other hosts' tuners and run again")
+                time.sleep(0.05)
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
+    finally:
+        engine.dispose()
+
+
+class TrialHeartbeat:
+    """Beat for one running trial in a thread, and reap other hosts' dead trials on each beat.
+
+    ``with TrialHeartbeat(study, trial_id):`` records one heartbeat at once (so the trial is never
+    without one), then one every ``heartbeat_interval`` seconds until the block ends. Database
+    errors in the thread are logged, never raised: a host that cannot beat for the grace period
+    has its trial failed by the others, which is the point.
+
+    Args:
+        study: The study.
+        trial_id: The running trial's storage id.
+        on_reaped: Called with the numbers of other hosts' trials this beat marked FAIL.
+    """
+
+    def __init__(self, study: optuna.Study, trial_id: int, *,
+                 on_reaped: Callable[[list[int]], None] | None = None) -> None:
+        self._study = study
+        self._storage = study._storage  # noqa: SLF001
+        self._trial_id = trial_id
+        self._on_reaped = on_reaped
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> TrialHeartbeat:
+        if heartbeat_interval(self._storage) is None:
+            return self
+        self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{self._trial_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+
+    def _beat(self) -> None:
+        interval = float(heartbeat_interval(self._storage) or 30)
+        while not self._stop.wait(interval):
+            try:
+                self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
+                reaped = reap_stale(self._study)
+            except Exception as err:  # noqa: BLE001 - never kill the trial for a missed beat
+                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, _first_line(err))
+                continue
+            if reaped and self._on_reaped is not None:
+                self._on_reaped(reaped)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
