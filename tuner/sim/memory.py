@@ -511,7 +511,9 @@ class StartupFailure:
         kind: ``unbalanced``, ``weight_oom``, ``kv_no_budget`` (0.5.23's early check),
             ``not_enough_memory``, ``pool_oom`` (req_to_token + KV do not fit), ``pool_too_small``,
             ``graph_oom``, ``draft_weight_oom``, ``draft_kv_oom``,
-            ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``.
+            ``draft_graph_oom``, ``host_memory``, ``host_smaller_than_device``, ``tp_not_divisible``
+            (the heads do not split over ``--tp``: SGLang's ``divide()`` assertion while the model's
+            layers are built, so before any weight is loaded).
         rank: The rank that raises.
         requested_bytes: What the failing allocation asked for (0 when not an allocation).
         free_bytes: What was free on that rank.
@@ -636,6 +638,21 @@ def _mlp_width(model: ModelSpec, tp: int) -> float:
     return model.intermediate_size / tp
 
 
+
+def _uneven_heads(model: ModelSpec, tp: int) -> tuple[int, int] | None:
+    """``(numerator, denominator)`` of the first head split SGLang's ``divide()`` rejects at ``tp``
+    ranks (query heads over tp; KV heads over tp, or tp over KV heads when fewer), else None."""
+    if model.num_attention_heads % tp:
+        return model.num_attention_heads, tp
+    if model.is_mla:
+        return None
+    kv = model.num_kv_heads
+    if kv >= tp and kv % tp:
+        return kv, tp
+    if kv < tp and tp % kv:
+        return tp, kv
+    return None
+
 def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes: int = 512 * GIB
                 ) -> MemoryPlan:
     """Walk SGLang's startup allocations on every rank; stop at the first that does not fit.
@@ -668,6 +685,14 @@ def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes:
                 return replace(plan, failure=StartupFailure(
                     "unbalanced", r.rank, detail={"min_per_gpu_memory": baseline / GIB,
                                                   "local_gpu_memory": r.after_init / GIB}))
+
+    # SGLang splits the query heads, and the KV heads (or replicates them when fewer than tp), over
+    # the tp ranks with ``divide()`` (``QKVParallelLinear``); an uneven split asserts while the
+    # layers are built, before any weight is loaded. MLA has one latent KV head, replicated.
+    uneven = _uneven_heads(model, tp)
+    if uneven is not None:
+        return replace(plan, failure=StartupFailure(
+            "tp_not_divisible", 0, detail={"numerator": uneven[0], "denominator": uneven[1]}))
 
     # Weights (0.5.23: the draft weights are loaded before profiling too, §1.5).
     draft = cfg.draft
