@@ -13,19 +13,20 @@ from tuner.cli.common import (
     StorageOpt,
     StudyOpt,
     app,
+    check_output_path,
     console,
     open_stored_study,
 )
 
 
-@app.command("trials")
+@app.command("trials", short_help='Every trial: params, capacity, throughput, p99 latency, failure.')
 def trials_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
     feasible: Annotated[bool, typer.Option("--feasible", help="Only feasible trials.")] = False,
     failed: Annotated[bool, typer.Option("--failed", help="Only failed or skipped trials.")] = False,
-    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.")] = None,
+    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.", show_default="number")] = None,
     as_json: JsonOpt = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (params as param.<name> columns).")] = False,
 ) -> None:
@@ -46,7 +47,7 @@ def trials_cmd(
         tables.print_fitted(tables.trials_table(views, title=f"study {stored.name}: {len(views)} trials"))
 
 
-@app.command("show")
+@app.command("show", short_help='One trial in full: memory waterfall, load phases, log, artifacts.')
 def show_cmd(
     number: Annotated[int, typer.Argument(help="Trial number (see `tuner trials`).")],
     study: StudyOpt = None,
@@ -65,7 +66,7 @@ def show_cmd(
         tables.print_fitted(tables.trial_detail(stored, view))
 
 
-@app.command("best")
+@app.command("best", short_help='The feasible Pareto front and the best trial vs the baseline.')
 def best_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
@@ -87,7 +88,7 @@ def best_cmd(
         tables.print_fitted(tables.best_panel(chosen))
 
 
-@app.command("studies")
+@app.command("studies", short_help='The studies in a storage (default: every studies/*.db).')
 def studies_cmd(
     storage: StorageOpt = None,
     config: ConfigOpt = None,
@@ -107,7 +108,7 @@ def studies_cmd(
             tables.print_fitted(tables.studies_table(summaries, url))
 
 
-@app.command("report")
+@app.command("report", short_help='One self-contained HTML report with figures (opens offline).')
 def report_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
@@ -117,12 +118,13 @@ def report_cmd(
     """Write one self-contained HTML report (plots inlined; opens offline)."""
     from tuner.report import html
 
+    check_output_path(output, "--output")  # before the study is read or a figure built
     stored = open_stored_study(study, storage, config)
     path = html.write_study_report(stored, output)
     console.print(f"report written to {path}")
 
 
-@app.command("dashboard")
+@app.command("dashboard", short_help="optuna-dashboard on the study's storage (it can write).")
 def dashboard_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,

@@ -321,11 +321,13 @@ def write_html_report(
     Raises:
         StudyError: The file cannot be written (the message names the path).
     """
-    text = build_html_report(stored, best, best_error)
     path = Path(path)
+    if not path.parent.is_dir():  # as every output option: a missing folder is refused, not created
+        raise StudyError(f"cannot write the report to {path}: folder {path.parent} does not exist",
+                         hint="create it first, or pass -o FILE in an existing folder")
+    text = build_html_report(stored, best, best_error)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     except OSError as err:
@@ -351,6 +353,8 @@ def write_study_report(stored: StoredStudy, output: Path | None = None) -> Path:
     """
     best = best_trial(stored) if stored.pareto_front() else None
     why = None if best else "No feasible trial: no trial met every constraint (see the table)."
+    if output is None:
+        STUDIES_DIR.mkdir(exist_ok=True)  # only the default studies/ is created (as for storage)
     return write_html_report(stored, output or STUDIES_DIR / f"{stored.name}-report.html", best, why)
 
 

@@ -930,6 +930,9 @@ def explain_from(
 
     if not (log or unit or url):
         raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
+    if log and unit:
+        raise LogError(f"--log {log} and --unit {unit} both name a log to read",
+                       hint="pass one of them (--url may go with either)")
     _check_fraction(mem_fraction_static)
     sources: list[str] = []
     report = None
