@@ -282,6 +282,7 @@ class StudyRun:
         self.invalid_in_a_row = 0
         self.environment: dict[str, Any] = {}
         self._expected: int | None = None
+        self._started = clock()
         self._current: TrialJob | None = None
         self.context_tokens = 0
         self.study: optuna.Study | None = None
@@ -566,9 +567,10 @@ class StudyRun:
     def estimate(self) -> int | None:
         """Re-estimate the launches of this run from the budget left and the measured costs.
 
-        At a trial's start the trial in flight counts as one and only what fits after it is
-        added; at its end, what fits in the budget left. A trial cap (``--trials``, which counts
-        skips too) bounds it. The result is never below the launches so far (the one in flight
+        A launch costs the larger of the study's estimate (:meth:`cost_s`) and this run's wall
+        time per launch so far. At a trial's start the trial in flight counts as one and only
+        what fits after it is added; at its end, what fits in the budget left. A trial cap
+        (``--trials``, which counts skips too) bounds it. The result is never below the launches so far (the one in flight
         included).
 
         Returns:
@@ -577,6 +579,10 @@ class StudyRun:
         in_flight = 1 if self._current is not None else 0
         launched = self.launched + in_flight
         cost = self.cost_s()
+        if self.launched:
+            # What a launch has cost this run in wall time: the trials' own durations plus what
+            # lies between them (tell, artifacts, the next ask), so the count does not creep down.
+            cost = max(cost, (self.clock() - self._started) / self.launched)
         left = self.budget.trials_left(cost)
         if left is None:
             total = None
