@@ -120,8 +120,27 @@ def report_cmd(
 
     check_output_path(output, "--output")  # before the study is read or a figure built
     stored = open_stored_study(study, storage, config)
-    path = html.write_study_report(stored, output)
+    path = html.write_study_report(stored, output, slo_ms=_slo_ms(config, stored))
     console.print(f"report written to {path}")
+
+
+def _slo_ms(config: Path | None, stored) -> dict[str, float | None] | None:  # noqa: ANN001 - StoredStudy
+    """The p99 TTFT/ITL limits (ms) of the study's ``[slo]``: from ``--config``, else the config file
+    the study recorded when it still exists (``None`` when neither can be read)."""
+    from tuner.config import load_config
+    from tuner.errors import ConfigError
+
+    recorded = stored.info.config_path if stored.info else None
+    path = config or (Path(recorded) if recorded and Path(recorded).is_file() else None)
+    if path is None:
+        return None
+    try:
+        slo = load_config(path).slo
+    except ConfigError:
+        return None
+    if slo is None:
+        return None
+    return {"ttft": slo.ttft_ms.get("p99"), "itl": slo.itl_ms.get("p99")}
 
 
 @app.command("dashboard", short_help="optuna-dashboard on the study's storage (it can write).")
