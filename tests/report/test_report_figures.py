@@ -125,3 +125,12 @@ def test_the_check_fails_when_a_figure_is_missing_or_empty(tmp_path: Path) -> No
     problems = figure_problems(dom, STUDY_FIGURES)
     assert set(problems) == {"memory", "latency"}, problems
     assert figure_problems(dom.replace('id="pareto-front"', 'id="gone"'), ("pareto-front",)) == {"pareto-front": "missing"}
+
+
+def test_a_run_names_the_objectives_for_optuna_dashboard(demo_run: tuple[Path, str]) -> None:
+    import optuna
+
+    from tuner.study.optuna_io import METRIC_NAMES
+
+    _, storage = demo_run
+    assert optuna.load_study(study_name="demo-sim", storage=storage).metric_names == list(METRIC_NAMES)

@@ -151,7 +151,13 @@ def dashboard_cmd(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
 ) -> None:
-    """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
+    """Run optuna-dashboard on the study's storage (Ctrl-C stops it).
+
+    The dashboard can write: optuna-dashboard 0.21 has no read-only mode, and its pages can
+    create, rename and delete studies and add notes in this storage. To look without that risk,
+    copy the .db file and pass the copy with --storage. Before it starts, the tuner names the
+    objectives of its studies (context capacity, output throughput) where they have no names.
+    """
     from tuner import results
     from tuner.report import dashboard
     from tuner.study.storage import check_storage
@@ -159,6 +165,7 @@ def dashboard_cmd(
     location = results.resolve_location(study=study, storage=storage, config=config)
     check_storage(location.storage_url)
     dashboard.check_listen_address(host, port)
+    dashboard.name_objectives_in(location.storage_url)
     console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {location.storage_url}; Ctrl-C stops it)",
                   highlight=False, soft_wrap=True)  # fmt: skip
     status = dashboard.serve_dashboard(location.storage_url, host=host, port=port)
