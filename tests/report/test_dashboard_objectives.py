@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 import requests
 
-from tests.report.study_factory import make_study, ok_trial
+from tests.support.study_factory import make_study, ok_trial
 from tuner.study.optuna_io import METRIC_NAMES
 
 TUNER = str(Path(sys.executable).with_name("tuner"))

@@ -1,5 +1,6 @@
 """The report's pictures (issue 16) on a study written by a real `tuner run` of the demo config
-(the simulator as a real server process), drawn by headless Chromium with the network blocked.
+(the session's ``demo_run``: the simulator as a real server process, three trials), drawn by
+headless Chromium with the network blocked.
 
 Each figure is screenshotted on its own (the page with every other section hidden) into the
 test's output folder (``<pytest basetemp>/report-screenshots/``), and the rendered DOM is checked:
@@ -11,14 +12,14 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.report.cli_runner import run_tuner
-from tests.report.study_factory import make_study, ok_trial
+from tests.support.cli import run_tuner
+from tests.support.configs import DemoRun
+from tests.support.study_factory import make_study, ok_trial
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -27,24 +28,6 @@ STUDY_FIGURES = ("pareto-front", "memory", "capacity-vs-mfs", "latency", "histor
 completed trials with varying params and is a note otherwise)."""
 
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
-
-
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """Three trials of configs/demo-sim.toml (shortened load phases): baseline, then the planner's."""
-    work = tmp_path_factory.mktemp("figures")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    text = (REPO / "configs" / "demo-sim.toml").read_text(encoding="utf-8").replace("30000", str(port))
-    text = re.sub(r"(?m)^measure_s = .*$", "measure_s = 4", text)
-    text = re.sub(r"(?m)^stress_s = .*$", "stress_s = 2", text)
-    text += f'\n[storage]\nurl = "sqlite:///{work / "demo.db"}"\nartifacts_dir = "{work / "artifacts"}"\n'
-    config = work / "demo.toml"
-    config.write_text(text, encoding="utf-8")
-    proc = run_tuner("run", "--config", str(config), "--budget", "3m", "--trials", "3", cwd=work, timeout_s=500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return config, f"sqlite:///{work / 'demo.db'}"
 
 
 def _chromium(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -73,9 +56,9 @@ def figure_problems(dom: str, ids: tuple[str, ...]) -> dict[str, str]:
 
 
 @needs_chromium
-def test_report_figures_render_offline_with_screenshots(demo_run: tuple[Path, str], tmp_path: Path,
+def test_report_figures_render_offline_with_screenshots(demo_run: DemoRun, tmp_path: Path,
                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
-    config, storage = demo_run
+    config, storage = demo_run.config, demo_run.storage
     report = tmp_path / "report.html"
     proc = run_tuner("report", "--storage", storage, "--config", str(config), "-o", str(report), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -127,10 +110,9 @@ def test_the_check_fails_when_a_figure_is_missing_or_empty(tmp_path: Path) -> No
     assert figure_problems(dom.replace('id="pareto-front"', 'id="gone"'), ("pareto-front",)) == {"pareto-front": "missing"}
 
 
-def test_a_run_names_the_objectives_for_optuna_dashboard(demo_run: tuple[Path, str]) -> None:
+def test_a_run_names_the_objectives_for_optuna_dashboard(demo_run: DemoRun) -> None:
     import optuna
 
     from tuner.study.optuna_io import METRIC_NAMES
 
-    _, storage = demo_run
-    assert optuna.load_study(study_name="demo-sim", storage=storage).metric_names == list(METRIC_NAMES)
+    assert optuna.load_study(study_name="demo-sim", storage=demo_run.storage).metric_names == list(METRIC_NAMES)

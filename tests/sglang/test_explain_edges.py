@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sim._simproc import spawn, wait_ready
+from tests.support.sim import spawn, wait_ready
 
 TUNER = str(Path(sys.executable).with_name("tuner"))
 
@@ -74,7 +74,7 @@ def test_unit_without_any_journal_entry_is_not_called_a_log_without_sglang_lines
 
 
 def test_unknown_unit_under_real_systemd_says_no_such_unit(tmp_path: Path) -> None:
-    from tests.sandbox import boot_sandbox
+    from tests.support.sandbox import boot_sandbox
 
     with boot_sandbox(tmp_path) as box:
         box.require_real()

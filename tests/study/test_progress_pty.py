@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import config_copy
+from tests.support.configs import config_copy
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][A-Z0-9]")
 _LINE = re.compile(r"trial (?P<number>\d+) \((?P<kind>\w+), launch (?P<launch>\d+)(?: of ~(?P<expected>\d+))?\) · (?P<phase>\w+)(?P<detail>.*)")
