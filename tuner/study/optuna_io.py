@@ -137,7 +137,9 @@ def name_objectives(study: optuna.Study) -> bool:
     """
     if study.metric_names is not None or len(study.directions) != len(METRIC_NAMES):
         return False
-    study.set_metric_names(list(METRIC_NAMES))
+    with warnings.catch_warnings():  # experimental since Optuna 3.2; stable in use, not worth a line
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(list(METRIC_NAMES))
     return True
 
 
