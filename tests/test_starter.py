@@ -63,7 +63,7 @@ def test_init_sim_starter_config_runs_a_feasible_measured_trial(workdir: Path) -
     proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=workdir, timeout_s=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "trial 0: capacity" in proc.stdout and ", feasible" in proc.stdout, proc.stdout
-    (trial,) = load_study(f"sqlite:///{workdir / 'studies' / 'sim.db'}", "sim").trials
+    (trial,) = load_study(f"sqlite:///{workdir / 'studies' / 'llama-3.1-8b-l40s-sim.db'}", "llama-3.1-8b-l40s-sim").trials
     record = TrialRecord.model_validate(trial.user_attrs["tuner.record"])
     measure = next(p for p in record.phases if p.name == "measure")
     assert record.outcome == "ok" and record.feasible and measure.completed > 0 and measure.errored == 0

@@ -398,7 +398,8 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig
         value = first.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{source}: {where}{shown} is invalid: {message}", hint=None) from None
+        raise ConfigError(f"{source}: {where}{shown} is invalid: {message}",
+                          hint=f"fix {where} in {source} (configs/demo-sim.toml shows a valid one)") from None
 
 
 def check_url_matches_port(url: str | None, argv: Sequence[str]) -> None:
@@ -449,7 +450,8 @@ def load_config(path: str | Path) -> TunerConfig:
             hint="pass --config with an existing file, or write one with `tuner init`",
         ) from None
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {str(file)!r} cannot be read: {err}", hint=None) from None
+        raise ConfigError(f"config file {str(file)!r} cannot be read: {err}",
+                          hint="check its permissions and that it is UTF-8 text (a TOML file)") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

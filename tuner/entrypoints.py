@@ -182,7 +182,7 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
         "space (baseline-derived ranges are widened once the baseline is measured):",
     ]
     for name, dist in space.distributions().items():
-        lines.append(f"  {name}: {dist}")
+        lines.append(f"  {name}: {_range_text(dist)}")
     lines.append(f"hierarchical cache: {hicache.reason}"
                  + ("" if config.space.hierarchical_cache is not None else
                     " (decided again with the measured device pool once the baseline runs)"))
@@ -192,3 +192,15 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     lines.append("first candidate: the baseline (the service's current flags), launched as:")
     lines.append(launcher.dry_run(argv))
     return "\n".join(lines)
+
+
+def _range_text(dist: Any) -> str:
+    """An Optuna distribution as the dry run shows it: ``0.78 to 0.95 step 0.01``, ``one of 1024, 2048``."""
+    choices = getattr(dist, "choices", None)
+    if choices is not None:
+        return "one of " + ", ".join(str(c) for c in choices)
+    step = getattr(dist, "step", None)
+    text = f"{dist.low:g} to {dist.high:g}"
+    if step not in (None, 1):
+        text += f" step {step:g}"
+    return text + (" (log scale)" if getattr(dist, "log", False) else "")

@@ -134,14 +134,14 @@ class NvmlBackend:
             import pynvml  # nvidia-ml-py
         except ImportError as err:
             raise GPUError("nvidia-ml-py is not installed: cannot read GPU memory",
-                           hint="pip install nvidia-ml-py, or use the simulator (gpu = \"sim\")") from err
+                           hint="pip install nvidia-ml-py, or set [service] gpu_monitor = \"sim\" (the simulator) or \"none\"") from err
         self._nvml = pynvml
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError_LibraryNotFound as err:
             raise GPUError(
                 "no NVIDIA driver on this host (NVML library not found): cannot read GPU memory",
-                hint="install the NVIDIA driver, or run against the simulator (gpu = \"sim\")",
+                hint="install the NVIDIA driver, or set [service] gpu_monitor = \"sim\" (the simulator) or \"none\"",
             ) from err
         except pynvml.NVMLError as err:
             raise GPUError(f"NVML failed to initialize: {err}",
@@ -349,7 +349,7 @@ class GPUMonitor:
             return cls(NvmlBackend(), **kwargs)
         if kind == "sim" and url:
             return cls(SimBackend(url), **kwargs)
-        raise GPUError(f"unknown GPU monitor {kind!r}", hint="use gpu = \"nvml\" or gpu = \"sim\" (with a url)")
+        raise GPUError(f"unknown GPU monitor {kind!r}", hint="set [service] gpu_monitor = \"nvml\", \"sim\" (with [service] url) or \"none\"")
 
     def snapshot(self) -> list[GPUMemory]:
         """Every GPU's memory now. Raises GPUError when the backend cannot be read."""

@@ -6,7 +6,6 @@ filled in with :meth:`str.format`.
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -30,7 +29,8 @@ def starter_config(*, unit: str | None, sim: bool) -> str:
         LaunchError: The unit is unknown or its ExecStart unreadable.
     """
     if sim or not unit:
-        return _template("starter-sim.toml").format(python=sys.executable)
+        # "{python}" stays a placeholder ([service] command): the file must not pin this venv.
+        return _template("starter-sim.toml").format()
     systemd_unit = SystemdUnit(unit)
     systemd_unit.check_exists()
     argv = list(systemd_unit.exec_command().argv)

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -38,11 +39,11 @@ from tuner.sglang.client import ServerInfo, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
-from tuner.sglang.logs import LogReport, parse_log
+from tuner.sglang.logs import LogReport, LogWatcher, parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
-from tuner.study.loop import TrialJob
+from tuner.study.loop import PhaseProgress, TrialJob
 from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
 
 __all__ = [
@@ -475,7 +476,7 @@ class TrialExecutor:
         """The full server command for ``params`` (see :func:`render_argv`)."""
         return render_argv(self._baseline_argv, params, self.table)
 
-    def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
+    def run(self, job: TrialJob, on_phase: Callable[..., None]) -> TrialRecord:
         """Run one trial; a failed server is a record with ``outcome="failed"``, never an exception.
 
         Args:
@@ -522,7 +523,8 @@ class TrialExecutor:
         on_phase("start")
         try:
             self.launcher.start(argv)
-            state = self.launcher.wait(timeout_s=self.config.service.start_timeout_s)
+            with _StartupLines(self.launcher, lambda d: on_phase("start", d)):
+                state = self.launcher.wait(timeout_s=self.config.service.start_timeout_s)
         except ServiceControlError:
             raise  # the host refused the change (read-only drop-in folder): not a server crash
         except (LaunchError, ServerError) as err:
@@ -579,6 +581,12 @@ class TrialExecutor:
             mean_request_tokens=self._workload.mean_request_tokens,
         )
         counters_before = self._counters()
+        budget = self.config.budget
+        measure_ticks = _load_ticks(
+            on_phase, "measure", expected=budget.max_requests or (concurrency if budget.request_rate is None else None),
+            duration_s=budget.warmup_s + budget.measure_s,
+            stop=(lambda s: slo_clearly_lost(s, slo)) if budget.early_stop else None,
+        )
         with self._window() as window:
             try:
                 measure = run_load_sync(
@@ -586,7 +594,7 @@ class TrialExecutor:
                     rate=self.config.budget.request_rate, warmup_s=self.config.budget.warmup_s,
                     duration_s=self.config.budget.measure_s, max_requests=self.config.budget.max_requests,
                     slo=slo,
-                    on_tick=(lambda s: slo_clearly_lost(s, slo)) if self.config.budget.early_stop else None,
+                    on_tick=measure_ticks,
                     timeout_s=self.config.budget.warmup_s + 4 * self.config.budget.measure_s + 120.0,
                     request_timeout_s=max(60.0, 4 * self.config.budget.measure_s),
                     seed=self.config.study.seed,
@@ -613,7 +621,7 @@ class TrialExecutor:
         stress_failed = False
         if runtime_failure is None and self.config.budget.stress_s > 0 and capacity:
             on_phase("stress")
-            stress, stress_failure, stress_peak = self._stress(capacity, facts, job)
+            stress, stress_failure, stress_peak = self._stress(capacity, facts, job, on_phase)
             peak_used = max(peak_used, stress_peak)
             if stress is not None:
                 phases.append(stress.phase_result("stress"))
@@ -684,10 +692,12 @@ class TrialExecutor:
     def _workload_longest_input(self) -> int:
         return int(getattr(self.config.workload, "input_len", 0) or self._workload.context_tokens)
 
-    def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob) -> tuple[LoadResult | None, Failure | None, float]:
+    def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob,
+                on_phase: Callable[..., None] | None = None) -> tuple[LoadResult | None, Failure | None, float]:
         """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
         budget = self.config.budget
         n = stress_concurrency(capacity, budget)
+        ticks = _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s) if on_phase else None
         output = stress_output_tokens(job.context_tokens)
         workload = capacity_probe(n, job.context_tokens, output_len=output, seed=self.config.study.seed + job.number)
         result = None
@@ -695,7 +705,7 @@ class TrialExecutor:
         with self._window() as window:
             try:
                 result = run_load_sync(
-                    self.config.service.url, workload, concurrency=n, duration_s=budget.stress_s,
+                    self.config.service.url, workload, concurrency=n, duration_s=budget.stress_s, on_tick=ticks,
                     timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
                     seed=self.config.study.seed,
                 )
@@ -785,6 +795,59 @@ def host_pool_kill(failure: Failure, lines: list[str]) -> Failure | None:
                    evidence=f"killed while pinning the hierarchical cache's host pools (last line: "
                             f"{lines[last].strip()[-160:]}); pinned host memory beyond the unit's MemoryMax "
                             "or the host's RAM is OOM-killed")
+
+
+def _load_ticks(on_phase: Callable[..., None], phase: str, *, expected: int | None, duration_s: float | None,
+                stop: Callable[[LiveStats], bool] | None = None) -> Callable[[LiveStats], bool | None]:
+    """An ``on_tick`` for :func:`tuner.load.run_load_sync` that reports the phase's requests done
+    (ok or errored, warm-up included) against ``expected``, then asks ``stop`` (early stop)."""
+
+    def tick(stats: LiveStats) -> bool | None:
+        on_phase(phase, PhaseProgress(requests_done=stats.completed + stats.errored, requests_expected=expected,
+                                      elapsed_s=round(stats.elapsed_s, 1), duration_s=duration_s))
+        return stop(stats) if stop is not None else None
+
+    return tick
+
+
+class _StartupLines:
+    """While a server starts, report each new SGLang line of its log (a reader thread on
+    :meth:`Launcher.logs`, which the launcher's own wait keeps filling): the startup's progress
+    is the last phase line (``Load weight end``, ``KV Cache is allocated``, ``Capture cuda graph``).
+
+    Args:
+        launcher: The launcher whose :meth:`~Launcher.wait` runs meanwhile.
+        report: Called with a :class:`PhaseProgress` per new SGLang line (from the reader thread).
+        poll_s: How often the log is read, seconds.
+    """
+
+    def __init__(self, launcher: Launcher, report: Callable[[PhaseProgress], None], poll_s: float = 0.25) -> None:
+        self._launcher, self._report, self._poll_s = launcher, report, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tuner-startup-lines", daemon=True)
+        self._begun = time.monotonic()
+
+    def __enter__(self) -> _StartupLines:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _watch(self) -> None:
+        watcher, seen, last = LogWatcher(), 0, None
+        while not self._stop.wait(self._poll_s):
+            lines = self._launcher.logs()
+            watcher.feed_many(lines[seen:])
+            seen = len(lines)
+            if watcher.last_line and watcher.last_line != last:
+                last = watcher.last_line
+                try:
+                    self._report(PhaseProgress(line=last[:200], stage=watcher.phase,
+                                               elapsed_s=round(time.monotonic() - self._begun, 1)))
+                except Exception as err:  # noqa: BLE001 - a progress display must never end a trial
+                    _log.debug("startup progress not shown: %s", err)
 
 
 def _excerpt(lines: list[str], evidence: str | None, *, limit: int = 20) -> list[str]:

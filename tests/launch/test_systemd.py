@@ -189,4 +189,6 @@ def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: Sys
     box.add_unit("example-tuner-run.service", (examples / "tuner-run.service").read_text())
     shown = box.systemctl_run("show", "-p", "KillMode,TimeoutStopUSec,ExecStopPost", "example-tuner-run.service").stdout
     assert "KillMode=mixed" in shown and "tuner restore" in shown
+    shown = box.systemctl_run("show", "-p", "ExecStart,LogsDirectory", "example-tuner-run.service").stdout
+    assert "--json-progress /var/log/sglang-tuner/progress.jsonl" in shown and "LogsDirectory=sglang-tuner" in shown
     assert "LogRateLimitIntervalUSec=0" in box.systemctl_run("show", "-p", "LogRateLimitIntervalUSec", "example-sglang.service").stdout

@@ -23,7 +23,7 @@ def test_baseline_that_cannot_start_stops_the_run_with_the_servers_reason(workdi
     config = config_copy("demo-sim.toml", workdir, replace={'"llama-3.1-8b"': '"/nonexistent/model"'})
     proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
     line = one_error_line(proc, "--model-path '/nonexistent/model' is neither a directory")
-    assert "baseline (trial 0" in line and "restored" in line and "`tuner show 0`" in line
+    assert "baseline (trial 0" in line and "restored" in line and f"`tuner show 0 --config {config}`" in line
     trials = load_study(f"sqlite:///{workdir}/studies/demo-sim.db", "demo-sim").trials
     assert len(trials) == 1  # stopped at once: no candidate was launched after it
     record = TrialRecord.model_validate(trials[0].user_attrs["tuner.record"])

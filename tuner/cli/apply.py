@@ -9,17 +9,19 @@ from typing import Annotated
 import typer
 
 from tuner.cli.common import (
+    STATE_DIR_DEFAULT,
     ConfigOpt,
     JsonOpt,
     StorageOpt,
     StudyOpt,
     app,
+    check_seconds,
     console,
     open_stored_study,
 )
 
 
-@app.command("apply")
+@app.command("apply", short_help="Persist a trial's flags, restart, verify; roll back on failure.")
 def apply_cmd(
     target: Annotated[str | None, typer.Argument(help="`best` or a trial number.")] = None,
     undo: Annotated[bool, typer.Option("--undo", help="Return to the state before the last verified apply.")] = False,
@@ -28,9 +30,9 @@ def apply_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).", show_default=STATE_DIR_DEFAULT)] = None,
     verify_s: Annotated[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="How long the server may take to be ready.")] = 900.0,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be ready.")] = 900.0,
     write: Annotated[Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,
 ) -> None:
     """Persist a trial's flags (systemd drop-in 80-tuner.conf), restart, verify; roll back on failure."""
@@ -40,6 +42,8 @@ def apply_cmd(
     from tuner.report import tables
     from tuner.study.best import max_running_requests_cut
 
+    check_seconds(timeout_s, "--timeout-s")
+    check_seconds(verify_s, "--verify-s", allow_zero=True, example="20")
     if undo == (target is not None):
         raise ConfigError("pass either a target (`best` or a trial number) or --undo", hint="e.g. `tuner apply best`")
     if target not in (None, "best") and not target.isdigit():
@@ -55,10 +59,12 @@ def apply_cmd(
     else:
         load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
         plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load)
-    console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False)
+    # soft_wrap: a command line or drop-in is printed whole, never cut at the terminal width,
+    # so it can be pasted and piped
+    console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False, soft_wrap=True)
     cut = max_running_requests_cut(view.record, baseline.record if (baseline := stored.baseline()) else None) if view is not None else None
     if cut is not None:
-        console.print(cut, markup=False, highlight=False)
+        console.print(cut, markup=False, highlight=False, soft_wrap=True)
     if dry_run:
         return
     if plan.launcher == "systemd" and not yes:
@@ -70,7 +76,7 @@ def apply_cmd(
     tables.print_fitted(tables.apply_result(record))
 
 
-@app.command("applies")
+@app.command("applies", short_help="Every apply, undo and rollback of a study's storage.")
 def applies_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,

@@ -15,7 +15,10 @@ from rich.console import Console
 
 from tuner.results import StoredStudy, open_study, resolve_location
 
-__all__ = ["app", "console", "err_console", "StudyOpt", "StorageOpt", "ConfigOpt", "JsonOpt", "open_stored_study"]
+__all__ = [
+    "app", "console", "err_console", "StudyOpt", "StorageOpt", "ConfigOpt", "JsonOpt", "open_stored_study",
+    "check_output_path", "check_seconds", "STATE_DIR_DEFAULT",
+]
 
 app = typer.Typer(
     name="tuner",
@@ -33,10 +36,37 @@ app = typer.Typer(
 console = Console()
 err_console = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            shown = version("sglang-tuner")
+        except PackageNotFoundError:  # pragma: no cover - run from a source tree without install
+            shown = "unknown (not installed)"
+        console.print(f"tuner {shown}", highlight=False, markup=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                          callback=_print_version)] = False,
+) -> None:
+    """Auto-tune an SGLang server's memory and scheduling knobs (mem_fraction_static,
+    max_running_requests, chunked prefill, hierarchical cache) with an Optuna study.
+
+    Typical use: `tuner run --config configs/demo-sim.toml --budget 3m`, then `tuner trials`,
+    `tuner best`, `tuner apply best`.
+    """
+
 StudyOpt = Annotated[str | None, typer.Option("--study", help="Study name (default: [study] of --config, or the only studies/*.db).")]
 StorageOpt = Annotated[str | None, typer.Option("--storage", help="Optuna storage URL, e.g. sqlite:///studies/demo.db (must exist).")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="Config file whose [study]/[storage] name the study.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+STATE_DIR_DEFAULT = "/var/lib/sglang-tuner as root, else ~/.local/state/sglang-tuner"
+"""``--state-dir``'s default as help shows it (:func:`tuner.launch.safety.default_state_dir`)."""
 
 
 def open_stored_study(study: str | None, storage: str | None, config: Path | None) -> StoredStudy:
@@ -49,3 +79,42 @@ def open_stored_study(study: str | None, storage: str | None, config: Path | Non
     return open_study(
         resolve_location(study=study, storage=storage, config=config)
     )
+
+
+def check_output_path(path: Path | None, flag: str) -> None:
+    """Refuse, before any work, an output file that could not be written: a folder, a file in a
+    folder that does not exist (nothing is created), or no write permission.
+
+    Raises:
+        ConfigError: Naming ``flag``, the path and the problem.
+    """
+    import os
+
+    from tuner.errors import ConfigError
+
+    if path is None:
+        return
+    folder = path.parent
+    if path.is_dir():
+        problem = "is a folder"
+    elif not folder.is_dir():
+        problem = f"is in a folder that does not exist ({folder})"
+    elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problem = "is not writable"
+    else:
+        return
+    raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")
+
+
+def check_seconds(value: float, flag: str, *, allow_zero: bool = False, example: str = "900") -> None:
+    """Refuse a duration that is negative (or zero, unless ``allow_zero``), before any work.
+
+    Raises:
+        ConfigError: Naming ``flag`` and the value.
+    """
+    from tuner.errors import ConfigError
+
+    if value > 0 or (allow_zero and value == 0):
+        return
+    what = "a number of seconds ≥ 0" if allow_zero else "a positive number of seconds"
+    raise ConfigError(f"{flag} {value:g} is not {what}", hint=f"pass e.g. {flag} {example}")

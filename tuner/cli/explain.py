@@ -9,7 +9,7 @@ import typer
 from tuner.cli.common import app, console
 
 
-@app.command("explain")
+@app.command("explain", short_help="Where a server's GPU memory went and what limits capacity.")
 def explain_cmd(
     log: Annotated[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
     unit: Annotated[str | None, typer.Option("--unit", help="systemd unit whose journal to read.")] = None,

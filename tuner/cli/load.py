@@ -8,28 +8,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from tuner.cli.common import app, console, err_console
+from tuner.cli.common import app, check_output_path, console, err_console
 from tuner.report import tables
-
-
-def _load_check_out(path: Path | None, flag: str) -> None:
-    """Fail before any load is sent when ``path`` (an output file) could not be written."""
-    import os
-
-    from tuner.errors import ConfigError
-
-    if path is None:
-        return
-    folder = path.parent
-    if path.is_dir():
-        problem = "is a folder"
-    elif not folder.is_dir():
-        problem = f"is in a folder that does not exist ({folder})"
-    elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        problem = "is not writable"
-    else:
-        return
-    raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")
 
 
 def _load_print_errors(summary) -> None:  # noqa: ANN001 - LoadSummary
@@ -48,7 +28,7 @@ def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
     )
 
 
-@app.command("load")
+@app.command("load", short_help='Load a server with a streaming workload; bench_serving metrics.')
 def load_cmd(
     url: Annotated[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
     api: Annotated[str, typer.Option("--api", help="generate (/generate, input_ids) or completions (/v1/completions).")] = "generate",
@@ -122,8 +102,8 @@ def load_cmd(
         raise ConfigError("--csv writes per-request rows of one run", hint="drop --csv with --max-under-slo")
     if not 0 <= max_error_rate <= 1:
         raise ConfigError(f"--max-error-rate {max_error_rate:g} is not a share", hint="use a value in [0, 1], e.g. 0.1")
-    _load_check_out(json_out, "--json")
-    _load_check_out(csv_out, "--csv")
+    check_output_path(json_out, "--json")
+    check_output_path(csv_out, "--csv")
     spec = spec_from_options(workload, {
         "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio, "num_requests": num_requests,
         "num_groups": num_groups, "prompts_per_group": prompts_per_group, "system_prompt_len": system_prompt_len,

@@ -13,19 +13,20 @@ from tuner.cli.common import (
     StorageOpt,
     StudyOpt,
     app,
+    check_output_path,
     console,
     open_stored_study,
 )
 
 
-@app.command("trials")
+@app.command("trials", short_help='Every trial: params, capacity, throughput, p99 latency, failure.')
 def trials_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
     feasible: Annotated[bool, typer.Option("--feasible", help="Only feasible trials.")] = False,
     failed: Annotated[bool, typer.Option("--failed", help="Only failed or skipped trials.")] = False,
-    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.")] = None,
+    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.", show_default="number")] = None,
     as_json: JsonOpt = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (params as param.<name> columns).")] = False,
 ) -> None:
@@ -46,7 +47,7 @@ def trials_cmd(
         tables.print_fitted(tables.trials_table(views, title=f"study {stored.name}: {len(views)} trials"))
 
 
-@app.command("show")
+@app.command("show", short_help='One trial in full: memory waterfall, load phases, log, artifacts.')
 def show_cmd(
     number: Annotated[int, typer.Argument(help="Trial number (see `tuner trials`).")],
     study: StudyOpt = None,
@@ -65,7 +66,7 @@ def show_cmd(
         tables.print_fitted(tables.trial_detail(stored, view))
 
 
-@app.command("best")
+@app.command("best", short_help='The feasible Pareto front and the best trial vs the baseline.')
 def best_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
@@ -87,7 +88,7 @@ def best_cmd(
         tables.print_fitted(tables.best_panel(chosen))
 
 
-@app.command("studies")
+@app.command("studies", short_help='The studies in a storage (default: every studies/*.db).')
 def studies_cmd(
     storage: StorageOpt = None,
     config: ConfigOpt = None,
@@ -123,7 +124,7 @@ def copy_study_cmd(
                   highlight=False, soft_wrap=True)
 
 
-@app.command("report")
+@app.command("report", short_help='One self-contained HTML report with figures (opens offline).')
 def report_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
@@ -133,12 +134,32 @@ def report_cmd(
     """Write one self-contained HTML report (plots inlined; opens offline)."""
     from tuner.report import html
 
+    check_output_path(output, "--output")  # before the study is read or a figure built
     stored = open_stored_study(study, storage, config)
-    path = html.write_study_report(stored, output)
+    path = html.write_study_report(stored, output, slo_ms=_slo_ms(config, stored))
     console.print(f"report written to {path}")
 
 
-@app.command("dashboard")
+def _slo_ms(config: Path | None, stored) -> dict[str, float | None] | None:  # noqa: ANN001 - StoredStudy
+    """The p99 TTFT/ITL limits (ms) of the study's ``[slo]``: from ``--config``, else the config file
+    the study recorded when it still exists (``None`` when neither can be read)."""
+    from tuner.config import load_config
+    from tuner.errors import ConfigError
+
+    recorded = stored.info.config_path if stored.info else None
+    path = config or (Path(recorded) if recorded and Path(recorded).is_file() else None)
+    if path is None:
+        return None
+    try:
+        slo = load_config(path).slo
+    except ConfigError:
+        return None
+    if slo is None:
+        return None
+    return {"ttft": slo.ttft_ms.get("p99"), "itl": slo.itl_ms.get("p99")}
+
+
+@app.command("dashboard", short_help="optuna-dashboard on the study's storage (it can write).")
 def dashboard_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
@@ -146,7 +167,13 @@ def dashboard_cmd(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
 ) -> None:
-    """Run optuna-dashboard on the study's storage (Ctrl-C stops it)."""
+    """Run optuna-dashboard on the study's storage (Ctrl-C stops it).
+
+    The dashboard can write: optuna-dashboard 0.21 has no read-only mode, and its pages can
+    create, rename and delete studies and add notes in this storage. To look without that risk,
+    copy the .db file and pass the copy with --storage. Before it starts, the tuner names the
+    objectives of its studies (context capacity, output throughput) where they have no names.
+    """
     from tuner import results
     from tuner.report import dashboard
     from tuner.study.storage import check_storage, display_url
@@ -154,6 +181,7 @@ def dashboard_cmd(
     location = results.resolve_location(study=study, storage=storage, config=config)
     check_storage(location.storage_url)
     dashboard.check_listen_address(host, port)
+    dashboard.name_objectives_in(location.storage_url)
     console.print(f"optuna-dashboard on http://{host}:{port}/  (storage {display_url(location.storage_url)}; Ctrl-C stops it)",
                   highlight=False, soft_wrap=True)  # fmt: skip
     status = dashboard.serve_dashboard(location.storage_url, host=host, port=port)

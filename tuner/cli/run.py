@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +12,7 @@ from tuner.cli.common import app, console, err_console
 from tuner.report.tables import terminal_safe
 
 
-def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.study.loop.RunSummary, results.BestTrial
+def _print_best_vs_baseline(summary, chosen, console=console) -> None:  # noqa: ANN001 - RunSummary, results.BestTrial, rich Console
     """The closing summary; ``chosen`` is the run's :attr:`RunSummary.best` as
     :func:`tuner.results.present_best` shows it (:func:`tuner.study.best.choose_best`, the rule
     `tuner best` applies), ``None`` when no trial is feasible."""
@@ -41,14 +42,96 @@ def _print_best_vs_baseline(summary, chosen) -> None:  # noqa: ANN001 - tuner.st
         console.print(cut, highlight=False, soft_wrap=True)
 
 
+def _flags_text(flags: dict) -> str:  # noqa: ANN001
+    """``mem_fraction_static=0.95 max_running_requests=23`` (a trial's tuned flags, for a line)."""
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(flags.items()))
+
+
+def _detail_text(detail) -> str:  # noqa: ANN001 - tuner.study.loop.PhaseProgress
+    """How far a phase has come: the last SGLang line of a start, or requests done / expected."""
+    if detail is None:
+        return ""
+    if detail.line:
+        line = detail.line if len(detail.line) <= 90 else detail.line[:89] + "…"
+        return f" · {line}"
+    parts = []
+    if detail.requests_done is not None:
+        of = f" of ≥{detail.requests_expected}" if detail.requests_expected else ""
+        parts.append(f"{detail.requests_done}{of} requests done")
+    if detail.elapsed_s is not None and detail.duration_s:
+        parts.append(f"{detail.elapsed_s:.0f}/{detail.duration_s:.0f} s")
+    return (" · " + ", ".join(parts)) if parts else ""
+
+
+def progress_line(event) -> str:  # noqa: ANN001 - tuner.study.loop.Progress
+    """The live line of a trial event: trial number, launch n of ~N, phase and its progress, flags."""
+    of = f" of ~{event.expected}" if event.expected else ""
+    flags = _flags_text(event.flags) if event.flags else ("the service's own flags" if event.kind == "baseline" else "")
+    phase = event.phase or "starting"
+    head = f"trial {event.number} ({event.kind or '?'}, launch {event.launch}{of}) · {phase}{_detail_text(event.detail)}"
+    return head + (f"\n  flags: {flags}" if flags else "")
+
+
+class JsonProgress:
+    """Writes every :class:`tuner.study.loop.Progress` event as one JSON object per line (a file,
+    or standard output for ``-``), flushed at once: what a detached ``tuner-run.service`` leaves
+    for a watcher (``tail -f``, ``journalctl -u tuner-run -o cat``).
+
+    Args:
+        target: A file path, or ``-`` for standard output.
+
+    Raises:
+        ConfigError: The file's folder does not exist, or it cannot be opened for writing.
+    """
+
+    def __init__(self, target: str) -> None:
+        import sys
+        import threading
+
+        from tuner.cli.common import check_output_path
+
+        self._lock = threading.Lock()
+        if target == "-":
+            self._stream, self._owned = sys.stdout, False
+            return
+        path = Path(target)
+        check_output_path(path, "--json-progress")
+        try:
+            self._stream, self._owned = path.open("a", encoding="utf-8"), True
+        except OSError as err:
+            from tuner.errors import ConfigError
+
+            raise ConfigError(f"cannot write --json-progress {path}: {err.strerror}",
+                              hint="pass a writable file, or - for standard output") from err
+
+    def __call__(self, event) -> None:  # noqa: ANN001
+        import json
+        from datetime import datetime
+
+        data = {"at": datetime.now(UTC).isoformat(timespec="milliseconds"), **event.model_dump(mode="json")}
+        if data.get("eta_s") == float("inf"):
+            data["eta_s"] = None
+        with self._lock:
+            self._stream.write(json.dumps(data, default=str) + "\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        """Close the file (standard output stays open)."""
+        if self._owned:
+            self._stream.close()
+
+
 class _RunProgress:
     """Renders :class:`tuner.study.loop.Progress` events: one line per trial, a live phase line.
 
-    The live line names the Optuna trial number (as the result lines do) and counts the budget
-    left down every second from the last event's ``eta_s``.
+    The live line names the Optuna trial number (as the result lines do), the kind, the launch
+    count against the run's stable estimate, the phase and how far it has come (the last SGLang
+    line of a start, requests done in a load phase), the flags under test, and counts the budget
+    left down every second from the last event's ``eta_s``. Events may come from a reader thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, also=None, out=console) -> None:  # noqa: ANN001 - an extra event sink (JsonProgress), a rich Console
+        import threading
         import time
 
         from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
@@ -64,15 +147,18 @@ class _RunProgress:
                 return Text(f"· {format_duration(max(0.0, deadline - time.monotonic()))} left")
 
         self._monotonic = time.monotonic
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeLeft(), console=console,
-                                 transient=True, refresh_per_second=2)
+        self._lock = threading.Lock()
+        self.also = also
+        self.out = out
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeLeft(),
+                                 console=out, transient=True, refresh_per_second=2)
         self.task = self.progress.add_task("starting", total=None, deadline=None)
         self.in_flight: int | None = None
 
     def __enter__(self) -> _RunProgress:
         """Start the live line on a terminal only: rich's Progress ends with an empty line on any
         other output, which would sit above an error line."""
-        if console.is_interactive:
+        if self.out.is_interactive:
             self.progress.start()
         return self
 
@@ -81,39 +167,44 @@ class _RunProgress:
             self.progress.stop()
 
     def __call__(self, event) -> None:  # noqa: ANN001
+        if self.also is not None:
+            self.also(event)
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
-        of = f" of ~{event.expected} this run" if event.expected else ""
-        if event.event == "phase" and event.number is None:  # about the study, not this host's trial
-            self.progress.console.print(f"  {event.message}", highlight=False)
-        elif event.event == "phase":
-            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · {event.phase}",
-                                 deadline=deadline)
-        elif event.event in ("trial_end", "skip", "stop", "note"):
-            self.in_flight = None
-            self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
-        elif event.event == "trial_start":
-            self.in_flight = event.number
-            self.progress.update(self.task, description=f"trial {event.number} ({event.index}{of}) · starting",
-                                 deadline=deadline)
+        with self._lock:
+            if event.event == "phase" and event.number is None:  # about the study, not this host's trial
+                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
+            elif event.event in ("trial_end", "skip", "stop", "note"):
+                self.in_flight = None
+                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
+            elif event.event in ("trial_start", "phase"):
+                self.in_flight = event.number
+                self.progress.update(self.task, description=terminal_safe(progress_line(event)), deadline=deadline,
+                                     refresh=self.progress.live.is_started)
 
 
-@app.command("run")
+@app.command("run", short_help='Run or resume the study: relaunch, load, measure, learn, restore.')
 def run_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
     budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
-    trials: Annotated[int | None, typer.Option("--trials", "-n", min=1, help="Cap on trials in this run.")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials in this run (launched or skipped), at least 1.", show_default="the config's [budget] trials, else none")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
     storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
     allow_mixed_environment: Annotated[bool, typer.Option(
         "--allow-mixed-environment", help="Add trials to a study recorded with another SGLang/GPU/driver/model.")] = False,
     apply_best: Annotated[bool, typer.Option(
         "--apply-best", help="After the run, persist the best trial like `tuner apply best --yes` (verify, roll back on failure).")] = False,
+    json_progress: Annotated[str | None, typer.Option(
+        "--json-progress", metavar="FILE|-",
+        help="Also write every progress event (trial start/end, phase and its progress, flags, launch n of ~N, "
+             "budget left) as one JSON object per line to FILE (appended), or to standard output with -.")] = None,
 ) -> None:
     """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
     from tuner.config import load_config
     from tuner.errors import ConfigError
     from tuner.units import parse_duration_s
 
+    if trials is not None and trials < 1:
+        raise ConfigError(f"--trials {trials} is not a number of trials", hint="pass --trials 1 or more, or leave it out")
     cfg = load_config(config)
     text = budget or cfg.budget.total
     budget_s = parse_duration_s(text) if text else None
@@ -124,9 +215,12 @@ def run_cmd(
     from tuner import entrypoints
 
     if dry_run:
-        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False)
+        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False,
+                      markup=False, soft_wrap=True)
         return
-    renderer = _RunProgress()
+    sink = JsonProgress(json_progress) if json_progress else None
+    out = err_console if json_progress == "-" else console  # `-`: standard output carries JSON only
+    renderer = _RunProgress(also=sink, out=out)
     try:
         with renderer:
             summary = entrypoints.tune(cfg, budget_s=budget_s, max_trials=max_trials,
@@ -139,13 +233,16 @@ def run_cmd(
         err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
                           highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
-    console.print("service restored to its original flags", highlight=False)
+    finally:
+        if sink is not None:
+            sink.close()
+    out.print("service restored to its original flags", highlight=False)
     from tuner import results
 
     stored = results.open_study(results.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
     # The run's own choice (RunSummary.best, the config's [objective]), shown with the stored views.
     chosen = results.present_best(stored, summary.best, cfg.objective) if summary.best is not None else None
-    _print_best_vs_baseline(summary, chosen)
+    _print_best_vs_baseline(summary, chosen, out)
     if apply_best and chosen is not None:
         from tuner.cli.apply import apply_cmd
 
@@ -153,7 +250,7 @@ def run_cmd(
                   state_dir=None, verify_s=20.0, timeout_s=cfg.service.start_timeout_s, write=None)
 
 
-@app.command("init")
+@app.command("init", short_help='Write a starter config from a running unit or for the simulator.')
 def init_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path("tuner.toml"),
     unit: Annotated[str | None, typer.Option("--unit", help="Read a running systemd unit (ExecStart, model, GPU, version).")] = None,
@@ -168,6 +265,9 @@ def init_cmd(
         raise ConfigError(f"{output} already exists", hint="pass --force to overwrite it, or --output another file")
     if not unit and not sim:
         raise ConfigError("tell init what to tune", hint="pass --unit sglang.service or --sim")
+    if unit and sim:
+        raise ConfigError(f"--sim and --unit {unit} exclude each other (a simulator config reads no unit)",
+                          hint="pass --sim for the simulator, or --unit UNIT to read a running unit")
     text = starter_config(unit=unit, sim=sim)
     if not output.parent.is_dir():
         raise ConfigError(f"--output {output}: folder {output.parent} does not exist",

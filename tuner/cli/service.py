@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tuner.cli.common import app, console
+from tuner.cli.common import STATE_DIR_DEFAULT, app, check_seconds, console
 
 
 def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | None,
@@ -25,16 +25,16 @@ def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | No
     return settings or None
 
 
-@app.command("restore")
+@app.command("restore", short_help='Put the service back as it was before a tuning run.')
 def restore_cmd(
     unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).", show_default=STATE_DIR_DEFAULT)] = None,
     systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
     journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
     dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
     url: Annotated[str | None, typer.Option(help="Server URL checked for health.")] = None,
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="How long the server may take to be healthy.")] = 900.0,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be healthy.")] = 900.0,
 ) -> None:
     """Put the service back as it was before a tuning run (after a crash, kill -9 or Ctrl-C).
 
@@ -44,6 +44,7 @@ def restore_cmd(
     from tuner.errors import ConfigError
     from tuner.launch.factory import restore_service
 
+    check_seconds(timeout_s, "--timeout-s")
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
     settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
@@ -57,10 +58,10 @@ def restore_cmd(
                   highlight=False, soft_wrap=True)  # fmt: skip
 
 
-@app.command("launch")
+@app.command("launch", short_help="Preview a trial's drop-in or command for --set flags.")
 def launch_cmd(
     config: Annotated[Path, typer.Option("--config", help="The run's TOML config (its service section).")],
-    set_flags: Annotated[list[str] | None, typer.Option("--set", help="FLAG=VALUE to change, e.g. mem-fraction-static=0.8; checked against the service's SGLang flags.")] = None,
+    set_flags: Annotated[list[str] | None, typer.Option("--set", metavar="FLAG=VALUE", help="A flag to change, e.g. mem-fraction-static=0.8; repeat --set for several (--set A=1 --set B=2); checked against the service's SGLang flags.")] = None,
 ) -> None:
     """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing.
 

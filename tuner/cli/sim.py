@@ -26,4 +26,4 @@ def sim_serve(ctx: typer.Context) -> None:
     """
     from tuner.sim.__main__ import main as sim_main
 
-    raise typer.Exit(sim_main(list(ctx.args)))
+    raise typer.Exit(sim_main(list(ctx.args), prog="tuner sim serve"))

@@ -623,13 +623,14 @@ def _timestamp_s(value: object) -> float | None:
 def _openai_items(path: Path, data: bytes, spec: TraceSpec) -> list[_TraceItem]:
     parsed: list[tuple[float, int, list[tuple[str, str]], int]] = []
     for number, obj in _json_lines(path, data, _OPENAI_HINT):
-        body = obj.get("request") if isinstance(obj.get("request"), dict) else (
-            obj.get("body") if isinstance(obj.get("body"), dict) else obj)
+        request, inner = obj.get("request"), obj.get("body")
+        body: dict[str, Any] = request if isinstance(request, dict) else inner if isinstance(inner, dict) else obj
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw or not all(isinstance(m, dict) for m in raw):
             raise _bad(path, f"line {number}", "no messages list", _OPENAI_HINT)
         messages = [(_role(m.get("role")), _content_text(m.get("content"))) for m in raw]
-        response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+        reply = obj.get("response")
+        response: dict[str, Any] = reply if isinstance(reply, dict) else {}
         stamp = None
         for holder, name in ((obj, "timestamp_s"), (obj, "timestamp"), (obj, "created"), (obj, "time"),
                              (obj, "ts"), (body, "created"), (response, "created")):

@@ -1,4 +1,8 @@
 """``tuner dashboard``: optuna-dashboard as a child process in its own session (Ctrl-C stops it).
+
+optuna-dashboard (0.21, the version installed with the tuner) has no read-only mode: no flag in
+its ``_cli.py``, and its app serves POST/PUT/DELETE routes that create, rename and delete studies,
+tell trials and write notes. ``tuner dashboard --help`` and the README say so.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from pathlib import Path
 
 from tuner.errors import ConfigError
 
-__all__ = ['dashboard_argv', 'check_listen_address', 'serve_dashboard']
+__all__ = ['dashboard_argv', 'check_listen_address', 'serve_dashboard', 'name_objectives_in']
+
+
 def dashboard_argv(storage_url: str, *, host: str, port: int) -> list[str]:
     """The ``optuna-dashboard`` command for a storage (the script next to this Python, else
     ``python -m optuna_dashboard``)."""
@@ -89,3 +95,26 @@ def serve_dashboard(storage_url: str, *, host: str, port: int, stop_timeout_s: f
         return None
 
 
+
+
+def name_objectives_in(storage_url: str) -> list[str]:
+    """Name the two objectives of every tuner study in a storage that has no names yet, so that
+    optuna-dashboard shows "context capacity (requests)" and "output throughput (tok/s)" rather
+    than "Objective 0/1" (:func:`tuner.study.optuna_io.name_objectives`; a write to the storage).
+
+    Returns:
+        The studies named now.
+    """
+    import optuna
+
+    from tuner.records import STUDY_ATTR
+    from tuner.study.optuna_io import name_objectives
+
+    named = []
+    for summary in optuna.get_all_study_summaries(storage_url, include_best_trial=False):
+        if STUDY_ATTR not in summary.user_attrs:
+            continue  # not a tuner study: leave it as its author wrote it
+        study = optuna.load_study(study_name=summary.study_name, storage=storage_url)
+        if name_objectives(study):
+            named.append(summary.study_name)
+    return named

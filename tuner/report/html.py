@@ -9,58 +9,28 @@ from __future__ import annotations
 import datetime as dt
 import html
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
+from typing import Any
 
 import optuna
 import plotly.graph_objects as go
 import plotly.offline
 
 from tuner.errors import StudyError
+from tuner.report import figures
+from tuner.report.figures import CATEGORY_COLORS, category
 from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, status_text
-from tuner.results import METRICS, BestTrial, StoredStudy, TrialView, best_trial, cache_effect
-from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
+from tuner.results import METRICS, BestTrial, StoredStudy, best_trial, cache_effect
 from tuner.study.storage import STUDIES_DIR
 
-__all__ = ['build_html_report', 'write_html_report', 'write_study_report']
-
-_COLORS = MappingProxyType(
-    {"feasible": "#2a9d8f", "infeasible": "#e9c46a", "failed": "#e63946", "skipped": "#8d99ae"}
-)
-
-
-def _category(view: TrialView) -> str:
-    if view.outcome == "skipped" or view.state == "PRUNED":
-        return "skipped"
-    if view.failed:
-        return "failed"
-    return "feasible" if view.feasible else "infeasible"
-
-
-def _hover(view: TrialView) -> str:
-    lines = [f"trial {view.number} ({_category(view)})"]
-    lines += [f"{k}={v}" for k, v in sorted(view.params.items())]
-    if view.failure_class:
-        lines.append(f"failure: {view.failure_class}")
-    return "<br>".join(html.escape(line) for line in lines)
-
-
-def _pareto_figure(stored: StoredStudy) -> go.Figure:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fig = optuna.visualization.plot_pareto_front(
-            stored.study,
-            target_names=[METRICS["context_capacity"][0], METRICS["output_throughput_tok_s"][0]],
-        )
-    fig.update_layout(title="Pareto front: context capacity vs output throughput")
-    return fig
+__all__ = ['FIGURE_IDS', 'build_html_report', 'write_html_report', 'write_study_report']
 
 
 def _history_figure(stored: StoredStudy) -> go.Figure:
     fig = go.Figure()
-    for category, color in _COLORS.items():
-        views = [v for v in stored.trials if _category(v) == category]
+    for cat, color in CATEGORY_COLORS.items():
+        views = [v for v in stored.trials if category(v) == cat]
         if not views:
             continue
         fig.add_trace(
@@ -68,9 +38,9 @@ def _history_figure(stored: StoredStudy) -> go.Figure:
                 x=[v.number for v in views],
                 y=[v.metric("context_capacity") or 0 for v in views],
                 mode="markers",
-                name=category,
+                name=cat,
                 marker={"color": color, "size": 10},
-                hovertext=[_hover(v) for v in views],
+                hovertext=[figures.hover(v) for v in views],
                 hoverinfo="text",
             )
         )
@@ -125,76 +95,6 @@ def _importance_figure(stored: StoredStudy) -> go.Figure | str:
     return fig
 
 
-def _boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, str]]:
-    """Failure boundaries on mem_fraction_static: (low, high, label) spans between the nearest
-    started fraction and the nearest fraction that failed at startup on a memory failure
-    (§4.3), above and below the fractions that started."""
-    started = [
-        float(v.params["mem_fraction_static"])
-        for v in views
-        if "mem_fraction_static" in v.params and v.state == "COMPLETE" and not v.failure_class
-    ]
-    failed = [
-        (float(v.params["mem_fraction_static"]), v.failure_class or "")
-        for v in views
-        if "mem_fraction_static" in v.params
-        and v.failure_class in {f.value for f in STARTUP_MEMORY_FAILURES} | {"runtime_oom"}
-    ]
-    if not started or not failed:
-        return []
-    lo, hi = min(started), max(started)
-    spans = []
-    above = [f for f in failed if f[0] > hi]
-    below = [f for f in failed if f[0] < lo]
-    if above:
-        frac, cls = min(above)
-        spans.append((hi, frac, f"fails above: {cls}"))
-    if below:
-        frac, cls = max(below)
-        spans.append((frac, lo, f"fails below: {cls}"))
-    return spans
-
-
-def _capacity_figure(stored: StoredStudy) -> go.Figure | str:
-    views = [v for v in stored.trials if "mem_fraction_static" in v.params]
-    if not views:
-        return "No trial recorded mem_fraction_static."
-    fig = go.Figure()
-    for category, color in _COLORS.items():
-        group = [v for v in views if _category(v) == category]
-        if not group:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=[float(v.params["mem_fraction_static"]) for v in group],
-                y=[v.metric("context_capacity") or 0 for v in group],
-                mode="markers",
-                name=category,
-                marker={
-                    "color": color,
-                    "size": 11,
-                    "symbol": "x" if category == "failed" else "circle",
-                },
-                hovertext=[_hover(v) for v in group],
-                hoverinfo="text",
-            )
-        )
-    for low, high, label in _boundaries(views):
-        edge = (low + high) / 2
-        fig.add_vline(
-            x=edge,
-            line={"color": _COLORS["failed"], "dash": "dash"},
-            annotation_text=html.escape(f"failure boundary ({label})"),
-        )
-    bounded = " (failure boundary dashed)" if _boundaries(views) else ""
-    fig.update_layout(
-        title=f"Context capacity vs mem_fraction_static{bounded}",
-        xaxis_title="mem_fraction_static",
-        yaxis_title=METRICS["context_capacity"][0],
-    )
-    return fig
-
-
 def _figure_html(fig: go.Figure | str, div_id: str) -> str:
     if isinstance(fig, str):
         return f'<p class="note">{html.escape(fig)}</p>'
@@ -214,7 +114,7 @@ def _trial_rows_html(stored: StoredStudy) -> str:
         cells += [cell(view.params.get(p)) for p in params]
         cells += [cell(view.metric(m)) for m in TABLE_METRICS]
         cells += ["yes" if view.feasible else "no", status_text(view)]
-        out.append(f'<tr class="{_category(view)}">')
+        out.append(f'<tr class="{category(view)}">')
         out += [f"<td>{html.escape(c)}</td>" for c in cells]
         out.append("</tr>")
     out.append("</tbody></table></div>")
@@ -227,10 +127,14 @@ def _trial_details_html(stored: StoredStudy) -> str:
         rec = view.record
         if rec is None or not (rec.log_excerpt or rec.failure_evidence or rec.argv):
             continue
-        out.append(f"<details><summary>trial {view.number}: {html.escape(_category(view))}")
+        out.append(f"<details><summary>trial {view.number}: {html.escape(category(view))}")
         if view.failure_class:
             out.append(f" ({html.escape(view.failure_class)})")
         out.append("</summary>")
+        one = figures.memory_figure([view], title=f"Where the GPU memory went: trial {view.number}")
+        if not isinstance(one, str):
+            one.update_layout(height=380, width=760, showlegend=True)
+            out.append(_figure_html(one, f"memory-trial-{view.number}"))
         if rec.argv:
             out.append(f"<p><b>command</b></p><pre>{html.escape(' '.join(rec.argv))}</pre>")
         if rec.failure_evidence:
@@ -255,18 +159,27 @@ tr.skipped td{color:#777}pre{background:#f7f7f7;padding:.5em;overflow-x:auto;fon
 """
 
 
-def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: str | None) -> str:
+FIGURE_IDS = ("pareto-front", "memory", "capacity-vs-mfs", "latency", "history", "importance")
+"""The ``id`` of each study figure's ``<div>`` (its section is ``section-<id>``), in page order."""
+
+
+def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: str | None,
+                      *, slo_ms: Mapping[str, float | None] | None = None) -> str:
     """The self-contained HTML report of a study, as a string.
 
-    Sections: summary (study, storage, environment, baseline command, best trial and why), Pareto
-    front, optimization history, parameter importance (Optuna's, guarded for small studies),
-    context capacity vs mem_fraction_static with the failure boundary, the trial table, and each
-    trial's command, failure evidence and log excerpt (escaped).
+    Sections: summary (study, storage, environment, baseline command, best trial and why), the
+    Pareto front (baseline and best marked), where the GPU memory went (the memory waterfall of
+    every trial as a stacked bar), context capacity vs mem_fraction_static (the calibrated memory
+    model with the measured trials and the failure boundaries), latency against load (with the
+    SLO), the optimization history, parameter importance (Optuna's, guarded for small studies),
+    the trial table, and each trial's memory bar, command, failure evidence and log excerpt
+    (escaped). Figures: :mod:`tuner.report.figures`.
 
     Args:
         stored: The study.
         best: The chosen best trial, or ``None``.
         best_error: Why there is no best trial (shown instead), or ``None``.
+        slo_ms: The SLO's p99 limits in ms (``{"ttft": ..., "itl": ...}``), when known.
     """
     info = stored.info
     summary = [
@@ -292,20 +205,24 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
             summary.append(f"<p><b>prefix cache of the best</b>: {html.escape(best.cache.describe())}</p>")
     elif best_error:
         summary.append(f'<p class="note">{html.escape(best_error)}</p>')
+    base = stored.baseline()
+    marks: dict[str, Any] = {"baseline": base.number if base is not None else None,
+             "best": best.trial.number if best is not None else None}
     sections = [
-        ("Pareto front", _figure_html(_pareto_figure(stored), "pareto-front")),
-        ("Optimization history", _figure_html(_history_figure(stored), "history")),
-        ("Parameter importance", _figure_html(_importance_figure(stored), "importance")),
-        (
-            "Capacity vs mem_fraction_static",
-            _figure_html(_capacity_figure(stored), "capacity-vs-mfs"),
-        ),
-        ("Trials", _trial_rows_html(stored)),
-        ("Trial details", _trial_details_html(stored) or '<p class="note">none</p>'),
+        ("pareto-front", "Pareto front", figures.pareto_figure(stored, **marks)),
+        ("memory", "Where the GPU memory went", figures.memory_figure(stored.trials, **marks)),
+        ("capacity-vs-mfs", "Capacity vs mem_fraction_static", figures.capacity_figure(stored, **marks)),
+        ("latency", "Latency against load", figures.latency_figure(stored.trials, slo_ms=slo_ms, **marks)),
+        ("history", "Optimization history", _history_figure(stored)),
+        ("importance", "Parameter importance", _importance_figure(stored)),
     ]
     body = "".join(
-        f"<section><h2>{html.escape(title)}</h2>{content}</section>" for title, content in sections
+        f'<section id="section-{key}"><h2>{html.escape(title)}</h2>{_figure_html(fig, key)}</section>'
+        for key, title, fig in sections
     )
+    body += f'<section id="section-trials"><h2>Trials</h2>{_trial_rows_html(stored)}</section>'
+    body += ('<section id="section-details"><h2>Trial details</h2>'
+             f'{_trial_details_html(stored) or "<p class=note>none</p>"}</section>')
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>sglang-tuner report: {html.escape(stored.name)}</title>"
@@ -317,7 +234,8 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
 
 
 def write_html_report(
-    stored: StoredStudy, path: Path, best: BestTrial | None, best_error: str | None = None
+    stored: StoredStudy, path: Path, best: BestTrial | None, best_error: str | None = None,
+    *, slo_ms: Mapping[str, float | None] | None = None,
 ) -> Path:
     """Write :func:`build_html_report` to ``path`` atomically (temp file, then rename).
 
@@ -327,11 +245,13 @@ def write_html_report(
     Raises:
         StudyError: The file cannot be written (the message names the path).
     """
-    text = build_html_report(stored, best, best_error)
     path = Path(path)
+    if not path.parent.is_dir():  # as every output option: a missing folder is refused, not created
+        raise StudyError(f"cannot write the report to {path}: folder {path.parent} does not exist",
+                         hint="create it first, or pass -o FILE in an existing folder")
+    text = build_html_report(stored, best, best_error, slo_ms=slo_ms)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     except OSError as err:
@@ -342,12 +262,14 @@ def write_html_report(
     return path
 
 
-def write_study_report(stored: StoredStudy, output: Path | None = None) -> Path:
+def write_study_report(stored: StoredStudy, output: Path | None = None, *,
+                       slo_ms: Mapping[str, float | None] | None = None) -> Path:
     """``tuner report``: choose the best trial (if any) and write the HTML report.
 
     Args:
         stored: The study.
         output: The file; default ``studies/<study>-report.html``.
+        slo_ms: The SLO's p99 limits in ms for the latency figure (the study's config's ``[slo]``).
 
     Returns:
         The path written.
@@ -357,6 +279,8 @@ def write_study_report(stored: StoredStudy, output: Path | None = None) -> Path:
     """
     best = best_trial(stored) if stored.pareto_front() else None
     why = None if best else "No feasible trial: no trial met every constraint (see the table)."
-    return write_html_report(stored, output or STUDIES_DIR / f"{stored.name}-report.html", best, why)
+    if output is None:
+        STUDIES_DIR.mkdir(exist_ok=True)  # only the default studies/ is created (as for storage)
+    return write_html_report(stored, output or STUDIES_DIR / f"{stored.name}-report.html", best, why, slo_ms=slo_ms)
 
 

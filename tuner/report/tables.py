@@ -150,8 +150,8 @@ _SHORT = MappingProxyType({
 
 def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Table:
     """The ``tuner trials`` table: number, host (when the study's trials ran on more than one),
-    kind, key params, capacities, throughput, p99 TTFT/ITL, feasible, failure class (or which
-    constraint failed).
+    kind, key params, capacities, throughput, p99 TTFT/ITL, and a status: ``feasible``, else the
+    failure class (or which constraint failed).
 
     Headers are short (:data:`_SHORT`); the caption maps them to SGLang field names and units.
     """
@@ -163,21 +163,25 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         caption=f"{legend}; latencies in ms; ctx cap in requests",
         header_style="bold",
         box=box.SIMPLE_HEAD,
-        padding=(0, 1),
+        padding=(0, 0),  # the box's column separator is the one space between columns: fits 80 columns
         collapse_padding=True,
         pad_edge=False,
     )
+    def column(header: str, **kw: Any) -> None:
+        # a narrow terminal may wrap a header at its spaces ("ctx cap", "TTFT p99"), never cut a
+        # word of it ("max_…"): each column is at least as wide as the header's longest word
+        table.add_column(header, min_width=max(len(w) for w in header.split()), **kw)
+
     hosts = len({v.host for v in trials if v.host}) > 1  # a study shared by many hosts
-    table.add_column("#", justify="right", no_wrap=True)
+    column("#", justify="right", no_wrap=True)
     if hosts:
-        table.add_column("host", no_wrap=True)
-    table.add_column("kind", no_wrap=True)
+        column("host", no_wrap=True)
+    column("kind", no_wrap=True)
     for name in params:
-        table.add_column(_SHORT.get(name, name), justify="right")
+        column(_SHORT.get(name, name), justify="right")
     for name in TABLE_METRICS:
-        table.add_column(_SHORT[name], justify="right")
-    table.add_column("feas.")
-    table.add_column("failure", overflow="fold")
+        column(_SHORT[name], justify="right")
+    column("status", overflow="fold")
     for view in trials:
         style = None if view.feasible else ("red" if view.failed else "yellow")
         table.add_row(
@@ -186,8 +190,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
             _kind(view),
             *[_text(view.params.get(p)) for p in params],
             *[_text(view.metric(m)) for m in TABLE_METRICS],
-            "yes" if view.feasible else "no",
-            _text(status_text(view)),
+            _text("feasible" if view.feasible else (status_text(view) or "infeasible")),
             style=style,
         )
     return table
@@ -319,7 +322,7 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
     parts: list[Any] = [head]
     parts.append(_kv_table("params", sorted(view.params.items()), "SGLang field", "value"))
     metrics = [(METRICS[m][0], view.metric(m)) for m in METRICS]
-    metrics.append(("constraints (≤ 0 is met)", json.dumps(view.constraints)))
+    metrics.append(("constraints (≤ 0 is met)", ", ".join(f"{k} {cell(v)}" for k, v in view.constraints.items())))
     parts.append(_kv_table("results", metrics, "metric", "value"))
     if rec is None:
         parts.append(Text("no tuner record stored with this trial", style="yellow"))

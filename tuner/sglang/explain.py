@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +29,7 @@ from tuner.sglang.memory import (
     GIB,
     KVCapacityModel,
     cell_size_bytes,
+    context_len_from_max_req_input_len,
     effective_max_running_requests,
     max_req_input_len,
     req_to_token_gib,
@@ -208,7 +210,30 @@ def read_journal(unit: str, *, journalctl: str = "journalctl", timeout_s: float 
     if proc.returncode != 0:
         last = (proc.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
         raise LogError(f"{source} failed: {last}", hint="check the unit name and your permission to read its journal")
+    if not [line for line in proc.stdout.splitlines() if line.strip() and not line.startswith(b"-- ")]:
+        # journalctl -u prints "-- No entries --" and exits 0 for a unit systemd does not know.
+        if _unit_load_state(unit, journalctl, timeout_s) == "not-found":
+            raise LogError(f"no such unit {unit}: systemd does not know it",
+                           hint="check the name with `systemctl list-units --all 'sglang*'`, or pass --log FILE")
+        raise LogError(f"the journal holds no entry for unit {unit}: no such unit, or it never logged",
+                       hint="check the name with `systemctl status UNIT`, your permission to read the journal, or pass --log FILE")
     return parse_log_bytes(proc.stdout, source=f"journal of unit {unit}")
+
+
+def _unit_load_state(unit: str, journalctl: str, timeout_s: float) -> str | None:
+    """systemd's ``LoadState`` of ``unit`` (``loaded``, ``not-found``...) through the systemctl next
+    to the ``journalctl`` command (same prefix, e.g. ``nsenter ... systemctl``), or None when it
+    cannot be asked."""
+    words = shlex.split(journalctl)
+    if not words or Path(words[-1]).name != "journalctl":
+        return None
+    cmd = [*words[:-1], str(Path(words[-1]).with_name("systemctl")), "show", "-p", "LoadState", "--value", unit]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = proc.stdout.decode(errors="replace").strip()
+    return state if proc.returncode == 0 and state else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,10 +368,21 @@ def explain(
     if report is not None and report.cuda_graph_max_bs is not None:
         settings["cuda_graph_max_bs"] = Setting(value=report.cuda_graph_max_bs, source="log:capture bs list")
     ctx = _val(settings, "context_len")
-    if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx:
+    ctx_bound = ctx
+    if ctx is None and tokens and tokens > 0 and info and info.max_req_input_len:
+        # A server's info states max_req_input_len = min(context_len − 1, tokens − 1) − 5 (§1.4):
+        # either the context length itself, or context_len ≥ the pool, and any such context gives
+        # the same default max_running_requests (the §2.3 estimate is clamped to 2048).
+        implied = context_len_from_max_req_input_len(int(tokens), info.max_req_input_len)
+        if implied is not None:
+            settings["context_len"] = Setting(value=implied, source="derived from server_info max_req_input_len (§1.4)")
+            ctx = ctx_bound = implied
+        else:
+            ctx_bound = int(tokens)
+    if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx_bound:
         version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
         settings["effective_max_running_requests"] = Setting(
-            value=effective_max_running_requests(int(tokens), int(ctx), requested=_val(settings, "max_running_requests"), version=version,
+            value=effective_max_running_requests(int(tokens), int(ctx_bound), requested=_val(settings, "max_running_requests"), version=version,
                                                  speculative_algorithm=_val(settings, "speculative_algorithm")),
             source="derived (§2.3)",
         )
@@ -470,6 +506,11 @@ def _pick_lever(diagnosis: Failure | None, traps: Sequence[Trap]) -> Lever | Non
     return LEVERS[diagnosis.failure_class] if diagnosis is not None else None
 
 
+RESIDUE_ROUNDING_GIB = 0.02
+"""A derived residue (``other_static``, ``other_reserve``) within this of zero is the rounding of
+the two-decimal GiB figures it is computed from (§4.2), not memory: it gets no waterfall row."""
+
+
 def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,
                mrr: int | None, ctx: int | None, mfs: float | None) -> list[WaterfallStep]:
     steps: list[WaterfallStep] = []
@@ -503,8 +544,9 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
                           note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
     if m is not None and mfs is not None and weight is not None and kv is not None:
         other = mfs * m.baseline_gib - weight - kv - (state or 0.0)
-        add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
-                          note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
+        if abs(other) > RESIDUE_ROUNDING_GIB:
+            add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
+                              note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
     if m is not None and mfs is not None:
         add(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
                           note="everything below comes out of this"))
@@ -530,7 +572,7 @@ def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityM
             parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
             add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
                               source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)"))
-    if m is not None and m.other_reserve_gib is not None:
+    if m is not None and m.other_reserve_gib is not None and abs(m.other_reserve_gib - draft_in_reserve) > RESIDUE_ROUNDING_GIB:
         add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft_in_reserve, 2) + 0.0, source="derived"))
     after_pool = _after_pool_drop(report, prim)
     if after_pool is not None:
@@ -1096,7 +1138,6 @@ def explain_from(
         ModelConfigError: A bad ``config.json``.
         ConfigError: ``mem_fraction_static`` is outside (0, 1).
     """
-    from pathlib import Path
 
     from tuner.sglang.client import SGLangClient
     from tuner.sglang.logs import read_log
@@ -1104,6 +1145,9 @@ def explain_from(
 
     if not (log or unit or url):
         raise LogError("nothing to explain", hint="pass --log FILE, --unit NAME or --url URL")
+    if log and unit:
+        raise LogError(f"--log {log} and --unit {unit} both name a log to read",
+                       hint="pass one of them (--url may go with either)")
     _check_fraction(mem_fraction_static)
     sources: list[str] = []
     report = None

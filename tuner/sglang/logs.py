@@ -711,6 +711,12 @@ class LogWatcher:
                 self._last_sglang_line = msg
 
     @property
+    def last_line(self) -> str | None:
+        """The last SGLang line seen (prefixes and colour stripped), e.g. ``Load weight end. ...``;
+        what a progress line shows while a server starts."""
+        return self._last_sglang_line
+
+    @property
     def phase(self) -> str:
         """The startup phase reached: ``init``, ``weights``, ``after_weights``, ``kv_pool``,
         ``after_pool``, ``capture``, ``after_capture``, ``host_pool``, ``serving``."""

@@ -36,6 +36,7 @@ __all__ = [
     "cell_size_bytes",
     "req_to_token_gib",
     "max_req_input_len",
+    "context_len_from_max_req_input_len",
     "effective_max_running_requests",
     "sglang_reserve_gib",
     "tokens_from_pool_drop",
@@ -143,6 +144,19 @@ def req_to_token_gib(max_running_requests: int, context_len: int, *, num_draft_t
 def max_req_input_len(max_total_num_tokens: int, context_len: int) -> int:
     """Longest accepted input: ``min(context_len − 1, max_total_num_tokens − 1) − 5`` (§1.4, case-26)."""
     return min(context_len - 1, max_total_num_tokens - 1) - 5
+
+
+def context_len_from_max_req_input_len(max_total_num_tokens: int, max_req_input_len: int) -> int | None:
+    """The ``context_len`` a server's ``max_req_input_len`` implies (the inverse of
+    :func:`max_req_input_len`, §1.4), or ``None`` when the pool set it: then ``context_len ≥
+    max_total_num_tokens`` and only that bound is known.
+
+    Args:
+        max_total_num_tokens: The KV pool, tokens.
+        max_req_input_len: ``/get_server_info``'s ``max_req_input_len``, tokens.
+    """
+    implied = max_req_input_len + 6
+    return implied if implied < max_total_num_tokens else None
 
 
 def effective_max_running_requests(

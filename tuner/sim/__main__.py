@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from tuner.sim.args import PROG
 from tuner.sim.errors import SimError
 from tuner.sim.startup import SimLogger, StartupDelays, kill_process_tree, log_startup, plan_from_argv
 
@@ -51,20 +52,21 @@ async def _serve(server: SimServer, host: str, port: int, time_scale: float) -> 
     await driver
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """Run the simulator.
 
     Args:
         argv: Arguments after the program name (default ``sys.argv[1:]``).
+        prog: The program name every usage and error line names (``tuner sim serve`` passes its own).
 
     Returns:
         The exit status (only for bad input; a running server ends by signal).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parsed, plan = plan_from_argv(argv)
+        parsed, plan = plan_from_argv(argv, prog)
     except SimError as err:
-        sys.stderr.write(f"python -m tuner.sim: error: {err}\n")
+        sys.stderr.write(f"{prog}: error: {err}\n")
         return 2
     cfg = plan.config
     # systemctl stop sends SIGTERM: die at once, as SGLang's processes do.

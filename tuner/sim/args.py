@@ -162,8 +162,13 @@ def _gpu_name(text: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown GPU preset {text!r}; choose one of {', '.join(GPUS)}")
 
 
+PROG = "python -m tuner.sim"
+"""The program name in usage and error lines; ``tuner sim serve`` passes its own."""
+
+
 def _add_sim_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("simulator")
+    group = parser.add_argument_group(
+        "simulator options", "What to simulate (these are the simulator's own; SGLang has none of them).")
     group.add_argument("--sim-gpu", type=_gpu_name, default=SimOptions.gpu,
                        help=f"GPU preset: {', '.join(GPUS)}")
     group.add_argument("--sim-host-memory-gib", type=float, default=SimOptions.host_memory_gib,
@@ -180,22 +185,33 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sim-seed", type=int, default=SimOptions.seed, help="seed of generated tokens")
 
 
-def build_parser(version: str) -> argparse.ArgumentParser:
+def build_parser(version: str, prog: str = PROG) -> argparse.ArgumentParser:
     """An argparse parser with every flag of SGLang ``version`` and the ``--sim-*`` options.
+
+    ``--help`` lists the simulator's own options first (with their meaning), then SGLang's flags of
+    that version by name only: their meaning is SGLang's (``python -m sglang.launch_server --help``).
 
     Args:
         version: ``0.5.5``, ``0.5.10`` or ``0.5.23``.
+        prog: The program name in usage and error lines.
 
     Raises:
         SimError: Unknown version.
     """
     table = flag_table(version)
     parser = argparse.ArgumentParser(
-        prog="python -m tuner.sim",
+        prog=prog,
         description=f"Simulated sglang.launch_server (mimicking {VERSIONS[version]}).",
-        usage="python -m tuner.sim --model-path PATH [sglang flags] [--sim-* options]",
+        usage=f"{prog} --model-path PATH [sglang flags] [--sim-* options]",
         allow_abbrev=True,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # "(default: ...)" on the options with help
     )
+    _add_sim_options(parser)
+    sglang = parser.add_argument_group(
+        f"sglang.launch_server flags ({VERSIONS[version]})",
+        "Accepted as SGLang accepts them (prefixes included); those the simulator does not model are "
+        "accepted with a warning. Their meaning: `python -m sglang.launch_server --help` of that version, "
+        "or SGLang's server arguments documentation.")
     for opt in table["options"]:
         flags, dest, action = opt["flags"], opt["dest"], opt["action"]
         if "--help" in flags or "-h" in flags:
@@ -220,23 +236,23 @@ def build_parser(version: str) -> argparse.ArgumentParser:
                 kwargs["nargs"] = opt["nargs"]
             if opt["choices"]:
                 kwargs["choices"] = opt["choices"]
-        parser.add_argument(*flags, **kwargs)
-    _add_sim_options(parser)
+        sglang.add_argument(*flags, **kwargs)
     return parser
 
 
-def _pre_version(argv: Sequence[str]) -> str:
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+def _pre_version(argv: Sequence[str], prog: str) -> str:
+    pre = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     pre.add_argument("--sim-version", choices=list(VERSIONS), default=SimOptions.version)
     ns, _ = pre.parse_known_args(list(argv))
     return ns.sim_version
 
 
-def parse_args(argv: Sequence[str]) -> ParsedArgs:
+def parse_args(argv: Sequence[str], prog: str = PROG) -> ParsedArgs:
     """Parse a command line as SGLang ``--sim-version`` would.
 
     Args:
         argv: The arguments after the program name.
+        prog: The program name in usage and error lines.
 
     Returns:
         The server fields, the sim options and which fields the user set.
@@ -246,8 +262,8 @@ def parse_args(argv: Sequence[str]) -> ParsedArgs:
             (as SGLang's parser does), status 0 for ``--help``.
         SimError: A value SGLang's server-args checks reject (negative fraction, bad page size).
     """
-    version = _pre_version(argv)
-    parser = build_parser(version)
+    version = _pre_version(argv, prog)
+    parser = build_parser(version, prog)
     ns = parser.parse_args(list(argv))
     values = {_DEST_ALIASES.get(k, k): v for k, v in vars(ns).items()}
     defaults = {_DEST_ALIASES.get(a.dest, a.dest): a.default for a in parser._actions if a.dest != "help"}
@@ -280,6 +296,9 @@ def _check_values(v: dict[str, Any], sim: SimOptions) -> None:
         raise SimError(
             f"mem_fraction_static={mfs} is out of range; --mem-fraction-static must be in (0, 1] (e.g. 0.88)."
         )
+    port = v.get("port")
+    if port is not None and not 0 <= port <= 65535:
+        raise SimError(f"port={port} is not a TCP port; fix --port (0-65535, e.g. 30000).")
     for dest in ("tp_size", "page_size", "max_running_requests", "max_total_tokens", "context_length"):
         val = v.get(dest)
         if val is not None and val <= 0:

@@ -515,7 +515,9 @@ class StartupFailure:
             (the ranks' pinned host pools pass SGLang's own check, which reads the host's available
             memory, but exceed the service's cgroup ``memory.max``: the kernel's OOM killer ends the
             process at the rank whose pool crosses the limit; ``requested_bytes`` is the pinned
-            total by then, ``free_bytes`` the limit).
+            total by then, ``free_bytes`` the limit), ``tp_not_divisible`` (the heads do not split
+            over ``--tp``: SGLang's ``divide()`` assertion while the model's layers are built, so
+            before any weight is loaded).
         rank: The rank that raises.
         requested_bytes: What the failing allocation asked for (0 when not an allocation).
         free_bytes: What was free on that rank.
@@ -644,6 +646,21 @@ def _mlp_width(model: ModelSpec, tp: int) -> float:
     return model.intermediate_size / tp
 
 
+def _uneven_heads(model: ModelSpec, tp: int) -> tuple[int, int] | None:
+    """``(numerator, denominator)`` of the first head split SGLang's ``divide()`` rejects at ``tp``
+    ranks (query heads over tp; KV heads over tp, or tp over KV heads when fewer), else None."""
+    if model.num_attention_heads % tp:
+        return model.num_attention_heads, tp
+    if model.is_mla:
+        return None
+    kv = model.num_kv_heads
+    if kv >= tp and kv % tp:
+        return kv, tp
+    if kv < tp and tp % kv:
+        return tp, kv
+    return None
+
+
 def plan_memory(cfg: ServerConfig, *, foreign_bytes: int = 0, host_memory_bytes: int = 512 * GIB,
                 cgroup_max_bytes: int | None = None) -> MemoryPlan:
     """Walk SGLang's startup allocations on every rank; stop at the first that does not fit.
@@ -685,6 +702,14 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
                 return replace(plan, failure=StartupFailure(
                     "unbalanced", r.rank, detail={"min_per_gpu_memory": baseline / GIB,
                                                   "local_gpu_memory": r.after_init / GIB}))
+
+    # SGLang splits the query heads, and the KV heads (or replicates them when fewer than tp), over
+    # the tp ranks with ``divide()`` (``QKVParallelLinear``); an uneven split asserts while the
+    # layers are built, before any weight is loaded. MLA has one latent KV head, replicated.
+    uneven = _uneven_heads(model, tp)
+    if uneven is not None:
+        return replace(plan, failure=StartupFailure(
+            "tp_not_divisible", 0, detail={"numerator": uneven[0], "denominator": uneven[1]}))
 
     # Weights (0.5.23: the draft weights are loaded before profiling too, §1.5).
     draft = cfg.draft

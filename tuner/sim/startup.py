@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tuner.sim.args import ParsedArgs, parse_args
+from tuner.sim.args import PROG, ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import EngineSpec, torch_oom_text
 from tuner.sim.gpus import get_gpu
@@ -51,11 +51,12 @@ PREFILL_GRAPH_CAPTURE_S = 5.0
 """Realistic time to capture the piecewise / prefill graphs, seconds (simulator's)."""
 
 
-def plan_from_argv(argv: Sequence[str]) -> tuple[ParsedArgs, MemoryPlan]:
+def plan_from_argv(argv: Sequence[str], prog: str = PROG) -> tuple[ParsedArgs, MemoryPlan]:
     """Parse a command line and size the server on the simulated machine (no waiting, no output).
 
     Args:
         argv: ``python -m tuner.sim`` arguments (SGLang flags plus ``--sim-*``).
+        prog: The program name in usage and error lines.
 
     Returns:
         The parsed command line and the memory ledger (``plan.config`` is the resolved config;
@@ -65,7 +66,7 @@ def plan_from_argv(argv: Sequence[str]) -> tuple[ParsedArgs, MemoryPlan]:
         SimError: Bad input (unknown preset, config.json missing a field, bad value).
         SystemExit: argparse rejected a flag (status 2, as SGLang).
     """
-    parsed = parse_args(argv)
+    parsed = parse_args(argv, prog)
     cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
     plan = plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
                        host_memory_bytes=int(parsed.sim.host_memory_gib * GIB),
@@ -250,6 +251,9 @@ def _failure_exception(plan: MemoryPlan, f: StartupFailure) -> tuple[str, str]:
         oom = torch_oom_text(min(f.requested_bytes, 448 * (1 << 20)) if f.free_bytes < 448 * (1 << 20)
                              else f.requested_bytes - f.free_bytes, f.rank, r.total, f.free_bytes, used)
         return "init_device_graphs", graph_failed_text(version, oom.replace("torch.OutOfMemoryError: ", ""))
+    if f.kind == "tp_not_divisible":
+        # sglang/srt/distributed/utils.py ensure_divisibility, raised from QKVParallelLinear.
+        return "load_model", f"AssertionError: {f.detail['numerator']} is not divisible by {f.detail['denominator']}"
     if f.kind == "pool_too_small":
         return "TpModelWorker.__init__", "AssertionError: Memory pool size is too small"
     if f.kind == "host_memory":
@@ -349,6 +353,8 @@ def run_startup(
 
     def load(label_cls: str, before: Callable[[int], int], nbytes: int, kind: str) -> bool:
         log.all_ranks(lambda r: f"Load weight begin. avail mem={_gb(before(r))} GB")
+        if fail and fail.kind == "tp_not_divisible" and kind == "weight_oom":
+            return die()  # the layers are built (and the split asserted) before any weight loads
         elapsed = wait(nbytes * tp / (delays.load_gb_s * 1e9))
         if fail and fail.kind == kind:
             return die()

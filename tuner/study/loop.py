@@ -44,6 +44,7 @@ from tuner.sglang.logs import log_error_line
 from tuner.sglang.memory import KVCapacityModel, must_fail
 from tuner.study.best import BestChoice, choose_best
 from tuner.study.budget import Budget, reachable_slots, require_one_trial
+from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.hosts import (
     HOST_ATTR,
     ClaimLock,
@@ -72,7 +73,6 @@ from tuner.study.optuna_io import (
     study_info,
     tell_record,
 )
-from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.planner import Candidate, Planner
 from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
 from tuner.study.storage import (
@@ -89,6 +89,7 @@ __all__ = [
     "MAX_INVALID_IN_A_ROW",
     "TrialJob",
     "TrialRunner",
+    "PhaseProgress",
     "Progress",
     "RunSummary",
     "StudyRun",
@@ -160,8 +161,9 @@ class TrialRunner(Protocol):
         """The cost of one trial in seconds before any history exists."""
         ...
 
-    def run(self, job: TrialJob, on_phase: Callable[[str], None]) -> TrialRecord:
-        """Run ``job``; call ``on_phase(name)`` as each phase starts. Never raises for a failed
+    def run(self, job: TrialJob, on_phase: Callable[..., None]) -> TrialRecord:
+        """Run ``job``; call ``on_phase(name)`` as each phase starts, and ``on_phase(name,
+        PhaseProgress(...))`` as a long phase advances (optional). Never raises for a failed
         server: a failure is a record with ``outcome="failed"``."""
         ...
 
@@ -169,17 +171,48 @@ class TrialRunner(Protocol):
     # before a launch; a runner without it gets no host-memory check (see :meth:`StudyRun.host_check`).
 
 
-class Progress(BaseModel):
-    """A progress event for the CLI.
+class PhaseProgress(BaseModel):
+    """How far a long phase has come (what the runner can tell; every field optional).
 
     Attributes:
-        event: ``trial_start``, ``phase``, ``trial_end``, ``skip``, ``stop``, ``note`` (a decision
-            worth a line, e.g. whether the hierarchical cache is searched and why).
+        line: The last SGLang log line of a start (``Load weight end. ...``), ANSI and prefixes stripped.
+        stage: The startup stage that line marks (:attr:`tuner.sglang.logs.LogWatcher.phase`).
+        requests_done: Requests finished (ok or errored) in a load phase so far.
+        requests_expected: Requests the phase is expected to finish (a closed loop's measured
+            window holds at least one per client stream; ``None`` when not known).
+        elapsed_s: Seconds since the phase began.
+        duration_s: The phase's planned length in seconds (``None`` when open-ended).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    line: str | None = None
+    stage: str | None = None
+    requests_done: int | None = None
+    requests_expected: int | None = None
+    elapsed_s: float | None = None
+    duration_s: float | None = None
+
+
+class Progress(BaseModel):
+    """A progress event for the CLI (and ``tuner run --json-progress``, one JSON object per event).
+
+    Attributes:
+        event: ``trial_start``, ``phase`` (a phase begins or advances), ``trial_end``, ``skip``,
+            ``stop``, ``note`` (a decision worth a line, e.g. whether the hierarchical cache is
+            searched and why).
         number: Trial number (Optuna); ``None`` for a note about the shared study (waiting for
             another host's baseline, another host's dead trial reaped).
-        index: This run's trial count so far (1-based).
-        expected: About how many trials the budget allows in this run (``None`` unbounded).
-        phase: The current phase.
+        kind: ``baseline``, ``predicted``, ``sampled`` or ``enqueued`` (trial events).
+        index: This run's trial count so far (1-based; skips included).
+        launch: This run's launches (restarts) so far, the one in flight included.
+        expected: About how many launches this run will make in all (``None``: unbounded): from
+            the budget left and the study's measured trial costs, recomputed only when a trial
+            starts, ends or is skipped (never mid-trial), and never below ``launch``.
+        flags: The tuned flags of the trial under test (SGLang field names; empty for the
+            baseline before it resolved them).
+        phase: The current phase (``render``, ``start``, ``probe``, ``measure``, ``stress``, ``record``).
+        detail: How far the phase has come (:class:`PhaseProgress`), when the runner says.
         eta_s: Seconds left in the budget.
         message: One line for the user.
     """
@@ -188,9 +221,13 @@ class Progress(BaseModel):
 
     event: str
     number: int | None = None
+    kind: str | None = None
     index: int = 0
+    launch: int = 0
     expected: int | None = None
+    flags: dict[str, Any] = Field(default_factory=dict)
     phase: str | None = None
+    detail: PhaseProgress | None = None
     eta_s: float | None = None
     message: str = ""
 
@@ -277,6 +314,9 @@ class StudyRun:
         self.handled = 0
         self.invalid_in_a_row = 0
         self.environment: dict[str, Any] = {}
+        self._expected: int | None = None
+        self._started = clock()
+        self._current: TrialJob | None = None
         self.context_tokens = 0
         self.study: optuna.Study | None = None
         self.artifact_store: FileSystemArtifactStore | None = None
@@ -414,7 +454,7 @@ class StudyRun:
                 f"the baseline (trial {trial.number}, the service's own flags) could not start "
                 f"({record.failure_class.value if record.failure_class else 'failed'}): "
                 f"{_server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or environment and run again (`tuner show {trial.number}` has the log)",
+                hint=f"fix the service command or environment and run again (`{self.show_command(trial.number)}` has the log)",
             )
         return trial.number, record
 
@@ -503,6 +543,7 @@ class StudyRun:
         if best.get("enable_hierarchical_cache"):
             return None
         base = {k: v for k, v in best.items() if k not in HICACHE_KNOBS}
+        grid: list[Any]
         if space.hicache_size is not None:
             knob, grid = "hicache_size", list(range(space.hicache_size[1], space.hicache_size[0] - 1, -1))
         elif space.hicache_ratio is not None:
@@ -546,7 +587,8 @@ class StudyRun:
         tell_record(self._study(), trial, record)
         self.summary.trials_skipped += 1
         self.handled += 1
-        self.progress("skip", trial.number, message=f"trial {trial.number} skipped: {text}")
+        self.estimate()
+        self.progress("skip", trial.number, kind=kind, flags=params, message=f"trial {trial.number} skipped: {text}")
         if self.summary.trials_skipped > MAX_SKIPPED:
             self.stop("exhausted")
 
@@ -561,12 +603,16 @@ class StudyRun:
             StudyError: The journal stopped answering during the trial (stored as FAIL with
                 ``journal_unreadable``, re-enqueued): the run stops instead of measuring blind.
         """
+        self._current = job
+        self.estimate()
         self.progress("trial_start", job.number, index=self.handled + 1, message=f"trial {job.number} ({job.kind})")
         begun = self.clock()
 
-        def on_phase(name: str) -> None:
-            trial.set_user_attr(PHASE_ATTR, name)
-            self.progress("phase", job.number, index=self.handled + 1, phase=name, message=f"trial {job.number}: {name}")
+        def on_phase(name: str, detail: PhaseProgress | None = None) -> None:
+            if detail is None:  # a phase begins (main thread); its progress ticks are not stored
+                trial.set_user_attr(PHASE_ATTR, name)
+            self.progress("phase", job.number, index=self.handled + 1, phase=name, detail=detail,
+                          message=f"trial {job.number}: {name}")
 
         def on_reaped(numbers: list[int]) -> None:
             self.summary.recovered.extend(numbers)
@@ -584,6 +630,8 @@ class StudyRun:
                                   started_at=job.started_at, duration_s=self.clock() - begun)
             fail_trial(self._study(), trial, partial, requeue=bool(job.params))
             raise
+        finally:
+            self._current = None
         if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
             # Not the candidate's failure: FAIL (not a measured trial) and measured again next run.
             fail_trial(self._study(), trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
@@ -599,7 +647,9 @@ class StudyRun:
         if job.repeat_of is not None:
             record = record.model_copy(update={"repeat_of": job.repeat_of})
         record = self.tell(trial, record, begun, before_tell)
-        self.progress("trial_end", job.number, index=self.handled + 1, message=describe(job.number, record))
+        self.estimate()
+        self.progress("trial_end", job.number, index=self.handled + 1, kind=job.kind, flags=record.params,
+                      message=describe(job.number, record))
         self.handled += 1
         return record
 
@@ -639,13 +689,22 @@ class StudyRun:
             raise StudyError(
                 f"{self.invalid_in_a_row} trials in a row (the last {number}) were rejected as invalid_arguments: "
                 f"{_server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or the [space] and run again (`tuner show {number}` has the log)",
+                hint=f"fix the service command or the [space] and run again (`{self.show_command(number)}` has the log)",
             )
 
     def stop(self, reason: str) -> None:
         """Record the stop reason and tell the CLI."""
         self.summary.stop_reason = reason
         self.progress("stop", None, index=self.handled, message=f"stopped: {reason}")
+
+    def show_command(self, number: int) -> str:
+        """A ``tuner show`` command that finds this study from where the run was started, however
+        many databases ``studies/`` holds: with the run's ``--config``, else its storage URL."""
+        import shlex
+
+        if self.config.path and self.url == study_storage_url(self.config):
+            return f"tuner show {number} --config {shlex.quote(self.config.path)}"
+        return f"tuner show {number} --storage {shlex.quote(self.url)} --study {shlex.quote(self.config.study.name)}"
 
     # ---- shared state --------------------------------------------------------------------------
 
@@ -659,12 +718,40 @@ class StudyRun:
         return Budget.estimate(durations, self.runner.prior_cost_s()).seconds
 
     def expected(self) -> int | None:
-        """About how many trials this run will handle in all (``None``: unbounded)."""
-        left = self.budget.trials_left(self.cost_s())
+        """About how many launches this run will make in all (``None``: unbounded), as of the
+        last :meth:`estimate` (a trial's start, end or skip): stable during a trial."""
+        return self._expected
+
+    def estimate(self) -> int | None:
+        """Re-estimate the launches of this run from the budget left and the measured costs.
+
+        A launch costs the larger of the study's estimate (:meth:`cost_s`) and this run's wall
+        time per launch so far. At a trial's start the trial in flight counts as one and only
+        what fits after it is added; at its end, what fits in the budget left. A trial cap
+        (``--trials``, which counts skips too) bounds it. The result is never below the launches so far (the one in flight
+        included).
+
+        Returns:
+            The estimate (also kept for :meth:`expected`), ``None`` when unbounded.
+        """
+        in_flight = 1 if self._current is not None else 0
+        launched = self.launched + in_flight
+        cost = self.cost_s()
+        if self.launched:
+            # What a launch has cost this run in wall time: the trials' own durations plus what
+            # lies between them (tell, artifacts, the next ask), so the count does not creep down.
+            cost = max(cost, (self.clock() - self._started) / self.launched)
+        left = self.budget.trials_left(cost)
         if left is None:
-            return self.max_trials
-        total = self.handled + left
-        return min(total, self.max_trials) if self.max_trials else total
+            total = None
+        else:
+            after = max(0, int((self.budget.remaining_s() - cost) // max(cost, 1e-9))) if in_flight else left
+            total = launched + after
+        if self.max_trials is not None:
+            cap = launched + max(0, self.max_trials - self.handled - in_flight)
+            total = cap if total is None else min(total, cap)
+        self._expected = None if total is None else max(total, launched)
+        return self._expected
 
     def noise_repeat(
         self, done: Sequence[tuple[int, TrialRecord]], space: Space
@@ -728,9 +815,14 @@ class StudyRun:
         return int(self.config.budget.probe_only_below * (best.record.context_capacity or 0))
 
     def progress(self, event: str, number: int | None, *, index: int | None = None, **fields: Any) -> None:
-        """Emit one :class:`Progress` event."""
+        """Emit one :class:`Progress` event (the trial in flight's kind and flags filled in)."""
+        job = self._current
+        if job is not None and job.number == number:
+            fields.setdefault("kind", job.kind)
+            fields.setdefault("flags", dict(job.params))
+        launch = self.launched + (1 if job is not None else 0)
         self.emit(Progress(event=event, number=number, index=self.handled if index is None else index,
-                           expected=None if event == "stop" else self.expected(),
+                           launch=launch, expected=self.expected(),
                            eta_s=self.budget.remaining_s(), **fields))
 
     @contextlib.contextmanager

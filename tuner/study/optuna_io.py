@@ -32,6 +32,7 @@ from tuner.study.space import Space
 
 __all__ = [
     "DIRECTIONS",
+    "METRIC_NAMES",
     "ENVIRONMENT_KEYS",
     "KIND_ATTR",
     "SPACE_ATTR",
@@ -39,6 +40,7 @@ __all__ = [
     "ENVIRONMENT_ATTR",
     "PHASE_ATTR",
     "open_study",
+    "name_objectives",
     "make_sampler",
     "constraints_of",
     "record_of",
@@ -54,6 +56,9 @@ __all__ = [
 
 DIRECTIONS: tuple[Literal["minimize", "maximize"], ...] = ("maximize", "maximize")
 """Context capacity (requests of the workload's context length), output throughput (tok/s)."""
+METRIC_NAMES = ("context capacity (requests)", "output throughput (tok/s)")
+"""The objectives' names as Optuna stores them (``study.set_metric_names``): what optuna-dashboard
+shows instead of "Objective 0/1"."""
 ENVIRONMENT_KEYS = ("sglang_version", "gpu_name", "gpu_count", "driver_version", "model")
 """The environment facts a study refuses to mix (:func:`check_environment`)."""
 KIND_ATTR = "tuner.kind"
@@ -124,7 +129,23 @@ def open_study(name: str, storage: BaseStorage, sampler: BaseSampler) -> optuna.
             f"study {name!r} exists with other objectives",
             hint="choose another [study] name; a tuner study maximizes capacity and throughput",
         )
+    name_objectives(study)
     return study
+
+
+def name_objectives(study: optuna.Study) -> bool:
+    """Give a tuner study's two objectives their names (:data:`METRIC_NAMES`) when they have none
+    (a study written before names were set, too). A write to the storage.
+
+    Returns:
+        Whether the names were set now.
+    """
+    if study.metric_names is not None or len(study.directions) != len(METRIC_NAMES):
+        return False
+    with warnings.catch_warnings():  # experimental since Optuna 3.2; stable in use, not worth a line
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(list(METRIC_NAMES))
+    return True
 
 
 def study_info(study: optuna.Study) -> StudyInfo | None:

@@ -264,6 +264,11 @@ def check_storage(storage_url: str) -> None:
         with engine.connect() as conn:
             has_studies = sqlalchemy.inspect(conn).has_table("studies")
     except SQLAlchemyError as err:
+        if url.get_backend_name() == "sqlite":  # a file: no server, no credentials
+            raise StudyError(
+                f"storage {storage_url}: {url.database} is not an SQLite database or is corrupt ({_first_line(err)})",
+                hint="point --storage at the .db file `tuner run` wrote, or restore that file from a backup",
+            ) from err
         raise _connect_error(storage_url, err) from err
     finally:
         engine.dispose()

@@ -1,0 +1,408 @@
+"""The report's pictures (plotly figures), built only from what each trial stored.
+
+One figure per question an operator asks:
+
+- :func:`memory_figure`: where the GPU memory went, per trial (a stacked bar of the memory
+  waterfall of :func:`tuner.sglang.explain.waterfall_steps`, GiB per GPU, tokens on hover).
+- :func:`capacity_figure`: what another ``mem_fraction_static`` would hold (the calibrated
+  :class:`tuner.sglang.memory.KVCapacityModel` of a measured start, the measured trials on it, and
+  where starts fail: the startup boundaries and the runtime one, §1.2, §1.6, §8).
+- :func:`latency_figure`: p99 TTFT and ITL against the load each trial ran, with the SLO.
+- :func:`pareto_figure`: context capacity against output throughput, the Pareto front, and the
+  baseline and the best marked so they read at a glance.
+
+Nothing here recomputes SGLang's memory rules: the waterfall is the one ``tuner show`` and
+``tuner explain`` print, the curve is the memory model's own prediction.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from tuner.results import METRICS, StoredStudy, TrialView
+from tuner.sglang.explain import waterfall_steps
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
+from tuner.sglang.memory import KVCapacityModel
+
+__all__ = [
+    "CATEGORY_COLORS", "MEMORY_ITEMS", "memory_figure", "capacity_figure", "latency_figure", "pareto_figure",
+    "category", "hover", "measured_boundaries", "memory_steps",
+]
+
+_log = logging.getLogger(__name__)
+
+CATEGORY_COLORS = MappingProxyType(
+    {"feasible": "#2a9d8f", "infeasible": "#e9a03b", "failed": "#e63946", "skipped": "#8d99ae"}
+)
+BASELINE_COLOR = "#1d3557"
+BEST_COLOR = "#d62828"
+
+MEMORY_ITEMS = MappingProxyType({
+    "weights": ("weights", "#264653"),
+    "kv_pool": ("KV pool", "#2a9d8f"),
+    "other_static": ("other static", "#8ab17d"),
+    "req_to_token": ("req_to_token table", "#e9c46a"),
+    "cuda_graphs": ("CUDA graphs", "#f4a261"),
+    "draft_model": ("draft model", "#9b5de5"),
+    "other_reserve": ("other reserve use", "#b8b8d1"),
+    "free_after_graphs": ("free after graphs", "#a8dadc"),
+})
+"""The stacked segments of the memory bar, bottom to top (``WaterfallStep.item`` → label, colour):
+the static part (``mfs × B``: weights, KV pool, anything else) below, the reserve's parts above."""
+
+_RUNTIME_FAILURES = {"runtime_oom"}
+
+
+def category(view: TrialView) -> str:
+    """``feasible``, ``infeasible`` (started, missed a constraint), ``failed`` or ``skipped``."""
+    if view.outcome == "skipped" or view.state == "PRUNED":
+        return "skipped"
+    if view.failed:
+        return "failed"
+    return "feasible" if view.feasible else "infeasible"
+
+
+def _label(view: TrialView, baseline: int | None, best: int | None) -> str:
+    tag = " baseline" if view.number == baseline else (" best" if view.number == best else "")
+    return f"#{view.number}{tag}"
+
+
+def hover(view: TrialView) -> str:
+    """Hover text of a trial's marker: number, category, params, failure class (escaped)."""
+    lines = [f"trial {view.number} ({category(view)})"]
+    lines += [f"{k}={v}" for k, v in sorted(view.params.items())]
+    if view.failure_class:
+        lines.append(f"failure: {view.failure_class}")
+    return "<br>".join(html.escape(line) for line in lines)
+
+
+def _ordered(trials: Sequence[TrialView], baseline: int | None, best: int | None) -> list[TrialView]:
+    """Baseline first, then the best, then every other trial in trial order."""
+    first = [v for n in (baseline, best) for v in trials if n is not None and v.number == n]
+    seen = {v.number for v in first}
+    return first + [v for v in trials if v.number not in seen]
+
+
+# ---- where the memory went -------------------------------------------------------------------
+
+
+def memory_steps(view: TrialView) -> dict[str, Any]:
+    """The stored memory waterfall of one trial by item (``{}`` when it stored none, e.g. a start
+    that failed before SGLang printed its memory lines)."""
+    memory = view.record.memory if view.record is not None else None
+    if not memory or not memory.get("ranks"):
+        return {}
+    try:
+        return {s.item: s for s in waterfall_steps(memory)}
+    except (ValueError, KeyError, TypeError) as err:
+        _log.debug("trial %s: stored memory report not shown: %s", view.number, err)
+        return {}
+
+
+def memory_figure(trials: Sequence[TrialView], *, baseline: int | None = None, best: int | None = None,
+                  title: str | None = None) -> go.Figure | str:
+    """The memory waterfall of every trial as one stacked bar each (GiB per GPU, min over ranks).
+
+    Args:
+        trials: The trials to draw (those without a stored memory report are left out).
+        baseline: The baseline's trial number (drawn first, labelled).
+        best: The best trial's number (drawn second, labelled).
+        title: Figure title.
+
+    Returns:
+        The figure, or a sentence saying why there is none.
+    """
+    rows = [(v, steps) for v in _ordered(trials, baseline, best) if (steps := memory_steps(v))]
+    if not rows:
+        return "No trial stored a memory report (no start got as far as SGLang's memory lines)."
+    labels = [_label(v, baseline, best) for v, _ in rows]
+    fig = go.Figure()
+    for item, (name, color) in MEMORY_ITEMS.items():
+        values = [steps[item].gib if item in steps and steps[item].gib is not None else None for _, steps in rows]
+        if all(x is None for x in values):
+            continue
+        hover = []
+        for (view, steps), x in zip(rows, values, strict=True):
+            step = steps.get(item)
+            text = f"trial {view.number}: {name} {x:.2f} GiB" if x is not None else ""
+            if step is not None and step.tokens is not None:
+                text += f"<br>{step.tokens:,} tokens"
+            if step is not None:
+                text += f"<br>{html.escape(step.label)}<br>source: {html.escape(step.source)}"
+            hover.append(text)
+        fig.add_trace(go.Bar(x=labels, y=values, name=name, marker_color=color, hovertext=hover, hoverinfo="text"))
+    # The reserve: everything above mfs × B (the static part) is (1 − mfs) × B.
+    tops, reserve_hover, totals = [], [], []
+    for view, steps in rows:
+        static = sum(steps[k].gib or 0.0 for k in ("weights", "kv_pool", "other_static") if k in steps)
+        reserve = steps["reserve"].gib if "reserve" in steps else None
+        tops.append(static if reserve is not None else None)
+        reserve_hover.append(f"trial {view.number}: reserve {reserve:.2f} GiB = {html.escape(steps['reserve'].label)}"
+                             if reserve is not None else "")
+        totals.append(steps["baseline_free"].gib if "baseline_free" in steps else None)
+    if any(t is not None for t in tops):
+        fig.add_trace(go.Scatter(x=labels, y=tops, mode="markers", name="mfs × B: the reserve lies above",
+                                 marker={"symbol": "line-ew-open", "size": 46, "line": {"width": 3, "color": "#111"}},
+                                 hovertext=reserve_hover, hoverinfo="text"))
+    if any(t is not None for t in totals):
+        fig.add_trace(go.Scatter(x=labels, y=totals, mode="markers", name="B: free at the baseline",
+                                 marker={"symbol": "triangle-down", "size": 11, "color": "#111"},
+                                 hovertext=[f"B = {t:.2f} GiB" if t is not None else "" for t in totals],
+                                 hoverinfo="text"))
+    fig.update_layout(barmode="stack", title=title or "Where the GPU memory went (per GPU; hover for tokens)",
+                      yaxis_title="GiB per GPU", xaxis_title="trial", legend={"traceorder": "normal"},
+                      xaxis={"type": "category"})
+    return fig
+
+
+# ---- what another fraction would hold ---------------------------------------------------------
+
+
+def _calibration(trials: Sequence[TrialView], prefer: Sequence[int | None]) -> tuple[TrialView, KVCapacityModel] | None:
+    """The trial whose stored, log-calibrated memory model draws the curve: the first of
+    ``prefer`` (best, baseline) that has one, else any."""
+    def model(view: TrialView) -> KVCapacityModel | None:
+        memory = view.record.memory if view.record is not None else None
+        data = (memory or {}).get("capacity_model")
+        if not data:
+            return None
+        try:
+            return KVCapacityModel.model_validate(data)
+        except ValueError:
+            return None
+
+    order = [v for n in prefer for v in trials if n is not None and v.number == n] + list(trials)
+    for view in order:
+        found = model(view)
+        if found is not None:
+            return view, found
+    return None
+
+
+def _resolved(view: TrialView, name: str) -> Any:
+    rec = view.record
+    if rec is None:
+        return None
+    entry = rec.resolved.get(name) if rec.resolved else None
+    if isinstance(entry, Mapping):
+        return entry.get("value")
+    return rec.params.get(name)
+
+
+def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: int | None = None) -> go.Figure | str:
+    """Concurrent contexts the KV pool holds against ``mem_fraction_static``: the calibrated
+    memory model's curve, the measured trials on it, and the fractions where starts fail.
+
+    The curve is ``KVCapacityModel.tokens(mfs) // context tokens`` of the best trial's stored model
+    (else the baseline's); the boundaries are where it predicts ``Not enough memory`` (no KV
+    budget, below), where the reserve no longer holds req_to_token, CUDA graphs and the rest
+    (graph capture fails, above), and where the headroom left after graphs falls below the
+    activation peak a trial measured under load (runtime OOM, above). Measured failures are drawn
+    at zero with their class.
+
+    Returns:
+        The figure, or a sentence saying why there is none.
+    """
+    views = [v for v in stored.trials if "mem_fraction_static" in v.params]
+    if not views:
+        return "No trial recorded mem_fraction_static."
+    context = (stored.info.context_tokens if stored.info else None) or next(
+        (v.record.context_tokens for v in views if v.record is not None and v.record.context_tokens), None)
+    if not context:
+        return "The study recorded no context length, so no context capacity can be drawn."
+    fig = go.Figure()
+    fractions = [float(v.params["mem_fraction_static"]) for v in views]
+    calibrated = _calibration(views, (best, baseline))
+    title = "Context capacity vs mem_fraction_static"
+    if calibrated is not None:
+        source, model = calibrated
+        lo = max(0.3, min(min(fractions) - 0.08, model.min_fraction()))
+        grid = [round(lo + i * 0.0025, 4) for i in range(int((0.995 - lo) / 0.0025) + 1)]
+        tokens = [model.tokens(x) for x in grid]
+        fig.add_trace(go.Scatter(
+            x=grid, y=[max(0, t) // context for t in tokens], mode="lines", line={"color": "#457b9d", "width": 2},
+            name=f"memory model (calibrated on trial {source.number})",
+            hovertext=[f"mfs {x:.3f}: {max(0, t):,} tokens → {max(0, t) // context} × {context:,}" for x, t in zip(grid, tokens, strict=True)],
+            hoverinfo="text"))
+        title += f" — model calibrated on trial {source.number}"
+        _model_boundaries(fig, model, source)
+    for cat, color in CATEGORY_COLORS.items():
+        group = [v for v in views if category(v) == cat]
+        if not group:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[float(v.params["mem_fraction_static"]) for v in group],
+            y=[(v.metric("token_capacity") or 0) // context for v in group],
+            mode="markers", name=f"measured: {cat}",
+            marker={"color": color, "size": 11, "symbol": "x" if cat == "failed" else "circle",
+                    "line": {"width": 1, "color": "#222"}},
+            hovertext=[hover(v) + f"<br>context capacity {v.metric('context_capacity')}" for v in group],
+            hoverinfo="text"))
+    for low, high, label in measured_boundaries(views):
+        fig.add_vline(x=(low + high) / 2, line={"color": CATEGORY_COLORS["failed"], "dash": "dash"},
+                      annotation_text=html.escape(f"failure boundary ({label})"), annotation_position="bottom left")
+    lowest = min(fractions + ([model.min_fraction()] if calibrated is not None and 0 < model.min_fraction() < 1 else []))
+    fig.update_layout(title=title, xaxis_title="mem_fraction_static", xaxis_range=[max(0.0, lowest - 0.03), 1.0],
+                      yaxis_title=f"contexts of {context:,} tokens the KV pool holds", hovermode="closest")
+    return fig
+
+
+def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView) -> None:
+    """Dotted lines where the model predicts a failed start (below and above) and a runtime OOM."""
+    start = model.min_fraction()
+    if 0 < start < 1:
+        fig.add_vline(x=start, line={"color": "#6c757d", "dash": "dot"},
+                      annotation_text=f"startup: no KV budget below {start:.3f}", annotation_position="top right")
+    memory = source.record.memory if source.record is not None else {}
+    mrr, ctx = _resolved(source, "max_running_requests"), (memory or {}).get("context_len")
+    if not mrr or not ctx:
+        return
+    try:
+        at = [model.headroom_gib(x, max_running_requests=int(mrr), context_len=int(ctx)) for x in (0.5, 0.9)]
+    except (TypeError, ValueError):
+        return
+    slope = (at[1] - at[0]) / 0.4  # the headroom falls linearly with the fraction: −B per unit
+    if slope >= 0:
+        return
+
+    def where(level: float) -> float:
+        return 0.5 + (level - at[0]) / slope
+
+    graphs = where(0.0)
+    if 0 < graphs < 1:
+        fig.add_vline(x=graphs, line={"color": "#6c757d", "dash": "dot"},
+                      annotation_text=f"startup: graphs do not fit above {graphs:.3f}", annotation_position="top left")
+    need = (memory or {}).get("peak_activation_gib") or ((source.record.prediction if source.record else None) or {}).get("need_gib")
+    if need:
+        runtime = where(float(need))
+        if 0 < runtime < 1:
+            fig.add_vline(x=runtime, line={"color": BEST_COLOR, "dash": "dot"},
+                          annotation_text=f"runtime: headroom < {float(need):.2f} GiB activations above {runtime:.3f}",
+                          annotation_position="bottom left")
+
+
+def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, str]]:
+    """Failure boundaries the trials measured on mem_fraction_static: ``(low, high, label)`` spans
+    between the nearest fraction that started and the nearest one that failed on memory (at
+    startup, §4.3, or under load), above and below the fractions that started."""
+    started = [float(v.params["mem_fraction_static"]) for v in views
+               if "mem_fraction_static" in v.params and v.state == "COMPLETE" and not v.failure_class]
+    memory_classes = {f.value for f in STARTUP_MEMORY_FAILURES} | _RUNTIME_FAILURES
+    failed = [(float(v.params["mem_fraction_static"]), v.failure_class or "") for v in views
+              if "mem_fraction_static" in v.params and v.failure_class in memory_classes]
+    if not started or not failed:
+        return []
+    lo, hi = min(started), max(started)
+    spans = []
+    above = [f for f in failed if f[0] > hi]
+    below = [f for f in failed if f[0] < lo]
+    if above:
+        frac, cls = min(above)
+        spans.append((hi, frac, f"fails above: {cls}"))
+    if below:
+        frac, cls = max(below)
+        spans.append((frac, lo, f"fails below: {cls}"))
+    return spans
+
+
+# ---- latency against load ----------------------------------------------------------------------
+
+
+def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | None] | None = None,
+                   baseline: int | None = None, best: int | None = None) -> go.Figure | str:
+    """p99 TTFT and p99 ITL (ms) of each trial's load phases against the load they ran (mean
+    requests in flight), with the SLO's p99 limits as horizontal lines.
+
+    Args:
+        trials: The study's trials (those with a measured phase are drawn).
+        slo_ms: ``{"ttft": limit, "itl": limit}`` in ms (p99), ``None`` values or no mapping when unknown.
+        baseline, best: Trial numbers to label.
+
+    Returns:
+        The figure, or a sentence saying why there is none.
+    """
+    points = [(v, p) for v in trials if v.record is not None for p in v.record.phases
+              if p.metrics.get("concurrency") is not None and (p.metrics.get("p99_ttft_ms") is not None
+                                                              or p.metrics.get("p99_itl_ms") is not None)]
+    if not points:
+        return "No trial measured a load phase."
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("p99 TTFT", "p99 ITL"), horizontal_spacing=0.1)
+    for col, metric in ((1, "p99_ttft_ms"), (2, "p99_itl_ms")):
+        for phase, symbol in (("measure", "circle"), ("stress", "diamond-open")):
+            group = [(v, p) for v, p in points if p.name == phase and p.metrics.get(metric) is not None]
+            if not group:
+                continue
+            colors = [BASELINE_COLOR if v.number == baseline else BEST_COLOR if v.number == best
+                      else CATEGORY_COLORS[category(v)] for v, _ in group]
+            fig.add_trace(go.Scatter(
+                x=[p.metrics["concurrency"] for _, p in group], y=[p.metrics[metric] for _, p in group],
+                mode="markers+text", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
+                text=[_label(v, baseline, best) if v.number in (baseline, best) else "" for v, _ in group],
+                textposition="top center",
+                marker={"symbol": symbol, "size": 11, "color": colors, "line": {"width": 1, "color": "#222"}},
+                hovertext=[f"trial {v.number} {phase}: {p.metrics[metric]:,.0f} ms at {p.metrics['concurrency']:.1f} "
+                           f"in flight, {p.metrics.get('output_throughput') or 0:,.1f} tok/s" for v, p in group],
+                hoverinfo="text"), row=1, col=col)
+        limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
+        if limit:
+            fig.add_hline(y=limit, line={"color": BEST_COLOR, "dash": "dash"}, row=1, col=col,
+                          annotation_text=f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms")
+        fig.update_xaxes(title_text="load: mean requests in flight", row=1, col=col)
+        fig.update_yaxes(title_text="ms", row=1, col=col)
+    known = "SLO dashed" if slo_ms and any(slo_ms.values()) else "SLO unknown: pass --config to draw it"
+    fig.update_layout(title=f"Latency against load (each trial's measure and stress phases; {known})")
+    return fig
+
+
+# ---- why the winner won -------------------------------------------------------------------------
+
+
+def pareto_figure(stored: StoredStudy, *, baseline: int | None = None, best: int | None = None) -> go.Figure | str:
+    """Context capacity against output throughput of every started trial: feasible ones, the
+    feasible Pareto front as a line, infeasible ones faded, and the baseline and the best as large
+    labelled markers (no colour scale: colour says feasible or not).
+
+    Returns:
+        The figure, or a sentence saying why there is none.
+    """
+    started = [v for v in stored.trials if v.state == "COMPLETE" and category(v) in ("feasible", "infeasible")
+               and v.metric("context_capacity") is not None]
+    if not started:
+        return "No trial was measured yet."
+    fig = go.Figure()
+    x_name, y_name = METRICS["context_capacity"][0], METRICS["output_throughput_tok_s"][0]
+    for cat in ("infeasible", "feasible"):
+        group = [v for v in started if category(v) == cat]
+        if group:
+            fig.add_trace(go.Scatter(
+                x=[v.metric("context_capacity") for v in group], y=[v.metric("output_throughput_tok_s") or 0 for v in group],
+                mode="markers", name=cat, opacity=0.55 if cat == "infeasible" else 0.9,
+                marker={"color": CATEGORY_COLORS[cat], "size": 10, "symbol": "x" if cat == "infeasible" else "circle"},
+                hovertext=[hover(v) for v in group], hoverinfo="text"))
+    front = sorted(stored.pareto_front(), key=lambda v: (v.metric("context_capacity") or 0))
+    if front:
+        fig.add_trace(go.Scatter(
+            x=[v.metric("context_capacity") for v in front], y=[v.metric("output_throughput_tok_s") or 0 for v in front],
+            mode="lines", line={"color": "#264653", "shape": "hv", "dash": "dot"}, name="Pareto front (feasible)",
+            hoverinfo="skip"))
+    for number, name, color, symbol in ((baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")):
+        view = next((v for v in started if v.number == number), None)
+        if view is None:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[view.metric("context_capacity")], y=[view.metric("output_throughput_tok_s") or 0],
+            mode="markers+text", name=f"{name} (trial {view.number})", text=[f"{name} #{view.number}"],
+            textposition="bottom center" if name == "baseline" else "top center",
+            textfont={"size": 14, "color": color},
+            marker={"color": color, "size": 20, "symbol": symbol, "line": {"width": 2, "color": "#fff"}},
+            hovertext=[hover(view)], hoverinfo="text"))
+    fig.update_layout(title="Pareto front: context capacity vs output throughput", xaxis_title=x_name,
+                      yaxis_title=y_name, hovermode="closest")
+    return fig
