@@ -11,31 +11,18 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 from optuna.trial import TrialState
 
 from tests.support.cli import run_tuner as tuner
 from tests.support.configs import load_study as load
 from tests.support.net import free_port
 from tests.support.sandbox import SystemdSandbox
+from tests.support.sim import is_healthy
 from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
-
-
-def _healthy(url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    return False
 
 
 @pytest.mark.slow
@@ -56,7 +43,7 @@ def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_s
     box.systemctl_run("daemon-reload")
     box.systemctl_run("start", unit)
     try:
-        assert _healthy(url, 60), "the unit did not come up"
+        assert is_healthy(url, 60), "the unit did not come up"
         shown = box.systemctl_run("show", "-p", "MemoryMax", unit).stdout
         assert "MemoryMax=21474836480" in shown, shown
         config = tmp_path / "systemd.toml"

@@ -32,6 +32,7 @@ from tests.support.cli import one_error_line, run_tuner
 from tests.support.configs import load_study as load
 from tests.support.net import free_port
 from tests.support.sandbox import SystemdSandbox
+from tests.support.sim import is_healthy
 from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
 
@@ -39,17 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
 TRIAL_DROPIN = "90-tuner-trial.conf"
 
-
-def _healthy(url: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    return False
 
 
 class Served:
@@ -75,7 +65,7 @@ class Served:
         """Start the unit on its own command if it is not serving; return ``pid_state()``."""
         if self.pid_state()[1] != "active":
             self.box.systemctl_run("start", self.unit)
-        assert _healthy(self.url, 90), "the unit did not come up"
+        assert is_healthy(self.url, 90), "the unit did not come up"
         before = self.pid_state()
         assert before[0] > 0 and before[1] == "active", before
         return before
@@ -111,7 +101,7 @@ def served(systemd_sandbox: SystemdSandbox) -> Iterator[Served]:
                             f"Environment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(unit.argv)}\n")
     box.systemctl_run("start", unit.unit)
     try:
-        assert _healthy(unit.url, 90), "the unit did not come up"
+        assert is_healthy(unit.url, 90), "the unit did not come up"
         yield unit
     finally:
         box.systemctl_run("stop", unit.unit, check=False)
@@ -228,7 +218,7 @@ def _background_run(config: Path, cwd: Path, *args: str) -> subprocess.Popen[str
 
 
 def _in_trial(served: Served) -> bool:
-    return TRIAL_DROPIN in served.tuner_dropins() and _healthy(served.url, 0.5)
+    return TRIAL_DROPIN in served.tuner_dropins() and is_healthy(served.url, 0.5)
 
 
 @contextlib.contextmanager
@@ -274,14 +264,14 @@ def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Serv
         line = _one_line_error(proc)
         assert str(served.dropin_folder) in line, line
         assert served.pid_state() == serving, "restore stopped a serving unit it could not put back"
-        assert _healthy(served.url, 5)
+        assert is_healthy(served.url, 5)
         proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
         assert str(served.dropin_folder) in _one_line_error(proc)
         assert served.pid_state() == serving
     proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
-    assert _healthy(served.url, 60)
+    assert is_healthy(served.url, 60)
     assert requests.get(f"{served.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80
 
 
@@ -317,7 +307,7 @@ def test_journal_dying_mid_run_is_reported_not_a_silent_success(served: Served, 
     assert len(study.trials) == 1, "the run went on without a journal"
     # restored on its own command although the journal stayed broken (health only)
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
-    assert _healthy(served.url, 60)
+    assert is_healthy(served.url, 60)
 
 
 def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_path: Path, locks: Path) -> None:
@@ -341,7 +331,7 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     crashes = [t.number for t in study.trials if (t.user_attrs.get("tuner.record") or {}).get("failure_class") == "crash"]
     assert crashes == [], f"false server crashes recorded: {crashes}"
     assert after[1] == "active", "the unit was left stopped"
-    assert _healthy(served.url, 10)
+    assert is_healthy(served.url, 10)
     proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
@@ -404,4 +394,4 @@ def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_
         with sqlite3.connect(db) as conn:
             assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
-    assert _healthy(served.url, 60)
+    assert is_healthy(served.url, 60)

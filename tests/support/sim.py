@@ -65,6 +65,16 @@ def wait_healthy(url: str, timeout_s: float = 90.0, *, exited: Callable[[], str 
     raise AssertionError(f"{url} not healthy within {timeout_s:g} s")
 
 
+def is_healthy(url: str, timeout_s: float) -> bool:
+    """Whether ``GET {url}/health`` answers 200 within ``timeout_s`` (s): :func:`wait_healthy` as a
+    condition, for tests that assert on it or wait for either outcome."""
+    try:
+        wait_healthy(url, timeout_s)
+    except AssertionError:
+        return False
+    return True
+
+
 @dataclass
 class SimProcess:
     """One running simulator."""
