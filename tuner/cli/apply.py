@@ -30,7 +30,7 @@ def apply_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).", show_default=STATE_DIR_DEFAULT)] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
     verify_s: Annotated[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be ready.")] = 900.0,
     write: Annotated[Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,

@@ -29,7 +29,7 @@ def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | No
 def restore_cmd(
     unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of state files (the unit lock is host-wide: /run/lock/sglang-tuner).", show_default=STATE_DIR_DEFAULT)] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
     systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
     journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
     dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
