@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -196,3 +199,29 @@ def test_raw_transport_reads_empty_bodies_and_reuses_connections(sse_url: str) -
             return first.status, len(client._idle), sum(r.status == "ok" for r in records)
 
     assert asyncio.run(main()) == (200, 1, 3)
+
+
+@pytest.mark.parametrize("transport", ["raw", "aiohttp"])
+def test_sigterm_during_streaming_reaches_the_process_handler(start_server, transport: str) -> None:
+    """A signal landing inside a transport callback must not become one request's error while
+    the load goes on (uvloop takes an exception raised there as the connection's failure)."""
+    url = start_server("--ttft-ms", "1", "--itl-ms", "1").url
+    wl = build_workload(RandomSpec(input_len=32, output_len=400, num_requests=100_000), seed=3)
+    interrupted: list[float] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        interrupted.append(time.monotonic())
+        raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            run_load_sync(url, wl, concurrency=64, duration_s=30, transport=transport)
+        stopped = time.monotonic()
+        assert signal.getsignal(signal.SIGTERM) is handler  # the caller's handler is back after the loop
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert len(interrupted) == 1 and stopped - interrupted[0] < 5.0

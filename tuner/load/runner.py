@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import signal
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -583,11 +585,31 @@ async def run_load(
     )
 
 
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def run_sync(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` in a new event loop: uvloop's when installed (cheaper per streamed chunk), else asyncio's."""
+    """Run ``main`` in a new event loop: uvloop's when installed (cheaper per streamed chunk), else asyncio's.
+
+    SIGINT and SIGTERM keep their meaning while the loop runs: the process's Python handlers (the
+    session's, which raise ``KeyboardInterrupt`` so the service is restored) are called from the
+    loop's own signal handling, not wherever the signal lands. Left to Python, a handler that
+    raises inside a transport callback is taken by uvloop as that connection's error: the request
+    fails and the load goes on, and a ``tuner run`` told to stop keeps tuning. The handlers are
+    put back as they were when the loop ends.
+
+    Raises:
+        KeyboardInterrupt: From the process's handler of a signal received meanwhile.
+    """
     box: list[T] = []
+    main_thread = threading.current_thread() is threading.main_thread()  # signals reach only the main thread
+    handlers = {signum: signal.getsignal(signum) for signum in _FORWARDED_SIGNALS} if main_thread else {}
+    previous = {signum: handler for signum, handler in handlers.items() if callable(handler)}
 
     async def keep() -> None:
+        loop = asyncio.get_running_loop()
+        for signum, handler in previous.items():
+            loop.add_signal_handler(signum, handler, signum, None)
         # The main task returns None: at shutdown Python 3.11 may repr() the main task, which
         # would format a whole LoadResult (seconds for a large run).
         box.append(await main)
@@ -595,9 +617,14 @@ def run_sync(main: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(keep())
+        runner: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
     else:
-        uvloop.run(keep())
+        runner = uvloop.run
+    try:
+        runner(keep())
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return box[0]
 
 
