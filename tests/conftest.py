@@ -3,10 +3,13 @@
 - Benchmarks (``tests/benchmarks``) run only with ``--run-benchmarks``.
 - Hygiene: the suite runs with a private temp folder (``$TMPDIR``, inherited by every process it
   starts), a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
-  state/log folder) and a private unit-lock folder (``$SGLANG_TUNER_LOCK_DIR``). At the end the run FAILS if anything but pytest's own ``tmp_path``
-  folders was left in that temp folder, or if ``/var/lib/sglang-tuner`` gained entries (only a
-  warning when another test run was seen on the machine meanwhile: its entries cannot be told
-  from ours).
+  state/log folder) and a private unit-lock folder (``$SGLANG_TUNER_LOCK_DIR``); each
+  ``pytest-xdist`` worker gets its own three inside them. At the end the run FAILS if anything
+  but pytest's own ``tmp_path`` folders was left in a temp folder, or if ``/var/lib/sglang-tuner``
+  gained entries (only a warning when another test run was seen on the machine meanwhile: its
+  entries cannot be told from ours).
+- Parallel runs (``-n 4 --dist loadgroup``, as ``.ci/run``): a test runs on the worker of its
+  module, of the systemd sandbox's tests, or of the demo study's readers (:func:`_xdist_group`).
 - Fixtures shared by several folders: ``tuner_cli`` (the CLI in-process), ``workdir``,
   ``systemd_sandbox`` (module-scoped), ``postgres_cluster`` (session) and ``postgres_url`` (a
   fresh database per test) on a real PostgreSQL server, ``demo_run`` (one real ``tuner run`` of
@@ -63,7 +66,8 @@ def _entries(folder: Path) -> set[str]:
 def pytest_configure(config: pytest.Config) -> None:
     """Point the temp folder and the default state dir of this process and its children at a
     private folder, before pytest or any test creates a temporary file."""
-    if hasattr(config, "workerinput"):  # an xdist worker inherits the controller's environment
+    if hasattr(config, "workerinput"):  # an xdist worker: a folder of its own inside the controller's
+        _worker_folders(config.workerinput["workerid"])
         return
     private = Path(tempfile.mkdtemp(prefix="tuner-tests-"))
     (private / "tmp").mkdir()
@@ -72,6 +76,20 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
     os.environ["SGLANG_TUNER_LOCK_DIR"] = str(private / "locks")  # not the host's /run/lock/sglang-tuner
     _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0)
+
+
+_WORKER_PREFIX = "xdist-"
+_PRIVATE_VARS = ("TMPDIR", "SGLANG_TUNER_STATE_DIR", "SGLANG_TUNER_LOCK_DIR")
+
+
+def _worker_folders(worker: str) -> None:
+    """Give an xdist worker its own temp, state and unit-lock folders under the controller's, so
+    that workers never see each other's runs (a unit's lock, a run's temp folder)."""
+    for var in _PRIVATE_VARS:
+        folder = Path(os.environ[var]) / f"{_WORKER_PREFIX}{worker}"
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(folder)
+    tempfile.tempdir = os.environ["TMPDIR"]
 
 
 def pytest_runtest_logfinish() -> None:
@@ -92,7 +110,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not isinstance(private, Path):
         return
     problems = []
-    left = sorted(n for n in _entries(private / "tmp") if not _pytest_owned(n))
+    tmp = private / "tmp"
+    workers = [tmp / n for n in _entries(tmp) if n.startswith(_WORKER_PREFIX)]
+    left = sorted([n for n in _entries(tmp) if not _pytest_owned(n) and tmp / n not in workers]
+                  + [f"{w.name}/{n}" for w in workers for n in _entries(w)])
     if left:
         problems.append(f"left in the temp folder: {', '.join(left)}")
     gained = sorted(_entries(REAL_STATE_DIR) - _hygiene["state_before"])  # type: ignore[operator]
@@ -113,14 +134,38 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 reporter.write_line(f"FAILED hygiene: {line}")
             reporter.write_line(f"(kept for inspection: {private})")
         return
-    if exitstatus != 0 and any((private / "tmp").iterdir()):
+    if exitstatus != 0 and any(p for p in tmp.iterdir() if p not in workers):
         if reporter is not None:
             reporter.write_line(f"the failed run's tmp_path folders are kept for inspection: {private}")
         return
     shutil.rmtree(private, ignore_errors=True)
 
 
+_XDIST_GROUPS = {"systemd_sandbox": "systemd", "demo_run": "demo-run"}
+"""Fixture → ``pytest-xdist`` group, for fixtures shared beyond a module."""
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    """The worker group of a test under ``--dist loadgroup``: one group runs on one worker.
+
+    The tests that boot the systemd sandbox share one group (the sandbox lock is machine-wide, so
+    the suite never waits for itself), as do the readers of the session's demo study (run once,
+    not once per worker); every other test runs with the rest of its module, whose module-scoped
+    fixtures (servers, explained logs) are then built once.
+    """
+    fixtures = getattr(item, "fixturenames", ())
+    if item.get_closest_marker("systemd") or "systemd_sandbox" in fixtures:
+        return "systemd"
+    for fixture, group in _XDIST_GROUPS.items():
+        if fixture in fixtures:
+            return group
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     if config.getoption("--run-benchmarks"):
         return
     skip = pytest.mark.skip(reason="benchmark: run with `pytest tests/benchmarks --run-benchmarks`")

@@ -73,6 +73,7 @@ def test_unit_without_any_journal_entry_is_not_called_a_log_without_sglang_lines
     assert "no such unit" in line and "—" in line, line
 
 
+@pytest.mark.systemd
 def test_unknown_unit_under_real_systemd_says_no_such_unit(tmp_path: Path) -> None:
     from tests.support.sandbox import boot_sandbox
 
