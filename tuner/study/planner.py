@@ -386,7 +386,7 @@ class Planner:
         if slo_step is not None:
             return slo_step
 
-        proposals: list[tuple[tuple[int, int, int], Candidate]] = []
+        proposals: list[tuple[tuple[int, int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
