@@ -6,8 +6,9 @@ The strategy is capacity-first and learns from memory facts rather than by trial
 2. The memory model, calibrated on measured trials, predicts for a knob set the token capacity of
    every ``mem_fraction_static`` and the GPU memory left free after CUDA graphs; the activation peak
    measured under the stress load says how much of that headroom serving needs. The planner aims
-   at the largest fraction whose predicted headroom still covers that peak with a margin
-   (``shared/sglang-reference.md`` §1.2, §1.6, §1.8, §8), and proposes the smallest fraction that
+   at the largest fraction whose predicted headroom still covers that peak with a margin (a prior
+   until a prediction has been checked against a start, then the largest over-prediction
+   measured, :meth:`Planner.margin_now_gib`) (``shared/sglang-reference.md`` §1.2, §1.6, §1.8, §8), and proposes the smallest fraction that
    reaches the predicted best context capacity (capacity is an integer: more KV than that buys
    nothing for the objective and costs headroom).
 3. Each result recalibrates the model: a success moves the calibration point to the new config, a
@@ -601,8 +602,10 @@ class Planner:
         Predictions (not proofs, and the reasons say "predicted"): its context capacity is below
         ``capacity_floor`` (the best feasible trial's capacity band: it cannot win on the policy);
         it has more request slots than can change its result (:meth:`slots_cap`); its headroom
-        after graphs is below what a runtime OOM under the stress load already showed too small,
-        scaled by the ratio of prefill chunks (activations grow with the chunk, §1.6). One proof
+        after graphs is below the measured activation peak scaled to its prefill chunk, times
+        :attr:`peak_safety`, plus the margin (the planner's own need, :meth:`_need_gib`), or below
+        what a runtime OOM under the stress load already showed too small, scaled by the ratio of
+        prefill chunks (activations grow with the chunk, §1.6). One proof
         (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it runs at least as many requests
         at once as a window of the same other knobs that broke the SLO.
 
