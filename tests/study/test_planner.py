@@ -281,3 +281,25 @@ def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
     assert candidate is not None and candidate.params["mem_fraction_static"] == 0.96
     assert "more request slots" in candidate.prediction["why"]
     assert candidate.params["max_running_requests"] == planner.slots_cap(candidate.prediction["token_capacity"]) > 12
+
+
+def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4_space) -> None:
+    """The unit's own flags die under the stress load: no trial survived, but the start reported
+    its pool and free memory, and the OOM with that free memory is a lower bound on the need."""
+    started = _l4(_params(0.85, 2048), peak_gib=0.0)
+    baseline = started.model_copy(update={
+        "outcome": "failed", "failure_class": FailureClass.RUNTIME_OOM, "feasible": False,
+        "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
+        "memory": {**started.memory, "peak_activation_gib": None}})
+    history = [(0, baseline)]
+    planner = _l4_planner(l4_space)
+    candidate = planner.next(history, {tuple(sorted(l4_space.snap(baseline.params).items()))})
+    assert candidate is not None
+    ratio = candidate.params["chunked_prefill_size"] / 8192
+    # more free memory after graphs than the OOM had, scaled to the candidate's chunk, plus the margin
+    assert candidate.prediction["free_gib_after_graphs"] >= baseline.free_gib_after_graphs * ratio + planner.margin_gib
+    truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
+    assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.1
+    # a sampled config with less room than the OOM had at its chunk is not launched
+    text, proof = planner.screen(_params(0.9, 9, 8192), history)
+    assert proof == 0 and "runtime OOM under load implies" in text

@@ -179,6 +179,28 @@ class Planner:
         self._margin_gib = self.margin_now_gib(history)
         return points
 
+    def _oom_points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:
+        """Trials that started and then died of a runtime OOM under load: their startup log still
+        calibrates the memory model (the pool and the free memory after graphs were reported), but
+        they achieved no capacity and their free memory bounds the activation need from below
+        only (never from above). Used when no trial survived its load (e.g. the baseline's own
+        flags OOM under the stress load)."""
+        out = []
+        for number, record in history:
+            memory = record.memory
+            if (record.failure_class is not FailureClass.RUNTIME_OOM or not record.params
+                    or not memory.get("capacity_model") or not memory.get("context_len")):
+                continue
+            params = self.space.snap(record.params)
+            out.append(_Point(
+                number=number, params=params,
+                slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
+                model=KVCapacityModel.model_validate(memory["capacity_model"]),
+                context_len=int(memory["context_len"]), page_size=int(memory.get("page_size") or 1),
+                peak_gib=None, feasible=False, capacity=0,
+            ))
+        return out
+
     def margin_now_gib(self, history: Sequence[tuple[int, TrialRecord]]) -> float:
         """GiB kept free above the scaled activation peak, from how well the memory model predicted.
 
@@ -361,11 +383,14 @@ class Planner:
             A candidate on the space's grid, with its prediction.
         """
         points = self._points(history)
-        if not points:
+        # Calibration: the survivors; with none, the starts that died under load (their startup
+        # facts still hold; the need then comes from their OOMs, a lower bound).
+        model_points = points or self._oom_points(history)
+        if not model_points:
             return None
         bounds = self.slo_bounds(history)
         measured_feasible = [p for p in points if p.feasible]
-        feasible = measured_feasible or points
+        feasible = measured_feasible or model_points
         incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
         best_capacity = incumbent.capacity
         oom_frees: list[tuple[dict[str, Any], float]] = []
@@ -391,7 +416,7 @@ class Planner:
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
-            ref = self._reference(family, int(incumbent.params["max_running_requests"]), points)
+            ref = self._reference(family, int(incumbent.params["max_running_requests"]), model_points)
             need = self._need_gib(family, points, oom_frees)
             base_mrr = int(incumbent.params["max_running_requests"])
             found_options = []
@@ -613,12 +638,13 @@ class Planner:
             ``(reason, proving or calibration trial)``, or ``None`` to launch it.
         """
         points = self._points(history)
-        if not points:
+        model_points = points or self._oom_points(history)
+        if not model_points:
             return None
         snapped = self.space.snap(params)
         family = _family(snapped)
         mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
-        ref = self._reference(family, mrr, points)
+        ref = self._reference(family, mrr, model_points)
         tokens, free = self._predict(ref, mfs, mrr, family)
         capacity = min(mrr, tokens // self.context_tokens) if tokens > 0 else 0
         if capacity_floor and capacity < capacity_floor:
