@@ -31,17 +31,18 @@ BUDGET = BudgetSection(max_concurrency=256)
 
 
 def _record(params: dict, *, running: float | None, slo: float | None, tput: float = 500.0,
-            outcome: str = "ok", failure: FailureClass | None = None) -> TrialRecord:
+            outcome: str = "ok", failure: FailureClass | None = None, base: list[str] = BASE,
+            context: int = CONTEXT) -> TrialRecord:
     """A trial of ``params`` as the product records it: the startup's memory facts, and a
     measured window of ``running`` requests with SLO overshoot ``slo``."""
-    argv = render_argv(BASE, params, TABLE)
+    argv = render_argv(base, params, TABLE)
     report = parse_log(size_server(argv).log_lines)
     info = ServerInfo.from_json({})
-    resolved, facts = resolve_facts(report, info, argv, TABLE, CONTEXT)
+    resolved, facts = resolve_facts(report, info, argv, TABLE, context)
     constraints = {"oom_or_crash": 1.0 if failure else -1.0, "slo": slo if slo is not None else 1.0,
                    "stress": 1.0 if failure else -1.0}
     return TrialRecord(
-        params=dict(params), argv=argv, resolved=resolved, outcome=outcome, context_tokens=CONTEXT,
+        params=dict(params), argv=argv, resolved=resolved, outcome=outcome, context_tokens=context,
         context_capacity=facts["context_capacity"], token_capacity=facts["max_total_num_tokens"],
         free_gib_after_graphs=facts["free_gib_after_graphs"], memory=memory_facts(report, info, facts, resolved),
         output_throughput_tok_s=tput, constraints=constraints, feasible=all(v <= 0 for v in constraints.values()),
@@ -200,3 +201,105 @@ def test_the_measured_noise_widens_the_fixed_margin_and_capacity_decides_ties() 
     choice = choose_best(history)
     assert choice.number == 1 and choice.tied == [2] and choice.noise_measured
     assert "statistically tied" in choice.reason and "mean of 2 measured windows" in choice.reason
+
+
+# ---- activation headroom on a small GPU ------------------------------------------------------------
+# An 8B on an L4: weights fill 2/3 of the GPU, so the activation peak of a prefill chunk is a
+# large part of what a high fraction leaves free.
+
+L4 = ["--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--mem-fraction-static", "0.85",
+      "--chunked-prefill-size", "8192"]
+L4_CONTEXT = 4096
+
+
+def _l4(params: dict, *, peak_gib: float, prediction: dict | None = None) -> TrialRecord:
+    """An L4 trial that survived its load with the GPU monitor's activation peak ``peak_gib``."""
+    record = _record(params, running=8, slo=-0.5, base=L4, context=L4_CONTEXT)
+    return record.model_copy(update={"memory": {**record.memory, "peak_activation_gib": peak_gib},
+                                     "prediction": prediction or {}})
+
+
+@pytest.fixture(scope="module")
+def l4_space():
+    return resolve_space(SpaceSection(mem_fraction_step=0.01, mem_fraction_static=(0.80, 0.99),
+                                      chunked_prefill_size=[2048, 4096, 8192, 16384]),
+                         _params(0.85, 2048), capacity_hint=12, slots_hint=37)
+
+
+def _l4_planner(space) -> Planner:
+    return Planner(space, L4_CONTEXT, budget=BudgetSection(max_concurrency=64), mean_request_tokens=1360)
+
+
+def test_the_margin_is_what_checked_predictions_missed_and_the_prior_before_any(l4_space) -> None:
+    planner = _l4_planner(l4_space)
+    baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
+    assert planner.margin_now_gib([(0, baseline)]) == planner.margin_gib  # nothing checked yet
+    free = _l4(_params(0.94, 11, 2048), peak_gib=0.25).free_gib_after_graphs
+    over = _l4(_params(0.94, 11, 2048), peak_gib=0.25, prediction={"free_gib_after_graphs": free + 0.12})
+    under = _l4(_params(0.94, 11, 2048), peak_gib=0.25, prediction={"free_gib_after_graphs": free - 0.3})
+    assert planner.margin_now_gib([(0, baseline), (1, under)]) == planner.min_margin_gib
+    assert planner.margin_now_gib([(0, baseline), (1, under), (2, over)]) == pytest.approx(0.12)
+
+
+def test_skip_a_sampled_config_whose_headroom_cannot_hold_the_scaled_activation_peak(l4_space) -> None:
+    history = [(0, _l4(_params(0.85, 2048), peak_gib=1.0))]
+    planner = _l4_planner(l4_space)
+    # 0.97 leaves ~0.3 GiB after graphs; a 16k chunk needs twice the 8k chunk's measured 1 GiB
+    text, proof = planner.screen(_params(0.97, 12, 16384), history)
+    assert proof == 0 and "measured activation peak scaled to this prefill chunk (2.00 GiB" in text
+    assert "predicted, not launched" in text
+    # a small chunk at a moderate fraction keeps room for its (quartered) peak: launched
+    assert planner.screen(_params(0.9, 9, 2048), history) is None
+
+
+def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_space) -> None:
+    """The baseline ran SGLang's 2048 request slots (a 1 GiB req_to_token table, §1.6), above the
+    space's top: calibrating on its snapped count would charge that table to the extra slots of
+    every later proposal and predict too little headroom (aiming below the frontier)."""
+    baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
+    first = _l4(_params(0.92, 10), peak_gib=1.0)
+    first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
+    history = [(0, baseline), (1, first)]
+    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
+    planner = _l4_planner(l4_space)
+    for _ in range(3):
+        candidate = planner.next(history, tried)
+        assert candidate is not None
+        truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
+        assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.05, candidate
+        tried.add(tuple(sorted(candidate.params.items())))
+
+
+def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
+    baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
+    first = _l4(_params(0.96, 12, 2048), peak_gib=0.25)
+    first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
+    history = [(0, baseline), (1, first)]
+    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
+    planner = _l4_planner(l4_space)
+    candidate = planner.next(history, tried)
+    assert candidate is not None and candidate.params["mem_fraction_static"] == 0.96
+    assert "more request slots" in candidate.prediction["why"]
+    assert candidate.params["max_running_requests"] == planner.slots_cap(candidate.prediction["token_capacity"]) > 12
+
+
+def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4_space) -> None:
+    """The unit's own flags die under the stress load: no trial survived, but the start reported
+    its pool and free memory, and the OOM with that free memory is a lower bound on the need."""
+    started = _l4(_params(0.85, 2048), peak_gib=0.0)
+    baseline = started.model_copy(update={
+        "outcome": "failed", "failure_class": FailureClass.RUNTIME_OOM, "feasible": False,
+        "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
+        "memory": {**started.memory, "peak_activation_gib": None}})
+    history = [(0, baseline)]
+    planner = _l4_planner(l4_space)
+    candidate = planner.next(history, {tuple(sorted(l4_space.snap(baseline.params).items()))})
+    assert candidate is not None
+    ratio = candidate.params["chunked_prefill_size"] / 8192
+    # more free memory after graphs than the OOM had, scaled to the candidate's chunk, plus the margin
+    assert candidate.prediction["free_gib_after_graphs"] >= baseline.free_gib_after_graphs * ratio + planner.margin_gib
+    truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
+    assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.1
+    # a sampled config with less room than the OOM had at its chunk is not launched
+    text, proof = planner.screen(_params(0.9, 9, 8192), history)
+    assert proof == 0 and "runtime OOM under load implies" in text

@@ -6,8 +6,9 @@ The strategy is capacity-first and learns from memory facts rather than by trial
 2. The memory model, calibrated on measured trials, predicts for a knob set the token capacity of
    every ``mem_fraction_static`` and the GPU memory left free after CUDA graphs; the activation peak
    measured under the stress load says how much of that headroom serving needs. The planner aims
-   at the largest fraction whose predicted headroom still covers that peak with a margin
-   (``shared/sglang-reference.md`` §1.2, §1.6, §1.8, §8), and proposes the smallest fraction that
+   at the largest fraction whose predicted headroom still covers that peak with a margin (a prior
+   until a prediction has been checked against a start, then the largest over-prediction
+   measured, :meth:`Planner.margin_now_gib`) (``shared/sglang-reference.md`` §1.2, §1.6, §1.8, §8), and proposes the smallest fraction that
    reaches the predicted best context capacity (capacity is an integer: more KV than that buys
    nothing for the objective and costs headroom).
 3. Each result recalibrates the model: a success moves the calibration point to the new config, a
@@ -51,6 +52,11 @@ _CEILING_FAILURES = RESERVE_FAILURES
 page shortfall or a retraction storm never does (:data:`tuner.sglang.failures.KV_SHORT_FAILURES`)."""
 
 
+_LOG_RESOLUTION_GIB = 0.01
+"""What two free-memory figures read from SGLang's log can differ by from rounding alone (each is
+printed as ``{X:.2f}`` GB, ``shared/sglang-reference.md`` §4)."""
+
+
 class Candidate(BaseModel):
     """A config the planner wants launched next.
 
@@ -75,6 +81,7 @@ class _Point(BaseModel):
 
     number: int
     params: dict[str, Any]
+    slots: int
     model: KVCapacityModel
     context_len: int
     page_size: int
@@ -101,7 +108,11 @@ class Planner:
         context_tokens: The context length of context capacity (tokens).
         capacity_tolerance: The policy's capacity band (configs within it may win on throughput).
         peak_safety: Factor on the measured activation peak.
-        margin_gib: Extra GiB kept free above the scaled peak.
+        margin_gib: Extra GiB kept free above the scaled peak while no prediction of the memory
+            model has been checked against a start (the first extrapolation from the baseline).
+        min_margin_gib: The least extra GiB once predictions have been checked: the margin is
+            then the largest over-prediction of free memory measured so far, at least this
+            (:meth:`margin_now_gib`).
         longest_input_tokens: The workload's longest prompt (activation peak with chunking off).
         budget: ``[budget]`` (``max_concurrency``: the measured window's streams), or ``None``.
         mean_request_tokens: The workload's mean ``input + output`` (tokens): with ``budget``,
@@ -116,6 +127,7 @@ class Planner:
         capacity_tolerance: float = 0.05,
         peak_safety: float = 1.15,
         margin_gib: float = 0.25,
+        min_margin_gib: float = 0.05,
         longest_input_tokens: int | None = None,
         budget: BudgetSection | None = None,
         mean_request_tokens: int | None = None,
@@ -127,6 +139,8 @@ class Planner:
         self.capacity_tolerance = capacity_tolerance
         self.peak_safety = peak_safety
         self.margin_gib = margin_gib
+        self.min_margin_gib = min_margin_gib
+        self._margin_gib = margin_gib
         self.longest_input_tokens = longest_input_tokens or context_tokens
         self._slot_cost_gib = 0.0
 
@@ -145,10 +159,14 @@ class Planner:
                 or record.constraints.get("stress", -1.0) > 0
             ):
                 continue
+            params = self.space.snap(record.params)
             points.append(
                 _Point(
                     number=number,
-                    params=self.space.snap(record.params),
+                    params=params,
+                    # The count the server ran with (the baseline's may lie above the space: its
+                    # req_to_token table and graphs are that count's, not the snapped one's).
+                    slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
                     model=KVCapacityModel.model_validate(memory["capacity_model"]),
                     context_len=int(memory["context_len"]),
                     page_size=int(memory.get("page_size") or 1),
@@ -158,7 +176,54 @@ class Planner:
                 )
             )
         self._learn_slot_cost(points)
+        self._margin_gib = self.margin_now_gib(history)
         return points
+
+    def _oom_points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:
+        """Trials that started and then died of a runtime OOM under load: their startup log still
+        calibrates the memory model (the pool and the free memory after graphs were reported), but
+        they achieved no capacity and their free memory bounds the activation need from below
+        only (never from above). Used when no trial survived its load (e.g. the baseline's own
+        flags OOM under the stress load)."""
+        out = []
+        for number, record in history:
+            memory = record.memory
+            if (record.failure_class is not FailureClass.RUNTIME_OOM or not record.params
+                    or not memory.get("capacity_model") or not memory.get("context_len")):
+                continue
+            params = self.space.snap(record.params)
+            out.append(_Point(
+                number=number, params=params,
+                slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
+                model=KVCapacityModel.model_validate(memory["capacity_model"]),
+                context_len=int(memory["context_len"]), page_size=int(memory.get("page_size") or 1),
+                peak_gib=None, feasible=False, capacity=0,
+            ))
+        return out
+
+    def margin_now_gib(self, history: Sequence[tuple[int, TrialRecord]]) -> float:
+        """GiB kept free above the scaled activation peak, from how well the memory model predicted.
+
+        Every launched trial with a prediction (``prediction.free_gib_after_graphs``) and a start
+        that reported its free memory after graphs (§1.6, ``available_gpu_mem``) checks the
+        model: the margin is the largest over-prediction seen (predicted free − measured free,
+        GiB), at least :attr:`min_margin_gib`. Before any such check it is :attr:`margin_gib`
+        (the model's first extrapolation from the baseline is unverified). An under-prediction
+        (more free than predicted) is safe and does not widen the margin. A start that failed
+        before reporting its free memory checks nothing here: its failure bounds the fraction
+        from above instead (:func:`tuner.sglang.memory.must_fail`).
+
+        Returns:
+            GiB, at least :attr:`min_margin_gib` (:attr:`margin_gib` when nothing was checked).
+        """
+        over = [
+            float(record.prediction["free_gib_after_graphs"]) - record.free_gib_after_graphs
+            for _, record in history
+            if record.prediction.get("free_gib_after_graphs") is not None and record.free_gib_after_graphs is not None
+        ]
+        if not over:
+            return self.margin_gib
+        return max(self.min_margin_gib, *over)
 
     @staticmethod
     def _reference(family: tuple[tuple[str, Any], ...], mrr: int, points: Sequence[_Point]) -> _Point:
@@ -168,7 +233,7 @@ class Planner:
         same = [p for p in points if _family(p.params) == family] or list(points)
         return min(
             same,
-            key=lambda p: (abs(math.log(max(1, mrr) / max(1, int(p.params["max_running_requests"])))),
+            key=lambda p: (abs(math.log(max(1, mrr) / max(1, p.slots))),
                            -p.params["mem_fraction_static"]),
         )
 
@@ -185,8 +250,9 @@ class Planner:
         """GiB that must stay free after graphs for configs of ``family`` to survive the stress load.
 
         Activations grow with the prefill chunk (§1.6), so every observation is scaled by the
-        ratio of chunk sizes. With a measured activation peak (GPU monitor), the need is that peak
-        times :attr:`peak_safety` plus :attr:`margin_gib`. Without one, the need is bracketed: a
+        ratio of chunk sizes. With a measured activation peak (GPU monitor), the need is the largest
+        scaled peak times :attr:`peak_safety` plus the margin the model's checked predictions allow
+        (:meth:`margin_now_gib`; :attr:`margin_gib` before any check). Without one, the need is bracketed: a
         config that survived the stress load with ``f`` GiB free bounds it from above, a runtime
         OOM with ``f`` GiB free bounds it from below; the planner aims halfway (half the smallest
         surviving headroom before any OOM), so it approaches the boundary geometrically and
@@ -215,7 +281,7 @@ class Planner:
         lower = max((free * scale(params) for params, free in oom_frees), default=None)
         peaks = [p.peak_gib * scale(p.params) for p in points if p.peak_gib]
         if peaks:
-            need = max(peaks) * self.peak_safety + self.margin_gib
+            need = max(peaks) * self.peak_safety + self._margin_gib
         elif lower is None:
             need = halved_upper if halved_upper is not None else 2.0
         elif upper is not None and upper > lower:
@@ -231,7 +297,7 @@ class Planner:
 
         More request slots than the calibration point also cost what the memory model cannot
         see (CUDA graphs are captured up to the request count, §2.1): the per-slot cost learned
-        from measured pairs (:meth:`_slot_gib`) is charged for them.
+        from measured pairs (:meth:`_learn_slot_cost`) is charged for them.
         """
         graph_bs = dict(family).get("cuda_graph_max_bs")
         tokens = ref.model.tokens(mfs, page_size=ref.page_size)
@@ -239,18 +305,24 @@ class Planner:
             mfs, max_running_requests=mrr, context_len=ref.context_len,
             cuda_graph_max_bs=int(graph_bs) if graph_bs else None,
         )
-        extra = mrr - int(ref.params["max_running_requests"])
+        extra = mrr - ref.slots
         if extra > 0:
             free -= extra * self._slot_cost_gib
         return tokens, free
 
     def _learn_slot_cost(self, points: Sequence[_Point]) -> None:
         """GiB per extra request slot beyond the req_to_token table, from pairs of measured configs
-        of one family (the largest seen; 0 without such pairs)."""
+        of one family (the largest seen; 0 without such pairs).
+
+        Each free figure comes from a log line printed with two decimals (``avail mem={X:.2f}
+        GB``, ``shared/sglang-reference.md`` §4), so a pair's difference is known to
+        :data:`_LOG_RESOLUTION_GIB` only: that much is not charged to the slots (else a pair one
+        slot apart would turn rounding into a per-slot cost of 0.01 GiB).
+        """
         cost = 0.0
         for a in points:
             for b in points:
-                ma, mb = int(a.params["max_running_requests"]), int(b.params["max_running_requests"])
+                ma, mb = a.slots, b.slots
                 if _family(a.params) != _family(b.params) or mb <= ma:
                     continue
                 fa = a.model.observed_free_after_graphs_gib
@@ -259,7 +331,7 @@ class Planner:
                     continue
                 self._slot_cost_gib = 0.0
                 _, predicted = self._predict(a, b.params["mem_fraction_static"], mb, _family(b.params))
-                cost = max(cost, (predicted - fb) / (mb - ma))
+                cost = max(cost, (predicted - fb - _LOG_RESOLUTION_GIB) / (mb - ma))
         self._slot_cost_gib = cost
 
     # -- proposals -----------------------------------------------------------------------------
@@ -311,11 +383,14 @@ class Planner:
             A candidate on the space's grid, with its prediction.
         """
         points = self._points(history)
-        if not points:
+        # Calibration: the survivors; with none, the starts that died under load (their startup
+        # facts still hold; the need then comes from their OOMs, a lower bound).
+        model_points = points or self._oom_points(history)
+        if not model_points:
             return None
         bounds = self.slo_bounds(history)
         measured_feasible = [p for p in points if p.feasible]
-        feasible = measured_feasible or points
+        feasible = measured_feasible or model_points
         incumbent = max(feasible, key=lambda p: (p.capacity, -p.number))
         best_capacity = incumbent.capacity
         oom_frees: list[tuple[dict[str, Any], float]] = []
@@ -337,11 +412,11 @@ class Planner:
         if slo_step is not None:
             return slo_step
 
-        proposals: list[tuple[tuple[int, int, int], Candidate]] = []
+        proposals: list[tuple[tuple[int, int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]
         for rank, family in enumerate(families):
-            ref = self._reference(family, int(incumbent.params["max_running_requests"]), points)
+            ref = self._reference(family, int(incumbent.params["max_running_requests"]), model_points)
             need = self._need_gib(family, points, oom_frees)
             base_mrr = int(incumbent.params["max_running_requests"])
             found_options = []
@@ -354,7 +429,9 @@ class Planner:
                 top = incumbent.model.tokens(incumbent.params["mem_fraction_static"], page_size=incumbent.page_size)
                 reach = min(self.slots_cap(top), self.space.max_running_requests[1])
                 if self.budget is not None and reach > base_mrr:
-                    more = sorted({reach, int(round(math.sqrt(reach * base_mrr)))} - {base_mrr})
+                    # The reachable count first: throughput grows with the requests run at once
+                    # until memory or the SLO binds, which the checks below and the SLO rule see.
+                    more = sorted({reach, int(round(math.sqrt(reach * base_mrr)))} - {base_mrr}, reverse=True)
                 elif self.budget is None:
                     more = [m for m in (2 * base_mrr, 4 * base_mrr) if m <= self.space.max_running_requests[1]]
             for mrr in (None, base_mrr, *more):
@@ -384,7 +461,10 @@ class Planner:
                     why = "same capacity band with another " + self._changed(base_family, family)
                 proposals.append(
                     (
-                        (0 if capacity > best_capacity else 1, rank, -capacity),
+                        # A higher predicted capacity first (the highest, whichever knobs reach
+                        # it), then the incumbent's own knobs before a neighbour's.
+                        (0 if capacity > best_capacity else 1, -capacity if capacity > best_capacity else 0,
+                         rank, -capacity),
                         Candidate(
                             params=params,
                             prediction={
@@ -547,8 +627,10 @@ class Planner:
         Predictions (not proofs, and the reasons say "predicted"): its context capacity is below
         ``capacity_floor`` (the best feasible trial's capacity band: it cannot win on the policy);
         it has more request slots than can change its result (:meth:`slots_cap`); its headroom
-        after graphs is below what a runtime OOM under the stress load already showed too small,
-        scaled by the ratio of prefill chunks (activations grow with the chunk, §1.6). One proof
+        after graphs is below the measured activation peak scaled to its prefill chunk, times
+        :attr:`peak_safety`, plus the margin (the planner's own need, :meth:`_need_gib`), or below
+        what a runtime OOM under the stress load already showed too small, scaled by the ratio of
+        prefill chunks (activations grow with the chunk, §1.6). One proof
         (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it runs at least as many requests
         at once as a window of the same other knobs that broke the SLO.
 
@@ -556,12 +638,13 @@ class Planner:
             ``(reason, proving or calibration trial)``, or ``None`` to launch it.
         """
         points = self._points(history)
-        if not points:
+        model_points = points or self._oom_points(history)
+        if not model_points:
             return None
         snapped = self.space.snap(params)
         family = _family(snapped)
         mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
-        ref = self._reference(family, mrr, points)
+        ref = self._reference(family, mrr, model_points)
         tokens, free = self._predict(ref, mfs, mrr, family)
         capacity = min(mrr, tokens // self.context_tokens) if tokens > 0 else 0
         if capacity_floor and capacity < capacity_floor:
@@ -596,6 +679,21 @@ class Planner:
                 ref.number,
             )
         prefill = self._effective_prefill(dict(family).get("chunked_prefill_size", 1))
+        peaks = [(p.peak_gib * prefill / self._effective_prefill(p.params.get("chunked_prefill_size", 1)), p.number)
+                 for p in points if p.peak_gib]
+        if peaks:
+            oom_frees = [(self.space.snap(r.params), r.free_gib_after_graphs) for _, r in history
+                         if r.failure_class is FailureClass.RUNTIME_OOM and r.params and r.free_gib_after_graphs is not None]
+            need = self._need_gib(family, points, oom_frees)
+            if free < need:
+                peak, number = max(peaks)
+                return (
+                    f"predicted {free:.2f} GiB free after graphs (model calibrated on trial {ref.number}), below the "
+                    f"{need:.2f} GiB the stress load needs: trial {number}'s measured activation peak scaled to this "
+                    f"prefill chunk ({peak:.2f} GiB; activations scale with it) × {self.peak_safety:g} + the "
+                    f"{self._margin_gib:.2f} GiB the model's checked predictions leave as margin; predicted, not launched",
+                    number,
+                )
         survivors = [
             (p.model.observed_free_after_graphs_gib * prefill / self._effective_prefill(p.params.get("chunked_prefill_size", 1)), p.number)
             for p in points if p.model.observed_free_after_graphs_gib is not None
