@@ -337,6 +337,49 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
 
 
+def test_drop_in_folder_turning_read_only_while_the_unit_stops_is_no_crash(served: Served, tmp_path: Path,
+                                                                            locks: Path) -> None:
+    """The folder passes the check before the stop and is read-only when the drop-in is written
+    (a unit whose ExecStop= takes 3 s, the folder remounted meanwhile): the run stops naming the
+    folder, records no server crash, and `tuner restore` puts the unit back on its own command."""
+    box = served.box
+    unit = Served(box)
+    marker = tmp_path / "stopping"
+    box.add_unit(unit.unit, "[Service]\nEnvironment=PYTHONUNBUFFERED=1\n"
+                            f"ExecStart={format_exec_command(unit.argv)}\n"
+                            f"ExecStop=/bin/sh -c 'touch {marker}; sleep 3'\n")
+    unit.dropin_folder.mkdir()  # a site drop-in: the folder exists before the run (so it can be remounted)
+    (unit.dropin_folder / "10-site.conf").write_text("[Service]\nEnvironment=SITE=1\n")
+    box.systemctl_run("daemon-reload")
+    box.systemctl_run("start", unit.unit)
+    try:
+        unit.ensure_serving()
+        config = unit.config(tmp_path, measure_s=4)
+        storage = f"sqlite:///{tmp_path}/studies/sd.db"
+        run = _background_run(config, tmp_path, "--trials", "3")
+        try:
+            _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
+            marker.unlink(missing_ok=True)
+            _wait(marker.exists, 200, "the unit to be stopped for trial 1", run)
+            with _read_only(unit.dropin_folder):
+                _, err = run.communicate(timeout=300)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait(30)
+        assert run.returncode == 1, err[-3000:]
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert str(unit.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
+        records = [t.user_attrs.get("tuner.record") or {} for t in load(storage, "sd").trials]
+        assert [r.get("failure_class") for r in records if r.get("failure_class") == "crash"] == [], records
+        proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)  # now writable again
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert unit.tuner_dropins() == ["10-site.conf"] and unit.pid_state()[1] == "active"
+        assert is_healthy(unit.url, 60)
+    finally:
+        box.systemctl_run("stop", unit.unit, check=False)
+
+
 def _completed(storage: str) -> int:
     try:
         return sum(1 for t in load(storage, "sd").trials if t.state == TrialState.COMPLETE)

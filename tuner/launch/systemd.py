@@ -216,15 +216,23 @@ class SystemdLauncher(GuardedLauncher):
             self._dropin_text = _DERIVED
 
     def _launch(self, argv: list[str]) -> None:
-        self.unit.check_writable()
         text = self._dropin_text
         if text is _DERIVED:
             prefix = self._state.original_prefix if self._state else ""
             text = self.unit.exec_start_dropin(argv, prefix=prefix, header=self._header())
-        if text is None:
-            self.unit.remove_dropin(self.dropin_name)
-        else:
-            self.unit.write_dropin(self.dropin_name, text)
+        try:
+            self.unit.check_writable()
+            if text is None:
+                self.unit.remove_dropin(self.dropin_name)
+            else:
+                self.unit.write_dropin(self.dropin_name, text)
+        except LaunchError as err:
+            # The folder was writable at _check_can_change and is not now (it turned read-only or
+            # full while the server stopped): the host refused the change, not the candidate.
+            raise ServiceControlError(
+                f"{err.message}; {self.unit.name} was stopped for the trial and is put back as it was",
+                hint=err.hint,
+            ) from err
         self.unit.daemon_reload()
         if self._dropin_text is not _DERIVED:
             now = self.unit.exec_command().argv
