@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import logging
 import os
 import socket
@@ -139,7 +140,9 @@ class RequeueOnce(RetryHeartbeatStaleTrialCallback):
 
 def reap_stale(study: optuna.Study) -> list[int]:
     """Mark RUNNING trials whose heartbeat is older than the grace period FAIL (Optuna's
-    ``fail_stale_trials``; their params are re-queued once by :class:`RequeueOnce`).
+    ``fail_stale_trials``; their params are re-queued once by :class:`RequeueOnce`), and RUNNING
+    trials no host claimed (no :data:`HOST_ATTR`, no heartbeat) that started more than the grace
+    period ago: a host asked for them and died before its claim, which takes milliseconds.
 
     Returns:
         The numbers of the trials that were RUNNING before and are FAIL now.
@@ -150,8 +153,32 @@ def reap_stale(study: optuna.Study) -> list[int]:
     if not running:
         return []
     optuna.storages.fail_stale_trials(study)
+    _fail_unclaimed(study, running)
     still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return [t.number for t in running if t.number not in still]
+
+
+def _fail_unclaimed(study: optuna.Study, running: list[FrozenTrial]) -> None:
+    """FAIL (and re-queue once) the RUNNING trials no host claimed within the grace period."""
+    rdb = rdb_of(study._storage)  # noqa: SLF001
+    interval = heartbeat_interval(study._storage)  # noqa: SLF001
+    if rdb is None or interval is None:
+        return
+    grace = rdb.grace_period if rdb.grace_period is not None else 2 * interval  # Optuna's own default
+    now = datetime.datetime.now()  # Optuna stamps datetime_start with the host's local time
+    callback = RequeueOnce()
+    for trial in running:
+        if HOST_ATTR in trial.user_attrs or trial.datetime_start is None:
+            continue
+        if (now - trial.datetime_start).total_seconds() <= grace:
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # claimed or reaped by another host meanwhile
+        _log.info("trial %d was never claimed by a host (asked %s): marked FAIL", trial.number,
+                  trial.datetime_start.isoformat(timespec="seconds"))
+        callback(study, trial)
 
 
 def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
