@@ -492,35 +492,46 @@ class StudyRun:
         """Ask Optuna for the next trial (after enqueueing the planner's candidate, else the
         sampler's first proposal that passes the screens, when nothing waits); a trial that needs
         no restart is told as skipped here and has no job (nor a trial, when only the sampler's
-        proposals were skipped, :meth:`propose`)."""
+        proposals were skipped, :meth:`propose`).
+
+        The planner decides under the study's claim lock (on a shared study), from a read made
+        inside it, and its candidate is enqueued and asked before the lock goes: the next host's
+        planner sees it as running and proposes what is useful given it (``pending``,
+        :meth:`tuner.study.planner.Planner.next`), never the same plan. The sampler's proposals are
+        drawn outside the lock (:meth:`propose`)."""
         study = self._study()
-        self.refresh()  # one read of the study per decision: every host's trials as of now
-        done = self.history()
-        waiting = [t for t in self.trials() if t.state is TrialState.WAITING]
-        running = [t for t in self.trials() if t.state is TrialState.RUNNING]
-        predicted = sum(1 for _, r in done if r.kind == "predicted")
-        predicted += sum(1 for t in running if t.user_attrs.get(KIND_ATTR) == "predicted")
-        queued = bool(waiting)
-        if not queued and self.use_planner and predicted < self.config.study.predicted_candidates:
-            # Every host's trials count: what runs elsewhere now is as tried as what finished.
-            tried = {_key(space.snap(r.params)) for _, r in done if r.params}
-            tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
-            candidate = planner.next(done, tried) or self.cache_candidate(space, done, tried)
-            if candidate is not None:
-                study.enqueue_trial(candidate.params,
-                                    user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
-                queued = True
-            elif (repeat := self.noise_repeat(done, space)) is not None:
-                number, params, why = repeat
-                study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
-                                                        PREDICTION_ATTR: {"why": why}})
-                queued = True
+        planning = self.use_planner and self._planned() < self.config.study.predicted_candidates
+        with self._claim(reap=False) if planning and self.shared else contextlib.nullcontext():
+            self.refresh()  # one read of the study per decision: every host's trials as of now
+            done = self.history()
+            waiting = [t for t in self.trials() if t.state is TrialState.WAITING]
+            running = [t for t in self.trials() if t.state is TrialState.RUNNING]
+            queued = bool(waiting)
+            if not queued and planning:
+                # Every host's trials count: what runs elsewhere now is as tried as what finished.
+                tried = {_key(space.snap(r.params)) for _, r in done if r.params}
+                tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
+                # Other hosts' planner trials in flight: what they are predicted to reach (believed).
+                pending = [(dict(t.params), dict(t.user_attrs.get(PREDICTION_ATTR) or {}))
+                           for t in running if t.user_attrs.get(KIND_ATTR) == "predicted" and t.params]
+                candidate = planner.next(done, tried, pending=pending) or self.cache_candidate(space, done, tried)
+                if candidate is not None:
+                    study.enqueue_trial(candidate.params,
+                                        user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
+                    queued = True
+                elif (repeat := self.noise_repeat(done, space)) is not None:
+                    number, params, why = repeat
+                    study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
+                                                            PREDICTION_ATTR: {"why": why}})
+                    queued = True
+            if queued:
+                trial = study.ask()  # the oldest waiting trial: RUNNING before the lock goes
         if not queued:
             proposed = self.propose(space, planner, done, running)
             if proposed is None:
                 return None, None
             study.enqueue_trial(proposed, user_attrs={KIND_ATTR: "sampled"})
-        trial = study.ask()  # the oldest waiting trial (a host's may be taken by another: no matter)
+            trial = study.ask()  # the oldest waiting trial (a host's may be taken by another: no matter)
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         params = space.suggest(trial)
         prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
@@ -936,16 +947,23 @@ class StudyRun:
                            launch=launch, expected=self.expected(),
                            eta_s=self.budget.remaining_s(), **fields))
 
+    def _planned(self) -> int:
+        """The planner's trials in the study so far (finished and running, every host's), as of
+        the last read."""
+        done = sum(1 for _, r in self.history() if r.kind == "predicted")
+        return done + sum(1 for t in self.trials() if t.state is TrialState.RUNNING
+                          and t.user_attrs.get(KIND_ATTR) == "predicted")
+
     @contextlib.contextmanager
-    def _claim(self) -> Iterator[None]:
+    def _claim(self, *, reap: bool = True) -> Iterator[None]:
         """The study's claim lock for one ``with`` block (a no-op off PostgreSQL).
 
-        Other hosts' dead trials are reaped first, so their params are queued before this host
-        chooses."""
+        Other hosts' dead trials are reaped first (unless ``reap`` is false), so their params are
+        queued before this host chooses."""
         if self.claims is None:
             raise RuntimeError("StudyRun.open() was not called")
         with self.claims.held():
-            reaped = reap_stale(self._study())
+            reaped = reap_stale(self._study()) if reap else []
             if reaped:
                 self.refresh()
                 self.summary.recovered.extend(reaped)
