@@ -356,8 +356,8 @@ class Planner:
             if found is not None:
                 return found.model_copy(update={"prediction": {
                     **found.prediction, "believed_pending_capacity": believed,
-                    "why": f"{found.prediction['why']} (beyond the {believed} contexts predicted for trials running "
-                           "on other hosts)"}})
+                    "why": f"{found.prediction['why']}, given trials running on other hosts predicted to reach "
+                           f"{believed} contexts"}})
         return self._proposals(points, incumbent, best_capacity, bounds, tried, oom_frees, ceiling_of)
 
     def _believed(self, pending: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
