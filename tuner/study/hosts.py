@@ -47,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR
 from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
+from tuner.study.storage import first_line
 
 __all__ = [
     "HOST_ATTR",
@@ -243,7 +244,7 @@ class ClaimLock:
         try:
             conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as err:
-            raise StudyError(f"the study's claim lock cannot be taken: {_first_line(err)}",
+            raise StudyError(f"the study's claim lock cannot be taken: {first_line(err)}",
                              hint="check that the database server is up") from err
         try:
             deadline = time.monotonic() + self._timeout_s
@@ -260,7 +261,7 @@ class ClaimLock:
             finally:
                 conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
         except SQLAlchemyError as err:
-            raise StudyError(f"the study's claim lock failed: {_first_line(err)}",
+            raise StudyError(f"the study's claim lock failed: {first_line(err)}",
                              hint="check that the database server is up") from err
         finally:
             conn.close()
@@ -349,11 +350,8 @@ class TrialHeartbeat:
                 self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
                 reaped = reap_stale(self._study)
             except Exception as err:  # noqa: BLE001 - never kill the trial for a missed beat
-                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, _first_line(err))
+                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, first_line(err))
                 continue
             if reaped and self._on_reaped is not None:
                 self._on_reaped(reaped)
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0]

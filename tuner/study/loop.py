@@ -85,6 +85,7 @@ from tuner.study.storage import (
     check_artifacts_folder,
     check_run_storage,
     check_storage_folder,
+    first_line,
     open_storage,
     storage_errors,
     study_artifacts_dir,
@@ -751,7 +752,7 @@ class StudyRun:
                          "database; its result is stored as trial %d", trial.number, number)
         except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
             _log.warning("trial %d not stored (the database does not answer: %s): params %s, context "
-                         "capacity %s, output %s tok/s, outcome %s", trial.number, _first_line(err),
+                         "capacity %s, output %s tok/s, outcome %s", trial.number, first_line(err),
                          json.dumps(record.params, sort_keys=True), record.context_capacity,
                          record.output_throughput_tok_s, record.outcome)
             raise StudyError(
@@ -1122,9 +1123,6 @@ def job_kind(trial: optuna.Trial) -> str:
     """The kind a trial was asked as (its :data:`~tuner.study.optuna_io.KIND_ATTR`, else ``sampled``)."""
     return str(trial.user_attrs.get(KIND_ATTR, "sampled"))
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def _kind(kind: str) -> Any:
