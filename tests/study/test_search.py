@@ -69,3 +69,48 @@ def test_hierarchical_cache_knobs_are_conditional_and_render_for_the_version() -
         assert ("--enable-hierarchical-cache" in argv) == on and ("--hicache-ratio" in argv) == on
         study.tell(trial, [1.0, 1.0])
     assert seen[True] and seen[False]
+
+
+def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_them() -> None:
+    """The believer: trials in flight are believed to reach their predicted capacity, so the next
+    proposal builds on the best of them (its knobs, more request slots, in its band) instead of
+    the sequential plan's next step, whose value depends on their outcome."""
+    from tuner.config import parse_config
+    from tuner.study.loop import StudyRun, _longest_input, _mean_request_tokens
+    from tuner.study.planner import Planner
+
+    config = parse_config({
+        "study": {"name": "l4-believer", "seed": 2},
+        "service": {"launcher": "process", "command": [
+            "{python}", "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
+            "--mem-fraction-static", "0.85", "--chunked-prefill-size", "8192"]},
+        "space": {"mem_fraction_step": 0.01, "mem_fraction_static": [0.80, 0.99],
+                  "chunked_prefill_size": [2048, 4096, 8192, 16384]},
+        "workload": {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25},
+        "objective": {"context_tokens": 4096},
+        "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
+    run = StudyRun(config, OfflineRunner(config), max_trials=1, storage_url=":memory:")
+    run.run()  # the baseline only
+    history, space = run.history(), run.space()
+    planner = Planner(space, 4096, capacity_tolerance=config.objective.capacity_tolerance,
+                      longest_input_tokens=_longest_input(config), budget=config.budget,
+                      mean_request_tokens=_mean_request_tokens(config))
+    tried = {tuple(sorted(space.snap(r.params).items())) for _, r in history}
+    pending: list[tuple[dict, dict]] = []
+    for _ in range(2):  # two hosts take the plan's first two steps
+        step = planner.next(history, tried, pending=pending)
+        assert step is not None
+        tried.add(tuple(sorted(step.params.items())))
+        pending.append((step.params, step.prediction))
+    ahead_params, ahead = max(pending, key=lambda p: p[1]["context_capacity"])
+    believer = planner.next(history, tried, pending=pending)
+    sequential = planner.next(history, tried)
+    assert believer is not None and sequential is not None
+    assert tuple(sorted(believer.params.items())) not in tried
+    band = ahead["context_capacity"] * (1 - config.objective.capacity_tolerance)
+    assert believer.prediction["context_capacity"] >= band
+    # built on the believed incumbent's knobs: the same chunk, more request slots
+    assert believer.params["chunked_prefill_size"] == ahead_params["chunked_prefill_size"]
+    assert believer.params["max_running_requests"] > ahead_params["max_running_requests"]
+    assert "given trials running on other hosts" in believer.prediction["why"]
+    assert believer.params != sequential.params  # without them: the sequential plan's next step

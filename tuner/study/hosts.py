@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR
 from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
+from tuner.study.storage import first_line
 
 __all__ = [
     "HOST_ATTR",
@@ -139,7 +141,9 @@ class RequeueOnce(RetryHeartbeatStaleTrialCallback):
 
 def reap_stale(study: optuna.Study) -> list[int]:
     """Mark RUNNING trials whose heartbeat is older than the grace period FAIL (Optuna's
-    ``fail_stale_trials``; their params are re-queued once by :class:`RequeueOnce`).
+    ``fail_stale_trials``; their params are re-queued once by :class:`RequeueOnce`), and RUNNING
+    trials no host claimed (no :data:`HOST_ATTR`, no heartbeat) that started more than the grace
+    period ago: a host asked for them and died before its claim, which takes milliseconds.
 
     Returns:
         The numbers of the trials that were RUNNING before and are FAIL now.
@@ -150,8 +154,32 @@ def reap_stale(study: optuna.Study) -> list[int]:
     if not running:
         return []
     optuna.storages.fail_stale_trials(study)
+    _fail_unclaimed(study, running)
     still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return [t.number for t in running if t.number not in still]
+
+
+def _fail_unclaimed(study: optuna.Study, running: list[FrozenTrial]) -> None:
+    """FAIL (and re-queue once) the RUNNING trials no host claimed within the grace period."""
+    rdb = rdb_of(study._storage)  # noqa: SLF001
+    interval = heartbeat_interval(study._storage)  # noqa: SLF001
+    if rdb is None or interval is None:
+        return
+    grace = rdb.grace_period if rdb.grace_period is not None else 2 * interval  # Optuna's own default
+    now = datetime.datetime.now()  # Optuna stamps datetime_start with the host's local time
+    callback = RequeueOnce()
+    for trial in running:
+        if HOST_ATTR in trial.user_attrs or trial.datetime_start is None:
+            continue
+        if (now - trial.datetime_start).total_seconds() <= grace:
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # claimed or reaped by another host meanwhile
+        _log.info("trial %d was never claimed by a host (asked %s): marked FAIL", trial.number,
+                  trial.datetime_start.isoformat(timespec="seconds"))
+        callback(study, trial)
 
 
 def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
@@ -216,7 +244,7 @@ class ClaimLock:
         try:
             conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         except SQLAlchemyError as err:
-            raise StudyError(f"the study's claim lock cannot be taken: {_first_line(err)}",
+            raise StudyError(f"the study's claim lock cannot be taken: {first_line(err)}",
                              hint="check that the database server is up") from err
         try:
             deadline = time.monotonic() + self._timeout_s
@@ -233,7 +261,7 @@ class ClaimLock:
             finally:
                 conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
         except SQLAlchemyError as err:
-            raise StudyError(f"the study's claim lock failed: {_first_line(err)}",
+            raise StudyError(f"the study's claim lock failed: {first_line(err)}",
                              hint="check that the database server is up") from err
         finally:
             conn.close()
@@ -322,11 +350,8 @@ class TrialHeartbeat:
                 self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
                 reaped = reap_stale(self._study)
             except Exception as err:  # noqa: BLE001 - never kill the trial for a missed beat
-                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, _first_line(err))
+                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, first_line(err))
                 continue
             if reaped and self._on_reaped is not None:
                 self._on_reaped(reaped)
 
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [type(err).__name__])[0]

@@ -21,9 +21,11 @@ The steps, one method each (the shape of Optuna's own ``_optimize``/``_run_trial
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -32,6 +34,7 @@ import optuna
 from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import ServiceControlError, StudyError
@@ -63,10 +66,12 @@ from tuner.study.optuna_io import (
     PHASE_ATTR,
     PREDICTION_ATTR,
     SPACE_ATTR,
+    add_record,
     check_environment,
     fail_trial,
     make_sampler,
     open_study,
+    record_of,
     records,
     save_study_info,
     set_baseline_params,
@@ -74,11 +79,13 @@ from tuner.study.optuna_io import (
     tell_record,
 )
 from tuner.study.planner import Candidate, Planner
+from tuner.study.proposals import ProposalMirror
 from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
 from tuner.study.storage import (
     check_artifacts_folder,
     check_run_storage,
     check_storage_folder,
+    first_line,
     open_storage,
     storage_errors,
     study_artifacts_dir,
@@ -106,8 +113,13 @@ MAX_INVALID_IN_A_ROW = 3
 command itself is wrong (or the environment), not the candidate."""
 MAX_NOISE_REPEATS = 2
 """Configs a study re-measures at most to measure the throughput noise (:meth:`StudyRun.noise_repeat`)."""
+LATE_ATTR = "tuner.stored_late_for"
+"""Trial user attribute: the trial (marked FAIL by another host while this one was cut off from the
+database) whose result this trial stores."""
 REPEAT_ATTR = "tuner.repeat_of"
 """Trial user attribute: the trial a deliberate re-measurement repeats."""
+_PROPOSALS_PER_DECISION = 16
+"""The sampler's proposals screened per decision before the loop reads the study again."""
 MAX_SKIPPED = 200
 """Skips in one run after which the search counts as exhausted (the space holds nothing new)."""
 
@@ -324,6 +336,9 @@ class StudyRun:
         self.summary.host = self.host
         self.shared = False
         self.claims: ClaimLock | None = None
+        self._view: list[optuna.trial.FrozenTrial] | None = None
+        self.mirror: ProposalMirror | None = None
+        self._parsed: dict[int, TrialRecord | None] = {}
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -351,9 +366,11 @@ class StudyRun:
             planner = Planner(space, self.context_tokens, capacity_tolerance=self.config.objective.capacity_tolerance,
                               longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
                               mean_request_tokens=_mean_request_tokens(self.config))
+            seed = self.config.study.seed + (zlib.crc32(self.host.encode()) % 1_000_003 if self.shared else 0)
+            self.mirror = ProposalMirror(self._study().directions, make_sampler(self.config.study.sampler, seed))
             while self.summary.stop_reason == "exhausted" and self.can_continue():
                 trial, job = self.next_trial(space, planner)
-                if job is None:
+                if trial is None or job is None:
                     continue
                 self.check_invalid_streak(trial.number, self.launch(trial, job))
         self.summary.trials_run = self.launched
@@ -472,28 +489,50 @@ class StudyRun:
             )
         return Space.model_validate(data)
 
-    def next_trial(self, space: Space, planner: Planner) -> tuple[optuna.Trial, TrialJob | None]:
-        """Ask Optuna for the next trial (after enqueueing the planner's candidate when nothing
-        waits); a trial that needs no restart is told as skipped here and has no job."""
+    def next_trial(self, space: Space, planner: Planner) -> tuple[optuna.Trial | None, TrialJob | None]:
+        """Ask Optuna for the next trial (after enqueueing the planner's candidate, else the
+        sampler's first proposal that passes the screens, when nothing waits); a trial that needs
+        no restart is told as skipped here and has no job (nor a trial, when only the sampler's
+        proposals were skipped, :meth:`propose`).
+
+        The planner decides under the study's claim lock (on a shared study), from a read made
+        inside it, and its candidate is enqueued and asked before the lock goes: the next host's
+        planner sees it as running and proposes what is useful given it (``pending``,
+        :meth:`tuner.study.planner.Planner.next`), never the same plan. The sampler's proposals are
+        drawn outside the lock (:meth:`propose`)."""
         study = self._study()
-        done = self.history()
-        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        predicted = sum(1 for _, r in done if r.kind == "predicted")
-        predicted += sum(1 for t in running if t.user_attrs.get(KIND_ATTR) == "predicted")
-        if not waiting and self.use_planner and predicted < self.config.study.predicted_candidates:
-            # Every host's trials count: what runs elsewhere now is as tried as what finished.
-            tried = {_key(space.snap(r.params)) for _, r in done if r.params}
-            tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
-            candidate = planner.next(done, tried) or self.cache_candidate(space, done, tried)
-            if candidate is not None:
-                study.enqueue_trial(candidate.params,
-                                    user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
-            elif (repeat := self.noise_repeat(done, space)) is not None:
-                number, params, why = repeat
-                study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
-                                                        PREDICTION_ATTR: {"why": why}})
-        trial = study.ask()  # the sampler (constant liar) sees every host's RUNNING trials
+        planning = self.use_planner and self._planned() < self.config.study.predicted_candidates
+        with self._claim(reap=False) if planning and self.shared else contextlib.nullcontext():
+            self.refresh()  # one read of the study per decision: every host's trials as of now
+            done = self.history()
+            waiting = [t for t in self.trials() if t.state is TrialState.WAITING]
+            running = [t for t in self.trials() if t.state is TrialState.RUNNING]
+            queued = bool(waiting)
+            if not queued and planning:
+                # Every host's trials count: what runs elsewhere now is as tried as what finished.
+                tried = {_key(space.snap(r.params)) for _, r in done if r.params}
+                tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
+                # Other hosts' planner trials in flight: what they are predicted to reach (believed).
+                pending = [(dict(t.params), dict(t.user_attrs.get(PREDICTION_ATTR) or {}))
+                           for t in running if t.user_attrs.get(KIND_ATTR) == "predicted" and t.params]
+                candidate = planner.next(done, tried, pending=pending) or self.cache_candidate(space, done, tried)
+                if candidate is not None:
+                    study.enqueue_trial(candidate.params,
+                                        user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
+                    queued = True
+                elif (repeat := self.noise_repeat(done, space)) is not None:
+                    number, params, why = repeat
+                    study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
+                                                            PREDICTION_ATTR: {"why": why}})
+                    queued = True
+            if queued:
+                trial = study.ask()  # the oldest waiting trial: RUNNING before the lock goes
+        if not queued:
+            proposed = self.propose(space, planner, done, running)
+            if proposed is None:
+                return None, None
+            study.enqueue_trial(proposed, user_attrs={KIND_ATTR: "sampled"})
+            trial = study.ask()  # the oldest waiting trial (a host's may be taken by another: no matter)
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         params = space.suggest(trial)
         prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
@@ -523,6 +562,43 @@ class StudyRun:
             return trial, None
         return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                context_tokens=self.context_tokens, capacity_floor=floor, started_at=_now())
+
+    def propose(self, space: Space, planner: Planner, done: Sequence[tuple[int, TrialRecord]],
+                running: Sequence[optuna.trial.FrozenTrial]) -> dict[str, Any] | None:
+        """The sampler's next proposal that passes the screens, as Optuna params, or ``None``.
+
+        The sampler proposes on the in-memory mirror of the study (:mod:`tuner.study.proposals`,
+        the constant liar seeing every host's RUNNING trials); a proposal that needs no restart
+        (:func:`skip_reason`, :meth:`Planner.screen`, :meth:`host_check`, or the same config
+        running on another host) is stored as a skipped trial in one write, and the next one is
+        drawn, at most :data:`_PROPOSALS_PER_DECISION` per decision.
+        """
+        if self.mirror is None:
+            raise RuntimeError("StudyRun.run() did not open the sampler's mirror")
+        self.mirror.sync(self.trials())
+        others = {_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
+        for _ in range(_PROPOSALS_PER_DECISION):
+            trial = self.mirror.ask()
+            params = space.suggest(trial)
+            reason = skip_reason(params, done, space)
+            if reason is None and self.use_planner:
+                reason = planner.screen(params, done, capacity_floor=self.band_floor(done))
+            if reason is None:
+                reason = self.host_check(params, done)
+            if reason is None and (other := others.get(_key(space.snap(params)))) is not None:
+                reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
+                          f"(trial {other.number})", other.number)
+            if reason is None:
+                self.mirror.release(trial)
+                return dict(trial.params)
+            record = _skip_record(params, "sampled", {}, reason)
+            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r))
+            number = add_record(self._study(), trial.params, trial.distributions, record, {HOST_ATTR: self.host})
+            self.refresh()
+            self.skipped(number, params, "sampled", reason[0])
+            if self.summary.stop_reason != "exhausted" or not self.can_continue():
+                return None
+        return None
 
     def cache_candidate(self, space: Space, done: Sequence[tuple[int, TrialRecord]],
                         tried: set[tuple[tuple[str, Any], ...]]) -> Candidate | None:
@@ -579,16 +655,17 @@ class StudyRun:
     def skip(self, trial: optuna.Trial, params: dict[str, Any], kind: str, prediction: dict[str, Any],
              reason: tuple[str, int]) -> None:
         """Tell ``trial`` PRUNED with the reason and the proving trial, without a restart."""
-        text, proof = reason
         trial.set_user_attr(HOST_ATTR, self.host)
-        record = TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text,
-                             proved_by_trial=proof, prediction=prediction, started_at=_now(),
-                             duration_s=0.0, constraints=Constraints.all_violated())
-        tell_record(self._study(), trial, record)
+        tell_record(self._study(), trial, _skip_record(params, kind, prediction, reason))
+        self.refresh()
+        self.skipped(trial.number, params, kind, reason[0])
+
+    def skipped(self, number: int, params: dict[str, Any], kind: str, text: str) -> None:
+        """Count a skip (stored as trial ``number``) and tell the CLI; stop after :data:`MAX_SKIPPED`."""
         self.summary.trials_skipped += 1
         self.handled += 1
         self.estimate()
-        self.progress("skip", trial.number, kind=kind, flags=params, message=f"trial {trial.number} skipped: {text}")
+        self.progress("skip", number, kind=kind, flags=params, message=f"trial {number} skipped: {text}")
         if self.summary.trials_skipped > MAX_SKIPPED:
             self.stop("exhausted")
 
@@ -657,12 +734,34 @@ class StudyRun:
              before_tell: Callable[[TrialRecord], None] | None = None) -> TrialRecord:
         """Complete ``record`` (log evidence, artifacts, duration) and tell Optuna."""
         record = _with_log_evidence(record)
-        record = _upload_artifacts(trial, record, self.artifact_store)
         if record.duration_s is None:
             record = record.model_copy(update={"duration_s": self.clock() - begun})
-        if before_tell is not None:
-            before_tell(record)
-        tell_record(self._study(), trial, record)
+        try:
+            record = _upload_artifacts(trial, record, self.artifact_store)
+            if before_tell is not None:
+                before_tell(record)
+            tell_record(self._study(), trial, record)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Cut off from the database for longer than the grace period: the other hosts marked
+            # this trial FAIL (and queued its params again). The measurement is still good: store
+            # it as a trial of its own; the queued copy is then skipped as measured.
+            number = add_record(self._study(), trial.params, trial.distributions, record,
+                                {HOST_ATTR: self.host, ENVIRONMENT_ATTR: self.environment,
+                                 KIND_ATTR: job_kind(trial), LATE_ATTR: trial.number})
+            _log.warning("trial %d was marked FAIL by another host while this host could not reach the "
+                         "database; its result is stored as trial %d", trial.number, number)
+        except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+            _log.warning("trial %d not stored (the database does not answer: %s): params %s, context "
+                         "capacity %s, output %s tok/s, outcome %s", trial.number, first_line(err),
+                         json.dumps(record.params, sort_keys=True), record.context_capacity,
+                         record.output_throughput_tok_s, record.outcome)
+            raise StudyError(
+                f"the study's database stopped answering: trial {trial.number}'s result could not be stored "
+                "(it is in the warning above, params and values); the service was restored",
+                hint="check the database server and the network to it, then run the same command to resume "
+                "(the other hosts re-run the trial)",
+            ) from err
+        self.refresh()
         return record
 
     # ---- stopping ------------------------------------------------------------------------------
@@ -708,9 +807,33 @@ class StudyRun:
 
     # ---- shared state --------------------------------------------------------------------------
 
+    def trials(self) -> list[optuna.trial.FrozenTrial]:
+        """Every trial of the study as of this decision (read once, until :meth:`refresh`).
+
+        One read of the storage serves a whole decision (the planner, the screens, the cost
+        estimate), instead of one per question: on a shared PostgreSQL study each read is a round
+        trip per table. Under the claim lock the loop reads afresh (:func:`claimed_reason`)."""
+        if self._view is None:
+            self._view = self._study().get_trials(deepcopy=False)
+        return self._view
+
+    def refresh(self) -> None:
+        """Forget the view of the study (:meth:`trials`): the next question reads it again."""
+        self._view = None
+
     def history(self) -> list[tuple[int, TrialRecord]]:
-        """``(number, record)`` of every finished trial of the study, in trial order."""
-        return [(t.number, r) for t, r in records(self._study())]
+        """``(number, record)`` of every finished trial of the study, in trial order (from the
+        decision's view, :meth:`trials`; a finished trial's record is parsed once per run)."""
+        out = []
+        for trial in self.trials():
+            if trial.state not in (TrialState.COMPLETE, TrialState.PRUNED):
+                continue
+            if trial.number not in self._parsed:
+                self._parsed[trial.number] = record_of(trial)
+            record = self._parsed[trial.number]
+            if record is not None:
+                out.append((trial.number, record))
+        return out
 
     def cost_s(self) -> float:
         """The next trial's expected cost in seconds (:meth:`tuner.study.budget.Budget.estimate`)."""
@@ -825,17 +948,25 @@ class StudyRun:
                            launch=launch, expected=self.expected(),
                            eta_s=self.budget.remaining_s(), **fields))
 
+    def _planned(self) -> int:
+        """The planner's trials in the study so far (finished and running, every host's), as of
+        the last read."""
+        done = sum(1 for _, r in self.history() if r.kind == "predicted")
+        return done + sum(1 for t in self.trials() if t.state is TrialState.RUNNING
+                          and t.user_attrs.get(KIND_ATTR) == "predicted")
+
     @contextlib.contextmanager
-    def _claim(self) -> Iterator[None]:
+    def _claim(self, *, reap: bool = True) -> Iterator[None]:
         """The study's claim lock for one ``with`` block (a no-op off PostgreSQL).
 
-        Other hosts' dead trials are reaped first, so their params are queued before this host
-        chooses."""
+        Other hosts' dead trials are reaped first (unless ``reap`` is false), so their params are
+        queued before this host chooses."""
         if self.claims is None:
             raise RuntimeError("StudyRun.open() was not called")
         with self.claims.held():
-            reaped = reap_stale(self._study())
+            reaped = reap_stale(self._study()) if reap else []
             if reaped:
+                self.refresh()
                 self.summary.recovered.extend(reaped)
                 self.progress("phase", None, phase="reaped", message=(
                     f"trial(s) {reaped} of another host had no heartbeat for "
@@ -968,6 +1099,13 @@ def _monotone_class(failure_class: FailureClass) -> FailureClass:
     return FailureClass.CUDA_GRAPH_OOM if failure_class is FailureClass.RUNTIME_OOM else failure_class
 
 
+def _skip_record(params: dict[str, Any], kind: str, prediction: dict[str, Any], reason: tuple[str, int]) -> TrialRecord:
+    """The record of a config not launched: why, and the trial that proves it."""
+    text, proof = reason
+    return TrialRecord(params=params, kind=_kind(kind), outcome="skipped", skipped_reason=text, proved_by_trial=proof,
+                       prediction=prediction, started_at=_now(), duration_s=0.0, constraints=Constraints.all_violated())
+
+
 def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
     """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id."""
     if store is None or not record.artifacts:
@@ -979,6 +1117,12 @@ def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSyste
         except (OSError, ValueError) as err:
             _log.warning("artifact %s of trial %d not stored: %s", name, trial.number, err)
     return record.model_copy(update={"artifacts": ids})
+
+
+def job_kind(trial: optuna.Trial) -> str:
+    """The kind a trial was asked as (its :data:`~tuner.study.optuna_io.KIND_ATTR`, else ``sampled``)."""
+    return str(trial.user_attrs.get(KIND_ATTR, "sampled"))
+
 
 
 def _kind(kind: str) -> Any:

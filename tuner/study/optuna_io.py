@@ -49,6 +49,7 @@ __all__ = [
     "check_environment",
     "records",
     "tell_record",
+    "add_record",
     "fail_trial",
     "set_baseline_params",
     "recover_interrupted",
@@ -224,6 +225,38 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
         values = [float(record.context_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
         frozen = study.tell(trial, values)
     return frozen
+
+
+def add_record(study: optuna.Study, params: Mapping[str, Any], distributions: Mapping[str, Any],
+               record: TrialRecord, user_attrs: Mapping[str, Any]) -> int:
+    """Store a finished trial that never ran (a proposal skipped without a restart) in one write.
+
+    The same trial :func:`tell_record` makes of an asked one (the record, the constraints, PRUNED
+    for a skip), made with ``optuna.trial.create_trial`` and the storage's ``create_new_trial``
+    (one transaction instead of one per param and attribute).
+
+    Args:
+        study: The study.
+        params: Optuna params (the knobs as suggested).
+        distributions: Their distributions.
+        record: The record (``outcome == "skipped"``).
+        user_attrs: Further user attributes (the host).
+
+    Returns:
+        The new trial's number.
+    """
+    values = None
+    state = TrialState.PRUNED
+    if record.outcome not in ("skipped", "budget"):
+        state = TrialState.COMPLETE
+        values = [float(record.context_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
+    frozen = optuna.trial.create_trial(
+        state=state, values=values, params=dict(params), distributions=dict(distributions),
+        user_attrs={**user_attrs, RECORD_ATTR: record.model_dump(mode="json")}, constraints=constraints_of(record),
+    )
+    storage = study._storage  # noqa: SLF001 - Study.add_trial does not return the trial
+    trial_id = storage.create_new_trial(study._study_id, template_trial=frozen)  # noqa: SLF001
+    return storage.get_trial_number_from_id(trial_id)
 
 
 def fail_trial(study: optuna.Study, trial: optuna.Trial, partial: TrialRecord, *, requeue: bool) -> None:

@@ -372,12 +372,23 @@ class Planner:
         self,
         history: Sequence[tuple[int, TrialRecord]],
         tried: set[tuple[tuple[str, Any], ...]],
+        *,
+        pending: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]] = (),
     ) -> Candidate | None:
         """The next config to launch, or ``None`` to hand over to the sampler.
+
+        With trials running on other hosts (``pending``), the planner proposes what is most useful
+        *given* them (the "believer" of batch Bayesian optimization): it believes each reaches
+        its predicted context capacity, takes the best of them as the incumbent, and aims past it
+        or at its band with knobs none of them has (another chunk size, more request slots on its
+        knobs), rather than the sequential plan's next step on the same knobs, whose value
+        depends on their outcome. Predictions stay calibrated on measured trials only. When
+        nothing passes that, the plan on the measured trials alone.
 
         Args:
             history: ``(trial number, record)`` of every finished trial, baseline included.
             tried: Keys (``sorted(params.items())``) of configs already run or queued.
+            pending: ``(params, prediction)`` of the planner's trials running on other hosts.
 
         Returns:
             A candidate on the space's grid, with its prediction.
@@ -412,6 +423,48 @@ class Planner:
         if slo_step is not None:
             return slo_step
 
+        believers = self._believed(pending, model_points)
+        believed = max((p.capacity for p in believers), default=0)
+        if believed > best_capacity:
+            ahead = max(believers, key=lambda p: (p.capacity, -p.number))
+            found = self._proposals(points, model_points, ahead, believed, bounds, tried, oom_frees, ceiling_of)
+            if found is not None:
+                return found.model_copy(update={"prediction": {
+                    **found.prediction, "believed_pending_capacity": believed,
+                    "why": f"{found.prediction['why']}, given trials running on other hosts predicted to reach "
+                           f"{believed} contexts"}})
+        return self._proposals(points, model_points, incumbent, best_capacity, bounds, tried, oom_frees, ceiling_of)
+
+    def _believed(self, pending: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
+                  points: Sequence[_Point]) -> list[_Point]:
+        """Running planner trials as if measured at their prediction (the model they were
+        predicted with, their predicted context capacity, feasible); numbered after every trial."""
+        out = []
+        for i, (params, prediction) in enumerate(pending):
+            capacity = int(prediction.get("context_capacity") or 0)
+            if capacity <= 0 or "mem_fraction_static" not in params:
+                continue
+            snapped = self.space.snap(dict(params))
+            ref = next((p for p in points if p.number == prediction.get("calibrated_on_trial")), None)
+            ref = ref or self._reference(_family(snapped), int(snapped["max_running_requests"]), points)
+            out.append(ref.model_copy(update={"number": 10**9 + i, "params": snapped, "capacity": capacity,
+                                              "feasible": True}))
+        return out
+
+    def _proposals(
+        self,
+        points: Sequence[_Point],
+        model_points: Sequence[_Point],
+        incumbent: _Point,
+        best_capacity: int,
+        bounds: Mapping[tuple[tuple[str, Any], ...], SLOBound],
+        tried: set[tuple[tuple[str, Any], ...]],
+        oom_frees: Sequence[tuple[dict[str, Any], float]],
+        ceiling_of: Callable[[tuple[tuple[str, Any], ...], int], float],
+    ) -> Candidate | None:
+        """The memory plan's best proposal against ``best_capacity`` (measured, or believed):
+        ``points`` are the survivors (the activation need), ``model_points`` what calibrates the
+        memory model (the survivors, or with none the starts that died under load)."""
         proposals: list[tuple[tuple[int, int, int, int], Candidate]] = []
         base_family = _family(incumbent.params)
         families = [base_family, *self._neighbours(incumbent.params)]

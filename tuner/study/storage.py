@@ -25,6 +25,7 @@ from tuner.errors import StudyError
 
 __all__ = [
     "STUDIES_DIR",
+    "first_line",
     "default_storage_url",
     "default_artifacts_dir",
     "study_storage_url",
@@ -178,7 +179,7 @@ def _check_server_storage(url: str) -> bool:
 
 def _connect_error(url: str, err: BaseException, *, hint: str | None = None) -> StudyError:
     """One line for a database that refused us: which of server, credentials, database, and the fix."""
-    text = _first_line(err)
+    text = first_line(err)
     shown = display_url(url)
     low = text.lower()
     try:
@@ -207,7 +208,7 @@ def _reason(text: str) -> str:
 
 
 def _driver_error(url: str, err: ImportError) -> StudyError:
-    driver = err.name or _first_line(err)
+    driver = err.name or first_line(err)
     if driver.startswith("psycopg"):
         return StudyError(f"storage {display_url(url)} needs the PostgreSQL driver {driver!r}, which is not installed",
                           hint="pip install 'sglang-tuner[postgres]' (psycopg 3) and write postgresql+psycopg://...")
@@ -266,7 +267,7 @@ def check_storage(storage_url: str) -> None:
     except SQLAlchemyError as err:
         if url.get_backend_name() == "sqlite":  # a file: no server, no credentials
             raise StudyError(
-                f"storage {storage_url}: {url.database} is not an SQLite database or is corrupt ({_first_line(err)})",
+                f"storage {storage_url}: {url.database} is not an SQLite database or is corrupt ({first_line(err)})",
                 hint="point --storage at the .db file `tuner run` wrote, or restore that file from a backup",
             ) from err
         raise _connect_error(storage_url, err) from err
@@ -279,7 +280,7 @@ def check_storage(storage_url: str) -> None:
         )
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     """The first line of an exception's text (SQLAlchemy appends SQL and a link on more lines)."""
     return (str(err).splitlines() or [type(err).__name__])[0]
 
