@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -35,12 +37,24 @@ def _server_down(url: str) -> bool:
 FAST = {"measure_s": 5, "stress_s": 3}
 
 
+def _study_created(db: Path) -> bool:
+    """Whether the run has created its study, read without writing: Optuna's storage would create
+    its schema in a file the run is still setting up, and the two creations can collide."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
+            return conn.execute("SELECT count(*) FROM studies").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
+
+
 def _wait_trial_under_load(proc: subprocess.Popen, storage: str, db: Path, timeout_s: float) -> tuple[int, dict] | None:
     """Poll the study until a trial after a completed one is RUNNING in a load phase; return it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.3)
-        if not db.exists():
+        if not _study_created(db):
             continue
         try:
             trials = load_study(storage, "demo-sim").trials
@@ -119,7 +133,8 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
     proc = _start_run(config, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         found = _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240)
-        assert found is not None, "never saw a completed trial and a running one under load"
+        exited = f"; the run exited {proc.returncode}: {proc.communicate()[1][-2000:]}" if proc.poll() is not None else ""
+        assert found is not None, "never saw a completed trial and a running one under load" + exited
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=120)
     finally:
