@@ -217,6 +217,18 @@ def _background_run(config: Path, cwd: Path, *args: str) -> subprocess.Popen[str
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+@contextlib.contextmanager
+def _running(config: Path, cwd: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``tuner run`` in the background for the block; killed at the block's end if it still runs."""
+    run = _background_run(config, cwd, *args)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait(30)
+
+
 def _in_trial(served: Served) -> bool:
     return TRIAL_DROPIN in served.tuner_dropins() and is_healthy(served.url, 0.5)
 
@@ -289,15 +301,10 @@ def test_journal_dying_mid_run_is_reported_not_a_silent_success(served: Served, 
     served.ensure_serving()
     journalctl, flag = _dying_journalctl(tmp_path, served.box)
     config = served.config(tmp_path, journalctl=journalctl, measure_s=8)
-    run = _background_run(config, tmp_path, "--trials", "3")
-    try:
+    with _running(config, tmp_path, "--trials", "3") as run:
         _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
         flag.touch()
         _, err = run.communicate(timeout=300)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(30)
     assert run.returncode == 1, err[-3000:]
     assert "Traceback" not in err and "journal" in err.splitlines()[-1], err[-3000:]
     assert "warning" in err.lower(), err[-3000:]
@@ -314,16 +321,11 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     served.ensure_serving()
     config = served.config(tmp_path, measure_s=4)
     storage = f"sqlite:///{tmp_path}/studies/sd.db"
-    run = _background_run(config, tmp_path, "--trials", "4")
-    try:
+    with _running(config, tmp_path, "--trials", "4") as run:
         _wait(lambda: _completed(storage) >= 1 and _in_trial(served), 200, "the baseline to finish", run)
         with _read_only(served.dropin_folder):
             _, err = run.communicate(timeout=300)
             after = served.pid_state()
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(30)
     assert run.returncode == 1, err[-3000:]
     lines = [x for x in err.splitlines() if x.strip()]
     assert str(served.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
@@ -356,17 +358,12 @@ def test_drop_in_folder_turning_read_only_while_the_unit_stops_is_no_crash(serve
         unit.ensure_serving()
         config = unit.config(tmp_path, measure_s=4)
         storage = f"sqlite:///{tmp_path}/studies/sd.db"
-        run = _background_run(config, tmp_path, "--trials", "3")
-        try:
+        with _running(config, tmp_path, "--trials", "3") as run:
             _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
             marker.unlink(missing_ok=True)
             _wait(marker.exists, 200, "the unit to be stopped for trial 1", run)
             with _read_only(unit.dropin_folder):
                 _, err = run.communicate(timeout=300)
-        finally:
-            if run.poll() is None:
-                run.kill()
-                run.wait(30)
         assert run.returncode == 1, err[-3000:]
         lines = [x for x in err.splitlines() if x.strip()]
         assert str(unit.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
@@ -417,15 +414,10 @@ def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_
         db = disk / "sd.db"
         storage = f"sqlite:///{db}"
         config = served.config(tmp_path, storage=storage)
-        run = _background_run(config, tmp_path, "--trials", "4")
-        try:
+        with _running(config, tmp_path, "--trials", "4") as run:
             _wait(lambda: _completed(storage) >= 1, 200, "the first completed trial", run)
             filler = _fill(disk)
             _, err = run.communicate(timeout=300)
-        finally:
-            if run.poll() is None:
-                run.kill()
-                run.wait(30)
         assert run.returncode == 1, err[-3000:]
         lines = [x for x in err.splitlines() if x.strip()]
         assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
