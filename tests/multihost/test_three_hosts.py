@@ -26,6 +26,7 @@ from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy, service_url
 from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR
+from tuner.study.loop import MAX_NOISE_REPEATS
 from tuner.study.optuna_io import PHASE_ATTR
 
 HOSTS = ("host-a", "host-b", "host-c")
@@ -132,6 +133,8 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
     # (a deliberate re-measurement of the noise, record.repeat_of, is the planner's, not a duplicate)
     keys = [tuple(sorted(t.params.items())) for t, r in launched if r.repeat_of is None]
     assert len(keys) == len(set(keys)), keys
+    repeats = [r.repeat_of for _, r in launched if r.repeat_of is not None]  # each re-measured once, study-wide
+    assert len(repeats) == len(set(repeats)) and len(repeats) <= MAX_NOISE_REPEATS, repeats
 
     # host-c's unit comes back with `tuner restore` on that host (it was not running before: stopped).
     restored = _tuner("restore", "--config", str(configs["host-c"]), cwd=folders["host-c"], host="host-c")

@@ -71,10 +71,9 @@ def test_hierarchical_cache_knobs_are_conditional_and_render_for_the_version() -
     assert seen[True] and seen[False]
 
 
-def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_them() -> None:
-    """The believer: trials in flight are believed to reach their predicted capacity, so the next
-    proposal builds on the best of them (its knobs, more request slots, in its band) instead of
-    the sequential plan's next step, whose value depends on their outcome."""
+def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, planner, history, tried)
+    """The "8B on L4, chunks to 16k" search after the baseline and ``launches`` more trials of one
+    host, on the offline evaluation, with the loop's own planner."""
     from tuner.config import parse_config
     from tuner.study.loop import StudyRun, _longest_input, _mean_request_tokens
     from tuner.study.planner import Planner
@@ -89,13 +88,21 @@ def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_t
         "workload": {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25},
         "objective": {"context_tokens": 4096},
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
-    run = StudyRun(config, OfflineRunner(config), max_trials=1, storage_url=":memory:")
-    run.run()  # the baseline only
+    run = StudyRun(config, OfflineRunner(config), max_trials=1 + launches, storage_url=":memory:")
+    run.run()
     history, space = run.history(), run.space()
     planner = Planner(space, 4096, capacity_tolerance=config.objective.capacity_tolerance,
                       longest_input_tokens=_longest_input(config), budget=config.budget,
                       mean_request_tokens=_mean_request_tokens(config))
     tried = {tuple(sorted(space.snap(r.params).items())) for _, r in history}
+    return config, run, space, planner, history, tried
+
+
+def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_them() -> None:
+    """The believer: trials in flight are believed to reach their predicted capacity, so the next
+    proposal builds on the best of them (its knobs, more request slots, in its band) instead of
+    the sequential plan's next step, whose value depends on their outcome."""
+    config, _run, space, planner, history, tried = _l4_after(0)
     pending: list[tuple[dict, dict]] = []
     for _ in range(2):  # two hosts take the plan's first two steps
         step = planner.next(history, tried, pending=pending)
@@ -114,3 +121,45 @@ def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_t
     assert believer.params["max_running_requests"] > ahead_params["max_running_requests"]
     assert "given trials running on other hosts" in believer.prediction["why"]
     assert believer.params != sequential.params  # without them: the sequential plan's next step
+
+
+def test_beside_a_running_first_step_a_host_takes_the_step_the_checked_model_would_take_next() -> None:
+    """The believer believes a running trial's predicted free memory too: the margin is the one the
+    model has once that start checks it, not the unchecked prior, so a second host aims where the
+    sequential plan goes after the first step (past its capacity), not beside it."""
+    _config, _run, space, planner, history, tried = _l4_after(0)
+    first = planner.next(history, tried)
+    assert first is not None
+    tried.add(tuple(sorted(first.params.items())))
+    beside = planner.next(history, tried, pending=[(first.params, first.prediction)])
+    assert beside is not None
+    assert beside.prediction["context_capacity"] > first.prediction["context_capacity"]
+    assert beside.prediction["need_gib"] < first.prediction["need_gib"]  # the checked margin
+    _config, _run, space, planner, after, tried = _l4_after(1)  # the first step measured
+    sequential = planner.next(after, tried)
+    assert sequential is not None
+    assert sequential.prediction["context_capacity"] == beside.prediction["context_capacity"]
+
+
+def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_band() -> None:
+    """Hosts that keep asking while nothing comes back: once every step of the plan on the measured
+    trials is running, each running trial in the band is taken as the incumbent in turn (its knobs
+    with more request slots, its neighbours), so the planner proposes more distinct configs in the
+    band before handing over to the sampler; without trials running it stops where it did."""
+    _config, _run, space, planner, history, tried = _l4_after(1)
+    alone, seen = set(), set(tried)
+    while (step := planner.next(history, seen)) is not None:  # one host, nothing in flight
+        seen.add(tuple(sorted(step.params.items())))
+        alone.add(tuple(sorted(step.params.items())))
+    pending: list[tuple[dict, dict]] = []
+    seen = set(tried)
+    while (step := planner.next(history, seen, pending=pending)) is not None and len(pending) < 40:
+        key = tuple(sorted(step.params.items()))
+        assert key not in seen  # never a config measured or running
+        seen.add(key)
+        pending.append((step.params, step.prediction))
+    top = max(p["context_capacity"] for _, p in pending)
+    extra = [p for params, p in pending if tuple(sorted(params.items())) not in alone]
+    assert len(pending) >= len(alone) + 4  # four more hosts kept busy by the planner
+    assert all(p["context_capacity"] >= top * (1 - 0.05) for p in extra)  # in the believed band
+    assert all("given trials running on other hosts" in p["why"] for p in extra)

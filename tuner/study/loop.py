@@ -520,7 +520,7 @@ class StudyRun:
                     study.enqueue_trial(candidate.params,
                                         user_attrs={KIND_ATTR: "predicted", PREDICTION_ATTR: candidate.prediction})
                     queued = True
-                elif (repeat := self.noise_repeat(done, space)) is not None:
+                elif (repeat := self.noise_repeat(done, space, running=(*waiting, *running))) is not None:
                     number, params, why = repeat
                     study.enqueue_trial(params, user_attrs={KIND_ATTR: "predicted", REPEAT_ATTR: number,
                                                             PREDICTION_ATTR: {"why": why}})
@@ -877,7 +877,8 @@ class StudyRun:
         return self._expected
 
     def noise_repeat(
-        self, done: Sequence[tuple[int, TrialRecord]], space: Space
+        self, done: Sequence[tuple[int, TrialRecord]], space: Space,
+        running: Sequence[optuna.trial.FrozenTrial] = (),
     ) -> tuple[int, dict[str, Any], str] | None:
         """A config to measure once more, so "best" rests on the measured noise, or ``None``.
 
@@ -887,11 +888,19 @@ class StudyRun:
         runner-up, is re-measured once (:data:`MAX_NOISE_REPEATS` in a study). Capacity is exact
         (the pool is sized at startup); throughput is what needs the repeat.
 
+        Args:
+            done: ``(trial number, record)`` of the finished trials (every host's).
+            space: The resolved space.
+            running: The study's RUNNING and WAITING trials (every host's): a repeat in flight
+                counts as made, so two hosts never re-measure at once.
+
         Returns:
             ``(trial re-measured, its params on the grid, why)``.
         """
         objective = self.config.objective
         repeated = {r.repeat_of for _, r in done if r.repeat_of is not None}
+        # A repeat running (or queued) on any host counts: hosts never re-measure a config twice at once.
+        repeated |= {int(t.user_attrs[REPEAT_ATTR]) for t in running if t.user_attrs.get(REPEAT_ATTR) is not None}
         if objective.policy != "throughput_within_capacity" or len(repeated) >= MAX_NOISE_REPEATS:
             return None
         choice = choose_best(done, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,

@@ -201,7 +201,7 @@ class Planner:
             ))
         return out
 
-    def margin_now_gib(self, history: Sequence[tuple[int, TrialRecord]]) -> float:
+    def margin_now_gib(self, history: Sequence[tuple[int, TrialRecord]], *, believed_check: bool = False) -> float:
         """GiB kept free above the scaled activation peak, from how well the memory model predicted.
 
         Every launched trial with a prediction (``prediction.free_gib_after_graphs``) and a start
@@ -213,6 +213,11 @@ class Planner:
         before reporting its free memory checks nothing here: its failure bounds the fraction
         from above instead (:func:`tuner.sglang.memory.must_fail`).
 
+        Args:
+            history: ``(trial number, record)`` of the finished trials.
+            believed_check: A running trial's prediction is believed (the believer of
+                :meth:`next`): its start counts as one more check, with no error.
+
         Returns:
             GiB, at least :attr:`min_margin_gib` (:attr:`margin_gib` when nothing was checked).
         """
@@ -221,6 +226,8 @@ class Planner:
             for _, record in history
             if record.prediction.get("free_gib_after_graphs") is not None and record.free_gib_after_graphs is not None
         ]
+        if believed_check:
+            over.append(0.0)
         if not over:
             return self.margin_gib
         return max(self.min_margin_gib, *over)
@@ -423,17 +430,39 @@ class Planner:
         if slo_step is not None:
             return slo_step
 
-        believers = self._believed(pending, model_points)
+        believers = sorted(self._believed(pending, model_points), key=lambda p: (-p.capacity, p.number))
         believed = max((p.capacity for p in believers), default=0)
+        if any(prediction.get("free_gib_after_graphs") is not None for _, prediction in pending):
+            # Believed, a running trial's prediction is checked by its start with no error: the
+            # margin is the one the model would have once it reports (not the unchecked prior).
+            self._margin_gib = self.margin_now_gib(history, believed_check=True)
         if believed > best_capacity:
-            ahead = max(believers, key=lambda p: (p.capacity, -p.number))
-            found = self._proposals(points, model_points, ahead, believed, bounds, tried, oom_frees, ceiling_of)
+            found = self._proposals(points, model_points, believers[0], believed, bounds, tried, oom_frees, ceiling_of)
             if found is not None:
-                return found.model_copy(update={"prediction": {
-                    **found.prediction, "believed_pending_capacity": believed,
-                    "why": f"{found.prediction['why']}, given trials running on other hosts predicted to reach "
-                           f"{believed} contexts"}})
-        return self._proposals(points, model_points, incumbent, best_capacity, bounds, tried, oom_frees, ceiling_of)
+                return self._given(found, believed)
+        found = self._proposals(points, model_points, incumbent, best_capacity, bounds, tried, oom_frees, ceiling_of)
+        if found is not None or not believers:
+            return found
+        # The plan on the measured trials is spent (every step of it is measured or running): the
+        # step it takes next when a running trial comes back as predicted and becomes the
+        # incumbent (its knobs with more request slots, its neighbours in the band), each running
+        # trial in the band in turn, best first, before the sampler.
+        top = max(best_capacity, believed)
+        for ahead in believers:
+            if ahead.capacity < top * (1.0 - self.capacity_tolerance):
+                break
+            found = self._proposals(points, model_points, ahead, top, bounds, tried, oom_frees, ceiling_of)
+            if found is not None:
+                return self._given(found, believed)
+        return None
+
+    @staticmethod
+    def _given(found: Candidate, believed: int) -> Candidate:
+        """``found`` with the pending trials it was proposed against in its prediction."""
+        return found.model_copy(update={"prediction": {
+            **found.prediction, "believed_pending_capacity": believed,
+            "why": f"{found.prediction['why']}, given trials running on other hosts predicted to reach "
+                   f"{believed} contexts"}})
 
     def _believed(self, pending: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]],
                   points: Sequence[_Point]) -> list[_Point]:
