@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from tuner.launch.unit import SystemdUnit
+from tuner.sglang.flags import flag_value
 
 __all__ = ["starter_config"]
 
@@ -35,18 +36,10 @@ def starter_config(*, unit: str | None, sim: bool) -> str:
     systemd_unit.check_exists()
     argv = list(systemd_unit.exec_command().argv)
 
-    def flag(name: str) -> str | None:
-        for i, word in enumerate(argv):
-            if word == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if word.startswith(name + "="):
-                return word.split("=", 1)[1]
-        return None
-
     python = argv[0] if argv and "python" in Path(argv[0]).name else None
-    model = flag("--model-path") or flag("--model")
+    model = flag_value(argv, "--model-path") or flag_value(argv, "--model")
     config_json = Path(model) / "config.json" if model else None
-    port = flag("--port") or "30000"
+    port = flag_value(argv, "--port") or "30000"
     name = unit.removesuffix(".service").replace("@", "-")
     return _template("starter-unit.toml").format(
         unit=unit, when=datetime.now(UTC).date().isoformat(), name=name,

@@ -24,6 +24,7 @@ from typing import Any
 import requests
 
 from tuner.errors import LaunchError
+from tuner.sglang.flags import flag_value
 from tuner.sglang.hicache import GIB, HostMemory
 
 __all__ = ["read_host_memory", "cgroup_limit", "meminfo"]
@@ -108,15 +109,6 @@ def _unit_limit(unit: Any, root: str) -> tuple[int | None, int | None]:
     return limit, current
 
 
-def _flag(argv: Sequence[str], name: str) -> str | None:
-    for i, word in enumerate(argv):
-        if word == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if word.startswith(name + "="):
-            return word.split("=", 1)[1]
-    return None
-
-
 def read_host_memory(argv: Sequence[str], *, url: str | None = None, unit: Any | None = None,
                      pinned_now_bytes: int = 0, meminfo_path: str = "/proc/meminfo",
                      cgroup_root: str = "/sys/fs/cgroup", timeout_s: float = 2.0) -> HostMemory:
@@ -135,7 +127,7 @@ def read_host_memory(argv: Sequence[str], *, url: str | None = None, unit: Any |
         The :class:`~tuner.sglang.hicache.HostMemory` reading.
     """
     sim = any("tuner.sim" in word for word in argv)
-    own = _flag(argv, "--sim-memory-max") if sim else None
+    own = flag_value(argv, "--sim-memory-max") if sim else None
     if unit is not None:
         limit, current = _unit_limit(unit, cgroup_root)
         where = f"systemctl show -p MemoryMax {unit.name}"
@@ -162,7 +154,7 @@ def read_host_memory(argv: Sequence[str], *, url: str | None = None, unit: Any |
                 )
             except (requests.RequestException, ValueError, KeyError, TypeError):
                 pass  # not running (or not answering): its command line says what the host is
-        total = int(float(_flag(argv, "--sim-host-memory-gib") or _SIM_DEFAULT_HOST_GIB) * GIB)
+        total = int(float(flag_value(argv, "--sim-host-memory-gib") or _SIM_DEFAULT_HOST_GIB) * GIB)
         return HostMemory(mem_total_bytes=total, mem_available_bytes=total, cgroup_max_bytes=limit,
                           cgroup_current_bytes=current,
                           source=f"the simulator's --sim-host-memory-gib {total / GIB:g}; {where}")

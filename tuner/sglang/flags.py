@@ -30,6 +30,7 @@ from tuner.errors import FlagError
 from tuner.sglang.versions import at_least, release
 
 __all__ = [
+    "flag_value",
     "FlagOption",
     "FlagTable",
     "FIELD_ALIASES",
@@ -267,6 +268,17 @@ class FlagTable:
 
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
 _HUMAN_SCALE = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` in a server command line, as ``name value`` or ``name=value``; the
+    first occurrence wins, ``None`` when absent (or last with no value after it)."""
+    for i, word in enumerate(argv):
+        if word == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def parse_human_int(text: str) -> int:
