@@ -10,10 +10,13 @@ measure what the hosts add (coordination in the database, duplicate avoidance, w
 baseline), not the box's CPU. Scenario: "8B on L4, 4k contexts, chunks to 16k" of
 ``bench_search.py`` (the one where the top of the fraction range is not safe).
 
-Rate: the time from the baseline's completion to the (:data:`ROUNDS` x N)-th launch (not a skip)
-completed study-wide, as launches per minute. It counts exact completion times (no window edge
-where one launch more or less moves the figure by a seventh), everything the hosts spend between
-launches (sampling, skips, claims, the database), and the slowest host (the last round).
+Rate: the time from the baseline's completion to the :data:`RATE_LAUNCHES`-th launch (not a skip)
+completed study-wide, as launches per minute, the same launches for every worker count: one host
+and N hosts do the same stage of the same study (the planner's steps, then the sampler's, which
+late in this scenario draws many configs that are screened out), so the figure measures what the
+hosts add or cost, not a study N times further along. It counts exact completion times (no window
+edge where one launch more or less moves the figure by a seventh), everything the hosts spend
+between launches (sampling, skips, claims, the database), and the slowest host (the last round).
 Quality: the best (the config's policy) among the first k launches to complete, study-wide, for
 each k of :data:`K_LAUNCHES`, at the rate runs' seed and at :data:`QUALITY_SEEDS` (their own
 workload and sampler seed) with launches of :data:`QUALITY_TRIAL_S` seconds.
@@ -38,11 +41,15 @@ from tuner.study.best import choose_best
 
 TRIAL_S = 12.0
 """Wall-clock seconds of one launch in the rate runs (restart + load phases of a real trial, scaled down)."""
-ROUNDS = 8
-"""Rate: the time to the (ROUNDS x N)-th launch completed study-wide after the baseline."""
-BUDGET_S = 165.0
-"""Each worker's budget in the rate runs: room for 10 launches on one host (the quality's largest k)
-with the baseline and about 2 s of overhead per launch on a busy box (136 s made 9 under load 2-3)."""
+RATE_LAUNCHES = 32
+"""Rate: the time to the RATE_LAUNCHES-th launch completed study-wide after the baseline (8 rounds
+of 4 workers; 32 launches in a row on one host)."""
+
+
+def _budget_s(workers: int) -> float:
+    """Each worker's budget in the rate runs: the baseline, then room for its share of
+    :data:`RATE_LAUNCHES` at 15 s a launch (12 s and the sampler's draws), and a minute to spare."""
+    return TRIAL_S + RATE_LAUNCHES / workers * (TRIAL_S + 3.0) + 60.0
 K_LAUNCHES = (5, 8, 10)
 """Launch counts at which search quality is compared (the first to complete, study-wide)."""
 QUALITY_SEEDS = (1, 2)
@@ -72,7 +79,8 @@ def _worker(url: str, host: str, budget_s: float, cwd: str, seed: int, trial_s: 
 
 
 def _run(cluster, workers: int, cwd: Path, *, seed: int = 0, trial_s: float = TRIAL_S,  # noqa: ANN001 - PostgresCluster
-         budget_s: float = BUDGET_S) -> dict:
+         budget_s: float | None = None) -> dict:
+    budget_s = _budget_s(workers) if budget_s is None else budget_s
     url = cluster.create_database()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(url, f"worker-{i}", budget_s, str(cwd), seed, trial_s))
@@ -90,7 +98,7 @@ def _run(cluster, workers: int, cwd: Path, *, seed: int = 0, trial_s: float = TR
     baseline = [t for t, r in launched if r.kind == "baseline"]
     start = baseline[0].datetime_complete
     after = [(t.datetime_complete - start).total_seconds() for t, r in launched if r.kind != "baseline"]
-    wanted = ROUNDS * workers
+    wanted = RATE_LAUNCHES
     keys = [tuple(sorted(t.params.items())) for t, r in launched if r.repeat_of is None]  # repeats: the noise
     repeats = [r.repeat_of for _, r in launched if r.repeat_of is not None]  # each at most once, study-wide
     from tests.benchmarks.bench_search import _with_seed, scenarios
@@ -107,7 +115,7 @@ def _run(cluster, workers: int, cwd: Path, *, seed: int = 0, trial_s: float = TR
         "workers": workers,
         "seed": seed,
         "baselines": len(baseline),
-        # launches per minute: the (ROUNDS x N)-th completion after the baseline, over its time
+        # launches per minute: the RATE_LAUNCHES-th completion after the baseline, over its time
         "rate_per_min": wanted / after[wanted - 1] * 60.0 if len(after) >= wanted else 0.0,
         "launches": len(launched),
         "duplicates": len(keys) - len(set(keys)) + len(repeats) - len(set(repeats)),
@@ -150,7 +158,7 @@ def _compared() -> tuple[int, ...]:
 def test_trials_per_minute_scale_with_hosts_and_quality_holds(postgres_cluster, tmp_path: Path) -> None:  # noqa: ANN001
     results = {n: _run(postgres_cluster, n, tmp_path) for n in (1, 2, 4)}
     single = results[1]
-    print(f"\nmany hosts, {SCENARIO}, {TRIAL_S:.0f} s per launch, PostgreSQL on 127.0.0.1:")
+    print(f"\nmany hosts, {SCENARIO}, {TRIAL_S:.0f} s per launch, {RATE_LAUNCHES} launches, PostgreSQL on 127.0.0.1:")
     for res in results.values():
         print(_line(res, single))
     worse = [w for n in (2, 4) for w in _quality_holds(results[n], single)]

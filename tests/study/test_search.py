@@ -163,3 +163,40 @@ def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_
     assert len(pending) >= len(alone) + 4  # four more hosts kept busy by the planner
     assert all(p["context_capacity"] >= top * (1 - 0.05) for p in extra)  # in the believed band
     assert all("given trials running on other hosts" in p["why"] for p in extra)
+
+
+def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() -> None:
+    """A space of 36 configs: once the planner and the sampler have measured or screened out what
+    it holds, the sampler's draws repeat. Each config's skip is stored (and counted, and shown)
+    once: a repeat is told to the sampler's mirror only; and the run stops "exhausted" after
+    MAX_REPEATS_IN_A_ROW such repeats in a row, long before the trial cap (before, it drew until
+    the cap, storing every repeat)."""
+    from optuna.trial import TrialState
+
+    from tuner.config import parse_config
+    from tuner.records import RECORD_ATTR, TrialRecord
+    from tuner.study.loop import MAX_REPEATS_IN_A_ROW, StudyRun
+
+    config = parse_config({
+        "study": {"name": "l4-spent", "seed": 3},
+        "service": {"launcher": "process", "command": [
+            "{python}", "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
+            "--mem-fraction-static", "0.9", "--chunked-prefill-size", "4096", "--max-running-requests", "10"]},
+        "space": {"mem_fraction_step": 0.01, "mem_fraction_static": [0.90, 0.95], "max_running_requests": [8, 10],
+                  "chunked_prefill_size": [2048, 4096]},
+        "workload": {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25},
+        "objective": {"context_tokens": 4096},
+        "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
+    cap = 5000
+    run = StudyRun(config, OfflineRunner(config), max_trials=cap, storage_url=":memory:")
+    summary = run.run()
+    assert summary.stop_reason == "exhausted"
+    assert run.handled < cap and summary.trials_run <= 36
+    stored = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in run.study.trials
+              if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
+    keys = [tuple(sorted(run.space().snap(r.params).items())) for r in stored]
+    assert len(keys) == len(set(keys))  # each config's skip stored once
+    assert summary.trials_skipped == len(stored)  # a skip is counted and shown once, as stored
+    assert run.repeats_in_a_row >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
+    measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.history() if r.outcome != "skipped"}
+    assert not measured & set(keys)  # a draw of a measured config is never stored as a skip

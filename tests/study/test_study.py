@@ -138,3 +138,87 @@ def test_slo_clearly_lost_only_after_enough_evidence() -> None:
     assert not slo_clearly_lost(stats(p99_ttft_ms_so_far=2500.0, completed=3), slo)
     assert not slo_clearly_lost(stats(p99_ttft_ms_so_far=2500.0, phase="warmup"), slo)
     assert slo_clearly_lost(stats(completed=5, errored=20), slo)
+
+
+def test_skip_writer_stores_skips_in_order_and_raises_a_failed_write(tmp_path: Path) -> None:
+    """The sampler's skips are written by one background thread, in order, into the real SQLite
+    study; a write that fails (here a param outside its distribution) is raised by the next
+    ``store`` or by ``flush``, not lost in the thread."""
+    from optuna.distributions import FloatDistribution
+
+    from tuner.study.proposals import SkipWriter
+
+    study = _study(tmp_path)
+    dist = {"mem_fraction_static": FloatDistribution(0.5, 0.95)}
+    writer = SkipWriter(study)
+    try:
+        for mfs in (0.80, 0.81, 0.82):
+            skip = TrialRecord(params={"mem_fraction_static": mfs}, outcome="skipped", skipped_reason="predicted")
+            writer.store({"mem_fraction_static": mfs}, dist, skip, {"tuner.host": "a"})
+        writer.flush()
+        stored = study.get_trials(states=(TrialState.PRUNED,))
+        assert [t.params["mem_fraction_static"] for t in stored] == [0.80, 0.81, 0.82]
+        assert all(t.user_attrs["tuner.host"] == "a" for t in stored)
+        bad = TrialRecord(params={"mem_fraction_static": 2.0}, outcome="skipped", skipped_reason="predicted")
+        writer.store({"mem_fraction_static": 2.0}, dist, bad, {})
+        with pytest.raises(ValueError):
+            writer.flush()
+    finally:
+        writer.close()
+    assert len(study.get_trials(states=(TrialState.PRUNED,))) == 3
+
+
+def test_the_samplers_mirror_gives_the_baseline_the_knobs_it_lacks_so_tpe_models_them_jointly(tmp_path: Path) -> None:
+    """The baseline runs the unit's own flags: no ``--max-running-requests`` (SGLang's default),
+    so its trial lacks that param. Copied as stored, multivariate TPE's intersection search space
+    leaves ``max_running_requests`` out for the whole study (sampled apart from the fraction);
+    the mirror copies it at the space's grid point (``Space.snap``: the top), so TPE models all three."""
+    from optuna.search_space import IntersectionSearchSpace
+
+    from tuner.config import SpaceSection
+    from tuner.study.proposals import ProposalMirror
+    from tuner.study.space import resolve_space
+
+    space = resolve_space(SpaceSection(mem_fraction_step=0.01), {"mem_fraction_static": 0.85,
+                          "chunked_prefill_size": 8192}, capacity_hint=8)
+    study = _study(tmp_path)
+    dists = space.distributions()
+    baseline = {"mem_fraction_static": 0.85, "chunked_prefill_size": 8192}
+    study.add_trial(optuna.trial.create_trial(values=[4.0, 900.0], params=baseline,
+                                              distributions={k: dists[k] for k in baseline}))
+    for mfs, mrr in ((0.88, 6), (0.9, 8)):
+        params = {"mem_fraction_static": mfs, "max_running_requests": mrr, "chunked_prefill_size": 8192}
+        study.add_trial(optuna.trial.create_trial(values=[float(mrr), 950.0], params=params,
+                                                  distributions={k: dists[k] for k in params}))
+    assert "max_running_requests" not in IntersectionSearchSpace(include_pruned=True).calculate(study)
+    mirror = ProposalMirror(study.directions, make_sampler("tpe", 0), space)
+    mirror.sync(study.get_trials())
+    assert set(IntersectionSearchSpace(include_pruned=True).calculate(mirror.study)) == set(dists)
+    copied = mirror.study.trials[0]
+    assert copied.params["max_running_requests"] == space.max_running_requests[1]
+    assert copied.values == [4.0, 900.0]
+    assert study.trials[0].params == baseline  # the shared study keeps what ran
+
+
+def test_the_samplers_mirror_leaves_out_other_hosts_skips_but_keeps_their_launches(tmp_path: Path) -> None:
+    """A skip is what the screens conclude from the measured trials, which every host's mirror
+    holds; another host's skip adds only cost to this host's sampler. Its launches (and its
+    failures, COMPLETE with a violated constraint) and this host's own skips are copied."""
+    from tuner.study.optuna_io import add_record
+    from tuner.study.proposals import ProposalMirror
+
+    study = _study(tmp_path)
+    dist = {"mem_fraction_static": optuna.distributions.FloatDistribution(0.5, 0.95)}
+    skip = TrialRecord(params={}, outcome="skipped", skipped_reason="predicted context capacity 3")
+    launched = TrialRecord(params={}, outcome="ok", context_capacity=4, output_throughput_tok_s=900.0,
+                           constraints=OK, feasible=True)
+    for mfs, host, record in ((0.80, "b", skip), (0.81, "a", skip), (0.85, "b", launched)):
+        add_record(study, {"mem_fraction_static": mfs}, dist, record.model_copy(update={"params": {"mem_fraction_static": mfs}}),
+                   {"tuner.host": host})
+    mirror = ProposalMirror(study.directions, make_sampler("tpe", 0), host="a")
+    mirror.sync(study.get_trials())
+    kept = {(t.params["mem_fraction_static"], t.state) for t in mirror.study.trials}
+    assert kept == {(0.81, TrialState.PRUNED), (0.85, TrialState.COMPLETE)}
+    every = ProposalMirror(study.directions, make_sampler("tpe", 0))
+    every.sync(study.get_trials())
+    assert len(every.study.trials) == 3

@@ -79,7 +79,7 @@ from tuner.study.optuna_io import (
     tell_record,
 )
 from tuner.study.planner import Candidate, Planner
-from tuner.study.proposals import ProposalMirror
+from tuner.study.proposals import ProposalMirror, SkipWriter
 from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
 from tuner.study.storage import (
     check_artifacts_folder,
@@ -120,8 +120,11 @@ REPEAT_ATTR = "tuner.repeat_of"
 """Trial user attribute: the trial a deliberate re-measurement repeats."""
 _PROPOSALS_PER_DECISION = 16
 """The sampler's proposals screened per decision before the loop reads the study again."""
-MAX_SKIPPED = 200
-"""Skips in one run after which the search counts as exhausted (the space holds nothing new)."""
+MAX_REPEATS_IN_A_ROW = 200
+"""The sampler's draws in a row of configs measured or skipped already (no launch and no new
+skip between them) after which the search counts as exhausted: it finds nothing new in the
+space. Skips of new configs do not count: a sampler exploring below the capacity band is not
+done (with four hosts, 200 skips in a row happened mid-study)."""
 
 _log = logging.getLogger(__name__)
 
@@ -324,6 +327,9 @@ class StudyRun:
         self.summary = RunSummary(study_name=config.study.name, storage_url=self.url)
         self.launched = 0
         self.handled = 0
+        self.repeats_in_a_row = 0
+        self.stopped = False
+        self._skipped_keys: set[tuple[tuple[str, Any], ...]] = set()  # configs this run stored a skip of
         self.invalid_in_a_row = 0
         self.environment: dict[str, Any] = {}
         self._expected: int | None = None
@@ -338,6 +344,7 @@ class StudyRun:
         self.claims: ClaimLock | None = None
         self._view: list[optuna.trial.FrozenTrial] | None = None
         self.mirror: ProposalMirror | None = None
+        self.skip_writer: SkipWriter | None = None
         self._parsed: dict[int, TrialRecord | None] = {}
 
     # ---- the run -------------------------------------------------------------------------------
@@ -367,12 +374,18 @@ class StudyRun:
                               longest_input_tokens=_longest_input(self.config), budget=self.config.budget,
                               mean_request_tokens=_mean_request_tokens(self.config))
             seed = self.config.study.seed + (zlib.crc32(self.host.encode()) % 1_000_003 if self.shared else 0)
-            self.mirror = ProposalMirror(self._study().directions, make_sampler(self.config.study.sampler, seed))
-            while self.summary.stop_reason == "exhausted" and self.can_continue():
-                trial, job = self.next_trial(space, planner)
-                if trial is None or job is None:
-                    continue
-                self.check_invalid_streak(trial.number, self.launch(trial, job))
+            self.mirror = ProposalMirror(self._study().directions, make_sampler(self.config.study.sampler, seed), space,
+                                         self.host)
+            self.skip_writer = SkipWriter(self._study())
+            try:
+                while not self.stopped and self.can_continue():
+                    trial, job = self.next_trial(space, planner)
+                    if trial is None or job is None:
+                        continue
+                    self.check_invalid_streak(trial.number, self.launch(trial, job))
+                self.skip_writer.flush()
+            finally:
+                self.skip_writer.close()  # an interrupted run's last skips are stored, not raised over it
         self.summary.trials_run = self.launched
         objective = self.config.objective
         self.summary.best = choose_best(self.history(), policy=objective.policy,
@@ -570,33 +583,50 @@ class StudyRun:
         The sampler proposes on the in-memory mirror of the study (:mod:`tuner.study.proposals`,
         the constant liar seeing every host's RUNNING trials); a proposal that needs no restart
         (:func:`skip_reason`, :meth:`Planner.screen`, :meth:`host_check`, or the same config
-        running on another host) is stored as a skipped trial in one write, and the next one is
-        drawn, at most :data:`_PROPOSALS_PER_DECISION` per decision.
+        running on another host) is stored as a skipped trial in one write, by a background
+        thread (:class:`~tuner.study.proposals.SkipWriter`), and the next one is drawn, at most
+        :data:`_PROPOSALS_PER_DECISION` per decision. A draw of a config measured
+        already, or skipped by this run already, is told to the mirror only: the study holds
+        each skip once, and late in a study, when most draws repeat, they cost no write.
         """
-        if self.mirror is None:
+        if self.mirror is None or self.skip_writer is None:
             raise RuntimeError("StudyRun.run() did not open the sampler's mirror")
         self.mirror.sync(self.trials())
         others = {_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
-        for _ in range(_PROPOSALS_PER_DECISION):
-            trial = self.mirror.ask()
-            params = space.suggest(trial)
+        floor = self.band_floor(done)
+        measured = {_key(space.snap(r.params)) for _, r in done if r.outcome in ("ok", "failed") and r.params}
+
+        def reason_of(params: dict[str, Any]) -> tuple[str, int] | None:
             reason = skip_reason(params, done, space)
             if reason is None and self.use_planner:
-                reason = planner.screen(params, done, capacity_floor=self.band_floor(done))
+                reason = planner.screen(params, done, capacity_floor=floor)
             if reason is None:
                 reason = self.host_check(params, done)
             if reason is None and (other := others.get(_key(space.snap(params)))) is not None:
                 reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
                           f"(trial {other.number})", other.number)
+            return reason
+
+        for _ in range(_PROPOSALS_PER_DECISION):
+            trial = self.mirror.ask()
+            params = space.suggest(trial)
+            reason = reason_of(params)
             if reason is None:
                 self.mirror.release(trial)
                 return dict(trial.params)
             record = _skip_record(params, "sampled", {}, reason)
-            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r))
-            number = add_record(self._study(), trial.params, trial.distributions, record, {HOST_ATTR: self.host})
-            self.refresh()
-            self.skipped(number, params, "sampled", reason[0])
-            if self.summary.stop_reason != "exhausted" or not self.can_continue():
+            key = _key(space.snap(params))
+            # The study holds each skip once: a draw of a config measured already, or skipped by
+            # this run already, is told to the mirror (the sampler moves on) and not written again.
+            again = key in self._skipped_keys or key in measured
+            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r), stored=not again)
+            # Stored in the background (SkipWriter), and no new read: the skip changes neither
+            # ``done`` nor the cost estimate (launches only).
+            if not again:
+                self.skip_writer.store(trial.params, trial.distributions, record, {HOST_ATTR: self.host})
+            self._skipped_keys.add(key)
+            self.skipped(None, params, "sampled", reason[0], stored=not again)
+            if self.stopped or not self.can_continue():
                 return None
         return None
 
@@ -657,17 +687,24 @@ class StudyRun:
         """Tell ``trial`` PRUNED with the reason and the proving trial, without a restart."""
         trial.set_user_attr(HOST_ATTR, self.host)
         tell_record(self._study(), trial, _skip_record(params, kind, prediction, reason))
-        self.refresh()
         self.skipped(trial.number, params, kind, reason[0])
 
-    def skipped(self, number: int, params: dict[str, Any], kind: str, text: str) -> None:
-        """Count a skip (stored as trial ``number``) and tell the CLI; stop after :data:`MAX_SKIPPED`."""
+    def skipped(self, number: int | None, params: dict[str, Any], kind: str, text: str, *, stored: bool = True) -> None:
+        """Count a skip (trial ``number``; ``None``: a sampler's draw, stored in the background)
+        and tell the CLI. A draw not ``stored`` (a config measured or skipped already) is no
+        trial: it only counts towards :data:`MAX_REPEATS_IN_A_ROW`, after which the run stops
+        as exhausted."""
+        if not stored:
+            self.repeats_in_a_row += 1
+            if self.repeats_in_a_row >= MAX_REPEATS_IN_A_ROW:
+                self.stop("exhausted")
+            return
+        self.repeats_in_a_row = 0
         self.summary.trials_skipped += 1
         self.handled += 1
         self.estimate()
-        self.progress("skip", number, kind=kind, flags=params, message=f"trial {number} skipped: {text}")
-        if self.summary.trials_skipped > MAX_SKIPPED:
-            self.stop("exhausted")
+        what = f"trial {number}" if number is not None else f"a {kind} config"
+        self.progress("skip", number, kind=kind, flags=params, message=f"{what} skipped: {text}")
 
     def launch(self, trial: optuna.Trial, job: TrialJob,
                before_tell: Callable[[TrialRecord], None] | None = None) -> TrialRecord:
@@ -721,6 +758,7 @@ class StudyRun:
                 "same command again to resume",
             )
         self.launched += 1
+        self.repeats_in_a_row = 0
         if job.repeat_of is not None:
             record = record.model_copy(update={"repeat_of": job.repeat_of})
         record = self.tell(trial, record, begun, before_tell)
@@ -792,8 +830,9 @@ class StudyRun:
             )
 
     def stop(self, reason: str) -> None:
-        """Record the stop reason and tell the CLI."""
+        """Record the stop reason, end the loop after this step, and tell the CLI."""
         self.summary.stop_reason = reason
+        self.stopped = True
         self.progress("stop", None, index=self.handled, message=f"stopped: {reason}")
 
     def show_command(self, number: int) -> str:
