@@ -21,8 +21,8 @@ Quality: the best (the config's policy) among the first k launches to complete, 
 each k of :data:`K_LAUNCHES`, at the rate runs' seed and at :data:`QUALITY_SEEDS` (their own
 workload and sampler seed) with launches of :data:`QUALITY_TRIAL_S` seconds.
 
-Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hosts.py --run-benchmarks -s`` (about 13
-minutes; figures in README § Many hosts).
+Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hosts.py --run-benchmarks -s`` (about 24
+minutes: the rate 19, the quality seeds 4; figures in README § Many hosts).
 """
 
 from __future__ import annotations
