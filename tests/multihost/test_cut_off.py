@@ -74,18 +74,26 @@ def _config() -> TunerConfig:
         update={"heartbeat_interval_s": 1, "grace_period_s": 2})})
 
 
-@pytest.mark.timeout(180)
-def test_a_host_cut_off_past_the_grace_period_stores_its_result_when_the_link_is_back(
-        postgres_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+def _host_a_behind_a_proxy(postgres_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *,  # noqa: ANN001, ANN202
+                           stay_cut: bool):
+    """host-a in ``tmp_path`` on a fresh database it reaches through a :class:`CuttableProxy`:
+    ``(config, direct url, proxy, runner, the url through the proxy)``."""
     monkeypatch.setenv("TUNER_HOST", "host-a")
     monkeypatch.chdir(tmp_path)
     url = postgres_cluster.create_database()
     proxy = CuttableProxy(postgres_cluster.port)
     config = _config()
-    runner = _CutOffRunner(config, proxy, url, stay_cut=False)
+    runner = _CutOffRunner(config, proxy, url, stay_cut=stay_cut)
+    return config, url, proxy, runner, url.replace(f":{postgres_cluster.port}/", f":{proxy.port}/")
+
+
+@pytest.mark.timeout(180)
+def test_a_host_cut_off_past_the_grace_period_stores_its_result_when_the_link_is_back(
+        postgres_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    config, url, proxy, runner, proxied = _host_a_behind_a_proxy(postgres_cluster, tmp_path, monkeypatch, stay_cut=False)
     try:
         with caplog.at_level(logging.WARNING, logger="tuner.study.loop"):
-            summary = run_study(config, runner, max_trials=3, storage_url=url.replace(f":{postgres_cluster.port}/", f":{proxy.port}/"))
+            summary = run_study(config, runner, max_trials=3, storage_url=proxied)
     finally:
         proxy.close()
     assert runner.victim is not None
@@ -105,16 +113,11 @@ def test_a_host_cut_off_past_the_grace_period_stores_its_result_when_the_link_is
 @pytest.mark.timeout(180)
 def test_a_host_still_cut_off_when_its_trial_ends_logs_the_result_in_one_line_and_stops(
         postgres_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
-    monkeypatch.setenv("TUNER_HOST", "host-a")
-    monkeypatch.chdir(tmp_path)
-    url = postgres_cluster.create_database()
-    proxy = CuttableProxy(postgres_cluster.port)
-    config = _config()
-    runner = _CutOffRunner(config, proxy, url, stay_cut=True)
+    config, url, proxy, runner, proxied = _host_a_behind_a_proxy(postgres_cluster, tmp_path, monkeypatch, stay_cut=True)
     try:
         with caplog.at_level(logging.WARNING, logger="tuner.study.loop"), \
                 pytest.raises(StudyError, match="database stopped answering") as raised:
-            run_study(config, runner, max_trials=3, storage_url=url.replace(f":{postgres_cluster.port}/", f":{proxy.port}/"))
+            run_study(config, runner, max_trials=3, storage_url=proxied)
     finally:
         proxy.close()
     assert "\n" not in raised.value.message

@@ -556,11 +556,7 @@ class StudyRun:
                 self._own(trial)
             return trial, TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                                    context_tokens=self.context_tokens, started_at=_now(), repeat_of=int(repeat_of))
-        reason = skip_reason(params, done, space)
-        if reason is None and kind == "sampled" and self.use_planner:
-            reason = planner.screen(params, done, capacity_floor=self.band_floor(done))
-        if reason is None:
-            reason = self.host_check(params, done)
+        reason = self.screen(params, done, space, planner, floor=self.band_floor(done) if kind == "sampled" else None)
         if reason is not None:
             self.skip(trial, params, kind, prediction, reason)
             return trial, None
@@ -596,21 +592,13 @@ class StudyRun:
         floor = self.band_floor(done)
         measured = {_key(space.snap(r.params)) for _, r in done if r.outcome in ("ok", "failed") and r.params}
 
-        def reason_of(params: dict[str, Any]) -> tuple[str, int] | None:
-            reason = skip_reason(params, done, space)
-            if reason is None and self.use_planner:
-                reason = planner.screen(params, done, capacity_floor=floor)
-            if reason is None:
-                reason = self.host_check(params, done)
-            if reason is None and (other := others.get(_key(space.snap(params)))) is not None:
-                reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
-                          f"(trial {other.number})", other.number)
-            return reason
-
         for _ in range(_PROPOSALS_PER_DECISION):
             trial = self.mirror.ask()
             params = space.suggest(trial)
-            reason = reason_of(params)
+            reason = self.screen(params, done, space, planner, floor=floor)
+            if reason is None and (other := others.get(_key(space.snap(params)))) is not None:
+                reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
+                          f"(trial {other.number})", other.number)
             if reason is None:
                 self.mirror.release(trial)
                 return dict(trial.params)
@@ -629,6 +617,19 @@ class StudyRun:
             if self.stopped or not self.can_continue():
                 return None
         return None
+
+    def screen(self, params: Mapping[str, Any], done: Sequence[tuple[int, TrialRecord]], space: Space,
+               planner: Planner, *, floor: int | None) -> tuple[str, int] | None:
+        """Why a config needs no restart, or ``None``: a proof (:func:`skip_reason`), then for a
+        sampled config (``floor``: the capacity band's, :meth:`band_floor`; ``None`` for the
+        planner's own candidates) the planner's predictions (:meth:`Planner.screen`), then this
+        host's memory (:meth:`host_check`)."""
+        reason = skip_reason(params, done, space)
+        if reason is None and floor is not None and self.use_planner:
+            reason = planner.screen(params, done, capacity_floor=floor)
+        if reason is None:
+            reason = self.host_check(params, done)
+        return reason
 
     def cache_candidate(self, space: Space, done: Sequence[tuple[int, TrialRecord]],
                         tried: set[tuple[tuple[str, Any], ...]]) -> Candidate | None:
