@@ -303,3 +303,31 @@ def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4
     # a sampled config with less room than the OOM had at its chunk is not launched
     text, proof = planner.screen(_params(0.9, 9, 8192), history)
     assert proof == 0 and "runtime OOM under load implies" in text
+
+
+def test_screens_calibrate_once_per_history_and_answer_as_a_fresh_planner(l4_space) -> None:
+    """The loop hands one history per decision to ``next`` and to the screen of every sampler's
+    draw, and the planner calibrates once per history. Its answers must be a fresh planner's: after
+    a ``next`` that believed a trial running on another host (which narrows the margin for its own
+    proposals only), and again for a longer history."""
+    baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
+    first = _l4(_params(0.92, 10), peak_gib=1.0)  # no prediction: no checked margin yet
+    history = [(0, baseline), (1, first)]
+    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
+    planner = _l4_planner(l4_space)
+    running = planner.next(history, tried)
+    assert running is not None
+    tried.add(tuple(sorted(running.params.items())))
+    planner.next(history, tried, pending=[(running.params, running.prediction)])
+    assert planner._margin_gib == planner.min_margin_gib  # the believer's margin was in use
+    grid = [_params(mfs / 100, mrr, cps) for mfs in range(80, 100) for mrr in (6, 9, 12, 16)
+            for cps in (2048, 8192, 16384)]
+
+    def fresh(history: list) -> list:
+        return [_l4_planner(l4_space).screen(params, history, capacity_floor=11) for params in grid]
+
+    answers = [planner.screen(params, history, capacity_floor=11) for params in grid]
+    assert answers == fresh(history)
+    assert any(a is None for a in answers) and any(a is not None and "GiB free" in a[0] for a in answers)
+    longer = [*history, (2, _l4(_params(0.95, 12, 2048), peak_gib=0.25))]
+    assert [planner.screen(params, longer, capacity_floor=11) for params in grid] == fresh(longer)

@@ -165,19 +165,11 @@ def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_
     assert all("given trials running on other hosts" in p["why"] for p in extra)
 
 
-def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() -> None:
-    """A space of 36 configs: once the planner and the sampler have measured or screened out what
-    it holds, the sampler's draws repeat. Each config's skip is stored (and counted, and shown)
-    once: a repeat is told to the sampler's mirror only; and the run stops "exhausted" after
-    MAX_REPEATS_IN_A_ROW such repeats in a row, long before the trial cap (before, it drew until
-    the cap, storing every repeat)."""
-    from optuna.trial import TrialState
-
+def _spent_config():  # noqa: ANN202 - TunerConfig
+    """A space of 36 configs that a study spends quickly (L4, 8B, 4k contexts)."""
     from tuner.config import parse_config
-    from tuner.records import RECORD_ATTR, TrialRecord
-    from tuner.study.loop import MAX_REPEATS_IN_A_ROW, StudyRun
 
-    config = parse_config({
+    return parse_config({
         "study": {"name": "l4-spent", "seed": 3},
         "service": {"launcher": "process", "command": [
             "{python}", "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
@@ -187,6 +179,20 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
         "workload": {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25},
         "objective": {"context_tokens": 4096},
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
+
+
+def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() -> None:
+    """A space of 36 configs: once the planner and the sampler have measured or screened out what
+    it holds, the sampler's draws repeat. Each config's skip is stored (and counted, and shown)
+    once: a repeat is told to the sampler's mirror only; and the run stops "exhausted" after
+    MAX_REPEATS_IN_A_ROW such repeats in a row, long before the trial cap (before, it drew until
+    the cap, storing every repeat)."""
+    from optuna.trial import TrialState
+
+    from tuner.records import RECORD_ATTR, TrialRecord
+    from tuner.study.loop import MAX_REPEATS_IN_A_ROW, StudyRun
+
+    config = _spent_config()
     cap = 5000
     run = StudyRun(config, OfflineRunner(config), max_trials=cap, storage_url=":memory:")
     summary = run.run()
@@ -200,3 +206,28 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     assert run.repeats_in_a_row >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
     measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.history() if r.outcome != "skipped"}
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
+
+
+def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path) -> None:  # noqa: ANN001
+    """A second run on a spent study (a resumed run, or another host) draws configs the first one
+    stored skips of: the study holds each config's skip once (it is still this run's decision,
+    counted and shown), and the second run also stops "exhausted"."""
+    from optuna.trial import TrialState
+
+    from tuner.records import RECORD_ATTR, TrialRecord
+    from tuner.study.loop import StudyRun
+
+    config = _spent_config()
+    url = f"sqlite:///{tmp_path / 'spent.db'}"
+    first = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
+    assert first.run().stop_reason == "exhausted"
+    before = len(first.study.trials)
+    second = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
+    summary = second.run()
+    assert summary.stop_reason == "exhausted" and summary.trials_skipped > 0  # it drew the held skips again
+    trials = second.study.trials
+    skips = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in trials
+             if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
+    keys = [tuple(sorted(second.space().snap(r.params).items())) for r in skips]
+    assert len(keys) == len(set(keys))  # each config's skip stored once, study-wide
+    assert len(trials) - before < summary.trials_skipped  # the held ones were not stored again

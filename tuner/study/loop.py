@@ -343,6 +343,7 @@ class StudyRun:
         self.shared = False
         self.claims: ClaimLock | None = None
         self._view: list[optuna.trial.FrozenTrial] | None = None
+        self._history: list[tuple[int, TrialRecord]] | None = None
         self.mirror: ProposalMirror | None = None
         self.skip_writer: SkipWriter | None = None
         self._parsed: dict[int, TrialRecord | None] = {}
@@ -582,8 +583,10 @@ class StudyRun:
         running on another host) is stored as a skipped trial in one write, by a background
         thread (:class:`~tuner.study.proposals.SkipWriter`), and the next one is drawn, at most
         :data:`_PROPOSALS_PER_DECISION` per decision. A draw of a config measured
-        already, or skipped by this run already, is told to the mirror only: the study holds
-        each skip once, and late in a study, when most draws repeat, they cost no write.
+        already, or skipped by this run already, is told to the mirror only: late in a study,
+        when most draws repeat, they cost no write. A skip of a config the study holds a skip of
+        already (another host's, or an earlier run's) is this run's decision (counted and shown)
+        but not written again: the study holds each skip once.
         """
         if self.mirror is None or self.skip_writer is None:
             raise RuntimeError("StudyRun.run() did not open the sampler's mirror")
@@ -591,6 +594,10 @@ class StudyRun:
         others = {_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
         floor = self.band_floor(done)
         measured = {_key(space.snap(r.params)) for _, r in done if r.outcome in ("ok", "failed") and r.params}
+        # Skips the study holds already (another host's, or an earlier run's): the screens of every
+        # host conclude the same from the same measured trials, so the study holds one; a
+        # host-memory skip (the hierarchical cache's pools, :meth:`host_check`) is each host's own.
+        held = {_key(space.snap(r.params)) for _, r in done if r.outcome == "skipped" and r.params}
 
         for _ in range(_PROPOSALS_PER_DECISION):
             trial = self.mirror.ask()
@@ -605,12 +612,14 @@ class StudyRun:
             record = _skip_record(params, "sampled", {}, reason)
             key = _key(space.snap(params))
             # The study holds each skip once: a draw of a config measured already, or skipped by
-            # this run already, is told to the mirror (the sampler moves on) and not written again.
+            # this run already, is told to the mirror (the sampler moves on) and not written again;
+            # one another host (or run) stored is not written again either, but is this run's skip.
             again = key in self._skipped_keys or key in measured
-            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r), stored=not again)
+            write = not again and (key not in held or bool(params.get("enable_hierarchical_cache")))
+            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r), stored=write)
             # Stored in the background (SkipWriter), and no new read: the skip changes neither
             # ``done`` nor the cost estimate (launches only).
-            if not again:
+            if write:
                 self.skip_writer.store(trial.params, trial.distributions, record, {HOST_ATTR: self.host})
             self._skipped_keys.add(key)
             self.skipped(None, params, "sampled", reason[0], stored=not again)
@@ -860,10 +869,16 @@ class StudyRun:
     def refresh(self) -> None:
         """Forget the view of the study (:meth:`trials`): the next question reads it again."""
         self._view = None
+        self._history = None
 
     def history(self) -> list[tuple[int, TrialRecord]]:
         """``(number, record)`` of every finished trial of the study, in trial order (from the
-        decision's view, :meth:`trials`; a finished trial's record is parsed once per run)."""
+        decision's view, :meth:`trials`; a finished trial's record is parsed once per run).
+
+        One list per view, the same object until :meth:`refresh` (the planner calibrates once per
+        history, :meth:`tuner.study.planner.Planner.screen`): callers must not change it."""
+        if self._history is not None:
+            return self._history
         out = []
         for trial in self.trials():
             if trial.state not in (TrialState.COMPLETE, TrialState.PRUNED):
@@ -873,6 +888,7 @@ class StudyRun:
             record = self._parsed[trial.number]
             if record is not None:
                 out.append((trial.number, record))
+        self._history = out
         return out
 
     def cost_s(self) -> float:

@@ -143,10 +143,21 @@ class Planner:
         self._margin_gib = margin_gib
         self.longest_input_tokens = longest_input_tokens or context_tokens
         self._slot_cost_gib = 0.0
+        # The last history calibrated on, and what it gave: (history, its length, points, slot cost,
+        # margin). The loop hands one history per decision to :meth:`next` and to every
+        # :meth:`screen` of the sampler's draws, so the calibration is made once per decision.
+        self._calibrated: tuple[Sequence[tuple[int, TrialRecord]], int, list[_Point], float, float] | None = None
 
     # -- calibration ---------------------------------------------------------------------------
 
     def _points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:
+        """The measured survivors that calibrate the memory model, with the per-slot cost
+        (:meth:`_learn_slot_cost`) and the margin (:meth:`margin_now_gib`) set from them; computed
+        once per history (the same sequence, unchanged in length, gives the cached result)."""
+        cached = self._calibrated
+        if cached is not None and cached[0] is history and cached[1] == len(history):
+            self._slot_cost_gib, self._margin_gib = cached[3], cached[4]
+            return cached[2]
         points = []
         for number, record in history:
             memory = record.memory
@@ -177,6 +188,7 @@ class Planner:
             )
         self._learn_slot_cost(points)
         self._margin_gib = self.margin_now_gib(history)
+        self._calibrated = (history, len(history), points, self._slot_cost_gib, self._margin_gib)
         return points
 
     def _oom_points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:
