@@ -593,24 +593,30 @@ class StudyRun:
         self.mirror.sync(self.trials())
         others = {_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
         floor = self.band_floor(done)
-        measured = {_key(space.snap(r.params)) for _, r in done if r.outcome in ("ok", "failed") and r.params}
-        # Skips the study holds already (another host's, or an earlier run's): the screens of every
-        # host conclude the same from the same measured trials, so the study holds one; a
-        # host-memory skip (the hierarchical cache's pools, :meth:`host_check`) is each host's own.
-        held = {_key(space.snap(r.params)) for _, r in done if r.outcome == "skipped" and r.params}
+        # Configs measured, and configs the study holds a skip of already (another host's, or an
+        # earlier run's: the screens of every host conclude the same from the same measured
+        # trials, so the study holds one; a host-memory skip, the hierarchical cache's pools,
+        # :meth:`host_check`, is each host's own).
+        measured: set[tuple[tuple[str, Any], ...]] = set()
+        held: set[tuple[tuple[str, Any], ...]] = set()
+        for _, r in done:
+            if r.params and r.outcome in ("ok", "failed"):
+                measured.add(_key(space.snap(r.params)))
+            elif r.params and r.outcome == "skipped":
+                held.add(_key(space.snap(r.params)))
 
         for _ in range(_PROPOSALS_PER_DECISION):
             trial = self.mirror.ask()
             params = space.suggest(trial)
+            key = _key(space.snap(params))
             reason = self.screen(params, done, space, planner, floor=floor)
-            if reason is None and (other := others.get(_key(space.snap(params)))) is not None:
+            if reason is None and (other := others.get(key)) is not None:
                 reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
                           f"(trial {other.number})", other.number)
             if reason is None:
                 self.mirror.release(trial)
                 return dict(trial.params)
             record = _skip_record(params, "sampled", {}, reason)
-            key = _key(space.snap(params))
             # The study holds each skip once: a draw of a config measured already, or skipped by
             # this run already, is told to the mirror (the sampler moves on) and not written again;
             # one another host (or run) stored is not written again either, but is this run's skip.

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,6 +90,16 @@ class _Point(BaseModel):
     capacity: int
 
 
+class _Calibration(NamedTuple):
+    """What :meth:`Planner._points` made of one history (held, so the same object is recognised)."""
+
+    history: Sequence[tuple[int, TrialRecord]]
+    size: int
+    points: list[_Point]
+    slot_cost_gib: float
+    margin_gib: float
+
+
 def _family(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(
         sorted((k, v) for k, v in params.items() if k not in ("mem_fraction_static", "max_running_requests"))
@@ -143,10 +153,10 @@ class Planner:
         self._margin_gib = margin_gib
         self.longest_input_tokens = longest_input_tokens or context_tokens
         self._slot_cost_gib = 0.0
-        # The last history calibrated on, and what it gave: (history, its length, points, slot cost,
-        # margin). The loop hands one history per decision to :meth:`next` and to every
-        # :meth:`screen` of the sampler's draws, so the calibration is made once per decision.
-        self._calibrated: tuple[Sequence[tuple[int, TrialRecord]], int, list[_Point], float, float] | None = None
+        # The last history calibrated on and what it gave. The loop hands one history per decision
+        # to :meth:`next` and to every :meth:`screen` of the sampler's draws, so the calibration
+        # is made once per decision.
+        self._calibrated: _Calibration | None = None
 
     # -- calibration ---------------------------------------------------------------------------
 
@@ -155,9 +165,9 @@ class Planner:
         (:meth:`_learn_slot_cost`) and the margin (:meth:`margin_now_gib`) set from them; computed
         once per history (the same sequence, unchanged in length, gives the cached result)."""
         cached = self._calibrated
-        if cached is not None and cached[0] is history and cached[1] == len(history):
-            self._slot_cost_gib, self._margin_gib = cached[3], cached[4]
-            return cached[2]
+        if cached is not None and cached.history is history and cached.size == len(history):
+            self._slot_cost_gib, self._margin_gib = cached.slot_cost_gib, cached.margin_gib
+            return cached.points
         points = []
         for number, record in history:
             memory = record.memory
@@ -188,7 +198,7 @@ class Planner:
             )
         self._learn_slot_cost(points)
         self._margin_gib = self.margin_now_gib(history)
-        self._calibrated = (history, len(history), points, self._slot_cost_gib, self._margin_gib)
+        self._calibrated = _Calibration(history, len(history), points, self._slot_cost_gib, self._margin_gib)
         return points
 
     def _oom_points(self, history: Sequence[tuple[int, TrialRecord]]) -> list[_Point]:

@@ -12,8 +12,8 @@ shared study's trials (finished ones, and other hosts' RUNNING ones for the cons
 to date incrementally from the loop's one read per decision. A proposal the screens reject is told
 PRUNED there (so the sampler moves on, as it would on the shared study) and stored in the shared
 study as one finished trial, in one write (:func:`tuner.study.optuna_io.add_record`) made by a
-background thread (:class:`SkipWriter`), once per config and run; a proposal
-that passes is handed to the shared study as an enqueued trial and claimed there like any other.
+background thread (:class:`SkipWriter`), once per config in the study (a host-memory skip once
+per host); a proposal that passes is handed to the shared study as an enqueued trial and claimed there like any other.
 The sampler sees the same trials either way, so the search is the sampler's own, with one
 addition: a trial without a knob the space searches on every trial (the baseline, which runs the
 unit's own flags: SGLang's default ``max_running_requests`` is no flag) is copied with that knob
