@@ -80,7 +80,7 @@ from tuner.study.optuna_io import (
 )
 from tuner.study.planner import Candidate, Planner
 from tuner.study.proposals import ProposalMirror, SkipWriter
-from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, decide_hicache, resolve_space
+from tuner.study.space import HICACHE_KNOBS, HiCacheChoice, Space, config_key, decide_hicache, resolve_space
 from tuner.study.storage import (
     check_artifacts_folder,
     check_run_storage,
@@ -524,8 +524,8 @@ class StudyRun:
             queued = bool(waiting)
             if not queued and planning:
                 # Every host's trials count: what runs elsewhere now is as tried as what finished.
-                tried = {_key(space.snap(r.params)) for _, r in done if r.params}
-                tried |= {_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
+                tried = {config_key(space.snap(r.params)) for _, r in done if r.params}
+                tried |= {config_key(space.snap(t.params)) for t in (*waiting, *running) if t.params}
                 # Other hosts' planner trials in flight: what they are predicted to reach (believed).
                 pending = [(dict(t.params), dict(t.user_attrs.get(PREDICTION_ATTR) or {}))
                            for t in running if t.user_attrs.get(KIND_ATTR) == "predicted" and t.params]
@@ -591,7 +591,7 @@ class StudyRun:
         if self.mirror is None or self.skip_writer is None:
             raise RuntimeError("StudyRun.run() did not open the sampler's mirror")
         self.mirror.sync(self.trials())
-        others = {_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
+        others = {config_key(space.snap(t.params)): t for t in running if t.params and t.user_attrs.get(HOST_ATTR)}
         floor = self.band_floor(done)
         # Configs measured, and configs the study holds a skip of already (another host's, or an
         # earlier run's: the screens of every host conclude the same from the same measured
@@ -601,14 +601,14 @@ class StudyRun:
         held: set[tuple[tuple[str, Any], ...]] = set()
         for _, r in done:
             if r.params and r.outcome in ("ok", "failed"):
-                measured.add(_key(space.snap(r.params)))
+                measured.add(config_key(space.snap(r.params)))
             elif r.params and r.outcome == "skipped":
-                held.add(_key(space.snap(r.params)))
+                held.add(config_key(space.snap(r.params)))
 
         for _ in range(_PROPOSALS_PER_DECISION):
             trial = self.mirror.ask()
             params = space.suggest(trial)
-            key = _key(space.snap(params))
+            key = config_key(space.snap(params))
             reason = self.screen(params, done, space, planner, floor=floor)
             if reason is None and (other := others.get(key)) is not None:
                 reason = (f"the same config is running on host {other.user_attrs.get(HOST_ATTR)} "
@@ -675,7 +675,7 @@ class StudyRun:
             knob, grid = "", [None]
         for value in grid:
             params = space.snap({**base, **on, **({knob: value} if knob else {})})
-            if _key(params) in tried:
+            if config_key(params) in tried:
                 return None
             if self.host_check(params, done) is None:
                 return Candidate(params=params, prediction={
@@ -974,7 +974,7 @@ class StudyRun:
         band: dict[tuple[tuple[str, Any], ...], tuple[int, TrialRecord]] = {}
         for number, record in done:
             if record.feasible and record.outcome == "ok" and (record.context_capacity or 0) >= floor:
-                band.setdefault(_key(space.snap(record.params)), (number, record))
+                band.setdefault(config_key(space.snap(record.params)), (number, record))
         ranked = sorted(band.values(), key=lambda item: -(item[1].output_throughput_tok_s or 0.0))
         if len(ranked) < 2:
             return None
@@ -1097,9 +1097,9 @@ def claimed_reason(trial: optuna.Trial, others: Sequence[optuna.trial.FrozenTria
     Returns:
         ``(reason, trial number)``, or ``None`` to launch.
     """
-    mine = _key(trial.params)
+    mine = config_key(trial.params)
     for other in others:
-        if other.number == trial.number or not other.params or _key(other.params) != mine:
+        if other.number == trial.number or not other.params or config_key(other.params) != mine:
             continue
         if other.state is TrialState.COMPLETE:
             return f"the same config was measured by trial {other.number}", other.number
@@ -1116,10 +1116,6 @@ def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSu
     :meth:`StudyRun.run` for the result and the raised errors.
     """
     return StudyRun(config, runner, **options).run()
-
-
-def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(params.items()))
 
 
 def _now() -> str:
@@ -1141,9 +1137,9 @@ def skip_reason(
         ``(reason, proving trial number)``, or ``None`` when the candidate must be launched.
     """
     snap = space.snap if space is not None else (lambda p: {k: p.get(k) for k in params})
-    wanted = _key(snap(dict(params)))
+    wanted = config_key(snap(dict(params)))
     for number, record in finished:
-        if record.outcome in ("ok", "failed") and record.params and _key(snap(dict(record.params))) == wanted:
+        if record.outcome in ("ok", "failed") and record.params and config_key(snap(dict(record.params))) == wanted:
             return f"the same config was measured by trial {number}", number
     failures = [(n, r, r.failure_class) for n, r in finished if r.outcome == "failed" and r.failure_class is not None]
     if failures:

@@ -43,7 +43,7 @@ from tuner.sglang.failures import RESERVE_FAILURES, FailureClass
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, slo_bounds, slo_points
-from tuner.study.space import Space
+from tuner.study.space import Space, config_key
 
 __all__ = ["Candidate", "Planner"]
 
@@ -104,10 +104,6 @@ def _family(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(
         sorted((k, v) for k, v in params.items() if k not in ("mem_fraction_static", "max_running_requests"))
     )
-
-
-def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(params.items()))
 
 
 class Planner:
@@ -545,7 +541,7 @@ class Planner:
             bound = self._bound_for(family, bounds, self._binding_family(bounds))
             for mfs, tokens, capacity, free, mrr in found_options:
                 params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
-                if _key(params) in tried:
+                if config_key(params) in tried:
                     continue
                 if mrr > self.slots_cap(tokens):
                     continue  # more slots than the measured window can ever run at once
@@ -712,7 +708,7 @@ class Planner:
             return None
         mfs, tokens, capacity, free, mrr = found
         params = self.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
-        if _key(params) in tried:
+        if config_key(params) in tried:
             return None
         return Candidate(params=params, prediction={
             "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),

@@ -39,15 +39,11 @@ from optuna.trial import FrozenTrial, TrialState
 from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.study.hosts import HOST_ATTR
 from tuner.study.optuna_io import add_record
-from tuner.study.space import Space
+from tuner.study.space import Space, config_key
 
 __all__ = ["ProposalMirror", "SkipWriter"]
 
 _COPIED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-def _key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(params.items()))
 
 
 class ProposalMirror:
@@ -80,7 +76,7 @@ class ProposalMirror:
             if trial.state in _COPIED_STATES:
                 self._end_running(trial.number)
                 self._copied.add(trial.number)
-                key = _key(trial.params)
+                key = config_key(trial.params)
                 if trial.state is TrialState.PRUNED and self._own_skips[key] > 0:
                     self._own_skips[key] -= 1  # this mirror's own skip, told here already
                     continue
@@ -105,7 +101,7 @@ class ProposalMirror:
         again."""
         tell(self.study, trial)
         if stored:
-            self._own_skips[_key(trial.params)] += 1
+            self._own_skips[config_key(trial.params)] += 1
 
     def release(self, trial: optuna.Trial) -> None:
         """Drop a proposal that goes to the shared study (it comes back as RUNNING on sync)."""

@@ -32,7 +32,7 @@ from tuner.sglang.hicache import (
 )
 
 __all__ = ["SEARCHED_FIELDS", "HICACHE_KNOBS", "Space", "HiCacheChoice", "decide_hicache", "resolve_space",
-           "default_chunked_prefill_size", "MIN_REUSE_SHARE"]
+           "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key"]
 
 SEARCHED_FIELDS = (
     "mem_fraction_static",
@@ -53,6 +53,12 @@ HICACHE_KNOBS = ("hicache_ratio", "hicache_size", "hicache_write_policy", "hicac
 """The hierarchical cache's conditional knobs: set only when ``enable_hierarchical_cache`` is on (§7)."""
 MIN_REUSE_SHARE = 0.10
 """Below this share of prompt tokens served from an earlier request's prefix, a prefix tier cannot pay."""
+
+def config_key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A config as a hashable key: its ``(knob, value)`` pairs sorted by knob. Snap it first
+    (:meth:`Space.snap`) to compare configs on the space's grid."""
+    return tuple(sorted(params.items()))
+
 
 def default_chunked_prefill_size(gpu_total_mib: float | None) -> int:
     """SGLang's default ``chunked_prefill_size`` for a GPU size in MiB (§2.1, 0.5.5 ≈ 0.5.10)."""
