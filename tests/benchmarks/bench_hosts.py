@@ -63,8 +63,8 @@ def _worker(url: str, host: str, budget_s: float, cwd: str, seed: int, trial_s: 
     """One host: the product's loop on the shared study, trials timed to ``trial_s`` seconds."""
     os.environ["TUNER_HOST"] = host
     os.chdir(cwd)  # its studies/<study>/artifacts folder lands in the test's folder
-    from tests.benchmarks.bench_search import _with_seed, scenarios
     from tests.support.offline_runner import OfflineRunner
+    from tests.support.scenarios import scenarios, with_seed
     from tuner.study.loop import run_study
 
     class TimedRunner(OfflineRunner):
@@ -74,7 +74,7 @@ def _worker(url: str, host: str, budget_s: float, cwd: str, seed: int, trial_s: 
             time.sleep(max(0.0, trial_s - (time.monotonic() - begun)))
             return record.model_copy(update={"duration_s": trial_s})
 
-    cfg = _with_seed(scenarios()[SCENARIO]["config"], seed)
+    cfg = with_seed(scenarios()[SCENARIO]["config"], seed)
     run_study(cfg, TimedRunner(cfg), budget_s=budget_s, storage_url=url)
 
 
@@ -101,9 +101,9 @@ def _run(cluster, workers: int, cwd: Path, *, seed: int = 0, trial_s: float = TR
     wanted = RATE_LAUNCHES
     keys = [tuple(sorted(t.params.items())) for t, r in launched if r.repeat_of is None]  # repeats: the noise
     repeats = [r.repeat_of for _, r in launched if r.repeat_of is not None]  # each at most once, study-wide
-    from tests.benchmarks.bench_search import _with_seed, scenarios
+    from tests.support.scenarios import scenarios, with_seed
 
-    cfg = _with_seed(scenarios()[SCENARIO]["config"], seed)
+    cfg = with_seed(scenarios()[SCENARIO]["config"], seed)
     quality = {}
     for k in K_LAUNCHES:
         first = [(t.number, r) for t, r in launched[:k]]

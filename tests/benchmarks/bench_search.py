@@ -23,14 +23,14 @@ import json
 import math
 import os
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.offline_runner import OfflineRunner  # noqa: E402
-from tuner.config import TunerConfig, load_config, parse_config  # noqa: E402
+from tests.support.scenarios import scenarios, with_seed  # noqa: E402
+from tuner.config import TunerConfig  # noqa: E402
 from tuner.load import build_workload  # noqa: E402
 from tuner.records import TrialRecord  # noqa: E402
 from tuner.study.best import choose_best  # noqa: E402
@@ -38,39 +38,8 @@ from tuner.study.budget import reachable_slots  # noqa: E402
 from tuner.study.loop import TrialJob, run_study  # noqa: E402
 from tuner.study.space import Space  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINTS = (5, 10, 20)
 LAUNCHES = max(CHECKPOINTS)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def scenarios() -> dict[str, dict[str, Any]]:
-    """The scenarios of ``search_scenarios.toml``: name → ``config``, ``binds``, ``noise``,
-    ``seeds``, ``grid_stride``."""
-    data = tomllib.loads((Path(__file__).with_name("search_scenarios.toml")).read_text(encoding="utf-8"))
-    out = {}
-    for item in data["scenario"]:
-        config = item.get("config", {})
-        if "config_file" in item:
-            base = load_config(ROOT / item["config_file"]).model_dump(mode="json", exclude_none=True)
-            base.pop("path", None)
-            config = _merge(base, config)
-        config = _merge({"study": {"name": item["name"], "seed": 0}}, config)
-        out[item["name"]] = {
-            "config": parse_config(config), "binds": item.get("binds", "memory"), "noise": float(item.get("noise", 0.0)),
-            "seeds": list(item.get("seeds", [0, 1, 2])), "grid_stride": int(item.get("grid_stride", 1)),
-        }
-    return out
-
-
-def _with_seed(cfg: TunerConfig, seed: int, sampler: str = "tpe") -> TunerConfig:
-    return cfg.model_copy(update={"study": cfg.study.model_copy(update={"seed": seed, "sampler": sampler})})
 
 
 def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, *, noise: float | None = None) -> TrialRecord | None:
@@ -203,7 +172,7 @@ def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfi
 
 
 def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float) -> list[tuple[int, TrialRecord]]:
-    cfg = _with_seed(cfg, seed, "tpe" if planner else "random")
+    cfg = with_seed(cfg, seed, "tpe" if planner else "random")
     runner = OfflineRunner(cfg, world_seed=0, noise=noise)
     # Trials include skips (no launch): allow enough trials for LAUNCHES launches.
     run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner)

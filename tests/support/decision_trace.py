@@ -1,0 +1,99 @@
+"""The study's decisions on every search scenario, as text: the safety net of a refactor.
+
+For each scenario of ``tests/benchmarks/search_scenarios.toml`` at seeds 0-2, the study runs as
+the search-quality benchmark runs it (the product's loop on the simulator's offline evaluation,
+virtual time, an in-memory study, ``4 × 20`` trials at most) and every progress event that is a
+decision is written down in order: a launch's kind, params and outcome; a skip's kind, params and
+reason; a note; the stop. Optuna trial numbers are left out (skips are stored by a background
+thread, so their numbers interleave): a number in a reason is written as the launch it names
+(``L3``, the third launch of the run) or ``T?`` for a trial that was not launched.
+
+``python -m tests.support.decision_trace`` writes the golden file
+(``tests/study/golden/decision-trace.txt``); ``tests/study/test_decision_trace.py`` checks the
+product still makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.support.offline_runner import OfflineRunner
+from tests.support.scenarios import scenarios, with_seed
+from tuner.study.loop import Progress, run_study
+
+GOLDEN = Path(__file__).resolve().parents[1] / "study" / "golden" / "decision-trace.txt"
+SEEDS = (0, 1, 2)
+MAX_TRIALS = 80
+"""The benchmark's trial cap (``4 × 20`` launches: skips count as trials)."""
+
+_TRIAL = re.compile(r"\btrials? (\d+)\b")
+_NUMBERED = re.compile(r"^(?:trial \d+|a \w+ config)(?: skipped)?: ")
+
+
+class _Recorder:
+    """Turns progress events into trace lines (trial numbers replaced by launch ordinals)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.launches: dict[int, int] = {}
+
+    def _numbers(self, text: str) -> str:
+        def name(match: re.Match[str]) -> str:
+            number = int(match.group(1))
+            ordinal = self.launches.get(number)
+            return match.group(0).replace(match.group(1), f"L{ordinal}" if ordinal else "T?")
+
+        return _TRIAL.sub(name, text)
+
+    def __call__(self, event: Progress) -> None:
+        if event.event == "trial_start" and event.number is not None:
+            self.launches[event.number] = len(self.launches) + 1
+            return
+        if event.event not in ("trial_end", "skip", "note", "stop"):
+            return
+        text = self._numbers(_NUMBERED.sub("", event.message))
+        flags = json.dumps(_plain(event.flags), sort_keys=True)
+        if event.event == "trial_end":
+            ordinal = self.launches.get(event.number if event.number is not None else -1, 0)
+            self.lines.append(f"launch L{ordinal} {event.kind} {flags} -> {text}")
+        elif event.event == "skip":
+            self.lines.append(f"skip {event.kind} {flags} -> {text}")
+        else:
+            self.lines.append(f"{event.event} {text}")
+
+
+def _plain(flags: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in flags.items()}
+
+
+def trace(name: str, seed: int) -> list[str]:
+    """The decisions of scenario ``name``'s study at ``seed`` (one line each)."""
+    item = scenarios()[name]
+    cfg = with_seed(item["config"], seed)
+    recorder = _Recorder()
+    runner = OfflineRunner(cfg, world_seed=0, noise=item["noise"])
+    run_study(cfg, runner, max_trials=MAX_TRIALS, storage_url=":memory:", on_progress=recorder)
+    return recorder.lines
+
+
+def render() -> str:
+    """The whole trace: every scenario at :data:`SEEDS`, a header line per study."""
+    out = []
+    for name in scenarios():
+        for seed in SEEDS:
+            out.append(f"## {name} | seed {seed}")
+            out.extend(trace(name, seed))
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if "--check" in sys.argv:
+        sys.exit(0 if GOLDEN.read_text(encoding="utf-8") == text else 1)
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(text, encoding="utf-8")
+    print(f"wrote {GOLDEN} ({text.count(chr(10))} lines)")
