@@ -16,40 +16,18 @@ Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hicache.py --run-benchm
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.support.offline_runner import OfflineRunner
-from tuner.config import TunerConfig, load_config
+from tests.support.scenarios import hicache_scenarios as scenarios
+from tests.support.scenarios import with_config as _with
+from tuner.config import TunerConfig
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.study.best import choose_best
 from tuner.study.loop import TrialJob, run_study
 
-ROOT = Path(__file__).resolve().parents[2]
 LAUNCHES = 10
-
-
-def _with(cfg: TunerConfig, name: str, *, workload: dict | None = None, space: dict | None = None) -> TunerConfig:
-    update: dict = {"study": cfg.study.model_copy(update={"name": name})}
-    if workload is not None:
-        update["workload"] = type(cfg).model_validate({**cfg.model_dump(), "workload": workload}).workload
-    if space is not None:
-        update["space"] = cfg.space.model_copy(update=space)
-    return cfg.model_copy(update=update)
-
-
-def scenarios() -> dict[str, TunerConfig]:
-    chat = load_config(ROOT / "configs" / "reference-multiturn-sim.toml")
-    return {
-        "multi-turn chat (64 sessions x 4 turns, 8k system prompt)": chat,
-        "shared prefix (48 system prompts of 12k, 8 questions each)": _with(chat, "shared-prefix", workload={
-            "kind": "shared_prefix", "num_groups": 48, "prompts_per_group": 8, "system_prompt_len": 12288,
-            "question_len": 512, "output_len": 256}),
-        "no reuse (random 8k prompts)": _with(chat, "random", workload={
-            "kind": "random", "input_len": 8192, "output_len": 256, "range_ratio": 0.5, "num_requests": 256}),
-    }
 
 
 def _study(cfg: TunerConfig) -> tuple[OfflineRunner, list[tuple[int, TrialRecord]], object]:

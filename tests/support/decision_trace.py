@@ -2,7 +2,8 @@
 
 For each scenario of ``tests/benchmarks/search_scenarios.toml`` at seeds 0-2, the study runs as
 the search-quality benchmark runs it (the product's loop on the simulator's offline evaluation,
-virtual time, an in-memory study, ``4 × 20`` trials at most) and every progress event that is a
+virtual time, an in-memory study, ``4 × 20`` trials at most), and so do the three HiCache
+studies of ``tests/benchmarks/bench_hicache.py`` (the cache candidate, the host-memory check); every progress event that is a
 decision is written down in order: a launch's kind, params and outcome; a skip's kind, params and
 reason; a note; the stop. Optuna trial numbers are left out (skips are stored by a background
 thread, so their numbers interleave): a number in a reason is written as the launch it names
@@ -22,13 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.offline_runner import OfflineRunner
-from tests.support.scenarios import scenarios, with_seed
+from tests.support.scenarios import hicache_scenarios, scenarios, with_seed
 from tuner.study.loop import Progress, run_study
 
 GOLDEN = Path(__file__).resolve().parents[1] / "study" / "golden" / "decision-trace.txt"
 SEEDS = (0, 1, 2)
 MAX_TRIALS = 80
 """The benchmark's trial cap (``4 × 20`` launches: skips count as trials)."""
+HICACHE_MAX_TRIALS = 40
+"""The HiCache benchmark's trial cap (``4 × 10``)."""
 
 _TRIAL = re.compile(r"\btrials? (\d+)\b")
 _NUMBERED = re.compile(r"^(?:trial \d+|a \w+ config)(?: skipped)?: ")
@@ -71,7 +74,7 @@ def _plain(flags: dict[str, Any]) -> dict[str, Any]:
 
 
 def trace(name: str, seed: int) -> list[str]:
-    """The decisions of scenario ``name``'s study at ``seed`` (one line each)."""
+    """The decisions of search scenario ``name``'s study at ``seed`` (one line each)."""
     item = scenarios()[name]
     cfg = with_seed(item["config"], seed)
     recorder = _Recorder()
@@ -80,13 +83,26 @@ def trace(name: str, seed: int) -> list[str]:
     return recorder.lines
 
 
+def hicache_trace(name: str) -> list[str]:
+    """The decisions of the HiCache benchmark's study ``name`` (its config's seed, 40 trials at
+    most, as ``bench_hicache.py`` runs it): the cache candidate and the host-memory check."""
+    cfg = hicache_scenarios()[name]
+    recorder = _Recorder()
+    runner = OfflineRunner(cfg, pool_requests=256)
+    run_study(cfg, runner, max_trials=HICACHE_MAX_TRIALS, storage_url=":memory:", on_progress=recorder)
+    return recorder.lines
+
+
 def render() -> str:
-    """The whole trace: every scenario at :data:`SEEDS`, a header line per study."""
+    """The whole trace: every search scenario at :data:`SEEDS`, then the HiCache studies; a header line per study."""
     out = []
     for name in scenarios():
         for seed in SEEDS:
             out.append(f"## {name} | seed {seed}")
             out.extend(trace(name, seed))
+    for name in hicache_scenarios():
+        out.append(f"## HiCache: {name}")
+        out.extend(hicache_trace(name))
     return "\n".join(out) + "\n"
 
 

@@ -45,3 +45,26 @@ def scenarios() -> dict[str, dict[str, Any]]:
 def with_seed(cfg: TunerConfig, seed: int, sampler: str = "tpe") -> TunerConfig:
     """``cfg`` with the study's seed and sampler set."""
     return cfg.model_copy(update={"study": cfg.study.model_copy(update={"seed": seed, "sampler": sampler})})
+
+
+def with_config(cfg: TunerConfig, name: str, *, workload: dict | None = None, space: dict | None = None) -> TunerConfig:
+    """``cfg`` renamed ``name``, with another ``[workload]`` or ``[space]`` keys when given."""
+    update: dict = {"study": cfg.study.model_copy(update={"name": name})}
+    if workload is not None:
+        update["workload"] = type(cfg).model_validate({**cfg.model_dump(), "workload": workload}).workload
+    if space is not None:
+        update["space"] = cfg.space.model_copy(update=space)
+    return cfg.model_copy(update=update)
+
+
+def hicache_scenarios() -> dict[str, TunerConfig]:
+    """The HiCache benchmark's three workloads on the reference twin (``bench_hicache.py``): name → config."""
+    chat = load_config(ROOT / "configs" / "reference-multiturn-sim.toml")
+    return {
+        "multi-turn chat (64 sessions x 4 turns, 8k system prompt)": chat,
+        "shared prefix (48 system prompts of 12k, 8 questions each)": with_config(chat, "shared-prefix", workload={
+            "kind": "shared_prefix", "num_groups": 48, "prompts_per_group": 8, "system_prompt_len": 12288,
+            "question_len": 512, "output_len": 256}),
+        "no reuse (random 8k prompts)": with_config(chat, "random", workload={
+            "kind": "random", "input_len": 8192, "output_len": 256, "range_ratio": 0.5, "num_requests": 256}),
+    }
