@@ -38,6 +38,7 @@ __all__ = [
     "StudyError",
     "ApplyError",
     "GPUError",
+    "first_line",
 ]
 
 
@@ -104,3 +105,9 @@ class ApplyError(TunerError):
 
 class GPUError(TunerError):
     """NVML is unavailable, or a foreign process holds GPU memory."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's text (SQLAlchemy appends SQL and a link on more lines;
+    the type's name when the text is empty)."""
+    return (str(err).splitlines() or [type(err).__name__])[0]

@@ -44,10 +44,9 @@ from optuna.storages import BaseStorage, RDBStorage, RetryHeartbeatStaleTrialCal
 from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.errors import StudyError
+from tuner.errors import StudyError, first_line
 from tuner.records import RECORD_ATTR
 from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
-from tuner.study.storage import first_line
 
 __all__ = [
     "HOST_ATTR",

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig, check_url_matches_port
-from tuner.errors import ServiceControlError, StudyError
+from tuner.errors import ServiceControlError, StudyError, first_line
 from tuner.load.workloads import build_workload, estimate_reuse
 from tuner.records import Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES, FailureClass
@@ -85,7 +85,6 @@ from tuner.study.storage import (
     check_artifacts_folder,
     check_run_storage,
     check_storage_folder,
-    first_line,
     open_storage,
     storage_errors,
     study_artifacts_dir,

@@ -21,11 +21,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from tuner.config import TunerConfig
-from tuner.errors import StudyError
+from tuner.errors import StudyError, first_line
+from tuner.study.hosts import RequeueOnce, host_name, schema_lock
 
 __all__ = [
     "STUDIES_DIR",
-    "first_line",
     "default_storage_url",
     "default_artifacts_dir",
     "study_storage_url",
@@ -89,8 +89,6 @@ def _engine_kwargs(url: str) -> dict:
         return {"connect_args": {"timeout": 30}}
     kwargs: dict = {"pool_pre_ping": True}
     if url.startswith("postgresql"):
-        from tuner.study.hosts import host_name
-
         kwargs["connect_args"] = {"connect_timeout": 10, "application_name": f"sglang-tuner {host_name()}"[:63]}
     return kwargs
 
@@ -125,8 +123,6 @@ def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_per
                 f"storage folder {str(path.parent)!r} cannot be created: {err.strerror}",
                 hint="set [storage] url to a writable place",
             ) from err
-    from tuner.study.hosts import RequeueOnce, schema_lock
-
     heartbeat: dict = {}
     if heartbeat_interval_s is not None:
         heartbeat = {"heartbeat_interval": int(heartbeat_interval_s), "grace_period": grace_period_s,
@@ -278,11 +274,6 @@ def check_storage(storage_url: str) -> None:
             f"storage {display_url(storage_url)} holds no Optuna study",
             hint="point --storage at the database `tuner run` wrote",
         )
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's text (SQLAlchemy appends SQL and a link on more lines)."""
-    return (str(err).splitlines() or [type(err).__name__])[0]
 
 
 def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
