@@ -29,7 +29,6 @@ leaves that state file, which ``tuner restore --unit`` puts back.
 
 from __future__ import annotations
 
-import datetime as dt
 import difflib
 import json
 import logging
@@ -48,6 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import ApplyError, TunerError
 from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
+from tuner.records import now_iso
 from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
@@ -393,10 +393,6 @@ class ApplyLog:
         return stack
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-
-
 def _build(settings: Mapping[str, Any], gpu: Any | None = None) -> Any:
     from tuner.launch.factory import build_launcher  # composition root of launchers
 
@@ -589,7 +585,7 @@ def plan_apply(
     command = unit.exec_command()
     new_argv = _new_argv(stored, view, command.argv, _flag_table(stored, config, command.argv))
     header = (
-        f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {_now()}.\n"
+        f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {now_iso()}.\n"
         "Undo with `tuner apply --undo`; see `tuner applies`."
     )
     return ApplyPlan(
@@ -684,7 +680,7 @@ class _Run:
     def record(self, action: str, message: str, **extra: Any) -> ApplyRecord:
         plan = self.plan
         fields: dict[str, Any] = dict(
-            at=_now(),
+            at=now_iso(),
             action=action,
             study=plan.study,
             trial=plan.trial,

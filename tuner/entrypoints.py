@@ -20,9 +20,11 @@ from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
 from tuner.preflight import check_run
 from tuner.sglang.flags import FlagTable, parse_argv
+from tuner.study.baseline import study_hicache
 from tuner.study.budget import prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
-from tuner.study.loop import RunSummary, run_study, study_hicache
+from tuner.study.loop import run_study
+from tuner.study.progress import RunSummary
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
 from tuner.study.storage import study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor

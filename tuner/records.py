@@ -13,6 +13,7 @@ see :data:`CONSTRAINT_NAMES`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +29,7 @@ __all__ = [
     "TrialRecord",
     "StudyInfo",
     "context_capacity",
+    "now_iso",
 ]
 
 RECORD_ATTR = "tuner.record"
@@ -205,3 +207,9 @@ def context_capacity(effective_max_running_requests: int | None, max_total_num_t
     if effective_max_running_requests is None:
         return by_tokens
     return min(effective_max_running_requests, by_tokens)
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO 8601 to the second (``2026-12-02T04:17:20+00:00``): a trial's
+    ``started_at``, an apply's time."""
+    return datetime.now(UTC).isoformat(timespec="seconds")

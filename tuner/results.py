@@ -26,7 +26,7 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, choose_best, stored_policy
-from tuner.study.hosts import HOST_ATTR
+from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.storage import (
     STUDIES_DIR,
     default_artifacts_dir,

@@ -43,7 +43,7 @@ from tuner.sglang.logs import LogReport, LogWatcher, parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
-from tuner.study.loop import PhaseProgress, TrialJob
+from tuner.study.job import PhaseProgress, TrialJob
 from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
 
 __all__ = [

@@ -25,7 +25,8 @@ from tuner.config import TunerConfig
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.study.best import choose_best
-from tuner.study.loop import TrialJob, run_study
+from tuner.study.job import TrialJob
+from tuner.study.loop import run_study
 
 LAUNCHES = 10
 

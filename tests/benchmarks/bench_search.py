@@ -35,7 +35,8 @@ from tuner.load import build_workload  # noqa: E402
 from tuner.records import TrialRecord  # noqa: E402
 from tuner.study.best import choose_best  # noqa: E402
 from tuner.study.budget import reachable_slots  # noqa: E402
-from tuner.study.loop import TrialJob, run_study  # noqa: E402
+from tuner.study.job import TrialJob  # noqa: E402
+from tuner.study.loop import run_study  # noqa: E402
 from tuner.study.space import Space  # noqa: E402
 
 CHECKPOINTS = (5, 10, 20)
@@ -50,7 +51,7 @@ def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, *, noise: fl
 
 def _resolved_space(cfg: TunerConfig) -> tuple[Space, TrialRecord, int]:
     """The space the study resolves from its baseline (the study's own resolution)."""
-    from tuner.study.loop import resolve_study_space
+    from tuner.study.baseline import resolve_study_space
 
     runner = OfflineRunner(cfg, world_seed=0)
     context_tokens = cfg.objective.context_tokens or runner.workload.context_tokens

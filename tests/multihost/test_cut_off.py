@@ -17,7 +17,9 @@ from tests.support.offline_runner import OfflineRunner
 from tuner.config import TunerConfig, load_config
 from tuner.errors import StudyError
 from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, RequeueOnce, reap_stale
-from tuner.study.loop import LATE_ATTR, TrialJob, run_study
+from tuner.study.job import TrialJob
+from tuner.study.loop import run_study
+from tuner.study.optuna_io import LATE_ATTR
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 ROOT = Path(__file__).resolve().parents[2]

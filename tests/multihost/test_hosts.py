@@ -11,7 +11,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from tuner.errors import StudyError
-from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, recover_own
+from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, own, recover_own
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -32,8 +32,8 @@ def _claim(study: optuna.Study, host: str, x: float) -> optuna.Trial:
 
 def test_claim_lock_excludes_other_hosts_and_names_the_holder(postgres_url: str) -> None:
     a, b = _host_study(postgres_url), _host_study(postgres_url)
-    lock_a = ClaimLock(a._storage, a._study_id)
-    lock_b = ClaimLock(b._storage, b._study_id, timeout_s=0.5)
+    lock_a = ClaimLock.of(a)
+    lock_b = ClaimLock.of(b, timeout_s=0.5)
     inside: list[str] = []
     with lock_a.held():
         inside.append("a")
@@ -50,7 +50,7 @@ def test_claim_lock_serializes_concurrent_critical_sections(postgres_url: str) -
     spans: list[tuple[float, float]] = []
 
     def host(study: optuna.Study) -> None:
-        lock = ClaimLock(study._storage, study._study_id)
+        lock = ClaimLock.of(study)
         for _ in range(3):
             with lock.held():
                 begun = time.monotonic()
@@ -70,12 +70,12 @@ def test_claim_lock_serializes_concurrent_critical_sections(postgres_url: str) -
 def test_a_dead_hosts_trial_fails_within_the_grace_period_and_is_queued_once(postgres_url: str) -> None:
     dead, alive = _host_study(postgres_url), _host_study(postgres_url)
     victim = _claim(dead, "host-a", 0.3)
-    with TrialHeartbeat(dead, victim._trial_id):
+    with TrialHeartbeat(dead, victim.number):
         time.sleep(1.2)  # beats, then host-a "dies": no tell, no more beats
     died = time.monotonic()
     survivor = _claim(alive, "host-b", 0.6)
     reaped: list[int] = []
-    with TrialHeartbeat(alive, survivor._trial_id, on_reaped=reaped.extend):
+    with TrialHeartbeat(alive, survivor.number, on_reaped=reaped.extend):
         while not reaped and time.monotonic() - died < 10:
             time.sleep(0.1)
     took = time.monotonic() - died
@@ -92,9 +92,9 @@ def test_a_dead_hosts_trial_fails_within_the_grace_period_and_is_queued_once(pos
     # The re-queued trial dies too: it is not queued a third time.
     retried = alive.ask()
     assert retried.params == victim.params
-    alive._storage.record_heartbeat(retried._trial_id)
+    own(alive, retried, "host-b", {})  # claimed with a first heartbeat, then never beats again
     time.sleep(3.2)
-    with TrialHeartbeat(alive, survivor._trial_id):
+    with TrialHeartbeat(alive, survivor.number):
         time.sleep(1.5)
     trials = alive.get_trials()
     assert trials[retried.number].state is TrialState.FAIL

@@ -25,8 +25,8 @@ from optuna.trial import TrialState
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy, service_url
 from tuner.records import RECORD_ATTR, TrialRecord
+from tuner.study.decide.repeat import MAX_NOISE_REPEATS
 from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR
-from tuner.study.loop import MAX_NOISE_REPEATS
 from tuner.study.optuna_io import PHASE_ATTR
 
 HOSTS = ("host-a", "host-b", "host-c")

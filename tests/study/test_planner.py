@@ -1,4 +1,4 @@
-"""The planner and every skip reason on synthetic histories (pure: no server, no study).
+"""The planner's proposers and every screen on synthetic histories (pure: no server, no study).
 
 A history's memory facts are what the product reads from a real startup log (the simulator's
 startup lines for the same command, through :func:`tuner.trial.resolve_facts` and
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tuner.config import BudgetSection, SpaceSection
+from tests.support.views import plan, study_view
+from tuner.config import BudgetSection, ObjectiveSection, SpaceSection
 from tuner.records import TrialRecord
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import FailureClass
@@ -17,8 +18,10 @@ from tuner.sglang.flags import FlagTable
 from tuner.sglang.logs import parse_log
 from tuner.sim.evaluate import size_server
 from tuner.study.best import choose_best, measured_noise
-from tuner.study.loop import skip_reason
-from tuner.study.planner import Planner
+from tuner.study.calibration import ModelSettings, margin_for
+from tuner.study.decide import Skip, first_skip
+from tuner.study.decide.memory import MemoryFrontier
+from tuner.study.decide.screens import MeasuredAlready, MustFail, Predicted
 from tuner.study.slo_bound import SLOBound, SLOPoint, slo_bounds, slo_points
 from tuner.study.space import resolve_space
 from tuner.trial import memory_facts, render_argv, resolve_facts
@@ -61,8 +64,20 @@ def space():
                          slots_hint=1300)
 
 
-def _planner(space) -> Planner:
-    return Planner(space, CONTEXT, budget=BUDGET, mean_request_tokens=MEAN)
+def _view(space, history: list, *, tried=(), pending=(), objective: ObjectiveSection | None = None):  # noqa: ANN202 - StudyView
+    return study_view(space, history, context_tokens=CONTEXT, budget=BUDGET, mean_request_tokens=MEAN,
+                      tried=tried, pending=pending, objective=objective)
+
+
+def _screen(space, params: dict, history: list, **options) -> tuple[str, int] | None:  # noqa: ANN003
+    """The predicted screen's answer for ``params`` as ``(reason, proof)``."""
+    skip = Predicted(options.get("objective") or ObjectiveSection()).why_not(params, _view(space, history, **options))
+    return (skip.reason, skip.proof) if skip else None
+
+
+def _proofs(space, params: dict, history: list) -> tuple[str, int] | None:
+    skip = first_skip([MeasuredAlready(), MustFail()], params, _view(space, history))
+    return (skip.reason, skip.proof) if skip else None
 
 
 # ---- where the SLO breaks -----------------------------------------------------------------------
@@ -113,7 +128,7 @@ def test_only_healthy_measured_windows_teach_the_slo() -> None:
 
 def test_with_no_feasible_trial_the_planner_gets_feasible_first(space) -> None:
     history = [(0, _record(_params(0.85, 4096), running=256, slo=5.9))]
-    candidate = _planner(space).next(history, {tuple(sorted(space.snap(history[0][1].params).items()))})
+    candidate = plan(_view(space, history))
     assert candidate is not None
     assert candidate.params["max_running_requests"] == 35
     assert candidate.params["chunked_prefill_size"] == 8192
@@ -129,13 +144,10 @@ def test_inside_the_feasible_region_the_planner_narrows_the_bracket_then_stops_b
         (1, _record(_params(low, 35), running=35, slo=0.002)),
         (2, _record(_params(low, 31), running=31, slo=-0.08)),
     ]
-    tried = {tuple(sorted(space.snap(r.params).items())) for _, r in history}
-    planner = _planner(space)
-    candidate = planner.next(history, tried)
+    candidate = plan(_view(space, history))
     assert candidate is not None and 31 < candidate.params["max_running_requests"] < 35
     history.append((3, _record(_params(low, 34), running=34, slo=-0.01)))
-    tried.add(tuple(sorted(space.snap(history[-1][1].params).items())))
-    later = planner.next(history, tried)
+    later = plan(_view(space, history))
     # the 8192 bracket is closed (34 safe, 35 broken): never 35 or more with these knobs again
     assert later is None or later.params["chunked_prefill_size"] != 8192 or later.params["max_running_requests"] <= 34
 
@@ -145,40 +157,39 @@ def test_inside_the_feasible_region_the_planner_narrows_the_bracket_then_stops_b
 
 def test_skip_an_exact_repeat_on_the_grid(space) -> None:
     history = [(4, _record(_params(0.85, 40), running=40, slo=0.1))]
-    reason = skip_reason(_params(0.8500000001, 40), history, space)
+    reason = _proofs(space, _params(0.8500000001, 40), history)
     assert reason == ("the same config was measured by trial 4", 4)
-    assert skip_reason(_params(0.86, 40), history, space) is None
+    assert _proofs(space, _params(0.86, 40), history) is None
 
 
 def test_skip_what_a_memory_failure_proves_must_fail(space) -> None:
     history = [(5, _record(_params(0.9, 64), running=None, slo=None, outcome="failed",
                            failure=FailureClass.CUDA_GRAPH_OOM))]
-    text, proof = skip_reason(_params(0.92, 64), history, space)
+    text, proof = _proofs(space, _params(0.92, 64), history)
     assert proof == 5 and text.startswith("must fail: trial 5 failed with")
 
 
 def test_skip_what_the_slo_rule_proves_must_break_the_slo(space) -> None:
     history = [(0, _record(_params(0.85, 4096), running=256, slo=5.9)),
                (1, _record(_params(0.8, 40), running=40, slo=0.2))]
-    text, proof = _planner(space).screen(_params(0.9, 48), history)
+    text, proof = _screen(space, _params(0.9, 48), history)
     assert proof == 1 and text.startswith("must break the SLO: trial 1 broke it running 40 requests")
     # another chunk size is another family: the rule does not hold across it
-    assert _planner(space).screen(_params(0.9, 48, 4096), history) is None
+    assert _screen(space, _params(0.9, 48, 4096), history) is None
 
 
 def test_skip_slots_the_workload_can_never_run_at_once(space) -> None:
     history = [(0, _record(_params(0.85, 20), running=20, slo=-0.5))]
-    planner = _planner(space)
-    text, _ = planner.screen(_params(0.8, 2000), history)
+    text, _ = _screen(space, _params(0.8, 2000), history)
     assert "is more than the" in text and "predicted, not launched" in text
     # slots up to the context capacity always count (they are the objective)
     tokens = history[0][1].token_capacity
-    assert planner.slots_cap(tokens) >= tokens // CONTEXT
+    assert _view(space, history).calibration.slots_cap(tokens) >= tokens // CONTEXT
 
 
 def test_skip_a_capacity_below_the_band_that_cannot_win(space) -> None:
     history = [(0, _record(_params(0.85, 40), running=40, slo=-0.1))]
-    text, _ = _planner(space).screen(_params(0.85, 30), history, capacity_floor=38)
+    text, _ = _screen(space, _params(0.85, 30), history)
     assert "is below 38, the capacity band of the best feasible trial" in text
 
 
@@ -226,30 +237,38 @@ def l4_space():
                          _params(0.85, 2048), capacity_hint=12, slots_hint=37)
 
 
-def _l4_planner(space) -> Planner:
-    return Planner(space, L4_CONTEXT, budget=BudgetSection(max_concurrency=64), mean_request_tokens=1360)
+L4_SETTINGS = ModelSettings(context_tokens=L4_CONTEXT, budget=BudgetSection(max_concurrency=64), mean_request_tokens=1360)
+
+
+def _l4_view(space, history: list, *, tried=(), pending=(), objective: ObjectiveSection | None = None):  # noqa: ANN202 - StudyView
+    return study_view(space, history, context_tokens=L4_CONTEXT, budget=L4_SETTINGS.budget,
+                      mean_request_tokens=L4_SETTINGS.mean_request_tokens, tried=tried, pending=pending,
+                      objective=objective)
+
+
+def _l4_screen(space, params: dict, history: list, **options) -> tuple[str, int] | None:  # noqa: ANN003
+    skip = Predicted(options.get("objective") or ObjectiveSection()).why_not(params, _l4_view(space, history, **options))
+    return (skip.reason, skip.proof) if skip else None
 
 
 def test_the_margin_is_what_checked_predictions_missed_and_the_prior_before_any(l4_space) -> None:
-    planner = _l4_planner(l4_space)
     baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
-    assert planner.margin_now_gib([(0, baseline)]) == planner.margin_gib  # nothing checked yet
+    assert margin_for([(0, baseline)], L4_SETTINGS) == L4_SETTINGS.margin_gib  # nothing checked yet
     free = _l4(_params(0.94, 11, 2048), peak_gib=0.25).free_gib_after_graphs
     over = _l4(_params(0.94, 11, 2048), peak_gib=0.25, prediction={"free_gib_after_graphs": free + 0.12})
     under = _l4(_params(0.94, 11, 2048), peak_gib=0.25, prediction={"free_gib_after_graphs": free - 0.3})
-    assert planner.margin_now_gib([(0, baseline), (1, under)]) == planner.min_margin_gib
-    assert planner.margin_now_gib([(0, baseline), (1, under), (2, over)]) == pytest.approx(0.12)
+    assert margin_for([(0, baseline), (1, under)], L4_SETTINGS) == L4_SETTINGS.min_margin_gib
+    assert margin_for([(0, baseline), (1, under), (2, over)], L4_SETTINGS) == pytest.approx(0.12)
 
 
 def test_skip_a_sampled_config_whose_headroom_cannot_hold_the_scaled_activation_peak(l4_space) -> None:
     history = [(0, _l4(_params(0.85, 2048), peak_gib=1.0))]
-    planner = _l4_planner(l4_space)
     # 0.97 leaves ~0.3 GiB after graphs; a 16k chunk needs twice the 8k chunk's measured 1 GiB
-    text, proof = planner.screen(_params(0.97, 12, 16384), history)
+    text, proof = _l4_screen(l4_space, _params(0.97, 12, 16384), history)
     assert proof == 0 and "measured activation peak scaled to this prefill chunk (2.00 GiB" in text
     assert "predicted, not launched" in text
     # a small chunk at a moderate fraction keeps room for its (quartered) peak: launched
-    assert planner.screen(_params(0.9, 9, 2048), history) is None
+    assert _l4_screen(l4_space, _params(0.9, 9, 2048), history) is None
 
 
 def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_space) -> None:
@@ -260,14 +279,13 @@ def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_s
     first = _l4(_params(0.92, 10), peak_gib=1.0)
     first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
     history = [(0, baseline), (1, first)]
-    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
-    planner = _l4_planner(l4_space)
+    tried: list[dict] = []
     for _ in range(3):
-        candidate = planner.next(history, tried)
+        candidate = plan(_l4_view(l4_space, history, tried=tried))
         assert candidate is not None
         truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
         assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.05, candidate
-        tried.add(tuple(sorted(candidate.params.items())))
+        tried.append(candidate.params)
 
 
 def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
@@ -275,12 +293,11 @@ def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
     first = _l4(_params(0.96, 12, 2048), peak_gib=0.25)
     first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
     history = [(0, baseline), (1, first)]
-    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
-    planner = _l4_planner(l4_space)
-    candidate = planner.next(history, tried)
+    view = _l4_view(l4_space, history)
+    candidate = plan(view)
     assert candidate is not None and candidate.params["mem_fraction_static"] == 0.96
     assert "more request slots" in candidate.prediction["why"]
-    assert candidate.params["max_running_requests"] == planner.slots_cap(candidate.prediction["token_capacity"]) > 12
+    assert candidate.params["max_running_requests"] == view.calibration.slots_cap(candidate.prediction["token_capacity"]) > 12
 
 
 def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4_space) -> None:
@@ -292,42 +309,42 @@ def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4
         "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
         "memory": {**started.memory, "peak_activation_gib": None}})
     history = [(0, baseline)]
-    planner = _l4_planner(l4_space)
-    candidate = planner.next(history, {tuple(sorted(l4_space.snap(baseline.params).items()))})
+    candidate = plan(_l4_view(l4_space, history))
     assert candidate is not None
     ratio = candidate.params["chunked_prefill_size"] / 8192
     # more free memory after graphs than the OOM had, scaled to the candidate's chunk, plus the margin
-    assert candidate.prediction["free_gib_after_graphs"] >= baseline.free_gib_after_graphs * ratio + planner.margin_gib
+    assert candidate.prediction["free_gib_after_graphs"] >= baseline.free_gib_after_graphs * ratio + L4_SETTINGS.margin_gib
     truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
     assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.1
     # a sampled config with less room than the OOM had at its chunk is not launched
-    text, proof = planner.screen(_params(0.9, 9, 8192), history)
+    text, proof = _l4_screen(l4_space, _params(0.9, 9, 8192), history)
     assert proof == 0 and "runtime OOM under load implies" in text
 
 
-def test_screens_calibrate_once_per_history_and_answer_as_a_fresh_planner(l4_space) -> None:
-    """The loop hands one history per decision to ``next`` and to the screen of every sampler's
-    draw, and the planner calibrates once per history. Its answers must be a fresh planner's: after
-    a ``next`` that believed a trial running on another host (which narrows the margin for its own
-    proposals only), and again for a longer history."""
+def test_one_views_screens_answer_as_a_fresh_views_after_the_believer(l4_space) -> None:
+    """A decision's proposers and the screens of every sampler's draw share one view and its one
+    calibration. The screens' answers must be a fresh view's: after the memory frontier believed a
+    trial running on another host (which narrows the margin for its own proposals only), and
+    again for a longer history."""
     baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
     first = _l4(_params(0.92, 10), peak_gib=1.0)  # no prediction: no checked margin yet
     history = [(0, baseline), (1, first)]
-    tried = {tuple(sorted(l4_space.snap(r.params).items())) for _, r in history}
-    planner = _l4_planner(l4_space)
-    running = planner.next(history, tried)
+    running = plan(_l4_view(l4_space, history))
     assert running is not None
-    tried.add(tuple(sorted(running.params.items())))
-    planner.next(history, tried, pending=[(running.params, running.prediction)])
-    assert planner._margin_gib == planner.min_margin_gib  # the believer's margin was in use
+    view = _l4_view(l4_space, history, pending=[(running.params, running.prediction)])
+    believed = MemoryFrontier().propose(view)
+    assert believed is not None and believed.prediction["need_gib"] < running.prediction["need_gib"]
+    assert view.calibration.margin_gib == L4_SETTINGS.margin_gib  # the believer's margin was its own
     grid = [_params(mfs / 100, mrr, cps) for mfs in range(80, 100) for mrr in (6, 9, 12, 16)
             for cps in (2048, 8192, 16384)]
+    screen = Predicted(ObjectiveSection())
 
-    def fresh(history: list) -> list:
-        return [_l4_planner(l4_space).screen(params, history, capacity_floor=11) for params in grid]
+    def answers(view) -> list:  # noqa: ANN001 - StudyView
+        return [screen.why_not(params, view) for params in grid]
 
-    answers = [planner.screen(params, history, capacity_floor=11) for params in grid]
-    assert answers == fresh(history)
-    assert any(a is None for a in answers) and any(a is not None and "GiB free" in a[0] for a in answers)
+    fresh = _l4_view(l4_space, history, pending=[(running.params, running.prediction)])
+    assert answers(view) == answers(fresh)
+    assert any(a is None for a in answers(view)) and any(isinstance(a, Skip) and "GiB free" in a.reason
+                                                         for a in answers(view))
     longer = [*history, (2, _l4(_params(0.95, 12, 2048), peak_gib=0.25))]
-    assert [planner.screen(params, longer, capacity_floor=11) for params in grid] == fresh(longer)
+    assert answers(_l4_view(l4_space, longer)) != answers(view)

@@ -16,7 +16,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from tuner.study.optuna_io import make_sampler, open_study, records, recover_interrupted
+from tuner.study.hosts import recover_own
+from tuner.study.optuna_io import make_sampler, open_study, records
 from tuner.study.storage import open_storage
 
 _KILLED_RUN = r'''
@@ -54,7 +55,7 @@ def test_recovery_keeps_a_stored_record_and_requeues_the_rest(tmp_path: Path) ->
     assert [t.state for t in study.trials] == [TrialState.RUNNING] * 3
     params = [dict(t.params) for t in study.trials]
 
-    requeued = recover_interrupted(study)
+    requeued = recover_own(study, "this-host", shared=False)
 
     trials = study.get_trials(deepcopy=False)
     assert trials[0].state is TrialState.COMPLETE and trials[0].values == [12.0, 345.0]
@@ -62,6 +63,6 @@ def test_recovery_keeps_a_stored_record_and_requeues_the_rest(tmp_path: Path) ->
     assert requeued == [1, 2]
     assert [t.state for t in trials[1:3]] == [TrialState.FAIL, TrialState.FAIL]
     assert sum(t.state is TrialState.WAITING for t in trials) == 2
-    assert recover_interrupted(study) == []  # idempotent
+    assert recover_own(study, "this-host", shared=False) == []  # idempotent
     space = {"mem_fraction_static": optuna.distributions.FloatDistribution(0.5, 0.98)}
     assert [dict(study.ask(space).params) for _ in range(2)] == [params[1], params[2]]  # re-measured next; not 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
-from tuner.study.loop import describe
+from tuner.study.progress import describe
 
 
 def test_failed_trial_line_names_its_class_or_its_evidence() -> None:

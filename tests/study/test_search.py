@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.offline_runner import OfflineRunner
+from tests.support.views import plan
 from tuner.config import SpaceSection, load_config
 from tuner.sglang.memory import must_fail
 from tuner.study.loop import run_study
@@ -71,12 +72,15 @@ def test_hierarchical_cache_knobs_are_conditional_and_render_for_the_version() -
     assert seen[True] and seen[False]
 
 
-def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, planner, history, tried)
+def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, view with tried/pending)
     """The "8B on L4, chunks to 16k" search after the baseline and ``launches`` more trials of one
-    host, on the offline evaluation, with the loop's own planner."""
+    host, on the offline evaluation, with the loop's own planner; and a function that makes the
+    view a decision would see with given configs running (``tried``) and planner trials running on
+    other hosts (``pending``)."""
+    from tests.support.views import study_view
     from tuner.config import parse_config
-    from tuner.study.loop import StudyRun, _longest_input, _mean_request_tokens
-    from tuner.study.planner import Planner
+    from tuner.study.calibration import ModelSettings
+    from tuner.study.loop import StudyRun
 
     config = parse_config({
         "study": {"name": "l4-believer", "seed": 2},
@@ -90,30 +94,32 @@ def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, planne
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
     run = StudyRun(config, OfflineRunner(config), max_trials=1 + launches, storage_url=":memory:")
     run.run()
-    history, space = run.history(), run.space()
-    planner = Planner(space, 4096, capacity_tolerance=config.objective.capacity_tolerance,
-                      longest_input_tokens=_longest_input(config), budget=config.budget,
-                      mean_request_tokens=_mean_request_tokens(config))
-    tried = {tuple(sorted(space.snap(r.params).items())) for _, r in history}
-    return config, run, space, planner, history, tried
+    history, space = list(run.finished()), run.space()
+    settings = ModelSettings.for_config(config, 4096)
+
+    def view(tried=(), pending=()):  # noqa: ANN001, ANN202 - StudyView
+        return study_view(space, history, context_tokens=4096, budget=settings.budget,
+                          mean_request_tokens=settings.mean_request_tokens, objective=settings.objective,
+                          tried=tried, pending=pending)
+
+    return config, run, space, view
 
 
 def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_them() -> None:
     """The believer: trials in flight are believed to reach their predicted capacity, so the next
     proposal builds on the best of them (its knobs, more request slots, in its band) instead of
     the sequential plan's next step, whose value depends on their outcome."""
-    config, _run, space, planner, history, tried = _l4_after(0)
+    config, _run, space, view = _l4_after(0)
     pending: list[tuple[dict, dict]] = []
     for _ in range(2):  # two hosts take the plan's first two steps
-        step = planner.next(history, tried, pending=pending)
+        step = plan(view(pending=pending))
         assert step is not None
-        tried.add(tuple(sorted(step.params.items())))
         pending.append((step.params, step.prediction))
     ahead_params, ahead = max(pending, key=lambda p: p[1]["context_capacity"])
-    believer = planner.next(history, tried, pending=pending)
-    sequential = planner.next(history, tried)
+    believer = plan(view(pending=pending))
+    sequential = plan(view(tried=[p for p, _ in pending]))
     assert believer is not None and sequential is not None
-    assert tuple(sorted(believer.params.items())) not in tried
+    assert believer.params not in [p for p, _ in pending]
     band = ahead["context_capacity"] * (1 - config.objective.capacity_tolerance)
     assert believer.prediction["context_capacity"] >= band
     # built on the believed incumbent's knobs: the same chunk, more request slots
@@ -127,16 +133,15 @@ def test_beside_a_running_first_step_a_host_takes_the_step_the_checked_model_wou
     """The believer believes a running trial's predicted free memory too: the margin is the one the
     model has once that start checks it, not the unchecked prior, so a second host aims where the
     sequential plan goes after the first step (past its capacity), not beside it."""
-    _config, _run, space, planner, history, tried = _l4_after(0)
-    first = planner.next(history, tried)
+    _config, _run, space, view = _l4_after(0)
+    first = plan(view())
     assert first is not None
-    tried.add(tuple(sorted(first.params.items())))
-    beside = planner.next(history, tried, pending=[(first.params, first.prediction)])
+    beside = plan(view(pending=[(first.params, first.prediction)]))
     assert beside is not None
     assert beside.prediction["context_capacity"] > first.prediction["context_capacity"]
     assert beside.prediction["need_gib"] < first.prediction["need_gib"]  # the checked margin
-    _config, _run, space, planner, after, tried = _l4_after(1)  # the first step measured
-    sequential = planner.next(after, tried)
+    _config, _run, space, after = _l4_after(1)  # the first step measured
+    sequential = plan(after())
     assert sequential is not None
     assert sequential.prediction["context_capacity"] == beside.prediction["context_capacity"]
 
@@ -146,14 +151,16 @@ def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_
     trials is running, each running trial in the band is taken as the incumbent in turn (its knobs
     with more request slots, its neighbours), so the planner proposes more distinct configs in the
     band before handing over to the sampler; without trials running it stops where it did."""
-    _config, _run, space, planner, history, tried = _l4_after(1)
-    alone, seen = set(), set(tried)
-    while (step := planner.next(history, seen)) is not None:  # one host, nothing in flight
-        seen.add(tuple(sorted(step.params.items())))
+    _config, _run, space, view = _l4_after(1)
+    measured = {tuple(sorted(space.snap(r.params).items())) for _, r in view().finished}
+    alone: set = set()
+    taken: list[dict] = []
+    while (step := plan(view(tried=taken))) is not None:  # one host, nothing in flight
+        taken.append(step.params)
         alone.add(tuple(sorted(step.params.items())))
     pending: list[tuple[dict, dict]] = []
-    seen = set(tried)
-    while (step := planner.next(history, seen, pending=pending)) is not None and len(pending) < 40:
+    seen = set(measured)
+    while (step := plan(view(pending=pending))) is not None and len(pending) < 40:
         key = tuple(sorted(step.params.items()))
         assert key not in seen  # never a config measured or running
         seen.add(key)
@@ -197,14 +204,14 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     run = StudyRun(config, OfflineRunner(config), max_trials=cap, storage_url=":memory:")
     summary = run.run()
     assert summary.stop_reason == "exhausted"
-    assert run.handled < cap and summary.trials_run <= 36
-    stored = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in run.study.trials
+    assert summary.handled < cap and summary.trials_run <= 36
+    stored = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in run.opened.study.trials
               if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
     keys = [tuple(sorted(run.space().snap(r.params).items())) for r in stored]
     assert len(keys) == len(set(keys))  # each config's skip stored once
     assert summary.trials_skipped == len(stored)  # a skip is counted and shown once, as stored
     assert run.repeats_in_a_row >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
-    measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.history() if r.outcome != "skipped"}
+    measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
 
 
@@ -221,11 +228,11 @@ def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path) -> None:  # noqa
     url = f"sqlite:///{tmp_path / 'spent.db'}"
     first = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
     assert first.run().stop_reason == "exhausted"
-    before = len(first.study.trials)
+    before = len(first.opened.study.trials)
     second = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
     summary = second.run()
     assert summary.stop_reason == "exhausted" and summary.trials_skipped > 0  # it drew the held skips again
-    trials = second.study.trials
+    trials = second.opened.study.trials
     skips = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in trials
              if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
     keys = [tuple(sorted(second.space().snap(r.params).items())) for r in skips]

@@ -13,13 +13,13 @@ from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.study.best import choose_best
 from tuner.study.budget import Budget
+from tuner.study.hosts import recover_own
 from tuner.study.optuna_io import (
     KIND_ATTR,
     check_environment,
     make_sampler,
     open_study,
     records,
-    recover_interrupted,
     tell_record,
 )
 from tuner.study.storage import open_storage
@@ -55,7 +55,7 @@ def test_failed_start_is_complete_with_violated_constraint_and_skips_are_pruned(
     assert stored[2][1].proved_by_trial == 1
 
 
-def test_recover_interrupted_marks_fail_and_reenqueues(tmp_path: Path) -> None:
+def test_recover_own_marks_fail_and_reenqueues(tmp_path: Path) -> None:
     study = _study(tmp_path)
     tell_record(study, study.ask(), TrialRecord(outcome="ok", constraints=OK, feasible=True, context_capacity=1))
     running = study.ask()
@@ -63,7 +63,7 @@ def test_recover_interrupted_marks_fail_and_reenqueues(tmp_path: Path) -> None:
     params = dict(running.params)
     # A new process (the killed run is gone) opens the same storage.
     resumed = _study(tmp_path)
-    assert recover_interrupted(resumed) == [1]
+    assert recover_own(resumed, "this-host", shared=False) == [1]
     assert resumed.trials[1].state == TrialState.FAIL
     waiting = resumed.get_trials(states=(TrialState.WAITING,))
     assert len(waiting) == 1 and waiting[0].user_attrs[KIND_ATTR] == "enqueued"
@@ -146,7 +146,7 @@ def test_skip_writer_stores_skips_in_order_and_raises_a_failed_write(tmp_path: P
     ``store`` or by ``flush``, not lost in the thread."""
     from optuna.distributions import FloatDistribution
 
-    from tuner.study.proposals import SkipWriter
+    from tuner.study.record import SkipWriter
 
     study = _study(tmp_path)
     dist = {"mem_fraction_static": FloatDistribution(0.5, 0.95)}
@@ -176,7 +176,7 @@ def test_the_samplers_mirror_gives_the_baseline_the_knobs_it_lacks_so_tpe_models
     from optuna.search_space import IntersectionSearchSpace
 
     from tuner.config import SpaceSection
-    from tuner.study.proposals import ProposalMirror
+    from tuner.study.decide.sampler import ProposalMirror
     from tuner.study.space import resolve_space
 
     space = resolve_space(SpaceSection(mem_fraction_step=0.01), {"mem_fraction_static": 0.85,
@@ -204,8 +204,8 @@ def test_the_samplers_mirror_leaves_out_other_hosts_skips_but_keeps_their_launch
     """A skip is what the screens conclude from the measured trials, which every host's mirror
     holds; another host's skip adds only cost to this host's sampler. Its launches (and its
     failures, COMPLETE with a violated constraint) and this host's own skips are copied."""
-    from tuner.study.optuna_io import add_record
-    from tuner.study.proposals import ProposalMirror
+    from tuner.study.decide.sampler import ProposalMirror
+    from tuner.study.hosts import add_record
 
     study = _study(tmp_path)
     dist = {"mem_fraction_static": optuna.distributions.FloatDistribution(0.5, 0.95)}

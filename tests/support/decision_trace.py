@@ -24,7 +24,8 @@ from typing import Any
 
 from tests.support.offline_runner import OfflineRunner
 from tests.support.scenarios import hicache_scenarios, scenarios, with_seed
-from tuner.study.loop import Progress, run_study
+from tuner.study.loop import run_study
+from tuner.study.progress import Progress
 
 GOLDEN = Path(__file__).resolve().parents[1] / "study" / "golden" / "decision-trace.txt"
 SEEDS = (0, 1, 2)

@@ -32,7 +32,7 @@ from tuner.sglang.logs import parse_log
 from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
 from tuner.study.budget import load_concurrency
-from tuner.study.loop import TrialJob
+from tuner.study.job import TrialJob
 from tuner.study.space import SEARCHED_FIELDS
 from tuner.trial import (
     assemble_record,

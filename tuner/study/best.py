@@ -26,6 +26,8 @@ __all__ = [
     "override_policy",
     "MRR_CUT_RATIO",
     "max_running_requests_cut",
+    "band_floor",
+    "probe_floor",
 ]
 
 
@@ -162,6 +164,26 @@ def _by_config(measured: Sequence[tuple[int, TrialRecord]]) -> list[tuple[int, T
                                                "memory": {**record.memory, "throughput_windows": len(items)}})
         out.append((number, record))
     return out
+
+
+def band_floor(finished: Sequence[tuple[int, TrialRecord]], objective: ObjectiveSection) -> int:
+    """The least context capacity that can still win on the policy: the best feasible capacity's
+    band (``[objective] capacity_tolerance``) for ``throughput_within_capacity`` and
+    ``max_capacity``; 0 for ``max_throughput`` (any capacity may win there) or with nothing
+    feasible yet."""
+    best = choose_best(finished, policy="max_capacity")
+    if best is None or objective.policy == "max_throughput":
+        return 0
+    return math.ceil((best.record.context_capacity or 0) * (1.0 - objective.capacity_tolerance) - 1e-9)
+
+
+def probe_floor(finished: Sequence[tuple[int, TrialRecord]], probe_only_below: float) -> int:
+    """Capacity-first fidelity: a trial whose boot probe shows a context capacity below this skips
+    its full load (``[budget] probe_only_below`` of the best feasible capacity; 0 = always load)."""
+    best = choose_best(finished, policy="max_capacity")
+    if best is None or probe_only_below <= 0:
+        return 0
+    return int(probe_only_below * (best.record.context_capacity or 0))
 
 
 def measured_noise(measured: Sequence[tuple[int, TrialRecord]]) -> float | None:

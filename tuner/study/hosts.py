@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -45,8 +45,18 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError, first_line
-from tuner.records import RECORD_ATTR
-from tuner.study.optuna_io import ENVIRONMENT_ATTR, ENVIRONMENT_KEYS, KIND_ATTR
+from tuner.records import RECORD_ATTR, TrialRecord
+from tuner.study.optuna_io import (
+    ENVIRONMENT_ATTR,
+    ENVIRONMENT_KEYS,
+    HOST_ATTR,
+    KIND_ATTR,
+    constraints_of,
+    is_complete,
+    record_of,
+    tell_record,
+)
+from tuner.study.space import config_key
 
 __all__ = [
     "HOST_ATTR",
@@ -61,12 +71,15 @@ __all__ = [
     "ClaimLock",
     "schema_lock",
     "TrialHeartbeat",
+    "storage_of",
+    "trial_id",
+    "add_record",
+    "own",
+    "claimed_reason",
     "reap_stale",
     "recover_own",
 ]
 
-HOST_ATTR = "tuner.host"
-"""Trial user attribute: the host name that ran (or runs) the trial."""
 HOST_ENV = "TUNER_HOST"
 """Environment variable overriding the host name (one machine simulating several hosts)."""
 REQUEUED_ATTR = "tuner.requeued_from"
@@ -147,7 +160,7 @@ def reap_stale(study: optuna.Study) -> list[int]:
     Returns:
         The numbers of the trials that were RUNNING before and are FAIL now.
     """
-    if heartbeat_interval(study._storage) is None:  # noqa: SLF001 - fail_stale_trials reads it too
+    if heartbeat_interval(storage_of(study)) is None:  # fail_stale_trials reads it too
         return []
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     if not running:
@@ -160,8 +173,8 @@ def reap_stale(study: optuna.Study) -> list[int]:
 
 def _fail_unclaimed(study: optuna.Study, running: list[FrozenTrial]) -> None:
     """FAIL (and re-queue once) the RUNNING trials no host claimed within the grace period."""
-    rdb = rdb_of(study._storage)  # noqa: SLF001
-    interval = heartbeat_interval(study._storage)  # noqa: SLF001
+    rdb = rdb_of(storage_of(study))
+    interval = heartbeat_interval(storage_of(study))
     if rdb is None or interval is None:
         return
     grace = rdb.grace_period if rdb.grace_period is not None else 2 * interval  # Optuna's own default
@@ -182,11 +195,15 @@ def _fail_unclaimed(study: optuna.Study, running: list[FrozenTrial]) -> None:
 
 
 def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
-    """Mark this host's RUNNING trials FAIL and re-queue their params once (a killed run's).
+    """Finish this host's RUNNING trials a killed run left: keep the measured ones, mark the rest
+    FAIL and re-queue their params once.
 
     Called after this host took its unit's lock, so none of its own trials can be live. On a
     single-host storage (``shared=False``) every RUNNING trial is this host's. Another host's
-    RUNNING trial is left to the heartbeat (:func:`reap_stale`): it may be alive.
+    RUNNING trial is left to the heartbeat (:func:`reap_stale`): it may be alive. A trial whose
+    whole record was stored before the kill (killed inside :func:`~tuner.study.optuna_io.tell_record`,
+    between the record and Optuna's finish) is told as ``tell_record`` would have (COMPLETE with
+    its values, or PRUNED): measuring it again would cost a restart and change nothing.
 
     Returns:
         The numbers of the trials marked FAIL.
@@ -196,6 +213,13 @@ def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.user_attrs.get(HOST_ATTR)
         if shared and owner != host:
+            continue
+        record = record_of(trial)
+        if record is not None and is_complete(record):
+            with warnings.catch_warnings():  # constraints the killed run already set are kept as they were
+                warnings.simplefilter("ignore", UserWarning)
+                tell_record(study, optuna.trial.Trial(study, trial_id(study, trial.number)), record)
+            _log.info("trial %d: its record was stored before the run was killed; kept as measured", trial.number)
             continue
         try:
             study.tell(trial.number, state=TrialState.FAIL)
@@ -227,6 +251,11 @@ class ClaimLock:
         self._study_id = int(study_id)
         self._timeout_s = timeout_s
         self._poll_s = poll_s
+
+    @classmethod
+    def of(cls, study: optuna.Study, **options: float) -> ClaimLock:
+        """The claim lock of ``study`` (``options``: ``timeout_s``, ``poll_s``)."""
+        return cls(storage_of(study), study._study_id, **options)  # noqa: SLF001 - see "Optuna's private attributes"
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
@@ -309,22 +338,22 @@ def schema_lock(url: str, engine_kwargs: dict | None = None, *, timeout_s: float
 class TrialHeartbeat:
     """Beat for one running trial in a thread, and reap other hosts' dead trials on each beat.
 
-    ``with TrialHeartbeat(study, trial_id):`` records one heartbeat at once (so the trial is never
+    ``with TrialHeartbeat(study, number):`` records one heartbeat at once (so the trial is never
     without one), then one every ``heartbeat_interval`` seconds until the block ends. Database
     errors in the thread are logged, never raised: a host that cannot beat for the grace period
     has its trial failed by the others, which is the point.
 
     Args:
         study: The study.
-        trial_id: The running trial's storage id.
+        number: The running trial's number.
         on_reaped: Called with the numbers of other hosts' trials this beat marked FAIL.
     """
 
-    def __init__(self, study: optuna.Study, trial_id: int, *,
+    def __init__(self, study: optuna.Study, number: int, *,
                  on_reaped: Callable[[list[int]], None] | None = None) -> None:
         self._study = study
-        self._storage = study._storage  # noqa: SLF001
-        self._trial_id = trial_id
+        self._storage = storage_of(study)
+        self._trial_id = trial_id(study, number)
         self._on_reaped = on_reaped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -354,3 +383,91 @@ class TrialHeartbeat:
             if reaped and self._on_reaped is not None:
                 self._on_reaped(reaped)
 
+
+# ---- Optuna's private attributes --------------------------------------------------------------
+# The one place the tuner reaches into Optuna's ``Study``: many hosts need a trial's storage id
+# (heartbeats are recorded per trial id, ``RDBStorage.record_heartbeat``) and one-write trial
+# creation that returns the new trial (``Study.add_trial`` returns nothing), and Optuna 5 exposes
+# neither the storage nor the study id on ``Study`` (``study._storage``, ``study._study_id``).
+
+
+def storage_of(study: optuna.Study) -> BaseStorage:
+    """The storage ``study`` was opened on (Optuna's private ``Study._storage``)."""
+    return study._storage  # noqa: SLF001 - see the comment above
+
+
+def trial_id(study: optuna.Study, number: int) -> int:
+    """The storage id of ``study``'s trial ``number`` (heartbeats are keyed on it)."""
+    return storage_of(study).get_trial_id_from_study_id_trial_number(study._study_id, number)  # noqa: SLF001
+
+
+def add_record(study: optuna.Study, params: Mapping[str, Any], distributions: Mapping[str, Any],
+               record: TrialRecord, user_attrs: Mapping[str, Any]) -> int:
+    """Store a finished trial in one write: a proposal skipped without a restart (the sampler's,
+    stored in the background), or a result whose trial another host failed meanwhile.
+
+    The same trial :func:`~tuner.study.optuna_io.tell_record` makes of an asked one (the record,
+    the constraints, PRUNED for a skip, COMPLETE with the values otherwise), made with
+    ``optuna.trial.create_trial`` and the storage's ``create_new_trial`` (one transaction instead
+    of one per param and attribute: on a shared PostgreSQL study a skip costs one round trip).
+
+    Args:
+        study: The study.
+        params: Optuna params (the knobs as suggested).
+        distributions: Their distributions.
+        record: The record.
+        user_attrs: Further user attributes (the host).
+
+    Returns:
+        The new trial's number.
+    """
+    values = None
+    state = TrialState.PRUNED
+    if record.outcome not in ("skipped", "budget"):
+        state = TrialState.COMPLETE
+        values = [float(record.context_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
+    frozen = optuna.trial.create_trial(
+        state=state, values=values, params=dict(params), distributions=dict(distributions),
+        user_attrs={**user_attrs, RECORD_ATTR: record.model_dump(mode="json")}, constraints=constraints_of(record),
+    )
+    storage = storage_of(study)
+    created = storage.create_new_trial(study._study_id, template_trial=frozen)  # noqa: SLF001
+    return storage.get_trial_number_from_id(created)
+
+
+def own(study: optuna.Study, trial: optuna.Trial, host: str, environment: Mapping[str, Any]) -> None:
+    """Mark ``trial`` as ``host``'s: its host name, environment and a first heartbeat (on a storage
+    with heartbeats), so no other host reaps it before its own heartbeat thread starts."""
+    trial.set_user_attr(HOST_ATTR, host)
+    trial.set_user_attr(ENVIRONMENT_ATTR, dict(environment))
+    storage = storage_of(study)
+    record = getattr(storage, "record_heartbeat", None)  # RDBStorage and its cache (Optuna's BaseHeartbeat)
+    if record is not None and heartbeat_interval(storage) is not None:
+        record(trial_id(study, trial.number))
+
+
+def claimed_reason(trial: optuna.Trial, others: Sequence[FrozenTrial]) -> tuple[str, int] | None:
+    """Why ``trial`` must not launch: another trial with the same Optuna params was measured
+    (COMPLETE) or claimed by a host (RUNNING with :data:`~tuner.study.optuna_io.HOST_ATTR`).
+
+    Read under the claim lock, so of two hosts that drew the same config the first to claim it
+    launches it and the other skips it; RUNNING trials not yet claimed (another host still
+    choosing) do not count.
+
+    Args:
+        trial: This host's asked trial, params suggested, not yet claimed.
+        others: The study's COMPLETE and RUNNING trials.
+
+    Returns:
+        ``(reason, trial number)``, or ``None`` to launch.
+    """
+    mine = config_key(trial.params)
+    for other in others:
+        if other.number == trial.number or not other.params or config_key(other.params) != mine:
+            continue
+        if other.state is TrialState.COMPLETE:
+            return f"the same config was measured by trial {other.number}", other.number
+        host = other.user_attrs.get(HOST_ATTR)
+        if host is not None:
+            return f"the same config is running on host {host} (trial {other.number})", other.number
+    return None

@@ -49,10 +49,12 @@ __all__ = [
     "check_environment",
     "records",
     "tell_record",
-    "add_record",
     "fail_trial",
     "set_baseline_params",
-    "recover_interrupted",
+    "is_complete",
+    "HOST_ATTR",
+    "REPEAT_ATTR",
+    "LATE_ATTR",
 ]
 
 DIRECTIONS: tuple[Literal["minimize", "maximize"], ...] = ("maximize", "maximize")
@@ -74,6 +76,13 @@ ENVIRONMENT_ATTR = "tuner.environment"
 PHASE_ATTR = "tuner.phase"
 """Trial user attribute: the phase the trial is in now (``render``, ``start``, ``probe``, ``measure``,
 ``stress``, ``record``), set as each phase starts, so a reader of a RUNNING trial sees it."""
+HOST_ATTR = "tuner.host"
+"""Trial user attribute: the host name that ran (or runs) the trial (:mod:`tuner.study.hosts`)."""
+REPEAT_ATTR = "tuner.repeat_of"
+"""Trial user attribute: the trial a deliberate re-measurement repeats (the noise)."""
+LATE_ATTR = "tuner.stored_late_for"
+"""Trial user attribute: the trial (marked FAIL by another host while this one was cut off from the
+database) whose result this trial stores."""
 
 _log = logging.getLogger(__name__)
 
@@ -227,38 +236,6 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
     return frozen
 
 
-def add_record(study: optuna.Study, params: Mapping[str, Any], distributions: Mapping[str, Any],
-               record: TrialRecord, user_attrs: Mapping[str, Any]) -> int:
-    """Store a finished trial that never ran (a proposal skipped without a restart) in one write.
-
-    The same trial :func:`tell_record` makes of an asked one (the record, the constraints, PRUNED
-    for a skip), made with ``optuna.trial.create_trial`` and the storage's ``create_new_trial``
-    (one transaction instead of one per param and attribute).
-
-    Args:
-        study: The study.
-        params: Optuna params (the knobs as suggested).
-        distributions: Their distributions.
-        record: The record (``outcome == "skipped"``).
-        user_attrs: Further user attributes (the host).
-
-    Returns:
-        The new trial's number.
-    """
-    values = None
-    state = TrialState.PRUNED
-    if record.outcome not in ("skipped", "budget"):
-        state = TrialState.COMPLETE
-        values = [float(record.context_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
-    frozen = optuna.trial.create_trial(
-        state=state, values=values, params=dict(params), distributions=dict(distributions),
-        user_attrs={**user_attrs, RECORD_ATTR: record.model_dump(mode="json")}, constraints=constraints_of(record),
-    )
-    storage = study._storage  # noqa: SLF001 - Study.add_trial does not return the trial
-    trial_id = storage.create_new_trial(study._study_id, template_trial=frozen)  # noqa: SLF001
-    return storage.get_trial_number_from_id(trial_id)
-
-
 def fail_trial(study: optuna.Study, trial: optuna.Trial, partial: TrialRecord, *, requeue: bool) -> None:
     """Store an interrupted trial's partial record and tell it FAIL; enqueue its params again.
 
@@ -274,7 +251,7 @@ def fail_trial(study: optuna.Study, trial: optuna.Trial, partial: TrialRecord, *
         study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
 
 
-def _complete(record: TrialRecord) -> bool:
+def is_complete(record: TrialRecord) -> bool:
     """Whether a RUNNING trial's record is a finished measurement (what :func:`tell_record` stores).
 
     Partial records (an interruption, a service that could not be changed, a lost journal: what
@@ -316,35 +293,3 @@ def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDist
         return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
     assert isinstance(dist, optuna.distributions.FloatDistribution), dist  # the space makes only these three kinds
     return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
-
-
-def recover_interrupted(study: optuna.Study) -> list[int]:
-    """Finish the RUNNING trials a killed run left: keep the measured ones, re-enqueue the rest.
-
-    A trial whose whole record was stored before the kill (killed inside :func:`tell_record`,
-    between the record and Optuna's finish) is told as :func:`tell_record` would have (COMPLETE
-    with its values, or PRUNED): it is not measured again. Every other RUNNING trial (no record,
-    or a partial one) is marked FAIL and its params are enqueued again.
-
-    Call at the start of a run, before any new trial is asked for. (Only one tuner may drive a
-    unit at a time: the unit's host-wide lock guarantees no RUNNING trial is live.)
-
-    Returns:
-        The numbers of the trials that were marked FAIL and re-enqueued.
-    """
-    recovered = []
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        record = record_of(trial)
-        if record is not None and _complete(record):
-            # Killed inside tell_record: the whole record was stored, only Optuna's finish was not.
-            # It is a measured trial; measuring it again would cost a restart and change nothing.
-            with warnings.catch_warnings():  # constraints the killed run already set are kept as they were
-                warnings.simplefilter("ignore", UserWarning)
-                tell_record(study, optuna.trial.Trial(study, trial._trial_id), record)  # noqa: SLF001 - a RUNNING trial's id
-            _log.info("trial %d: its record was stored before the run was killed; kept as measured", trial.number)
-            continue
-        study.tell(trial.number, state=TrialState.FAIL)
-        if trial.params:
-            study.enqueue_trial(dict(trial.params), user_attrs={KIND_ATTR: "enqueued"})
-        recovered.append(trial.number)
-    return recovered

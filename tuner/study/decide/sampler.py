@@ -1,8 +1,8 @@
-"""The sampler's proposals, drawn and screened in memory before anything is written to the study.
+"""The sampler: TPE's proposals, drawn and screened in memory before anything is written to the study.
 
 Most of what a sampler proposes late in a study is skipped without a restart: it is below the best
 capacity band, proved to fail by a memory failure, or was measured already
-(:func:`tuner.study.loop.skip_reason`, :meth:`tuner.study.planner.Planner.screen`). Asking the
+(:mod:`tuner.study.decide.screens`). Asking the
 shared study for such a trial costs a dozen storage round trips (create the trial, one write per
 param, the sampler's read of every trial, the record, three constraints, the tell); on a shared
 PostgreSQL study that is a second of a host's time per skip, with several skips per launch.
@@ -11,8 +11,8 @@ So the sampler runs on a :class:`ProposalMirror`: an in-memory Optuna study hold
 shared study's trials (finished ones, and other hosts' RUNNING ones for the constant liar), kept up
 to date incrementally from the loop's one read per decision. A proposal the screens reject is told
 PRUNED there (so the sampler moves on, as it would on the shared study) and stored in the shared
-study as one finished trial, in one write (:func:`tuner.study.optuna_io.add_record`) made by a
-background thread (:class:`SkipWriter`), once per config in the study (a host-memory skip once
+study as one finished trial, in one write made by a background thread
+(:class:`tuner.study.record.SkipWriter`), once per config in the study (a host-memory skip once
 per host); a proposal that passes is handed to the shared study as an enqueued trial and claimed there like any other.
 The sampler sees the same trials either way, so the search is the sampler's own, with one
 addition: a trial without a knob the space searches on every trial (the baseline, which runs the
@@ -26,24 +26,103 @@ the two set the context capacity together, and paid a second Parzen pass per dra
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
 from optuna.samplers import BaseSampler
-from optuna.storages import InMemoryStorage
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.records import RECORD_ATTR, TrialRecord
-from tuner.study.hosts import HOST_ATTR
-from tuner.study.optuna_io import add_record
+from tuner.study.decide import Proposal, Screen, Skip, first_skip
+from tuner.study.optuna_io import HOST_ATTR, tell_record
 from tuner.study.space import Space, config_key
+from tuner.study.view import ConfigKey, StudyView
 
-__all__ = ["ProposalMirror", "SkipWriter"]
+__all__ = ["PROPOSALS_PER_DECISION", "Draw", "Sampler", "ProposalMirror"]
+
+PROPOSALS_PER_DECISION = 16
+"""The sampler's proposals screened per decision before the loop reads the study again."""
 
 _COPIED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A sampler's proposal that a screen rejected.
+
+    Attributes:
+        params: Its knobs by SGLang field name (:meth:`tuner.study.space.Space.suggest`).
+        optuna_params: Its Optuna params, as the mirror's trial holds them.
+        distributions: Their distributions.
+        skip: Why it needs no restart.
+        record: Its record (``outcome="skipped"``), told to the mirror and stored.
+        write: Store it in the study (a config the study holds no skip of; a host-memory skip,
+            each host's own, always).
+        repeat: A config measured, or skipped by this run, already: no trial, only a count
+            towards the exhaustion stop.
+    """
+
+    params: dict[str, Any]
+    optuna_params: dict[str, Any]
+    distributions: dict[str, Any]
+    skip: Skip
+    record: TrialRecord
+    write: bool
+    repeat: bool
+
+
+class Sampler:
+    """The sampler's next proposal that passes the screens (the chain's last
+    :class:`~tuner.study.decide.Proposer`).
+
+    The sampler proposes on the in-memory :class:`ProposalMirror` of the study (the constant liar
+    seeing every host's RUNNING trials); a proposal that needs no restart is handed to
+    ``on_skip`` (the loop stores it in the background, counts it and tells the user) and the
+    next one is drawn, at most :data:`PROPOSALS_PER_DECISION` per decision. A draw of a config
+    measured already, or skipped by this run already, is told to the mirror only: late in a study,
+    when most draws repeat, they cost no write. A skip of a config the study holds a skip of
+    already (another host's, or an earlier run's) is this run's decision but not written again.
+
+    Args:
+        mirror: The study's in-memory mirror.
+        screens: The screens a sampled config passes, in order.
+        on_skip: Records a rejected draw; returns whether the run goes on (``False``: stop drawing).
+    """
+
+    def __init__(self, mirror: ProposalMirror, screens: Sequence[Screen], on_skip: Callable[[Draw], bool]) -> None:
+        self.mirror = mirror
+        self.screens = tuple(screens)
+        self.on_skip = on_skip
+        self.skipped: set[ConfigKey] = set()  # configs this run stored a skip of
+
+    def propose(self, view: StudyView) -> Proposal | None:
+        """The first draw that passes every screen, as Optuna params, or ``None``."""
+        space = view.space
+        self.mirror.sync(view.trials)
+        for _ in range(PROPOSALS_PER_DECISION):
+            trial = self.mirror.ask()
+            params = space.suggest(trial)
+            key = config_key(space.snap(params))
+            skip = first_skip(self.screens, params, view)
+            if skip is None:
+                self.mirror.release(trial)
+                return Proposal(params=dict(trial.params), kind="sampled")
+            record = skip.record(params, "sampled")
+            # The study holds each skip once: a draw of a config measured already, or skipped by
+            # this run already, is told to the mirror (the sampler moves on) and not written again;
+            # one another host (or run) stored is not written again either, but is this run's skip.
+            again = key in self.skipped or key in view.measured
+            write = not again and (key not in view.held or bool(params.get("enable_hierarchical_cache")))
+            self.mirror.skipped(trial, lambda mirror, t, r=record: tell_record(mirror, t, r), stored=write)
+            self.skipped.add(key)
+            draw = Draw(params=params, optuna_params=dict(trial.params), distributions=dict(trial.distributions), skip=skip,
+                        record=record, write=write, repeat=again)
+            if not self.on_skip(draw):
+                return None
+        return None
 
 
 class ProposalMirror:
@@ -53,13 +132,13 @@ class ProposalMirror:
         directions: The shared study's directions.
         sampler: The sampler that proposes (the study's kind; its own instance and seed).
         space: The study's space: copies get the knobs a trial lacks on its grid (``None``: as stored).
-        host: This host's name (:data:`tuner.study.hosts.HOST_ATTR`): other hosts' skips are not
+        host: This host's name (:data:`tuner.study.optuna_io.HOST_ATTR`): other hosts' skips are not
             copied (``None``: every trial is).
     """
 
     def __init__(self, directions: Iterable[StudyDirection], sampler: BaseSampler, space: Space | None = None,
                  host: str | None = None) -> None:
-        self.study = optuna.create_study(storage=InMemoryStorage(), sampler=sampler, directions=list(directions))
+        self.study = optuna.create_study(sampler=sampler, directions=list(directions))  # in memory
         self.space = space
         self.host = host
         self._copied: set[int] = set()
@@ -136,53 +215,3 @@ class ProposalMirror:
         mirrored = self._running.pop(number, None)
         if mirrored is not None:
             self.study.tell(mirrored, state=TrialState.FAIL)
-
-
-class SkipWriter:
-    """Stores the sampler's skipped proposals in the shared study from one background thread, in
-    the order they were skipped.
-
-    A skip is a decision, not a measurement, and the loop goes on drawing while it is written: on
-    a shared PostgreSQL study with four hosts on one box, a write (:func:`add_record`) took about
-    80 ms beside the sampler's own draw, and late in a study most draws are skipped.
-    Optuna's ``RDBStorage`` and ``InMemoryStorage`` are thread-safe.
-
-    Args:
-        study: The shared study.
-    """
-
-    def __init__(self, study: optuna.Study) -> None:
-        self._study = study
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuner-skips")
-        self._pending: list[Future[int]] = []
-
-    def store(self, params: Mapping[str, Any], distributions: Mapping[str, Any], record: TrialRecord,
-              user_attrs: Mapping[str, Any]) -> None:
-        """Queue one skipped trial (:func:`add_record`'s arguments).
-
-        Raises:
-            Exception: What an earlier write raised (a storage error: the database stopped answering).
-        """
-        pending = []
-        for future in self._pending:  # each future looked at once: one that ends meanwhile waits for the next call
-            if future.done():
-                future.result()
-            else:
-                pending.append(future)
-        self._pending = pending
-        self._pending.append(self._pool.submit(add_record, self._study, dict(params), dict(distributions),
-                                               record, dict(user_attrs)))
-
-    def flush(self) -> None:
-        """Wait until every queued skip is stored.
-
-        Raises:
-            Exception: What a write raised.
-        """
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-
-    def close(self) -> None:
-        """Wait for the queued writes and end the thread (errors are :meth:`flush`'s to raise)."""
-        self._pool.shutdown(wait=True)

@@ -1,0 +1,111 @@
+"""The baseline: the service's own flags, measured once per environment, and the space it fixes.
+
+A study's first trial runs the unit as it is. What SGLang resolved for it (the fraction it chose,
+its pool, its memory model) sets the search space: the ranges the ``[space]`` table leaves out, the
+capacity ceiling, and whether the hierarchical cache enters it (the workload's prefix reuse). A
+baseline that could not start for a reason other than memory means the command or the environment
+is broken, and every other trial would fail the same way: the run stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import optuna
+
+from tuner.config import TunerConfig
+from tuner.load.workloads import build_workload, estimate_reuse
+from tuner.records import TrialRecord
+from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
+from tuner.sglang.flags import FlagTable
+from tuner.sglang.hicache import HostMemory
+from tuner.sglang.memory import KVCapacityModel
+from tuner.study.budget import reachable_slots
+from tuner.study.optuna_io import SPACE_ATTR, set_baseline_params
+from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
+
+__all__ = ["could_not_start", "latest_baseline", "fix_space", "resolve_study_space", "study_hicache"]
+
+
+def could_not_start(record: TrialRecord) -> bool:
+    """Whether a trial failed to start for a reason other than memory.
+
+    A startup memory failure (§4.3) is what the search explores; any other failure before the
+    server sized its KV pool (argparse, a missing model, a port in use, a hang) means the command
+    or the environment is broken, and every other trial would fail the same way.
+    """
+    return (
+        record.outcome == "failed"
+        and record.token_capacity is None
+        and record.failure_class not in STARTUP_MEMORY_FAILURES
+    )
+
+
+def latest_baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, TrialRecord] | None:
+    """The newest baseline of ``done`` that started (one that could not start is measured again:
+    the command was fixed)."""
+    return next(((n, r) for n, r in reversed(done) if r.kind == "baseline" and not could_not_start(r)), None)
+
+
+def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, config: TunerConfig,
+              environment: Mapping[str, Any], context_tokens: int, *, host: HostMemory | None, ranks: int,
+              own_environment: bool) -> Space:
+    """Resolve the study's space from the baseline's ``record``, store it (study attribute
+    :data:`~tuner.study.optuna_io.SPACE_ATTR`) and record the baseline's knobs as its running
+    ``trial``'s Optuna params.
+
+    A host of another environment mixed into the study (``own_environment`` false) keeps the
+    study's stored space.
+
+    Returns:
+        The study's space.
+    """
+    space = resolve_study_space(config, record, environment, context_tokens, host=host, ranks=ranks)
+    stored = study.user_attrs.get(SPACE_ATTR)
+    if stored is None or own_environment:
+        study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
+    else:
+        space = Space.model_validate(stored)
+    set_baseline_params(trial, space, record.params)
+    return space
+
+
+def study_hicache(config: TunerConfig, *, device_tokens: int | None, version: str | None,
+                  host: HostMemory | None = None, ranks: int = 1) -> HiCacheChoice:
+    """The hierarchical cache's place in this study's space (:func:`tuner.study.space.decide_hicache`),
+    from the workload's prefix reuse (:func:`tuner.load.workloads.estimate_reuse`, nothing sent)."""
+    reuse = None
+    if config.space.hierarchical_cache is None:
+        reuse = estimate_reuse(build_workload(config.workload, seed=config.study.seed))
+    table = FlagTable.for_version(version) if version else None
+    return decide_hicache(config.space, reuse=reuse, device_tokens=device_tokens, version=version, table=table,
+                          host=host, ranks=ranks)
+
+
+def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: Mapping[str, Any],
+                        context_tokens: int, *, host: HostMemory | None = None, ranks: int = 1) -> Space:
+    """The study's space from the baseline's resolved knobs, the predicted capacity ceiling and the
+    workload's prefix reuse (whether the hierarchical cache's knobs enter it, :func:`study_hicache`).
+
+    Args:
+        config: The config (its ``[space]``, ``[workload]``).
+        record: The baseline's record (its params, ``token_capacity`` and ``memory.capacity_model``).
+        environment: The run's environment (``gpu_total_mib``, ``sglang_version`` when known).
+        context_tokens: The context length of context capacity (tokens).
+        host: The host's memory reading (the ``hicache_size`` range), if known.
+        ranks: Ranks on the host (``tp × pp``).
+    """
+    hint = slots = None
+    data = record.memory.get("capacity_model")
+    if data:
+        model = KVCapacityModel.model_validate(data)
+        top = model.tokens(0.97)
+        hint = max(1, top // max(1, context_tokens))
+        workload = build_workload(config.workload, seed=config.study.seed)
+        slots = reachable_slots(config.budget, max_total_num_tokens=top, context_tokens=context_tokens,
+                                mean_request_tokens=workload.mean_request_tokens)
+    hicache = study_hicache(config, device_tokens=record.token_capacity, version=environment.get("sglang_version"),
+                            host=host, ranks=ranks)
+    return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
+                         capacity_hint=hint, slots_hint=slots, hicache=hicache)

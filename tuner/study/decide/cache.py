@@ -1,0 +1,68 @@
+"""The hierarchical cache, measured on the best flags: what the host tier buys, on equal terms.
+
+Once the planner has nothing left to propose, the best config so far is launched once more with the
+hierarchical cache on, at the largest host pool of the space's grid that fits this host
+(``shared/sglang-reference.md`` §7), so what the cache buys is measured on the same flags.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuner.config import ObjectiveSection
+from tuner.study.best import choose_best
+from tuner.study.decide import Proposal, Screen
+from tuner.study.space import HICACHE_KNOBS, config_key
+from tuner.study.view import StudyView
+
+__all__ = ["CacheCandidate"]
+
+
+class CacheCandidate:
+    """The best flags with the hierarchical cache on (a :class:`~tuner.study.decide.Proposer`).
+
+    Args:
+        objective: ``[objective]`` (what "best" means).
+        host: The host-memory screen (:class:`tuner.study.decide.screens.HostMemory`): the
+            largest pool of the grid that passes it is proposed.
+    """
+
+    def __init__(self, objective: ObjectiveSection, host: Screen) -> None:
+        self.objective = objective
+        self.host = host
+
+    def propose(self, view: StudyView) -> Proposal | None:
+        """``None`` when the space does not search the cache, nothing is feasible yet, the best
+        already uses it, that config was tried, or no pool of the grid fits this host."""
+        space = view.space
+        on = space.hicache_on()
+        if not on:
+            return None
+        objective = self.objective
+        choice = choose_best([(n, r) for n, r in view.finished if r.params], policy=objective.policy,
+                             capacity_tolerance=objective.capacity_tolerance,
+                             throughput_noise=objective.throughput_noise)
+        if choice is None:
+            return None
+        best = dict(choice.record.params)
+        if best.get("enable_hierarchical_cache"):
+            return None
+        base = {k: v for k, v in best.items() if k not in HICACHE_KNOBS}
+        grid: list[Any]
+        if space.hicache_size is not None:
+            knob, grid = "hicache_size", list(range(space.hicache_size[1], space.hicache_size[0] - 1, -1))
+        elif space.hicache_ratio is not None:
+            lo, hi = space.hicache_ratio
+            knob, grid = "hicache_ratio", [round(hi - 0.5 * i, 6) for i in range(int(round((hi - lo) / 0.5)) + 1)]
+        else:
+            knob, grid = "", [None]
+        for value in grid:
+            params = space.snap({**base, **on, **({knob: value} if knob else {})})
+            if config_key(params) in view.tried:
+                return None
+            if self.host.why_not(params, view) is None:
+                return Proposal(params=params, prediction={
+                    "why": f"the hierarchical cache on the best flags so far (trial {choice.number}), "
+                           f"at the largest host pool that fits this host ({knob or 'default'} {value})",
+                    "compare_with_trial": choice.number})
+        return None

@@ -1,0 +1,220 @@
+"""Screens: a config the study need not restart the service for, and why.
+
+Each screen is one rule with one method, ``why_not(params, view) -> Skip | None``; the study asks
+them in order before a launch (:class:`tuner.study.decide.Decider`) and tells a skipped config
+PRUNED with the reason and the proving trial:
+
+- :class:`MeasuredAlready` — the same config (on the space's grid) was launched.
+- :class:`MustFail` — a memory failure proves it fails (monotone in ``mem_fraction_static`` and the
+  reserve knobs, :func:`tuner.sglang.memory.must_fail`).
+- :class:`Predicted` — the calibrated models predict it cannot win: below the best capacity's band,
+  more request slots than can change its result, too little headroom for the measured activation
+  peak; and one proof, the SLO's monotone rule (sampled configs only; the reasons say "predicted").
+- :class:`HostMemory` — its hierarchical-cache pools do not fit this host.
+- :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tuner.config import ObjectiveSection
+from tuner.sglang.failures import FailureClass
+from tuner.sglang.flags import flag_value
+from tuner.sglang.hicache import HostMemory as HostReading
+from tuner.sglang.memory import must_fail
+from tuner.study.best import band_floor
+from tuner.study.calibration import Calibration
+from tuner.study.decide import Skip
+from tuner.study.hostcheck import host_skip_reason, ranks_of
+from tuner.study.optuna_io import HOST_ATTR
+from tuner.study.slo_bound import family_of
+from tuner.study.space import config_key
+from tuner.study.view import StudyView
+
+__all__ = ["MeasuredAlready", "MustFail", "Predicted", "HostMemory", "RunningElsewhere"]
+
+
+class MeasuredAlready:
+    """The same config was launched (compared on the space's grid: the baseline's resolved knobs,
+    and floats, land on the same point)."""
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        wanted = config_key(view.space.snap(dict(params)))
+        for number, record in view.finished:
+            if record.outcome in ("ok", "failed") and record.params and config_key(view.space.snap(dict(record.params))) == wanted:
+                return Skip(f"the same config was measured by trial {number}", number)
+        return None
+
+
+class MustFail:
+    """An earlier failure proves the config fails: a failure at a fraction, with every other
+    memory knob equal or smaller, fails at every larger fraction (§1.6, §8)."""
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        failures = [(n, r, r.failure_class) for n, r in view.finished
+                    if r.outcome == "failed" and r.failure_class is not None]
+        if not failures:
+            return None
+        proved, index = must_fail(dict(params), [(dict(r.params), _monotone_class(c)) for _, r, c in failures])
+        if not proved or index is None:
+            return None
+        number, record, failure_class = failures[index]
+        return Skip(
+            f"must fail: trial {number} failed with {failure_class.value} at "
+            f"mem_fraction_static={record.params.get('mem_fraction_static')} with other memory "
+            "knobs equal or smaller, and failures are monotone in these knobs",
+            number,
+        )
+
+
+def _monotone_class(failure_class: FailureClass) -> FailureClass:
+    """A runtime OOM under the stress load bounds the reserve exactly like a CUDA-graph OOM.
+
+    Both say the ``(1 − mfs) × B`` reserve was too small for what runs out of it (§1.6, §8): a
+    larger fraction, or larger reserve knobs (``max_running_requests``, ``chunked_prefill_size``,
+    ``cuda_graph_max_bs``), leaves less headroom for a stress load that is at least as heavy
+    (capacity, and with it the stress concurrency, only grows with the fraction).
+    """
+    return FailureClass.CUDA_GRAPH_OOM if failure_class is FailureClass.RUNTIME_OOM else failure_class
+
+
+class Predicted:
+    """A sampled config the calibrated models say is not worth a restart.
+
+    Predictions (not proofs, and the reasons say "predicted"): its context capacity is below the
+    best feasible trial's capacity band (:func:`tuner.study.best.band_floor`: it cannot win on the
+    policy); it has more request slots than can change its result
+    (:meth:`~tuner.study.calibration.Calibration.slots_cap`); its headroom after graphs is below the
+    measured activation peak scaled to its prefill chunk, times the safety factor, plus the margin
+    (:meth:`~tuner.study.calibration.Calibration.need_gib`), or below what a runtime OOM under the
+    stress load already showed too small, scaled by the ratio of prefill chunks (activations grow
+    with the chunk, §1.6). One proof (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it
+    runs at least as many requests at once as a window of the same other knobs that broke the SLO.
+
+    Args:
+        objective: ``[objective]`` (the capacity band).
+    """
+
+    def __init__(self, objective: ObjectiveSection) -> None:
+        self.objective = objective
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        cal = view.calibration
+        if not cal.model_points:
+            return None
+        snapped = view.space.snap(params)
+        family = family_of(snapped)
+        mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
+        ref = cal.reference(family, mrr)
+        tokens, free = cal.predict(ref, mfs, mrr, family)
+        capacity = min(mrr, tokens // view.settings.context_tokens) if tokens > 0 else 0
+        floor = band_floor(view.finished, self.objective)
+        if floor and capacity < floor:
+            return Skip(
+                f"predicted context capacity {capacity} (model calibrated on trial {ref.number}) is below "
+                f"{floor}, the capacity band of the best feasible trial, so it cannot win on the "
+                "policy; not launched", ref.number)
+        if tokens > 0 and mrr > cal.slots_cap(tokens):
+            return Skip(
+                f"max_running_requests={mrr} is more than the {cal.slots_cap(tokens)} requests this config can "
+                f"change the result with (predicted pool {tokens} tokens, model calibrated on trial {ref.number}: "
+                "its context capacity, or what the measured window can run at once by [budget] max_concurrency "
+                "and the pool over the mean request length); predicted, not launched", ref.number)
+        slo = cal.bounds.get(family)
+        running = cal.running_requests(mrr, tokens) if tokens > 0 else mrr
+        if slo is not None and slo.violates(running):
+            return Skip(
+                f"must break the SLO: trial {slo.broken_trial} broke it running {slo.broken:g} requests at once "
+                f"with the same other knobs, and this config runs {running} (closed-loop latency grows with the "
+                "requests in flight at equal knobs); not launched",
+                int(slo.broken_trial if slo.broken_trial is not None else ref.number))
+        measured = [int(p.params["max_running_requests"]) for p in cal.points if family_of(p.params) == family]
+        if measured and mrr > 2 * max(measured):
+            return Skip(
+                f"max_running_requests={mrr} is more than twice any measured config of these knobs "
+                f"({max(measured)}); its CUDA graphs and request table are not calibrated; not launched", ref.number)
+        return _headroom(cal, family, free, ref.number, view)
+
+
+def _headroom(cal: Calibration, family: tuple[tuple[str, Any], ...], free: float, ref_number: int,
+              view: StudyView) -> Skip | None:
+    """The predicted headroom against the measured peaks, the survivors and the runtime OOMs."""
+    prefill = cal.effective_prefill(dict(family).get("chunked_prefill_size", 1))
+
+    def scale(params: Mapping[str, Any]) -> float:
+        return prefill / cal.effective_prefill(params.get("chunked_prefill_size", 1))
+
+    peaks = [(p.peak_gib * scale(p.params), p.number) for p in cal.points if p.peak_gib]
+    if peaks:
+        need = cal.need_gib(family)
+        if free < need:
+            peak, number = max(peaks)
+            return Skip(
+                f"predicted {free:.2f} GiB free after graphs (model calibrated on trial {ref_number}), below the "
+                f"{need:.2f} GiB the stress load needs: trial {number}'s measured activation peak scaled to this "
+                f"prefill chunk ({peak:.2f} GiB; activations scale with it) × {view.settings.peak_safety:g} + the "
+                f"{cal.margin_gib:.2f} GiB the model's checked predictions leave as margin; predicted, not launched",
+                number)
+    survivors = [(p.model.observed_free_after_graphs_gib * scale(p.params), p.number)
+                 for p in cal.points if p.model.observed_free_after_graphs_gib is not None]
+    if survivors and not any(p.peak_gib for p in cal.points):
+        least, number = min(survivors)
+        if free < least:
+            return Skip(
+                f"predicted {free:.2f} GiB free after graphs, less than any config has survived the stress "
+                f"load with ({least:.2f} GiB, trial {number}, scaled to this prefill chunk); the planner "
+                "explores that frontier; not launched", number)
+    for number, record in view.finished:
+        if record.failure_class is FailureClass.RUNTIME_OOM and record.free_gib_after_graphs is not None:
+            bound = record.free_gib_after_graphs * scale(record.params)
+            if free <= bound:
+                return Skip(
+                    f"predicted {free:.2f} GiB free after graphs, below the {bound:.2f} GiB that trial {number}'s "
+                    "runtime OOM under load implies for this prefill chunk (activations scale with it); "
+                    "not launched", number)
+    return None
+
+
+class HostMemory:
+    """The config's hierarchical-cache pools do not fit this host: per rank × ranks against
+    ``MemAvailable`` and the unit's ``MemoryMax``, with the margin and the arithmetic
+    (:func:`tuner.study.hostcheck.host_skip_reason`, ``shared/sglang-reference.md`` §7). The host
+    is read at every check (before each launch).
+
+    Args:
+        read_host: Reads this host's memory (``None``: not known, no check).
+        version: The SGLang version (the ratio's default, 0.5.23's auto-sizing).
+        argv: The service's command line (its ranks, ``--page-size``).
+    """
+
+    def __init__(self, read_host: Callable[[], HostReading | None], version: str, argv: Sequence[str]) -> None:
+        self.read_host = read_host
+        self.version = version
+        self.argv = list(argv)
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        if not params.get("enable_hierarchical_cache"):
+            return None
+        page = params.get("page_size") or _digits(flag_value(self.argv, "--page-size")) or 1
+        found = host_skip_reason(params, view.finished, self.read_host(), version=self.version,
+                                 ranks=ranks_of(self.argv), page_size=int(page))
+        return Skip(*found) if found is not None else None
+
+
+class RunningElsewhere:
+    """Another host runs the same config now (a claimed RUNNING trial; the claim lock settles two
+    hosts that drew it at once, :func:`tuner.study.hosts.claimed_reason`)."""
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        wanted = config_key(view.space.snap(dict(params)))
+        for trial in view.running:
+            if trial.params and trial.user_attrs.get(HOST_ATTR) and config_key(view.space.snap(trial.params)) == wanted:
+                return Skip(f"the same config is running on host {trial.user_attrs.get(HOST_ATTR)} "
+                            f"(trial {trial.number})", trial.number)
+        return None
+
+
+def _digits(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None

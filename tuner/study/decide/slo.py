@@ -1,0 +1,93 @@
+"""The SLO bracket: while the latency SLO binds, get feasible, then push capacity inside it.
+
+Once a measured window broke the SLO (:mod:`tuner.study.slo_bound`: per knob set, the largest
+SLO-safe and the smallest SLO-breaking count of requests the server ran at once), the planner
+first gets feasible by bisecting ``max_running_requests`` between those counts (the next count
+interpolated from the measured latencies), then pushes capacity inside that bracket and tries the
+other chunk sizes at the safe load. The memory frontier (:mod:`tuner.study.decide.memory`) goes on
+once every bracket is closed, never proposing a load a window of the same knobs already broke.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tuner.study.calibration import Calibration, Family, changed_knobs, neighbours
+from tuner.study.decide import Proposal
+from tuner.study.slo_bound import SLOBound, family_of
+from tuner.study.space import config_key
+from tuner.study.view import ConfigKey, StudyView
+
+__all__ = ["SLOBracket"]
+
+
+class SLOBracket:
+    """The next launch while the latency SLO binds (a :class:`~tuner.study.decide.Proposer`).
+
+    With no feasible trial, the family whose windows say most about the SLO is bisected between
+    its largest safe and its smallest broken running-request count (from the measured latencies,
+    :meth:`tuner.study.slo_bound.SLOBound.next_count`); with a feasible incumbent, its family's
+    bracket is narrowed the same way (capacity = slots inside the SLO), then each other family
+    (chunked prefill size, ...) is measured at the incumbent's safe load and, if it holds there, at
+    its family's break. ``None``: the SLO does not bind, or every bracket is closed.
+    """
+
+    def propose(self, view: StudyView) -> Proposal | None:
+        """The next config inside the SLO bracket, or ``None``."""
+        cal = view.calibration
+        binding = {f: b for f, b in cal.bounds.items() if b.binds}
+        if not cal.model_points or not binding:
+            return None
+        feasible = [p for p in cal.points if p.feasible]
+        if feasible:
+            family = family_of(max(feasible, key=lambda p: (p.capacity, -p.number)).params)
+        else:
+            family = max(binding, key=lambda f: (len(binding[f].points), -(binding[f].broken or 0)))
+        own_base = cal.bounds.get(family)
+        base = own_base if own_base is not None and own_base.binds else binding[cal.binding_family()]
+        families = [family, *(f for f in neighbours(view.space, dict(family)) if f != family)]
+        for rank, fam in enumerate(families):
+            own = cal.bounds.get(fam)
+            count: int | None
+            if own is not None and own.points:
+                count = own.next_count()
+                if count is None and not own.binds and base.broken is not None:
+                    # It held so far: try where the base family broke, then step up by a quarter
+                    # (never a jump to the memory frontier: the SLO binds on these loads).
+                    count = int(base.broken) if base.broken > own.safe else max(int(own.safe) + 1,
+                                                                              math.ceil(own.safe * 1.25))
+                why = ("bisect running requests between the largest SLO-safe and the smallest SLO-breaking "
+                       "window of these knobs" if rank == 0 else
+                       f"another {changed_knobs(family, fam)} within the SLO bracket")
+            else:
+                count = int(base.safe) if base.safe else base.next_count()
+                why = f"another {changed_knobs(family, fam)} at the SLO-safe load of trial {base.safe_trial}"
+            if count is None or count < 1:
+                continue
+            proposal = _at_count(cal, fam, count, view.tried, why, own or base)
+            if proposal is not None:
+                return proposal
+        return None
+
+
+def _at_count(cal: Calibration, family: Family, count: int, tried: frozenset[ConfigKey], why: str,
+              bound: SLOBound) -> Proposal | None:
+    """``family`` with ``count`` request slots at the smallest fraction whose pool holds them
+    (the memory frontier at that count), or ``None`` (already tried, or memory forbids it)."""
+    ref = cal.reference(family, count, cal.points)
+    need = cal.need_gib(family)
+    found = cal.frontier(family, ref, count, need)
+    if found is None:
+        return None
+    mfs, tokens, capacity, free, mrr = found
+    params = cal.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
+    if config_key(params) in tried:
+        return None
+    return Proposal(params=params, prediction={
+        "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
+        "need_gib": round(need, 3), "calibrated_on_trial": ref.number,
+        "running_requests": cal.running_requests(mrr, tokens),
+        "slo_safe_running_requests": bound.safe, "slo_safe_trial": bound.safe_trial,
+        "slo_broken_running_requests": bound.broken, "slo_broken_trial": bound.broken_trial,
+        "why": why,
+    })

@@ -1,0 +1,239 @@
+"""Record: what the study stores of each decision and each launch, and how a failed store ends.
+
+One :class:`Recorder` per run stores, on the study it opened: a proposal's trial (enqueued, then
+asked), a skip (PRUNED with its reason and proving trial), a sampler's rejected draw (in one write,
+from a background thread, :class:`SkipWriter`), a launched trial's record (the server log's error
+line added to a failure, artifacts uploaded to Optuna's artifact store, then
+:func:`tuner.study.optuna_io.tell_record`), and an interrupted trial (FAIL, its params queued
+again). A result another host failed meanwhile is stored as a trial of its own; one the database
+cannot take is logged in one line with its values, and the run stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import optuna
+from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from sqlalchemy.exc import SQLAlchemyError
+
+from tuner.errors import StudyError, first_line
+from tuner.records import TrialRecord
+from tuner.sglang.logs import log_error_line
+from tuner.study.decide import Proposal, Skip
+from tuner.study.decide.sampler import Draw
+from tuner.study.hosts import add_record
+from tuner.study.optuna_io import (
+    ENVIRONMENT_ATTR,
+    HOST_ATTR,
+    KIND_ATTR,
+    LATE_ATTR,
+    PREDICTION_ATTR,
+    REPEAT_ATTR,
+    fail_trial,
+    tell_record,
+)
+
+__all__ = ["Recorder", "SkipWriter", "server_reason"]
+
+_log = logging.getLogger(__name__)
+
+
+class Recorder:
+    """Stores one run's decisions and results in its study.
+
+    Args:
+        study: The study the run opened.
+        artifact_store: Where trial artifacts go (``None``: not uploaded, the in-memory study).
+        host: This host's name (:data:`~tuner.study.optuna_io.HOST_ATTR` of what it stores).
+        environment: This run's environment (stored on a late result).
+    """
+
+    def __init__(self, study: optuna.Study, artifact_store: FileSystemArtifactStore | None, host: str,
+                 environment: Mapping[str, Any]) -> None:
+        self.study = study
+        self.artifact_store = artifact_store
+        self.host = host
+        self.environment = dict(environment)
+        self.writer = SkipWriter(study)
+
+    def ask(self, proposal: Proposal) -> optuna.Trial:
+        """The trial for ``proposal``: enqueued with its kind, prediction and the trial it
+        repeats, then asked (Optuna hands out the oldest waiting trial: a queued one, for
+        :attr:`~tuner.study.decide.Proposal.from_queue`)."""
+        if not proposal.from_queue:
+            attrs: dict[str, Any] = {KIND_ATTR: proposal.kind}
+            if proposal.prediction:
+                attrs[PREDICTION_ATTR] = proposal.prediction
+            if proposal.repeat_of is not None:
+                attrs[REPEAT_ATTR] = proposal.repeat_of
+            self.study.enqueue_trial(proposal.params, user_attrs=attrs)
+        return self.study.ask()
+
+    def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any],
+             skip: Skip) -> None:
+        """Tell the asked ``trial`` PRUNED with the reason and the proving trial (no restart)."""
+        trial.set_user_attr(HOST_ATTR, self.host)
+        tell_record(self.study, trial, skip.record(params, kind, prediction))
+
+    def store_draw(self, draw: Draw) -> None:
+        """Store a sampler's rejected draw as a finished trial, in the background.
+
+        Raises:
+            Exception: What an earlier background write raised (the database stopped answering).
+        """
+        self.writer.store(draw.optuna_params, draw.distributions, draw.record, {HOST_ATTR: self.host})
+
+    def fail(self, trial: optuna.Trial, partial: TrialRecord, *, requeue: bool) -> None:
+        """Store an interrupted trial's partial record as FAIL; its params are queued again
+        (``requeue``: a candidate's; a baseline's flags are the unit's own)."""
+        fail_trial(self.study, trial, partial, requeue=requeue)
+
+    def tell(self, trial: optuna.Trial, record: TrialRecord) -> TrialRecord:
+        """Complete a launched trial's ``record`` (the server log's error line, artifact ids) and
+        tell Optuna.
+
+        Returns:
+            The stored record.
+
+        Raises:
+            StudyError: The database stopped answering (the result is logged in one line first).
+        """
+        record = _with_log_evidence(record)
+        try:
+            record = _upload_artifacts(trial, record, self.artifact_store)
+            tell_record(self.study, trial, record)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Cut off from the database for longer than the grace period: the other hosts marked
+            # this trial FAIL (and queued its params again). The measurement is still good: store
+            # it as a trial of its own; the queued copy is then skipped as measured.
+            number = add_record(self.study, trial.params, trial.distributions, record,
+                                {HOST_ATTR: self.host, ENVIRONMENT_ATTR: self.environment,
+                                 KIND_ATTR: str(trial.user_attrs.get(KIND_ATTR, "sampled")), LATE_ATTR: trial.number})
+            _log.warning("trial %d was marked FAIL by another host while this host could not reach the "
+                         "database; its result is stored as trial %d", trial.number, number)
+        except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+            _log.warning("trial %d not stored (the database does not answer: %s): params %s, context "
+                         "capacity %s, output %s tok/s, outcome %s", trial.number, first_line(err),
+                         json.dumps(record.params, sort_keys=True), record.context_capacity,
+                         record.output_throughput_tok_s, record.outcome)
+            raise StudyError(
+                f"the study's database stopped answering: trial {trial.number}'s result could not be stored "
+                "(it is in the warning above, params and values); the service was restored",
+                hint="check the database server and the network to it, then run the same command to resume "
+                "(the other hosts re-run the trial)",
+            ) from err
+        return record
+
+    def flush(self) -> None:
+        """Wait until every background write is stored.
+
+        Raises:
+            Exception: What a write raised.
+        """
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Wait for the queued writes and end the writer's thread (errors are :meth:`flush`'s)."""
+        self.writer.close()
+
+
+def server_reason(record: TrialRecord) -> str:
+    """One line for the user: the server log's error line, else the failure evidence."""
+    evidence = record.failure_evidence or "no reason recorded"
+    reason = evidence.split("; server log: ", 1)[1] if "; server log: " in evidence else evidence
+    return reason.rstrip(". ")
+
+
+def _with_log_evidence(record: TrialRecord) -> TrialRecord:
+    """Add the server log's error line to a failure whose evidence is not a log line itself.
+
+    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
+    without quoting the server; the user needs the server's words (``--model-path ... is neither a
+    directory ...``, ``address already in use``). Reads the trial's local ``server_log`` artifact.
+    """
+    if record.outcome != "failed" or "server_log" not in record.artifacts:
+        return record
+    try:
+        with open(record.artifacts["server_log"], encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return record
+    evidence = record.failure_evidence or ""
+    if evidence and any(evidence in line for line in lines):
+        return record
+    line = log_error_line(lines)
+    if line is None or line in evidence:
+        return record
+    excerpt = [x for x in record.log_excerpt if x != line] + [line]
+    return record.model_copy(update={
+        "failure_evidence": f"{evidence}; server log: {line}" if evidence else line,
+        "log_excerpt": excerpt,
+    })
+
+
+def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
+    """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id."""
+    if store is None or not record.artifacts:
+        return record
+    ids = {}
+    for name, path in record.artifacts.items():
+        try:
+            ids[name] = upload_artifact(artifact_store=store, file_path=path, study_or_trial=trial)
+        except (OSError, ValueError) as err:
+            _log.warning("artifact %s of trial %d not stored: %s", name, trial.number, err)
+    return record.model_copy(update={"artifacts": ids})
+
+
+class SkipWriter:
+    """Stores the sampler's skipped proposals in the shared study from one background thread, in
+    the order they were skipped.
+
+    A skip is a decision, not a measurement, and the loop goes on drawing while it is written: on
+    a shared PostgreSQL study with four hosts on one box, a write (:func:`tuner.study.hosts.add_record`) took about
+    80 ms beside the sampler's own draw, and late in a study most draws are skipped.
+    Optuna's ``RDBStorage`` and ``InMemoryStorage`` are thread-safe.
+
+    Args:
+        study: The shared study.
+    """
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuner-skips")
+        self._pending: list[Future[int]] = []
+
+    def store(self, params: Mapping[str, Any], distributions: Mapping[str, Any], record: TrialRecord,
+              user_attrs: Mapping[str, Any]) -> None:
+        """Queue one skipped trial (:func:`add_record`'s arguments).
+
+        Raises:
+            Exception: What an earlier write raised (a storage error: the database stopped answering).
+        """
+        pending = []
+        for future in self._pending:  # each future looked at once: one that ends meanwhile waits for the next call
+            if future.done():
+                future.result()
+            else:
+                pending.append(future)
+        self._pending = pending
+        self._pending.append(self._pool.submit(add_record, self._study, dict(params), dict(distributions),
+                                               record, dict(user_attrs)))
+
+    def flush(self) -> None:
+        """Wait until every queued skip is stored.
+
+        Raises:
+            Exception: What a write raised.
+        """
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def close(self) -> None:
+        """Wait for the queued writes and end the thread (errors are :meth:`flush`'s to raise)."""
+        self._pool.shutdown(wait=True)
