@@ -9,10 +9,13 @@ is broken, and every other trial would fail the same way: the run stops.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from tuner.config import TunerConfig
 from tuner.load.workloads import build_workload, estimate_reuse
@@ -22,10 +25,17 @@ from tuner.sglang.flags import FlagTable
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import reachable_slots
-from tuner.study.optuna_io import SPACE_ATTR, set_baseline_params
+from tuner.study.hosts import own, same_environment
+from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, records, set_baseline_params
 from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
 
-__all__ = ["could_not_start", "latest_baseline", "fix_space", "resolve_study_space", "study_hicache"]
+__all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "resolve_study_space",
+           "study_hicache"]
+
+WAIT_POLL_S = 1.0
+"""Seconds between looks at the study while another host measures the baseline."""
+BASELINE_VISIBLE_S = 30.0
+"""How long a host waits for a baseline whose space is stored to show among the finished trials."""
 
 
 def could_not_start(record: TrialRecord) -> bool:
@@ -46,6 +56,56 @@ def latest_baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, Trial
     """The newest baseline of ``done`` that started (one that could not start is measured again:
     the command was fixed)."""
     return next(((n, r) for n, r in reversed(done) if r.kind == "baseline" and not could_not_start(r)), None)
+
+
+def claim_baseline(
+    study: optuna.Study, environment: Mapping[str, Any], host: str, *,
+    claim: Callable[[], AbstractContextManager[None]], can_continue: Callable[[], bool],
+    own_environment: Callable[[], bool], on_wait: Callable[[str], None],
+) -> tuple[optuna.Trial | None, tuple[int, TrialRecord] | None]:
+    """The study's baseline of ``environment``, or the trial this host measures it in.
+
+    Once per study and environment: under the claim lock, a finished baseline (any host's) is
+    taken; else, while another host measures it (or its stored space has not shown up among the
+    finished trials yet, at most :data:`BASELINE_VISIBLE_S`), this host waits, polling every
+    :data:`WAIT_POLL_S`; else it asks a trial for it and claims it (:func:`tuner.study.hosts.own`).
+
+    Args:
+        study: The study.
+        environment: This run's environment.
+        host: This host's name.
+        claim: The claim lock's context (:meth:`tuner.study.loop.StudyRun.claim`).
+        can_continue: Whether the budget and the trial cap leave room for one more trial.
+        own_environment: Whether this run's environment is the study's own.
+        on_wait: Told once, with one line, when this host starts waiting for another's.
+
+    Returns:
+        ``(trial to measure it in, None)``, or ``(None, (number, record))`` of the finished
+        baseline, or ``(None, None)`` when no trial fits the budget or the cap.
+    """
+    waited_s = 0.0
+    while True:
+        with claim():
+            found = latest_baseline([(t.number, r) for t, r in records(study)
+                                     if same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)])
+            if found is not None or not can_continue():
+                return None, found
+            # The study attribute the baseline's tell stores first: a baseline of this
+            # environment is done even if its trial is not in this host's view yet.
+            done_elsewhere = SPACE_ATTR in study.user_attrs and own_environment()
+            measuring = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                         if t.user_attrs.get(KIND_ATTR) == "baseline"
+                         and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)]
+            if not measuring and not (done_elsewhere and waited_s < BASELINE_VISIBLE_S):
+                trial = study.ask()
+                trial.set_user_attr(KIND_ATTR, "baseline")
+                own(study, trial, host, environment)
+                return trial, None
+        if not waited_s and measuring:  # another host measures this environment's baseline now
+            on_wait(f"waiting for the baseline (trial {measuring[0].number}) on host "
+                    f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}")
+        waited_s += WAIT_POLL_S
+        time.sleep(WAIT_POLL_S)
 
 
 def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, config: TunerConfig,

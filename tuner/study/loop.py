@@ -19,7 +19,6 @@ to a listener (:class:`tuner.study.progress.RunProgress`).
 from __future__ import annotations
 
 import contextlib
-import shlex
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
-from optuna.artifacts import FileSystemArtifactStore
 from optuna.trial import TrialState
 
 from tuner.config import TunerConfig, check_url_matches_port
@@ -35,17 +33,13 @@ from tuner.errors import ServiceControlError, StudyError
 from tuner.load.workloads import build_workload
 from tuner.records import StudyInfo, TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
-from tuner.study.baseline import could_not_start, fix_space, latest_baseline
+from tuner.study.baseline import claim_baseline, could_not_start, fix_space
 from tuner.study.best import choose_best, probe_floor
 from tuner.study.budget import Budget, require_one_trial
 from tuner.study.calibration import ModelSettings
-from tuner.study.decide import Decider, Proposer, Screen, Skip, record_kind
-from tuner.study.decide.cache import CacheCandidate
-from tuner.study.decide.memory import MemoryFrontier
-from tuner.study.decide.repeat import NoiseRepeat
+from tuner.study.decide import Decider, Skip
+from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere
-from tuner.study.decide.slo import SLOBracket
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
     ClaimLock,
@@ -61,30 +55,26 @@ from tuner.study.hosts import (
 )
 from tuner.study.job import TrialJob, TrialRunner
 from tuner.study.optuna_io import (
-    ENVIRONMENT_ATTR,
-    HOST_ATTR,
     KIND_ATTR,
     PHASE_ATTR,
     PREDICTION_ATTR,
     REPEAT_ATTR,
     SPACE_ATTR,
-    check_environment,
+    ensure_study_info,
     make_sampler,
     open_study,
-    records,
-    save_study_info,
     study_info,
 )
 from tuner.study.progress import Progress, RunProgress, RunSummary
 from tuner.study.record import Recorder, server_reason
 from tuner.study.space import Space
 from tuner.study.storage import (
-    check_artifacts_folder,
     check_run_storage,
     check_storage_folder,
+    open_artifact_store,
     open_storage,
+    show_command,
     storage_errors,
-    study_artifacts_dir,
     study_storage_url,
 )
 from tuner.study.view import RecordCache, StudyView
@@ -99,10 +89,6 @@ MAX_REPEATS_IN_A_ROW = 200
 skip between them) after which the search counts as exhausted: it finds nothing new in the
 space. Skips of new configs do not count: a sampler exploring below the capacity band is not
 done (with four hosts, 200 skips in a row happened mid-study)."""
-_WAIT_POLL_S = 1.0
-"""Seconds between looks at the study while another host measures the baseline."""
-_BASELINE_VISIBLE_S = 30.0
-"""How long a host waits for a baseline whose space is stored to show among the finished trials."""
 
 
 @dataclass(frozen=True)
@@ -220,24 +206,15 @@ class StudyRun:
                                grace_period_s=config.storage.grace_period_s)
         environment = self.runner.environment()
         context_tokens = config.objective.context_tokens or build_workload(config.workload, seed=config.study.seed).context_tokens
+        new = StudyInfo(environment=environment, target=self.runner.target(), baseline_argv=self.runner.baseline_argv(),
+                        policy=config.objective.model_dump(mode="json"), context_tokens=context_tokens,
+                        config_path=config.path)
         with schema_lock(url):  # hosts starting together: one creates the study and its info
             study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
-            info = study_info(study)
-            if info is not None:
-                check_environment(info.environment, environment, allow_mixed=self.options.allow_mixed_environment)
-            else:
-                info = StudyInfo(environment=environment, target=self.runner.target(),
-                                 baseline_argv=self.runner.baseline_argv(), policy=config.objective.model_dump(mode="json"),
-                                 context_tokens=context_tokens, config_path=config.path)
-                save_study_info(study, info)
+            info = ensure_study_info(study, new, allow_mixed=self.options.allow_mixed_environment)
         shared = is_postgres(storage)
         self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
-        store = None
-        if url != ":memory:":
-            check_artifacts_folder(config)
-            folder = study_artifacts_dir(config)
-            folder.mkdir(parents=True, exist_ok=True)
-            store = FileSystemArtifactStore(str(folder))
+        store = open_artifact_store(config, url)
         context_tokens = info.context_tokens or context_tokens
         self.opened = _Opened(study=study, claims=ClaimLock.of(study),
                               recorder=Recorder(study, store, self.summary.host, environment), shared=shared,
@@ -257,29 +234,11 @@ class StudyRun:
         """
         opened = self._opened()
         study, environment = opened.study, opened.environment
-        waited_s = 0.0
-        while True:
-            with self.claim():
-                found = latest_baseline([(t.number, r) for t, r in records(study)
-                                         if same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)])
-                if found is not None or not self.can_continue():
-                    return found
-                # The study attribute the baseline's tell stores first: a baseline of this
-                # environment is done even if its trial is not in this host's view yet.
-                done_elsewhere = SPACE_ATTR in study.user_attrs and self._own_environment()
-                measuring = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                             if t.user_attrs.get(KIND_ATTR) == "baseline"
-                             and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)]
-                if not measuring and not (done_elsewhere and waited_s < _BASELINE_VISIBLE_S):
-                    trial = study.ask()
-                    trial.set_user_attr(KIND_ATTR, "baseline")
-                    own(study, trial, self.summary.host, environment)
-                    break
-            if not waited_s and measuring:  # another host measures this environment's baseline now
-                self.progress.note(None, f"waiting for the baseline (trial {measuring[0].number}) on host "
-                                         f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}", phase="waiting")
-            waited_s += _WAIT_POLL_S
-            time.sleep(_WAIT_POLL_S)
+        trial, found = claim_baseline(study, environment, self.summary.host, claim=self.claim,
+                                      can_continue=self.can_continue, own_environment=self._own_environment,
+                                      on_wait=lambda text: self.progress.note(None, text, phase="waiting"))
+        if trial is None:
+            return found
         job = TrialJob(number=trial.number, kind="baseline", context_tokens=opened.context_tokens, started_at=now_iso())
         record = self.run_trial(trial, job)
         space = fix_space(study, trial, record, self.config, environment, opened.context_tokens,
@@ -292,7 +251,7 @@ class StudyRun:
                 f"the baseline (trial {trial.number}, the service's own flags) could not start "
                 f"({record.failure_class.value if record.failure_class else 'failed'}): "
                 f"{server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or environment and run again (`{self.show_command(trial.number)}` has the log)",
+                hint=f"fix the service command or environment and run again (`{show_command(self.config, self.summary.storage_url, trial.number)}` has the log)",
             )
         return trial.number, record
 
@@ -311,19 +270,15 @@ class StudyRun:
         return Space.model_validate(data)
 
     def decider(self, space: Space) -> tuple[Decider, Sampler]:
-        """The chain of proposers and screens for this run (the planner's only with ``use_planner``)."""
-        opened, objective = self._opened(), self.config.objective
-        host = HostMemory(self.runner.host_memory, str(opened.environment.get("sglang_version") or "0.5.5"),
-                          self.runner.baseline_argv())
-        planner = self.options.use_planner
-        proofs: list[Screen] = [MeasuredAlready(), MustFail()]
-        sampled: list[Screen] = [*proofs, *([Predicted(objective)] if planner else []), host]
-        planned: list[Proposer] = [SLOBracket(), MemoryFrontier(), CacheCandidate(objective, host), NoiseRepeat(objective)]
+        """This run's decision chain (:func:`tuner.study.decide.chain.build_chain`); on a shared
+        study each host's sampler has a seed of its own."""
+        opened = self._opened()
         seed = self.config.study.seed + (zlib.crc32(self.summary.host.encode()) % 1_000_003 if opened.shared else 0)
         mirror = ProposalMirror(opened.study.directions, make_sampler(self.config.study.sampler, seed), space,
                                 self.summary.host)
-        decider = Decider(planned if planner else [], [*proofs, host], sampled, self.config.study.predicted_candidates)
-        return decider, Sampler(mirror, [*sampled, RunningElsewhere()], self.on_draw)
+        return build_chain(self.config, mirror, read_host=self.runner.host_memory,
+                           version=str(opened.environment.get("sglang_version") or "0.5.5"),
+                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw)
 
     # ---- one step: decide, claim ------------------------------------------------------------------
 
@@ -425,24 +380,12 @@ class StudyRun:
             with TrialHeartbeat(opened.study, trial.number, on_reaped=on_reaped):
                 record = self.runner.run(job, on_phase)
         except (KeyboardInterrupt, ServiceControlError) as err:
-            why = ("interrupted (Ctrl-C or SIGTERM) during the trial" if isinstance(err, KeyboardInterrupt)
-                   else f"not run: the service could not be changed ({err.message})")
-            opened.recorder.fail(trial, TrialRecord(params=job.params, kind=record_kind(job.kind), outcome="failed",
-                                                    failure_evidence=why, started_at=job.started_at,
-                                                    duration_s=self.clock() - begun), requeue=bool(job.params))
+            opened.recorder.interrupted(trial, job, err, elapsed_s=self.clock() - begun)
             raise
         finally:
             self.progress.trial_aborted()
         if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
-            # Not the candidate's failure: FAIL (not a measured trial) and measured again next run.
-            opened.recorder.fail(trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
-            raise StudyError(
-                f"trial {job.number} stopped: the service manager's journal stopped answering "
-                f"({record.failure_evidence}); the trial is recorded as journal_unreadable, not measured, "
-                "and the service was restored",
-                hint="check journald (systemctl status systemd-journald; journalctl --verify) and run the "
-                "same command again to resume",
-            )
+            raise opened.recorder.journal_lost(trial, job, record)
         self.summary.trials_run += 1
         self.repeats_in_a_row = 0
         if record.duration_s is None:
@@ -482,7 +425,7 @@ class StudyRun:
             raise StudyError(
                 f"{self.invalid_in_a_row} trials in a row (the last {number}) were rejected as invalid_arguments: "
                 f"{server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or the [space] and run again (`{self.show_command(number)}` has the log)",
+                hint=f"fix the service command or the [space] and run again (`{show_command(self.config, self.summary.storage_url, number)}` has the log)",
             )
 
     def stop(self, reason: str) -> None:
@@ -490,14 +433,6 @@ class StudyRun:
         self.summary.stop_reason = reason
         self.stopped = True
         self.progress.stop(reason)
-
-    def show_command(self, number: int) -> str:
-        """A ``tuner show`` command that finds this study from where the run was started, however
-        many databases ``studies/`` holds: with the run's ``--config``, else its storage URL."""
-        url = self.summary.storage_url
-        if self.config.path and url == study_storage_url(self.config):
-            return f"tuner show {number} --config {shlex.quote(self.config.path)}"
-        return f"tuner show {number} --storage {shlex.quote(url)} --study {shlex.quote(self.config.study.name)}"
 
     # ---- shared state --------------------------------------------------------------------------
 

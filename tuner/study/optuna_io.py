@@ -46,6 +46,7 @@ __all__ = [
     "record_of",
     "study_info",
     "save_study_info",
+    "ensure_study_info",
     "check_environment",
     "records",
     "tell_record",
@@ -167,6 +168,21 @@ def study_info(study: optuna.Study) -> StudyInfo | None:
 def save_study_info(study: optuna.Study, info: StudyInfo) -> None:
     """Store :class:`StudyInfo` as the study user attribute :data:`STUDY_ATTR`."""
     study.set_user_attr(STUDY_ATTR, info.model_dump(mode="json"))
+
+
+def ensure_study_info(study: optuna.Study, new: StudyInfo, *, allow_mixed: bool) -> StudyInfo:
+    """The study's stored :class:`StudyInfo` after checking ``new.environment`` against it
+    (:func:`check_environment`), or ``new``, stored, for a new study.
+
+    Raises:
+        StudyError: The environment differs and ``allow_mixed`` is false.
+    """
+    info = study_info(study)
+    if info is None:
+        save_study_info(study, new)
+        return new
+    check_environment(info.environment, new.environment, allow_mixed=allow_mixed)
+    return info
 
 
 def check_environment(

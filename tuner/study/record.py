@@ -24,9 +24,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import StudyError, first_line
 from tuner.records import TrialRecord
 from tuner.sglang.logs import log_error_line
-from tuner.study.decide import Proposal, Skip
+from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
 from tuner.study.hosts import add_record
+from tuner.study.job import TrialJob
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     HOST_ATTR,
@@ -88,10 +89,26 @@ class Recorder:
         """
         self.writer.store(draw.optuna_params, draw.distributions, draw.record, {HOST_ATTR: self.host})
 
-    def fail(self, trial: optuna.Trial, partial: TrialRecord, *, requeue: bool) -> None:
-        """Store an interrupted trial's partial record as FAIL; its params are queued again
-        (``requeue``: a candidate's; a baseline's flags are the unit's own)."""
-        fail_trial(self.study, trial, partial, requeue=requeue)
+    def interrupted(self, trial: optuna.Trial, job: TrialJob, err: BaseException, *, elapsed_s: float) -> None:
+        """Store a trial cut short (Ctrl-C or SIGTERM, or a service the host refused to change,
+        ``err``) as FAIL with a partial record; a candidate's params are queued again."""
+        why = ("interrupted (Ctrl-C or SIGTERM) during the trial" if isinstance(err, KeyboardInterrupt)
+               else f"not run: the service could not be changed ({getattr(err, 'message', err)})")
+        partial = TrialRecord(params=job.params, kind=record_kind(job.kind), outcome="failed", failure_evidence=why,
+                              started_at=job.started_at, duration_s=elapsed_s)
+        fail_trial(self.study, trial, partial, requeue=bool(job.params))
+
+    def journal_lost(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> StudyError:
+        """Store a trial whose journal stopped answering as FAIL (not the candidate's failure, not
+        a measurement: measured again next run) and return the error that stops the run."""
+        fail_trial(self.study, trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
+        return StudyError(
+            f"trial {job.number} stopped: the service manager's journal stopped answering "
+            f"({record.failure_evidence}); the trial is recorded as journal_unreadable, not measured, "
+            "and the service was restored",
+            hint="check journald (systemctl status systemd-journald; journalctl --verify) and run the "
+            "same command again to resume",
+        )
 
     def tell(self, trial: optuna.Trial, record: TrialRecord) -> TrialRecord:
         """Complete a launched trial's ``record`` (the server log's error line, artifact ids) and

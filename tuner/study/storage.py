@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import sqlalchemy
+from optuna.artifacts import FileSystemArtifactStore
 from optuna.storages import BaseStorage, RDBStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
@@ -33,6 +35,8 @@ __all__ = [
     "display_url",
     "is_shared_url",
     "open_storage",
+    "show_command",
+    "open_artifact_store",
     "check_storage_folder",
     "check_artifacts_folder",
     "check_run_storage",
@@ -55,6 +59,15 @@ def default_storage_url(study_name: str) -> str:
 def default_artifacts_dir(study_name: str) -> Path:
     """The default artifact folder of a study: ``studies/<study_name>/artifacts``."""
     return STUDIES_DIR / study_name / "artifacts"
+
+
+def show_command(config: TunerConfig, url: str, number: int) -> str:
+    """A ``tuner show`` command that finds trial ``number`` of the study stored at ``url`` from
+    where the run was started, however many databases ``studies/`` holds: with the run's
+    ``--config`` when it names that storage, else with the storage URL."""
+    if config.path and url == study_storage_url(config):
+        return f"tuner show {number} --config {shlex.quote(config.path)}"
+    return f"tuner show {number} --storage {shlex.quote(url)} --study {shlex.quote(config.study.name)}"
 
 
 def study_storage_url(config: TunerConfig) -> str:
@@ -365,6 +378,21 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
     optuna.copy_study(from_study_name=study_name, from_storage=source, to_storage=target,
                       to_study_name=target_name)
     return len(optuna.load_study(study_name=target_name, storage=target).trials)
+
+
+def open_artifact_store(config: TunerConfig, url: str) -> FileSystemArtifactStore | None:
+    """The study's artifact store (``studies/<study>/artifacts``, created), checked first; ``None``
+    for the in-memory study (``:memory:``, the benchmarks: nothing is uploaded).
+
+    Raises:
+        StudyError: See :func:`check_artifacts_folder`.
+    """
+    if url == ":memory:":
+        return None
+    check_artifacts_folder(config)
+    folder = study_artifacts_dir(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    return FileSystemArtifactStore(str(folder))
 
 
 def check_artifacts_folder(config: TunerConfig) -> None:
