@@ -23,7 +23,7 @@ import optuna
 import pytest
 from optuna.distributions import distribution_to_json, json_to_distribution
 
-from tuner.study.space import Space
+from tuner.study.space import Space, config_key
 
 GOLDEN = Path(__file__).parent / "golden" / "stored-spaces.json"
 _CASES: list[dict[str, Any]] = json.loads(GOLDEN.read_text(encoding="utf-8"))["cases"]
@@ -70,3 +70,11 @@ def test_a_stored_space_suggests_the_same_params_under_the_same_names(case: dict
                 k: json_to_distribution(v) for k, v in item["trial_distributions"].items()}
             study.tell(trial, 1.0)
 
+
+
+@pytest.mark.parametrize("case", _CASES, ids=[c["name"] for c in _CASES])
+def test_a_stored_space_has_the_planners_neighbours(case: dict[str, Any]) -> None:
+    space = _space(case)
+    for item in case["neighbours"]:
+        got = [config_key(config) for config in space.neighbours(item["params"])]
+        assert got == [tuple(tuple(pair) for pair in family) for family in item["families"]], item["params"]
