@@ -98,9 +98,9 @@ _HICACHE = "enable_hierarchical_cache"
 KNOBS: tuple[Knob, ...] = (
     Knob(name="mem_fraction_static", kind="float", memory=True, drawn_digits=6, shown_first=True,
          help="Share of the GPU's memory for the weights and the KV cache pool (0-1); the rest is the reserve "
-              "for activations and CUDA graphs (§1)."),
+              "for activations and CUDA graphs (§1.2, §1.6)."),
     Knob(name="max_running_requests", kind="int", log=True, memory=True, absent="high", shown_first=True,
-         help="Most requests running at once (requests); left out, SGLang sizes it from the KV pool."),
+         help="Most requests running at once (requests); left out, SGLang derives it from the KV pool (§2.3)."),
     Knob(name="chunked_prefill_size", kind="categorical", shown_first=True,
          help="Most prompt tokens prefilled in one step (tokens); -1 disables chunked prefill (§2.1)."),
     Knob(name=_HICACHE, kind="bool", domain="hierarchical_cache", absent=False, shown_first=True,
@@ -121,8 +121,8 @@ KNOBS: tuple[Knob, ...] = (
          help="Largest batch captured as a CUDA graph (requests; its reserve grows with it; spelled per "
               "version, §3.2)."),
     Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
-         help="How much KV the scheduler keeps back for running requests' future tokens (factor; SGLang's "
-              "default 1.0, lower admits more, §2.4)."),
+         help="How much KV the scheduler reserves for running requests' future tokens before admitting "
+              "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
 )
 """Every knob the study can change, in the order the sampler is asked for them."""
 
