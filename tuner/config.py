@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
+from tuner.sglang.flags import flag_value
 from tuner.units import parse_duration_s
 
 __all__ = [
@@ -410,12 +411,7 @@ def check_url_matches_port(url: str | None, argv: Sequence[str]) -> None:
     Raises:
         StudyError: Both name a port and they differ.
     """
-    port = None
-    for i, word in enumerate(argv):
-        if word == "--port" and i + 1 < len(argv):
-            port = argv[i + 1]
-        elif word.startswith("--port="):
-            port = word.split("=", 1)[1]
+    port = flag_value(argv, "--port")
     if not url or port is None:
         return
     try:

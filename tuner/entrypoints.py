@@ -19,7 +19,7 @@ from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
 from tuner.preflight import check_run
-from tuner.sglang.flags import FlagTable, parse_argv
+from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.study.baseline import study_hicache
 from tuner.study.budget import prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
@@ -70,9 +70,9 @@ def resolve_flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
     if service.python and not service.sglang_version:
         return FlagTable.from_python(service.python)
     version = service.sglang_version
-    if version is None and "--sim-version" in argv:
-        version = argv[argv.index("--sim-version") + 1]
-    elif version is None and any("tuner.sim" in word for word in argv):
+    if version is None:
+        version = flag_value(argv, "--sim-version")
+    if version is None and any("tuner.sim" in word for word in argv):
         version = "0.5.5"  # the simulator's default mimicked version
     return FlagTable.for_version(version or FlagTable.bundled_versions()[-1])
 
@@ -85,8 +85,8 @@ def resolve_environment(config: TunerConfig, argv: list[str], table: FlagTable, 
         "model": config.model.name or explicit.get("model_path"),
         "gpu_count": int(explicit.get("tp_size") or 1) * int(explicit.get("pp_size") or 1),
     }
-    if "--sim-gpu" in argv:
-        env["gpu_name"] = argv[argv.index("--sim-gpu") + 1]
+    if (sim_gpu := flag_value(argv, "--sim-gpu")) is not None:
+        env["gpu_name"] = sim_gpu
         env["driver_version"] = "simulated"
     snapshot = []
     if gpu is not None:

@@ -37,7 +37,7 @@ def starter_config(*, unit: str | None, sim: bool) -> str:
     argv = list(systemd_unit.exec_command().argv)
 
     python = argv[0] if argv and "python" in Path(argv[0]).name else None
-    model = flag_value(argv, "--model-path") or flag_value(argv, "--model")
+    model = flag_value(argv, "--model-path", "--model")
     config_json = Path(model) / "config.json" if model else None
     port = flag_value(argv, "--port") or "30000"
     name = unit.removesuffix(".service").replace("@", "-")

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 
 from tuner.errors import FlagError
-from tuner.sglang.flags import FlagTable, parse_argv, parse_human_int, render, replace_flags, unknown_flags, validate
+from tuner.sglang.flags import (
+    FlagTable,
+    flag_int,
+    flag_value,
+    parse_argv,
+    parse_human_int,
+    render,
+    replace_flags,
+    unknown_flags,
+    validate,
+)
 
 BASE = "python -m sglang.launch_server --model /m --tp 8 --mem-fraction-static=0.8 --cuda-graph-max-bs 8 --enable-metrics --port 30000".split()
 
@@ -60,6 +70,20 @@ def test_parse_argv_types_and_aliases() -> None:
                       "--enable-tf32-matmul", "--no-dllm-fdfo", "--unknown-x", "1"], t)
     assert got == {"max_total_tokens": 128000, "cuda_graph_bs": [1, 2, 4], "dp_size": 2, "enable_tf32_matmul": True, "dllm_fdfo": False}
     assert parse_human_int("1Mi") == 2**20
+
+
+def test_flag_value_reads_a_command_as_argparse_does_without_a_table() -> None:
+    argv = [*BASE, "--port=31000", "--page-size", "64", "--tp-size", "x"]
+    assert flag_value(argv, "--port") == "31000"  # the last occurrence wins (argparse's store action)
+    assert flag_value(argv, "--model-path", "--model") == "/m"  # any spelling of one option
+    assert flag_value(argv, "--tp-size", "--tp") == "x" and flag_value(argv, "--tp") == "8"
+    assert flag_value(argv, "--tensor-parallel") is None  # exact spellings only: prefixes need the table
+    assert flag_value(["--port"], "--port") is None and flag_value([], "--port") is None
+    assert flag_int(argv, "--page-size") == 64 and flag_int(["--page-size=16"], "--page-size") == 16
+    assert flag_int(argv, "--tp-size", "--tp") is None  # "x": SGLang refuses the command
+    assert flag_int(argv, "--dp-size") is None
+    # The typed reader with a table agrees where both read.
+    assert parse_argv(argv, FlagTable.for_version("0.5.23"))["port"] == int(flag_value(argv, "--port") or 0)
 
 
 def test_parse_human_int_is_sglangs_case_sensitive_rule() -> None:

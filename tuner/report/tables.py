@@ -27,20 +27,15 @@ from rich.text import Text
 from tuner.load import LoadSummary, MaxLoadResult
 from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect
 from tuner.study.best import max_running_requests_cut
+from tuner.study.space import KNOBS
 
 __all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
-KEY_PARAMS = (
-    "mem_fraction_static",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "enable_hierarchical_cache",
-    "hicache_ratio",
-    "hicache_size",
-)
-"""Parameters shown first in tables, by SGLang field name; others follow alphabetically."""
+KEY_PARAMS = tuple(knob.name for knob in KNOBS if knob.shown_first)
+"""Parameters shown first in tables, by SGLang field name (the knob table's
+:attr:`~tuner.study.space.Knob.shown_first`); others follow alphabetically."""
 
 PIPE_MAX_WIDTH = 400
 """Widest output (columns) :func:`print_fitted` renders for a pipe; wider cells fold."""

@@ -31,6 +31,7 @@ from tuner.sglang.versions import at_least, release
 
 __all__ = [
     "flag_value",
+    "flag_int",
     "FlagOption",
     "FlagTable",
     "FIELD_ALIASES",
@@ -270,15 +271,48 @@ _HUMAN = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
 _HUMAN_SCALE = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
-def flag_value(argv: Sequence[str], name: str) -> str | None:
-    """The value of ``name`` in a server command line, as ``name value`` or ``name=value``; the
-    first occurrence wins, ``None`` when absent (or last with no value after it)."""
+def flag_value(argv: Sequence[str], *names: str) -> str | None:
+    """The value a server command line gives a flag, read as argparse reads it, without a flag table.
+
+    ``--flag value`` or ``--flag=value``, under any of ``names`` (one option's spellings, e.g.
+    ``"--tp-size", "--tp", "--tensor-parallel-size"``); the last occurrence wins, as for the
+    store actions of SGLang's and the simulator's parsers. Only the exact spellings given are
+    read: argparse's unique prefixes and another version's spelling need the version's table,
+    and :func:`parse_argv` reads a whole command that way, typed.
+
+    Args:
+        argv: The command (``ExecStart``'s words, or only its flags).
+        names: The flag's spellings, each with its leading ``--``.
+
+    Returns:
+        The value as written, or ``None`` when no spelling is given one (absent, or the last
+        word with nothing after it).
+    """
+    value = None
     for i, word in enumerate(argv):
-        if word == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if word.startswith(name + "="):
-            return word.split("=", 1)[1]
-    return None
+        for name in names:
+            if word == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif word.startswith(name + "="):
+                value = word.split("=", 1)[1]
+    return value
+
+
+def flag_int(argv: Sequence[str], *names: str) -> int | None:
+    """:func:`flag_value` as an integer, as SGLang's ``type=int`` options read it (``--page-size
+    64``, ``--tp=4``).
+
+    Returns:
+        The integer, or ``None`` when the flag has no value or one that is not an integer (a
+        command SGLang refuses to start with).
+    """
+    value = flag_value(argv, *names)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
 
 
 def parse_human_int(text: str) -> int:

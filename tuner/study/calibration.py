@@ -365,35 +365,8 @@ def changed_knobs(base: Family, other: Family) -> str:
 
 
 def neighbours(space: Space, params: Mapping[str, Any]) -> list[Family]:
-    """Knob sets one step from ``params`` (memory knobs excluded), in a stable order: each other
-    chunk size, the hierarchical cache switched, each other page size and graph batch size, and
-    ``schedule_conservativeness`` ± 0.3 within its range."""
-    base = {k: v for k, v in params.items() if k not in ("mem_fraction_static", "max_running_requests")}
-    out: list[dict[str, Any]] = []
-    for cps in space.chunked_prefill_size:
-        if cps != base.get("chunked_prefill_size"):
-            out.append({**base, "chunked_prefill_size": cps})
-    if space.hierarchical_cache:
-        if base.get("enable_hierarchical_cache"):
-            out.append({k: v for k, v in base.items() if not k.startswith("hicache_")} | {"enable_hierarchical_cache": False})
-        else:
-            out.append({**base, **space.hicache_on()})
-    for name in ("page_size", "cuda_graph_max_bs"):
-        for value in getattr(space, name) or ():
-            if value != base.get(name):
-                out.append({**base, name: value})
-    if space.schedule_conservativeness:
-        lo, hi = space.schedule_conservativeness
-        current = float(base.get("schedule_conservativeness", 1.0))
-        for value in (current - 0.3, current + 0.3):
-            if lo <= value <= hi:
-                out.append({**base, "schedule_conservativeness": round(value, 6)})
-    families = []
-    for item in out:
-        snapped = space.snap({**item, "mem_fraction_static": space.mem_fraction_static[0],
-                              "max_running_requests": space.max_running_requests[0]})
-        families.append(family_of(snapped))
-    return list(dict.fromkeys(families))
+    """The families one non-memory step from ``params`` (:meth:`tuner.study.space.Space.neighbours`)."""
+    return [family_of(config) for config in space.neighbours(params)]
 
 
 def _survivors(history: Sequence[tuple[int, TrialRecord]], space: Space) -> list[Point]:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tuner.records import TrialRecord
+from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory, HostPool, check_host_fit, host_pool
 from tuner.sglang.memory import KVCapacityModel
 
@@ -22,17 +23,11 @@ __all__ = ["ranks_of", "pool_for", "host_skip_reason"]
 
 
 def ranks_of(argv: Sequence[str]) -> int:
-    """Ranks a server command runs on this host: ``--tp-size`` (``--tp``) × ``--pp-size`` (``--pp``), ≥ 1."""
-    def value(*names: str) -> int:
-        for i, word in enumerate(argv):
-            for name in names:
-                if word == name and i + 1 < len(argv) and argv[i + 1].isdigit():
-                    return max(1, int(argv[i + 1]))
-                if word.startswith(name + "=") and word.split("=", 1)[1].isdigit():
-                    return max(1, int(word.split("=", 1)[1]))
-        return 1
-
-    return value("--tp-size", "--tp", "--tensor-parallel-size") * value("--pp-size", "--pp", "--pipeline-parallel-size")
+    """Ranks a server command runs on this host: ``--tp-size`` × ``--pp-size`` (any spelling of
+    each, :func:`~tuner.sglang.flags.flag_int`; 1 for one that is absent or not a positive integer)."""
+    tp = flag_int(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1
+    pp = flag_int(argv, "--pp-size", "--pp", "--pipeline-parallel-size") or 1
+    return max(1, tp) * max(1, pp)
 
 
 def _calibration(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, KVCapacityModel] | None:

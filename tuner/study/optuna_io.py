@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.sglang.failures import FailureClass
-from tuner.study.space import Space
+from tuner.study.space import Space, suggest_param
 
 __all__ = [
     "DIRECTIONS",
@@ -297,15 +297,6 @@ def set_baseline_params(trial: optuna.Trial, space: Space, params: Mapping[str, 
     try:
         for name, dist in space.distributions().items():
             if name in fixed:
-                _suggest(trial, name, dist)
+                suggest_param(trial, name, dist)
     finally:
         study.sampler = sampler
-
-
-def _suggest(trial: optuna.Trial, name: str, dist: optuna.distributions.BaseDistribution) -> Any:
-    if isinstance(dist, optuna.distributions.CategoricalDistribution):
-        return trial.suggest_categorical(name, list(dist.choices))
-    if isinstance(dist, optuna.distributions.IntDistribution):
-        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
-    assert isinstance(dist, optuna.distributions.FloatDistribution), dist  # the space makes only these three kinds
-    return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)

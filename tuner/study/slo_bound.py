@@ -42,18 +42,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from tuner.records import TrialRecord
+from tuner.study.space import MEMORY_KNOBS
 
 __all__ = ["AIM_MARGIN", "SLOPoint", "SLOBound", "slo_points", "slo_bounds", "family_of"]
 
 AIM_MARGIN = 0.05
 """Relative latency margin the planner aims inside the SLO (so a noisy window still meets it)."""
 
-_MEMORY_KNOBS = ("mem_fraction_static", "max_running_requests")
-
-
 def family_of(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """Every knob but ``mem_fraction_static`` and ``max_running_requests``, as a sorted key."""
-    return tuple(sorted((k, v) for k, v in params.items() if k not in _MEMORY_KNOBS))
+    return tuple(sorted((k, v) for k, v in params.items() if k not in MEMORY_KNOBS))
 
 
 class SLOPoint(BaseModel):

@@ -1,7 +1,11 @@
-"""The search space: the SGLang knobs a study may change, resolved from the baseline.
+"""The search space: the SGLang knobs a study may change, declared once, resolved from the baseline.
 
-The space is the set of SGLang knobs the study may change (by SGLang field name). Ranges the config
-leaves out are derived from the baseline the unit runs now, its GPU and its SGLang version.
+Every knob the study can change is one :class:`Knob` of :data:`KNOBS` (by SGLang field name, the
+shape of SGLang's ``arg_groups/fields/schedule.py``: one declaration per knob). The space's Optuna
+distributions, what the sampler is asked for, the grid a candidate is snapped onto, the
+hierarchical cache's conditional knobs and the planner's one-step neighbours are derived from that
+table and a resolved :class:`Space`, whose fields hold each knob's range or choices. Ranges the
+config leaves out are derived from the baseline the unit runs now, its GPU and its SGLang version.
 Which candidate to try next is :mod:`tuner.study.planner`.
 """
 
@@ -9,7 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple
 
 import optuna
 from optuna.distributions import (
@@ -18,7 +24,7 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
 )
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from tuner.config import SpaceSection
 from tuner.load.workloads import ReuseEstimate
@@ -31,26 +37,104 @@ from tuner.sglang.hicache import (
     preferred_size_knob,
 )
 
-__all__ = ["SEARCHED_FIELDS", "HICACHE_KNOBS", "Space", "HiCacheChoice", "decide_hicache", "resolve_space",
-           "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key"]
+__all__ = ["Knob", "KNOBS", "SEARCHED_FIELDS", "HICACHE_KNOBS", "MEMORY_KNOBS", "Space", "HiCacheChoice",
+           "decide_hicache", "resolve_space", "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key",
+           "suggest_param"]
 
-SEARCHED_FIELDS = (
-    "mem_fraction_static",
-    "max_running_requests",
-    "chunked_prefill_size",
-    "enable_hierarchical_cache",
-    "hicache_ratio",
-    "hicache_size",
-    "hicache_write_policy",
-    "hicache_io_backend",
-    "hicache_mem_layout",
-    "page_size",
-    "cuda_graph_max_bs",
-    "schedule_conservativeness",
+
+@dataclass(frozen=True, kw_only=True)
+class Knob:
+    """One SGLang knob the study can change: everything the tuner knows of it, declared once.
+
+    Attributes:
+        name: SGLang's field name: the Optuna param's name and a candidate's key.
+        kind: ``float`` (a range on a grid), ``int`` (a range of integers), ``categorical`` (a
+            list of choices) or ``bool`` (a switch the study turns off and on).
+        help: What it sets, with its unit.
+        domain: The :class:`Space` field holding its range ``(low, high)`` (``(low, high, step)``
+            for ``mem_fraction_static``), its choices, or (``bool``) whether it is searched; unset
+            (``None``, empty, false), the knob is not searched. Default: :attr:`name`.
+        step: The grid step of a ``float`` knob whose range has no third item.
+        log: Sample an ``int`` range on a log scale.
+        condition: The switch (a ``bool`` knob) this knob is set under: with the switch off a
+            candidate leaves it out (the hierarchical cache's knobs, §7).
+        replaces: A knob of the same switch this one is searched instead of when the space holds
+            both ranges (``hicache_size`` replaces ``hicache_ratio``).
+        memory: It sizes the memory pools or the requests in flight (``mem_fraction_static``,
+            ``max_running_requests``): the planner's memory model moves it, and its one-step
+            neighbours (:meth:`Space.neighbours`) leave it out.
+        absent: Where :meth:`Space.snap` puts a candidate that leaves it out: the range's
+            ``"low"`` end (the first choice) or ``"high"`` end, or this value (SGLang's default).
+        drawn_digits: Decimals the sampler's value is rounded to in :meth:`Space.suggest`
+            (``None``: as drawn; a stepped float is drawn as ``low + k × step``, with float noise).
+        neighbour_step: A ``float`` knob's one step either side in :meth:`Space.neighbours`
+            (``None``: no float neighbours). A categorical knob's neighbours are its other
+            choices, a switch's is the switch flipped; knobs under a switch have none.
+        shown_first: Trial tables show it before the other knobs (``tuner.report.tables.KEY_PARAMS``).
+    """
+
+    name: str
+    kind: Literal["float", "int", "categorical", "bool"]
+    help: str
+    domain: str | None = None
+    step: float | None = None
+    log: bool = False
+    condition: str | None = None
+    replaces: str | None = None
+    memory: bool = False
+    absent: Literal["low", "high"] | float | bool = "low"
+    drawn_digits: int | None = None
+    neighbour_step: float | None = None
+    shown_first: bool = False
+
+    @property
+    def field(self) -> str:
+        """The :class:`Space` field holding its range or choices (:attr:`domain`, else :attr:`name`)."""
+        return self.domain or self.name
+
+
+_HICACHE = "enable_hierarchical_cache"
+
+KNOBS: tuple[Knob, ...] = (
+    Knob(name="mem_fraction_static", kind="float", memory=True, drawn_digits=6, shown_first=True,
+         help="Share of the GPU's memory for the weights and the KV cache pool (0-1); the rest is the reserve "
+              "for activations and CUDA graphs (§1.2, §1.6)."),
+    Knob(name="max_running_requests", kind="int", log=True, memory=True, absent="high", shown_first=True,
+         help="Most requests running at once (requests); left out, SGLang derives it from the KV pool (§2.3)."),
+    Knob(name="chunked_prefill_size", kind="categorical", shown_first=True,
+         help="Most prompt tokens prefilled in one step (tokens); -1 disables chunked prefill (§2.1)."),
+    Knob(name=_HICACHE, kind="bool", domain="hierarchical_cache", absent=False, shown_first=True,
+         help="A host-memory tier under the radix cache, for prefixes evicted from the GPU (§7)."),
+    Knob(name="hicache_ratio", kind="float", step=0.5, condition=_HICACHE, shown_first=True,
+         help="Host pool per rank as a multiple of the device KV pool (ratio; versions that prefer it, §7)."),
+    Knob(name="hicache_size", kind="int", condition=_HICACHE, replaces="hicache_ratio", shown_first=True,
+         help="Host pool per rank (decimal GB; versions that prefer it, 0.5.23, §7)."),
+    Knob(name="hicache_write_policy", kind="categorical", condition=_HICACHE,
+         help="When the host tier is written: write_through, write_through_selective or write_back (§7)."),
+    Knob(name="hicache_io_backend", kind="categorical", condition=_HICACHE,
+         help="How pages move between host and device: kernel or direct (versions that have it, §7)."),
+    Knob(name="hicache_mem_layout", kind="categorical", condition=_HICACHE,
+         help="The host pool's memory layout: layer_first, page_first, ... (versions that have it, §7)."),
+    Knob(name="page_size", kind="categorical",
+         help="Tokens per KV cache page (tokens); chunked_prefill_size must be a multiple of it (§2.1)."),
+    Knob(name="cuda_graph_max_bs", kind="categorical",
+         help="Largest batch captured as a CUDA graph (requests; its reserve grows with it; spelled per "
+              "version, §3.2)."),
+    Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
+         help="How much KV the scheduler reserves for running requests' future tokens before admitting "
+              "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
 )
-"""Every knob the study can change, by SGLang field name."""
-HICACHE_KNOBS = ("hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend", "hicache_mem_layout")
+"""Every knob the study can change, in the order the sampler is asked for them."""
+
+_KNOB = MappingProxyType({knob.name: knob for knob in KNOBS})
+_REPLACED_BY = MappingProxyType({knob.replaces: knob for knob in KNOBS if knob.replaces})
+
+SEARCHED_FIELDS = tuple(knob.name for knob in KNOBS)
+"""Every knob the study can change, by SGLang field name (:data:`KNOBS`' names)."""
+HICACHE_KNOBS = tuple(knob.name for knob in KNOBS if knob.condition == _HICACHE)
 """The hierarchical cache's conditional knobs: set only when ``enable_hierarchical_cache`` is on (§7)."""
+MEMORY_KNOBS = tuple(knob.name for knob in KNOBS if knob.memory)
+"""The knobs that size the memory pools and the requests in flight (:attr:`Knob.memory`)."""
 MIN_REUSE_SHARE = 0.10
 """Below this share of prompt tokens served from an earlier request's prefix, a prefix tier cannot pay."""
 
@@ -58,6 +142,24 @@ def config_key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """A config as a hashable key: its ``(knob, value)`` pairs sorted by knob. Snap it first
     (:meth:`Space.snap`) to compare configs on the space's grid."""
     return tuple(sorted(params.items()))
+
+
+def suggest_param(trial: optuna.Trial, name: str, dist: BaseDistribution) -> Any:
+    """Ask ``trial`` for param ``name`` from ``dist`` (one of the three kinds the space makes).
+
+    Returns:
+        The value (an enqueued or fixed one comes back as it was given).
+
+    Raises:
+        TypeError: ``dist`` is not a categorical, int or float distribution.
+    """
+    if isinstance(dist, CategoricalDistribution):
+        return trial.suggest_categorical(name, list(dist.choices))
+    if isinstance(dist, IntDistribution):
+        return trial.suggest_int(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    if isinstance(dist, FloatDistribution):
+        return trial.suggest_float(name, dist.low, dist.high, step=dist.step, log=dist.log)
+    raise TypeError(f"param {name}: the space makes categorical, int and float distributions, not {type(dist).__name__}")
 
 
 def default_chunked_prefill_size(gpu_total_mib: float | None) -> int:
@@ -70,8 +172,35 @@ def default_chunked_prefill_size(gpu_total_mib: float | None) -> int:
     return 16384
 
 
+class _Bound(NamedTuple):
+    """A searched :class:`Knob` read against one :class:`Space`: its choices, or its range and step."""
+
+    knob: Knob
+    choices: tuple[Any, ...] | None
+    low: Any
+    high: Any
+    step: float | None
+    absent: Any
+
+    def snap(self, value: Any) -> Any:
+        """``value`` on the grid: clipped to the range and aligned on the step (floats to 6
+        decimals), or the nearest choice (the first for a non-number)."""
+        kind = self.knob.kind
+        if kind == "bool":
+            return bool(value)
+        if self.choices is not None:
+            return value if value in self.choices else _nearest(self.choices, value)
+        if kind == "int":
+            return min(self.high, max(self.low, int(round(float(value)))))
+        assert self.step is not None, self.knob.name  # every float knob has a grid
+        low = self.low
+        return round(min(self.high, max(low, low + round((float(value) - low) / self.step) * self.step)), 6)
+
+
 class Space(BaseModel):
-    """The resolved search space.
+    """The resolved search space: each :class:`Knob`'s range or choices (its :attr:`Knob.domain`).
+
+    Stored as JSON in every study (``model_dump(mode="json")``): its fields are that format.
 
     Attributes:
         mem_fraction_static: ``(low, high, step)``.
@@ -107,34 +236,62 @@ class Space(BaseModel):
     cuda_graph_max_bs: tuple[int, ...] | None = None
     schedule_conservativeness: tuple[float, float] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
+    _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Read the knob table against the fields once (:meth:`snap` runs for every record a screen
+        compares a candidate with)."""
+        self._knobs = tuple(self._bind(knob) for knob in KNOBS if self.searches(knob.name))
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Space:
+        """A copy (pydantic's), with the knob table read again against its fields (``update``
+        bypasses :meth:`model_post_init`)."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy.model_post_init(None)
+        return copy
+
+    # -- the table, read against this space -------------------------------------------------------
+
+    def searches(self, name: str) -> bool:
+        """Whether the space searches knob ``name``: its range or choices are set, its switch is
+        searched, and no knob that replaces it is searched; ``False`` for a name not in :data:`KNOBS`."""
+        knob = _KNOB.get(name)
+        if knob is None or not getattr(self, knob.field):
+            return False
+        if knob.condition is not None and not self.searches(knob.condition):
+            return False
+        rival = _REPLACED_BY.get(name)
+        return rival is None or not self.searches(rival.name)
+
+    def _bind(self, knob: Knob) -> _Bound:
+        """``knob`` with this space's range or choices, and the value a candidate without it gets."""
+        domain = getattr(self, knob.field)
+        if knob.kind == "bool":
+            return _Bound(knob, (False, True), None, None, None, knob.absent)
+        if knob.kind == "categorical":
+            choices = tuple(domain)
+            return _Bound(knob, choices, None, None, None, choices[0] if knob.absent in ("low", "high") else knob.absent)
+        low, high = domain[0], domain[1]
+        step = domain[2] if len(domain) > 2 else knob.step
+        absent = low if knob.absent == "low" else high if knob.absent == "high" else knob.absent
+        return _Bound(knob, None, low, high, step, absent)
+
+    def _bound(self, name: str) -> _Bound | None:
+        return next((b for b in self._knobs if b.knob.name == name), None)
+
+    # -- what derives from it ---------------------------------------------------------------------
 
     def distributions(self) -> dict[str, BaseDistribution]:
-        """Optuna distributions of every searched knob (conditional ones included)."""
-        low, high, step = self.mem_fraction_static
-        dists: dict[str, BaseDistribution] = {
-            "mem_fraction_static": FloatDistribution(low, high, step=step),
-            "max_running_requests": IntDistribution(*self.max_running_requests, log=True),
-            "chunked_prefill_size": CategoricalDistribution(list(self.chunked_prefill_size)),
-        }
-        if self.hierarchical_cache:
-            dists["enable_hierarchical_cache"] = CategoricalDistribution([False, True])
-            if self.hicache_size is not None:
-                dists["hicache_size"] = IntDistribution(*self.hicache_size)
-            elif self.hicache_ratio is not None:
-                dists["hicache_ratio"] = FloatDistribution(*self.hicache_ratio, step=0.5)
-            dists["hicache_write_policy"] = CategoricalDistribution(list(self.hicache_write_policy))
-            if self.hicache_io_backend:
-                dists["hicache_io_backend"] = CategoricalDistribution(list(self.hicache_io_backend))
-            if self.hicache_mem_layout:
-                dists["hicache_mem_layout"] = CategoricalDistribution(list(self.hicache_mem_layout))
-        if self.page_size:
-            dists["page_size"] = CategoricalDistribution(list(self.page_size))
-        if self.cuda_graph_max_bs:
-            dists["cuda_graph_max_bs"] = CategoricalDistribution(list(self.cuda_graph_max_bs))
-        if self.schedule_conservativeness:
-            dists["schedule_conservativeness"] = FloatDistribution(
-                *self.schedule_conservativeness, step=0.1
-            )
+        """Optuna distributions of every searched knob (conditional ones included), in :data:`KNOBS`' order."""
+        dists: dict[str, BaseDistribution] = {}
+        for bound in self._knobs:
+            knob = bound.knob
+            if bound.choices is not None:
+                dists[knob.name] = CategoricalDistribution(list(bound.choices))
+            elif knob.kind == "int":
+                dists[knob.name] = IntDistribution(bound.low, bound.high, log=knob.log)
+            else:
+                dists[knob.name] = FloatDistribution(bound.low, bound.high, step=bound.step)
         return dists
 
     def contains(self, name: str, value: Any) -> bool:
@@ -157,105 +314,108 @@ class Space(BaseModel):
         return abs(steps - round(steps)) < 1e-6
 
     def suggest(self, trial: optuna.Trial) -> dict[str, Any]:
-        """Ask ``trial`` for every knob (enqueued values come back as they were enqueued).
+        """Ask ``trial`` for every searched knob, in :data:`KNOBS`' order; a knob under a switch
+        only when the switch came back on (enqueued values come back as they were enqueued).
 
         Returns:
             The candidate's params by SGLang field name (searched knobs plus :attr:`fixed`).
         """
-        low, high, step = self.mem_fraction_static
         params: dict[str, Any] = dict(self.fixed)
-        params["mem_fraction_static"] = trial.suggest_float("mem_fraction_static", low, high, step=step)
-        params["max_running_requests"] = trial.suggest_int("max_running_requests", *self.max_running_requests, log=True)
-        params["chunked_prefill_size"] = trial.suggest_categorical("chunked_prefill_size", list(self.chunked_prefill_size))
-        if self.hierarchical_cache:
-            on = bool(trial.suggest_categorical("enable_hierarchical_cache", [False, True]))
-            params["enable_hierarchical_cache"] = on
-            if on:  # conditional knobs (§7)
-                if self.hicache_size is not None:
-                    params["hicache_size"] = trial.suggest_int("hicache_size", *self.hicache_size)
-                elif self.hicache_ratio is not None:
-                    params["hicache_ratio"] = trial.suggest_float("hicache_ratio", *self.hicache_ratio, step=0.5)
-                params["hicache_write_policy"] = trial.suggest_categorical(
-                    "hicache_write_policy", list(self.hicache_write_policy)
-                )
-                for name in ("hicache_io_backend", "hicache_mem_layout"):
-                    choices = getattr(self, name)
-                    if choices:
-                        params[name] = trial.suggest_categorical(name, list(choices))
-        if self.page_size:
-            params["page_size"] = trial.suggest_categorical("page_size", list(self.page_size))
-        if self.cuda_graph_max_bs:
-            params["cuda_graph_max_bs"] = trial.suggest_categorical("cuda_graph_max_bs", list(self.cuda_graph_max_bs))
-        if self.schedule_conservativeness:
-            params["schedule_conservativeness"] = trial.suggest_float(
-                "schedule_conservativeness", *self.schedule_conservativeness, step=0.1
-            )
-        params["mem_fraction_static"] = round(params["mem_fraction_static"], 6)
+        for name, dist in self.distributions().items():
+            knob = _KNOB[name]
+            if knob.condition is not None and not params.get(knob.condition):
+                continue
+            value = suggest_param(trial, name, dist)
+            if knob.kind == "bool":
+                value = bool(value)
+            elif knob.drawn_digits is not None:
+                value = round(value, knob.drawn_digits)
+            params[name] = value
         return params
 
     def snap(self, params: Mapping[str, Any]) -> dict[str, Any]:
         """Clip and align a proposed candidate onto the space (for enqueueing).
 
-        Only searched knobs are returned (Optuna's enqueued params); conditional knobs of a
-        disabled hierarchical cache are dropped.
+        Each searched knob is clipped to its range and aligned on its step (floats to 6
+        decimals), or moved to its nearest choice (the first for non-numbers); a knob the
+        candidate leaves out gets :attr:`Knob.absent`. Only searched knobs are returned (Optuna's
+        enqueued params), in :data:`KNOBS`' order; knobs under a switch that is off are dropped.
         """
-        low, high, step = self.mem_fraction_static
-        mfs = float(params.get("mem_fraction_static", low))
-        mfs = min(high, max(low, low + round((mfs - low) / step) * step))
-        out: dict[str, Any] = {"mem_fraction_static": round(mfs, 6)}
-        mrr = int(params.get("max_running_requests", self.max_running_requests[1]))
-        out["max_running_requests"] = min(self.max_running_requests[1], max(self.max_running_requests[0], mrr))
-        cps = params.get("chunked_prefill_size", self.chunked_prefill_size[0])
-        out["chunked_prefill_size"] = cps if cps in self.chunked_prefill_size else _nearest(self.chunked_prefill_size, cps)
-        if self.hierarchical_cache:
-            on = bool(params.get("enable_hierarchical_cache", False))
-            out["enable_hierarchical_cache"] = on
-            if on:
-                if self.hicache_size is not None:
-                    lo_s, hi_s = self.hicache_size
-                    out["hicache_size"] = min(hi_s, max(lo_s, int(round(float(params.get("hicache_size", lo_s))))))
-                elif self.hicache_ratio is not None:
-                    ratio = float(params.get("hicache_ratio", self.hicache_ratio[0]))
-                    lo, hi = self.hicache_ratio
-                    out["hicache_ratio"] = min(hi, max(lo, lo + round((ratio - lo) / 0.5) * 0.5))
-                for name in ("hicache_write_policy", "hicache_io_backend", "hicache_mem_layout"):
-                    choices = getattr(self, name)
-                    if choices:
-                        value = params.get(name, choices[0])
-                        out[name] = value if value in choices else choices[0]
-        for name in ("page_size", "cuda_graph_max_bs"):
-            choices = getattr(self, name)
-            if choices:
-                value = params.get(name, choices[0])
-                out[name] = value if value in choices else _nearest(choices, value)
-        if self.schedule_conservativeness:
-            lo, hi = self.schedule_conservativeness
-            value = float(params.get("schedule_conservativeness", 1.0))
-            out["schedule_conservativeness"] = round(min(hi, max(lo, lo + round((value - lo) / 0.1) * 0.1)), 6)
+        out: dict[str, Any] = {}
+        for bound in self._knobs:
+            name, condition = bound.knob.name, bound.knob.condition
+            if condition is not None and not out.get(condition):
+                continue
+            out[name] = bound.snap(params.get(name, bound.absent))
         return out
 
     def hicache_on(self) -> dict[str, Any]:
         """The knobs that turn the hierarchical cache on at the low end of its ranges (the planner's
         neighbour step); empty when the space does not search it."""
-        if not self.hierarchical_cache:
+        return self._switched_on(_HICACHE)
+
+    def _switched_on(self, switch: str) -> dict[str, Any]:
+        """``switch`` on, with the knobs under it at their :attr:`Knob.absent` (empty: not searched)."""
+        if not self.searches(switch):
             return {}
-        out: dict[str, Any] = {"enable_hierarchical_cache": True}
-        if self.hicache_size is not None:
-            out["hicache_size"] = self.hicache_size[0]
-        elif self.hicache_ratio is not None:
-            out["hicache_ratio"] = self.hicache_ratio[0]
-        out["hicache_write_policy"] = self.hicache_write_policy[0]
-        for name in ("hicache_io_backend", "hicache_mem_layout"):
-            choices = getattr(self, name)
-            if choices:
-                out[name] = choices[0]
-        return out
+        snapped = self.snap({switch: True})
+        return {k: v for k, v in snapped.items() if k == switch or _KNOB[k].condition == switch}
+
+    def neighbours(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The configs one step from ``params`` in the knobs that are not memory knobs, for the planner.
+
+        In :data:`KNOBS`' order: each other choice of a categorical knob; a switch flipped (on at the
+        low end of the knobs under it, :meth:`hicache_on`; off without them); a float knob
+        :attr:`Knob.neighbour_step` either side of its value (:attr:`Knob.absent` when unset) where
+        that stays in range. Each is snapped onto the space, the memory knobs
+        (:data:`MEMORY_KNOBS`) are left out, and a config reached twice is listed once.
+
+        Args:
+            params: A config by SGLang field name (memory knobs and knobs outside the space are ignored).
+
+        Returns:
+            The neighbouring configs (searched non-memory knobs only, in :data:`KNOBS`' order), in a
+            stable order.
+        """
+        base = {k: v for k, v in params.items() if k not in MEMORY_KNOBS}
+        steps: list[dict[str, Any]] = []
+        for bound in self._knobs:
+            knob = bound.knob
+            if knob.memory or knob.condition is not None:
+                continue
+            if knob.kind == "bool":
+                steps.append({**base, knob.name: False} if base.get(knob.name) else {**base, **self._switched_on(knob.name)})
+            elif bound.choices is not None:
+                steps += [{**base, knob.name: c} for c in bound.choices if c != base.get(knob.name)]
+            elif knob.neighbour_step is not None:
+                current = float(base.get(knob.name, bound.absent))
+                for value in (current - knob.neighbour_step, current + knob.neighbour_step):
+                    if bound.low <= value <= bound.high:
+                        steps.append({**base, knob.name: round(value, 6)})
+        seen: dict[tuple[tuple[str, Any], ...], dict[str, Any]] = {}
+        for step in steps:
+            config = {k: v for k, v in self.snap(step).items() if k not in MEMORY_KNOBS}
+            seen.setdefault(config_key(config), config)
+        return list(seen.values())
+
+    def grid(self, name: str) -> list[Any]:
+        """Every value of knob ``name`` the space searches, ascending: its choices as given, an int
+        range's integers, a float range's steps (to 6 decimals) up to its high end; empty for a
+        knob it does not search."""
+        bound = self._bound(name)
+        if bound is None:
+            return []
+        if bound.choices is not None:
+            return list(bound.choices)
+        if bound.knob.kind == "int":
+            return list(range(int(bound.low), int(bound.high) + 1))
+        assert bound.step is not None, name  # every float knob has a grid
+        count = int(math.floor((bound.high - bound.low) / bound.step + 1e-9)) + 1
+        return [round(bound.low + i * bound.step, 6) for i in range(count)]
 
     def fractions(self) -> list[float]:
         """Every ``mem_fraction_static`` on the grid, ascending."""
-        low, high, step = self.mem_fraction_static
-        count = int(round((high - low) / step)) + 1
-        return [round(low + i * step, 6) for i in range(count)]
+        return self.grid("mem_fraction_static")
 
 
 def _nearest(choices: Sequence[Any], value: Any) -> Any:

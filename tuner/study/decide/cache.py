@@ -48,14 +48,9 @@ class CacheCandidate:
         if best.get("enable_hierarchical_cache"):
             return None
         base = {k: v for k, v in best.items() if k not in HICACHE_KNOBS}
-        grid: list[Any]
-        if space.hicache_size is not None:
-            knob, grid = "hicache_size", list(range(space.hicache_size[1], space.hicache_size[0] - 1, -1))
-        elif space.hicache_ratio is not None:
-            lo, hi = space.hicache_ratio
-            knob, grid = "hicache_ratio", [round(hi - 0.5 * i, 6) for i in range(int(round((hi - lo) / 0.5)) + 1)]
-        else:
-            knob, grid = "", [None]
+        # The host pool's knob (hicache_size replaces hicache_ratio), largest pool first.
+        knob = next((k for k in ("hicache_size", "hicache_ratio") if k in on), "")
+        grid: list[Any] = space.grid(knob)[::-1] if knob else [None]
         for value in grid:
             params = space.snap({**base, **on, **({knob: value} if knob else {})})
             if config_key(params) in view.tried:

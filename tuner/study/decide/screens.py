@@ -21,7 +21,7 @@ from typing import Any
 
 from tuner.config import ObjectiveSection
 from tuner.sglang.failures import FailureClass
-from tuner.sglang.flags import flag_value
+from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.memory import must_fail
 from tuner.study.best import band_floor
@@ -197,7 +197,7 @@ class HostMemory:
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         if not params.get("enable_hierarchical_cache"):
             return None
-        page = params.get("page_size") or _digits(flag_value(self.argv, "--page-size")) or 1
+        page = params.get("page_size") or flag_int(self.argv, "--page-size") or 1
         found = host_skip_reason(params, view.finished, self.read_host(), version=self.version,
                                  ranks=ranks_of(self.argv), page_size=int(page))
         return Skip(*found) if found is not None else None
@@ -214,7 +214,3 @@ class RunningElsewhere:
                 return Skip(f"the same config is running on host {trial.user_attrs.get(HOST_ATTR)} "
                             f"(trial {trial.number})", trial.number)
         return None
-
-
-def _digits(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
