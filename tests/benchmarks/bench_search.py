@@ -28,16 +28,16 @@ from typing import Any
 
 import pytest
 
-from tests.support.offline_runner import OfflineRunner  # noqa: E402
-from tests.support.scenarios import scenarios, with_seed  # noqa: E402
-from tuner.config import TunerConfig  # noqa: E402
-from tuner.load import build_workload  # noqa: E402
-from tuner.records import TrialRecord  # noqa: E402
-from tuner.study.best import choose_best  # noqa: E402
-from tuner.study.budget import reachable_slots  # noqa: E402
-from tuner.study.job import TrialJob  # noqa: E402
-from tuner.study.loop import run_study  # noqa: E402
-from tuner.study.space import Space  # noqa: E402
+from tests.support.offline_runner import OfflineRunner
+from tests.support.scenarios import scenarios, with_seed
+from tuner.config import TunerConfig
+from tuner.load import build_workload
+from tuner.records import TrialRecord
+from tuner.study.best import choose_best
+from tuner.study.budget import reachable_slots
+from tuner.study.job import TrialJob
+from tuner.study.loop import run_study
+from tuner.study.space import Space
 
 CHECKPOINTS = (5, 10, 20)
 LAUNCHES = max(CHECKPOINTS)

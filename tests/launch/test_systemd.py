@@ -60,7 +60,7 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Itera
 
 
 @pytest.fixture
-def harness(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> Iterator[Harness]:  # noqa: F811
+def harness(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> Iterator[Harness]:
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
         folder = box.unit_dir / f"{unit}.d"
@@ -77,7 +77,7 @@ class TestSystemdLauncher(LauncherConformance):
     """The launcher contract, systemd launcher (trial drop-in, daemon-reload, journal)."""
 
 
-def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
         launcher = build_launcher(settings)
@@ -100,7 +100,7 @@ def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_
 
 
 def test_crash_loop_under_restart_always_is_detected_and_stopped(
-    systemd_sandbox: SystemdSandbox, tmp_path: Path  # noqa: F811
+    systemd_sandbox: SystemdSandbox, tmp_path: Path
 ) -> None:
     box = systemd_sandbox
     box.require_real()
@@ -127,7 +127,7 @@ def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
             "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]
 
 
-def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
         base = _cli_target(box, settings)
@@ -151,7 +151,7 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
 
 
 def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing(
-    systemd_sandbox: SystemdSandbox, tmp_path: Path  # noqa: F811
+    systemd_sandbox: SystemdSandbox, tmp_path: Path
 ) -> None:
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
@@ -171,7 +171,7 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         assert stray.properties().main_pid == pid
 
 
-def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:  # noqa: F811
+def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:
     box = systemd_sandbox
     examples = Path(__file__).parents[2] / "systemd"
     for name in ("sglang.service", "sglang-sim.service"):

@@ -300,7 +300,7 @@ def terminal_safe(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
-def trial_detail(stored: StoredStudy, view: TrialView) -> Group:
+def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     """``tuner show N``: params, resolved values, the memory waterfall, each load phase, the
     failure and its evidence, the log excerpt, and artifact paths."""
     rec = view.record

@@ -535,7 +535,7 @@ class SimServer:
             raise RequestRejected("Either text or input_ids should be provided.")
         return tokenize(text, self.cfg.model.vocab_size)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: web.Request) -> web.StreamResponse:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
         """``/generate`` (§5.3): text or input_ids, optional SSE streaming, SGLang's ``meta_info``."""
         try:
             body = await _json_object(request)
