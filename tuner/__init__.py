@@ -7,9 +7,10 @@ order and ``tests/test_architecture.py`` runs it, so an upward import fails the 
     cli                                   the commands (one module per group), the one-line error boundary
     report | apply                        rendering of stored results; persisting a trial's flags
     results | entrypoints | starter       the read model; the composition root (tune, dry_run); tuner init
-    trial | preflight                     one trial's phases (TrialExecutor, implements study.loop.TrialRunner);
+    trial | preflight                     one trial's phases (TrialExecutor, implements study.job.TrialRunner);
                                           the checks every command makes before it takes a unit
-    study                                 storage, Optuna I/O, space, planner, budget, loop, best
+    study                                 storage, Optuna I/O, space, the decisions (decide/), budget,
+                                          the loop, record, hosts, best
     config                                the TOML schema (uses load's workload/SLO models, units)
     launch | load | gpu                   service control; the load generator; the GPU monitor
     records                               TrialRecord, PhaseResult, Constraints: what a trial produces
