@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import tempfile
 import time
@@ -17,7 +15,7 @@ import requests
 from optuna.trial import TrialState
 
 from tests.support.cli import TUNER, run_tuner
-from tests.support.configs import DemoRun, config_copy, load_study, service_url
+from tests.support.configs import DemoRun, config_copy, load_study, service_url, study_created
 from tuner.records import TrialRecord
 from tuner.sglang.memory import must_fail
 from tuner.study.optuna_io import PHASE_ATTR
@@ -37,24 +35,12 @@ def _server_down(url: str) -> bool:
 FAST = {"measure_s": 5, "stress_s": 3}
 
 
-def _study_created(db: Path) -> bool:
-    """Whether the run has created its study, read without writing: Optuna's storage would create
-    its schema in a file the run is still setting up, and the two creations can collide."""
-    if not db.exists():
-        return False
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
-            return conn.execute("SELECT count(*) FROM studies").fetchone()[0] > 0
-    except sqlite3.Error:
-        return False
-
-
 def _wait_trial_under_load(proc: subprocess.Popen, storage: str, db: Path, timeout_s: float) -> tuple[int, dict] | None:
     """Poll the study until a trial after a completed one is RUNNING in a load phase; return it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.3)
-        if not _study_created(db):
+        if not study_created(db):
             continue
         try:
             trials = load_study(storage, "demo-sim").trials

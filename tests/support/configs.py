@@ -3,7 +3,9 @@ optionally shortened load phases; and the studies they store."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sqlite3
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,19 @@ def service_url(config: Path) -> str:
     """The ``url = "..."`` of a config's ``[service]``."""
     line = next(x for x in config.read_text().splitlines() if x.startswith("url = "))
     return line.split('"')[1]
+
+
+def study_created(db: Path) -> bool:
+    """Whether a run has created its study in the SQLite file ``db``, read without writing:
+    Optuna's storage would create its schema in a file the run is still setting up, and the two
+    creations can collide (``table ... already exists``)."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)) as conn:
+            return conn.execute("SELECT count(*) FROM studies").fetchone()[0] > 0
+    except sqlite3.Error:
+        return False
 
 
 def load_study(storage: str, name: str) -> optuna.Study:
