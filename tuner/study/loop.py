@@ -105,6 +105,7 @@ __all__ = [
     "resolve_study_space",
     "study_hicache",
     "claimed_reason",
+    "quote_server_log",
 ]
 
 MAX_INVALID_IN_A_ROW = 3
@@ -1215,18 +1216,35 @@ def _could_not_start(record: TrialRecord) -> bool:
 
 
 def _with_log_evidence(record: TrialRecord) -> TrialRecord:
-    """Add the server log's error line to a failure whose evidence is not a log line itself.
-
-    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
-    without quoting the server; the user needs the server's words (``--model-path ... is neither a
-    directory ...``, ``address already in use``). Reads the trial's local ``server_log`` artifact.
-    """
+    """:func:`quote_server_log` with the trial's local ``server_log`` artifact (a record that
+    quotes it already is returned as it is)."""
     if record.outcome != "failed" or "server_log" not in record.artifacts:
         return record
     try:
         with open(record.artifacts["server_log"], encoding="utf-8", errors="replace") as handle:
             lines = handle.read().splitlines()
     except OSError:
+        return record
+    return quote_server_log(record, lines)
+
+
+def quote_server_log(record: TrialRecord, lines: Sequence[str]) -> TrialRecord:
+    """Add the server log's error line to a failure whose evidence is not a log line itself.
+
+    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
+    without quoting the server; the user needs the server's words (``--model-path ... is neither a
+    directory ...``, ``address already in use``).
+
+    Args:
+        record: A trial's record (only a failed one changes).
+        lines: The server log's lines, oldest first.
+
+    Returns:
+        ``record`` with ``failure_evidence`` ``"<evidence>; server log: <line>"`` and the line
+        last in ``log_excerpt``; unchanged when it did not fail, when its evidence is a log line
+        or quotes the error line already, or when no line reads like an error.
+    """
+    if record.outcome != "failed":
         return record
     evidence = record.failure_evidence or ""
     if evidence and any(evidence in line for line in lines):
