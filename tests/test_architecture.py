@@ -1,7 +1,8 @@
 """The layer order of ``tuner/__init__.py`` holds, and an import against it fails the check.
 
 Runs import-linter (``[tool.importlinter]`` in ``pyproject.toml``) on this checkout, then on a copy
-of the package with one upward import injected, which must be reported as broken. And ``tuner apply``
+of the package with one upward import injected, which must be reported as broken; likewise a
+launcher import in the trial, which reaches its server only through ``ServerUnderTest``. And ``tuner apply``
 drives the launcher through its public calls only: no private attribute, no launcher subclass (an AST
 check, shown to catch the old ``_PersistentDropinLauncher`` shape).
 """
@@ -35,7 +36,7 @@ def _copy(tmp_path: Path) -> Path:
 def test_the_layers_and_the_simulator_isolation_hold() -> None:
     proc = _lint(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 kept, 0 broken" in proc.stdout
+    assert "3 kept, 0 broken" in proc.stdout
 
 
 def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
@@ -55,6 +56,16 @@ def test_a_product_import_in_the_simulator_breaks_its_isolation(tmp_path: Path) 
     proc = _lint(copy)
     assert proc.returncode != 0
     assert "tuner.sim.clock -> tuner.sglang.failures" in proc.stdout
+
+
+def test_a_launcher_import_in_the_trial_breaks_its_seam(tmp_path: Path) -> None:
+    copy = _copy(tmp_path)
+    trial = copy / "tuner" / "trial.py"
+    trial.write_text(trial.read_text() + "\nfrom tuner.launch import base  # noqa: E402,F401 - injected\n")
+    proc = _lint(copy)
+    assert proc.returncode != 0
+    assert "tuner.trial does not import tuner.launch" in " ".join(proc.stdout.split()) and "BROKEN" in proc.stdout
+    assert "tuner.trial -> tuner.launch.base" in proc.stdout
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -6,8 +6,8 @@ flags), then repeat until the budget or the trial cap is spent: take the next en
 the planner's memory-model candidate (:class:`tuner.study.planner.Planner`), else the sampler's;
 skip without a restart what an earlier failure proves infeasible (or what was already measured);
 run the rest through a :class:`TrialRunner`; tell Optuna. The runner is the seam:
-:class:`tuner.trial.TrialExecutor` restarts a real (or simulated) server; the search-quality
-benchmark plugs in the simulator's offline evaluation.
+:class:`tuner.trial.TrialExecutor` runs each trial on a server under test (a real or simulated
+service restarted by its launcher; in the tests, the simulator's offline evaluation).
 
 The steps, one method each (the shape of Optuna's own ``_optimize``/``_run_trial``)::
 
