@@ -3,8 +3,9 @@
 - import-linter (``[tool.importlinter]`` in ``pyproject.toml``): the layer order of
   ``tuner/__init__.py``, the simulator's isolation, and the study's decisions
   (``tuner.study.decide``, the view, the calibration) importing neither the loop, the hosts module,
-  the recorder, the storage, the trial nor a launcher. Run on this checkout, then on a copy with one
-  violating import injected.
+  the recorder, the storage, the trial nor a launcher; and the trial importing no launcher (it
+  reaches its server only through ``ServerUnderTest``). Run on this checkout, then on a copy with
+  one violating import injected.
 - AST checks: the decisions import no Optuna storage; no import cycle among ``tuner``'s modules
   (module- and function-level imports); Optuna's private attributes only in
   ``tuner/study/hosts.py``; no class in ``tuner/study/`` with more than 12 mutable attributes;
@@ -43,7 +44,7 @@ def _copy(tmp_path: Path) -> Path:
 def test_the_layers_and_the_simulator_isolation_hold() -> None:
     proc = _lint(ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "3 kept, 0 broken" in proc.stdout
+    assert "4 kept, 0 broken" in proc.stdout
 
 
 def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
@@ -241,6 +242,16 @@ def test_the_complexity_ceiling_only_goes_down(tmp_path: Path) -> None:
     stale = tmp_path / "stale.py"  # simplified below the ceiling, its exception left behind
     stale.write_text("def f(x: int) -> int:  # noqa: C901\n    return x\n")
     assert "RUF100" in _ruff(stale).stdout
+
+
+def test_a_launcher_import_in_the_trial_breaks_its_seam(tmp_path: Path) -> None:
+    copy = _copy(tmp_path)
+    trial = copy / "tuner" / "trial.py"
+    trial.write_text(trial.read_text() + "\nfrom tuner.launch import base  # noqa: E402,F401 - injected\n")
+    proc = _lint(copy)
+    assert proc.returncode != 0
+    assert "tuner.trial does not import tuner.launch" in " ".join(proc.stdout.split()) and "BROKEN" in proc.stdout
+    assert "tuner.trial -> tuner.launch.base" in proc.stdout
 
 
 def _private_uses(path: Path) -> list[str]:

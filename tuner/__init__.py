@@ -7,7 +7,9 @@ order and ``tests/test_architecture.py`` runs it, so an upward import fails the 
     cli                                   the commands (one module per group), the one-line error boundary
     report | apply                        rendering of stored results; persisting a trial's flags
     results | entrypoints | starter       the read model; the composition root (tune, dry_run); tuner init
-    trial | preflight                     one trial's phases (TrialExecutor, implements study.job.TrialRunner);
+    served                                the service as trial.ServerUnderTest (launcher + HTTP load + GPU monitor)
+    trial | preflight                     one trial's phases (TrialExecutor, implements study.job.TrialRunner,
+                                          drives the ServerUnderTest it defines; never imports launch);
                                           the checks every command makes before it takes a unit
     study                                 storage, Optuna I/O, space, the decisions (decide/), budget,
                                           the loop, record, hosts, best

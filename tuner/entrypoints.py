@@ -1,5 +1,5 @@
 """The composition root: the one place that wires config, launcher, flag table, GPU monitor,
-trial executor and study loop together (``tuner run`` and ``tuner run --dry-run``).
+server under test, trial executor and study loop together (``tuner run`` and ``tuner run --dry-run``).
 
 Everything else receives its parts as arguments; :mod:`tuner.apply` and the CLI import the public
 ``resolve_*`` functions from here rather than choosing launchers or flag tables themselves.
@@ -19,6 +19,7 @@ from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
 from tuner.preflight import check_run
+from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.study.baseline import study_hicache
 from tuner.study.budget import prior_trial_cost_s
@@ -151,7 +152,8 @@ def tune(
               max_trials=max_trials, allow_mixed_environment=allow_mixed_environment)
     # Per-trial files live here until run_study uploads them to the artifact store; removed after.
     with tempfile.TemporaryDirectory(prefix=f"tuner-{config.study.name}-") as work_dir, launcher.session():
-        executor = TrialExecutor(config, launcher, table, gpu=gpu, work_dir=Path(work_dir), environment=environment)
+        server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
+        executor = TrialExecutor(config, server, table, work_dir=Path(work_dir))
         return run_study(
             config, executor, budget_s=budget_s, max_trials=max_trials,
             allow_mixed_environment=allow_mixed_environment, storage_url=storage_url, on_progress=on_progress,

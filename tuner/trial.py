@@ -1,9 +1,9 @@
-"""One trial, end to end: :class:`TrialExecutor` runs one candidate on the launcher it is handed.
+"""One trial, end to end: :class:`TrialExecutor` runs one candidate on the server it is handed.
 
-The ordered phases of a trial (one list, like SGLang's own pipeline)::
+The ordered phases of a trial (one list, like SGLang's own pipeline), one method each::
 
     render   candidate knobs → argv for the detected SGLang version (replace only the tuned flags)
-    start    launcher restart with that argv; wait until ready, or a classified failure
+    start    restart the server with that argv; wait until ready, or a classified failure
     probe    memory report: startup log lines + /get_server_info + the GPU monitor (§4.2, §5.2)
              → token capacity, context capacity, headroom after graphs
     measure  warm-up and measured window of the configured workload (early stop when the SLO is
@@ -12,63 +12,223 @@ The ordered phases of a trial (one list, like SGLang's own pipeline)::
              admits; a runtime OOM here makes the config infeasible
     record   objectives, constraints, record, artifacts (server log, per-request results, server info)
 
+What a trial needs from a server is :class:`ServerUnderTest`, defined here by its one consumer:
+:class:`tuner.served.LaunchedServer` implements it with a launcher, the HTTP load generator and the
+GPU monitor; the tests' offline server (``tests/support/offline_server.py``) with the simulator's
+offline evaluation. This module never imports :mod:`tuner.launch`.
+
 Nothing here decides which config to try (:mod:`tuner.study.planner`), tells Optuna (:mod:`tuner.study.loop`) or
-chooses the launcher, flag table and GPU monitor (:mod:`tuner.entrypoints`, the composition root).
+chooses the server, flag table and GPU monitor (:mod:`tuner.entrypoints`, the composition root).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tuner.config import TunerConfig
-from tuner.errors import LaunchError, LoadError, ServerError, ServiceControlError, TunerError
-from tuner.launch.base import Launcher, LaunchPhase
-from tuner.launch.hostmem import read_host_memory
-from tuner.load import SLO, LiveStats, LoadResult, build_workload, capacity_probe, run_load_sync
+from tuner.config import BudgetSection, TunerConfig
+from tuner.errors import ServerError, TunerError
+from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
 from tuner.load.metrics import LoadSummary, tier_hits_from_metrics
 from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
-from tuner.sglang.client import ServerInfo, SGLangClient
+from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
-from tuner.sglang.logs import LogReport, LogWatcher, parse_log
+from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
-from tuner.study.budget import load_concurrency, prior_trial_cost_s
+from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
 from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
 
 __all__ = [
+    "ServerUnderTest",
+    "StartOutcome",
+    "LoadPlan",
+    "LoadOutcome",
     "TrialExecutor",
     "render_argv",
     "host_pool_kill",
+    "host_pools",
     "slo_clearly_lost",
     "measure_gap",
     "resolve_facts",
     "memory_facts",
-    "failed_record",
-    "probe_only_record",
-    "needs_probe_only",
-    "gpu_peak_memory",
-    "stress_concurrency",
-    "stress_output_tokens",
-    "slo_value",
-    "assemble_record",
-    "window_load",
+    "quote_server_log",
 ]
 
-_log = logging.getLogger(__name__)
-_GIB = float(2**30)
 _STRESS_OUTPUT_TOKENS = 32
 """Output tokens of each stress request: enough decode steps that the batch is resident together."""
+
+
+# ---- the seam: what a trial needs from a server ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartOutcome:
+    """What a start came to: ready, or a classified failure.
+
+    Attributes:
+        failure: ``None`` when the server is ready to serve; else why it is not (the server's own
+            classification: its exit, its log's failure line, a timeout).
+        log_lines: Every server log line since the start, oldest first (empty when the start
+            could not even be issued).
+    """
+
+    failure: Failure | None
+    log_lines: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """One load phase as the trial asks for it (the measured window, or the stress load).
+
+    Attributes:
+        name: ``measure`` or ``stress``.
+        workload: What to send (the configured workload, or a capacity probe for ``stress``).
+        concurrency: Closed-loop streams, or the in-flight cap of an open loop.
+        duration_s: Length of the measured window, seconds (after the warm-up).
+        seed: Seed of the arrival process.
+        timeout_s: Limit for the whole phase, seconds (then the result is ``partial``).
+        request_timeout_s: Limit per request, send to end of stream, seconds.
+        warmup_s: Seconds of load before the window, excluded from the summary.
+        rate: Mean arrival rate, requests/s (open loop), or ``None`` (closed loop).
+        max_requests: Measured requests to send at most, or ``None``.
+        slo: The limits the summary's goodput and violations are judged by, or ``None``.
+    """
+
+    name: str
+    workload: Workload
+    concurrency: int
+    duration_s: float
+    seed: int
+    timeout_s: float
+    request_timeout_s: float
+    warmup_s: float = 0.0
+    rate: float | None = None
+    max_requests: int | None = None
+    slo: SLO | None = None
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What one load phase came to.
+
+    Attributes:
+        result: The load's result (summary, per-request records if any, stop facts); ``None``
+            when the load could not run at all (then ``load_error`` says why).
+        failure: The server's death during the phase, classified (runtime OOM, crash), or ``None``
+            while it still serves.
+        load_error: Why the load could not run (the load generator's one line), or ``None``.
+        peak_gpu_used_mib: The highest GPU memory in use during the phase, MiB (the most loaded
+            GPU); 0.0 without a GPU monitor.
+    """
+
+    result: LoadResult | None
+    failure: Failure | None = None
+    load_error: str | None = None
+    peak_gpu_used_mib: float = 0.0
+
+
+class ServerUnderTest(Protocol):
+    """What one trial needs from the server it tunes: start it with a command line, read what it
+    resolved, load it, watch its memory; and the facts the study asks for before any trial.
+
+    Implementations: :class:`tuner.served.LaunchedServer` (the service, restarted by a launcher,
+    loaded over HTTP) and, in the tests, the simulator's offline evaluation. :class:`TrialExecutor`
+    drives it; nothing else does.
+
+    .. note:: :meth:`start` restarts the production service (inside the launcher's session).
+    """
+
+    def environment(self) -> dict[str, Any]:
+        """``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``, ``model``, and
+        ``gpu_total_mib`` (MiB) when known: what a study refuses to mix."""
+        ...
+
+    def target(self) -> dict[str, Any]:
+        """``launcher``, ``unit`` or ``command``, ``url``: what the study tunes."""
+        ...
+
+    def baseline_argv(self) -> list[str]:
+        """The command line the server runs before the study.
+
+        Raises:
+            LaunchError: The unit or command cannot be read.
+        """
+        ...
+
+    def prior_cost_s(self) -> float:
+        """A first trial's expected cost in seconds, before any history exists."""
+        ...
+
+    def host_memory(self) -> HostMemory:
+        """The host's memory before the next start: what the hierarchical cache's host pools may
+        pin (``MemAvailable``, the unit's ``MemoryMax``, the pools the running server frees)."""
+        ...
+
+    def start(self, argv: list[str], *, timeout_s: float,
+              on_progress: Callable[[PhaseProgress], None]) -> StartOutcome:
+        """Stop the running server, start it with ``argv``, and wait until it is ready or failed.
+
+        Args:
+            argv: The full server command line.
+            timeout_s: How long to wait for the ready line, seconds (then a ``startup_timeout``).
+            on_progress: Called with each new startup line as it arrives (may never be called).
+
+        Returns:
+            Ready, or the classified failure, with the log lines since the start.
+
+        Raises:
+            ServiceControlError: The service could not be changed (nothing was stopped); the
+                study must stop.
+        """
+        ...
+
+    def info(self) -> ServerInfo:
+        """``/get_server_info`` of the ready server, normalised (an empty one where the server
+        has none: then every value comes from the startup log).
+
+        Raises:
+            ServerError: The ready server did not answer.
+        """
+        ...
+
+    def logs(self) -> list[str]:
+        """Every server log line since the last :meth:`start`, oldest first."""
+        ...
+
+    def gpu_used_mib(self) -> float:
+        """GPU memory in use now, MiB (the most loaded GPU); 0.0 without a GPU monitor."""
+        ...
+
+    def metrics(self) -> dict[str, float] | None:
+        """A ``/metrics`` scrape (sample name → value, §5.5), or ``None`` when the server
+        exports none (no ``--enable-metrics``) or does not answer."""
+        ...
+
+    def load(self, plan: LoadPlan, on_tick: Callable[[LiveStats], bool | None] | None) -> LoadOutcome:
+        """Run one load phase on the ready server and watch it.
+
+        Args:
+            plan: What to send, how and for how long.
+            on_tick: Called about once a second with the live statistics (may never be called);
+                returning ``True`` stops the phase early.
+
+        Returns:
+            The result, the server's death if it died, and the GPU memory peak of the phase. A
+            load that could not run is an outcome with ``load_error``, never an exception.
+        """
+        ...
+
+
+# ---- the phases' helpers -----------------------------------------------------------------------------
 
 
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
@@ -261,7 +421,7 @@ def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
     return memory
 
 
-def failed_record(record: TrialRecord, failure: Failure, report: LogReport | None) -> TrialRecord:
+def _failed_record(record: TrialRecord, failure: Failure, report: LogReport | None) -> TrialRecord:
     """``record`` as a failed trial: the failure, every constraint violated, the per-rank memory lines."""
     memory = {}
     if report is not None:
@@ -272,7 +432,7 @@ def failed_record(record: TrialRecord, failure: Failure, report: LogReport | Non
     })
 
 
-def probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int, floor: int) -> TrialRecord:
+def _probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int, floor: int) -> TrialRecord:
     """``record`` when the boot probe shows a capacity below ``floor``: no load was run.
 
     It started (``oom_or_crash`` holds) but has no SLO verdict, so it is not feasible.
@@ -289,7 +449,7 @@ def probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int
     })
 
 
-def gpu_peak_memory(after_start_mib: float, peak_used_mib: float) -> dict[str, float]:
+def _gpu_peak_memory(after_start_mib: float, peak_used_mib: float) -> dict[str, float]:
     """The GPU monitor's memory facts of a trial: GiB in use after startup, the peak under load,
     and their difference, the activation peak the planner sizes headroom with (§1.6); empty
     without both readings (no GPU monitor)."""
@@ -302,23 +462,23 @@ def gpu_peak_memory(after_start_mib: float, peak_used_mib: float) -> dict[str, f
     }
 
 
-def needs_probe_only(capacity: int | None, floor: int) -> bool:
+def _needs_probe_only(capacity: int | None, floor: int) -> bool:
     """Whether the full load is skipped: the probe's context capacity is below the job's floor."""
     return bool(floor) and capacity is not None and capacity < floor
 
 
-def stress_output_tokens(context_tokens: int) -> int:
+def _stress_output_tokens(context_tokens: int) -> int:
     """Output tokens of each stress request (a quarter of the context, at most 32: enough decode
     steps that the batch is resident together)."""
     return min(_STRESS_OUTPUT_TOKENS, max(1, context_tokens // 4))
 
 
-def stress_concurrency(capacity: int, budget: Any) -> int:
+def _stress_concurrency(capacity: int, budget: BudgetSection) -> int:
     """Requests of the stress phase: the context capacity, capped by ``[budget] max_concurrency``."""
     return max(1, min(capacity, budget.max_concurrency))
 
 
-def slo_value(summary: LoadSummary | None) -> float:
+def _slo_value(summary: LoadSummary | None) -> float:
     """The ``slo`` constraint of a measured window: the largest relative overshoot of any limit
     (``measured / limit − 1``), at least the error rate when requests errored, 1.0 when nothing
     completed or no window ran; ≤ 0 when every limit holds."""
@@ -333,7 +493,7 @@ def slo_value(summary: LoadSummary | None) -> float:
     return float(value)
 
 
-def assemble_record(
+def _assemble_record(
     record: TrialRecord,
     *,
     memory: dict[str, Any],
@@ -344,10 +504,7 @@ def assemble_record(
     unmeasured: str | None,
     load: Mapping[str, float] | None = None,
 ) -> TrialRecord:
-    """The one trial logic: a started trial's phases → its record, constraints and feasibility.
-
-    Both the real trial (:class:`TrialExecutor`) and the search benchmark's offline runner call
-    it, so the benchmark measures the product's record.
+    """A started trial's phases → its record, constraints and feasibility (the record phase).
 
     Args:
         record: The record so far (params, argv, resolved, capacities).
@@ -362,13 +519,13 @@ def assemble_record(
             ``chunk_tokens``: tokens per prefill chunk), stored as ``measured_load``.
 
     Returns:
-        The record with ``constraints`` (``oom_or_crash``, ``slo`` (:func:`slo_value`),
+        The record with ``constraints`` (``oom_or_crash``, ``slo`` (:func:`_slo_value`),
         ``stress``) and ``feasible`` by :class:`tuner.records.Constraints`; ``outcome="failed"``
         on a runtime failure, or with no ``slo`` value when nothing was measured.
     """
     constraints = {
         "oom_or_crash": 1.0 if runtime_failure is not None else -1.0,
-        "slo": slo_value(summary),
+        "slo": _slo_value(summary),
         "stress": 1.0 if stress_failed else -1.0,
     }
     update: dict[str, Any] = {
@@ -394,7 +551,7 @@ def assemble_record(
     return record.model_copy(update=update)
 
 
-def window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens: int) -> dict[str, float]:
+def _window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens: int) -> dict[str, float]:
     """The load a measured window puts on the server: closed-loop ``streams``, the
     ``running_requests`` the server admits of them (effective max_running_requests) and the
     ``chunk_tokens`` of a prefill chunk (``chunked_prefill_size``; the longest prompt when
@@ -404,380 +561,6 @@ def window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens
     chunk = int(cps) if cps and int(cps) > 0 else longest_input_tokens
     return {"streams": float(concurrency), "running_requests": float(min(concurrency, int(mrr))),
             "chunk_tokens": float(chunk)}
-
-
-class TrialExecutor:
-    """Runs trials against one service (implements :class:`tuner.study.loop.TrialRunner`).
-
-    Args:
-        config: The validated config.
-        launcher: The service's launcher, inside its :meth:`~tuner.launch.base.Launcher.session`.
-        table: SGLang's flag table for the installed version.
-        gpu: A :class:`tuner.gpu.GPUMonitor`, or ``None`` (then no activation peak is measured).
-        work_dir: Folder for per-trial artifact files before they are uploaded.
-        environment: The environment facts (see :meth:`environment`).
-
-    .. note:: :meth:`run` restarts the production service; call it inside the launcher's session.
-    """
-
-    def __init__(
-        self,
-        config: TunerConfig,
-        launcher: Launcher,
-        table: FlagTable,
-        *,
-        gpu: Any | None = None,
-        work_dir: Path | None = None,
-        environment: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.config = config
-        self.launcher = launcher
-        self.table = table
-        self.gpu = gpu
-        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="tuner-trial-"))
-        self._environment = dict(environment or {})
-        self._baseline_argv = list(launcher.current_argv())
-        self._workload = build_workload(config.workload, seed=config.study.seed)
-        self._pinned_now_bytes = 0  # host pools of the server the tuner started last (freed at its restart)
-
-    # ---- the TrialRunner facts ---------------------------------------------------------------
-
-    def environment(self) -> dict[str, Any]:
-        """``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``, ``model``, ``gpu_total_mib``."""
-        return dict(self._environment)
-
-    def target(self) -> dict[str, Any]:
-        """``launcher``, ``unit`` or ``command``, ``url``."""
-        service = self.config.service
-        out: dict[str, Any] = {"launcher": service.launcher, "url": service.url}
-        if service.launcher == "systemd":
-            out["unit"] = service.unit
-        else:
-            out["command"] = list(service.command or [])
-        return out
-
-    def baseline_argv(self) -> list[str]:
-        """The command the service ran before the study."""
-        return list(self._baseline_argv)
-
-    def prior_cost_s(self) -> float:
-        """A first trial's expected cost (:func:`tuner.study.budget.prior_trial_cost_s`)."""
-        return prior_trial_cost_s(self.config)
-
-    def host_memory(self) -> HostMemory:
-        """The host's memory before a launch (:func:`tuner.launch.hostmem.read_host_memory`): the
-        simulator's ``/sim/host_memory`` or ``/proc/meminfo``, and the unit's ``MemoryMax``."""
-        return read_host_memory(self._baseline_argv, url=self.config.service.url,
-                                unit=getattr(self.launcher, "unit", None), pinned_now_bytes=self._pinned_now_bytes)
-
-    # ---- one trial -----------------------------------------------------------------------------
-
-    def argv_for(self, params: Mapping[str, Any]) -> list[str]:
-        """The full server command for ``params`` (see :func:`render_argv`)."""
-        return render_argv(self._baseline_argv, params, self.table)
-
-    def run(self, job: TrialJob, on_phase: Callable[..., None]) -> TrialRecord:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
-        """Run one trial; a failed server is a record with ``outcome="failed"``, never an exception.
-
-        Args:
-            job: What to run.
-            on_phase: Called with each phase name as it starts.
-
-        Returns:
-            The record, with objectives, constraints and artifact files (``artifacts`` maps a name
-            to a local file; :func:`tuner.study.loop.run_study` uploads them and stores the ids).
-
-        Raises:
-            KeyboardInterrupt: Ctrl-C / SIGTERM (the caller records the trial as far as it got).
-            ServiceControlError: The launcher could not change the service (e.g. its drop-in
-                folder became read-only); nothing was stopped, and the run must stop.
-        """
-        begun = time.monotonic()
-        trial_dir = self.work_dir / f"trial-{job.number}"
-        trial_dir.mkdir(parents=True, exist_ok=True)
-        asked = dict(job.params)
-        explicit = parse_argv(self._baseline_argv, self.table) if job.kind == "baseline" else {}
-        record = TrialRecord(
-            params=asked or {k: explicit[k] for k in SEARCHED_FIELDS if explicit.get(k) is not None},
-            kind=job.kind,  # type: ignore[arg-type]
-            prediction=dict(job.prediction),
-            context_tokens=job.context_tokens,
-            started_at=job.started_at or None,
-            repeat_of=job.repeat_of,
-        )
-
-        on_phase("render")
-        reasons = validate(asked, self.table) if asked else []
-        try:
-            argv = self.argv_for(asked)
-        except TunerError as err:
-            reasons.append(str(err))
-            argv = []
-        if reasons:
-            return self._failed(
-                record, Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="; ".join(reasons)),
-                None, begun, trial_dir,
-            ).model_copy(update={"argv": argv})
-        record = record.model_copy(update={"argv": argv})
-
-        on_phase("start")
-        try:
-            self.launcher.start(argv)
-            with _StartupLines(self.launcher, lambda d: on_phase("start", d)):
-                state = self.launcher.wait(timeout_s=self.config.service.start_timeout_s)
-        except ServiceControlError:
-            raise  # the host refused the change (read-only drop-in folder): not a server crash
-        except (LaunchError, ServerError) as err:
-            return self._failed(
-                record, Failure(failure_class=FailureClass.CRASH, evidence=str(err)), None, begun, trial_dir
-            )
-        lines = self.launcher.logs()
-        report = parse_log(lines)
-        if state.phase != LaunchPhase.READY:
-            failure = state.failure or report.failure or Failure(
-                failure_class=FailureClass.CRASH, evidence=f"server {state.phase.value} before ready"
-            )
-            failure = host_pool_kill(failure, lines) or failure
-            return self._failed(record, failure, report, begun, trial_dir, lines=lines)
-
-        on_phase("probe")
-        try:
-            info = SGLangClient(self.config.service.url, timeout_s=10.0).server_info()
-        except ServerError as err:
-            return self._failed(
-                record, Failure(failure_class=FailureClass.CRASH, evidence=str(err)), report, begun, trial_dir,
-                lines=lines,
-            )
-        after_start = self._gpu_used_mib()
-        resolved, facts = resolve_facts(report, info, argv, self.table, self._context_tokens())
-        if job.kind == "baseline":
-            record = record.model_copy(update={"params": facts["params"]})
-        capacity = facts["context_capacity"]
-        record = record.model_copy(
-            update={
-                "resolved": resolved,
-                "token_capacity": facts["max_total_num_tokens"],
-                "context_capacity": capacity,
-                "free_gib_after_graphs": facts["free_gib_after_graphs"],
-            }
-        )
-        (trial_dir / "server_info.json").write_text(json.dumps(info.raw, indent=2, default=str))
-        memory = memory_facts(report, info, facts, resolved)
-
-        if needs_probe_only(capacity, job.capacity_floor):
-            record = probe_only_record(record, memory, capacity or 0, job.capacity_floor)
-            return self._finish(record, report, lines, begun, trial_dir, None)
-
-        phases: list[PhaseResult] = []
-        runtime_failure: Failure | None = None
-        peak_used = after_start
-        measure: LoadResult | None = None
-        slo = self.config.slo
-
-        on_phase("measure")
-        concurrency = load_concurrency(
-            self.config.budget, capacity=capacity, max_running_requests=facts.get("effective_max_running_requests"),
-            max_total_num_tokens=facts.get("max_total_num_tokens"),
-            mean_request_tokens=self._workload.mean_request_tokens,
-        )
-        counters_before = self._counters()
-        budget = self.config.budget
-        measure_ticks = _load_ticks(
-            on_phase, "measure", expected=budget.max_requests or (concurrency if budget.request_rate is None else None),
-            duration_s=budget.warmup_s + budget.measure_s,
-            stop=(lambda s: slo_clearly_lost(s, slo)) if budget.early_stop else None,
-        )
-        with self._window() as window:
-            try:
-                measure = run_load_sync(
-                    self.config.service.url, self._workload, concurrency=concurrency,
-                    rate=self.config.budget.request_rate, warmup_s=self.config.budget.warmup_s,
-                    duration_s=self.config.budget.measure_s, max_requests=self.config.budget.max_requests,
-                    slo=slo,
-                    on_tick=measure_ticks,
-                    timeout_s=self.config.budget.warmup_s + 4 * self.config.budget.measure_s + 120.0,
-                    request_timeout_s=max(60.0, 4 * self.config.budget.measure_s),
-                    seed=self.config.study.seed,
-                )
-            except LoadError as err:
-                runtime_failure = self._runtime_failure() or Failure(
-                    failure_class=FailureClass.CRASH, evidence=f"load could not run: {err}"
-                )
-            peak_used = max(peak_used, self._window_peak(window))
-        cache = self._cache(report, argv, measure.summary if measure is not None else None,
-                            counters_before, self._counters() if counters_before is not None else None)
-        if measure is not None:
-            phase = measure.phase_result("measure")
-            if measure.stopped_early:
-                phase = phase.model_copy(update={"stop_reason": "SLO clearly lost (early stop)"})
-            phases.append(phase)
-            (trial_dir / "requests-measure.json").write_text(
-                json.dumps({"result": measure.to_json_dict(),
-                            "requests": [r.model_dump(mode="json") for r in measure.records]}, default=str)
-            )
-        runtime_failure = runtime_failure or self._runtime_failure()
-        unmeasured = measure_gap(measure, self.config.budget.measure_s) if runtime_failure is None else None
-
-        stress_failed = False
-        if runtime_failure is None and self.config.budget.stress_s > 0 and capacity:
-            on_phase("stress")
-            stress, stress_failure, stress_peak = self._stress(capacity, facts, job, on_phase)
-            peak_used = max(peak_used, stress_peak)
-            if stress is not None:
-                phases.append(stress.phase_result("stress"))
-                stress_failed = stress.summary.errored > 0 or stress.partial
-            if stress_failure is not None:
-                runtime_failure = stress_failure
-                stress_failed = True
-
-        on_phase("record")
-        if facts["free_gib_after_graphs"] is not None:
-            memory.update(gpu_peak_memory(after_start, peak_used))
-        report_after = parse_log(self.launcher.logs())
-        memory["retractions"] = len(report_after.retractions)
-        record = assemble_record(
-            record, memory=memory, summary=measure.summary if measure is not None else None, phases=phases,
-            stress_failed=stress_failed, runtime_failure=runtime_failure, unmeasured=unmeasured,
-            load=window_load(concurrency, facts, self._workload_longest_input()),
-        )
-        record = record.model_copy(update={"cache": cache})
-        return self._finish(record, report_after, self.launcher.logs(), begun, trial_dir, measure)
-
-    # ---- pieces ------------------------------------------------------------------------------
-
-    def _counters(self) -> dict[str, float] | None:
-        """A ``/metrics`` scrape (§5.5), or None without ``--enable-metrics``."""
-        try:
-            return SGLangClient(self.config.service.url, timeout_s=5.0).metrics()
-        except ServerError:
-            return None
-
-    def _cache(self, report: LogReport, argv: list[str], summary: Any, before: dict[str, float] | None,
-               after: dict[str, float] | None) -> dict[str, Any]:
-        """The prefix cache's tiers for the record: hit rates by tier and the host pool pinned (§7).
-
-        Hit rates come from ``cached_tokens_details`` per request (0.5.10+), else from ``/metrics``
-        counter deltas over the load phase (:func:`tuner.load.metrics.tier_hits_from_metrics`).
-        The host pool is the log's ``Allocating ... host memory`` per rank × the ranks that logged it.
-        """
-        out: dict[str, Any] = {}
-        if summary is not None and summary.cache_hit_rate is not None:
-            out["hit_rate"] = summary.cache_hit_rate
-        if summary is not None and summary.host_hit_rate is not None:
-            out.update(device_hit_rate=summary.device_hit_rate, host_hit_rate=summary.host_hit_rate,
-                       hit_rate_source="cached_tokens_details")
-            if summary.storage_hit_rate is not None:
-                out["storage_hit_rate"] = summary.storage_hit_rate
-        elif before is not None and after is not None:
-            tiers = tier_hits_from_metrics(before, after)
-            if tiers is not None:
-                out.update(hit_rate=out.get("hit_rate", tiers["cache_hit_rate"]),
-                           device_hit_rate=tiers["device_hit_rate"], host_hit_rate=tiers["host_hit_rate"],
-                           hit_rate_source="/metrics")
-                if parse_argv(argv, self.table).get("hicache_storage_backend"):
-                    out["storage_hit_rate"] = tiers["storage_hit_rate"]
-        self._pinned_now_bytes = 0
-        if report.host_pool_gb is not None:
-            ranks = len(report.host_pool_ranks) or ranks_of(argv)
-            out.update(host_pool_gb_per_rank=report.host_pool_gb, host_pool_ranks=ranks,
-                       host_pool_gb=round(report.host_pool_gb * ranks, 3))
-            if report.host_pool_tokens is not None:
-                out["host_pool_tokens_per_rank"] = report.host_pool_tokens
-            self._pinned_now_bytes = int(report.host_pool_gb * 1e9 * ranks)
-        return out
-
-    def _context_tokens(self) -> int:
-        return self.config.objective.context_tokens or self._workload.context_tokens
-
-    def _workload_longest_input(self) -> int:
-        return int(getattr(self.config.workload, "input_len", 0) or self._workload.context_tokens)
-
-    def _stress(self, capacity: int, facts: Mapping[str, Any], job: TrialJob,
-                on_phase: Callable[..., None] | None = None) -> tuple[LoadResult | None, Failure | None, float]:
-        """Longest contexts at the highest admitted concurrency, for ``stress_s`` seconds."""
-        budget = self.config.budget
-        n = stress_concurrency(capacity, budget)
-        ticks = _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s) if on_phase else None
-        output = stress_output_tokens(job.context_tokens)
-        workload = capacity_probe(n, job.context_tokens, output_len=output, seed=self.config.study.seed + job.number)
-        result = None
-        peak = 0.0
-        with self._window() as window:
-            try:
-                result = run_load_sync(
-                    self.config.service.url, workload, concurrency=n, duration_s=budget.stress_s, on_tick=ticks,
-                    timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
-                    seed=self.config.study.seed,
-                )
-            except LoadError as err:
-                failure = self._runtime_failure() or Failure(
-                    failure_class=FailureClass.CRASH, evidence=f"stress load could not run: {err}"
-                )
-                return None, failure, self._window_peak(window)
-            peak = self._window_peak(window)
-        return result, self._runtime_failure(), peak
-
-    def _runtime_failure(self) -> Failure | None:
-        state = self.launcher.state()
-        if state.phase in (LaunchPhase.FAILED, LaunchPhase.EXITED):
-            failure = state.failure or parse_log(self.launcher.logs()).failure
-            return failure or Failure(failure_class=FailureClass.CRASH, evidence=f"server {state.phase.value} under load")
-        return None
-
-    def _gpu_used_mib(self) -> float:
-        if self.gpu is None:
-            return 0.0
-        try:
-            return max((g.used_mib for g in self.gpu.snapshot()), default=0.0)
-        except TunerError:
-            return 0.0
-
-    def _window(self) -> Any:
-        if self.gpu is None:
-            import contextlib
-
-            return contextlib.nullcontext(None)
-        return self.gpu.window()
-
-    @staticmethod
-    def _window_peak(window: Any) -> float:
-        if window is None:
-            return 0.0
-        return max((p.peak_used_mib for p in window.peaks), default=0.0)
-
-    def _failed(
-        self,
-        record: TrialRecord,
-        failure: Failure,
-        report: LogReport | None,
-        begun: float,
-        trial_dir: Path,
-        *,
-        lines: list[str] | None = None,
-    ) -> TrialRecord:
-        return self._finish(failed_record(record, failure, report), report, lines or [], begun, trial_dir, None)
-
-    def _finish(
-        self,
-        record: TrialRecord,
-        report: LogReport | None,
-        lines: list[str],
-        begun: float,
-        trial_dir: Path,
-        measure: LoadResult | None,
-    ) -> TrialRecord:
-        artifacts = {}
-        if lines:
-            path = trial_dir / "server.log"
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            artifacts["server_log"] = str(path)
-        for name, file in (("server_info", "server_info.json"), ("requests", "requests-measure.json")):
-            if (trial_dir / file).exists():
-                artifacts[name] = str(trial_dir / file)
-        excerpt = _excerpt(lines, record.failure_evidence)
-        return record.model_copy(
-            update={"artifacts": artifacts, "log_excerpt": excerpt, "duration_s": time.monotonic() - begun}
-        )
 
 
 def host_pool_kill(failure: Failure, lines: list[str]) -> Failure | None:
@@ -797,9 +580,417 @@ def host_pool_kill(failure: Failure, lines: list[str]) -> Failure | None:
                             "or the host's RAM is OOM-killed")
 
 
+def host_pools(report: LogReport, argv: list[str]) -> tuple[float, int] | None:
+    """The hierarchical cache's host pools a started server pinned (§7): ``(GB per rank, ranks)``.
+
+    Each rank allocates its own pool; the log's ``Allocating ... host memory`` line gives its size
+    in decimal GB, the ranks that logged one give their count (else the command's tp × pp).
+
+    Args:
+        report: The parsed startup log.
+        argv: The launched command line.
+
+    Returns:
+        ``(GB per rank, ranks)``, or ``None`` when the log shows no host pool.
+    """
+    if report.host_pool_gb is None:
+        return None
+    return report.host_pool_gb, len(report.host_pool_ranks) or ranks_of(argv)
+
+
+# ---- one trial ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Started:
+    """The start phase: the server's classified failure (``None``: ready), its log lines and their report."""
+
+    failure: Failure | None
+    lines: list[str]
+    report: LogReport
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """The probe phase: what SGLang resolved (:func:`resolve_facts`), the memory report
+    (:func:`memory_facts`) and the GPU memory in use after the start (MiB)."""
+
+    resolved: dict[str, dict[str, Any]]
+    facts: dict[str, Any]
+    memory: dict[str, Any]
+    after_start_mib: float
+
+    @property
+    def capacity(self) -> int | None:
+        """The context capacity at the job's context length."""
+        return self.facts["context_capacity"]
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """The measure phase: its load outcome, the concurrency it ran at, the prefix cache's facts and
+    the verdicts the record needs (the server's death under load; why nothing was measured)."""
+
+    outcome: LoadOutcome
+    concurrency: int
+    cache: dict[str, Any]
+    failure: Failure | None
+    unmeasured: str | None
+
+
+@dataclass(frozen=True)
+class _Stressed:
+    """The stress phase (``outcome`` ``None`` when it was not run): its outcome, failure and verdict."""
+
+    outcome: LoadOutcome | None = None
+    failure: Failure | None = None
+    failed: bool = False
+
+
+class _TrialFiles:
+    """One trial's artifact files (``folder`` ``None``: the trial keeps none).
+
+    Args:
+        folder: The trial's folder (created), or ``None``.
+    """
+
+    _NAMES = {"server_log": "server.log", "server_info": "server_info.json", "requests": "requests-measure.json"}
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def write(self, name: str, text: str) -> None:
+        """Write artifact ``name`` (one of :attr:`_NAMES`) when the trial keeps files."""
+        if self.folder is not None:
+            (self.folder / self._NAMES[name]).write_text(text, encoding="utf-8")
+
+    def paths(self) -> dict[str, str]:
+        """Artifact name → local file, for those written."""
+        if self.folder is None:
+            return {}
+        return {name: str(self.folder / file) for name, file in self._NAMES.items() if (self.folder / file).exists()}
+
+
+class TrialExecutor:
+    """Runs trials on one server (implements :class:`tuner.study.loop.TrialRunner`).
+
+    Args:
+        config: The validated config.
+        server: The server under test (:class:`tuner.served.LaunchedServer` in production).
+        table: SGLang's flag table for the installed version.
+        work_dir: Folder for per-trial artifact files before they are uploaded; ``None`` keeps
+            no files (records then carry no ``artifacts``).
+        workload: The workload of the measured windows (default: the config's, drawn with the
+            study's seed).
+        clock: Seconds of a monotonic clock (a trial's ``duration_s`` is the difference).
+
+    .. note:: :meth:`run` restarts the production service; call it inside the launcher's session.
+    """
+
+    def __init__(
+        self,
+        config: TunerConfig,
+        server: ServerUnderTest,
+        table: FlagTable,
+        *,
+        work_dir: Path | None = None,
+        workload: Workload | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.server = server
+        self.table = table
+        self.work_dir = work_dir
+        self._baseline_argv = list(server.baseline_argv())
+        self._workload = workload or build_workload(config.workload, seed=config.study.seed)
+        self._clock = clock
+
+    # ---- the TrialRunner facts (the server's) ------------------------------------------------------
+
+    def environment(self) -> dict[str, Any]:
+        """``sglang_version``, ``gpu_name``, ``gpu_count``, ``driver_version``, ``model``, ``gpu_total_mib``."""
+        return self.server.environment()
+
+    def target(self) -> dict[str, Any]:
+        """``launcher``, ``unit`` or ``command``, ``url``."""
+        return self.server.target()
+
+    def baseline_argv(self) -> list[str]:
+        """The command the service ran before the study."""
+        return list(self._baseline_argv)
+
+    def prior_cost_s(self) -> float:
+        """A first trial's expected cost, seconds."""
+        return self.server.prior_cost_s()
+
+    def host_memory(self) -> HostMemory:
+        """The host's memory before a launch (:meth:`ServerUnderTest.host_memory`)."""
+        return self.server.host_memory()
+
+    def argv_for(self, params: Mapping[str, Any]) -> list[str]:
+        """The full server command for ``params`` (see :func:`render_argv`).
+
+        Raises:
+            FlagError: A knob this SGLang version lacks, or a value outside its choices.
+        """
+        return render_argv(self._baseline_argv, params, self.table)
+
+    # ---- one trial: the ordered phases --------------------------------------------------------------
+
+    def run(self, job: TrialJob, on_phase: Callable[..., None]) -> TrialRecord:
+        """Run one trial; a failed server is a record with ``outcome="failed"``, never an exception.
+
+        Args:
+            job: What to run.
+            on_phase: Called with each phase name as it starts, and with ``(name,
+                PhaseProgress)`` as a long phase advances.
+
+        Returns:
+            The record, with objectives, constraints and artifact files (``artifacts`` maps a name
+            to a local file; :func:`tuner.study.loop.run_study` uploads them and stores the ids).
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C / SIGTERM (the caller records the trial as far as it got).
+            ServiceControlError: The service could not be changed (e.g. its drop-in folder became
+                read-only); nothing was stopped, and the run must stop.
+        """
+        begun_s = self._clock()
+        files = _TrialFiles(self.work_dir / f"trial-{job.number}" if self.work_dir is not None else None)
+        record = self._asked(job)
+        on_phase("render")
+        argv, invalid = self._render(job)
+        record = record.model_copy(update={"argv": argv})
+        if invalid is not None:
+            return self._finish(_failed_record(record, invalid, None), [], begun_s, files)
+        on_phase("start")
+        started = self._start(argv, on_phase)
+        if started.failure is not None:
+            report = started.report if started.lines else None
+            return self._finish(_failed_record(record, started.failure, report), started.lines, begun_s, files)
+        on_phase("probe")
+        probe = self._probe(job, argv, started, files)
+        if isinstance(probe, Failure):
+            return self._finish(_failed_record(record, probe, started.report), started.lines, begun_s, files)
+        record = _probed_record(record, probe, job)
+        if _needs_probe_only(probe.capacity, job.capacity_floor):
+            record = _probe_only_record(record, probe.memory, probe.capacity or 0, job.capacity_floor)
+            return self._finish(record, started.lines, begun_s, files)
+        on_phase("measure")
+        measured = self._measure(argv, started, probe, on_phase, files)
+        stressed = self._stress(job, probe, measured, on_phase)
+        on_phase("record")
+        lines = self.server.logs()
+        return self._finish(self._record(record, probe, measured, stressed, lines), lines, begun_s, files)
+
+    def _asked(self, job: TrialJob) -> TrialRecord:
+        """The record of what ``job`` asks (the baseline: the searched knobs its command sets)."""
+        explicit = parse_argv(self._baseline_argv, self.table) if job.kind == "baseline" else {}
+        return TrialRecord(
+            params=dict(job.params) or {k: explicit[k] for k in SEARCHED_FIELDS if explicit.get(k) is not None},
+            kind=job.kind,  # type: ignore[arg-type]
+            prediction=dict(job.prediction),
+            context_tokens=job.context_tokens,
+            started_at=job.started_at or None,
+            repeat_of=job.repeat_of,
+        )
+
+    def _render(self, job: TrialJob) -> tuple[list[str], Failure | None]:
+        """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
+        asked = dict(job.params)
+        reasons = validate(asked, self.table) if asked else []
+        try:
+            argv = self.argv_for(asked)
+        except TunerError as err:
+            reasons.append(str(err))
+            argv = []
+        if reasons:
+            return argv, Failure(failure_class=FailureClass.INVALID_ARGUMENTS, evidence="; ".join(reasons))
+        return argv, None
+
+    def _start(self, argv: list[str], on_phase: Callable[..., None]) -> _Started:
+        """Start: restart the server with ``argv``; a start killed while pinning the hierarchical
+        cache's host pools is a host-memory failure (:func:`host_pool_kill`).
+
+        Raises:
+            ServiceControlError: The service could not be changed.
+        """
+        outcome = self.server.start(argv, timeout_s=self.config.service.start_timeout_s,
+                                    on_progress=lambda detail: on_phase("start", detail))
+        lines = list(outcome.log_lines)
+        failure = outcome.failure
+        if failure is not None:
+            failure = host_pool_kill(failure, lines) or failure
+        return _Started(failure=failure, lines=lines, report=parse_log(lines))
+
+    def _probe(self, job: TrialJob, argv: list[str], started: _Started, files: _TrialFiles) -> _Probe | Failure:
+        """Probe: what SGLang resolved, the memory report and the GPU memory after the start; the
+        server's silence on ``/get_server_info`` is a crash."""
+        try:
+            info = self.server.info()
+        except ServerError as err:
+            return Failure(failure_class=FailureClass.CRASH, evidence=str(err))
+        after_start_mib = self.server.gpu_used_mib()
+        resolved, facts = resolve_facts(started.report, info, argv, self.table, job.context_tokens)
+        files.write("server_info", json.dumps(info.raw, indent=2, default=str))
+        return _Probe(resolved=resolved, facts=facts, memory=memory_facts(started.report, info, facts, resolved),
+                      after_start_mib=after_start_mib)
+
+    def _measure(self, argv: list[str], started: _Started, probe: _Probe, on_phase: Callable[..., None],
+                 files: _TrialFiles) -> _Measured:
+        """Measure: the workload's warm-up and measured window at the concurrency the pool admits
+        (stopped early when the SLO is clearly lost), with ``/metrics`` scraped around it."""
+        budget, facts = self.config.budget, probe.facts
+        concurrency = load_concurrency(
+            budget, capacity=probe.capacity, max_running_requests=facts.get("effective_max_running_requests"),
+            max_total_num_tokens=facts.get("max_total_num_tokens"), mean_request_tokens=self._workload.mean_request_tokens,
+        )
+        slo = self.config.slo
+        ticks = _load_ticks(
+            on_phase, "measure", expected=budget.max_requests or (concurrency if budget.request_rate is None else None),
+            duration_s=budget.warmup_s + budget.measure_s,
+            stop=(lambda s: slo_clearly_lost(s, slo)) if budget.early_stop else None,
+        )
+        before = self.server.metrics()
+        outcome = self.server.load(LoadPlan(
+            name="measure", workload=self._workload, concurrency=concurrency, rate=budget.request_rate,
+            warmup_s=budget.warmup_s, duration_s=budget.measure_s, max_requests=budget.max_requests, slo=slo,
+            seed=self.config.study.seed, timeout_s=budget.warmup_s + 4 * budget.measure_s + 120.0,
+            request_timeout_s=max(60.0, 4 * budget.measure_s),
+        ), ticks)
+        after = self.server.metrics() if before is not None else None
+        result = outcome.result
+        cache = self._cache(started.report, argv, result.summary if result is not None else None, before, after)
+        if result is not None:
+            files.write("requests", json.dumps({"result": result.to_json_dict(),
+                                                "requests": [r.model_dump(mode="json") for r in result.records]},
+                                               default=str))
+        failure = outcome.failure or _could_not_run("load", outcome)
+        unmeasured = measure_gap(result, budget.measure_s) if failure is None else None
+        return _Measured(outcome=outcome, concurrency=concurrency, cache=cache, failure=failure, unmeasured=unmeasured)
+
+    def _stress(self, job: TrialJob, probe: _Probe, measured: _Measured, on_phase: Callable[..., None]) -> _Stressed:
+        """Stress: the longest contexts at the highest admitted concurrency for ``stress_s``
+        seconds; failed when any request errored, the load was cut, or the server died. Not run
+        after a death under the measured load, without ``stress_s`` or without a capacity."""
+        budget = self.config.budget
+        if measured.failure is not None or budget.stress_s <= 0 or not probe.capacity:
+            return _Stressed()
+        on_phase("stress")
+        n = _stress_concurrency(probe.capacity, budget)
+        workload = capacity_probe(n, job.context_tokens, output_len=_stress_output_tokens(job.context_tokens),
+                                  seed=self.config.study.seed + job.number)
+        outcome = self.server.load(LoadPlan(
+            name="stress", workload=workload, concurrency=n, duration_s=budget.stress_s, seed=self.config.study.seed,
+            timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
+        ), _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s))
+        failure = outcome.failure or _could_not_run("stress load", outcome)
+        result = outcome.result
+        failed = failure is not None or (result is not None and (result.summary.errored > 0 or result.partial))
+        return _Stressed(outcome=outcome, failure=failure, failed=failed)
+
+    def _record(self, record: TrialRecord, probe: _Probe, measured: _Measured, stressed: _Stressed,
+                lines: list[str]) -> TrialRecord:
+        """Record: the phases, the memory peaks and the retractions of the whole trial's log →
+        objectives, constraints and feasibility (:func:`_assemble_record`)."""
+        memory = dict(probe.memory)
+        outcomes = [o for o in (measured.outcome, stressed.outcome) if o is not None]
+        if probe.facts["free_gib_after_graphs"] is not None:
+            peak_used_mib = max([probe.after_start_mib, *(o.peak_gpu_used_mib for o in outcomes)])
+            memory.update(_gpu_peak_memory(probe.after_start_mib, peak_used_mib))
+        memory["retractions"] = len(parse_log(lines).retractions)
+        result = measured.outcome.result
+        phases = [_phase_result("measure", result)] if result is not None else []
+        if stressed.outcome is not None and stressed.outcome.result is not None:
+            phases.append(_phase_result("stress", stressed.outcome.result))
+        record = _assemble_record(
+            record, memory=memory, summary=result.summary if result is not None else None, phases=phases,
+            stress_failed=stressed.failed, runtime_failure=measured.failure or stressed.failure,
+            unmeasured=measured.unmeasured, load=_window_load(measured.concurrency, probe.facts, self._longest_input()),
+        )
+        return record.model_copy(update={"cache": measured.cache})
+
+    def _finish(self, record: TrialRecord, lines: list[str], begun_s: float, files: _TrialFiles) -> TrialRecord:
+        """The record's artifacts, log excerpt and duration; a failure quotes the server log's error line."""
+        if lines:
+            files.write("server_log", "\n".join(lines) + "\n")
+        record = record.model_copy(update={
+            "artifacts": files.paths(), "log_excerpt": _excerpt(lines, record.failure_evidence),
+            "duration_s": self._clock() - begun_s,
+        })
+        return quote_server_log(record, lines)
+
+    # ---- pieces ------------------------------------------------------------------------------------
+
+    def _cache(self, report: LogReport, argv: list[str], summary: LoadSummary | None,
+               before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+        """The prefix cache's tiers for the record: hit rates by tier and the host pool pinned (§7).
+
+        Hit rates come from ``cached_tokens_details`` per request (0.5.10+), else from ``/metrics``
+        counter deltas over the load phase (:func:`tuner.load.metrics.tier_hits_from_metrics`).
+        The host pool is :func:`host_pools` (per rank × ranks).
+        """
+        out: dict[str, Any] = {}
+        if summary is not None and summary.cache_hit_rate is not None:
+            out["hit_rate"] = summary.cache_hit_rate
+        if summary is not None and summary.host_hit_rate is not None:
+            out.update(device_hit_rate=summary.device_hit_rate, host_hit_rate=summary.host_hit_rate,
+                       hit_rate_source="cached_tokens_details")
+            if summary.storage_hit_rate is not None:
+                out["storage_hit_rate"] = summary.storage_hit_rate
+        elif before is not None and after is not None:
+            tiers = tier_hits_from_metrics(before, after)
+            if tiers is not None:
+                out.update(hit_rate=out.get("hit_rate", tiers["cache_hit_rate"]),
+                           device_hit_rate=tiers["device_hit_rate"], host_hit_rate=tiers["host_hit_rate"],
+                           hit_rate_source="/metrics")
+                if parse_argv(argv, self.table).get("hicache_storage_backend"):
+                    out["storage_hit_rate"] = tiers["storage_hit_rate"]
+        pools = host_pools(report, argv)
+        if pools is not None:
+            per_rank_gb, ranks = pools
+            out.update(host_pool_gb_per_rank=per_rank_gb, host_pool_ranks=ranks,
+                       host_pool_gb=round(per_rank_gb * ranks, 3))
+            if report.host_pool_tokens is not None:
+                out["host_pool_tokens_per_rank"] = report.host_pool_tokens
+        return out
+
+    def _longest_input(self) -> int:
+        return int(getattr(self.config.workload, "input_len", 0) or self._workload.context_tokens)
+
+
+def _probed_record(record: TrialRecord, probe: _Probe, job: TrialJob) -> TrialRecord:
+    """``record`` with what the probe resolved: capacities, free memory, and (the baseline) its knobs."""
+    update: dict[str, Any] = {
+        "resolved": probe.resolved,
+        "token_capacity": probe.facts["max_total_num_tokens"],
+        "context_capacity": probe.capacity,
+        "free_gib_after_graphs": probe.facts["free_gib_after_graphs"],
+    }
+    if job.kind == "baseline":
+        update["params"] = probe.facts["params"]
+    return record.model_copy(update=update)
+
+
+def _could_not_run(what: str, outcome: LoadOutcome) -> Failure | None:
+    """A load that could not run on a server that still serves: a crash naming the load's error."""
+    if outcome.load_error is None:
+        return None
+    return Failure(failure_class=FailureClass.CRASH, evidence=f"{what} could not run: {outcome.load_error}")
+
+
+def _phase_result(name: str, result: LoadResult) -> PhaseResult:
+    """A load phase as the record stores it (an early stop on the SLO named as such)."""
+    phase = result.phase_result(name)
+    if name == "measure" and result.stopped_early:
+        phase = phase.model_copy(update={"stop_reason": "SLO clearly lost (early stop)"})
+    return phase
+
+
 def _load_ticks(on_phase: Callable[..., None], phase: str, *, expected: int | None, duration_s: float | None,
                 stop: Callable[[LiveStats], bool] | None = None) -> Callable[[LiveStats], bool | None]:
-    """An ``on_tick`` for :func:`tuner.load.run_load_sync` that reports the phase's requests done
+    """An ``on_tick`` for :meth:`ServerUnderTest.load` that reports the phase's requests done
     (ok or errored, warm-up included) against ``expected``, then asks ``stop`` (early stop)."""
 
     def tick(stats: LiveStats) -> bool | None:
@@ -810,46 +1001,6 @@ def _load_ticks(on_phase: Callable[..., None], phase: str, *, expected: int | No
     return tick
 
 
-class _StartupLines:
-    """While a server starts, report each new SGLang line of its log (a reader thread on
-    :meth:`Launcher.logs`, which the launcher's own wait keeps filling): the startup's progress
-    is the last phase line (``Load weight end``, ``KV Cache is allocated``, ``Capture cuda graph``).
-
-    Args:
-        launcher: The launcher whose :meth:`~Launcher.wait` runs meanwhile.
-        report: Called with a :class:`PhaseProgress` per new SGLang line (from the reader thread).
-        poll_s: How often the log is read, seconds.
-    """
-
-    def __init__(self, launcher: Launcher, report: Callable[[PhaseProgress], None], poll_s: float = 0.25) -> None:
-        self._launcher, self._report, self._poll_s = launcher, report, poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="tuner-startup-lines", daemon=True)
-        self._begun = time.monotonic()
-
-    def __enter__(self) -> _StartupLines:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-
-    def _watch(self) -> None:
-        watcher, seen, last = LogWatcher(), 0, None
-        while not self._stop.wait(self._poll_s):
-            lines = self._launcher.logs()
-            watcher.feed_many(lines[seen:])
-            seen = len(lines)
-            if watcher.last_line and watcher.last_line != last:
-                last = watcher.last_line
-                try:
-                    self._report(PhaseProgress(line=last[:200], stage=watcher.phase,
-                                               elapsed_s=round(time.monotonic() - self._begun, 1)))
-                except Exception as err:  # noqa: BLE001 - a progress display must never end a trial
-                    _log.debug("startup progress not shown: %s", err)
-
-
 def _excerpt(lines: list[str], evidence: str | None, *, limit: int = 20) -> list[str]:
     """The memory lines of the log (and the failure evidence), at most ``limit`` lines."""
     keys = ("avail mem", "KV Cache", "max_total_num_tokens", "Capture", "Not enough memory", "out of memory",
@@ -858,3 +1009,34 @@ def _excerpt(lines: list[str], evidence: str | None, *, limit: int = 20) -> list
     if evidence and not any(evidence in line for line in picked):
         picked.append(evidence)
     return [line[:400] for line in picked[-limit:]]
+
+
+def quote_server_log(record: TrialRecord, lines: Sequence[str]) -> TrialRecord:
+    """Add the server log's error line to a failure whose evidence is not a log line itself.
+
+    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
+    without quoting the server; the user needs the server's words (``--model-path ... is neither a
+    directory ...``, ``address already in use``).
+
+    Args:
+        record: A trial's record (only a failed one changes).
+        lines: The server log's lines, oldest first.
+
+    Returns:
+        ``record`` with ``failure_evidence`` ``"<evidence>; server log: <line>"`` and the line
+        last in ``log_excerpt``; unchanged when it did not fail, when its evidence is a log line
+        or quotes the error line already, or when no line reads like an error.
+    """
+    if record.outcome != "failed":
+        return record
+    evidence = record.failure_evidence or ""
+    if evidence and any(evidence in line for line in lines):
+        return record
+    line = log_error_line(lines)
+    if line is None or line in evidence:
+        return record
+    excerpt = [x for x in record.log_excerpt if x != line] + [line]
+    return record.model_copy(update={
+        "failure_evidence": f"{evidence}; server log: {line}" if evidence else line,
+        "log_excerpt": excerpt,
+    })

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.offline_runner import OfflineRunner
+from tests.support.offline_server import OfflineExecutor
 from tests.support.scenarios import hicache_scenarios as scenarios
 from tests.support.scenarios import with_config as _with
 from tuner.config import TunerConfig
@@ -31,8 +31,8 @@ from tuner.study.loop import run_study
 LAUNCHES = 10
 
 
-def _study(cfg: TunerConfig) -> tuple[OfflineRunner, list[tuple[int, TrialRecord]], object]:
-    runner = OfflineRunner(cfg, pool_requests=256)
+def _study(cfg: TunerConfig) -> tuple[OfflineExecutor, list[tuple[int, TrialRecord]], object]:
+    runner = OfflineExecutor(cfg, pool_requests=256)
     summary = run_study(cfg, runner, max_trials=4 * LAUNCHES, storage_url=":memory:")
     return runner, runner.history[:LAUNCHES], summary
 
@@ -68,7 +68,7 @@ def test_cache_on_where_it_pays_off_where_it_cannot(name: str) -> None:
     on = bool(best.params.get("enable_hierarchical_cache"))
     # Cache off: the chosen flags without it (one more offline launch, outside the study's 10).
     off_params = {k: v for k, v in best.params.items() if not k.startswith("hicache_")} | {"enable_hierarchical_cache": False}
-    off = OfflineRunner(cfg, pool_requests=256).run(
+    off = OfflineExecutor(cfg, pool_requests=256).run(
         TrialJob(number=99, kind="sampled", params=off_params, context_tokens=best.context_tokens or 0), lambda _p: None)
     # The best of a study that could not use the cache.
     blind_cfg = _with(cfg, cfg.study.name + "-nocache", space={"hierarchical_cache": False})

@@ -3,9 +3,9 @@ real PostgreSQL server, and the search quality at equal total launches.
 
 Each worker is a process running the product's own loop (``tuner.study.loop.run_study``: claim
 lock, planner, constant-liar TPE, heartbeats, reaper) against the shared study, with its own
-``TUNER_HOST``. A worker's "unit" is the simulator's offline evaluation (``OfflineRunner``, the
-search-quality benchmark's runner): the results come from the simulated server, and each launch
-then sleeps to a fixed :data:`TRIAL_S` seconds of wall-clock time, so the figures are real time and
+``TUNER_HOST``. A worker's "unit" is the simulator's offline evaluation (``OfflineExecutor``, the
+search-quality benchmark's runner: the product's trial on the simulator's offline server): the
+results come from the simulated server, and each launch then sleeps to a fixed :data:`TRIAL_S` seconds of wall-clock time, so the figures are real time and
 measure what the hosts add (coordination in the database, duplicate avoidance, waiting for the
 baseline), not the box's CPU. Scenario: "8B on L4, 4k contexts, chunks to 16k" of
 ``bench_search.py`` (the one where the top of the fraction range is not safe).
@@ -63,11 +63,11 @@ def _worker(url: str, host: str, budget_s: float, cwd: str, seed: int, trial_s: 
     """One host: the product's loop on the shared study, trials timed to ``trial_s`` seconds."""
     os.environ["TUNER_HOST"] = host
     os.chdir(cwd)  # its studies/<study>/artifacts folder lands in the test's folder
-    from tests.support.offline_runner import OfflineRunner
+    from tests.support.offline_server import OfflineExecutor
     from tests.support.scenarios import scenarios, with_seed
     from tuner.study.loop import run_study
 
-    class TimedRunner(OfflineRunner):
+    class TimedRunner(OfflineExecutor):
         def run(self, job, on_phase):  # noqa: ANN001, ANN202 - TrialRunner.run
             begun = time.monotonic()
             record = super().run(job, on_phase)

@@ -1,9 +1,10 @@
 """Search quality: the tuner's strategy vs random search vs a coarse grid, at equal server launches.
 
 The scenarios are data (``search_scenarios.toml``): simulated deployments evaluated offline
-(``tuner.sim.evaluate``, virtual time) through :class:`tests.support.offline_runner.OfflineRunner`, which runs
-the product's own trial logic on the simulator's results. Every "launch" sizes the server from its
-rendered command line and runs the measured window and the stress load. The exhaustive grid over
+(``tuner.sim.evaluate``, virtual time) through :class:`tests.support.offline_server.OfflineExecutor`:
+the product's own trial (:class:`tuner.trial.TrialExecutor`) on the simulator's offline server.
+Every "launch" sizes the server from its rendered command line and runs the measured window and the
+stress load. The exhaustive grid over
 the same discrete space gives the optimum under the default policy (best = highest throughput
 within 5 % of the best feasible context capacity). For each strategy and study seed, after 5, 10
 and 20 launches: the share of the grid optimum's context capacity reached by the strategy's own
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.offline_runner import OfflineRunner
+from tests.support.offline_server import OfflineExecutor
 from tests.support.scenarios import scenarios, with_seed
 from tuner.config import TunerConfig
 from tuner.load import build_workload
@@ -53,8 +54,8 @@ def _resolved_space(cfg: TunerConfig) -> tuple[Space, TrialRecord, int]:
     """The space the study resolves from its baseline (the study's own resolution)."""
     from tuner.study.baseline import resolve_study_space
 
-    runner = OfflineRunner(cfg, world_seed=0)
-    context_tokens = cfg.objective.context_tokens or runner.workload.context_tokens
+    runner = OfflineExecutor(cfg, world_seed=0)
+    context_tokens = cfg.objective.context_tokens or runner.offline.workload.context_tokens
     baseline = runner.run(TrialJob(number=0, kind="baseline", context_tokens=context_tokens), lambda _p: None)
     return resolve_study_space(cfg, baseline, runner.environment(), context_tokens), baseline, context_tokens
 
@@ -82,7 +83,7 @@ def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, T
 
     cfg = scenarios()[name]["config"]
     space, baseline, context_tokens = _resolved_space(cfg)
-    runner = OfflineRunner(cfg, world_seed=0)
+    runner = OfflineExecutor(cfg, world_seed=0)
     lo, hi = space.max_running_requests
     powers = {lo, hi, *(2**k for k in range(0, 13) if lo <= 2**k <= hi)}
     count = 0
@@ -95,7 +96,7 @@ def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, T
 
     for mfs, cps in itertools.product(space.fractions()[::stride], space.chunked_prefill_size):
         base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps}
-        argv = render_argv(runner.sim_argv, {**base, "max_running_requests": hi}, runner.table)
+        argv = render_argv(runner.offline.sim_argv, {**base, "max_running_requests": hi}, runner.table)
         tight = size_server(argv).max_total_num_tokens // context_tokens
         values = sorted(powers | ({tight} if lo <= tight <= hi else set()))
         results = {m: run({**base, "max_running_requests": m}) for m in values}
@@ -131,7 +132,7 @@ def _coarse_grid(space: Space, n: int) -> list[dict]:
 
 def _true_throughput(cfg: TunerConfig, record: TrialRecord) -> float:
     """The noise-free throughput of ``record``'s config (the simulated world without noise)."""
-    runner = OfflineRunner(cfg, world_seed=0)
+    runner = OfflineExecutor(cfg, world_seed=0)
     again = runner.run(TrialJob(number=0, kind="sampled", params=dict(record.params),
                                 context_tokens=record.context_tokens or 1), lambda _p: None)
     return again.output_throughput_tok_s or 0.0
@@ -174,7 +175,7 @@ def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfi
 
 def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float) -> list[tuple[int, TrialRecord]]:
     cfg = with_seed(cfg, seed, "tpe" if planner else "random")
-    runner = OfflineRunner(cfg, world_seed=0, noise=noise)
+    runner = OfflineExecutor(cfg, world_seed=0, noise=noise)
     # Trials include skips (no launch): allow enough trials for LAUNCHES launches.
     run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner)
     return runner.history[:LAUNCHES]
@@ -213,7 +214,7 @@ def test_search_quality(name: str) -> None:
                                "strategies": {}}
     histories = {("tuner", s): _study(cfg, s, planner=True, noise=noise) for s in seeds}
     histories |= {("random", s): _study(cfg, s, planner=False, noise=noise) for s in seeds}
-    coarse_runner = OfflineRunner(cfg, world_seed=0, noise=noise)
+    coarse_runner = OfflineExecutor(cfg, world_seed=0, noise=noise)
     coarse = [(0, baseline)]
     for i, params in enumerate(_coarse_grid(space, LAUNCHES - 1)):
         coarse.append((i + 1, coarse_runner.run(TrialJob(number=i + 1, kind="sampled", params=params,

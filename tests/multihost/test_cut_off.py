@@ -13,7 +13,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from tests.support.net import CuttableProxy
-from tests.support.offline_runner import OfflineRunner
+from tests.support.offline_server import OfflineExecutor
 from tuner.config import TunerConfig, load_config
 from tuner.errors import StudyError
 from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, RequeueOnce, reap_stale
@@ -47,7 +47,7 @@ def test_a_trial_asked_but_never_claimed_is_failed_after_the_grace_period(postgr
     assert waiting[0].user_attrs[REQUEUED_ATTR] == {"trial": orphan.number, "host": None}
 
 
-class _CutOffRunner(OfflineRunner):
+class _CutOffRunner(OfflineExecutor):
     """The offline evaluation; during the first trial after the baseline, the host's link to the
     database goes down until another host has reaped the trial (then up again, unless ``stay_cut``)."""
 

@@ -97,7 +97,7 @@ def test_init_into_a_missing_folder_is_one_line_and_its_suggested_dry_run_works(
 
 
 def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_path: Path) -> None:
-    from tests.support.offline_runner import OfflineRunner
+    from tests.support.offline_server import OfflineExecutor
     from tuner.config import load_config
     from tuner.errors import StudyError
     from tuner.sglang.failures import FailureClass
@@ -107,7 +107,7 @@ def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_p
     log = tmp_path / "server.log"
     log.write_text("INFO starting\nlaunch_server: error: argument --chunked-prefill-size: invalid int value: 'x'\n")
 
-    class RejectingCandidates(OfflineRunner):
+    class RejectingCandidates(OfflineExecutor):
         """The baseline runs offline; every candidate is rejected by argparse (exit 2)."""
 
         def run(self, job, on_phase):  # noqa: ANN001, ANN202

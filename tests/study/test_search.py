@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.offline_runner import OfflineRunner
+from tests.support.offline_server import OfflineExecutor
 from tests.support.views import plan
 from tuner.config import SpaceSection, load_config
 from tuner.sglang.memory import must_fail
@@ -29,7 +29,7 @@ def test_space_contains_the_baseline_and_snaps_to_its_grid() -> None:
 
 def test_planner_reaches_the_reference_frontier_without_waste() -> None:
     config = load_config(ROOT / "configs" / "reference-sim.toml")
-    runner = OfflineRunner(config)
+    runner = OfflineExecutor(config)
     summary = run_study(config, runner, max_trials=8, storage_url=":memory:")
     launched = runner.history
     baseline = launched[0][1]
@@ -92,7 +92,7 @@ def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, view w
         "workload": {"kind": "random", "input_len": 2048, "output_len": 128, "range_ratio": 0.25},
         "objective": {"context_tokens": 4096},
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
-    run = StudyRun(config, OfflineRunner(config), max_trials=1 + launches, storage_url=":memory:")
+    run = StudyRun(config, OfflineExecutor(config), max_trials=1 + launches, storage_url=":memory:")
     run.run()
     history, space = list(run.finished()), run.space()
     settings = ModelSettings.for_config(config, 4096)
@@ -201,7 +201,7 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
 
     config = _spent_config()
     cap = 5000
-    run = StudyRun(config, OfflineRunner(config), max_trials=cap, storage_url=":memory:")
+    run = StudyRun(config, OfflineExecutor(config), max_trials=cap, storage_url=":memory:")
     summary = run.run()
     assert summary.stop_reason == "exhausted"
     assert summary.handled < cap and summary.trials_run <= 36
@@ -226,10 +226,10 @@ def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path) -> None:  # noqa
 
     config = _spent_config()
     url = f"sqlite:///{tmp_path / 'spent.db'}"
-    first = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
+    first = StudyRun(config, OfflineExecutor(config), max_trials=5000, storage_url=url)
     assert first.run().stop_reason == "exhausted"
     before = len(first.opened.study.trials)
-    second = StudyRun(config, OfflineRunner(config), max_trials=5000, storage_url=url)
+    second = StudyRun(config, OfflineExecutor(config), max_trials=5000, storage_url=url)
     summary = second.run()
     assert summary.stop_reason == "exhausted" and summary.trials_skipped > 0  # it drew the held skips again
     trials = second.opened.study.trials

@@ -8,7 +8,7 @@
 - :mod:`tests.support.sandbox`: real systemd booted in a private PID namespace (or its emulator).
 - :mod:`tests.support.conformance`: the launcher contract every launcher passes.
 - :mod:`tests.support.study_factory`: SQLite studies written the way ``tuner run`` stores them.
-- :mod:`tests.support.offline_runner`: a ``TrialRunner`` on the simulator's offline evaluation.
+- :mod:`tests.support.offline_server`: the simulator's offline evaluation as a ``ServerUnderTest``; the product's ``TrialExecutor`` on it.
 - :mod:`tests.support.sglang_http`: canned SGLang HTTP answers on a loopback port.
 - :mod:`tests.support.sse_server`: a small SGLang-shaped SSE server (run as a subprocess).
 """

@@ -1,8 +1,8 @@
 """The study's decisions on every search scenario, as text: the safety net of a refactor.
 
 For each scenario of ``tests/benchmarks/search_scenarios.toml`` at seeds 0-2, the study runs as
-the search-quality benchmark runs it (the product's loop on the simulator's offline evaluation,
-virtual time, an in-memory study, ``4 × 20`` trials at most), and so do the three HiCache
+the search-quality benchmark runs it (the product's loop and trial on the simulator's offline
+evaluation, virtual time, an in-memory study, ``4 × 20`` trials at most), and so do the three HiCache
 studies of ``tests/benchmarks/bench_hicache.py`` (the cache candidate, the host-memory check); every progress event that is a
 decision is written down in order: a launch's kind, params and outcome; a skip's kind, params and
 reason; a note; the stop. Optuna trial numbers are left out (skips are stored by a background
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.offline_runner import OfflineRunner
+from tests.support.offline_server import OfflineExecutor
 from tests.support.scenarios import hicache_scenarios, scenarios, with_seed
 from tuner.study.loop import run_study
 from tuner.study.progress import Progress
@@ -79,7 +79,7 @@ def trace(name: str, seed: int) -> list[str]:
     item = scenarios()[name]
     cfg = with_seed(item["config"], seed)
     recorder = _Recorder()
-    runner = OfflineRunner(cfg, world_seed=0, noise=item["noise"])
+    runner = OfflineExecutor(cfg, world_seed=0, noise=item["noise"])
     run_study(cfg, runner, max_trials=MAX_TRIALS, storage_url=":memory:", on_progress=recorder)
     return recorder.lines
 
@@ -89,7 +89,7 @@ def hicache_trace(name: str) -> list[str]:
     most, as ``bench_hicache.py`` runs it): the cache candidate and the host-memory check."""
     cfg = hicache_scenarios()[name]
     recorder = _Recorder()
-    runner = OfflineRunner(cfg, pool_requests=256)
+    runner = OfflineExecutor(cfg, pool_requests=256)
     run_study(cfg, runner, max_trials=HICACHE_MAX_TRIALS, storage_url=":memory:", on_progress=recorder)
     return recorder.lines
 

@@ -113,6 +113,9 @@ class EvalResult:
         host_pool_bytes_per_rank: The HiCache host pool of one rank (0 without it).
         peak_activation_gib: The largest step's activation memory per GPU, GiB (what the simulated
             GPU monitor adds to the memory in use under load).
+        counters: The engine's counters at the end (``prompt_tokens_total``,
+            ``cached_tokens_total``, ``load_back_tokens_total``, ...): what the server's
+            ``/metrics`` exports as ``sglang:<name>``.
         log_lines: Startup and engine log lines.
     """
 
@@ -140,6 +143,7 @@ class EvalResult:
     host_pool_bytes_per_rank: int = 0
     error: str | None = None
     peak_activation_gib: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
     log_lines: list[str] = field(default_factory=list)
 
 
@@ -333,6 +337,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
         host_hit_rate=stats["load_back_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         error=error,
         peak_activation_gib=stats["peak_activation_bytes"] / GIB,
+        counters={k: v for k, v in stats.items() if k.endswith("_total")},
         log_lines=logs,
         **base,
     )
