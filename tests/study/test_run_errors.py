@@ -102,22 +102,22 @@ def test_consecutive_invalid_arguments_stop_the_run_quoting_the_server_log(tmp_p
     from tuner.errors import StudyError
     from tuner.sglang.failures import FailureClass
     from tuner.study.loop import MAX_INVALID_IN_A_ROW, run_study
+    from tuner.trial import quote_server_log
 
     root = Path(__file__).resolve().parents[2]
-    log = tmp_path / "server.log"
-    log.write_text("INFO starting\nlaunch_server: error: argument --chunked-prefill-size: invalid int value: 'x'\n")
+    lines = ["INFO starting", "launch_server: error: argument --chunked-prefill-size: invalid int value: 'x'"]
 
     class RejectingCandidates(OfflineExecutor):
-        """The baseline runs offline; every candidate is rejected by argparse (exit 2)."""
+        """The baseline runs offline; every candidate is rejected by argparse (exit 2), and the
+        record quotes the server's log as the trial does (:func:`tuner.trial.quote_server_log`)."""
 
         def run(self, job, on_phase):  # noqa: ANN001, ANN202
             if job.kind == "baseline":
                 return super().run(job, on_phase)
             self.launches += 1
-            return TrialRecord(params=job.params, kind=job.kind, outcome="failed",
-                               failure_class=FailureClass.INVALID_ARGUMENTS,
-                               failure_evidence="exited with status 2 (argparse) before any startup line",
-                               artifacts={"server_log": str(log)}, duration_s=0.1)
+            return quote_server_log(TrialRecord(
+                params=job.params, kind=job.kind, outcome="failed", failure_class=FailureClass.INVALID_ARGUMENTS,
+                failure_evidence="exited with status 2 (argparse) before any startup line", duration_s=0.1), lines)
 
     config = load_config(root / "configs" / "reference-sim.toml")
     runner = RejectingCandidates(config)

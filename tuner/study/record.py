@@ -2,8 +2,7 @@
 
 One :class:`Recorder` per run stores, on the study it opened: a proposal's trial (enqueued, then
 asked), a skip (PRUNED with its reason and proving trial), a sampler's rejected draw (in one write,
-from a background thread, :class:`SkipWriter`), a launched trial's record (the server log's error
-line added to a failure, artifacts uploaded to Optuna's artifact store, then
+from a background thread, :class:`SkipWriter`), a launched trial's record (artifacts uploaded to Optuna's artifact store, then
 :func:`tuner.study.optuna_io.tell_record`), and an interrupted trial (FAIL, its params queued
 again). A result another host failed meanwhile is stored as a trial of its own; one the database
 cannot take is logged in one line with its values, and the run stops.
@@ -23,7 +22,6 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError, first_line
 from tuner.records import TrialRecord
-from tuner.sglang.logs import log_error_line
 from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
 from tuner.study.hosts import add_record
@@ -111,8 +109,7 @@ class Recorder:
         )
 
     def tell(self, trial: optuna.Trial, record: TrialRecord) -> TrialRecord:
-        """Complete a launched trial's ``record`` (the server log's error line, artifact ids) and
-        tell Optuna.
+        """Complete a launched trial's ``record`` (artifact ids for its files) and tell Optuna.
 
         Returns:
             The stored record.
@@ -120,7 +117,6 @@ class Recorder:
         Raises:
             StudyError: The database stopped answering (the result is logged in one line first).
         """
-        record = _with_log_evidence(record)
         try:
             record = _upload_artifacts(trial, record, self.artifact_store)
             tell_record(self.study, trial, record)
@@ -164,33 +160,6 @@ def server_reason(record: TrialRecord) -> str:
     evidence = record.failure_evidence or "no reason recorded"
     reason = evidence.split("; server log: ", 1)[1] if "; server log: " in evidence else evidence
     return reason.rstrip(". ")
-
-
-def _with_log_evidence(record: TrialRecord) -> TrialRecord:
-    """Add the server log's error line to a failure whose evidence is not a log line itself.
-
-    The launcher classifies an exit (``exited with status 2 (argparse) before any startup line``)
-    without quoting the server; the user needs the server's words (``--model-path ... is neither a
-    directory ...``, ``address already in use``). Reads the trial's local ``server_log`` artifact.
-    """
-    if record.outcome != "failed" or "server_log" not in record.artifacts:
-        return record
-    try:
-        with open(record.artifacts["server_log"], encoding="utf-8", errors="replace") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return record
-    evidence = record.failure_evidence or ""
-    if evidence and any(evidence in line for line in lines):
-        return record
-    line = log_error_line(lines)
-    if line is None or line in evidence:
-        return record
-    excerpt = [x for x in record.log_excerpt if x != line] + [line]
-    return record.model_copy(update={
-        "failure_evidence": f"{evidence}; server log: {line}" if evidence else line,
-        "log_excerpt": excerpt,
-    })
 
 
 def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
