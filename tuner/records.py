@@ -2,12 +2,15 @@
 
 This is the contract between the writer (:mod:`tuner.study` / :mod:`tuner.trial`) and the readers
 (:mod:`tuner.report`, :mod:`tuner.apply`). A record is stored as the JSON user attribute
-:data:`RECORD_ATTR` of its Optuna trial; study-level facts under :data:`STUDY_ATTR`.
+:data:`RECORD_ATTR` of its Optuna trial; study-level facts under :data:`STUDY_ATTR`. A record is
+frozen and typed throughout (:class:`MemoryFacts`, :class:`Prediction`, :class:`CacheFacts`,
+:class:`MeasuredLoad`); a record stored by an earlier version (plain dictionaries, a stored
+``feasible``) still validates (``tests/test_records.py`` reads one).
 
 Objectives (Optuna ``directions = ["maximize", "maximize"]``): ``values[0]`` is the context
 capacity (requests of the workload's context length resident at once), ``values[1]`` the output
-throughput in tokens/s. Constraints (Optuna ``constraints_func``; feasible when every value ≤ 0):
-see :data:`CONSTRAINT_NAMES`.
+throughput in tokens/s. Constraints (Optuna ``trial.set_constraint``; feasible when every value
+≤ 0): see :data:`CONSTRAINT_NAMES`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
 
 from tuner.sglang.failures import FailureClass
+from tuner.sglang.memory import KVCapacityModel
 
 __all__ = [
     "RECORD_ATTR",
@@ -26,6 +30,10 @@ __all__ = [
     "CONSTRAINT_NAMES",
     "Constraints",
     "PhaseResult",
+    "MemoryFacts",
+    "Prediction",
+    "CacheFacts",
+    "MeasuredLoad",
     "TrialRecord",
     "StudyInfo",
     "context_capacity",
@@ -37,10 +45,10 @@ RECORD_ATTR = "tuner.record"
 STUDY_ATTR = "tuner.study"
 """Optuna study user attribute holding ``StudyInfo.model_dump(mode="json")``."""
 CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress")
-"""Order of the constraint values stored with ``optuna.samplers._base._CONSTRAINTS_KEY``:
+"""Order of the constraint values Optuna stores for a trial (``trial.set_constraint``):
 ``oom_or_crash`` is 1.0 on any startup/runtime failure else -1.0; ``slo`` is the largest relative
 SLO overshoot (``measured/target - 1``; ≤ 0 when met); ``stress`` is 1.0 when the stress phase
-failed (OOM, errors, retraction storm) else -1.0."""
+failed (an OOM, errored requests, a cut load) else -1.0."""
 
 
 class Constraints(BaseModel):
@@ -54,7 +62,7 @@ class Constraints(BaseModel):
     Attributes:
         oom_or_crash: 1.0 on any startup or runtime failure, else -1.0.
         slo: The largest relative SLO overshoot (``measured/target - 1``; ≤ 0 when met).
-        stress: 1.0 when the stress phase failed (OOM, errors, retraction storm), else -1.0.
+        stress: 1.0 when the stress phase failed (an OOM, errored requests, a cut load), else -1.0.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -114,6 +122,174 @@ class PhaseResult(BaseModel):
     metrics: dict[str, float | None] = Field(default_factory=dict)
 
 
+_FACTS = ConfigDict(frozen=True, extra="allow")
+"""Facts of a record: frozen; a key an earlier (or later) version stored is kept as it was."""
+
+
+class MemoryFacts(BaseModel):
+    """A started trial's memory report: SGLang's per-rank startup lines, what ``/get_server_info``
+    said, the memory model calibrated on them, and what the GPU monitor measured under load
+    (``shared/sglang-reference.md`` §1.2, §1.6, §4.2, §8). Empty (every field unset) for a trial
+    that never started; a failed start keeps its ranks' lines only.
+
+    Attributes:
+        ranks: Per rank prefix (``"TP0"``), the parsed startup lines as stored
+            (:class:`tuner.sglang.logs.RankMemory` fields).
+        server_info: ``weight_gib``, ``kvcache_gib``, ``graph_gib``, ``startup_available_gib`` (GiB)
+            from ``/get_server_info``.
+        scheduler: The scheduler's startup line (:class:`tuner.sglang.logs.SchedulerInfo` fields).
+        context_len: SGLang's ``context_len`` (tokens).
+        page_size: SGLang's page size (tokens).
+        weight_gib: Weights ``W`` of the primary rank (GiB).
+        kv_pool_gib: The KV pool (GiB).
+        graph_gib: CUDA graphs (GiB).
+        capacity_model: The memory model calibrated on this start, or ``None``.
+        capacity_model_error: Why no model could be calibrated (or a stored one read).
+        probe_only: The boot probe showed a capacity too low to matter: no load ran.
+        retractions: Retraction lines in the trial's log.
+        gpu_used_gib_after_start: GPU memory in use after the start (GiB, the GPU monitor).
+        gpu_peak_used_gib_under_load: The peak under load (GiB).
+        peak_activation_gib: Their difference: the activation peak the planner sizes headroom with.
+    """
+
+    model_config = _FACTS
+
+    ranks: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    server_info: dict[str, float | None] = Field(default_factory=dict)
+    scheduler: dict[str, Any] | None = None
+    context_len: int | None = None
+    page_size: int = 1
+    weight_gib: float | None = None
+    kv_pool_gib: float | None = None
+    graph_gib: float | None = None
+    capacity_model: KVCapacityModel | None = None
+    capacity_model_error: str | None = None
+    probe_only: bool = False
+    retractions: int | None = None
+    gpu_used_gib_after_start: float | None = None
+    gpu_peak_used_gib_under_load: float | None = None
+    peak_activation_gib: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored(cls, data: Any) -> Any:
+        """A stored memory model that no longer validates (written by an older version) is kept as
+        an error, not a failure to read the whole record; a missing page size is SGLang's 1."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("page_size") is None:
+            data.pop("page_size", None)
+        model = data.get("capacity_model")
+        if isinstance(model, dict):
+            try:
+                KVCapacityModel.model_validate(model)
+            except ValidationError as err:
+                data.pop("capacity_model")
+                data.setdefault("capacity_model_error", f"stored memory model unreadable: {err.error_count()} errors")
+        return data
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether this start calibrates the memory model (a model and SGLang's ``context_len``)."""
+        return self.capacity_model is not None and bool(self.context_len)
+
+    def stored(self) -> dict[str, Any]:
+        """The facts as stored (JSON; unset fields left out), for readers of the stored shape."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class Prediction(BaseModel):
+    """What the planner expected of a config before it was launched (stored with its trial).
+
+    Attributes:
+        token_capacity: Predicted ``max_total_num_tokens``.
+        context_capacity: Predicted context capacity (requests).
+        free_gib_after_graphs: Predicted GPU memory free after CUDA graphs (GiB).
+        need_gib: The headroom the stress load was predicted to need (GiB).
+        calibrated_on_trial: The trial whose memory model made the prediction.
+        running_requests: Requests predicted to run at once in the measured window.
+        slo_safe_running_requests: The SLO bracket's largest safe running-request count.
+        slo_safe_trial: The trial that measured it.
+        slo_broken_running_requests: The bracket's smallest SLO-breaking count.
+        slo_broken_trial: The trial that measured it.
+        believed_pending_capacity: The capacity believed of trials running on other hosts.
+        compare_with_trial: The trial this one is measured against (the cache candidate's flags).
+        why: One line: why the planner proposed it.
+    """
+
+    model_config = _FACTS
+
+    token_capacity: int | None = None
+    context_capacity: int | None = None
+    free_gib_after_graphs: float | None = None
+    need_gib: float | None = None
+    calibrated_on_trial: int | None = None
+    running_requests: float | None = None
+    slo_safe_running_requests: float | None = None
+    slo_safe_trial: int | None = None
+    slo_broken_running_requests: float | None = None
+    slo_broken_trial: int | None = None
+    believed_pending_capacity: int | None = None
+    compare_with_trial: int | None = None
+    why: str | None = None
+
+    def stored(self) -> dict[str, Any]:
+        """The prediction as stored (JSON; unset fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class CacheFacts(BaseModel):
+    """The prefix cache's tiers in the measured window (``shared/sglang-reference.md`` §7).
+
+    Attributes:
+        hit_rate: Share of prompt tokens served from the cache (0-1).
+        device_hit_rate: Of them from GPU memory (0-1).
+        host_hit_rate: From the hierarchical cache's host tier (0-1).
+        storage_hit_rate: From a storage backend (0-1).
+        hit_rate_source: ``cached_tokens_details`` (per request, 0.5.10+) or ``/metrics``.
+        host_pool_gb_per_rank: The host pool one rank pinned (decimal GB).
+        host_pool_ranks: Ranks that pinned one.
+        host_pool_gb: Their sum (decimal GB).
+        host_pool_tokens_per_rank: Tokens one rank's host pool holds.
+    """
+
+    model_config = _FACTS
+
+    hit_rate: float | None = None
+    device_hit_rate: float | None = None
+    host_hit_rate: float | None = None
+    storage_hit_rate: float | None = None
+    hit_rate_source: str | None = None
+    host_pool_gb_per_rank: float | None = None
+    host_pool_ranks: int | None = None
+    host_pool_gb: float | None = None
+    host_pool_tokens_per_rank: int | None = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether anything about the cache was measured or pinned."""
+        return self.hit_rate is not None or self.host_pool_gb is not None
+
+
+class MeasuredLoad(BaseModel):
+    """The load the server ran in the measured window (the SLO model learns from it).
+
+    Attributes:
+        streams: Closed-loop concurrency of the load generator.
+        running_requests: Requests the server ran at once (at most its effective
+            ``max_running_requests``).
+        chunk_tokens: Tokens per prefill chunk (``chunked_prefill_size``; the longest prompt with
+            chunking off).
+    """
+
+    model_config = _FACTS
+
+    streams: float | None = None
+    running_requests: float | None = None
+    chunk_tokens: float | None = None
+
+
 class TrialRecord(BaseModel):
     """Everything known about one trial.
 
@@ -135,14 +311,17 @@ class TrialRecord(BaseModel):
             all 0-1 of prompt tokens, ``hit_rate_source`` (``cached_tokens_details`` or
             ``/metrics``), and with the hierarchical cache ``host_pool_gb_per_rank``,
             ``host_pool_ranks``, ``host_pool_gb`` (decimal GB pinned on the host).
-        measured_load: The load the server ran in the measured window: ``streams`` (closed-loop
-            concurrency), ``running_requests`` (of them, at most the effective
-            max_running_requests), ``chunk_tokens`` (tokens per prefill chunk); the planner's SLO
-            model learns where the latency SLO breaks from it.
+        measured_load: The load the server ran in the measured window (:class:`MeasuredLoad`).
         repeat_of: The trial this one re-measures (same config, to measure the noise), or ``None``.
+        constraints: Constraint values by name (:data:`CONSTRAINT_NAMES`; a missing one was not
+            measured, and counts as violated); :attr:`feasible` derives from them.
+        prediction: What the planner expected (:class:`Prediction`).
+        memory: The memory report (:class:`MemoryFacts`).
+        windows: Measured windows this record's throughput averages (a reader merges a config
+            measured more than once; 1 as stored).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     params: dict[str, Any] = Field(default_factory=dict)
     argv: list[str] = Field(default_factory=list)
@@ -157,22 +336,47 @@ class TrialRecord(BaseModel):
     goodput_req_s: float | None = None
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
-    measured_load: dict[str, float] = Field(default_factory=dict)
+    measured_load: MeasuredLoad = Field(default_factory=MeasuredLoad)
     repeat_of: int | None = None
-    feasible: bool = False
     constraints: dict[str, float] = Field(default_factory=dict)
     failure_class: FailureClass | None = None
     failure_evidence: str | None = None
     skipped_reason: str | None = None
     proved_by_trial: int | None = None
-    prediction: dict[str, Any] = Field(default_factory=dict)
-    memory: dict[str, Any] = Field(default_factory=dict)
-    cache: dict[str, Any] = Field(default_factory=dict)
+    prediction: Prediction = Field(default_factory=Prediction)
+    memory: MemoryFacts = Field(default_factory=MemoryFacts)
+    cache: CacheFacts = Field(default_factory=CacheFacts)
     phases: list[PhaseResult] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict)
     log_excerpt: list[str] = Field(default_factory=list)
     started_at: str | None = None
     duration_s: float | None = None
+    windows: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored(cls, data: Any) -> Any:
+        """A stored record carries ``feasible`` beside the constraints it derives from: it is
+        dropped (:attr:`feasible` is computed), and refused when it contradicts them (a record
+        made by hand that says feasible without its constraints).
+
+        Raises:
+            ValueError: ``feasible`` disagrees with ``constraints``.
+        """
+        if not isinstance(data, dict) or "feasible" not in data:
+            return data
+        data = dict(data)
+        stated = data.pop("feasible")
+        if bool(stated) != Constraints.of(data.get("constraints") or {}).feasible:
+            raise ValueError(f"feasible={stated} contradicts constraints {data.get('constraints') or {}}")
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def feasible(self) -> bool:
+        """Every constraint ≤ 0, a missing one counting as violated (:class:`Constraints`); stored
+        with the record for readers of the stored JSON (and dropped when it is read back)."""
+        return Constraints.of(self.constraints).feasible
 
 
 class StudyInfo(BaseModel):

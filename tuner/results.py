@@ -531,7 +531,7 @@ def _num(x: float | None) -> str:
 def cache_effect(stored: StoredStudy, view: TrialView) -> CacheEffect | None:
     """The :class:`CacheEffect` of ``view``, or None when it recorded no cache facts."""
     rec = view.record
-    if rec is None or not rec.cache:
+    if rec is None or not rec.cache.measured:
         return None
     on = bool(view.params.get("enable_hierarchical_cache"))
     counterpart: TrialView | None = None
@@ -546,10 +546,10 @@ def cache_effect(stored: StoredStudy, view: TrialView) -> CacheEffect | None:
                 counterpart = other
     c = rec.cache
     return CacheEffect(
-        number=view.number, hicache=on, hit_rate=c.get("hit_rate"), device_hit_rate=c.get("device_hit_rate"),
-        host_hit_rate=c.get("host_hit_rate"), storage_hit_rate=c.get("storage_hit_rate"),
-        hit_rate_source=c.get("hit_rate_source"), host_pool_gb=c.get("host_pool_gb"),
-        host_pool_gb_per_rank=c.get("host_pool_gb_per_rank"), host_pool_ranks=c.get("host_pool_ranks"),
+        number=view.number, hicache=on, hit_rate=c.hit_rate, device_hit_rate=c.device_hit_rate,
+        host_hit_rate=c.host_hit_rate, storage_hit_rate=c.storage_hit_rate,
+        hit_rate_source=c.hit_rate_source, host_pool_gb=c.host_pool_gb,
+        host_pool_gb_per_rank=c.host_pool_gb_per_rank, host_pool_ranks=c.host_pool_ranks,
         p99_ttft_ms=rec.p99_ttft_ms, output_throughput_tok_s=rec.output_throughput_tok_s,
         without=counterpart.number if counterpart else None,
         without_p99_ttft_ms=counterpart.record.p99_ttft_ms if counterpart and counterpart.record else None,

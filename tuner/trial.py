@@ -35,7 +35,16 @@ from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import ServerError, TunerError
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
 from tuner.load.metrics import LoadSummary, tier_hits_from_metrics
-from tuner.records import Constraints, PhaseResult, TrialRecord, context_capacity
+from tuner.records import (
+    CacheFacts,
+    Constraints,
+    MeasuredLoad,
+    MemoryFacts,
+    PhaseResult,
+    Prediction,
+    TrialRecord,
+    context_capacity,
+)
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
@@ -383,7 +392,7 @@ def resolve_facts(
 
 
 def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
-                 resolved: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+                 resolved: Mapping[str, Mapping[str, Any]]) -> MemoryFacts:
     """The per-rank memory report, plus the memory model calibrated on it (§1.2, §1.6, §8).
 
     Args:
@@ -393,58 +402,58 @@ def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
         resolved: :func:`resolve_facts`' resolved values (the fraction SGLang runs).
 
     Returns:
-        ``ranks``, ``server_info``, ``scheduler``, ``context_len``, ``page_size``, ``weight_gib``,
-        ``kv_pool_gib``, ``graph_gib`` (GiB) and ``capacity_model`` (or ``capacity_model_error``).
+        The :class:`tuner.records.MemoryFacts` of the start: ranks, server info, scheduler line,
+        ``context_len``, page size, weights, KV pool and graphs (GiB), and the calibrated memory
+        model (or why there is none).
     """
     rank = report.primary()
-    memory: dict[str, Any] = {
-        "ranks": {key: r.model_dump(mode="json") for key, r in report.ranks.items()},
-        "server_info": {
-            "weight_gib": info.weight_gib, "kvcache_gib": info.kvcache_gib, "graph_gib": info.graph_gib,
-            "startup_available_gib": info.startup_available_gib,
-        },
-        "scheduler": report.scheduler.model_dump(mode="json") if report.scheduler else None,
-    }
-    memory["context_len"] = facts.get("context_len")
-    memory["page_size"] = (resolved.get("page_size") or {}).get("value") or 1
-    memory["weight_gib"] = (rank.weight_gib if rank else None) or info.weight_gib
-    memory["kv_pool_gib"] = (rank.kv_pool_gib if rank else None) or info.kvcache_gib
-    memory["graph_gib"] = (rank.graph_gib if rank else None) or info.graph_gib
+    model = error = None
     mfs = (resolved.get("mem_fraction_static") or {}).get("value")
     if mfs is not None:
         try:
             model = KVCapacityModel.from_report(report, None, float(mfs), max_total_tokens=info.max_total_tokens)
         except TunerError as err:
-            memory["capacity_model_error"] = str(err)
-        else:
-            memory["capacity_model"] = model.model_dump(mode="json")
-    return memory
+            error = str(err)
+    return MemoryFacts(
+        ranks=_ranks(report),
+        server_info={"weight_gib": info.weight_gib, "kvcache_gib": info.kvcache_gib, "graph_gib": info.graph_gib,
+                     "startup_available_gib": info.startup_available_gib},
+        scheduler=report.scheduler.model_dump(mode="json") if report.scheduler else None,
+        context_len=facts.get("context_len"),
+        page_size=(resolved.get("page_size") or {}).get("value") or 1,
+        weight_gib=(rank.weight_gib if rank else None) or info.weight_gib,
+        kv_pool_gib=(rank.kv_pool_gib if rank else None) or info.kvcache_gib,
+        graph_gib=(rank.graph_gib if rank else None) or info.graph_gib,
+        capacity_model=model, capacity_model_error=error,
+    )
+
+
+def _ranks(report: LogReport) -> dict[str, dict[str, Any]]:
+    """The per-rank startup lines as stored (:class:`tuner.sglang.logs.RankMemory` fields)."""
+    return {key: r.model_dump(mode="json") for key, r in report.ranks.items()}
 
 
 def _failed_record(record: TrialRecord, failure: Failure, report: LogReport | None) -> TrialRecord:
     """``record`` as a failed trial: the failure, every constraint violated, the per-rank memory lines."""
-    memory = {}
-    if report is not None:
-        memory = {"ranks": {k: r.model_dump(mode="json") for k, r in report.ranks.items()}}
+    memory = MemoryFacts(ranks=_ranks(report)) if report is not None else MemoryFacts()
     return record.model_copy(update={
         "outcome": "failed", "failure_class": failure.failure_class, "failure_evidence": failure.evidence,
-        "constraints": Constraints.all_violated(), "feasible": False, "memory": memory,
+        "constraints": Constraints.all_violated(), "memory": memory,
     })
 
 
-def _probe_only_record(record: TrialRecord, memory: dict[str, Any], capacity: int, floor: int) -> TrialRecord:
+def _probe_only_record(record: TrialRecord, memory: MemoryFacts, capacity: int, floor: int) -> TrialRecord:
     """``record`` when the boot probe shows a capacity below ``floor``: no load was run.
 
     It started (``oom_or_crash`` holds) but has no SLO verdict, so it is not feasible.
     """
     return record.model_copy(update={
-        "memory": {**memory, "probe_only": True},
+        "memory": memory.model_copy(update={"probe_only": True}),
         "skipped_reason": (
             f"probe only: context capacity {capacity} is below {floor} "
             "(the share of the best feasible capacity that can still matter); full load not run"
         ),
         "constraints": {"oom_or_crash": -1.0, "slo": 1.0, "stress": 1.0},
-        "feasible": False,
         "output_throughput_tok_s": 0.0,
     })
 
@@ -496,13 +505,13 @@ def _slo_value(summary: LoadSummary | None) -> float:
 def _assemble_record(
     record: TrialRecord,
     *,
-    memory: dict[str, Any],
+    memory: MemoryFacts,
     summary: LoadSummary | None,
     phases: list[PhaseResult],
     stress_failed: bool,
     runtime_failure: Failure | None,
     unmeasured: str | None,
-    load: Mapping[str, float] | None = None,
+    load: MeasuredLoad | None = None,
 ) -> TrialRecord:
     """A started trial's phases → its record, constraints and feasibility (the record phase).
 
@@ -532,12 +541,11 @@ def _assemble_record(
         "memory": memory,
         "phases": phases,
         "constraints": constraints,
-        "feasible": Constraints.of(constraints).feasible,
         "output_throughput_tok_s": summary.output_throughput if summary else None,
         "goodput_req_s": summary.goodput if summary else None,
         "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
         "p99_itl_ms": summary.p99_itl_ms if summary else None,
-        "measured_load": dict(load or {}),
+        "measured_load": load or MeasuredLoad(),
     }
     if runtime_failure is not None:
         update.update(outcome="failed", failure_class=runtime_failure.failure_class,
@@ -546,12 +554,11 @@ def _assemble_record(
         # Not an SLO verdict: nothing was measured. No throughput, no slo value (unknown).
         constraints.pop("slo")
         update.update(outcome="failed", failure_evidence=unmeasured, constraints=constraints,
-                      feasible=Constraints.of(constraints).feasible,
                       output_throughput_tok_s=None, goodput_req_s=None)
     return record.model_copy(update=update)
 
 
-def _window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens: int) -> dict[str, float]:
+def _window_load(concurrency: int, facts: Mapping[str, Any], longest_input_tokens: int) -> MeasuredLoad:
     """The load a measured window puts on the server: closed-loop ``streams``, the
     ``running_requests`` the server admits of them (effective max_running_requests) and the
     ``chunk_tokens`` of a prefill chunk (``chunked_prefill_size``; the longest prompt when
@@ -559,8 +566,8 @@ def _window_load(concurrency: int, facts: Mapping[str, Any], longest_input_token
     mrr = facts.get("effective_max_running_requests") or concurrency
     cps = facts.get("chunked_prefill_size")
     chunk = int(cps) if cps and int(cps) > 0 else longest_input_tokens
-    return {"streams": float(concurrency), "running_requests": float(min(concurrency, int(mrr))),
-            "chunk_tokens": float(chunk)}
+    return MeasuredLoad(streams=float(concurrency), running_requests=float(min(concurrency, int(mrr))),
+                        chunk_tokens=float(chunk))
 
 
 def host_pool_kill(failure: Failure, lines: list[str]) -> Failure | None:
@@ -617,7 +624,7 @@ class _Probe:
 
     resolved: dict[str, dict[str, Any]]
     facts: dict[str, Any]
-    memory: dict[str, Any]
+    memory: MemoryFacts
     after_start_mib: float
 
     @property
@@ -633,7 +640,7 @@ class _Measured:
 
     outcome: LoadOutcome
     concurrency: int
-    cache: dict[str, Any]
+    cache: CacheFacts
     failure: Failure | None
     unmeasured: str | None
 
@@ -790,7 +797,7 @@ class TrialExecutor:
         return TrialRecord(
             params=dict(job.params) or {k: explicit[k] for k in SEARCHED_FIELDS if explicit.get(k) is not None},
             kind=job.kind,  # type: ignore[arg-type]
-            prediction=dict(job.prediction),
+            prediction=Prediction.model_validate(job.prediction),
             context_tokens=job.context_tokens,
             started_at=job.started_at or None,
             repeat_of=job.repeat_of,
@@ -894,12 +901,12 @@ class TrialExecutor:
                 lines: list[str]) -> TrialRecord:
         """Record: the phases, the memory peaks and the retractions of the whole trial's log →
         objectives, constraints and feasibility (:func:`_assemble_record`)."""
-        memory = dict(probe.memory)
+        peaks: dict[str, float] = {}
         outcomes = [o for o in (measured.outcome, stressed.outcome) if o is not None]
         if probe.facts["free_gib_after_graphs"] is not None:
             peak_used_mib = max([probe.after_start_mib, *(o.peak_gpu_used_mib for o in outcomes)])
-            memory.update(_gpu_peak_memory(probe.after_start_mib, peak_used_mib))
-        memory["retractions"] = len(parse_log(lines).retractions)
+            peaks = _gpu_peak_memory(probe.after_start_mib, peak_used_mib)
+        memory = probe.memory.model_copy(update={**peaks, "retractions": len(parse_log(lines).retractions)})
         result = measured.outcome.result
         phases = [_phase_result("measure", result)] if result is not None else []
         if stressed.outcome is not None and stressed.outcome.result is not None:
@@ -924,7 +931,7 @@ class TrialExecutor:
     # ---- pieces ------------------------------------------------------------------------------------
 
     def _cache(self, report: LogReport, argv: list[str], summary: LoadSummary | None,
-               before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+               before: dict[str, float] | None, after: dict[str, float] | None) -> CacheFacts:
         """The prefix cache's tiers for the record: hit rates by tier and the host pool pinned (§7).
 
         Hit rates come from ``cached_tokens_details`` per request (0.5.10+), else from ``/metrics``
@@ -954,7 +961,7 @@ class TrialExecutor:
                        host_pool_gb=round(per_rank_gb * ranks, 3))
             if report.host_pool_tokens is not None:
                 out["host_pool_tokens_per_rank"] = report.host_pool_tokens
-        return out
+        return CacheFacts(**out)
 
     def _longest_input(self) -> int:
         return int(getattr(self.config.workload, "input_len", 0) or self._workload.context_tokens)

@@ -29,7 +29,7 @@ def test_dashboard_help_says_it_can_write() -> None:
 
 
 def test_dashboard_names_the_objectives_of_an_existing_study(tmp_path: Path) -> None:
-    url = make_study(tmp_path / "old.db", "old", [ok_trial(0.8, 64, 10, 100.0, kind="baseline")])
+    url = make_study(tmp_path / "old.db", "old", [ok_trial(0.8, 64, 10, 100.0, kind="baseline")], metric_names=False)
     assert optuna.load_study(study_name="old", storage=url).metric_names is None  # as older runs left it
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.study_factory import simulated_start
 from tests.support.views import plan, study_view
 from tuner.config import BudgetSection, ObjectiveSection, SpaceSection
-from tuner.records import TrialRecord
-from tuner.sglang.client import ServerInfo
+from tuner.records import Prediction, TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import FlagTable
-from tuner.sglang.logs import parse_log
 from tuner.sim.evaluate import size_server
 from tuner.study.best import choose_best, measured_noise
 from tuner.study.calibration import ModelSettings, margin_for
@@ -24,7 +23,7 @@ from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.screens import MeasuredAlready, MustFail, Predicted
 from tuner.study.slo_bound import SLOBound, SLOPoint, slo_bounds, slo_points
 from tuner.study.space import resolve_space
-from tuner.trial import memory_facts, render_argv, resolve_facts
+from tuner.trial import render_argv
 
 BASE = ["--model-path", "llama-3.1-70b", "--tp-size", "8", "--sim-gpu", "A100-80GB", "--mem-fraction-static", "0.85"]
 TABLE = FlagTable.for_version("0.5.5")
@@ -39,15 +38,13 @@ def _record(params: dict, *, running: float | None, slo: float | None, tput: flo
     """A trial of ``params`` as the product records it: the startup's memory facts, and a
     measured window of ``running`` requests with SLO overshoot ``slo``."""
     argv = render_argv(base, params, TABLE)
-    report = parse_log(size_server(argv).log_lines)
-    info = ServerInfo.from_json({})
-    resolved, facts = resolve_facts(report, info, argv, TABLE, context)
+    resolved, facts, memory = simulated_start(argv, context, TABLE)
     constraints = {"oom_or_crash": 1.0 if failure else -1.0, "slo": slo if slo is not None else 1.0,
                    "stress": 1.0 if failure else -1.0}
     return TrialRecord(
         params=dict(params), argv=argv, resolved=resolved, outcome=outcome, context_tokens=context,
         context_capacity=facts["context_capacity"], token_capacity=facts["max_total_num_tokens"],
-        free_gib_after_graphs=facts["free_gib_after_graphs"], memory=memory_facts(report, info, facts, resolved),
+        free_gib_after_graphs=facts["free_gib_after_graphs"], memory=memory,
         output_throughput_tok_s=tput, constraints=constraints, feasible=all(v <= 0 for v in constraints.values()),
         measured_load={"streams": running, "running_requests": running, "chunk_tokens": 8192.0} if running else {},
         failure_class=failure,
@@ -226,8 +223,8 @@ L4_CONTEXT = 4096
 def _l4(params: dict, *, peak_gib: float, prediction: dict | None = None) -> TrialRecord:
     """An L4 trial that survived its load with the GPU monitor's activation peak ``peak_gib``."""
     record = _record(params, running=8, slo=-0.5, base=L4, context=L4_CONTEXT)
-    return record.model_copy(update={"memory": {**record.memory, "peak_activation_gib": peak_gib},
-                                     "prediction": prediction or {}})
+    return record.model_copy(update={"memory": record.memory.model_copy(update={"peak_activation_gib": peak_gib}),
+                                     "prediction": Prediction.model_validate(prediction or {})})
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +274,7 @@ def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_s
     every later proposal and predict too little headroom (aiming below the frontier)."""
     baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
     first = _l4(_params(0.92, 10), peak_gib=1.0)
-    first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
+    first = first.model_copy(update={"prediction": Prediction(free_gib_after_graphs=first.free_gib_after_graphs)})
     history = [(0, baseline), (1, first)]
     tried: list[dict] = []
     for _ in range(3):
@@ -291,7 +288,7 @@ def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_s
 def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
     baseline = _l4(_params(0.85, 2048), peak_gib=1.0)
     first = _l4(_params(0.96, 12, 2048), peak_gib=0.25)
-    first = first.model_copy(update={"prediction": {"free_gib_after_graphs": first.free_gib_after_graphs}})
+    first = first.model_copy(update={"prediction": Prediction(free_gib_after_graphs=first.free_gib_after_graphs)})
     history = [(0, baseline), (1, first)]
     view = _l4_view(l4_space, history)
     candidate = plan(view)
@@ -305,9 +302,9 @@ def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4
     its pool and free memory, and the OOM with that free memory is a lower bound on the need."""
     started = _l4(_params(0.85, 2048), peak_gib=0.0)
     baseline = started.model_copy(update={
-        "outcome": "failed", "failure_class": FailureClass.RUNTIME_OOM, "feasible": False,
+        "outcome": "failed", "failure_class": FailureClass.RUNTIME_OOM,
         "constraints": {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0},
-        "memory": {**started.memory, "peak_activation_gib": None}})
+        "memory": started.memory.model_copy(update={"peak_activation_gib": None})})
     history = [(0, baseline)]
     candidate = plan(_l4_view(l4_space, history))
     assert candidate is not None

@@ -12,5 +12,6 @@ def test_failed_trial_line_names_its_class_or_its_evidence() -> None:
     assert describe(3, oom) == "trial 3: failed (startup_kv_oom)"
     gap = TrialRecord(outcome="failed", failure_evidence="measure window held no completed request: raise [budget] measure_s to ≥ 195")
     assert describe(4, gap) == f"trial 4: failed: {gap.failure_evidence}"
-    ok = TrialRecord(outcome="ok", context_capacity=22, context_tokens=2048, output_throughput_tok_s=48.6, feasible=True)
+    ok = TrialRecord(outcome="ok", context_capacity=22, context_tokens=2048, output_throughput_tok_s=48.6,
+                     constraints={"oom_or_crash": -1.0, "slo": -0.3, "stress": -1.0})
     assert describe(5, ok) == "trial 5: capacity 22 × 2048 tokens, 49 tok/s, feasible"

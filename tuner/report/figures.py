@@ -97,10 +97,10 @@ def memory_steps(view: TrialView) -> dict[str, Any]:
     """The stored memory waterfall of one trial by item (``{}`` when it stored none, e.g. a start
     that failed before SGLang printed its memory lines)."""
     memory = view.record.memory if view.record is not None else None
-    if not memory or not memory.get("ranks"):
+    if memory is None or not memory.ranks:
         return {}
     try:
-        return {s.item: s for s in waterfall_steps(memory)}
+        return {s.item: s for s in waterfall_steps(memory.stored())}
     except (ValueError, KeyError, TypeError) as err:
         _log.debug("trial %s: stored memory report not shown: %s", view.number, err)
         return {}
@@ -169,14 +169,7 @@ def _calibration(trials: Sequence[TrialView], prefer: Sequence[int | None]) -> t
     """The trial whose stored, log-calibrated memory model draws the curve: the first of
     ``prefer`` (best, baseline) that has one, else any."""
     def model(view: TrialView) -> KVCapacityModel | None:
-        memory = view.record.memory if view.record is not None else None
-        data = (memory or {}).get("capacity_model")
-        if not data:
-            return None
-        try:
-            return KVCapacityModel.model_validate(data)
-        except ValueError:
-            return None
+        return view.record.memory.capacity_model if view.record is not None else None
 
     order = [v for n in prefer for v in trials if n is not None and v.number == n] + list(trials)
     for view in order:
@@ -260,8 +253,8 @@ def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView)
     if 0 < start < 1:
         fig.add_vline(x=start, line={"color": "#6c757d", "dash": "dot"},
                       annotation_text=f"startup: no KV budget below {start:.3f}", annotation_position="top right")
-    memory = source.record.memory if source.record is not None else {}
-    mrr, ctx = _resolved(source, "max_running_requests"), (memory or {}).get("context_len")
+    record = source.record
+    mrr, ctx = _resolved(source, "max_running_requests"), record.memory.context_len if record is not None else None
     if not mrr or not ctx:
         return
     try:
@@ -279,7 +272,7 @@ def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView)
     if 0 < graphs < 1:
         fig.add_vline(x=graphs, line={"color": "#6c757d", "dash": "dot"},
                       annotation_text=f"startup: graphs do not fit above {graphs:.3f}", annotation_position="top left")
-    need = (memory or {}).get("peak_activation_gib") or ((source.record.prediction if source.record else None) or {}).get("need_gib")
+    need = (record.memory.peak_activation_gib or record.prediction.need_gib) if record is not None else None
     if need:
         runtime = where(float(need))
         if 0 < runtime < 1:

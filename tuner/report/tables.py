@@ -325,10 +325,10 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
     if rec.resolved:
         rows: list[tuple[Any, ...]] = [(k, v.get("value"), str(v.get("source", "?"))) for k, v in rec.resolved.items()]
         parts.append(_kv_table("resolved by SGLang", rows, "field", "value", "source"))
-    if rec.prediction:
-        parts.append(_kv_table("memory-model prediction", _memory_rows(rec.prediction)))
-    if rec.memory:
-        parts.append(_waterfall(rec.memory))
+    if rec.prediction.stored():
+        parts.append(_kv_table("memory-model prediction", _memory_rows(rec.prediction.stored())))
+    if rec.memory.stored():
+        parts.append(_waterfall(rec.memory.stored()))
     if rec.phases:
         parts.append(_phases_table(view))
     effect = cache_effect(stored, view)

@@ -23,7 +23,6 @@ from tuner.records import TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.sglang.flags import FlagTable
 from tuner.sglang.hicache import HostMemory
-from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import reachable_slots
 from tuner.study.hosts import own, same_environment
 from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, records, set_baseline_params
@@ -157,9 +156,8 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
         ranks: Ranks on the host (``tp × pp``).
     """
     hint = slots = None
-    data = record.memory.get("capacity_model")
-    if data:
-        model = KVCapacityModel.model_validate(data)
+    model = record.memory.capacity_model
+    if model is not None:
         top = model.tokens(0.97)
         hint = max(1, top // max(1, context_tokens))
         workload = build_workload(config.workload, seed=config.study.seed)

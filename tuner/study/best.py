@@ -136,9 +136,8 @@ def choose_best(
         if tied and noise_measured is not None:
             reason += (f"; statistically tied with trial(s) {', '.join(map(str, tied))} (throughputs within "
                        f"±{throughput_noise:.1%}, the spread measured on re-measured configs)")
-    repeats = record.memory.get("throughput_windows")
-    if repeats:
-        reason += f"; its throughput is the mean of {repeats} measured windows"
+    if record.windows > 1:
+        reason += f"; its throughput is the mean of {record.windows} measured windows"
     return BestChoice(number=number, record=record, reason=reason, tied=tied, noise=throughput_noise,
                       noise_measured=noise_measured is not None)
 
@@ -151,7 +150,7 @@ def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:
 
 def _by_config(measured: Sequence[tuple[int, TrialRecord]]) -> list[tuple[int, TrialRecord]]:
     """One entry per config: its first trial, with the mean throughput of every window that
-    measured it (``memory["throughput_windows"]`` counts them when more than one)."""
+    measured it (:attr:`tuner.records.TrialRecord.windows` counts them)."""
     groups: dict[tuple[Any, ...], list[tuple[int, TrialRecord]]] = {}
     for number, record in measured:
         groups.setdefault(_config_key(record, number), []).append((number, record))
@@ -160,8 +159,7 @@ def _by_config(measured: Sequence[tuple[int, TrialRecord]]) -> list[tuple[int, T
         number, record = items[0]
         if len(items) > 1:
             mean = sum(r.output_throughput_tok_s or 0.0 for _, r in items) / len(items)
-            record = record.model_copy(update={"output_throughput_tok_s": mean,
-                                               "memory": {**record.memory, "throughput_windows": len(items)}})
+            record = record.model_copy(update={"output_throughput_tok_s": mean, "windows": len(items)})
         out.append((number, record))
     return out
 

@@ -347,9 +347,9 @@ def margin_for(history: Sequence[tuple[int, TrialRecord]], settings: ModelSettin
     Returns:
         GiB, at least ``min_margin_gib`` (``margin_gib`` when nothing was checked).
     """
-    over = [float(record.prediction["free_gib_after_graphs"]) - record.free_gib_after_graphs
-            for _, record in history
-            if record.prediction.get("free_gib_after_graphs") is not None and record.free_gib_after_graphs is not None]
+    over = [predicted - measured for _, record in history
+            if (predicted := record.prediction.free_gib_after_graphs) is not None
+            and (measured := record.free_gib_after_graphs) is not None]
     if believed_check:
         over.append(0.0)
     if not over:
@@ -376,9 +376,9 @@ def _survivors(history: Sequence[tuple[int, TrialRecord]], space: Space) -> list
         memory = record.memory
         if (
             record.outcome != "ok"
-            or memory.get("probe_only")
-            or not memory.get("capacity_model")
-            or not memory.get("context_len")
+            or memory.probe_only
+            or memory.capacity_model is None
+            or not memory.context_len
             or record.constraints.get("oom_or_crash", 1.0) > 0
             or record.constraints.get("stress", -1.0) > 0
         ):
@@ -389,9 +389,8 @@ def _survivors(history: Sequence[tuple[int, TrialRecord]], space: Space) -> list
             # The count the server ran with (the baseline's may lie above the space: its
             # req_to_token table and graphs are that count's, not the snapped one's).
             slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
-            model=KVCapacityModel.model_validate(memory["capacity_model"]),
-            context_len=int(memory["context_len"]), page_size=int(memory.get("page_size") or 1),
-            peak_gib=memory.get("peak_activation_gib"), feasible=record.feasible,
+            model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
+            peak_gib=memory.peak_activation_gib, feasible=record.feasible,
             capacity=record.context_capacity or 0,
         ))
     return points
@@ -406,14 +405,13 @@ def _oom_starts(history: Sequence[tuple[int, TrialRecord]], space: Space) -> lis
     for number, record in history:
         memory = record.memory
         if (record.failure_class is not FailureClass.RUNTIME_OOM or not record.params
-                or not memory.get("capacity_model") or not memory.get("context_len")):
+                or memory.capacity_model is None or not memory.context_len):
             continue
         params = space.snap(record.params)
         out.append(Point(
             number=number, params=params,
             slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
-            model=KVCapacityModel.model_validate(memory["capacity_model"]),
-            context_len=int(memory["context_len"]), page_size=int(memory.get("page_size") or 1),
+            model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
             peak_gib=None, feasible=False, capacity=0,
         ))
     return out

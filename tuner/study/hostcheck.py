@@ -32,9 +32,8 @@ def ranks_of(argv: Sequence[str]) -> int:
 
 def _calibration(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, KVCapacityModel] | None:
     for number, record in reversed(done):
-        data = record.memory.get("capacity_model")
-        if data:
-            return number, KVCapacityModel.model_validate(data)
+        if record.memory.capacity_model is not None:
+            return number, record.memory.capacity_model
     return None
 
 

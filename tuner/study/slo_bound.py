@@ -155,14 +155,14 @@ def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
         if (
             record.outcome != "ok"
             or value is None
-            or not load.get("running_requests")
+            or not load.running_requests
             or record.constraints.get("oom_or_crash", 1.0) > 0
             or record.constraints.get("stress", 1.0) > 0
-            or record.memory.get("probe_only")
+            or record.memory.probe_only
         ):
             continue
         out.append(SLOPoint(number=number, family=family_of(record.params),
-                            running_requests=float(load["running_requests"]), slo=float(value)))
+                            running_requests=float(load.running_requests or 0), slo=float(value)))
     return out
 
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tuner.records import Constraints, TrialRecord, now_iso
+from tuner.records import Constraints, Prediction, TrialRecord, now_iso
 from tuner.study.view import StudyView
 
 __all__ = ["Proposal", "Skip", "Proposer", "Screen", "Decider", "first_skip", "record_kind"]
@@ -71,7 +71,8 @@ class Skip:
         """The record of a config not launched: why, and the trial that proves it (every
         constraint violated, no values)."""
         return TrialRecord(params=dict(params), kind=record_kind(kind), outcome="skipped", skipped_reason=self.reason,
-                           proved_by_trial=self.proof, prediction=dict(prediction or {}), started_at=now_iso(),
+                           proved_by_trial=self.proof, prediction=Prediction.model_validate(dict(prediction or {})),
+                           started_at=now_iso(),
                            duration_s=0.0, constraints=Constraints.all_violated())
 
 
