@@ -50,9 +50,9 @@ def test_a_started_trial_runs_every_phase_and_records_what_the_server_resolved()
     assert record.token_capacity == 21032 and record.context_capacity == 21032 // 2048
     assert [p.name for p in record.phases] == ["measure", "stress"]
     assert record.constraints["oom_or_crash"] < 0 and record.constraints["stress"] < 0 and record.constraints["slo"] <= 0
-    assert record.output_throughput_tok_s and record.measured_load["streams"] >= 1
-    assert record.memory["capacity_model"] and record.memory["peak_activation_gib"] > 0
-    assert record.cache["hit_rate_source"] == "/metrics"  # 0.5.5 has no per-request tiers; the demo exports /metrics
+    assert record.output_throughput_tok_s and record.measured_load.streams >= 1
+    assert record.memory.capacity_model and (record.memory.peak_activation_gib or 0) > 0
+    assert record.cache.hit_rate_source == "/metrics"  # 0.5.5 has no per-request tiers; the demo exports /metrics
     assert record.duration_s == 1.0 and record.artifacts == {}  # virtual time; no work dir, no files
 
 
@@ -73,7 +73,7 @@ def test_a_startup_oom_is_a_failed_record_with_every_constraint_violated() -> No
     assert record.outcome == "failed" and record.failure_class is FailureClass.CUDA_GRAPH_OOM
     assert record.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0} and not record.feasible
     assert record.token_capacity is None and record.phases == []
-    assert record.memory["ranks"]  # the startup's memory lines, for the memory model's bound
+    assert record.memory.ranks  # the startup's memory lines, for the memory model's bound
     evidence = record.failure_evidence or ""
     assert evidence.startswith("torch.OutOfMemoryError") and any(evidence[:200] in line for line in record.log_excerpt)
 
@@ -87,7 +87,7 @@ def test_a_runtime_oom_under_the_stress_load_makes_the_config_infeasible() -> No
     assert record.constraints["slo"] <= 0  # the measured window itself held its SLO
     stress = record.phases[-1]
     assert stress.name == "stress" and stress.stopped_early  # the server died mid-run
-    assert record.context_capacity and record.memory["capacity_model"]  # its start still calibrates the model
+    assert record.context_capacity and record.memory.capacity_model  # its start still calibrates the model
 
 
 def test_below_the_capacity_floor_a_trial_stops_after_the_probe() -> None:
@@ -95,7 +95,7 @@ def test_below_the_capacity_floor_a_trial_stops_after_the_probe() -> None:
     assert began == ["render", "start", "probe"]
     assert record.outcome == "ok" and not record.feasible and record.phases == []
     assert record.skipped_reason is not None and record.skipped_reason.startswith("probe only: context capacity 10")
-    assert record.memory["probe_only"] and record.constraints["oom_or_crash"] < 0
+    assert record.memory.probe_only and record.constraints["oom_or_crash"] < 0
 
 
 def test_flags_sglang_would_reject_are_a_failed_record_without_a_restart() -> None:

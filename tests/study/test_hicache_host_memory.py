@@ -87,10 +87,10 @@ def test_a_host_pool_that_does_not_fit_is_never_launched(tmp_path: Path) -> None
     assert "skipped" in second.stdout and "host memory" in second.stdout
     record = TrialRecord.model_validate(ran.user_attrs["tuner.record"])
     assert record.outcome == "ok" and "--hicache-ratio" in record.argv
-    assert record.cache["host_pool_gb_per_rank"] == pytest.approx(7.86, abs=0.01)
-    assert record.cache["host_pool_ranks"] == 2 and record.cache["host_pool_gb"] == pytest.approx(15.73, abs=0.02)
-    assert record.cache["hit_rate_source"] == "cached_tokens_details"
-    assert record.cache["device_hit_rate"] + record.cache["host_hit_rate"] == pytest.approx(record.cache["hit_rate"])
+    assert record.cache.host_pool_gb_per_rank == pytest.approx(7.86, abs=0.01)
+    assert record.cache.host_pool_ranks == 2 and record.cache.host_pool_gb == pytest.approx(15.73, abs=0.02)
+    assert record.cache.hit_rate_source == "cached_tokens_details"
+    assert (record.cache.device_hit_rate or 0) + (record.cache.host_hit_rate or 0) == pytest.approx(record.cache.hit_rate)
     show = tuner("show", "2", "--config", str(config), cwd=tmp_path, timeout_s=120)
     assert show.returncode == 0, show.stderr[-2000:]
     assert "host tier" in show.stdout and "7.86 GB × 2 ranks = 15.72 GB" in show.stdout, show.stdout

@@ -78,8 +78,8 @@ def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_s
         assert "× 2 ranks" in reason and "does not fit the unit's MemoryMax: 20.0 GiB" in reason, reason
         assert f"systemctl show -p MemoryMax {unit}" in reason, reason
         record = TrialRecord.model_validate(ran.user_attrs["tuner.record"])
-        assert record.outcome == "ok" and record.cache["host_pool_ranks"] == 2
-        assert record.cache["host_pool_gb"] == pytest.approx(15.72, abs=0.02)
+        assert record.outcome == "ok" and record.cache.host_pool_ranks == 2
+        assert record.cache.host_pool_gb == pytest.approx(15.72, abs=0.02)
         # Restored: the unit runs its own command again, and it was never OOM-killed.
         show = box.systemctl_run("show", "-p", "ActiveState", "-p", "Result", unit).stdout
         assert "ActiveState=active" in show and "oom-kill" not in show

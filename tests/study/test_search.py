@@ -37,7 +37,7 @@ def test_planner_reaches_the_reference_frontier_without_waste() -> None:
     # The memory model's first candidate already gives 1.5x, without a failed start.
     first = launched[1][1]
     assert first.kind == "predicted" and first.feasible and first.context_capacity >= 6
-    assert first.prediction["context_capacity"] == first.context_capacity
+    assert first.prediction.context_capacity == first.context_capacity
     assert summary.best is not None and summary.best.record.context_capacity >= 7
     assert runner.failures <= 1
     failures = []
