@@ -33,6 +33,14 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
                           timeout=240)
 
 
+def _planted(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """import-linter on a copy of the package with ``line`` appended to ``module`` (a path below ``tuner/``)."""
+    copy = _copy(tmp_path)
+    path = copy / "tuner" / module
+    path.write_text(path.read_text() + f"\n{line}  # noqa: E402,F401 - injected\n")
+    return _lint(copy)
+
+
 def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "checkout"
     copy.mkdir()
@@ -48,29 +56,20 @@ def test_the_layers_and_the_simulator_isolation_hold() -> None:
 
 
 def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
-    copy = _copy(tmp_path)
-    records = copy / "tuner" / "records.py"
-    records.write_text(records.read_text() + "\nfrom tuner.study import loop  # noqa: E402,F401 - injected\n")
-    proc = _lint(copy)
+    proc = _planted(tmp_path, "records.py", "from tuner.study import loop")
     assert proc.returncode != 0
     assert "layers" in proc.stdout and "BROKEN" in proc.stdout
     assert "tuner.records -> tuner.study.loop" in proc.stdout
 
 
 def test_a_product_import_in_the_simulator_breaks_its_isolation(tmp_path: Path) -> None:
-    copy = _copy(tmp_path)
-    clock = copy / "tuner" / "sim" / "clock.py"
-    clock.write_text(clock.read_text() + "\nfrom tuner.sglang import failures  # noqa: E402,F401 - injected\n")
-    proc = _lint(copy)
+    proc = _planted(tmp_path, "sim/clock.py", "from tuner.sglang import failures")
     assert proc.returncode != 0
     assert "tuner.sim.clock -> tuner.sglang.failures" in proc.stdout
 
 
 def test_a_decision_that_imports_the_loop_breaks_its_contract(tmp_path: Path) -> None:
-    copy = _copy(tmp_path)
-    slo = copy / "tuner" / "study" / "decide" / "slo.py"
-    slo.write_text(slo.read_text() + "\nfrom tuner.study import hosts  # noqa: E402,F401 - injected\n")
-    proc = _lint(copy)
+    proc = _planted(tmp_path, "study/decide/slo.py", "from tuner.study import hosts")
     assert proc.returncode != 0
     assert "tuner.study.decide.slo -> tuner.study.hosts" in proc.stdout
 
@@ -245,10 +244,7 @@ def test_the_complexity_ceiling_only_goes_down(tmp_path: Path) -> None:
 
 
 def test_a_launcher_import_in_the_trial_breaks_its_seam(tmp_path: Path) -> None:
-    copy = _copy(tmp_path)
-    trial = copy / "tuner" / "trial.py"
-    trial.write_text(trial.read_text() + "\nfrom tuner.launch import base  # noqa: E402,F401 - injected\n")
-    proc = _lint(copy)
+    proc = _planted(tmp_path, "trial.py", "from tuner.launch import base")
     assert proc.returncode != 0
     assert "tuner.trial does not import tuner.launch" in " ".join(proc.stdout.split()) and "BROKEN" in proc.stdout
     assert "tuner.trial -> tuner.launch.base" in proc.stdout

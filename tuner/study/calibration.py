@@ -371,29 +371,9 @@ def neighbours(space: Space, params: Mapping[str, Any]) -> list[Family]:
 
 def _survivors(history: Sequence[tuple[int, TrialRecord]], space: Space) -> list[Point]:
     """The measured survivors that calibrate the memory model."""
-    points = []
-    for number, record in history:
-        memory = record.memory
-        if (
-            record.outcome != "ok"
-            or memory.probe_only
-            or memory.capacity_model is None
-            or not memory.context_len
-            or record.constraints.get("oom_or_crash", 1.0) > 0
-            or record.constraints.get("stress", -1.0) > 0
-        ):
-            continue
-        params = space.snap(record.params)
-        points.append(Point(
-            number=number, params=params,
-            # The count the server ran with (the baseline's may lie above the space: its
-            # req_to_token table and graphs are that count's, not the snapped one's).
-            slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
-            model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
-            peak_gib=memory.peak_activation_gib, feasible=record.feasible,
-            capacity=record.context_capacity or 0,
-        ))
-    return points
+    return [_point(number, record, space, measured=True) for number, record in history
+            if record.outcome == "ok" and not record.memory.probe_only and record.memory.calibrates
+            and record.constraints.get("oom_or_crash", 1.0) <= 0 and record.constraints.get("stress", -1.0) <= 0]
 
 
 def _oom_starts(history: Sequence[tuple[int, TrialRecord]], space: Space) -> list[Point]:
@@ -401,20 +381,25 @@ def _oom_starts(history: Sequence[tuple[int, TrialRecord]], space: Space) -> lis
     calibrates the memory model (the pool and the free memory after graphs were reported), but
     they achieved no capacity and their free memory bounds the activation need from below only.
     Used when no trial survived its load (e.g. the baseline's own flags OOM under the stress load)."""
-    out = []
-    for number, record in history:
-        memory = record.memory
-        if (record.failure_class is not FailureClass.RUNTIME_OOM or not record.params
-                or memory.capacity_model is None or not memory.context_len):
-            continue
-        params = space.snap(record.params)
-        out.append(Point(
-            number=number, params=params,
-            slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
-            model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
-            peak_gib=None, feasible=False, capacity=0,
-        ))
-    return out
+    return [_point(number, record, space, measured=False) for number, record in history
+            if record.failure_class is FailureClass.RUNTIME_OOM and record.params and record.memory.calibrates]
+
+
+def _point(number: int, record: TrialRecord, space: Space, *, measured: bool) -> Point:
+    """``record`` as a calibration point: a survivor's peak, feasibility and capacity
+    (``measured``), or a start that died under load (none of them)."""
+    params = space.snap(record.params)
+    memory = record.memory
+    assert memory.capacity_model is not None and memory.context_len  # MemoryFacts.calibrates
+    return Point(
+        number=number, params=params,
+        # The count the server ran with (the baseline's may lie above the space: its
+        # req_to_token table and graphs are that count's, not the snapped one's).
+        slots=int(record.params.get("max_running_requests") or params["max_running_requests"]),
+        model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
+        peak_gib=memory.peak_activation_gib if measured else None, feasible=measured and record.feasible,
+        capacity=(record.context_capacity or 0) if measured else 0,
+    )
 
 
 def _predict(ref: Point, mfs: float, mrr: int, family: Family, slot_cost_gib: float) -> tuple[int, float]:
