@@ -51,9 +51,9 @@ def _row(label: str, record: TrialRecord | None) -> str:
         return f"| {label} | - | - | - | - |"
     c = record.cache
     pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
-    pool = f"{c['host_pool_gb']:g} GB" if c.get("host_pool_gb") else "-"
+    pool = f"{c.host_pool_gb:g} GB" if c.host_pool_gb else "-"
     return (f"| {label} | {record.p99_ttft_ms / 1000:.1f} s | {record.output_throughput_tok_s:.0f} tok/s | "
-            f"{pct(c.get('device_hit_rate'))} / {pct(c.get('host_hit_rate'))} | {pool} |")
+            f"{pct(c.device_hit_rate)} / {pct(c.host_hit_rate)} | {pool} |")
 
 
 @pytest.mark.parametrize("name", list(scenarios()))
