@@ -82,6 +82,13 @@ class Constraints(BaseModel):
         return cls().values()
 
     @staticmethod
+    def feasible_values(values: Mapping[str, float]) -> bool:
+        """Whether ``values`` (name → value) are feasible: every constraint of
+        :data:`CONSTRAINT_NAMES` present and ≤ 0 (:attr:`feasible` of :meth:`of`, without building
+        the model: a study's readers ask it of every trial, often)."""
+        return all(values.get(name) is not None and float(values[name]) <= 0.0 for name in CONSTRAINT_NAMES)
+
+    @staticmethod
     def holds(values: Mapping[str, float]) -> bool:
         """Whether every value in ``values`` is ≤ 0 (a stored set, names as stored)."""
         return all(float(v) <= 0.0 for v in values.values())
@@ -367,7 +374,7 @@ class TrialRecord(BaseModel):
             return data
         data = dict(data)
         stated = data.pop("feasible")
-        if bool(stated) != Constraints.of(data.get("constraints") or {}).feasible:
+        if bool(stated) != Constraints.feasible_values(data.get("constraints") or {}):
             raise ValueError(f"feasible={stated} contradicts constraints {data.get('constraints') or {}}")
         return data
 
@@ -376,7 +383,7 @@ class TrialRecord(BaseModel):
     def feasible(self) -> bool:
         """Every constraint ≤ 0, a missing one counting as violated (:class:`Constraints`); stored
         with the record for readers of the stored JSON (and dropped when it is read back)."""
-        return Constraints.of(self.constraints).feasible
+        return Constraints.feasible_values(self.constraints)
 
 
 class StudyInfo(BaseModel):

@@ -68,7 +68,7 @@ def _view(space, history: list, *, tried=(), pending=(), objective: ObjectiveSec
 
 def _screen(space, params: dict, history: list, **options) -> tuple[str, int] | None:  # noqa: ANN003
     """The predicted screen's answer for ``params`` as ``(reason, proof)``."""
-    skip = Predicted(options.get("objective") or ObjectiveSection()).why_not(params, _view(space, history, **options))
+    skip = Predicted().why_not(params, _view(space, history, **options))
     return (skip.reason, skip.proof) if skip else None
 
 
@@ -244,7 +244,7 @@ def _l4_view(space, history: list, *, tried=(), pending=(), objective: Objective
 
 
 def _l4_screen(space, params: dict, history: list, **options) -> tuple[str, int] | None:  # noqa: ANN003
-    skip = Predicted(options.get("objective") or ObjectiveSection()).why_not(params, _l4_view(space, history, **options))
+    skip = Predicted().why_not(params, _l4_view(space, history, **options))
     return (skip.reason, skip.proof) if skip else None
 
 
@@ -334,7 +334,7 @@ def test_one_views_screens_answer_as_a_fresh_views_after_the_believer(l4_space) 
     assert view.calibration.margin_gib == L4_SETTINGS.margin_gib  # the believer's margin was its own
     grid = [_params(mfs / 100, mrr, cps) for mfs in range(80, 100) for mrr in (6, 9, 12, 16)
             for cps in (2048, 8192, 16384)]
-    screen = Predicted(ObjectiveSection())
+    screen = Predicted()
 
     def answers(view) -> list:  # noqa: ANN001 - StudyView
         return [screen.why_not(params, view) for params in grid]

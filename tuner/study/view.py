@@ -18,6 +18,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.records import TrialRecord
+from tuner.study.best import band_floor
 from tuner.study.calibration import Calibration, ModelSettings
 from tuner.study.optuna_io import KIND_ATTR, PREDICTION_ATTR, REPEAT_ATTR, record_of
 from tuner.study.space import Space, config_key
@@ -90,10 +91,13 @@ class StudyView:
         return frozenset(keys)
 
     @cached_property
-    def measured(self) -> frozenset[ConfigKey]:
-        """Configs launched (``ok`` or ``failed``), on the space's grid."""
-        return frozenset(config_key(self.space.snap(r.params)) for _, r in self.finished
-                         if r.params and r.outcome in ("ok", "failed"))
+    def measured(self) -> dict[ConfigKey, int]:
+        """Configs launched (``ok`` or ``failed``), on the space's grid → the first trial that did."""
+        out: dict[ConfigKey, int] = {}
+        for number, record in self.finished:
+            if record.params and record.outcome in ("ok", "failed"):
+                out.setdefault(config_key(self.space.snap(record.params)), number)
+        return out
 
     @cached_property
     def held(self) -> frozenset[ConfigKey]:
@@ -121,6 +125,12 @@ class StudyView:
         """The planner's trials in the study (finished and running, every host's)."""
         done = sum(1 for _, r in self.finished if r.kind == "predicted")
         return done + sum(1 for t in self.running if t.user_attrs.get(KIND_ATTR) == "predicted")
+
+    @cached_property
+    def band_floor(self) -> int:
+        """The least context capacity that can still win on the policy
+        (:func:`tuner.study.best.band_floor` of :attr:`finished`)."""
+        return band_floor(self.finished, self.settings.objective)
 
     @cached_property
     def calibration(self) -> Calibration:

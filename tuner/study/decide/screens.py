@@ -19,12 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tuner.config import ObjectiveSection
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.memory import must_fail
-from tuner.study.best import band_floor
 from tuner.study.calibration import Calibration
 from tuner.study.decide import Skip
 from tuner.study.hostcheck import host_skip_reason, ranks_of
@@ -41,11 +39,8 @@ class MeasuredAlready:
     and floats, land on the same point)."""
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
-        wanted = config_key(view.space.snap(dict(params)))
-        for number, record in view.finished:
-            if record.outcome in ("ok", "failed") and record.params and config_key(view.space.snap(dict(record.params))) == wanted:
-                return Skip(f"the same config was measured by trial {number}", number)
-        return None
+        number = view.measured.get(config_key(view.space.snap(dict(params))))
+        return None if number is None else Skip(f"the same config was measured by trial {number}", number)
 
 
 class MustFail:
@@ -93,12 +88,9 @@ class Predicted:
     with the chunk, §1.6). One proof (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it
     runs at least as many requests at once as a window of the same other knobs that broke the SLO.
 
-    Args:
-        objective: ``[objective]`` (the capacity band).
+    The capacity band is the view's (:attr:`tuner.study.view.StudyView.band_floor`, the study's
+    ``[objective]``).
     """
-
-    def __init__(self, objective: ObjectiveSection) -> None:
-        self.objective = objective
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         cal = view.calibration
@@ -110,7 +102,7 @@ class Predicted:
         ref = cal.reference(family, mrr)
         tokens, free = cal.predict(ref, mfs, mrr, family)
         capacity = min(mrr, tokens // view.settings.context_tokens) if tokens > 0 else 0
-        floor = band_floor(view.finished, self.objective)
+        floor = view.band_floor
         if floor and capacity < floor:
             return Skip(
                 f"predicted context capacity {capacity} (model calibrated on trial {ref.number}) is below "
