@@ -5,8 +5,8 @@
   starts), a private default state dir (``$SGLANG_TUNER_STATE_DIR``, the launcher's default
   state/log folder) and a private unit-lock folder (``$SGLANG_TUNER_LOCK_DIR``); each
   ``pytest-xdist`` worker gets its own three inside them. At the end the run FAILS if anything
-  but pytest's own ``tmp_path`` folders was left in a temp folder, or if ``/var/lib/sglang-tuner``
-  gained entries (only a warning when another test run was seen on the machine meanwhile: its
+  but pytest's own ``tmp_path`` folders was left in a temp folder, if the checkout's ``studies/``
+  gained entries, or if ``/var/lib/sglang-tuner`` gained entries (only a warning when another test run was seen on the machine meanwhile: its
   entries cannot be told from ours).
 - Parallel runs (``-n 4 --dist loadgroup``, as ``.ci/run``): a test runs on the worker of its
   module, of the systemd sandbox's tests, or of the demo study's readers (:func:`_xdist_group`).
@@ -34,6 +34,9 @@ from tests.support.sandbox import SandboxBusy, SystemdSandbox, boot_sandbox
 
 REAL_STATE_DIR = Path("/var/lib/sglang-tuner")
 """The launcher's default state dir for root: no test may write there."""
+CHECKOUT_STUDIES = Path(__file__).resolve().parents[1] / "studies"
+"""The checkout's own ``studies/`` (the default storage of a run started in the checkout): no test
+may leave a study or an artifacts folder there."""
 
 _hygiene: dict[str, object] = {}
 
@@ -75,7 +78,8 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = str(private / "tmp")
     os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
     os.environ["SGLANG_TUNER_LOCK_DIR"] = str(private / "locks")  # not the host's /run/lock/sglang-tuner
-    _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0)
+    _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0,
+                    studies_before=_entries(CHECKOUT_STUDIES))
 
 
 _WORKER_PREFIX = "xdist-"
@@ -116,6 +120,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                   + [f"{w.name}/{n}" for w in workers for n in _entries(w)])
     if left:
         problems.append(f"left in the temp folder: {', '.join(left)}")
+    studies = sorted(_entries(CHECKOUT_STUDIES) - _hygiene["studies_before"])  # type: ignore[operator]
+    if studies:
+        problems.append(f"left in the checkout's {CHECKOUT_STUDIES}: {', '.join(studies)} (run the test in tmp_path)")
     gained = sorted(_entries(REAL_STATE_DIR) - _hygiene["state_before"])  # type: ignore[operator]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     others: dict[int, str] = {**_hygiene["others"], **_other_test_runs()}  # type: ignore[dict-item]

@@ -215,11 +215,13 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
 
 
-def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path) -> None:  # noqa: ANN001
+def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """A second run on a spent study (a resumed run, or another host) draws configs the first one
     stored skips of: the study holds each config's skip once (it is still this run's decision,
     counted and shown), and the second run also stops "exhausted"."""
     from optuna.trial import TrialState
+
+    monkeypatch.chdir(tmp_path)  # the study's artifacts folder (studies/<study>/artifacts) lands here, not in the checkout
 
     from tuner.records import RECORD_ATTR, TrialRecord
     from tuner.study.loop import StudyRun
