@@ -138,6 +138,10 @@ class ServiceSection(_Section):
     def _url_ok(cls, value: str) -> str:
         if not re.match(r"^https?://[^/\s]+", value):
             raise ValueError("write it like http://127.0.0.1:30000")
+        try:
+            urlsplit(value).port  # noqa: B018 - urllib checks the port's range when it is read
+        except ValueError as err:
+            raise ValueError(f"bad port ({err}): use a port from 1 to 65535") from err
         return value.rstrip("/")
 
     @model_validator(mode="after")

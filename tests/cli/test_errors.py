@@ -51,3 +51,16 @@ def test_no_arguments_prints_help_and_help_keeps_brackets() -> None:
     assert proc.returncode == 0 and "Usage: tuner" in proc.stdout and "apply" in proc.stdout
     proc = tuner("trials", "--help")
     assert proc.returncode == 0 and "[study]" in proc.stdout, proc.stdout
+
+
+def test_a_port_out_of_range_is_one_line_in_load_and_in_run(tmp_path: Path) -> None:
+    """A URL's port above 65535 was a 50-60-line ``ValueError: Port out of range`` traceback in
+    ``tuner load`` and in the run's port check (operator review N2)."""
+    one_error_line(tuner("load", "--url", "http://127.0.0.1:99999", "--concurrency", "4", "--duration", "5"),
+                   "port", "99999")
+    config = config_copy("demo-sim.toml", tmp_path)
+    text = config.read_text()
+    port = text.split("http://127.0.0.1:", 1)[1].split('"', 1)[0].split("/", 1)[0]
+    config.write_text(text.replace(f"127.0.0.1:{port}", "127.0.0.1:99999").replace(f'"{port}"', '"99999"'))
+    one_error_line(tuner("run", "--config", str(config), "--budget", "2m"), "service.url", "99999")
+    assert not (tmp_path / "studies").exists() or not any((tmp_path / "studies").iterdir())

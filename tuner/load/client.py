@@ -84,11 +84,15 @@ def normalize_url(url: str) -> str:
     """The server's base URL: scheme and host, no trailing slash or API path.
 
     Raises:
-        LoadError: Not an ``http://`` or ``https://`` URL with a host.
+        LoadError: Not an ``http://`` or ``https://`` URL with a host, or its port is out of range.
     """
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise LoadError(f"--url {url!r} is not an http(s) URL", hint="pass the server's base URL, e.g. http://127.0.0.1:30000")
+    try:
+        parts.port  # noqa: B018 - urllib checks the port's range when it is read
+    except ValueError as err:
+        raise LoadError(f"--url {url!r} has a bad port ({err})", hint="use a port from 1 to 65535") from err
     path = parts.path.rstrip("/")
     for suffix in API_PATHS.values():
         path = path.removesuffix(suffix)
