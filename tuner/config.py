@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
+from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
 from tuner.units import parse_duration_s
 
@@ -136,12 +137,9 @@ class ServiceSection(_Section):
     @field_validator("url")
     @classmethod
     def _url_ok(cls, value: str) -> str:
-        if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError("write it like http://127.0.0.1:30000")
-        try:
-            urlsplit(value).port  # noqa: B018 - urllib checks the port's range when it is read
-        except ValueError as err:
-            raise ValueError(f"bad port ({err}): use a port from 1 to 65535") from err
+        problem = url_problem(value) if re.match(r"^https?://[^/\s]+", value) else "write it like http://127.0.0.1:30000"
+        if problem is not None:
+            raise ValueError(problem)
         return value.rstrip("/")
 
     @model_validator(mode="after")

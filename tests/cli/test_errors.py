@@ -64,3 +64,8 @@ def test_a_port_out_of_range_is_one_line_in_load_and_in_run(tmp_path: Path) -> N
     config.write_text(text.replace(f"127.0.0.1:{port}", "127.0.0.1:99999").replace(f'"{port}"', '"99999"'))
     one_error_line(tuner("run", "--config", str(config), "--budget", "2m"), "service.url", "99999")
     assert not (tmp_path / "studies").exists() or not any((tmp_path / "studies").iterdir())
+
+
+def test_explain_names_a_port_out_of_range() -> None:
+    """``explain --url`` with a port above 65535 said "cannot reach ... InvalidURL" (review N16)."""
+    one_error_line(tuner("explain", "--url", "http://127.0.0.1:99999"), "bad port", "65535")

@@ -42,6 +42,7 @@ import orjson
 from tuner.errors import LoadError
 from tuner.load.metrics import RequestRecord
 from tuner.load.workloads import Request
+from tuner.sglang.client import url_problem
 
 __all__ = ["Api", "Transport", "API_PATHS", "TokenCounter", "StreamClient", "normalize_url"]
 
@@ -86,13 +87,10 @@ def normalize_url(url: str) -> str:
     Raises:
         LoadError: Not an ``http://`` or ``https://`` URL with a host, or its port is out of range.
     """
+    problem = url_problem(url)
+    if problem is not None:
+        raise LoadError(f"--url {url!r}: {problem}", hint="pass the server's base URL, e.g. http://127.0.0.1:30000")
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise LoadError(f"--url {url!r} is not an http(s) URL", hint="pass the server's base URL, e.g. http://127.0.0.1:30000")
-    try:
-        parts.port  # noqa: B018 - urllib checks the port's range when it is read
-    except ValueError as err:
-        raise LoadError(f"--url {url!r} has a bad port ({err})", hint="use a port from 1 to 65535") from err
     path = parts.path.rstrip("/")
     for suffix in API_PATHS.values():
         path = path.removesuffix(suffix)

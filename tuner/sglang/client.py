@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,9 +21,25 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.errors import ServerError
 from tuner.sglang.failures import Failure, FailureClass
 
-__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady"]
+__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "url_problem"]
 
 log = logging.getLogger(__name__)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a server's base URL (an ``http://`` or ``https://`` URL with a host and,
+    if given, a port from 1 to 65535), or ``None`` when it is usable. The one rule of the config's
+    ``[service] url``, the load generator's ``--url`` and this client."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "not an http(s) URL with a host (write it like http://127.0.0.1:30000)"
+    try:
+        port = parts.port
+    except ValueError as err:
+        return f"a bad port ({err}; use a port from 1 to 65535)"
+    if port == 0:
+        return "port 0 (use a port from 1 to 65535)"
+    return None
 
 
 class ServerNotReady(ServerError):
@@ -155,12 +172,13 @@ class SGLangClient:
         timeout_s: Timeout of each HTTP request.
 
     Raises:
-        ServerError: ``url`` is not an http(s) URL.
+        ServerError: ``url`` is not a usable server URL (:func:`url_problem`).
     """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ServerError(f"server URL {url!r} is not an http(s) URL", hint="pass one like http://127.0.0.1:30000")
+        problem = url_problem(url)
+        if problem is not None:
+            raise ServerError(f"server URL {url!r}: {problem}", hint="pass one like http://127.0.0.1:30000")
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = requests.Session()
