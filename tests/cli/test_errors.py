@@ -69,3 +69,10 @@ def test_a_port_out_of_range_is_one_line_in_load_and_in_run(tmp_path: Path) -> N
 def test_explain_names_a_port_out_of_range() -> None:
     """``explain --url`` with a port above 65535 said "cannot reach ... InvalidURL" (review N16)."""
     one_error_line(tuner("explain", "--url", "http://127.0.0.1:99999"), "bad port", "65535")
+
+
+def test_restore_refuses_a_state_folder_that_does_not_exist(tmp_path: Path) -> None:
+    """A mistyped ``--state-dir`` said "nothing to restore ...; stopped" with exit 0, hiding the real
+    state file (review N13)."""
+    config = config_copy("demo-sim.toml", tmp_path)
+    one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "nope")), "--state-dir", "not a folder")

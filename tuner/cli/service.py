@@ -47,11 +47,16 @@ def restore_cmd(
     check_seconds(timeout_s, "--timeout-s")
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
+    if state_dir is not None and not state_dir.is_dir():
+        # A mistyped folder would find no state file and report nothing to restore, hiding a real one.
+        raise ConfigError(f"--state-dir {state_dir} is not a folder",
+                          hint="pass the folder the run wrote its state file to, or leave --state-dir out for the default")
     settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
     launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
     shown = " ".join(launcher.current_argv())
     if source == "nothing":
-        console.print(f"{launcher.key}: nothing to restore (no state file, no trial drop-in); {state.phase.value}",
+        console.print(f"{launcher.key}: nothing to restore (no state file, no trial drop-in); the service is "
+                      f"{state.phase.value}",
                       highlight=False, soft_wrap=True)  # fmt: skip
         return
     console.print(f"restored {launcher.key} from the {source}: {state.phase.value}, command: {shown}",
