@@ -341,8 +341,9 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
     Trials (params, values, states, constraints, user and system attributes, the tuner's records)
     and the study's attributes are copied; artifact files stay in their folder
     (``studies/<study>/artifacts``), referenced by id. Checked before anything is written: the
-    source study exists; the target is a new SQLite file in an existing folder, an existing
-    storage, or an empty database, and holds no study of that name.
+    source study exists; the target passes the run's own storage checks (:func:`check_run_storage`:
+    a new SQLite file in an existing, writable folder, or an Optuna storage, never a file holding
+    other tables; a reachable, empty or Optuna database) and holds no study of that name.
 
     Args:
         from_url: The source storage URL (must exist).
@@ -363,13 +364,8 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
     if study_name not in names:
         raise StudyError(f"storage {display_url(from_url)} holds no study {study_name!r} "
                          f"(it holds {', '.join(names) or 'none'})", hint="pass one of those to --study")
-    if to_url.startswith("sqlite:///"):
-        folder = Path(to_url.removeprefix("sqlite:///")).parent
-        if not folder.is_dir():
-            raise StudyError(f"storage {to_url!r}: folder {str(folder)!r} does not exist",
-                             hint="create it first, or copy into an existing folder")
-    else:
-        _check_server_storage(to_url)
+    check_run_storage(to_url, target_name, flag="--to")  # as a run checks its storage: nothing written yet
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not Optuna's "A new study created" line
     target = open_storage(to_url)
     existing = [s.study_name for s in optuna.get_all_study_summaries(target, include_best_trial=False)]
     if target_name in existing:
@@ -426,7 +422,7 @@ def _nearest_existing(folder: Path) -> Path:
     return folder
 
 
-def check_run_storage(url: str, study_name: str) -> bool:
+def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> bool:
     """Everything a run needs of its storage, checked before the run changes anything.
 
     A database server (PostgreSQL, MySQL) must be reachable with the URL's credentials and be empty
@@ -438,6 +434,7 @@ def check_run_storage(url: str, study_name: str) -> bool:
     Args:
         url: The storage URL the run will write.
         study_name: The study (its default URL's ``studies/`` folder is created by the run).
+        flag: The option that named ``url``, for the hints (``--storage``; ``--to`` of ``copy-study``).
 
     Returns:
         Whether the storage may already hold the study (Optuna's tables exist, or a non-SQLite URL).
@@ -456,12 +453,12 @@ def check_run_storage(url: str, study_name: str) -> bool:
         blocked = _nearest_existing(path.parent)
         if not os.access(blocked, os.W_OK | os.X_OK):
             raise StudyError(f"storage {url!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
-                             hint="point [storage] url (or --storage) at a writable folder")
+                             hint=f"point {flag} at a writable folder")
         return False
     where = f"storage {url!r}: the file {str(path)!r}"
     if path.stat().st_size == 0:
         raise StudyError(f"{where} is empty (0 bytes), not a study database",
-                         hint="delete the empty file to start a new study there, or point --storage at the study's file")
+                         hint=f"delete the empty file to start a new study there, or point {flag} at the study's file")
     try:
         with open(path, "rb") as handle:
             magic = handle.read(len(_SQLITE_MAGIC))
@@ -469,20 +466,20 @@ def check_run_storage(url: str, study_name: str) -> bool:
         raise StudyError(f"{where} cannot be read: {err.strerror}", hint="run as the user that owns it") from err
     if magic != _SQLITE_MAGIC:
         raise StudyError(f"{where} is not an SQLite database",
-                         hint="point --storage at the study's .db file, or at a new file name")
+                         hint=f"point {flag} at the study's .db file, or at a new file name")
     tables, problem = _inspect_sqlite(path)
     if problem:
         raise StudyError(
             f"{where} is corrupt ({problem})",
             hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
-            "and run with --storage sqlite:///recovered.db",
+            f"and use {flag} sqlite:///recovered.db",
         )
     if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)):
         raise StudyError(f"{where} is read-only (the file or its folder)",
                          hint="run as the user that owns it, or copy it to a writable folder")
     if tables and not _OPTUNA_TABLES <= tables:
         raise StudyError(f"{where} is an SQLite database but not an Optuna study storage",
-                         hint="point --storage at the study's file, or at a new file name")
+                         hint=f"point {flag} at the study's file, or at a new file name")
     return bool(tables)
 
 
