@@ -76,3 +76,14 @@ def test_restore_refuses_a_state_folder_that_does_not_exist(tmp_path: Path) -> N
     state file (review N13)."""
     config = config_copy("demo-sim.toml", tmp_path)
     one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "nope")), "--state-dir", "not a folder")
+
+
+def test_hints_name_what_the_user_can_do(tmp_path: Path) -> None:
+    """A missing trace named a ``--trace`` flag ``run`` does not have (review N17); a missing MySQL
+    driver named a module, not the package that installs it (N18)."""
+    config = tmp_path / "trace.toml"
+    config.write_text('[study]\nname = "t"\n[service]\nlauncher = "process"\ncommand = ["python3", "-m", "tuner.sim", '
+                      '"--port", "30999"]\nurl = "http://127.0.0.1:30999"\n[workload]\nkind = "trace"\n'
+                      'path = "/nonexistent/trace.jsonl"\n')
+    one_error_line(tuner("run", "--config", str(config), "--budget", "2m", "--dry-run"), "[workload] path")
+    one_error_line(tuner("trials", "--storage", "mysql://127.0.0.1:30998/x"), "pip install mysqlclient")

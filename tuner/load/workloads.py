@@ -448,7 +448,8 @@ def _read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as err:
         raise LoadError(
-            f"trace file {path} cannot be read ({err.strerror})", hint="pass an existing trace file with --trace"
+            f"trace file {path} cannot be read ({err.strerror})",
+            hint="pass an existing trace file (tuner load --trace FILE, or [workload] path in the config)"
         ) from err
 
 

@@ -221,8 +221,13 @@ def _driver_error(url: str, err: ImportError) -> StudyError:
     if driver.startswith("psycopg"):
         return StudyError(f"storage {display_url(url)} needs the PostgreSQL driver {driver!r}, which is not installed",
                           hint="pip install 'sglang-tuner[postgres]' (psycopg 3) and write postgresql+psycopg://...")
+    package = _DRIVER_PACKAGES.get(driver, driver)
     return StudyError(f"storage {display_url(url)} needs the database driver {driver!r}, which is not installed",
-                      hint=f"install it into the tuner's Python (pip install {driver}), or check the URL")
+                      hint=f"install it into the tuner's Python (pip install {package}), or check the URL")
+
+
+_DRIVER_PACKAGES = {"MySQLdb": "mysqlclient", "pymysql": "PyMySQL", "psycopg2": "psycopg2-binary"}
+"""Importable DBAPI module → the package that installs it, where the names differ."""
 
 
 def check_storage_folder(url: str, study_name: str) -> None:
