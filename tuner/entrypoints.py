@@ -27,7 +27,7 @@ from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import run_study
 from tuner.study.progress import RunSummary
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
-from tuner.study.storage import study_artifacts_dir, study_storage_url
+from tuner.study.storage import display_url, study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor
 from tuner.units import format_duration
 
@@ -160,8 +160,13 @@ def tune(
         )
 
 
-def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None) -> str:
-    """``tuner run --dry-run``: the plan and the first candidate's launch, changing nothing."""
+def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,
+            storage_url: str | None = None) -> str:
+    """``tuner run --dry-run``: the plan and the first candidate's launch, changing nothing.
+
+    Returns:
+        The plan, as text.
+    """
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
@@ -174,7 +179,8 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     workload = build_workload(config.workload, seed=config.study.seed)
     per_trial = prior_trial_cost_s(config)
     lines = [
-        f"study {config.study.name!r} in {study_storage_url(config)} (artifacts {study_artifacts_dir(config)})",
+        f"study {config.study.name!r} in {display_url(storage_url or study_storage_url(config))} "
+        f"(artifacts {study_artifacts_dir(config)})",
         f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
         f"SGLang flags of {table.version}",
         f"workload: {workload.describe()}",
@@ -196,6 +202,24 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     lines.append("first candidate: the baseline (the service's current flags), launched as:")
     lines.append(launcher.dry_run(argv))
     return "\n".join(lines)
+
+
+def dry_run_checks(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,
+                   storage_url: str | None = None, allow_mixed_environment: bool = False) -> None:
+    """The checks ``tuner run`` makes before it changes anything (:func:`tuner.preflight.check_run`),
+    made for ``--dry-run`` after its plan: the storage it would use, the stored study's environment,
+    the budget when one is given, and the service (its command's executable, the unit, the
+    folders, the port). Changes nothing.
+
+    Raises:
+        TunerError: The first check that fails, one line with its fix.
+    """
+    launcher = resolve_launcher(config, gpu=None)
+    argv = launcher.current_argv()
+    table = resolve_flag_table(config, argv)
+    check_run(config, launcher, environment=resolve_environment(config, argv, table, None), storage_url=storage_url,
+              budget_s=budget_s, max_trials=max_trials, allow_mixed_environment=allow_mixed_environment,
+              planning=True)
 
 
 def _range_text(dist: Any) -> str:

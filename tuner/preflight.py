@@ -62,6 +62,7 @@ def check_run(
     budget_s: float | None,
     max_trials: int | None,
     allow_mixed_environment: bool,
+    planning: bool = False,
 ) -> None:
     """Everything ``tuner run`` checks before it takes the unit or writes anything.
 
@@ -73,11 +74,12 @@ def check_run(
         budget_s: The wall-clock budget in seconds, or ``None``.
         max_trials: The trial cap, or ``None``.
         allow_mixed_environment: ``--allow-mixed-environment``.
+        planning: ``--dry-run``: a budget is not needed (when one is given, it is checked).
 
     Raises:
         TunerError: The first check that fails (see the module docstring), one line with its fix.
     """
-    if budget_s is None and max_trials is None:
+    if budget_s is None and max_trials is None and not planning:
         raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
     check_url_matches_port(launcher.url, launcher.current_argv())
     url = storage_url or study_storage_url(config)

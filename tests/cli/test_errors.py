@@ -87,3 +87,22 @@ def test_hints_name_what_the_user_can_do(tmp_path: Path) -> None:
                       'path = "/nonexistent/trace.jsonl"\n')
     one_error_line(tuner("run", "--config", str(config), "--budget", "2m", "--dry-run"), "[workload] path")
     one_error_line(tuner("trials", "--storage", "mysql://127.0.0.1:30998/x"), "pip install mysqlclient")
+
+
+def test_the_dry_run_plans_against_the_run_s_storage_and_makes_the_run_s_checks(tmp_path: Path) -> None:
+    """``run --dry-run`` said nothing of a command whose executable does not exist (exit 0; the real
+    run then failed at launch after creating its study: review N11), and planned against the
+    config's storage whatever ``--storage`` said (issue 29)."""
+    config = config_copy("demo-sim.toml", tmp_path)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    dry = tuner("run", "--config", str(config), "--dry-run", "--storage", other)
+    assert dry.returncode == 0, dry.stderr
+    assert other in dry.stdout and "every check a run makes" in dry.stdout
+    text = config.read_text()
+    broken = tmp_path / "missing-binary.toml"
+    broken.write_text(text.replace('"{python}"', '"/nonexistent/bin/python3"', 1))
+    assert broken.read_text() != text
+    proc = tuner("run", "--config", str(broken), "--dry-run")
+    assert "first candidate: the baseline" in proc.stdout  # the plan, then the check that fails
+    one_error_line(proc, "server command not found", "/nonexistent/bin/python3")
+    assert not (tmp_path / "studies").exists() or not any((tmp_path / "studies").iterdir())

@@ -215,8 +215,11 @@ def run_cmd(
     from tuner import entrypoints
 
     if dry_run:
-        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials), highlight=False,
-                      markup=False, soft_wrap=True)
+        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage),
+                      highlight=False, markup=False, soft_wrap=True)
+        entrypoints.dry_run_checks(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage,
+                                   allow_mixed_environment=allow_mixed_environment)
+        console.print("checks: every check a run makes before it changes anything passes", highlight=False)
         return
     sink = JsonProgress(json_progress) if json_progress else None
     out = err_console if json_progress == "-" else console  # `-`: standard output carries JSON only

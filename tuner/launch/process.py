@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,12 +170,16 @@ class ProcessLauncher(GuardedLauncher):
         self._check_port_free()
 
     def _check_service(self, *, restore: bool) -> None:
-        """The server log's folder can be written (the state and lock folders are checked by
-        :meth:`preflight`)."""
+        """The server log's folder can be written and the command's executable exists (the state
+        and lock folders are checked by :meth:`preflight`)."""
         blocked = writable_folder(self.log_dir)
         if blocked is not None and not restore:
             raise LaunchError(f"the server log folder {self.log_dir} cannot be written ({blocked} is not writable)",
                               hint="set service.log_dir to a writable folder")
+        executable = self.command[0] if self.command else ""
+        if not restore and shutil.which(executable) is None:
+            raise LaunchError(f"server command not found or not executable: {executable!r}",
+                              hint="set service.command to an existing executable (absolute path)")
 
     def _check_port_free(self, timeout_s: float = 1.0) -> None:
         """Raise when a server this launcher did not start accepts connections on the URL's port.
