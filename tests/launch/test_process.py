@@ -105,12 +105,21 @@ def test_cli_launch_preview_and_restore_with_nothing_to_do(tmp_path: Path) -> No
     ("max-running-requests=0", ("max_running_requests=0", "at least 1")),
     ("chunked-prefill-size=big", ("--chunked-prefill-size", "not an integer")),
     ("enable-hierarchical-cache=maybe", ("is a switch",)),
+    ("port=99999", ("port=99999", "outside 1-65535")),  # review N12: was accepted
 ])
 def test_cli_launch_checks_each_set_against_the_flag_table(tmp_path: Path, setting: str, needles: tuple[str, ...]) -> None:
     config = config_copy("demo-sim.toml", tmp_path, port=free_port())
     done = run_tuner("launch", "--config", str(config), "--set", setting, timeout_s=120)
     one_error_line(done, *needles)
     assert done.stdout == ""
+
+
+def test_cli_launch_refuses_a_flag_set_twice(tmp_path: Path) -> None:
+    """``--set A=0.9 --set A=0.8`` took the last without a word (review N12)."""
+    config = config_copy("demo-sim.toml", tmp_path, port=free_port())
+    done = run_tuner("launch", "--config", str(config), "--set", "mem-fraction-static=0.9", "--set",
+                     "mem_fraction_static=0.8", timeout_s=120)
+    one_error_line(done, "--mem-fraction-static twice", "give each flag once")
 
 
 def test_cli_launch_offers_no_real_launch(tmp_path: Path) -> None:

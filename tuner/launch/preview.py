@@ -60,8 +60,9 @@ def parse_settings(items: Sequence[str], table: FlagTable) -> dict[str, Any]:
 
     Raises:
         ConfigError: An item is not ``FLAG=VALUE``.
-        FlagError: The flag is unknown to this version (naming the nearest spelling), the value is
-            not of the option's type or choices, or outside its range (one line, the first problem).
+        FlagError: The flag is unknown to this version (naming the nearest spelling), given twice,
+            or its value is not of the option's type or choices, or outside its range (one line,
+            the first problem).
     """
     params: dict[str, Any] = {}
     for item in items:
@@ -71,7 +72,11 @@ def parse_settings(items: Sequence[str], table: FlagTable) -> dict[str, Any]:
             raise ConfigError(f"--set {item!r} is not FLAG=VALUE", hint="write --set mem-fraction-static=0.8")
         flag = "--" + name.replace("_", "-")
         opt = table.option_for_flag(flag) or table.option(name.replace("-", "_"))  # option() raises, naming the nearest
-        params[table.canonical(opt.dest)] = _typed(opt, flag, raw.strip())
+        field = table.canonical(opt.dest)
+        if field in params:
+            raise FlagError(f"--set names {flag} twice ({item!r} after {field}={params[field]!r})",
+                            hint="give each flag once")
+        params[field] = _typed(opt, flag, raw.strip())
     reasons = validate(params, table)
     if reasons:
         raise FlagError(f"--set: {reasons[0]}", hint=f"give a value SGLang {table.version} accepts")

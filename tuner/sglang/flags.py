@@ -563,7 +563,7 @@ def validate(params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """Reasons SGLang would reject this combination; empty when it is accepted.
 
     Checks: every field exists in this version; values are within choices; mem_fraction_static
-    in (0, 1); ``--enable-hierarchical-cache`` with ``--disable-radix-cache`` (§7, "mutually
+    in (0, 1); max_running_requests ≥ 1; port in 1-65535; ``--enable-hierarchical-cache`` with ``--disable-radix-cache`` (§7, "mutually
     exclusive"); before 0.5.16 the host pool must be larger than the device pool, i.e.
     ``hicache_ratio > 1`` when no ``hicache_size`` is given (§7, §4.3);
     ``chunked_prefill_size % page_size == 0`` (§2.1).
@@ -589,6 +589,9 @@ def validate(params: Mapping[str, Any], table: FlagTable) -> list[str]:
     mrr = params.get("max_running_requests")
     if mrr is not None and int(mrr) < 1:
         reasons.append(f"max_running_requests={mrr} must be at least 1")
+    port = params.get("port")
+    if port is not None and not 1 <= int(port) <= 65535:
+        reasons.append(f"port={port} is outside 1-65535")
     hicache = bool(params.get("enable_hierarchical_cache"))
     if hicache and params.get("disable_radix_cache"):
         reasons.append("enable_hierarchical_cache and disable_radix_cache are mutually exclusive (§7)")
