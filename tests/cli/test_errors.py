@@ -75,7 +75,9 @@ def test_restore_refuses_a_state_folder_that_does_not_exist(tmp_path: Path) -> N
     """A mistyped ``--state-dir`` said "nothing to restore ...; stopped" with exit 0, hiding the real
     state file (review N13)."""
     config = config_copy("demo-sim.toml", tmp_path)
-    one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "nope")), "--state-dir", "not a folder")
+    one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "nope")), "--state-dir", "does not exist")
+    (tmp_path / "file").write_text("")
+    one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "file")), "--state-dir", "not a folder")
 
 
 def test_hints_name_what_the_user_can_do(tmp_path: Path) -> None:

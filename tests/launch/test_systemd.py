@@ -49,6 +49,7 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Itera
     (folder / "10-operator.conf").write_text("[Service]\nEnvironment=OPERATOR_SETTING=1\n")
     box.systemctl_run("daemon-reload")
     box.systemctl_run("start", unit)
+    (tmp_path / "state").mkdir(exist_ok=True)  # the folder a run keeps its state file in
     settings = {"launcher": "systemd", "unit": unit, "url": f"http://127.0.0.1:{port}",
                 "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
                 "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}
@@ -169,6 +170,9 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         done = run_tuner("restore", *base)
         assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)
         assert stray.properties().main_pid == pid
+        # a mistyped --state-dir with nothing to undo is refused, not reported as nothing to restore (review N13)
+        one_error_line(run_tuner("restore", *base[:-4], "--state-dir", settings["state_dir"] + "-typo", *base[-2:]),
+                       "--state-dir", "does not exist")
 
 
 def test_example_units_are_readable_and_the_sim_unit_serves(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:

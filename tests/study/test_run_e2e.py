@@ -77,6 +77,11 @@ def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(demo_run:
     assert best.values[0] > first.context_capacity, "the demo found no config with more contexts than the baseline"
     assert done[0].user_attrs[PHASE_ATTR] == "record"  # the last phase of a measured trial
     assert _server_down(service_url(demo_run.config))  # the demo server was not running before: restored = stopped
+    # Through a pipe (or the journal) a line is a line: no sentence hard-wrapped at 80 columns (review N20).
+    note = [line for line in out.splitlines() if "hierarchical cache" in line]
+    assert note and len(note[0]) > 80 and "(§7)" in note[0], note
+    summary = [line for line in out.splitlines() if "trial(s) launched" in line]
+    assert summary and "stopped by" in summary[0], out[-2000:]
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def _print_best_vs_baseline(summary, chosen, console=console) -> None:  # noqa: 
         + f": {summary.trials_run} trial(s) launched, "
         f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
-        highlight=False,
+        highlight=False, soft_wrap=True,  # one line in a pipe or the journal, not wrapped at 80 columns
     )
     if chosen is None:
         console.print("no feasible trial yet: nothing beats the baseline (see `tuner trials`)")
@@ -172,10 +172,12 @@ class _RunProgress:
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
         with self._lock:
             if event.event == "phase" and event.number is None:  # about the study, not this host's trial
-                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
+                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False,
+                                            soft_wrap=True)
             elif event.event in ("trial_end", "skip", "stop", "note"):
                 self.in_flight = None
-                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False)
+                self.progress.console.print(f"  {terminal_safe(event.message)}", highlight=False, markup=False,
+                                            soft_wrap=True)
             elif event.event in ("trial_start", "phase"):
                 self.in_flight = event.number
                 self.progress.update(self.task, description=terminal_safe(progress_line(event)), deadline=deadline,
@@ -230,9 +232,12 @@ def run_cmd(
                                      allow_mixed_environment=allow_mixed_environment, storage_url=storage,
                                      on_progress=renderer)
     except KeyboardInterrupt:  # tune() restored the service before re-raising
+        from tuner.study.storage import display_url
+
         what = (f"trial {renderer.in_flight} recorded as failed (interrupted)" if renderer.in_flight is not None
                 else "no trial was in flight")
-        again = f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
+        again = (f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
+                 + (f" --storage {display_url(storage)}" if storage else ""))
         err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
                           highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
