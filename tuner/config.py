@@ -324,12 +324,16 @@ class StorageSection(_Section):
         grace_period_s: Seconds without a heartbeat after which another host marks a running trial
             FAIL and queues its params once more (Optuna's ``grace_period``; whole seconds, more
             than the interval).
+        outage_s: Seconds a run waits for a database server that stopped answering (restarting,
+            failing over, cut off) before it stops with one line, the service restored and the
+            result in flight kept on this host for the next run (:mod:`tuner.study.outage`).
     """
 
     url: str | None = None
     artifacts_dir: str | None = None
     heartbeat_interval_s: int = Field(default=30, ge=1, le=3600)
     grace_period_s: int = Field(default=120, ge=2, le=86400)
+    outage_s: float = Field(default=300.0, ge=0, le=86400)
 
     @model_validator(mode="after")
     def _grace_after_interval(self) -> StorageSection:

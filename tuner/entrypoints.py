@@ -8,9 +8,7 @@ Everything else receives its parts as arguments; :mod:`tuner.apply` and the CLI 
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from tuner.config import TunerConfig
@@ -25,6 +23,7 @@ from tuner.study.baseline import study_hicache
 from tuner.study.budget import prior_trial_cost_s
 from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import run_study
+from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunSummary
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
 from tuner.study.storage import display_url, study_artifacts_dir, study_storage_url
@@ -150,14 +149,21 @@ def tune(
     environment = resolve_environment(config, argv, table, gpu)
     check_run(config, launcher, environment=environment, storage_url=storage_url, budget_s=budget_s,
               max_trials=max_trials, allow_mixed_environment=allow_mixed_environment)
-    # Per-trial files live here until run_study uploads them to the artifact store; removed after.
-    with tempfile.TemporaryDirectory(prefix=f"tuner-{config.study.name}-") as work_dir, launcher.session():
-        server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
-        executor = TrialExecutor(config, server, table, work_dir=Path(work_dir))
-        return run_study(
-            config, executor, budget_s=budget_s, max_trials=max_trials,
-            allow_mixed_environment=allow_mixed_environment, storage_url=storage_url, on_progress=on_progress,
-        )
+    url = storage_url or study_storage_url(config)
+    journal = ResultJournal(launcher.store.journal_path, config.study.name, url)
+    with launcher.session():
+        # Per-trial files live in the unit's work folder until run_study uploads them to the
+        # artifact store; a killed run's folder is emptied by the next run or `tuner restore`.
+        work_dir = launcher.store.fresh_work_dir()
+        try:
+            server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
+            executor = TrialExecutor(config, server, table, work_dir=work_dir)
+            return run_study(
+                config, executor, budget_s=budget_s, max_trials=max_trials, journal=journal,
+                allow_mixed_environment=allow_mixed_environment, storage_url=url, on_progress=on_progress,
+            )
+        finally:
+            launcher.store.drop_work_dir()
 
 
 def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,

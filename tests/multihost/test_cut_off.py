@@ -116,9 +116,11 @@ def test_a_host_cut_off_past_the_grace_period_stores_its_result_when_the_link_is
 def test_a_host_still_cut_off_when_its_trial_ends_logs_the_result_in_one_line_and_stops(
         postgres_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
     config, url, proxy, runner, proxied = _host_a_behind_a_proxy(postgres_cluster, tmp_path, monkeypatch, stay_cut=True)
+    config = config.model_copy(update={"storage": config.storage.model_copy(update={"outage_s": 3.0})})
+    runner.config = config
     try:
         with caplog.at_level(logging.WARNING, logger="tuner.study.loop"), \
-                pytest.raises(StudyError, match="database stopped answering") as raised:
+                pytest.raises(StudyError, match="database did not answer for 3 s") as raised:
             run_study(config, runner, max_trials=3, storage_url=proxied)
     finally:
         proxy.close()

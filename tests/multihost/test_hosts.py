@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import optuna
 import pytest
@@ -109,3 +110,28 @@ def test_recover_own_leaves_other_hosts_running_trials(postgres_url: str) -> Non
     assert trials[mine.number].state is TrialState.FAIL
     assert trials[theirs.number].state is TrialState.RUNNING
     assert [t.params for t in trials if t.state is TrialState.WAITING] == [mine.params]
+
+
+def test_a_requeued_trial_starts_without_its_dead_predecessors_constraints(postgres_url: str) -> None:
+    """A host killed inside ``tell_record`` after the constraints were set and before the tell:
+    the copy queued for the dead trial carried them, and telling it warned "constraint already
+    set" and kept the dead run's values (the fleet review of issue 29)."""
+    dead, alive = _host_study(postgres_url), _host_study(postgres_url)
+    victim = _claim(dead, "host-a", 0.3)
+    own(dead, victim, "host-a", {})
+    victim.set_constraint("oom_or_crash", 1.0)  # the dead run's half-told result
+    time.sleep(3.2)  # past the 2 s grace period without a beat
+    reaped: list[int] = []
+    survivor = _claim(alive, "host-b", 0.6)
+    with TrialHeartbeat(alive, survivor.number, on_reaped=reaped.extend):
+        while not reaped:
+            time.sleep(0.1)
+    assert reaped == [victim.number]
+    retried = alive.ask()
+    assert retried.params == victim.params
+    assert not [k for k in alive.get_trials()[retried.number].system_attrs if k.startswith("constraints")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "constraint already set" would be raised here
+        retried.set_constraint("oom_or_crash", -1.0)
+    alive.tell(retried, 1.0)
+    assert alive.get_trials()[retried.number].system_attrs["constraints:oom_or_crash"] == -1.0

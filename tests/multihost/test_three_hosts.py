@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -108,9 +106,8 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
                 proc.kill()
                 proc.wait(timeout=30)
 
-    left = sorted(Path(tempfile.gettempdir()).glob("tuner-demo-sim-*"))
-    assert len(left) == 1, left  # host-c's work folder: nothing removes a folder on SIGKILL; a, b removed theirs
-    shutil.rmtree(left[0])
+    left = {h: sorted((folders[h] / "state").glob("*.work")) for h in HOSTS}
+    assert left["host-a"] == left["host-b"] == [] and len(left["host-c"]) == 1, left  # SIGKILL removes nothing
 
     # Dead host: its trial FAIL within the grace period (+ one beat of the reaper and polling).
     assert failed_after is not None and failed_after <= GRACE_S + INTERVAL_S + 3.0, failed_after
@@ -140,6 +137,7 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
     restored = _tuner("restore", "--config", str(configs["host-c"]), cwd=folders["host-c"], host="host-c")
     assert restored.returncode == 0, restored.stderr
     assert "restored" in restored.stdout and not _up(_server_url(configs["host-c"]))
+    assert not left["host-c"][0].exists()  # restore removed the killed run's trial files
 
     # The readers on the PostgreSQL URL: hosts shown; best equal to a single host's choice from a
     # local SQLite copy of the same trials.

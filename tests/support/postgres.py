@@ -91,6 +91,28 @@ class PostgresCluster:
                              dbname=database, autocommit=True) as conn:
             conn.execute(statement)
 
+    def start(self) -> None:
+        """Start the server (again) and wait until it accepts connections.
+
+        Raises:
+            RuntimeError: ``pg_ctl start`` failed (its output and the log's tail quoted).
+        """
+        options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.root} "
+                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
+                   "-c shared_buffers=32MB")
+        start = self.run("pg_ctl", "-D", str(self.root / "data"), "-l", str(self.root / "server.log"), "-o", options,
+                         "-w", "-t", "60", "start", timeout=90.0)
+        if start.returncode != 0:
+            log = (self.root / "server.log").read_text(errors="replace") if (self.root / "server.log").exists() else ""
+            raise RuntimeError(f"pg_ctl start failed: {(start.stderr or start.stdout).strip()} {log[-400:]}")
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: clients are disconnected, as in a restart or a failover)."""
+        self.run("pg_ctl", "-D", str(self.root / "data"), "-m", mode, "-w", "stop", timeout=60.0)
+        deadline = time.monotonic() + 10.0
+        while (self.root / "data" / "postmaster.pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def run(self, *argv: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run a server binary as the cluster's owner."""
         return subprocess.run([str(self.bin_dir / argv[0]), *argv[1:]], capture_output=True, text=True,
@@ -125,22 +147,12 @@ def boot_postgres(*, bin_dir: Path | None = None) -> Iterator[PostgresCluster]:
                            timeout=120.0)
         if init.returncode != 0:
             raise RuntimeError(f"initdb failed: {(init.stderr or init.stdout).strip()[-400:]}")
-        options = (f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={root} "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300 "
-                   "-c shared_buffers=32MB")
-        start = cluster.run("pg_ctl", "-D", str(root / "data"), "-l", str(root / "server.log"), "-o", options,
-                            "-w", "-t", "60", "start", timeout=90.0)
-        if start.returncode != 0:
-            log = (root / "server.log").read_text(errors="replace") if (root / "server.log").exists() else ""
-            raise RuntimeError(f"pg_ctl start failed: {(start.stderr or start.stdout).strip()} {log[-400:]}")
+        cluster.start()
         started = True
         yield cluster
     finally:
         if started:
-            cluster.run("pg_ctl", "-D", str(root / "data"), "-m", "immediate", "-w", "stop", timeout=60.0)
-            deadline = time.monotonic() + 10.0
-            while (root / "data" / "postmaster.pid").exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
+            cluster.stop("immediate")
         shutil.rmtree(root, ignore_errors=True)
 
 

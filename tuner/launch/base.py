@@ -109,6 +109,8 @@ class Launcher(abc.ABC):
 
     url: str
     """Base URL of the server (``http://127.0.0.1:30000``)."""
+    store: StateStore
+    """The unit's state file, and beside it the run's work folder and result journal."""
 
     @abc.abstractmethod
     def current_argv(self) -> list[str]:
@@ -498,6 +500,7 @@ class GuardedLauncher(Launcher):
         if owned:
             self.preflight(restore=True)  # an unknown unit fails here, before a lock file is created
             self.lock.acquire()
+            self.store.drop_work_dir()  # the trial files of a run killed before it could remove them
         try:
             state = self._state or self.store.load()
             if state is None:

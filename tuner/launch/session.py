@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -296,7 +297,10 @@ class SessionState(BaseModel):
 
 
 class StateStore:
-    """The state file of one unit: ``<state_dir>/<unit>.state.json``, written atomically.
+    """The state file of one unit: ``<state_dir>/<unit>.state.json``, written atomically; beside
+    it, the run's work folder ``<unit>.work/`` (per-trial files until they are uploaded: removed by
+    the next run or ``tuner restore`` when a killed run left it) and the result journal
+    ``<unit>.results.jsonl`` (:class:`tuner.study.outage.ResultJournal`).
 
     Args:
         state_dir: Folder for state files (created on first save).
@@ -305,6 +309,26 @@ class StateStore:
 
     def __init__(self, state_dir: Path | str, key: str) -> None:
         self.path = Path(state_dir) / f"{_safe_key(key)}.state.json"
+        self.work_dir = Path(state_dir) / f"{_safe_key(key)}.work"
+        self.journal_path = Path(state_dir) / f"{_safe_key(key)}.results.jsonl"
+
+    def fresh_work_dir(self) -> Path:
+        """The work folder, emptied of what a killed run left (call under the unit's lock).
+
+        Raises:
+            LaunchError: The state folder is not writable.
+        """
+        self.drop_work_dir()
+        try:
+            self.work_dir.mkdir(parents=True, mode=0o700)
+        except OSError as err:
+            raise LaunchError(f"cannot create the work folder {self.work_dir}: {err.strerror}",
+                              hint="set service.state_dir to a writable folder with free space") from err
+        return self.work_dir
+
+    def drop_work_dir(self) -> None:
+        """Remove the work folder and what is in it (call under the unit's lock)."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def save(self, state: SessionState) -> None:
         """Write the state atomically.

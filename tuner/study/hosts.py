@@ -56,9 +56,11 @@ from tuner.study.optuna_io import (
     record_of,
     tell_record,
 )
+from tuner.study.outage import db_reason, impatient, is_transient, patiently
 from tuner.study.space import config_key
 
 __all__ = [
+    "HEARTBEAT_ATTR",
     "HOST_ATTR",
     "HOST_ENV",
     "REQUEUED_ATTR",
@@ -68,6 +70,7 @@ __all__ = [
     "heartbeat_interval",
     "same_environment",
     "RequeueOnce",
+    "study_heartbeat",
     "ClaimLock",
     "schema_lock",
     "TrialHeartbeat",
@@ -82,6 +85,9 @@ __all__ = [
 
 HOST_ENV = "TUNER_HOST"
 """Environment variable overriding the host name (one machine simulating several hosts)."""
+HEARTBEAT_ATTR = "tuner.heartbeat"
+"""Study user attribute: ``{"interval_s": n, "grace_period_s": m}``, the first host's ``[storage]``
+heartbeat settings, which every host of the study uses (:func:`study_heartbeat`)."""
 REQUEUED_ATTR = "tuner.requeued_from"
 """User attribute of a re-queued trial: ``{"trial": n, "host": the dead host}``."""
 _LOCK_CLASS = 0x53474C54  # "SGLT" (fits an int4): the first key of the advisory lock
@@ -105,6 +111,21 @@ def heartbeat_interval(storage: BaseStorage) -> int | None:
     """The storage's heartbeat interval in seconds, or ``None`` when it keeps no heartbeats."""
     getter = getattr(storage, "get_heartbeat_interval", None)
     return getter() if callable(getter) else None
+
+
+def study_heartbeat(study: optuna.Study, interval_s: int, grace_period_s: int) -> tuple[int, int]:
+    """The study's heartbeat interval and grace period in seconds: stored with the study by its
+    first host (these values, then), and used by every host that joins it.
+
+    A host that beat every 2 s with a 4 s grace period failed another host's live trial that
+    beat every 30 s after 5 s: whether a trial is dead must be judged by one rule per study.
+    Call under the schema lock (:func:`schema_lock`) so two first hosts do not both store theirs.
+    """
+    stored = study.user_attrs.get(HEARTBEAT_ATTR)
+    if not isinstance(stored, dict):
+        study.set_user_attr(HEARTBEAT_ATTR, {"interval_s": int(interval_s), "grace_period_s": int(grace_period_s)})
+        return int(interval_s), int(grace_period_s)
+    return int(stored["interval_s"]), int(stored["grace_period_s"])
 
 
 def same_environment(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
@@ -146,6 +167,10 @@ class RequeueOnce(RetryHeartbeatStaleTrialCallback):
         attrs[KIND_ATTR] = "enqueued"
         attrs[REQUEUED_ATTR] = {"trial": trial.number, "host": trial.user_attrs.get(HOST_ATTR)}
         copied.user_attrs = attrs
+        # Optuna's callback copies every system attr: the dead trial's constraints would be the
+        # new trial's before it ran ("constraint already set" when it is told).
+        copied.system_attrs = {k: v for k, v in trial.system_attrs.items()
+                               if k != _CONSTRAINTS_KEY and not k.startswith(f"{_CONSTRAINTS_KEY}:")}
         _log.info("trial %d (host %s) is dead; its params are queued again",
                      trial.number, trial.user_attrs.get(HOST_ATTR))
         super().__call__(study, copied)
@@ -248,6 +273,7 @@ class ClaimLock:
     def __init__(self, storage: BaseStorage, study_id: int, *, timeout_s: float = 120.0, poll_s: float = 0.05) -> None:
         rdb = rdb_of(storage)
         self._engine = rdb.engine if rdb is not None and is_postgres(rdb) else None
+        self._outage_s = float(getattr(rdb, "outage_s", 0.0))  # a PatientStorage's wait for an outage
         self._study_id = int(study_id)
         self._timeout_s = timeout_s
         self._poll_s = poll_s
@@ -270,10 +296,26 @@ class ClaimLock:
             return
         keys = {"a": _LOCK_CLASS, "b": self._study_id}
         try:
-            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            conn = patiently(lambda: self._acquire(keys), limit_s=self._outage_s, what="the claim lock")
         except SQLAlchemyError as err:
             raise StudyError(f"the study's claim lock cannot be taken: {first_line(err)}",
                              hint="check that the database server is up") from err
+        try:
+            yield
+        finally:
+            try:  # a server that restarted meanwhile ended the session, and the lock with it
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
+            except SQLAlchemyError as err:
+                if not is_transient(err):
+                    raise StudyError(f"the study's claim lock failed: {first_line(err)}",
+                                     hint="check that the database server is up") from err
+            finally:
+                conn.close()
+
+    def _acquire(self, keys: dict[str, int]) -> sqlalchemy.Connection:
+        """A connection holding the lock (waits up to ``timeout_s`` for another host's section)."""
+        assert self._engine is not None
+        conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         try:
             deadline = time.monotonic() + self._timeout_s
             while not conn.execute(sqlalchemy.text("SELECT pg_try_advisory_lock(:a, :b)"), keys).scalar():
@@ -284,15 +326,10 @@ class ClaimLock:
                         hint="check that host's tuner (stopped or hung?) and run again",
                     )
                 time.sleep(self._poll_s)
-            try:
-                yield
-            finally:
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
-        except SQLAlchemyError as err:
-            raise StudyError(f"the study's claim lock failed: {first_line(err)}",
-                             hint="check that the database server is up") from err
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        return conn
 
     def _holder(self, conn: sqlalchemy.Connection) -> str:
         row = conn.execute(sqlalchemy.text(
@@ -375,14 +412,19 @@ class TrialHeartbeat:
         interval = float(heartbeat_interval(self._storage) or 30)
         while not self._stop.wait(interval):
             try:
-                self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
-                reaped = reap_stale(self._study)
+                with impatient():  # a missed beat is logged; the next one comes in `interval` s
+                    self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
+                    reaped = reap_stale(self._study)
             except Exception as err:  # noqa: BLE001 - never kill the trial for a missed beat
-                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, first_line(err))
+                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, db_reason(err))
                 continue
             if reaped and self._on_reaped is not None:
                 self._on_reaped(reaped)
 
+
+_CONSTRAINTS_KEY = "constraints"
+"""Optuna's system attrs of a trial's constraints: ``constraints`` (the values, when told) and one
+``constraints:<name>`` per ``Trial.set_constraint`` (``optuna.samplers._base._CONSTRAINTS_KEY``)."""
 
 # ---- Optuna's private attributes --------------------------------------------------------------
 # The one place the tuner reaches into Optuna's ``Study``: many hosts need a trial's storage id

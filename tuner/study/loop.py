@@ -19,6 +19,7 @@ to a listener (:class:`tuner.study.progress.RunProgress`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import ServiceControlError, StudyError
@@ -52,6 +54,7 @@ from tuner.study.hosts import (
     recover_own,
     same_environment,
     schema_lock,
+    study_heartbeat,
 )
 from tuner.study.job import TrialJob, TrialRunner
 from tuner.study.optuna_io import (
@@ -65,6 +68,7 @@ from tuner.study.optuna_io import (
     open_study,
     study_info,
 )
+from tuner.study.outage import ResultJournal, db_reason, impatient
 from tuner.study.progress import Progress, RunProgress, RunSummary
 from tuner.study.record import Recorder, server_reason
 from tuner.study.space import Space
@@ -80,6 +84,8 @@ from tuner.study.storage import (
 from tuner.study.view import RecordCache, StudyView
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "StudyRun", "run_study"]
+
+_log = logging.getLogger(__name__)
 
 MAX_INVALID_IN_A_ROW = 3
 """Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
@@ -99,6 +105,7 @@ class _Options:
     max_trials: int | None
     allow_mixed_environment: bool
     use_planner: bool
+    journal: ResultJournal | None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class StudyRun:
         clock: Monotonic clock in seconds (injectable).
         use_planner: Ask the planner's proposers and screens (off: the sampler alone, for the
             search-quality benchmark's comparison).
+        journal: Where launched trials' results are kept until the database has them
+            (:class:`tuner.study.outage.ResultJournal`; ``None``: memory only).
 
     Raises:
         StudyError: Neither budget nor trial cap given.
@@ -138,12 +147,12 @@ class StudyRun:
     def __init__(self, config: TunerConfig, runner: TrialRunner, *, budget_s: float | None = None,
                  max_trials: int | None = None, allow_mixed_environment: bool = False, storage_url: str | None = None,
                  on_progress: Callable[[Progress], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 use_planner: bool = True) -> None:
+                 use_planner: bool = True, journal: ResultJournal | None = None) -> None:
         if budget_s is None and max_trials is None:
             raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
         self.config = config
         self.runner = runner
-        self.options = _Options(budget_s, max_trials, allow_mixed_environment, use_planner)
+        self.options = _Options(budget_s, max_trials, allow_mixed_environment, use_planner, journal)
         self.clock = clock
         self.budget = Budget(budget_s, reserve_s=config.budget.restore_reserve_s, clock=clock)
         self.summary = RunSummary(study_name=config.study.name, storage_url=storage_url or study_storage_url(config),
@@ -202,8 +211,9 @@ class StudyRun:
         check_storage_folder(url, config.study.name)
         check_run_storage(url, config.study.name)
         check_url_matches_port(self.runner.target().get("url"), self.runner.baseline_argv())
-        storage = open_storage(url, heartbeat_interval_s=config.storage.heartbeat_interval_s,
-                               grace_period_s=config.storage.grace_period_s)
+        own_beat = (config.storage.heartbeat_interval_s, config.storage.grace_period_s)
+        storage = open_storage(url, heartbeat_interval_s=own_beat[0], grace_period_s=own_beat[1],
+                               outage_s=config.storage.outage_s)
         environment = self.runner.environment()
         context_tokens = config.objective.context_tokens or build_workload(config.workload, seed=config.study.seed).context_tokens
         new = StudyInfo(environment=environment, target=self.runner.target(), baseline_argv=self.runner.baseline_argv(),
@@ -212,12 +222,24 @@ class StudyRun:
         with schema_lock(url):  # hosts starting together: one creates the study and its info
             study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
             info = ensure_study_info(study, new, allow_mixed=self.options.allow_mixed_environment)
+            beat = study_heartbeat(study, *own_beat)
+        if beat != own_beat:  # one rule per study for when a trial is dead: the study's
+            self.progress.note(None, f"the study's trials beat every {beat[0]} s with a {beat[1]} s grace period "
+                               f"(set by its first host); this host's [storage] {own_beat[0]} s / {own_beat[1]} s "
+                               "are not used")
+            storage = open_storage(url, heartbeat_interval_s=beat[0], grace_period_s=beat[1],
+                                   outage_s=config.storage.outage_s)
+            study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
         shared = is_postgres(storage)
-        self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
         store = open_artifact_store(config, url)
+        recorder = Recorder(study, store, self.summary.host, environment, journal=self.options.journal)
+        replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
+        if replayed:
+            self.progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "
+                               "last run kept while the database did not answer", phase="recovered")
+        self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
         context_tokens = info.context_tokens or context_tokens
-        self.opened = _Opened(study=study, claims=ClaimLock.of(study),
-                              recorder=Recorder(study, store, self.summary.host, environment), shared=shared,
+        self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
                               environment=environment, context_tokens=context_tokens,
                               settings=ModelSettings.for_config(config, context_tokens), records=RecordCache())
         if self.options.budget_s is not None:
@@ -369,7 +391,11 @@ class StudyRun:
 
         def on_phase(name: str, detail: Any = None) -> None:
             if detail is None:  # a phase begins (main thread); its progress ticks are not stored
-                trial.set_user_attr(PHASE_ATTR, name)
+                try:
+                    with impatient():  # for readers only: a trial never waits for the database for it
+                        trial.set_user_attr(PHASE_ATTR, name)
+                except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+                    _log.warning("trial %d: phase %s not stored: %s", trial.number, name, db_reason(err))
             self.progress.phase(job, name, detail)
 
         def on_reaped(numbers: list[int]) -> None:

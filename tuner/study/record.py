@@ -18,13 +18,15 @@ from typing import Any
 
 import optuna
 from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from optuna.distributions import distribution_to_json, json_to_distribution
+from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError, first_line
-from tuner.records import TrialRecord
+from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
-from tuner.study.hosts import add_record
+from tuner.study.hosts import add_record, trial_id
 from tuner.study.job import TrialJob
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
@@ -36,6 +38,7 @@ from tuner.study.optuna_io import (
     fail_trial,
     tell_record,
 )
+from tuner.study.outage import ResultJournal, StorageOutage
 
 __all__ = ["Recorder", "SkipWriter", "server_reason"]
 
@@ -50,14 +53,17 @@ class Recorder:
         artifact_store: Where trial artifacts go (``None``: not uploaded, the in-memory study).
         host: This host's name (:data:`~tuner.study.optuna_io.HOST_ATTR` of what it stores).
         environment: This run's environment (stored on a late result).
+        journal: Where a launched trial's result is kept until the database has it (``None``:
+            nowhere but memory, the offline benchmark).
     """
 
     def __init__(self, study: optuna.Study, artifact_store: FileSystemArtifactStore | None, host: str,
-                 environment: Mapping[str, Any]) -> None:
+                 environment: Mapping[str, Any], journal: ResultJournal | None = None) -> None:
         self.study = study
         self.artifact_store = artifact_store
         self.host = host
         self.environment = dict(environment)
+        self.journal = journal
         self.writer = SkipWriter(study)
 
     def ask(self, proposal: Proposal) -> optuna.Trial:
@@ -109,26 +115,32 @@ class Recorder:
         )
 
     def tell(self, trial: optuna.Trial, record: TrialRecord) -> TrialRecord:
-        """Complete a launched trial's ``record`` (artifact ids for its files) and tell Optuna.
+        """Complete a launched trial's ``record`` (artifact ids for its files) and tell Optuna;
+        the result is kept in the journal from just before until the database has it.
 
         Returns:
             The stored record.
 
         Raises:
-            StudyError: The database stopped answering (the result is logged in one line first).
+            StorageOutage: The database did not answer within ``[storage] outage_s`` (the result
+                stays in the journal; the next run on this host stores it first).
+            StudyError: The database refused the result (it is logged in one line first).
         """
+        kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
+        kept = False
         try:
-            record = _upload_artifacts(trial, record, self.artifact_store)
-            tell_record(self.study, trial, record)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            # Cut off from the database for longer than the grace period: the other hosts marked
-            # this trial FAIL (and queued its params again). The measurement is still good: store
-            # it as a trial of its own; the queued copy is then skipped as measured.
-            number = add_record(self.study, trial.params, trial.distributions, record,
-                                {HOST_ATTR: self.host, ENVIRONMENT_ATTR: self.environment,
-                                 KIND_ATTR: str(trial.user_attrs.get(KIND_ATTR, "sampled")), LATE_ATTR: trial.number})
-            _log.warning("trial %d was marked FAIL by another host while this host could not reach the "
-                         "database; its result is stored as trial %d", trial.number, number)
+            record = _upload_artifacts(trial, record, self.artifact_store)  # Optuna stores each artifact's id
+            kept = self._keep(trial, kind, record)
+            self._store(trial, trial.params, trial.distributions, kind, record)
+        except StorageOutage as err:
+            if not kept:  # the artifacts' files stay in the artifact store; their ids were not stored
+                self._keep(trial, kind, record.model_copy(update={"artifacts": {}}))
+            where = f"kept in {self.journal.path}" if self.journal is not None else "in the warning above"
+            _log.warning("trial %d not stored: params %s, context capacity %s, output %s tok/s, outcome %s",
+                         trial.number, json.dumps(record.params, sort_keys=True), record.context_capacity,
+                         record.output_throughput_tok_s, record.outcome)
+            raise StorageOutage(f"{err.message}: trial {trial.number}'s result is {where} and the next run "
+                                "on this host stores it first; the service was restored", hint=err.hint) from err
         except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
             _log.warning("trial %d not stored (the database does not answer: %s): params %s, context "
                          "capacity %s, output %s tok/s, outcome %s", trial.number, first_line(err),
@@ -140,7 +152,62 @@ class Recorder:
                 hint="check the database server and the network to it, then run the same command to resume "
                 "(the other hosts re-run the trial)",
             ) from err
+        if self.journal is not None:
+            self.journal.stored(trial.number)
         return record
+
+    def _keep(self, trial: optuna.Trial, kind: str, record: TrialRecord) -> bool:
+        """Keep ``record`` in the journal until the database has it (whether there is one)."""
+        if self.journal is None:
+            return False
+        distributions = {k: distribution_to_json(d) for k, d in trial.distributions.items()}
+        self.journal.keep(trial.number, {"record": record.model_dump(mode="json"), "kind": kind,
+                                         "params": trial.params, "distributions": distributions})
+        return True
+
+    def replay(self) -> list[int]:
+        """Store the results an earlier run of this study on this host kept in the journal (it
+        stopped because the database did not answer), each exactly once: told on its trial when
+        that is still RUNNING, left as it is when the trial already holds it (the answer to the
+        tell was lost), stored as a late trial of its own when another host failed the trial.
+
+        Returns:
+            The numbers of the trials whose results were stored now.
+        """
+        if self.journal is None:
+            return []
+        done = []
+        trials = self.study.get_trials(deepcopy=False)
+        for entry in self.journal.pending():
+            number = int(entry["number"])
+            record = TrialRecord.model_validate(entry["record"])
+            frozen = trials[number] if number < len(trials) else None
+            if frozen is not None and not (frozen.state.is_finished() and RECORD_ATTR in frozen.user_attrs
+                                           and frozen.state is not TrialState.FAIL):
+                distributions = {k: json_to_distribution(v) for k, v in entry.get("distributions", {}).items()}
+                trial = optuna.trial.Trial(self.study, trial_id(self.study, number))
+                self._store(trial, entry.get("params", {}), distributions, str(entry.get("kind", "sampled")), record)
+                done.append(number)
+            self.journal.stored(number)
+        return done
+
+    def _store(self, trial: optuna.Trial, params: Mapping[str, Any], distributions: Mapping[str, Any], kind: str,
+               record: TrialRecord) -> None:
+        """Tell ``trial`` its ``record``; a trial another host failed meanwhile gets a late trial."""
+        try:
+            tell_record(self.study, trial, record)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            stored = self.study.get_trials(deepcopy=False)[trial.number]
+            if stored.state is not TrialState.FAIL and RECORD_ATTR in stored.user_attrs:
+                return  # a tell whose answer was lost in an outage, retried: stored once already
+            # Cut off from the database for longer than the grace period: the other hosts marked
+            # this trial FAIL (and queued its params again). The measurement is still good: store
+            # it as a trial of its own; the queued copy is then skipped as measured.
+            number = add_record(self.study, params, distributions, record,
+                                {HOST_ATTR: self.host, ENVIRONMENT_ATTR: self.environment,
+                                 KIND_ATTR: kind, LATE_ATTR: trial.number})
+            _log.warning("trial %d was marked FAIL by another host while this host could not reach the "
+                         "database; its result is stored as trial %d", trial.number, number)
 
     def flush(self) -> None:
         """Wait until every background write is stored.

@@ -25,6 +25,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from tuner.config import TunerConfig
 from tuner.errors import StudyError, first_line
 from tuner.study.hosts import RequeueOnce, host_name, schema_lock
+from tuner.study.outage import PatientStorage
 
 __all__ = [
     "STUDIES_DIR",
@@ -106,7 +107,8 @@ def _engine_kwargs(url: str) -> dict:
     return kwargs
 
 
-def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_period_s: int | None = None) -> BaseStorage:
+def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_period_s: int | None = None,
+                 outage_s: float | None = None) -> BaseStorage:
     """Open an Optuna storage from a SQLAlchemy URL, creating a SQLite file's folder if needed.
 
     On a database server the schema is created under the study's schema lock
@@ -120,6 +122,8 @@ def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_per
             ``:memory:`` (in-memory, for the offline benchmark).
         heartbeat_interval_s: Optuna's ``heartbeat_interval`` (whole seconds), or ``None``.
         grace_period_s: Optuna's ``grace_period`` (whole seconds), or ``None`` (2 × interval).
+        outage_s: On a database server, seconds each call waits out an outage
+            (:class:`tuner.study.outage.PatientStorage`); ``None``: a call fails at once.
 
     Raises:
         StudyError: The database cannot be opened (one line naming the fix: driver, server,
@@ -142,6 +146,8 @@ def open_storage(url: str, *, heartbeat_interval_s: int | None = None, grace_per
                      "heartbeat_stale_trial_callback": RequeueOnce()}
     try:
         with schema_lock(url, _engine_kwargs(url)):
+            if outage_s is not None and is_shared_url(url):
+                return PatientStorage(url, outage_s=outage_s, engine_kwargs=_engine_kwargs(url), **heartbeat)
             return RDBStorage(url, engine_kwargs=_engine_kwargs(url), **heartbeat)
     except ImportError as err:
         raise _driver_error(url, err) from err
