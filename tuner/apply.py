@@ -52,7 +52,7 @@ from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 from tuner.study.hosts import host_name
-from tuner.study.storage import check_storage, is_shared_url
+from tuner.study.storage import check_storage, display_url, is_shared_url
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -357,7 +357,7 @@ class ApplyLog:
                 new_id = inserted[0]
         except SQLAlchemyError as err:
             raise ApplyError(
-                f"cannot record the apply in {self.storage_url}: {str(err).splitlines()[0]}",
+                f"cannot record the apply in {display_url(self.storage_url)}: {str(err).splitlines()[0]}",
                 hint="check that the study database is writable",
             ) from err
         return record.model_copy(update={"id": int(new_id), "target": row["target"]})

@@ -31,6 +31,7 @@ from tuner.study.storage import (
     STUDIES_DIR,
     default_artifacts_dir,
     default_storage_url,
+    display_url,
     read_storage,
     study_artifacts_dir,
     study_storage_url,
@@ -395,14 +396,14 @@ def open_study(location: StudyLocation) -> StoredStudy:
     if name is None:
         if len(names) != 1:
             raise StudyError(
-                f"storage {location.storage_url} holds {len(names)} studies "
+                f"storage {display_url(location.storage_url)} holds {len(names)} studies "
                 f"({', '.join(names) or 'none'})",
                 hint="pick one with --study NAME (see `tuner studies`)",
             )
         name = names[0]
     elif name not in names:
         raise StudyError(
-            f"storage {location.storage_url} has no study {name!r} "
+            f"storage {display_url(location.storage_url)} has no study {name!r} "
             f"(it has: {', '.join(names) or 'none'})",
             hint="check --study, or list them with `tuner studies`",
         )

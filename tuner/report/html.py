@@ -22,7 +22,7 @@ from tuner.report import figures
 from tuner.report.figures import CATEGORY_COLORS, category
 from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, status_text
 from tuner.results import METRICS, BestTrial, StoredStudy, best_trial, cache_effect
-from tuner.study.storage import STUDIES_DIR
+from tuner.study.storage import STUDIES_DIR, display_url
 
 __all__ = ['FIGURE_IDS', 'build_html_report', 'write_html_report', 'write_study_report']
 
@@ -184,7 +184,7 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
     info = stored.info
     summary = [
         f"<p><b>study</b> {html.escape(stored.name)} — <b>storage</b> "
-        f"{html.escape(stored.location.storage_url)} — {len(stored.trials)} trials — "
+        f"{html.escape(display_url(stored.location.storage_url))} — {len(stored.trials)} trials — "
         f"generated {html.escape(dt.datetime.now(dt.UTC).isoformat(timespec='seconds'))}</p>"
     ]
     if info is not None:

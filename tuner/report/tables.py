@@ -28,6 +28,7 @@ from tuner.load import LoadSummary, MaxLoadResult
 from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect
 from tuner.study.best import max_running_requests_cut
 from tuner.study.space import KNOBS
+from tuner.study.storage import display_url
 
 __all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
 
@@ -437,7 +438,7 @@ def studies_rows(
             info = summary.user_attrs.get("tuner.study") or {}
             rows.append(
                 {
-                    "storage": url,
+                    "storage": display_url(url),
                     "study": summary.study_name,
                     "n_trials": summary.n_trials,
                     "started": summary.datetime_start.isoformat(timespec="seconds")
@@ -454,7 +455,7 @@ def studies_rows(
 
 def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: str) -> Table:
     """``tuner studies``: name, trials, started, and the tuner's target of each study."""
-    table = Table(title=f"studies in {storage_url}", header_style="bold")
+    table = Table(title=f"studies in {display_url(storage_url)}", header_style="bold")
     for header in ("study", "trials", "started", "target", "model"):
         table.add_column(header, justify="right" if header == "trials" else "left")
     for summary in summaries:

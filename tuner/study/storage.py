@@ -172,7 +172,7 @@ def _check_server_storage(url: str) -> bool:
     try:
         parsed = make_url(url)
     except ArgumentError as err:
-        raise StudyError(f"storage URL {url!r} is not a SQLAlchemy URL",
+        raise StudyError(f"storage URL {display_url(url)!r} is not a SQLAlchemy URL",
                          hint="write it like postgresql+psycopg://user:password@host:5432/database") from err
     engine = _engine(url, parsed)
     try:
@@ -251,7 +251,7 @@ def check_storage_folder(url: str, study_name: str) -> None:
     folder = Path(url.removeprefix("sqlite:///")).parent
     if not folder.is_dir():
         raise StudyError(
-            f"storage {url!r}: folder {str(folder)!r} does not exist",
+            f"storage {display_url(url)!r}: folder {str(folder)!r} does not exist",
             hint="create it first, or use an existing folder (the default sqlite:///studies/<study>.db is created)",
         )
 
@@ -270,14 +270,14 @@ def check_storage(storage_url: str) -> None:
         url = make_url(storage_url)
     except ArgumentError as err:
         raise StudyError(
-            f"storage URL {storage_url!r} is not a SQLAlchemy URL",
+            f"storage URL {display_url(storage_url)!r} is not a SQLAlchemy URL",
             hint="use e.g. --storage sqlite:///studies/demo.db",
         ) from err
     if url.get_backend_name() == "sqlite":
         database = url.database or ""
         if database in ("", ":memory:") or not Path(database).is_file():
             raise StudyError(
-                f"storage {storage_url} does not exist (no file {database or '(none)'})",
+                f"storage {display_url(storage_url)} does not exist (no file {database or '(none)'})",
                 hint="check --storage/--study, or run `tuner run` first to create the study",
             )
     engine = _engine(storage_url, url)
@@ -287,7 +287,7 @@ def check_storage(storage_url: str) -> None:
     except SQLAlchemyError as err:
         if url.get_backend_name() == "sqlite":  # a file: no server, no credentials
             raise StudyError(
-                f"storage {storage_url}: {url.database} is not an SQLite database or is corrupt ({first_line(err)})",
+                f"storage {display_url(storage_url)}: {url.database} is not an SQLite database or is corrupt ({first_line(err)})",
                 hint="point --storage at the .db file `tuner run` wrote, or restore that file from a backup",
             ) from err
         raise _connect_error(storage_url, err) from err
@@ -463,10 +463,10 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
     if not path.exists():
         blocked = _nearest_existing(path.parent)
         if not os.access(blocked, os.W_OK | os.X_OK):
-            raise StudyError(f"storage {url!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
+            raise StudyError(f"storage {display_url(url)!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
                              hint=f"point {flag} at a writable folder")
         return False
-    where = f"storage {url!r}: the file {str(path)!r}"
+    where = f"storage {display_url(url)!r}: the file {str(path)!r}"
     if path.stat().st_size == 0:
         raise StudyError(f"{where} is empty (0 bytes), not a study database",
                          hint=f"delete the empty file to start a new study there, or point {flag} at the study's file")
@@ -541,12 +541,12 @@ def storage_errors(url: str) -> Iterator[None]:
         if any(k in text for k in _DISK_FULL):
             folder = path.parent if path else None
             raise StudyError(
-                f"storage {url!r}: the disk holding {where} is full; every trial finished before is stored",
+                f"storage {display_url(url)!r}: the disk holding {where} is full; every trial finished before is stored",
                 hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
                 + "and run the same command again to resume",
             ) from err
         if any(k in text for k in _READ_ONLY):
-            raise StudyError(f"storage {url!r}: {where} became read-only during the run; "
+            raise StudyError(f"storage {display_url(url)!r}: {where} became read-only during the run; "
                              "every trial finished before is stored",
                              hint="make it writable again and run the same command to resume") from err
         raise
