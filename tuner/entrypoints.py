@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tuner.config import TunerConfig
-from tuner.errors import TunerError
+from tuner.errors import ConfigError, TunerError
 from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
@@ -36,10 +36,17 @@ _log = logging.getLogger(__name__)
 
 
 def resolve_gpu_monitor(config: TunerConfig) -> Any | None:
-    """The GPU monitor the config asks for (``auto``: the simulator's ledger for ``tuner.sim``)."""
+    """The GPU monitor the config asks for (``auto``: the simulator's ledger for ``tuner.sim``,
+    else NVML when it can be opened; without it a warning, and activation peaks are not measured).
+
+    Raises:
+        ConfigError: ``[service] gpu_monitor`` names a monitor (``nvml``, ``sim``) that cannot be
+            opened: the run would go on without what the config asked for (review N22).
+    """
     from tuner.gpu import GPUMonitor
 
-    kind = config.service.gpu_monitor
+    asked = config.service.gpu_monitor
+    kind = asked
     if kind == "auto":
         command = " ".join(config.service.command or [])
         kind = "sim" if "tuner.sim" in command else "nvml"
@@ -48,6 +55,10 @@ def resolve_gpu_monitor(config: TunerConfig) -> Any | None:
     try:
         return GPUMonitor.for_target(kind, config.service.url)
     except TunerError as err:
+        if asked != "auto":
+            raise ConfigError(f"[service] gpu_monitor = {asked!r} cannot be used: {err.message}",
+                              hint=err.hint or 'set [service] gpu_monitor = "none" to run without GPU memory '
+                              "readings") from err
         _log.warning("no GPU monitor (%s); activation peaks will not be measured", err)
         return None
 
@@ -220,6 +231,7 @@ def dry_run_checks(config: TunerConfig, *, budget_s: float | None, max_trials: i
     Raises:
         TunerError: The first check that fails, one line with its fix.
     """
+    resolve_gpu_monitor(config)  # the monitor the config names must open (nothing is measured here)
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)

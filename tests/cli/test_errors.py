@@ -108,3 +108,41 @@ def test_the_dry_run_plans_against_the_run_s_storage_and_makes_the_run_s_checks(
     assert "first candidate: the baseline" in proc.stdout  # the plan, then the check that fails
     one_error_line(proc, "server command not found", "/nonexistent/bin/python3")
     assert not (tmp_path / "studies").exists() or not any((tmp_path / "studies").iterdir())
+
+
+def test_apply_checks_write_and_state_dir_before_anything_with_dry_run_too(tmp_path: Path) -> None:
+    """``apply --dry-run --write <folder>`` and ``--state-dir /proc/nope`` were accepted, and without
+    ``--dry-run`` the path was checked only after the plan was printed (review N14, #176-178)."""
+    store = ("--storage", f"sqlite:///{tmp_path}/none.db")
+    for write, problem in ((tmp_path, "is a folder"), (tmp_path / "nodir" / "cmd.sh", "folder that does not exist")):
+        for dry in (("--dry-run",), ()):
+            one_error_line(tuner("apply", "best", *dry, "--write", str(write), *store), "--write", problem)
+    (tmp_path / "file").write_text("")
+    one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file" / "state"), *store),
+                   "--state-dir", "cannot be written")
+    one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file"), *store), "not a folder")
+
+
+def test_init_output_folder_and_an_empty_copy_name_are_refused(tmp_path: Path) -> None:
+    """``init -o <folder>`` suggested --force, which then failed with "Is a directory" (N19);
+    ``copy-study --to-study ''`` copied under the source's name silently (#139)."""
+    for force in ((), ("--force",)):
+        one_error_line(tuner("init", "--sim", "-o", str(tmp_path), *force), "is a folder")
+    one_error_line(tuner("copy-study", "--from", f"sqlite:///{tmp_path}/a.db", "--to", f"sqlite:///{tmp_path}/b.db",
+                         "--study", "s", "--to-study", ""), "--to-study is empty")
+    assert not (tmp_path / "b.db").exists()
+
+
+def test_a_gpu_monitor_the_config_names_must_open_in_the_dry_run(tmp_path: Path) -> None:
+    """``gpu_monitor = "nvml"`` on a host without NVML only warned, and ran without a monitor;
+    its ``--dry-run`` said nothing (review N22)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pytest.skip("NVML opens on this host: nothing to refuse")
+    except Exception:  # noqa: BLE001 - any NVML failure is what the test needs
+        pass
+    config = config_copy("demo-sim.toml", tmp_path, replace={'gpu_monitor = "sim"': 'gpu_monitor = "nvml"'})
+    line = one_error_line(tuner("run", "--config", str(config), "--dry-run", "--trials", "1"), "gpu_monitor")
+    assert '"none"' in line, line

@@ -15,7 +15,9 @@ from tuner.cli.common import (
     StorageOpt,
     StudyOpt,
     app,
+    check_output_path,
     check_seconds,
+    check_state_dir,
     console,
     open_stored_study,
 )
@@ -44,6 +46,8 @@ def apply_cmd(
 
     check_seconds(timeout_s, "--timeout-s")
     check_seconds(verify_s, "--verify-s", allow_zero=True, example="20")
+    check_output_path(write, "--write")  # before the plan is printed, with --dry-run too (review N14)
+    check_state_dir(state_dir)
     if undo == (target is not None):
         raise ConfigError("pass either a target (`best` or a trial number) or --undo", hint="e.g. `tuner apply best`")
     if target not in (None, "best") and not target.isdigit():

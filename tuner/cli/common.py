@@ -17,7 +17,7 @@ from tuner.results import StoredStudy, open_study, resolve_location
 
 __all__ = [
     "app", "console", "err_console", "StudyOpt", "StorageOpt", "ConfigOpt", "JsonOpt", "open_stored_study",
-    "check_output_path", "check_seconds", "STATE_DIR_DEFAULT",
+    "check_output_path", "check_seconds", "check_state_dir", "STATE_DIR_DEFAULT",
 ]
 
 app = typer.Typer(
@@ -104,6 +104,27 @@ def check_output_path(path: Path | None, flag: str) -> None:
     else:
         return
     raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")
+
+
+def check_state_dir(state_dir: Path | None, flag: str = "--state-dir") -> None:
+    """Refuse, before any work, a state folder that is a file or cannot be created or written
+    (its nearest existing ancestor is not a writable folder). A missing folder is fine: the
+    command creates it.
+
+    Raises:
+        ConfigError: Naming ``flag``, the path and the problem.
+    """
+    from tuner.errors import ConfigError
+    from tuner.launch.session import writable_folder
+
+    if state_dir is None:
+        return
+    hint = f"pass the folder the run keeps its state file in to {flag}, or leave it out for the default"
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ConfigError(f"{flag} {state_dir} is not a folder", hint=hint)
+    blocked = writable_folder(state_dir)
+    if blocked is not None:
+        raise ConfigError(f"{flag} {state_dir} cannot be written ({blocked} is not a writable folder)", hint=hint)
 
 
 def check_seconds(value: float, flag: str, *, allow_zero: bool = False, example: str = "900") -> None:

@@ -116,8 +116,11 @@ def copy_study_cmd(
     to_study: Annotated[str | None, typer.Option("--to-study", help="Its name in the target (default: the same).")] = None,
 ) -> None:
     """Copy a study between storages (SQLite <-> PostgreSQL), e.g. to share a local study with a fleet."""
+    from tuner.errors import ConfigError
     from tuner.study.storage import copy_study, display_url
 
+    if to_study is not None and not to_study.strip():  # '' became the source's name silently (review #139)
+        raise ConfigError("--to-study is empty", hint="pass the study's name in the target, or leave --to-study out")
     count = copy_study(from_url, to_url, study, to_study)
     console.print(f"copied study {study} ({count} trials) from {display_url(from_url)} to "
                   f"{display_url(to_url)} as {to_study or study}; artifact files stay where they are",

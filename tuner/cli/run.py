@@ -269,6 +269,8 @@ def init_cmd(
     from tuner.errors import ConfigError
     from tuner.starter import starter_config
 
+    if output.is_dir():  # --force cannot overwrite a folder (review N19)
+        raise ConfigError(f"--output {output} is a folder", hint=f"pass a file path, e.g. --output {output / 'tuner.toml'}")
     if output.exists() and not force:
         raise ConfigError(f"{output} already exists", hint="pass --force to overwrite it, or --output another file")
     if not unit and not sim:

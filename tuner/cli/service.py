@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tuner.cli.common import STATE_DIR_DEFAULT, app, check_seconds, console
+from tuner.cli.common import STATE_DIR_DEFAULT, app, check_seconds, check_state_dir, console
 
 
 def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | None,
@@ -47,16 +47,14 @@ def restore_cmd(
     check_seconds(timeout_s, "--timeout-s")
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
-    state_hint = "pass the folder the run wrote its state file to, or leave --state-dir out for the default"
-    if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
-        raise ConfigError(f"--state-dir {state_dir} is not a folder", hint=state_hint)
+    check_state_dir(state_dir)
     settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
     launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
     shown = " ".join(launcher.current_argv())
     if source == "nothing" and state_dir is not None and not state_dir.exists():
         # A mistyped folder finds no state file: "nothing to restore" with exit 0 would hide the real one.
         raise ConfigError(f"--state-dir {state_dir} does not exist and {launcher.key} has no trial change to undo",
-                          hint=state_hint)
+                          hint="pass the folder the run wrote its state file to, or leave --state-dir out for the default")
     if source == "nothing":
         console.print(f"{launcher.key}: nothing to restore (no state file, no trial drop-in); the service is "
                       f"{state.phase.value}",
