@@ -23,6 +23,7 @@ from typing import TextIO
 from tuner.sim.args import PROG, ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import EngineSpec, torch_oom_text
+from tuner.sim.errors import SimError
 from tuner.sim.gpus import get_gpu
 from tuner.sim.memory import (
     TORCH_DTYPE_NAMES,
@@ -67,7 +68,11 @@ def plan_from_argv(argv: Sequence[str], prog: str = PROG) -> tuple[ParsedArgs, M
         SystemExit: argparse rejected a flag (status 2, as SGLang).
     """
     parsed = parse_args(argv, prog)
-    cfg = resolve_server_config(parsed, get_gpu(parsed.sim.gpu), load_model(parsed.server["model_path"]))
+    gpu = get_gpu(parsed.sim.gpu)
+    if parsed.sim.foreign_gib * 1024 >= gpu.memory_mib:  # review N15: "avail mem=-920.94 GB"
+        raise SimError(f"--sim-foreign-gib {parsed.sim.foreign_gib:g} is not below the {gpu.name}'s "
+                       f"{gpu.memory_mib / 1024:.1f} GiB; pass a smaller value.")
+    cfg = resolve_server_config(parsed, gpu, load_model(parsed.server["model_path"]))
     plan = plan_memory(cfg, foreign_bytes=int(parsed.sim.foreign_gib * GIB),
                        host_memory_bytes=int(parsed.sim.host_memory_gib * GIB),
                        cgroup_max_bytes=_memory_max(parsed.sim.memory_max))
