@@ -285,8 +285,12 @@ class TrialView(BaseModel):
 
     def row(self) -> dict[str, Any]:
         """A flat JSON-ready summary (``tuner trials --json``): number, state, kind, outcome,
-        params, the :data:`METRICS` fields, feasible, failure_class, values, constraints,
+        params, the :data:`METRICS` fields, feasible, failure_class, values, constraints (``None``
+        for a skipped config: it was never launched, so nothing was violated), skipped_reason and
+        proved_by_trial (why a config needed no restart, and the trial that shows it),
         started_at, host."""
+        skipped = self.outcome == "skipped" or self.state == "PRUNED"
+        record = self.record
         row: dict[str, Any] = {
             "number": self.number,
             "state": self.state,
@@ -299,7 +303,9 @@ class TrialView(BaseModel):
             feasible=self.feasible,
             failure_class=self.failure_class,
             values=self.values,
-            constraints=self.constraints,
+            constraints=None if skipped else self.constraints,
+            skipped_reason=record.skipped_reason if record is not None else None,
+            proved_by_trial=record.proved_by_trial if record is not None else None,
             started_at=self.started_at,
             host=self.host,
         )

@@ -95,7 +95,11 @@ def test_piped_tables_fit_their_content_and_empty_applies_is_one_line(demo_study
     proc = tuner_cli("trials", "--storage", demo_study)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()}
-    assert rows["3"][-1] == "cuda_graph_oom" and rows["4"][-1] == "skipped", proc.stdout
+    assert rows["3"][-1] == "cuda_graph_oom" and "skipped:" in rows["4"], proc.stdout
+    # the reason a config was skipped is in the table and in --json, where a skip violates nothing (review N8)
+    skip = json.loads(tuner_cli("trials", "--storage", demo_study, "--json").stdout)[4]
+    assert skip["skipped_reason"] and " ".join(rows["4"]).endswith(" ".join(skip["skipped_reason"].split()[-2:]))
+    assert skip["constraints"] is None and skip["proved_by_trial"] is not None, skip
     assert "…" not in proc.stdout and "max_run" in proc.stdout
     proc = tuner_cli("applies", "--storage", demo_study)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines() == [

@@ -228,6 +228,9 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
         _model_boundaries(fig, model, source)
     for cat, color in CATEGORY_COLORS.items():
         group = [v for v in views if category(v) == cat]
+        if cat == "skipped":
+            _skipped_trace(fig, group, context)
+            continue
         if not group:
             continue
         fig.add_trace(go.Scatter(
@@ -245,6 +248,22 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
     fig.update_layout(title=title, xaxis_title="mem_fraction_static", xaxis_range=[max(0.0, lowest - 0.03), 1.0],
                       yaxis_title=f"contexts of {context:,} tokens the KV pool holds", hovermode="closest")
     return fig
+
+
+def _skipped_trace(fig: go.Figure, skipped: Sequence[TrialView], context: int) -> None:
+    """Configs not launched, at the capacity they were predicted to have (open circles, the reason
+    on hover); one with no prediction is not drawn (it was never measured: capacity 0 would be a
+    measurement nobody made)."""
+    points = [(v, v.record.prediction.token_capacity) for v in skipped
+              if v.record is not None and v.record.prediction.token_capacity]
+    if not points:
+        return
+    fig.add_trace(go.Scatter(
+        x=[float(v.params["mem_fraction_static"]) for v, _ in points], y=[t // context for _, t in points],
+        mode="markers", name="skipped: not launched (predicted)",
+        marker={"color": CATEGORY_COLORS["skipped"], "size": 9, "symbol": "circle-open"},
+        hovertext=[html.escape(f"trial {v.number} skipped: {v.record.skipped_reason if v.record else ''}")
+                   for v, _ in points], hoverinfo="text"))
 
 
 def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView) -> None:

@@ -118,7 +118,8 @@ def status_text(view: TrialView) -> str:
     if view.state == "RUNNING":
         return "running, or killed (`tuner run` resumes it)"
     if view.outcome == "skipped" or view.state == "PRUNED":
-        return "skipped"
+        reason = view.record.skipped_reason if view.record is not None else None
+        return f"skipped: {reason}" if reason else "skipped"
     if view.feasible or view.state != "COMPLETE":
         return ""
     return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
@@ -214,7 +215,7 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
     """``tuner trials --csv``: one row per trial; params as ``param.<name>`` columns."""
     params = key_params(trials)
     fields = ["number", "state", "kind", "outcome", *[f"param.{p}" for p in params], *METRICS]
-    fields += ["feasible", "failure_class", "started_at", "host"]
+    fields += ["feasible", "failure_class", "skipped_reason", "started_at", "host"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
