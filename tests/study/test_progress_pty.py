@@ -89,7 +89,7 @@ def test_readme_demo_progress_line_in_a_terminal(workdir: Path) -> None:
     kinds = {e["event"] for e in events}
     assert {"trial_start", "phase", "trial_end", "stop"} <= kinds, kinds
     for e in events:
-        if e["expected"] is not None:
+        if e.get("expected") is not None:
             assert e["expected"] >= e["launch"], e
     ends = [e for e in events if e["event"] == "trial_end"]
     assert len(ends) == len(launches) and all(e["flags"].get("mem_fraction_static") for e in ends), ends
@@ -98,3 +98,11 @@ def test_readme_demo_progress_line_in_a_terminal(workdir: Path) -> None:
     loads = [e for e in events if e["event"] == "phase" and e["phase"] == "measure" and e["detail"]]
     assert loads and all(e["detail"]["requests_done"] is not None for e in loads), loads[:3]
     assert all(e["detail"]["requests_expected"] for e in loads)
+    # the results as fields, not only prose; the run's summary last
+    assert all(e["result"]["outcome"] in ("ok", "failed") and "context_capacity" in e["result"] for e in ends), ends
+    assert all(e["result"]["skipped_reason"] for e in events if e["event"] == "skip")
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["trials_run"] == len(launches), summary
+    assert summary["stop_reason"] in ("budget", "exhausted") and summary["baseline"]["number"] == 0, summary
+    assert summary["best"]["context_capacity"] == max(e["result"]["context_capacity"] or 0 for e in ends
+                                                      if e["number"] == summary["best"]["number"])

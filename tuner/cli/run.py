@@ -105,14 +105,22 @@ class JsonProgress:
                               hint="pass a writable file, or - for standard output") from err
 
     def __call__(self, event) -> None:  # noqa: ANN001
+        data = event.model_dump(mode="json")
+        if data.get("eta_s") == float("inf"):
+            data["eta_s"] = None
+        self._write(data)
+
+    def summary(self, summary) -> None:  # noqa: ANN001 - tuner.study.progress.RunSummary
+        """The run's last object: ``{"event": "summary", ...}`` (:meth:`RunSummary.as_json`)."""
+        self._write({"event": "summary", **summary.as_json()})
+
+    def _write(self, data: dict) -> None:
         import json
         from datetime import datetime
 
-        data = {"at": datetime.now(UTC).isoformat(timespec="milliseconds"), **event.model_dump(mode="json")}
-        if data.get("eta_s") == float("inf"):
-            data["eta_s"] = None
         with self._lock:
-            self._stream.write(json.dumps(data, default=str) + "\n")
+            self._stream.write(json.dumps({"at": datetime.now(UTC).isoformat(timespec="milliseconds"), **data},
+                                          default=str) + "\n")
             self._stream.flush()
 
     def close(self) -> None:
@@ -200,7 +208,14 @@ def run_cmd(
         help="Also write every progress event (trial start/end, phase and its progress, flags, launch n of ~N, "
              "budget left) as one JSON object per line to FILE (appended), or to standard output with -.")] = None,
 ) -> None:
-    """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end."""
+    """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end.
+
+    Exit status: 0 the run ended (budget, --trials, or nothing left to try; the service restored);
+    1 a refusal before anything changed, or a failure during the run (one line; the service
+    restored); 2 a usage error; 130 Ctrl-C or SIGTERM (the trial in flight stored as failed, the
+    service restored). With --json-progress the last object is the run's summary (event
+    "summary": counts, stop reason, baseline and best with their figures).
+    """
     from tuner.config import load_config
     from tuner.errors import ConfigError
     from tuner.units import parse_duration_s
@@ -241,9 +256,13 @@ def run_cmd(
         err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
                           highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
-    finally:
+    except BaseException:
         if sink is not None:
             sink.close()
+        raise
+    if sink is not None:
+        sink.summary(summary)
+        sink.close()
     out.print("service restored to its original flags", highlight=False)
     from tuner import results
 

@@ -19,7 +19,7 @@ from tuner.study.best import BestChoice
 from tuner.study.budget import Budget
 from tuner.study.job import PhaseProgress, TrialJob
 
-__all__ = ["Progress", "RunSummary", "RunProgress", "describe"]
+__all__ = ["Progress", "RunSummary", "RunProgress", "describe", "result_fields"]
 
 
 class Progress(BaseModel):
@@ -43,6 +43,8 @@ class Progress(BaseModel):
         detail: How far the phase has come (:class:`PhaseProgress`), when the runner says.
         eta_s: Seconds left in the budget.
         message: One line for the user.
+        result: ``trial_end``: the trial's figures (:func:`result_fields`); ``skip``:
+            ``{"skipped_reason": ...}``; else ``None``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -58,6 +60,7 @@ class Progress(BaseModel):
     detail: PhaseProgress | None = None
     eta_s: float | None = None
     message: str = ""
+    result: dict[str, Any] | None = None
 
 
 class RunSummary(BaseModel):
@@ -95,6 +98,21 @@ class RunSummary(BaseModel):
     def handled(self) -> int:
         """Trials this run launched or skipped (what ``--trials`` caps)."""
         return self.trials_run + self.trials_skipped
+
+    def as_json(self) -> dict[str, Any]:
+        """The run's summary for machines (``tuner run --json-progress``'s last object, ``event``
+        ``summary``): study, storage (password masked), host, trials_run, trials_skipped,
+        recovered, stop_reason, elapsed_s, and the baseline and the best as ``{"number": n,
+        **result_fields}`` (the best with ``reason`` and ``tied``), ``None`` when there is none."""
+        from tuner.study.storage import display_url
+
+        baseline = {"number": self.baseline[0], **result_fields(self.baseline[1])} if self.baseline else None
+        best = ({"number": self.best.number, "reason": self.best.reason, "tied": self.best.tied,
+                 **result_fields(self.best.record)} if self.best is not None else None)
+        return {"study": self.study_name, "storage": display_url(self.storage_url), "host": self.host,
+                "trials_run": self.trials_run, "trials_skipped": self.trials_skipped, "recovered": self.recovered,
+                "stop_reason": self.stop_reason, "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
+                "best": best}
 
 
 class RunProgress:
@@ -140,7 +158,7 @@ class RunProgress:
         self._current = None
         self.estimate()
         self._event("trial_end", job.number, index=self._summary.handled, kind=job.kind, flags=record.params,
-                    message=describe(job.number, record))
+                    message=describe(job.number, record), result=result_fields(record))
 
     def trial_aborted(self) -> None:
         """The trial in flight ended without a record (interrupted, the service refused the change)."""
@@ -151,7 +169,8 @@ class RunProgress:
         stored in the background), counted by the caller first."""
         self.estimate()
         what = f"trial {number}" if number is not None else f"a {kind} config"
-        self._event("skip", number, kind=kind, flags=params, message=f"{what} skipped: {text}")
+        self._event("skip", number, kind=kind, flags=params, message=f"{what} skipped: {text}",
+                    result={"skipped_reason": text})
 
     def note(self, number: int | None, message: str, *, phase: str | None = None, in_trial: bool = False) -> None:
         """A decision or a wait worth a line: a ``note`` event, or with ``phase`` (``waiting``,
@@ -212,6 +231,18 @@ class RunProgress:
         launch = self._summary.trials_run + (1 if job is not None else 0)
         self._emit(Progress(event=event, number=number, index=self._summary.handled if index is None else index,
                             launch=launch, expected=self._expected, eta_s=self._budget.remaining_s(), **fields))
+
+
+def result_fields(record: TrialRecord) -> dict[str, Any]:
+    """A finished trial's figures for machines: ``outcome``, ``feasible``, ``failure_class``,
+    ``context_capacity`` (requests of ``context_tokens`` tokens), ``token_capacity`` (tokens),
+    ``output_throughput_tok_s`` (tokens/s), ``p99_ttft_ms`` and ``p99_itl_ms`` (ms, the measured
+    window), ``duration_s`` (s)."""
+    return {"outcome": record.outcome, "feasible": record.feasible,
+            "failure_class": record.failure_class.value if record.failure_class is not None else None,
+            "context_capacity": record.context_capacity, "context_tokens": record.context_tokens,
+            "token_capacity": record.token_capacity, "output_throughput_tok_s": record.output_throughput_tok_s,
+            "p99_ttft_ms": record.p99_ttft_ms, "p99_itl_ms": record.p99_itl_ms, "duration_s": record.duration_s}
 
 
 def describe(number: int, record: TrialRecord) -> str:
