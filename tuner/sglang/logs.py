@@ -38,6 +38,7 @@ __all__ = [
     "InputRejection",
     "OOMDetail",
     "LogReport",
+    "AllocatorRetry",
     "LogWatcher",
     "parse_log",
     "read_log",
@@ -113,7 +114,10 @@ class RankMemory(BaseModel):
 
     @property
     def kv_pool_gib(self) -> float | None:
-        """KV pool size in GiB: ``KV size`` or ``K size + V size``; ``None`` when not logged."""
+        """KV pool size in GiB: ``KV size`` or ``K size + V size``; for hybrid SWA models the
+        ``SWAKVPool mem usage`` total of both parts; ``None`` when not logged."""
+        if self.swa_pool_gib is not None:
+            return self.swa_pool_gib
         if self.kv_size_gib is not None:
             return self.kv_size_gib
         if self.k_size_gib is not None and self.v_size_gib is not None:
@@ -161,6 +165,26 @@ class Retraction(BaseModel):
     new_token_ratio_after: float | None = None
     timestamp: str | None = None
     rank: str | None = None
+    running_req_before: int | None = None
+    """``#running-req`` of the rank's last decode line before this retraction (§4.5)."""
+    num_token_before: int | None = None
+    """``#token`` (KV tokens held by running requests) of that decode line."""
+    token_usage_before: float | None = None
+    """``token usage`` of that decode line."""
+
+
+class AllocatorRetry(BaseModel):
+    """torch's ``CUDACachingAllocator`` warning ``memory allocation failed with OOM on device D while
+    trying to allocate N bytes (free: F, total: T)``: the allocator freed its cached blocks and
+    retried. A warning of thin headroom, not a failure and not the KV allocator. Bytes as printed."""
+
+    model_config = _FROZEN
+
+    count: int
+    device: int
+    tried_bytes: int
+    free_bytes: int | None = None
+    total_bytes: int | None = None
 
 
 class BatchLine(BaseModel):
@@ -349,6 +373,10 @@ class LogReport(BaseModel):
     capture_progress_avail_gib: float | None = None
     weights_committed_after_capture: bool = False
     last_phase: str | None = None
+    allocator_retry: AllocatorRetry | None = None
+    transformers_fallback: str | None = None
+    """The ``... falling back to Transformers implementation`` line: the architecture has no native
+    SGLang class, so its memory and kernels are not SGLang's own."""
 
     def primary(self) -> RankMemory | None:
         """The binding rank, as SGLang takes it: both of its memory readings are a MIN over ranks
@@ -503,6 +531,10 @@ _P = {
     "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" ?(MiB|GiB|KiB|B)"),
     "oom_gpu": re.compile(r"GPU (\d+) has a total capacity of " + _NUM),
     "oom_free": re.compile(r"of which " + _NUM + r" (MiB|GiB|KiB|B) is free"),
+    "alloc_retry": re.compile(r"memory allocation failed with OOM on device (\d+) while trying to allocate (\d+) bytes"
+                              r"(?: \(free: (\d+), total: (\d+)\))?"),
+    "transformers_fallback": re.compile(r"(?i)falling back to (?:the )?Transformers implementation"),
+    "command": re.compile(r"(?:^|[\s$>#])(?:python3?\s+-m\s+sglang\.launch_server|sglang\s+serve)(?:\s+\\?\s*$|\s+(?:\S+\s+)*?--[a-z])"),
     "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
 }
 
@@ -541,7 +573,7 @@ _VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
 # req_to_token table and the KV pool in init_memory_pool, graphs, a 0.5.5/0.5.10 draft worker.
 _OOM_SITES: list[tuple[str, re.Pattern[str]]] = [
     ("graphs", re.compile(r"capture|cuda_graph|graph_runner|init_device_graphs")),
-    ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|process_batch_result\w*)$")),
+    ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|forward_thread_func_?|process_batch_result\w*)$")),
     ("pool", re.compile(r"init_memory_pool|profile_max_num_token|_profile_available_bytes|memory_pool|kv_cache_configurator"
                         r"|pool_configurator|ReqToTokenPool|TokenToKVPool|_create_buffers")),
     ("weights", re.compile(r"^(?:load_model|load_weights\w*|get_model|load_weight\w*|weight_loader)$|model_loader")),
@@ -563,8 +595,14 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
     (90, FailureClass.HOST_MEMORY, re.compile(r"The host memory should be larger than the device memory")),
     (90, FailureClass.UNBALANCED_MEMORY, re.compile(r"The memory capacity is unbalanced")),
     (90, FailureClass.REQUEST_SLOT_EXHAUSTION, re.compile(r"alloc_req_slots runs out of memory")),
+    # Fatal and not memory: a kernel built without an image for this GPU's architecture (raised by
+    # the first launch, e.g. at graph capture on a new GPU), a Triton kernel over the hardware's
+    # shared memory. Specific evidence: they beat the scheduler's exception line that follows.
+    (88, FailureClass.CRASH, re.compile(r"no kernel image is available for execution on the device")),
+    (88, FailureClass.CRASH, re.compile(r"OutOfResources: out of resource: ")),
     (85, FailureClass.INVALID_ARGUMENTS, re.compile(r"(?:launch_server(?:\.py)?|sglang(?: serve)?|\S+\.py): error: |error: unrecognized arguments|error: ambiguous option|error: argument --")),
-    (80, FailureClass.KV_PAGE_SHORTFALL, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size|memory allocation failed with OOM")),
+    (80, FailureClass.KV_PAGE_SHORTFALL, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size"
+                                                           r"|^(?:RuntimeError: )?memory allocation failed with OOM\s*$")),
     (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|(?:CUDA|HIP) error: out of memory"
                           r"|hipErrorOutOfMemory|cudaErrorMemoryAllocation")),
     (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|[Ss]cheduler is dead|Initialization failed|Watchdog timeout")),
@@ -575,7 +613,7 @@ _STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline
 """Lines that can carry a version marker (a cheap gate before the marker patterns)."""
 _FAILURE_WORDS = re.compile(
     r"[Mm]emory|[Ff]ailed|error|OOM|unbalanced|alloc_req_slots|exception|sigquit|SIGQUIT|dead|Initialization|Watchdog"
-    r"|profiled value|capacity|Tried to allocate"
+    r"|profiled value|capacity|Tried to allocate|kernel image|out of resource"
 )
 """Every failure pattern contains one of these words (a cheap gate before the failure patterns)."""
 
@@ -805,6 +843,8 @@ class LogWatcher:
             capture_progress_avail_gib=self._progress_avail,
             weights_committed_after_capture=self._committed,
             last_phase=self._phase,
+            allocator_retry=AllocatorRetry(**self._fields["allocator_retry"]) if self._fields.get("allocator_retry") else None,
+            transformers_fallback=self._fields.get("transformers_fallback"),
         )
 
     def _logged_with_batches(self) -> dict[str, list[LoggedLine]]:
@@ -937,10 +977,7 @@ class LogWatcher:
             return True
         if m := _P["swa_pool"].search(msg):  # hybrid SWA models (§4.2 item 5)
             self._log(rank, "swa_kv_pool", msg)
-            d = self._rank(rank)
-            d.update(swa_pool_gib=float(m.group(1)), swa_tokens=int(m.group(2)))
-            if d.get("kv_tokens") is None:
-                d["kv_tokens"] = int(m.group(3))
+            self._swa_pool(rank, float(m.group(1)), int(m.group(2)), int(m.group(3)))
             return True
         if m := _P["kv_alloc"].search(msg):
             self._phase = "kv_pool"
@@ -1010,10 +1047,12 @@ class LogWatcher:
             self._log(rank, "retraction", msg)
             if self._soft is None:
                 self._soft = Failure(failure_class=FailureClass.RETRACTION_STORM, evidence=msg[:500], rank=rank, phase="serving")
+            before = self._batch_values(self._last_batch.get((rank or "", "decode"), ""))
             self._retractions.append(Retraction(
                 retracted_reqs=int(m.group(1)), new_tokens_gained=_int(m.group(2)),
                 new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
-                timestamp=ts, rank=rank,
+                timestamp=ts, rank=rank, running_req_before=before.get("running_req"),
+                num_token_before=before.get("num_token"), token_usage_before=before.get("token_usage", before.get("full_token_usage")),
             ))
             return True
         if m := _P["mtt_larger"].search(msg):
@@ -1042,10 +1081,37 @@ class LogWatcher:
             return True
         if _P["serving"].search(msg):  # an HTTP request or a benchmark client: the server was serving
             self._serving = True
-        if "sglang.launch_server" in msg or "sglang serve" in msg or re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
+        if m := _P["alloc_retry"].search(msg):  # torch's caching allocator: freed its cache and retried (a warning)
+            self._allocator_retry(m, rank, msg)
+            return True
+        if _P["transformers_fallback"].search(msg):  # model_loader: no native SGLang class for the architecture
+            self._fields["transformers_fallback"] = msg[:300]
+            return True
+        if _P["command"].search(msg):  # a launch command (never prose that names "the sglang server")
             self._command_flags(msg)
-            return known or "sglang" in msg
+            return True
+        if re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
+            self._command_flags(msg)
         return known
+
+    def _swa_pool(self, rank: str | None, total_gib: float, swa_tokens: int, full_tokens: int) -> None:
+        """``SWAKVPool mem usage: X GB, swa size: A, full size: B``: ``SWAKVPool.__init__`` builds its
+        sliding-window pool, then its full-attention pool (each prints its own ``KV Cache is
+        allocated`` line), then this total of both. A second KV line on the rank before it is that
+        full-attention part, not a draft model's pool (a draft's lines start with its own weights,
+        §4.1): it is folded back, and ``X`` is the rank's whole KV pool (the parts are not added again)."""
+        d = self._rank(rank)
+        draft = d.get("draft")
+        if draft is not None and draft.get("weight_gib") is None and draft.get("load_begin_avail_gib") is None and draft.get("kv_tokens") is not None:
+            d["draft"] = None
+        d.update(swa_pool_gib=total_gib, swa_tokens=swa_tokens)
+        if d.get("kv_tokens") is None:
+            d["kv_tokens"] = full_tokens
+        lines = self._logged.get(rank or "", [])
+        parts = [i for i, e in enumerate(lines) if e.line == "kv_cache_allocated"][-2:]
+        if len(parts) == 2:  # one part only (a cut excerpt): which one it is is not known
+            for i, role in zip(parts, ("swa", "full"), strict=True):
+                lines[i] = lines[i].model_copy(update={"role": role})
 
     def _role(self, rank: str | None, d: dict[str, Any]) -> str | None:
         """``draft`` when ``d`` is the draft's dict of ``rank``, ``target`` when a draft exists, else None."""
@@ -1075,6 +1141,17 @@ class LogWatcher:
             return False
         self._log(rank, "kv_allocator", msg)
         return True
+
+    def _allocator_retry(self, m: re.Match[str], rank: str | None, msg: str) -> None:
+        """``CUDACachingAllocator.cpp: memory allocation failed with OOM on device D while trying to
+        allocate N bytes (free: F, total: T)``: torch's allocator missed, freed its cached blocks and
+        retried (a warning; a hard failure raises ``CUDA out of memory``). Not the KV allocator."""
+        prev = self._fields.get("allocator_retry") or {"count": 0}
+        self._fields["allocator_retry"] = {
+            "count": prev["count"] + 1, "device": int(m.group(1)), "tried_bytes": int(m.group(2)),
+            "free_bytes": _int(m.group(3)), "total_bytes": _int(m.group(4)),
+        }
+        self._log(rank, "allocator_retry", msg)
 
     def _host_rank(self, rank: str | None) -> None:
         ranks = self._fields.setdefault("host_pool_ranks", [])
@@ -1193,6 +1270,8 @@ class LogWatcher:
                 cls = self._oom_class(msg)
             if self._oom_numbers(msg):
                 self._log(rank, "oom", msg)
+            elif cls is FailureClass.CRASH:
+                self._log(rank, "fatal", msg)
             if cls is FailureClass.KV_PAGE_SHORTFALL and self._shortfall is None:
                 kind = "prefill" if "Prefill" in msg else "decode" if "Decode" in msg else "allocator"
                 self._shortfall = {"kind": kind}
@@ -1227,6 +1306,11 @@ class LogWatcher:
                     return site, f"{func} ({file.rsplit('/', 1)[-1]})"
         return None
 
+    def _frames_hold(self, site: str) -> bool:
+        """Some frame of the current traceback names ``site`` (see ``_OOM_SITES``)."""
+        pat = dict(_OOM_SITES)[site]
+        return any(pat.search(func) for _file, func in self._frames)
+
     def _target_pool_allocated(self) -> bool:
         """Some rank's target KV pool exists: weights loaded now are a draft's, from the reserve (§1.5)."""
         return any(d.get("kv_tokens") is not None for d in self._ranks.values())
@@ -1251,6 +1335,11 @@ class LogWatcher:
         if self._serving:
             return FailureClass.RUNTIME_OOM
         kind = site[0] if site else None
+        if kind != "graphs" and self._frames_hold("batch"):
+            # A scheduler frame anywhere in the stack (event_loop, run_batch, the worker thread's
+            # forward): the OOM was raised running a batch, whatever kernel (attention, indexer,
+            # KV-buffer write in memory_pool) is innermost.
+            return FailureClass.RUNTIME_OOM
         if kind == "batch":
             return FailureClass.RUNTIME_OOM
         if kind in ("graphs", "pool"):
