@@ -1302,20 +1302,25 @@ class LogWatcher:
                 self._fields["req_slots_available"] = int(m.group(1))
                 self._fields["req_slots_requested"] = _int(m.group(2))
                 self._log(rank, "alloc_req_slots", msg)
-            if prio > self._failure_prio:
-                self._failure_prio = prio
-                self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
-                site = self._oom_site()
-                self._failure_site = site[1] if site else None
+            self._raise(prio, cls, msg, rank)
             return True
         if m := _P["mtt_larger"].search(msg):
-            if int(m.group(2)) <= 0 and self._failure_prio < 90:
-                self._failure_prio = 90
-                self.failure = Failure(failure_class=FailureClass.STARTUP_KV_OOM, evidence=msg[:500], rank=rank, phase=self._phase)
+            if int(m.group(2)) <= 0:
+                self._raise(90, FailureClass.STARTUP_KV_OOM, msg, rank)
             return False
         if self.failure is not None and self._oom_numbers(msg):
             self._log(rank, "oom", msg)
         return False
+
+    def _raise(self, prio: int, cls: FailureClass, msg: str, rank: str | None) -> None:
+        """Take ``msg`` as the failure's evidence when it is more specific (``prio``, as in
+        :data:`_FAILURES`) than the evidence seen so far; a tie keeps the first."""
+        if prio <= self._failure_prio:
+            return
+        self._failure_prio = prio
+        self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
+        site = self._oom_site()
+        self._failure_site = site[1] if site else None
 
     def _oom_site(self) -> tuple[str, str] | None:
         """Where the current traceback was raised: ``(site, frame)`` of the innermost frame that
