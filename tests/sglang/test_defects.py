@@ -175,3 +175,28 @@ def test_swa_pool_parts_are_one_pool_not_a_draft() -> None:
     assert [e.role for e in report.logged["TP2"] if e.line == "kv_cache_allocated"] == ["swa", "full"]
     steps = {s.item: s for s in explain(report).waterfall}
     assert steps["kv_pool"].gib == 77.63 and "draft_kv_pool" not in steps and "swa_pool" not in steps
+
+
+# 0.4.x (tp_worker_overlap_thread.py, forward_thread_func): the overlap scheduler's worker thread logs
+# its own exception; that thread only runs batches, so a CUDA OOM under it is a runtime OOM.
+LOG_04X_WORKER = """\
+[2025-01-28 17:50:01 TP0] Load weight begin. avail mem=78.50 GB
+[2025-01-28 17:50:30 TP0] Load weight end. type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=63.40 GB, mem usage=15.10 GB.
+[2025-01-28 17:50:31 TP0] Memory pool end. avail mem=13.90 GB
+[2025-01-28 17:50:31 TP0] Capture cuda graph begin. This can take up to several minutes.
+[2025-01-28 17:50:45 TP0] Capture cuda graph end. Time elapsed: 14.00 s
+[2025-01-28 17:58:17 TP0] TpModelWorkerClient hit an exception: Traceback (most recent call last):
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.20 GiB is free.
+"""
+
+
+def test_04x_worker_thread_exception_before_a_cuda_oom_is_a_runtime_oom() -> None:
+    report = parse_log(LOG_04X_WORKER)
+    assert report.failure is not None and report.failure.failure_class is FailureClass.RUNTIME_OOM
+    assert any(e.line == "oom" for e in report.logged[""]) and report.oom is not None and report.oom.tried_to_allocate_mib == 3.5 * 1024
+    e = explain(report)
+    assert e.lever is not None and (e.lever.knob, e.lever.direction) == ("chunked_prefill_size", "lower")
+    # The worker's exception alone (the OOM line cut off) is still a failure, not a clean log.
+    cut = parse_log(LOG_04X_WORKER.splitlines()[:-1])
+    assert cut.failure is not None and cut.failure.failure_class is FailureClass.CRASH
+    assert cut.failure.evidence.startswith("TpModelWorkerClient hit an exception")

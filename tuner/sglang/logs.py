@@ -1126,6 +1126,13 @@ class LogWatcher:
         self._serving = True  # an HTTP request or a benchmark client: the server was serving
         return False
 
+    def _on_worker_exception(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        """0.4.x ``TpModelWorkerClient hit an exception: {traceback}`` (``forward_thread_func``): the
+        overlap scheduler's worker thread, which only runs batches (warm-up included), raised. A
+        crash unless more specific evidence follows; a CUDA OOM under it is a runtime OOM (§4.4)."""
+        self._serving = True
+        self._raise(20, FailureClass.CRASH, msg, rank)
+
     def _on_alloc_retry(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         self._allocator_retry(m, rank, msg)
 
@@ -1496,6 +1503,8 @@ LINE_FORMATS: tuple[LineFormat, ...] = (
     LineFormat("alloc_evict_old", "evictable_size()=", _P["alloc_evict_old"], W._on_alloc_continuation, "§4.4 allocation failure (0.4.x)"),
     LineFormat("http_request", " HTTP/1.", _P["serving"], W._on_http_request, "uvicorn access log (serving)"),
     LineFormat("bench_client", "bench_serving", _P["serving"], W._on_http_request, "§6 sglang.bench_serving (serving)"),
+    LineFormat("worker_exception_04", "TpModelWorkerClient hit an exception", re.compile(r"TpModelWorkerClient hit an exception"), W._on_worker_exception,
+               "0.4.x managers/tp_worker_overlap_thread.py forward_thread_func", evidence=False),
     LineFormat("alloc_retry", "memory allocation failed with OOM on device", _P["alloc_retry"], W._on_alloc_retry,
                "torch CUDACachingAllocator.cpp warning (flush and retry)"),
     LineFormat("transformers_fallback", "Transformers implementation", _P["transformers_fallback"], W._on_transformers_fallback,
