@@ -336,7 +336,7 @@ def _val(settings: dict[str, Setting], key: str) -> Any:
     return s.value if s is not None else None
 
 
-def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
+def explain(
     report: LogReport | None = None,
     *,
     info: ServerInfo | None = None,
@@ -373,10 +373,45 @@ def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); i
     warnings = list(report.warnings) if report else []
     settings = _settings(report, info, {"mem_fraction_static": mem_fraction_static}, warnings)
     prim = report.primary() if report else None
-    sched = report.scheduler if report else None
-
-    # -- facts -------------------------------------------------------------------------------
     tokens = (report.max_total_num_tokens if report else None) or (info.max_total_num_tokens if info else None)
+    _scheduler_settings(settings, report, info, model)
+    ctx, ctx_bound = _context(settings, info, tokens)
+    _derived_max_running_requests(settings, report, info, tokens, ctx_bound)
+    mrr = _val(settings, "effective_max_running_requests")
+    tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
+    page = _val(settings, "page_size") or 1
+    mfs = _fraction(settings, report, prim, findings, warnings)
+    cell, cell_source = _cell(settings, report, info, model, prim, tokens, tp, page, warnings)
+    kv_model = _capacity_model(settings, report, info, prim, mfs, cell, tokens, findings, warnings)
+
+    waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
+    capacity = _capacity(tokens, mrr, ctx)
+    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions,
+                               failed=report.failure if report else None)
+    traps = _traps(_TrapInput(report=report, info=info, m=kv_model, settings=settings, tokens=tokens, mrr=mrr, ctx=ctx, mfs=mfs, tp=tp, prim=prim))
+    traps += _metric_traps(metrics or {})
+    traps.sort(key=lambda t: _TRAP_ORDER.get(t.id, 50))
+    findings += _findings(kv_model, capacity, mfs, traps)
+    findings += _live_findings(metrics or {})
+    if report is not None and report.weights_committed_after_capture and prim is not None and prim.weight_gib is None:
+        warnings.append("weights were loaded in 0.5.23's overlap mode ('Load weight end. Committed real weights ...'): the log "
+                        "prints no weight memory, so W and the baseline split are unknown")
+    failure = report.failure if report else None
+    diagnosis = report.diagnosis if report else None
+    levers = rank_levers(diagnosis, traps)
+    return Explanation(
+        sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
+        state=_state(report, info), failure=failure, diagnosis=diagnosis, lever=levers[0] if levers else None, levers=levers, settings=settings,
+        waterfall=waterfall, capacity=capacity, model=_model_out(kv_model, cell, cell_source, page), predictions=predictions, traps=traps,
+        findings=findings, warnings=warnings, logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
+        kv_shortfall=report.kv_shortfall if report else None, retractions=_retraction_summary(report),
+    )
+
+
+def _scheduler_settings(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None) -> None:
+    """What the scheduler line states wins (§4.2 item 8: the effective values), then the server's
+    info, the launch flags, the model config; the captured decode sizes from the capture lines."""
+    sched = report.scheduler if report else None
     if sched and sched.max_running_requests is not None:
         settings["effective_max_running_requests"] = Setting(value=sched.max_running_requests, source="log:scheduler")
     elif info and info.effective_max_running_requests is not None:
@@ -387,126 +422,129 @@ def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); i
         settings["context_len"] = Setting(value=_val(settings, "context_length"), source=settings["context_length"].source)
     elif model and model.max_position_embeddings:
         settings["context_len"] = Setting(value=model.max_position_embeddings, source="model_config")
-    if sched and sched.chunked_prefill_size is not None:
-        settings["chunked_prefill_size"] = Setting(value=sched.chunked_prefill_size, source="log:scheduler")
-    if sched and sched.max_prefill_tokens is not None:
-        settings["max_prefill_tokens"] = Setting(value=sched.max_prefill_tokens, source="log:scheduler")
+    for key in ("chunked_prefill_size", "max_prefill_tokens"):
+        if sched and getattr(sched, key) is not None:
+            settings[key] = Setting(value=getattr(sched, key), source="log:scheduler")
     if report is not None and report.cuda_graph_max_bs is not None:
         settings["cuda_graph_max_bs"] = Setting(value=report.cuda_graph_max_bs, source="log:capture bs list")
-    ctx = _val(settings, "context_len")
-    ctx_bound = ctx
-    if ctx is None and tokens and tokens > 0 and info and info.max_req_input_len:
-        # A server's info states max_req_input_len = min(context_len − 1, tokens − 1) − 5 (§1.4):
-        # either the context length itself, or context_len ≥ the pool, and any such context gives
-        # the same default max_running_requests (the §2.3 estimate is clamped to 2048).
-        implied = context_len_from_max_req_input_len(int(tokens), info.max_req_input_len)
-        if implied is not None:
-            settings["context_len"] = Setting(value=implied, source="derived from server_info max_req_input_len (§1.4)")
-            ctx = ctx_bound = implied
-        else:
-            ctx_bound = int(tokens)
-    if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx_bound:
-        version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
-        settings["effective_max_running_requests"] = Setting(
-            value=effective_max_running_requests(int(tokens), int(ctx_bound), requested=_val(settings, "max_running_requests"), version=version,
-                                                 speculative_algorithm=_val(settings, "speculative_algorithm")),
-            source="derived (§2.3)",
-        )
-    mrr = _val(settings, "effective_max_running_requests")
-    tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
-    page = _val(settings, "page_size") or 1
 
-    # -- fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed) ---------------------
+
+def _context(settings: dict[str, Setting], info: ServerInfo | None, tokens: int | None) -> tuple[int | None, int | None]:
+    """``(context_len, the context that bounds the §2.3 estimate)``. Without a stated context, a
+    server's ``max_req_input_len = min(context_len − 1, tokens − 1) − 5`` (§1.4) gives either the
+    context itself or context ≥ the pool, and any such context gives the same default
+    max_running_requests (the §2.3 estimate is clamped to 2048)."""
+    ctx = _val(settings, "context_len")
+    if ctx is not None or not (tokens and tokens > 0 and info and info.max_req_input_len):
+        return ctx, ctx
+    implied = context_len_from_max_req_input_len(int(tokens), info.max_req_input_len)
+    if implied is None:
+        return None, int(tokens)
+    settings["context_len"] = Setting(value=implied, source="derived from server_info max_req_input_len (§1.4)")
+    return implied, implied
+
+
+def _derived_max_running_requests(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None,
+                                  tokens: int | None, ctx_bound: int | None) -> None:
+    """The effective max_running_requests by SGLang's default rule (§2.3) when no input states it."""
+    if "effective_max_running_requests" in settings or not (tokens and tokens > 0 and ctx_bound):
+        return
+    version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
+    settings["effective_max_running_requests"] = Setting(
+        value=effective_max_running_requests(int(tokens), int(ctx_bound), requested=_val(settings, "max_running_requests"), version=version,
+                                             speculative_algorithm=_val(settings, "speculative_algorithm")),
+        source="derived (§2.3)",
+    )
+
+
+def _fraction(settings: dict[str, Setting], report: LogReport | None, prim: Any, findings: list[str], warnings: list[str]) -> Any:
+    """The fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed); a CLI value that
+    differs from the log's arithmetic by more than 0.02 is kept and warned about."""
     mfs = _val(settings, "mem_fraction_static")
     baseline = min((r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None), default=None) if report else None
-    if (mfs is None or settings["mem_fraction_static"].source == "cli") and prim and baseline and prim.weight_gib is not None and prim.kv_pool_gib is not None:
-        derived = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
-        why = (f"(weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / baseline {baseline:.2f} GiB gives ≈{derived:.3f} "
-               "(assumes nothing else was allocated before profiling)")
-        if mfs is None:
-            mfs = derived
-            settings["mem_fraction_static"] = Setting(value=mfs, source="derived")
-            findings.append(f"mem_fraction_static is not in the input; {why}.")
-        elif abs(float(mfs) - derived) > 0.02:
-            warnings.append(f"--mem-fraction-static {float(mfs):g} is used, but the log's {why}; the predictions assume the value you gave")
+    if not ((mfs is None or settings["mem_fraction_static"].source == "cli") and prim and baseline
+            and prim.weight_gib is not None and prim.kv_pool_gib is not None):
+        return mfs
+    derived = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
+    why = (f"(weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / baseline {baseline:.2f} GiB gives ≈{derived:.3f} "
+           "(assumes nothing else was allocated before profiling)")
+    if mfs is None:
+        settings["mem_fraction_static"] = Setting(value=derived, source="derived")
+        findings.append(f"mem_fraction_static is not in the input; {why}.")
+        return derived
+    if abs(float(mfs) - derived) > 0.02:
+        warnings.append(f"--mem-fraction-static {float(mfs):g} is used, but the log's {why}; the predictions assume the value you gave")
+    return mfs
 
-    # -- cell size -------------------------------------------------------------------------------
+
+def _cell(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None, prim: Any,
+          tokens: int | None, tp: int | None, page: int, warnings: list[str]) -> tuple[int | None, str | None]:
+    """``(KV bytes per token per GPU, source)``: the model config's (§1.3), else the logged KV size
+    over ``#tokens + page_size`` (§4.2 item 5), else the server info's; a model config that
+    disagrees with the log by more than 2 % is warned about."""
     cell: int | None = None
     cell_source = None
     if model is not None:
-        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"),
-                               version=(info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")),
+        version = info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")
+        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"), version=version,
                                speculative_algorithm=_val(settings, "speculative_algorithm"))
         cell_source = "model_config"
     if prim and tokens and prim.kv_pool_gib is not None:
         logged_cell = prim.kv_pool_gib * GIB / (tokens + page)
         if cell is None:
-            cell, cell_source = int(round(logged_cell)), "log:KV size / #tokens"
-        elif abs(logged_cell - cell) / cell > 0.02:
+            return int(round(logged_cell)), "log:KV size / #tokens"
+        if abs(logged_cell - cell) / cell > 0.02:
             warnings.append(f"the KV cell from the model config ({cell} B/token) differs from the logged one ({logged_cell:.0f} B/token); check --model-config and --tp")
     elif info and tokens and info.kvcache_gib and cell is None:
-        cell, cell_source = int(round(info.kvcache_gib * GIB / (tokens + page))), "server_info:kvcache / token_capacity"
+        return int(round(info.kvcache_gib * GIB / (tokens + page))), "server_info:kvcache / token_capacity"
+    return cell, cell_source
 
-    # -- capacity model --------------------------------------------------------------------------
-    kv_model: KVCapacityModel | None = None
+
+def _capacity_model(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, prim: Any, mfs: Any, cell: int | None,
+                    tokens: int | None, findings: list[str], warnings: list[str]) -> KVCapacityModel | None:
+    """The memory model calibrated on the log (:meth:`KVCapacityModel.from_report`), else on the
+    server info (baseline = (weight + kvcache) / mem_fraction_static)."""
     cap = _val(settings, "max_total_tokens")
     if mfs is not None and cell and report is not None and prim is not None:
         try:
-            kv_model = KVCapacityModel.from_report(report, cell, float(mfs), max_total_tokens=cap)
+            return KVCapacityModel.from_report(report, cell, float(mfs), max_total_tokens=cap)
         except LogError as err:
             warnings.append(f"memory model not calibrated: {err.message}")
-    if kv_model is None and info is not None and mfs and cell and info.weight_gib is not None and info.kvcache_gib is not None and tokens:
-        base = (info.weight_gib + info.kvcache_gib) / float(mfs)
-        kv_model = KVCapacityModel(baseline_gib=base, static_gib=float(mfs) * base - tokens * cell / GIB, weight_gib=info.weight_gib,
-                                   cell_bytes=cell, source="server_info", observed_mem_fraction_static=float(mfs), observed_tokens=tokens,
-                                   observed_free_after_graphs_gib=info.startup_available_gib, observed_graph_gib=info.graph_gib, max_total_tokens=cap)
-        findings.append(f"baseline {base:.2f} GiB derived from server info as (weight + kvcache) / mem_fraction_static (no log given).")
+    if info is None or not (mfs and cell and info.weight_gib is not None and info.kvcache_gib is not None and tokens):
+        return None
+    base = (info.weight_gib + info.kvcache_gib) / float(mfs)
+    findings.append(f"baseline {base:.2f} GiB derived from server info as (weight + kvcache) / mem_fraction_static (no log given).")
+    return KVCapacityModel(baseline_gib=base, static_gib=float(mfs) * base - tokens * cell / GIB, weight_gib=info.weight_gib,
+                           cell_bytes=cell, source="server_info", observed_mem_fraction_static=float(mfs), observed_tokens=tokens,
+                           observed_free_after_graphs_gib=info.startup_available_gib, observed_graph_gib=info.graph_gib, max_total_tokens=cap)
 
-    waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
-    capacity = _capacity(tokens, mrr, ctx)
-    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions,
-                               failed=report.failure if report else None)
-    traps = _traps(_TrapInput(report=report, info=info, m=kv_model, settings=settings, tokens=tokens, mrr=mrr, ctx=ctx, mfs=mfs, tp=tp, prim=prim))
-    traps += _metric_traps(metrics or {})
-    traps.sort(key=lambda t: _TRAP_ORDER.get(t.id, 50))
-    findings += _findings(kv_model, capacity, mfs, traps)
-    if metrics:
-        live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
-        if live:
-            findings.append("live: " + ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in live.items()) + " (from /metrics).")
 
-    failure = report.failure if report else None
-    state: Literal["ready", "failed", "starting", "unknown"]
-    if failure is not None:
-        state = "failed"
-    elif (report and (report.ready or report.batch_summary.prefill_lines or report.batch_summary.decode_lines or report.retractions)) or info is not None:
-        state = "ready"
-    elif report and report.ranks:
-        state = "starting"
-    else:
-        state = "unknown"
-    model_out = None
+def _live_findings(metrics: Mapping[str, float]) -> list[str]:
+    """The running server's batch as ``/metrics`` states it (§5.5)."""
+    live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
+    return ["live: " + ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in live.items()) + " (from /metrics)."] if live else []
+
+
+def _state(report: LogReport | None, info: ServerInfo | None) -> Literal["ready", "failed", "starting", "unknown"]:
+    """``failed`` with a failure; ``ready`` with a ready line, batch or retraction lines, or a live
+    server; ``starting`` with startup lines only; else ``unknown``."""
+    if report is not None and report.failure is not None:
+        return "failed"
+    if info is not None or (report and (report.ready or report.batch_summary.prefill_lines or report.batch_summary.decode_lines or report.retractions)):
+        return "ready"
+    return "starting" if report and report.ranks else "unknown"
+
+
+def _model_out(kv_model: KVCapacityModel | None, cell: int | None, cell_source: str | None, page: int) -> dict[str, Any] | None:
+    """The ``model`` block of the explanation: the calibrated model's numbers, else the cell alone."""
     if kv_model is not None:
-        model_out = {
+        return {
             "source": kv_model.source, "baseline_gib": round(kv_model.baseline_gib, 3), "static_gib": round(kv_model.static_gib, 3),
             "weight_gib": kv_model.weight_gib, "cell_bytes": kv_model.cell_bytes, "cell_source": cell_source,
             "tokens_per_hundredth": round(kv_model.tokens_per_hundredth()), "gib_per_hundredth": round(kv_model.baseline_gib / 100, 3),
             "min_fraction": round(kv_model.min_fraction(page_size=page), 4),
         }
-    elif cell:
-        model_out = {"source": None, "cell_bytes": cell, "cell_source": cell_source}
-    if report is not None and report.weights_committed_after_capture and prim is not None and prim.weight_gib is None:
-        warnings.append("weights were loaded in 0.5.23's overlap mode ('Load weight end. Committed real weights ...'): the log "
-                        "prints no weight memory, so W and the baseline split are unknown")
-    diagnosis = report.diagnosis if report else None
-    levers = rank_levers(diagnosis, traps)
-    return Explanation(
-        sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
-        state=state, failure=failure, diagnosis=diagnosis, lever=levers[0] if levers else None, levers=levers, settings=settings, waterfall=waterfall,
-        capacity=capacity, model=model_out, predictions=predictions, traps=traps, findings=findings, warnings=warnings,
-        logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
-        kv_shortfall=report.kv_shortfall if report else None, retractions=_retraction_summary(report),
-    )
+    return {"source": None, "cell_bytes": cell, "cell_source": cell_source} if cell else None
 
 
 _TRAP_ORDER = {"transformers_fallback": -1, "failure": 0, "allocator_retry": 1, "tight_headroom": 4, "retractions": 1, "kv_pool_nearly_full": 2, "context_exceeds_pool": 3, "after_pool_allocation": 4,
