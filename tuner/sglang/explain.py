@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -623,97 +623,158 @@ RESIDUE_ROUNDING_GIB = 0.02
 the two-decimal GiB figures it is computed from (§4.2), not memory: it gets no waterfall row."""
 
 
-def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
+class _WaterfallInput(NamedTuple):
+    report: LogReport | None
+    info: ServerInfo | None
+    m: KVCapacityModel | None
+    tokens: int | None
+    mrr: int | None
+    ctx: int | None
+    mfs: float | None
+    prim: Any
+    draft: Any
+
+
+def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,
                mrr: int | None, ctx: int | None, mfs: float | None) -> list[WaterfallStep]:
-    steps: list[WaterfallStep] = []
+    """Where one GPU's memory went, in startup order (§1.2, §1.6, §4.2): the static budget
+    (weights, KV pool, state pools), the ``(1 − mfs)`` reserve and what came out of it, and the
+    runtime headroom. GiB = 2^30 bytes; a row the inputs do not give is left out, never 0."""
     prim = report.primary() if report else None
-    add = steps.append
+    w = _WaterfallInput(report, info, m, tokens, mrr, ctx, mfs, prim, _draft_of(report, prim))
+    return [*_loaded_steps(w), *_budget_steps(w), *_reserve_steps(w), *_draft_steps(w)[0], *_after_reserve_steps(w), *_headroom_steps(w)]
+
+
+def _weight_gib(w: _WaterfallInput) -> float | None:
+    return w.prim.weight_gib if w.prim and w.prim.weight_gib is not None else (w.info.weight_gib if w.info else None)
+
+
+def _kv_gib(w: _WaterfallInput) -> float | None:
+    return w.prim.kv_pool_gib if w.prim and w.prim.kv_pool_gib is not None else (w.info.kvcache_gib if w.info else None)
+
+
+def _loaded_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """Baseline, distributed init, weights, KV pool (or the pool's drop of free memory), state pool."""
+    steps, prim, m = [], w.prim, w.m
     if m is not None:
-        add(WaterfallStep(item="baseline_free", label="free GPU memory at the baseline (B, min over ranks)", gib=round(m.baseline_gib, 2),
-                          source="log:Load weight begin" if m.source == "log" else m.source))
+        steps.append(WaterfallStep(item="baseline_free", label="free GPU memory at the baseline (B, min over ranks)", gib=round(m.baseline_gib, 2),
+                                   source="log:Load weight begin" if m.source == "log" else m.source))
     if prim and prim.baseline_gib is not None:
-        add(WaterfallStep(item="distributed_init", label="taken by distributed init (already outside B)", gib=prim.baseline_gib, source="log:Init torch distributed / Memory baseline"))
-    weight = prim.weight_gib if prim and prim.weight_gib is not None else (info.weight_gib if info else None)
+        steps.append(WaterfallStep(item="distributed_init", label="taken by distributed init (already outside B)", gib=prim.baseline_gib,
+                                   source="log:Init torch distributed / Memory baseline"))
+    weight, kv = _weight_gib(w), _kv_gib(w)
     if weight is not None:
-        add(WaterfallStep(item="weights", label="weights (W)", gib=weight, source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
-    kv = prim.kv_pool_gib if prim and prim.kv_pool_gib is not None else (info.kvcache_gib if info else None)
-    if kv is not None or tokens is not None:
-        add(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=tokens, source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info",
-                          note=_kv_note(prim)))
+        steps.append(WaterfallStep(item="weights", label="weights (W)", gib=weight,
+                                   source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
+    if kv is not None or w.tokens is not None:
+        steps.append(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=w.tokens, note=_kv_note(prim),
+                                   source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info"))
     if prim is not None and prim.kv_pool_gib is None and prim.kv_pool_consumed_gib is not None:
-        add(WaterfallStep(item="pool_drop", label="free memory taken by init_memory_pool (KV pool + req_to_token)", gib=prim.kv_pool_consumed_gib,
-                          source="derived: Load weight end − Memory pool end avail mem", note="the log prints no KV size line"))
-    state = prim.mamba_cache_gib if prim else None
-    if state is not None:
-        add(WaterfallStep(item="state_pool", label="hybrid state pool (Mamba/GDN conv + ssm state)", gib=state, source="log:Mamba Cache is allocated",
-                          note="carved out of the static budget before the KV pool (§1.2)"))
-    draft = _draft_of(report, prim)
-    if draft is not None and draft.kv_pool_gib is not None and report is not None and _draft_in_budget(report):
-        add(WaterfallStep(item="draft_kv_pool", label="draft model's KV pool (inside the profiled budget, 0.5.16+)", gib=round(draft.kv_pool_gib, 2),
-                          tokens=draft.kv_tokens, source="log:KV Cache is allocated (second line)",
-                          note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
-    if m is not None and mfs is not None and weight is not None and kv is not None:
-        other = mfs * m.baseline_gib - weight - kv - (state or 0.0)
+        steps.append(WaterfallStep(item="pool_drop", label="free memory taken by init_memory_pool (KV pool + req_to_token)", gib=prim.kv_pool_consumed_gib,
+                                   source="derived: Load weight end − Memory pool end avail mem", note="the log prints no KV size line"))
+    if prim is not None and prim.mamba_cache_gib is not None:
+        steps.append(WaterfallStep(item="state_pool", label="hybrid state pool (Mamba/GDN conv + ssm state)", gib=prim.mamba_cache_gib,
+                                   source="log:Mamba Cache is allocated", note="carved out of the static budget before the KV pool (§1.2)"))
+    return steps
+
+
+def _budget_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The draft's KV inside the budget (0.5.16+), the static residue, and the reserve."""
+    steps, draft, m, mfs = [], w.draft, w.m, w.mfs
+    if draft is not None and draft.kv_pool_gib is not None and w.report is not None and _draft_in_budget(w.report):
+        steps.append(WaterfallStep(item="draft_kv_pool", label="draft model's KV pool (inside the profiled budget, 0.5.16+)", gib=round(draft.kv_pool_gib, 2),
+                                   tokens=draft.kv_tokens, source="log:KV Cache is allocated (second line)",
+                                   note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
+    if m is None or mfs is None:
+        return steps
+    weight, kv = _weight_gib(w), _kv_gib(w)
+    if weight is not None and kv is not None:
+        other = mfs * m.baseline_gib - weight - kv - ((w.prim.mamba_cache_gib if w.prim else None) or 0.0)
         if abs(other) > RESIDUE_ROUNDING_GIB:
-            add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
-                              note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
-    if m is not None and mfs is not None:
-        add(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
-                          note="everything below comes out of this"))
-    if mrr and ctx:
-        add(WaterfallStep(item="req_to_token", label=f"req_to_token table ({mrr} × ({ctx} + 4) × 4 B)", gib=round(req_to_token_gib(mrr, ctx), 2), source="derived"))
-    if prim and prim.graph_gib is not None:
-        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=prim.graph_gib, source="log:Capture ... end"))
-    elif info and info.graph_gib is not None:
-        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=info.graph_gib, source="server_info"))
-    draft_in_reserve = 0.0
-    if draft is not None:
-        d = draft
-        if report is not None and _draft_in_budget(report):
-            # 0.5.16+ loads the draft before profiling (its weights are static, in "other static")
-            # and counts its KV in the target's cell; only its graphs come out of the reserve (§1.5).
-            if d.graph_gib is not None:
-                add(WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
-                                  gib=d.graph_gib, source="log:Capture draft ... end",
-                                  note=f"draft weights {d.weight_gib} GiB counted before profiling" if d.weight_gib is not None else None))
-        else:
-            draft_in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
-            total = draft_in_reserve + (d.graph_gib or 0.0)
-            parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
-            add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
-                              source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)"))
-    if m is not None and m.other_reserve_gib is not None and abs(m.other_reserve_gib - draft_in_reserve) > RESIDUE_ROUNDING_GIB:
-        add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft_in_reserve, 2) + 0.0, source="derived"))
-    after_pool = _after_pool_drop(report, prim)
+            steps.append(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
+                                       note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
+    steps.append(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
+                               note="everything below comes out of this"))
+    return steps
+
+
+def _reserve_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The req_to_token table (§1.6) and the target's CUDA graphs."""
+    steps = []
+    if w.mrr and w.ctx:
+        steps.append(WaterfallStep(item="req_to_token", label=f"req_to_token table ({w.mrr} × ({w.ctx} + 4) × 4 B)",
+                                   gib=round(req_to_token_gib(w.mrr, w.ctx), 2), source="derived"))
+    if w.prim and w.prim.graph_gib is not None:
+        steps.append(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=w.prim.graph_gib, source="log:Capture ... end"))
+    elif w.info and w.info.graph_gib is not None:
+        steps.append(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=w.info.graph_gib, source="server_info"))
+    return steps
+
+
+def _draft_steps(w: _WaterfallInput) -> tuple[list[WaterfallStep], float]:
+    """``(rows, GiB of the draft in the reserve)``: 0.5.16+ loads the draft before profiling (its
+    weights are static, its KV in the target's cell), so only its graphs come out of the reserve;
+    earlier its weights, KV and graphs all do (§1.5)."""
+    d = w.draft
+    if d is None:
+        return [], 0.0
+    if w.report is not None and _draft_in_budget(w.report):
+        if d.graph_gib is None:
+            return [], 0.0
+        return [WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
+                              gib=d.graph_gib, source="log:Capture draft ... end",
+                              note=f"draft weights {d.weight_gib} GiB counted before profiling" if d.weight_gib is not None else None)], 0.0
+    in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
+    parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
+    return [WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(in_reserve + (d.graph_gib or 0.0), 2),
+                          tokens=d.kv_tokens, source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)")], in_reserve
+
+
+def _after_reserve_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The rest of the reserve's use (derived) and what was allocated between the pool and capture."""
+    steps = []
+    in_reserve = _draft_steps(w)[1]
+    m = w.m
+    if m is not None and m.other_reserve_gib is not None and abs(m.other_reserve_gib - in_reserve) > RESIDUE_ROUNDING_GIB:
+        steps.append(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)",
+                                   gib=round(m.other_reserve_gib - in_reserve, 2) + 0.0, source="derived"))
+    after_pool = _after_pool_drop(w.report, w.prim)
     if after_pool is not None:
         gib, src, note = after_pool
-        add(WaterfallStep(item="after_pool_allocation", label="taken after the KV pool, before graph capture (attention workspace, buffers)",
-                          gib=gib, source=src, note=note))
+        steps.append(WaterfallStep(item="after_pool_allocation", label="taken after the KV pool, before graph capture (attention workspace, buffers)",
+                                   gib=gib, source=src, note=note))
+    return steps
+
+
+def _headroom_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The runtime headroom: ``free_after_graphs`` (graphs captured) or ``free_at_start`` (none in the
+    log), from the scheduler line, the last capture end line or the server info; while capture is
+    still pending at the log's end, ``free_so_far`` instead (not the runtime headroom)."""
+    report, prim, info = w.report, w.prim, w.info
     free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
     free_src = "log:scheduler available_gpu_mem"
     pending = report is not None and report.scheduler is None and not report.ready and report.last_phase == "capture"
     if free is None and prim is not None and not pending:
-        draft_end = draft.graph_end_avail_gib if draft else None
+        draft_end = w.draft.graph_end_avail_gib if w.draft else None
         free = draft_end if draft_end is not None else prim.graph_end_avail_gib  # the last capture of the start
         free_src = "log:Capture ... end avail mem"
     if free is None and info and info.startup_available_gib is not None:
         free, free_src = info.startup_available_gib, "server_info:startup_available"
     if free is not None:
         if _captured_graphs(report, info):
-            add(WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src))
-        else:
-            add(WaterfallStep(item="free_at_start", label="free when the scheduler started (runtime headroom; the log shows no CUDA-graph capture)",
-                              gib=free, source=free_src))
-    elif pending and report is not None:
-        last = report.capture_progress_avail_gib
-        src = "log:Capturing batches avail_mem"
-        if last is None and prim is not None:
-            last = prim.graph_end_avail_gib if prim.graph_end_avail_gib is not None else prim.graph_begin_avail_gib
-            src = "log:Capture ... avail mem"
-        if last is not None:
-            add(WaterfallStep(item="free_so_far", label="free at the last capture line (capture still pending: not the runtime headroom)",
-                              gib=last, source=src, note="the log ends before the scheduler line; later graphs and buffers come out of this"))
-    return steps
+            return [WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src)]
+        return [WaterfallStep(item="free_at_start", label="free when the scheduler started (runtime headroom; the log shows no CUDA-graph capture)",
+                              gib=free, source=free_src)]
+    if not pending or report is None:
+        return []
+    last, src = report.capture_progress_avail_gib, "log:Capturing batches avail_mem"
+    if last is None and prim is not None:
+        last = prim.graph_end_avail_gib if prim.graph_end_avail_gib is not None else prim.graph_begin_avail_gib
+        src = "log:Capture ... avail mem"
+    if last is None:
+        return []
+    return [WaterfallStep(item="free_so_far", label="free at the last capture line (capture still pending: not the runtime headroom)",
+                          gib=last, source=src, note="the log ends before the scheduler line; later graphs and buffers come out of this")]
 
 
 def _captured_graphs(report: LogReport | None, info: ServerInfo | None) -> bool:
