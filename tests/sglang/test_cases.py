@@ -72,6 +72,7 @@ NOT_IN_SGLANG_LINES: dict[str, dict[str, str]] = {
 # status, or the line torch raises for the OOM the report describes), and the class must follow.
 EXTRA_EVIDENCE: dict[str, tuple[str | None, int | None]] = {
     "case-02": (None, 1),   # "server crashed later ... crash text not in the excerpt": an exit, nothing more
+    "case-11": ("observed", None),  # prose: "the traceback posted as a screenshot"; the report's words for the error
     "case-12": ("observed", None),  # "CUDA OOM right after a 17-sequence ... prefill batch"
     "case-16": (None, 1),   # "init fails (no Python traceback in the excerpt)": exit right after the host-pool allocation
     # "OOM in the AITER attention backend's buffer allocation, right after the KV pool (the error line
@@ -99,7 +100,9 @@ def explained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for case_id in CASE_IDS:
         path = tmp / f"{case_id}.log"
-        path.write_text(_case(case_id)["log_excerpt"] + "\n")
+        case = _case(case_id)
+        extra = EXTRA_EVIDENCE.get(case_id, (None, None))[0]
+        path.write_text(case["log_excerpt"] + "\n" + ((case["observed"]["error"] if extra == "observed" else extra) + "\n" if extra else ""))
         proc = subprocess.run([TUNER, "explain", "--log", str(path), "--json"], capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0, (case_id, proc.stderr)
         Explanation.model_validate_json(proc.stdout)
@@ -168,6 +171,13 @@ def test_case_skipped_numbers_are_really_not_sglang_output(case_id: str) -> None
             for line in (ln for ln in lines if text in ln):
                 report = parse_log([line])
                 assert report.sglang_lines == 0 or text not in report.model_dump_json(), (key, line)
+
+
+def test_case_11_excerpt_alone_is_prose() -> None:
+    """case-11's excerpt is a person's summary (the traceback was a screenshot): a sentence that names
+    "CUDA out of memory" is not a log line, so the excerpt alone holds no SGLang line."""
+    report = parse_log(_case("case-11")["log_excerpt"])
+    assert report.sglang_lines == 0 and report.failure is None
 
 
 def _evidence_report(case_id: str) -> Any:
@@ -262,7 +272,7 @@ EXPECTED_CLASS = {"case-03": "startup_kv_oom", "case-05": "cuda_graph_oom", "cas
 
 @pytest.mark.parametrize("case_id", sorted(EXPECTED_CLASS))
 def test_case_failure_class(case_id: str) -> None:
-    report = parse_log(_case(case_id)["log_excerpt"])
+    report = _evidence_report(case_id)
     assert report.diagnosis is not None and report.diagnosis.failure_class.value == EXPECTED_CLASS[case_id]
 
 

@@ -113,6 +113,13 @@ def test_prose_naming_the_sglang_server_is_refused_with_one_line(tmp_path: Path)
     proc = _tuner("explain", "--log", str(prose))
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "no SGLang line" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # A sentence that names the error is not the error; torch's own line, even quoted, is.
+    sentence = tmp_path / "issue.md"
+    sentence.write_text("When we run the sglang server with long prompts it crashes with CUDA out of memory after a few minutes.\n")
+    refused = _tuner("explain", "--log", str(sentence))
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
+    quoted = parse_log(["> torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"])
+    assert quoted.failure is not None and quoted.oom is not None and quoted.oom.total_capacity_gib == 79.19
     # A real launch command still counts (its flags are read).
     report = parse_log(["python3 -m sglang.launch_server --model-path /models/llama --tp 2 --mem-fraction-static 0.85"])
     assert report.server_args["mem_fraction_static"] == "0.85" and report.sglang_lines == 1

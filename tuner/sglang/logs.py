@@ -614,6 +614,15 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
 ]
 
 
+_PROGRAM_OUTPUT = re.compile(
+    r"[>`*\s-]*(?:[\w.]*(?:Error|Exception)\b|(?:CUDA|HIP) (?:out of memory|error)|(?:hip|cuda)Error|CUDA OOM|OutOfMemoryError)"
+    r"|.*Tried to allocate \d"
+)
+"""A generic OOM line without a log prefix counts as evidence only when it is program output: it
+starts with an exception name or torch's own ``CUDA out of memory`` / ``HIP error`` text (a
+markdown quote allowed), or carries torch's ``Tried to allocate N``. Prose that names the error in
+a sentence is not a log line (``tuner explain`` refuses a text of such lines)."""
+
 _STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline|host pool|new_tokens_gained|Post-capture")
 """Lines that can carry a version marker (a cheap gate before the marker patterns)."""
 _FAILURE_WORDS = re.compile(
@@ -720,6 +729,7 @@ class LogWatcher:
         self._progress_avail: float | None = None
         self._committed = False
         self._soft: Failure | None = None
+        self._prefixed = False
 
     def _log(self, rank: str | None, line: str, msg: str, role: str | None = None) -> None:
         """Keep every number of a recognised line for the ``logged`` block (bounded per rank)."""
@@ -749,6 +759,7 @@ class LogWatcher:
                     status = int(m.group("status"))
                     self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
                 return
+            self._prefixed = bool(rank or ts or ident)
             if self._parse(msg, rank, ts):
                 self._sglang_lines += 1
                 self._last_sglang_line = msg
@@ -1296,6 +1307,8 @@ class LogWatcher:
         for prio, cls, pat in _FAILURES:
             if not pat.search(msg):
                 continue
+            if cls is None and not self._prefixed and not _PROGRAM_OUTPUT.match(msg):
+                return False  # a sentence that names the error ("it crashes with CUDA out of memory"), not the error
             if cls is None:
                 cls = self._oom_class(msg)
             if self._oom_numbers(msg):
