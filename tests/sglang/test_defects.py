@@ -207,3 +207,20 @@ def test_04x_worker_thread_exception_before_a_cuda_oom_is_a_runtime_oom() -> Non
     cut = parse_log(LOG_04X_WORKER.splitlines()[:-1])
     assert cut.failure is not None and cut.failure.failure_class is FailureClass.CRASH
     assert cut.failure.evidence.startswith("TpModelWorkerClient hit an exception")
+
+
+def test_fatal_cuda_errors_that_are_not_memory_are_crashes() -> None:
+    """An illegal memory access is not an OOM: a crash with no memory lever; a CUDA OOM in the same
+    log is the more specific evidence."""
+    line = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    report = parse_log(STARTED + GRAPHS + "[2025-03-01 10:01:00] The server is fired up and ready to roll!\n" + line + "\n")
+    assert report.failure is not None and report.failure.failure_class is FailureClass.CRASH and report.failure.evidence == line
+    assert explain(report).lever.knob is None  # type: ignore[union-attr]
+    both = parse_log(STARTED + GRAPHS + line + "\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    assert both.failure is not None and both.failure.failure_class is not FailureClass.CRASH
+
+
+def test_a_vllm_fallback_line_is_not_sglang_output() -> None:
+    vllm = parse_log(["WARNING 03-13 03:20:24 [utils.py:217] Gemma3ForConditionalGeneration has no vLLM implementation, "
+                      "falling back to Transformers implementation."])
+    assert vllm.sglang_lines == 0 and vllm.transformers_fallback is None

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
-from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, parse_log_bytes
+from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
     KVCapacityModel,
@@ -560,6 +560,8 @@ has memory and kernels that are not SGLang's, so no memory knob read from SGLang
 def _pick_lever(diagnosis: Failure | None, traps: Sequence[Trap]) -> Lever | None:
     """The diagnosis's lever, unless it names no knob (a crash) and a trap does; else the first
     trap (in :data:`_TRAP_ORDER`) with a lever of severity warning or error."""
+    if diagnosis is not None and diagnosis.failure_class is FailureClass.CRASH and non_memory_fatal(diagnosis.evidence):
+        return next((t.lever for t in traps if t.id == "failure"), LEVERS[FailureClass.CRASH])  # no memory knob helps
     first = None
     outranking = next((t.lever for t in traps if t.id in _OUTRANKS_DIAGNOSIS and t.lever is not None), None)
     if outranking is not None:
@@ -1429,7 +1431,26 @@ def _slot_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float
                                     "(SGLang's hint to lower it helps only when the slots are really all in use)"))
 
 
+_NOT_MEMORY = (
+    ("no kernel image", "a kernel has no image for this GPU's architecture (raised at its first launch, often graph capture): install a "
+                        "build of SGLang and its kernel libraries for this GPU; no memory knob changes it"),
+    ("out of resource", "a Triton kernel asked for more shared memory than the hardware has: a kernel configuration (block sizes, "
+                        "num_stages) or attention backend change, not GPU memory"),
+    ("illegal memory access", "an illegal memory access is a kernel or driver fault, not a lack of memory: read the traceback, try "
+                              "another attention backend or SGLang build"),
+)
+"""Why no memory knob helps, per non-memory fatal line (``tuner.sglang.logs.non_memory_fatal``)."""
+
+
+def _crash_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``crash``: no knob, and when the evidence is a fatal line that is not memory, why not."""
+    evidence = report.failure.evidence if report is not None and report.failure is not None else ""
+    why = next((w for key, w in _NOT_MEMORY if key in evidence), None)
+    return _Refined(lever=Lever(knob=None, direction="none", why=why) if why else LEVERS[FailureClass.CRASH], fix=why)
+
+
 _CLASS_RULES = {
+    FailureClass.CRASH: _crash_levers,
     FailureClass.CUDA_GRAPH_OOM: _reserve_levers,
     FailureClass.STARTUP_OOM: _reserve_levers,
     FailureClass.STARTUP_KV_OOM: _kv_oom_levers,

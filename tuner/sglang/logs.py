@@ -49,6 +49,7 @@ __all__ = [
     "classify",
     "clean_line",
     "outcome_of",
+    "non_memory_fatal",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -537,7 +538,7 @@ _P = {
     "oom_free": re.compile(r"of which " + _NUM + r" (MiB|GiB|KiB|B) is free"),
     "alloc_retry": re.compile(r"memory allocation failed with OOM on device (\d+) while trying to allocate (\d+) bytes"
                               r"(?: \(free: (\d+), total: (\d+)\))?"),
-    "transformers_fallback": re.compile(r"(?i)falling back to (?:the )?Transformers implementation"),
+    "transformers_fallback": re.compile(r"(?i)^(?!.*\bvllm\b).*falling back to (?:the )?Transformers implementation"),
     "command": re.compile(r"(?:^|[\s$>#])(?:python3?\s+-m\s+sglang\.launch_server|sglang\s+serve)(?:\s+\\?\s*$|\s+(?:\S+\s+)*?--[a-z])"),
     "flag_line": re.compile(r"^--[a-z][\w-]*(?:[ =]\S+)?$"),
     "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
@@ -610,12 +611,35 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
                                                            r"|^(?:RuntimeError: )?memory allocation failed with OOM\s*$")),
     (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|(?:CUDA|HIP) error: out of memory"
                           r"|hipErrorOutOfMemory|cudaErrorMemoryAllocation")),
+    # Fatal CUDA/HIP/NCCL errors that are not memory (an illegal access, a device assert): below a
+    # CUDA OOM of the same traceback, above the scheduler's exception line. Generic text, so like
+    # the OOM row it counts only as program output (_PROGRAM_OUTPUT).
+    (60, FailureClass.CRASH, re.compile(r"(?:CUDA|HIP) error: (?!out of memory)|illegal memory access was encountered|device-side assert triggered"
+                                        r"|NCCL error|ncclUnhandledCudaError|ncclSystemError")),
     (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|[Ss]cheduler is dead|Initialization failed|Watchdog timeout")),
 ]
 
 
+def non_memory_fatal(evidence: str) -> bool:
+    """The evidence is a fatal line that is not about memory (no kernel image for the GPU, a Triton
+    kernel over the shared-memory limit, an illegal access, a device assert, NCCL): no memory knob
+    can help, whatever else the log shows (case-45, case-54).
+
+    Args:
+        evidence: A failure's evidence line.
+
+    Returns:
+        Whether one of the non-memory crash rows of the failure table matches it.
+    """
+    return any(cls is FailureClass.CRASH and prio >= 60 and pat.search(evidence) for prio, cls, pat in _FAILURES)
+
+
+_GENERIC_PRIORITIES = frozenset({60, 70})
+"""The rows of :data:`_FAILURES` whose text any program (or a person) may write: torch's OOM and
+CUDA/HIP/NCCL errors, not SGLang's own wording."""
+
 _PROGRAM_OUTPUT = re.compile(
-    r"[>`*\s-]*(?:[\w.]*(?:Error|Exception)\b|(?:CUDA|HIP) (?:out of memory|error)|(?:hip|cuda)Error|CUDA OOM|OutOfMemoryError)"
+    r"[>`*\s-]*(?:[\w.]*(?:Error|Exception)\b|(?:CUDA|HIP|NCCL) (?:out of memory|error)|(?:hip|cuda|nccl)\w*Error|CUDA OOM|OutOfMemoryError)"
     r"|.*Tried to allocate \d"
 )
 """A generic OOM line without a log prefix counts as evidence only when it is program output: it
@@ -1307,7 +1331,7 @@ class LogWatcher:
         for prio, cls, pat in _FAILURES:
             if not pat.search(msg):
                 continue
-            if cls is None and not self._prefixed and not _PROGRAM_OUTPUT.match(msg):
+            if prio in _GENERIC_PRIORITIES and not self._prefixed and not _PROGRAM_OUTPUT.match(msg):
                 return False  # a sentence that names the error ("it crashes with CUDA out of memory"), not the error
             if cls is None:
                 cls = self._oom_class(msg)
