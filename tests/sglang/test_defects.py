@@ -224,3 +224,12 @@ def test_a_vllm_fallback_line_is_not_sglang_output() -> None:
     vllm = parse_log(["WARNING 03-13 03:20:24 [utils.py:217] Gemma3ForConditionalGeneration has no vLLM implementation, "
                       "falling back to Transformers implementation."])
     assert vllm.sglang_lines == 0 and vllm.transformers_fallback is None
+
+
+def test_weight_and_host_levers_carry_the_log_s_numbers() -> None:
+    host = explain(parse_log(["ValueError: Not enough host memory available. Requesting 160 GB but only have 90 GB free. "
+                              "Please reduce the size of the hierarchical cache."]))
+    assert host.lever is not None and (host.lever.knob, host.lever.direction) == ("hicache_size", "lower") and "90 GB" in host.lever.why
+    weights = explain(parse_log(["[2025-03-01 10:00:01 TP0] Load weight begin. avail mem=23.50 GB",
+                                 "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 23.65 GiB"]))
+    assert weights.lever is not None and weights.lever.knob == "tp_size" and "23.50 GiB free" in weights.lever.why

@@ -12,6 +12,7 @@ belong to the CLI and report layers).
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -1449,8 +1450,42 @@ def _crash_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: floa
     return _Refined(lever=Lever(knob=None, direction="none", why=why) if why else LEVERS[FailureClass.CRASH], fix=why)
 
 
+def _weight_oom_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``weight_load_oom``: the weights did not fit the free memory at load, before any fraction
+    applies (§1.2): more GPUs split them, a quantized checkpoint shrinks them."""
+    begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None] if report else []
+    oom = report.oom if report else None
+    nums = f" ({min(begins):.2f} GiB free at 'Load weight begin'" if begins else ""
+    if oom is not None and oom.tried_to_allocate_mib is not None:
+        nums += ("; " if nums else " (") + f"a {oom.tried_to_allocate_mib / 1024:.2f} GiB allocation failed"
+    nums += ")" if nums else ""
+    return _Refined(lever=Lever(knob="tp_size", direction="raise", why=f"the weights did not fit the GPU{nums}: more GPUs (tp) split them, "
+                                "or a quantized checkpoint; mem_fraction_static plays no part yet"),
+                    also=[Lever(knob="quantization", direction="set", why="a quantized checkpoint (fp8, int4) takes a fraction of the weight memory")])
+
+
+_HOST_ASK = re.compile(r"Requesting (\d+(?:\.\d+)?) GB but only have (\d+(?:\.\d+)?) GB free")
+
+
+def _host_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``host_memory``: the hierarchical cache's host pools (per rank, decimal GB) asked for more than
+    ``psutil available − 10 GiB`` (§4.3, §7); the message's numbers give how far to lower."""
+    evidence = report.failure.evidence if report is not None and report.failure is not None else ""
+    ask = _HOST_ASK.search(evidence)
+    if ask is None:
+        return _Refined(lever=LEVERS[FailureClass.HOST_MEMORY])
+    want, have = float(ask.group(1)), float(ask.group(2))
+    ranks = max(len(report.host_pool_ranks) if report else 0, 1)
+    return _Refined(lever=Lever(knob="hicache_size", direction="lower",
+                                why=f"the host pools asked for {want:g} GB with only {have:g} GB free (psutil available − 10 GiB, §7): "
+                                    f"size --hicache-size so that {ranks} rank(s) × size stays below {have:g} GB"),
+                    also=[Lever(knob="hicache_ratio", direction="lower", why="a smaller host/device ratio shrinks each rank's host pool")])
+
+
 _CLASS_RULES = {
     FailureClass.CRASH: _crash_levers,
+    FailureClass.WEIGHT_LOAD_OOM: _weight_oom_levers,
+    FailureClass.HOST_MEMORY: _host_levers,
     FailureClass.CUDA_GRAPH_OOM: _reserve_levers,
     FailureClass.STARTUP_OOM: _reserve_levers,
     FailureClass.STARTUP_KV_OOM: _kv_oom_levers,
