@@ -848,7 +848,8 @@ class LogWatcher:
         if usage is not None and usage >= 0.9:
             warnings.append(
                 f"KV pool nearly full: token usage reached {usage:.2f}; expect retractions and slow decode "
-                "(more KV capacity: raise mem_fraction_static or lower the offered concurrency)"
+                "(who held the pool decides the lever: a handful of long requests, cap their length; many, admit fewer; "
+                "in between, more KV)"
             )
         return LogReport(
             version_format=self._version,
