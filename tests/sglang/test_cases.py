@@ -61,12 +61,18 @@ NOT_IN_SGLANG_LINES: dict[str, dict[str, str]] = {
     "case-37": {"page_size": "server_args only (--page-size 64)", "mem_fraction_static": "server_args only"},
     "case-38": {},
     "case-41": {},
+    "case-45": {},
+    "case-47": {},
+    "case-49": {},
+    "case-52": {},
+    "case-54": {},
 }
 
 # Cases whose excerpt lacks the failure line: what the report says happened is fed too (an exit
 # status, or the line torch raises for the OOM the report describes), and the class must follow.
 EXTRA_EVIDENCE: dict[str, tuple[str | None, int | None]] = {
     "case-02": (None, 1),   # "server crashed later ... crash text not in the excerpt": an exit, nothing more
+    "case-11": ("observed", None),  # prose: "the traceback posted as a screenshot"; the report's words for the error
     "case-12": ("observed", None),  # "CUDA OOM right after a 17-sequence ... prefill batch"
     "case-16": (None, 1),   # "init fails (no Python traceback in the excerpt)": exit right after the host-pool allocation
     # "OOM in the AITER attention backend's buffer allocation, right after the KV pool (the error line
@@ -74,31 +80,17 @@ EXTRA_EVIDENCE: dict[str, tuple[str | None, int | None]] = {
     "case-30": ("torch.OutOfMemoryError: HIP out of memory.", 1),
 }
 
-# The lever (knob, direction) each case's resolution supports; None: the log supports no knob.
-EXPECTED_LEVER: dict[str, tuple[str | None, str] | None] = {
-    "case-01": None,                                    # a normal start: nothing to move
-    "case-02": (None, "none"),                          # a crash whose text is not in the excerpt
-    "case-03": ("mem_fraction_static", "raise"),        # profiled value negative at 0.95
-    "case-05": ("mem_fraction_static", "lower"),        # graph capture OOM after the pool
-    "case-08": ("mem_fraction_static", "raise"),        # Not enough memory (the most specific line)
-    "case-11": ("chunked_prefill_size", "lower"),       # runtime activations
-    "case-12": ("chunked_prefill_size", "lower"),       # a 14K-token prefill batch then OOM
-    "case-16": ("hicache_size", "lower"),               # per-rank host pool
-    "case-19": None,                                    # graphs end, startup not finished in the excerpt
-    "case-21": ("cuda_graph_max_bs", "raise"),          # graphs to 32, 4096 admitted
-    "case-24": None,                                    # only the command line
-    "case-26": ("context_length", "lower"),             # 160K accepted, ~60K fit
-    "case-27": ("mem_fraction_static", "raise"),        # 6 requests fill a 2.4M pool: more KV, not fewer requests
-    "case-29": ("max_running_requests", "set"),         # request slots, KV 1% used
-    "case-30": ("mem_fraction_static", "lower"),        # AITER workspace after the pool
-    "case-31": ("mem_fraction_static", "lower"),        # 53 GB taken after the pool (workspace), little left for graphs
-    "case-32": ("mem_fraction_static", "lower"),        # startup HIP OOM, reserve
-    "case-33": ("mem_fraction_static", "raise"),        # Not enough memory
-    "case-34": None,                                    # a normal start, capture pending
-    "case-37": ("page_size", "lower"),                  # 2,048 free tokens, not whole pages
-    "case-38": ("mem_fraction_static", "raise"),        # 2 requests fill the pool: more KV
-    "case-41": None,                                    # a normal start, capture pending
+# Cases whose excerpt lacks the evidence that decides between levers (the resolution quotes a
+# figure only the report's prose has): their lever must be among the levers shown, not first.
+LEVER_NOT_IN_LOG: dict[str, str] = {
+    "case-11": "the running batch of ~3,500 is only in the maintainer's prose; the excerpt has no batch line",
 }
+
+
+def _expected_lever(case_id: str) -> tuple[str | None, str]:
+    """The (knob, direction) the case's ``lever`` field states (every handed case has one)."""
+    lever = _case(case_id)["lever"]
+    return lever["knob"], lever["direction"]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,9 @@ def explained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for case_id in CASE_IDS:
         path = tmp / f"{case_id}.log"
-        path.write_text(_case(case_id)["log_excerpt"] + "\n")
+        case = _case(case_id)
+        extra = EXTRA_EVIDENCE.get(case_id, (None, None))[0]
+        path.write_text(case["log_excerpt"] + "\n" + ((case["observed"]["error"] if extra == "observed" else extra) + "\n" if extra else ""))
         proc = subprocess.run([TUNER, "explain", "--log", str(path), "--json"], capture_output=True, text=True, timeout=120, check=False)
         assert proc.returncode == 0, (case_id, proc.stderr)
         Explanation.model_validate_json(proc.stdout)
@@ -179,6 +173,13 @@ def test_case_skipped_numbers_are_really_not_sglang_output(case_id: str) -> None
                 assert report.sglang_lines == 0 or text not in report.model_dump_json(), (key, line)
 
 
+def test_case_11_excerpt_alone_is_prose() -> None:
+    """case-11's excerpt is a person's summary (the traceback was a screenshot): a sentence that names
+    "CUDA out of memory" is not a log line, so the excerpt alone holds no SGLang line."""
+    report = parse_log(_case("case-11")["log_excerpt"])
+    assert report.sglang_lines == 0 and report.failure is None
+
+
 def _evidence_report(case_id: str) -> Any:
     case = _case(case_id)
     lines = case["log_excerpt"].splitlines()
@@ -204,6 +205,9 @@ def test_case_failure_class_matches_outcome(case_id: str) -> None:
         assert e.diagnosis is None and any(t.id == "kv_pool_nearly_full" for t in e.traps)
         return
     got = outcome_of(e.diagnosis)
+    allowed = case.get("expected_class", "-")
+    if isinstance(allowed, list) and None in allowed and e.diagnosis is None:
+        return  # the excerpt is cut before the outcome, and the case says no class is a right answer
     assert got == expected, e.diagnosis
     if e.diagnosis is not None:
         # The evidence is quoted: a line of the log (prefixes stripped), or the exit the report describes.
@@ -213,19 +217,52 @@ def test_case_failure_class_matches_outcome(case_id: str) -> None:
         assert e.diagnosis.evidence in quoted or (e.diagnosis.exit_status is not None and "exited with status" in e.diagnosis.evidence)
 
 
+def _levers_of(case_id: str, explained: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranked levers ``tuner explain --json`` shows (the first is ``lever``)."""
+    if case_id in EXTRA_EVIDENCE:
+        return [lv.model_dump() for lv in explain(_evidence_report(case_id)).levers]
+    return list(explained[case_id]["levers"])
+
+
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_case_lever(case_id: str, explained: dict[str, dict[str, Any]]) -> None:
-    """The lever names a knob and a direction that the case's resolution supports, with a reason."""
-    if case_id in EXTRA_EVIDENCE:
-        lever = explain(_evidence_report(case_id)).lever
-        got = None if lever is None else (lever.knob, lever.direction)
-        why = lever.why if lever else None
+    """The first lever is the knob and direction the case's ``lever`` field states (no lever, or a
+    lever without a knob, where it says ``none``); its alternatives are among the levers shown."""
+    levers = _levers_of(case_id, explained)
+    shown = [(lv["knob"], lv["direction"]) for lv in levers]
+    first = shown[0] if shown else (None, "none")
+    expected = _expected_lever(case_id)
+    if case_id in LEVER_NOT_IN_LOG:
+        assert expected in shown, (shown, LEVER_NOT_IN_LOG[case_id])
+    elif expected == (None, "none"):
+        assert first[0] is None, levers[0]["why"]
     else:
+        assert first == expected, levers[0]["why"] if levers else None
+    for alt in _case(case_id)["lever"].get("alternatives", []):
+        assert (alt["knob"], alt["direction"]) in shown, (alt, shown)
+    assert all(len(lv["why"]) > 20 for lv in levers)
+    if case_id not in EXTRA_EVIDENCE:
         doc = explained[case_id]["lever"]
-        got = None if doc is None else (doc["knob"], doc["direction"])
-        why = doc["why"] if doc else None
-    assert got == EXPECTED_LEVER[case_id], why
-    assert why is None or len(why) > 20
+        assert (doc is None and not levers) or doc == levers[0]
+
+
+def test_every_case_states_its_lever() -> None:
+    for case_id in CASE_IDS:
+        lever = _case(case_id)["lever"]
+        assert lever["direction"] in ("raise", "lower", "set", "none") and (lever["knob"] is None) == (lever["direction"] == "none"), case_id
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASE_IDS if "expected_class" in _case(c)])
+def test_case_expected_class(case_id: str) -> None:
+    """Where the outcome alone does not fix the class, the case's ``expected_class`` does (a list: any of)."""
+    case = _case(case_id)
+    want = case["expected_class"]
+    allowed = want if isinstance(want, list) else [want]
+    report = _evidence_report(case_id)
+    got = report.failure.failure_class.value if report.failure is not None else None
+    assert got in allowed, (got, case["expected_class_why"])
+    if "expected_diagnosis" in case:
+        assert report.diagnosis is not None and report.diagnosis.failure_class.value == case["expected_diagnosis"]
 
 
 EXPECTED_CLASS = {"case-03": "startup_kv_oom", "case-05": "cuda_graph_oom", "case-08": "startup_kv_oom", "case-11": "runtime_oom",
@@ -235,7 +272,7 @@ EXPECTED_CLASS = {"case-03": "startup_kv_oom", "case-05": "cuda_graph_oom", "cas
 
 @pytest.mark.parametrize("case_id", sorted(EXPECTED_CLASS))
 def test_case_failure_class(case_id: str) -> None:
-    report = parse_log(_case(case_id)["log_excerpt"])
+    report = _evidence_report(case_id)
     assert report.diagnosis is not None and report.diagnosis.failure_class.value == EXPECTED_CLASS[case_id]
 
 

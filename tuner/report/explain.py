@@ -33,6 +33,11 @@ def waterfall_table(memory: Mapping[str, Any]) -> Table:
     return _steps_table(waterfall_steps(memory))
 
 
+def _other_levers(e: Explanation) -> list[RenderableType]:
+    """The levers after the first (``Explanation.levers``), one line each."""
+    return [Text(f"  also: {lv.direction} {lv.knob}  ({lv.why})" if lv.knob else f"  also: no knob  ({lv.why})") for lv in e.levers[1:]]
+
+
 def renderables(e: Explanation) -> RenderableType:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     """The rich text view of an explanation (the CLI prints it)."""
     parts: list[RenderableType] = []
@@ -57,7 +62,7 @@ def renderables(e: Explanation) -> RenderableType:  # noqa: C901 - over the comp
         parts.append(ft)
     if e.predictions:
         pt = Table(title="At other mem_fraction_static values", title_justify="left")
-        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "free after graphs", "note"):
+        for col in ("fraction", "tokens", "Δ tokens", "KV GiB", "headroom", "note"):
             pt.add_column(col, justify="left" if col == "note" else "right")
         for p in e.predictions:
             pt.add_row(f"{p.mem_fraction_static:.3f}", f"{p.max_total_num_tokens:,}", f"{p.delta_tokens:+,}" if p.delta_tokens is not None else "",
@@ -82,6 +87,7 @@ def renderables(e: Explanation) -> RenderableType:  # noqa: C901 - over the comp
         lever.append(f"{e.lever.direction} {e.lever.knob}" if e.lever.knob else "no knob", style="bold green")
         lever.append(f"  ({e.lever.why})")
         parts.append(lever)
+        parts += _other_levers(e)
     if e.diagnosis is not None:
         where = f", phase {e.diagnosis.phase}" if e.diagnosis.phase else ""
         parts.append(Text(f"Diagnosis: {e.diagnosis.failure_class.value}{where}; evidence: {e.diagnosis.evidence}", style="bold"))

@@ -12,19 +12,20 @@ belong to the CLI and report layers).
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
-from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, parse_log_bytes
+from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
     KVCapacityModel,
@@ -49,6 +50,8 @@ __all__ = [
     "read_journal",
     "explain_from",
     "waterfall_steps",
+    "RetractionSummary",
+    "rank_levers",
 ]
 
 SCHEMA_VERSION = 1
@@ -142,6 +145,25 @@ class Trap(BaseModel):
     fix: str | None = None
     lever: Lever | None = None
     """The knob this trap says to move, which way and why (``None``: informational)."""
+    also: list[Lever] = Field(default_factory=list)
+    """Other knobs that address the same trap, best first (``tuner explain`` lists them after the lever)."""
+
+
+class RetractionSummary(BaseModel):
+    """The retraction lines of a log (§4.4) and the decode line before the first one (§4.5)."""
+
+    model_config = _FROZEN
+
+    lines: int
+    """How many retraction lines the log holds (every rank's)."""
+    retracted_reqs: int
+    """``#retracted_reqs`` summed over those lines."""
+    ranks: int
+    running_req_before: int | None = None
+    """``#running-req`` of the decode line before the first retraction, on its rank."""
+    num_token_before: int | None = None
+    """``#token`` of that line: KV tokens the running requests held."""
+    token_usage_before: float | None = None
 
 
 class Explanation(BaseModel):
@@ -162,6 +184,9 @@ class Explanation(BaseModel):
     ``failure_class``, ``phase`` and the quoted ``evidence`` line."""
     lever: Lever | None = None
     """The one knob to move first, which way and why: the diagnosis's, else the first trap's."""
+    levers: list[Lever] = Field(default_factory=list)
+    """Every lever that applies, ranked: ``lever`` first, then the diagnosis's other knobs, then the
+    other traps' levers in trap order (one entry per knob and direction)."""
     settings: dict[str, Setting]
     waterfall: list[WaterfallStep]
     capacity: Capacity
@@ -177,6 +202,8 @@ class Explanation(BaseModel):
     """The numbers of a CUDA/HIP OOM message (MiB / GiB converted; ``logged`` has them as printed)."""
     kv_shortfall: KVShortfall | None = None
     """The KV allocator's page shortfall (tokens asked, available, evictable), if logged."""
+    retractions: RetractionSummary | None = None
+    """The log's retractions, if any."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +337,7 @@ def _val(settings: dict[str, Setting], key: str) -> Any:
     return s.value if s is not None else None
 
 
-def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
+def explain(
     report: LogReport | None = None,
     *,
     info: ServerInfo | None = None,
@@ -347,10 +374,45 @@ def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); i
     warnings = list(report.warnings) if report else []
     settings = _settings(report, info, {"mem_fraction_static": mem_fraction_static}, warnings)
     prim = report.primary() if report else None
-    sched = report.scheduler if report else None
-
-    # -- facts -------------------------------------------------------------------------------
     tokens = (report.max_total_num_tokens if report else None) or (info.max_total_num_tokens if info else None)
+    _scheduler_settings(settings, report, info, model)
+    ctx, ctx_bound = _context(settings, info, tokens)
+    _derived_max_running_requests(settings, report, info, tokens, ctx_bound)
+    mrr = _val(settings, "effective_max_running_requests")
+    tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
+    page = _val(settings, "page_size") or 1
+    mfs = _fraction(settings, report, prim, findings, warnings)
+    cell, cell_source = _cell(settings, report, info, model, prim, tokens, tp, page, warnings)
+    kv_model = _capacity_model(settings, report, info, prim, mfs, cell, tokens, findings, warnings)
+
+    waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
+    capacity = _capacity(tokens, mrr, ctx)
+    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions,
+                               failed=report.failure if report else None)
+    traps = _traps(_TrapInput(report=report, info=info, m=kv_model, settings=settings, tokens=tokens, mrr=mrr, ctx=ctx, mfs=mfs, tp=tp, prim=prim))
+    traps += _metric_traps(metrics or {})
+    traps.sort(key=lambda t: _TRAP_ORDER.get(t.id, 50))
+    findings += _findings(kv_model, capacity, mfs, traps)
+    findings += _live_findings(metrics or {})
+    if report is not None and report.weights_committed_after_capture and prim is not None and prim.weight_gib is None:
+        warnings.append("weights were loaded in 0.5.23's overlap mode ('Load weight end. Committed real weights ...'): the log "
+                        "prints no weight memory, so W and the baseline split are unknown")
+    failure = report.failure if report else None
+    diagnosis = report.diagnosis if report else None
+    levers = rank_levers(diagnosis, traps)
+    return Explanation(
+        sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
+        state=_state(report, info), failure=failure, diagnosis=diagnosis, lever=levers[0] if levers else None, levers=levers, settings=settings,
+        waterfall=waterfall, capacity=capacity, model=_model_out(kv_model, cell, cell_source, page), predictions=predictions, traps=traps,
+        findings=findings, warnings=warnings, logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
+        kv_shortfall=report.kv_shortfall if report else None, retractions=_retraction_summary(report),
+    )
+
+
+def _scheduler_settings(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None) -> None:
+    """What the scheduler line states wins (§4.2 item 8: the effective values), then the server's
+    info, the launch flags, the model config; the captured decode sizes from the capture lines."""
+    sched = report.scheduler if report else None
     if sched and sched.max_running_requests is not None:
         settings["effective_max_running_requests"] = Setting(value=sched.max_running_requests, source="log:scheduler")
     elif info and info.effective_max_running_requests is not None:
@@ -361,136 +423,150 @@ def explain(  # noqa: C901 - over the complexity ceiling when it was set (15); i
         settings["context_len"] = Setting(value=_val(settings, "context_length"), source=settings["context_length"].source)
     elif model and model.max_position_embeddings:
         settings["context_len"] = Setting(value=model.max_position_embeddings, source="model_config")
-    if sched and sched.chunked_prefill_size is not None:
-        settings["chunked_prefill_size"] = Setting(value=sched.chunked_prefill_size, source="log:scheduler")
-    if sched and sched.max_prefill_tokens is not None:
-        settings["max_prefill_tokens"] = Setting(value=sched.max_prefill_tokens, source="log:scheduler")
+    for key in ("chunked_prefill_size", "max_prefill_tokens"):
+        if sched and getattr(sched, key) is not None:
+            settings[key] = Setting(value=getattr(sched, key), source="log:scheduler")
     if report is not None and report.cuda_graph_max_bs is not None:
         settings["cuda_graph_max_bs"] = Setting(value=report.cuda_graph_max_bs, source="log:capture bs list")
-    ctx = _val(settings, "context_len")
-    ctx_bound = ctx
-    if ctx is None and tokens and tokens > 0 and info and info.max_req_input_len:
-        # A server's info states max_req_input_len = min(context_len − 1, tokens − 1) − 5 (§1.4):
-        # either the context length itself, or context_len ≥ the pool, and any such context gives
-        # the same default max_running_requests (the §2.3 estimate is clamped to 2048).
-        implied = context_len_from_max_req_input_len(int(tokens), info.max_req_input_len)
-        if implied is not None:
-            settings["context_len"] = Setting(value=implied, source="derived from server_info max_req_input_len (§1.4)")
-            ctx = ctx_bound = implied
-        else:
-            ctx_bound = int(tokens)
-    if "effective_max_running_requests" not in settings and tokens and tokens > 0 and ctx_bound:
-        version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
-        settings["effective_max_running_requests"] = Setting(
-            value=effective_max_running_requests(int(tokens), int(ctx_bound), requested=_val(settings, "max_running_requests"), version=version,
-                                                 speculative_algorithm=_val(settings, "speculative_algorithm")),
-            source="derived (§2.3)",
-        )
-    mrr = _val(settings, "effective_max_running_requests")
-    tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
-    page = _val(settings, "page_size") or 1
 
-    # -- fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed) ---------------------
+
+def _context(settings: dict[str, Setting], info: ServerInfo | None, tokens: int | None) -> tuple[int | None, int | None]:
+    """``(context_len, the context that bounds the §2.3 estimate)``. Without a stated context, a
+    server's ``max_req_input_len = min(context_len − 1, tokens − 1) − 5`` (§1.4) gives either the
+    context itself or context ≥ the pool, and any such context gives the same default
+    max_running_requests (the §2.3 estimate is clamped to 2048)."""
+    ctx = _val(settings, "context_len")
+    if ctx is not None or not (tokens and tokens > 0 and info and info.max_req_input_len):
+        return ctx, ctx
+    implied = context_len_from_max_req_input_len(int(tokens), info.max_req_input_len)
+    if implied is None:
+        return None, int(tokens)
+    settings["context_len"] = Setting(value=implied, source="derived from server_info max_req_input_len (§1.4)")
+    return implied, implied
+
+
+def _derived_max_running_requests(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None,
+                                  tokens: int | None, ctx_bound: int | None) -> None:
+    """The effective max_running_requests by SGLang's default rule (§2.3) when no input states it."""
+    if "effective_max_running_requests" in settings or not (tokens and tokens > 0 and ctx_bound):
+        return
+    version = (info.version if info and info.version else None) or (report.version_format if report else None) or "0.5.5"
+    settings["effective_max_running_requests"] = Setting(
+        value=effective_max_running_requests(int(tokens), int(ctx_bound), requested=_val(settings, "max_running_requests"), version=version,
+                                             speculative_algorithm=_val(settings, "speculative_algorithm")),
+        source="derived (§2.3)",
+    )
+
+
+def _fraction(settings: dict[str, Setting], report: LogReport | None, prim: Any, findings: list[str], warnings: list[str]) -> Any:
+    """The fraction: stated, else derived as (W + KV) / B (§1.8 step 2 reversed); a CLI value that
+    differs from the log's arithmetic by more than 0.02 is kept and warned about."""
     mfs = _val(settings, "mem_fraction_static")
     baseline = min((r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None), default=None) if report else None
-    if (mfs is None or settings["mem_fraction_static"].source == "cli") and prim and baseline and prim.weight_gib is not None and prim.kv_pool_gib is not None:
-        derived = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
-        why = (f"(weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / baseline {baseline:.2f} GiB gives ≈{derived:.3f} "
-               "(assumes nothing else was allocated before profiling)")
-        if mfs is None:
-            mfs = derived
-            settings["mem_fraction_static"] = Setting(value=mfs, source="derived")
-            findings.append(f"mem_fraction_static is not in the input; {why}.")
-        elif abs(float(mfs) - derived) > 0.02:
-            warnings.append(f"--mem-fraction-static {float(mfs):g} is used, but the log's {why}; the predictions assume the value you gave")
+    if not ((mfs is None or settings["mem_fraction_static"].source == "cli") and prim and baseline
+            and prim.weight_gib is not None and prim.kv_pool_gib is not None):
+        return mfs
+    derived = round((prim.weight_gib + prim.kv_pool_gib) / baseline, 3)
+    why = (f"(weights {prim.weight_gib:.2f} + KV {prim.kv_pool_gib:.2f}) / baseline {baseline:.2f} GiB gives ≈{derived:.3f} "
+           "(assumes nothing else was allocated before profiling)")
+    if mfs is None:
+        settings["mem_fraction_static"] = Setting(value=derived, source="derived")
+        findings.append(f"mem_fraction_static is not in the input; {why}.")
+        return derived
+    if abs(float(mfs) - derived) > 0.02:
+        warnings.append(f"--mem-fraction-static {float(mfs):g} is used, but the log's {why}; the predictions assume the value you gave")
+    return mfs
 
-    # -- cell size -------------------------------------------------------------------------------
+
+def _cell(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None, prim: Any,
+          tokens: int | None, tp: int | None, page: int, warnings: list[str]) -> tuple[int | None, str | None]:
+    """``(KV bytes per token per GPU, source)``: the model config's (§1.3), else the logged KV size
+    over ``#tokens + page_size`` (§4.2 item 5), else the server info's; a model config that
+    disagrees with the log by more than 2 % is warned about."""
     cell: int | None = None
     cell_source = None
     if model is not None:
-        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"),
-                               version=(info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")),
+        version = info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")
+        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"), version=version,
                                speculative_algorithm=_val(settings, "speculative_algorithm"))
         cell_source = "model_config"
     if prim and tokens and prim.kv_pool_gib is not None:
         logged_cell = prim.kv_pool_gib * GIB / (tokens + page)
         if cell is None:
-            cell, cell_source = int(round(logged_cell)), "log:KV size / #tokens"
-        elif abs(logged_cell - cell) / cell > 0.02:
+            return int(round(logged_cell)), "log:KV size / #tokens"
+        if abs(logged_cell - cell) / cell > 0.02:
             warnings.append(f"the KV cell from the model config ({cell} B/token) differs from the logged one ({logged_cell:.0f} B/token); check --model-config and --tp")
     elif info and tokens and info.kvcache_gib and cell is None:
-        cell, cell_source = int(round(info.kvcache_gib * GIB / (tokens + page))), "server_info:kvcache / token_capacity"
+        return int(round(info.kvcache_gib * GIB / (tokens + page))), "server_info:kvcache / token_capacity"
+    return cell, cell_source
 
-    # -- capacity model --------------------------------------------------------------------------
-    kv_model: KVCapacityModel | None = None
+
+def _capacity_model(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, prim: Any, mfs: Any, cell: int | None,
+                    tokens: int | None, findings: list[str], warnings: list[str]) -> KVCapacityModel | None:
+    """The memory model calibrated on the log (:meth:`KVCapacityModel.from_report`), else on the
+    server info (baseline = (weight + kvcache) / mem_fraction_static)."""
     cap = _val(settings, "max_total_tokens")
     if mfs is not None and cell and report is not None and prim is not None:
         try:
-            kv_model = KVCapacityModel.from_report(report, cell, float(mfs), max_total_tokens=cap)
+            return KVCapacityModel.from_report(report, cell, float(mfs), max_total_tokens=cap)
         except LogError as err:
             warnings.append(f"memory model not calibrated: {err.message}")
-    if kv_model is None and info is not None and mfs and cell and info.weight_gib is not None and info.kvcache_gib is not None and tokens:
-        base = (info.weight_gib + info.kvcache_gib) / float(mfs)
-        kv_model = KVCapacityModel(baseline_gib=base, static_gib=float(mfs) * base - tokens * cell / GIB, weight_gib=info.weight_gib,
-                                   cell_bytes=cell, source="server_info", observed_mem_fraction_static=float(mfs), observed_tokens=tokens,
-                                   observed_free_after_graphs_gib=info.startup_available_gib, observed_graph_gib=info.graph_gib, max_total_tokens=cap)
-        findings.append(f"baseline {base:.2f} GiB derived from server info as (weight + kvcache) / mem_fraction_static (no log given).")
+    if info is None or not (mfs and cell and info.weight_gib is not None and info.kvcache_gib is not None and tokens):
+        return None
+    base = (info.weight_gib + info.kvcache_gib) / float(mfs)
+    findings.append(f"baseline {base:.2f} GiB derived from server info as (weight + kvcache) / mem_fraction_static (no log given).")
+    return KVCapacityModel(baseline_gib=base, static_gib=float(mfs) * base - tokens * cell / GIB, weight_gib=info.weight_gib,
+                           cell_bytes=cell, source="server_info", observed_mem_fraction_static=float(mfs), observed_tokens=tokens,
+                           observed_free_after_graphs_gib=info.startup_available_gib, observed_graph_gib=info.graph_gib, max_total_tokens=cap)
 
-    waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
-    capacity = _capacity(tokens, mrr, ctx)
-    predictions = _predictions(kv_model, mfs, mrr, ctx, page, _val(settings, "cuda_graph_max_bs"), fractions,
-                               failed=report.failure if report else None)
-    traps = _traps(report, info, kv_model, settings, tokens, mrr, ctx, mfs, tp, prim)
-    traps += _metric_traps(metrics or {})
-    traps.sort(key=lambda t: _TRAP_ORDER.get(t.id, 50))
-    findings += _findings(kv_model, capacity, mfs, traps)
-    if metrics:
-        live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
-        if live:
-            findings.append("live: " + ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in live.items()) + " (from /metrics).")
 
-    failure = report.failure if report else None
-    state: Literal["ready", "failed", "starting", "unknown"]
-    if failure is not None:
-        state = "failed"
-    elif (report and (report.ready or report.batch_summary.prefill_lines or report.batch_summary.decode_lines or report.retractions)) or info is not None:
-        state = "ready"
-    elif report and report.ranks:
-        state = "starting"
-    else:
-        state = "unknown"
-    model_out = None
+def _live_findings(metrics: Mapping[str, float]) -> list[str]:
+    """The running server's batch as ``/metrics`` states it (§5.5)."""
+    live = {k: metrics[k] for k in ("sglang:num_running_reqs", "sglang:token_usage", "sglang:num_queue_reqs") if k in metrics}
+    return ["live: " + ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in live.items()) + " (from /metrics)."] if live else []
+
+
+def _state(report: LogReport | None, info: ServerInfo | None) -> Literal["ready", "failed", "starting", "unknown"]:
+    """``failed`` with a failure; ``ready`` with a ready line, batch or retraction lines, or a live
+    server; ``starting`` with startup lines only; else ``unknown``."""
+    if report is not None and report.failure is not None:
+        return "failed"
+    if info is not None or (report and (report.ready or report.batch_summary.prefill_lines or report.batch_summary.decode_lines or report.retractions)):
+        return "ready"
+    return "starting" if report and report.ranks else "unknown"
+
+
+def _model_out(kv_model: KVCapacityModel | None, cell: int | None, cell_source: str | None, page: int) -> dict[str, Any] | None:
+    """The ``model`` block of the explanation: the calibrated model's numbers, else the cell alone."""
     if kv_model is not None:
-        model_out = {
+        return {
             "source": kv_model.source, "baseline_gib": round(kv_model.baseline_gib, 3), "static_gib": round(kv_model.static_gib, 3),
             "weight_gib": kv_model.weight_gib, "cell_bytes": kv_model.cell_bytes, "cell_source": cell_source,
             "tokens_per_hundredth": round(kv_model.tokens_per_hundredth()), "gib_per_hundredth": round(kv_model.baseline_gib / 100, 3),
             "min_fraction": round(kv_model.min_fraction(page_size=page), 4),
         }
-    elif cell:
-        model_out = {"source": None, "cell_bytes": cell, "cell_source": cell_source}
-    if report is not None and report.weights_committed_after_capture and prim is not None and prim.weight_gib is None:
-        warnings.append("weights were loaded in 0.5.23's overlap mode ('Load weight end. Committed real weights ...'): the log "
-                        "prints no weight memory, so W and the baseline split are unknown")
-    diagnosis = report.diagnosis if report else None
-    return Explanation(
-        sources=list(sources), sglang_version=info.version if info else None, log_format=report.version_format if report else None,
-        state=state, failure=failure, diagnosis=diagnosis, lever=_pick_lever(diagnosis, traps), settings=settings, waterfall=waterfall,
-        capacity=capacity, model=model_out, predictions=predictions, traps=traps, findings=findings, warnings=warnings,
-        logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
-        kv_shortfall=report.kv_shortfall if report else None,
-    )
+    return {"source": None, "cell_bytes": cell, "cell_source": cell_source} if cell else None
 
 
-_TRAP_ORDER = {"failure": 0, "retractions": 1, "kv_pool_nearly_full": 2, "context_exceeds_pool": 3, "after_pool_allocation": 4,
+_TRAP_ORDER = {"transformers_fallback": -1, "failure": 0, "allocator_retry": 1, "tight_headroom": 4, "retractions": 1, "kv_pool_nearly_full": 2, "context_exceeds_pool": 3, "after_pool_allocation": 4,
                "cuda_graph_bs_below_max_running_requests": 5, "idle_reserve": 6}
 """Which trap's lever comes first when there is no failure (most binding first); unlisted traps after."""
+
+
+_OUTRANKS_DIAGNOSIS = frozenset({"transformers_fallback"})
+"""Traps whose lever comes before the diagnosis's: a model run through the Transformers fallback
+has memory and kernels that are not SGLang's, so no memory knob read from SGLang's rules is sure."""
 
 
 def _pick_lever(diagnosis: Failure | None, traps: Sequence[Trap]) -> Lever | None:
     """The diagnosis's lever, unless it names no knob (a crash) and a trap does; else the first
     trap (in :data:`_TRAP_ORDER`) with a lever of severity warning or error."""
+    if diagnosis is not None and diagnosis.failure_class is FailureClass.CRASH and non_memory_fatal(diagnosis.evidence):
+        return next((t.lever for t in traps if t.id == "failure"), LEVERS[FailureClass.CRASH])  # no memory knob helps
     first = None
+    outranking = next((t.lever for t in traps if t.id in _OUTRANKS_DIAGNOSIS and t.lever is not None), None)
+    if outranking is not None:
+        return outranking
     for t in traps:
         if t.lever is None:
             continue
@@ -506,100 +582,230 @@ def _pick_lever(diagnosis: Failure | None, traps: Sequence[Trap]) -> Lever | Non
     return LEVERS[diagnosis.failure_class] if diagnosis is not None else None
 
 
+def _retraction_summary(report: LogReport | None) -> RetractionSummary | None:
+    if report is None or not report.retractions:
+        return None
+    first = report.retractions[0]
+    return RetractionSummary(lines=len(report.retractions), retracted_reqs=sum(r.retracted_reqs for r in report.retractions),
+                             ranks=len({r.rank or "" for r in report.retractions}), running_req_before=first.running_req_before,
+                             num_token_before=first.num_token_before, token_usage_before=first.token_usage_before)
+
+
+def rank_levers(diagnosis: Failure | None, traps: Sequence[Trap]) -> list[Lever]:
+    """Every lever of ``traps``, ranked: :func:`_pick_lever`'s first (what the diagnosis asks), then
+    that trap's other knobs, then every other trap's lever and its other knobs in trap order; one
+    entry per (knob, direction).
+
+    Args:
+        diagnosis: The failure or soft diagnosis, if any.
+        traps: The traps, already in :data:`_TRAP_ORDER`.
+
+    Returns:
+        The levers, best first (empty when nothing applies).
+    """
+    first = _pick_lever(diagnosis, traps)
+    ordered: list[Lever] = [first] if first is not None else []
+    owner = next((t for t in traps if t.lever is first), None)
+    if owner is not None:
+        ordered += owner.also
+    for t in traps:
+        if t is not owner and t.lever is not None and t.severity != "info":
+            ordered += [t.lever, *t.also]
+    seen: set[tuple[str | None, str]] = set()
+    out = []
+    for lever in ordered:
+        key = (lever.knob, lever.direction)
+        if key not in seen:
+            seen.add(key)
+            out.append(lever)
+    return out
+
+
 RESIDUE_ROUNDING_GIB = 0.02
 """A derived residue (``other_static``, ``other_reserve``) within this of zero is the rounding of
 the two-decimal GiB figures it is computed from (§4.2), not memory: it gets no waterfall row."""
 
 
-def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
+class _WaterfallInput(NamedTuple):
+    report: LogReport | None
+    info: ServerInfo | None
+    m: KVCapacityModel | None
+    tokens: int | None
+    mrr: int | None
+    ctx: int | None
+    mfs: float | None
+    prim: Any
+    draft: Any
+
+
+def _waterfall(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, tokens: int | None,
                mrr: int | None, ctx: int | None, mfs: float | None) -> list[WaterfallStep]:
-    steps: list[WaterfallStep] = []
+    """Where one GPU's memory went, in startup order (§1.2, §1.6, §4.2): the static budget
+    (weights, KV pool, state pools), the ``(1 − mfs)`` reserve and what came out of it, and the
+    runtime headroom. GiB = 2^30 bytes; a row the inputs do not give is left out, never 0."""
     prim = report.primary() if report else None
-    add = steps.append
+    w = _WaterfallInput(report, info, m, tokens, mrr, ctx, mfs, prim, _draft_of(report, prim))
+    return [*_loaded_steps(w), *_budget_steps(w), *_reserve_steps(w), *_draft_steps(w)[0], *_after_reserve_steps(w), *_headroom_steps(w)]
+
+
+def _weight_gib(w: _WaterfallInput) -> float | None:
+    return w.prim.weight_gib if w.prim and w.prim.weight_gib is not None else (w.info.weight_gib if w.info else None)
+
+
+def _kv_gib(w: _WaterfallInput) -> float | None:
+    return w.prim.kv_pool_gib if w.prim and w.prim.kv_pool_gib is not None else (w.info.kvcache_gib if w.info else None)
+
+
+def _loaded_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """Baseline, distributed init, weights, KV pool (or the pool's drop of free memory), state pool."""
+    steps, prim, m = [], w.prim, w.m
     if m is not None:
-        add(WaterfallStep(item="baseline_free", label="free GPU memory at the baseline (B, min over ranks)", gib=round(m.baseline_gib, 2),
-                          source="log:Load weight begin" if m.source == "log" else m.source))
+        steps.append(WaterfallStep(item="baseline_free", label="free GPU memory at the baseline (B, min over ranks)", gib=round(m.baseline_gib, 2),
+                                   source="log:Load weight begin" if m.source == "log" else m.source))
     if prim and prim.baseline_gib is not None:
-        add(WaterfallStep(item="distributed_init", label="taken by distributed init (already outside B)", gib=prim.baseline_gib, source="log:Init torch distributed / Memory baseline"))
-    weight = prim.weight_gib if prim and prim.weight_gib is not None else (info.weight_gib if info else None)
+        steps.append(WaterfallStep(item="distributed_init", label="taken by distributed init (already outside B)", gib=prim.baseline_gib,
+                                   source="log:Init torch distributed / Memory baseline"))
+    weight, kv = _weight_gib(w), _kv_gib(w)
     if weight is not None:
-        add(WaterfallStep(item="weights", label="weights (W)", gib=weight, source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
-    kv = prim.kv_pool_gib if prim and prim.kv_pool_gib is not None else (info.kvcache_gib if info else None)
-    if kv is not None or tokens is not None:
-        add(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=tokens, source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info",
-                          note=f"K {prim.k_size_gib} + V {prim.v_size_gib} GiB" if prim and prim.k_size_gib is not None else None))
+        steps.append(WaterfallStep(item="weights", label="weights (W)", gib=weight,
+                                   source="log:Load weight end" if prim and prim.weight_gib is not None else "server_info"))
+    if kv is not None or w.tokens is not None:
+        steps.append(WaterfallStep(item="kv_pool", label="KV pool", gib=kv, tokens=w.tokens, note=_kv_note(prim),
+                                   source="log:KV Cache is allocated" if prim and prim.kv_pool_gib is not None else "server_info"))
     if prim is not None and prim.kv_pool_gib is None and prim.kv_pool_consumed_gib is not None:
-        add(WaterfallStep(item="pool_drop", label="free memory taken by init_memory_pool (KV pool + req_to_token)", gib=prim.kv_pool_consumed_gib,
-                          source="derived: Load weight end − Memory pool end avail mem", note="the log prints no KV size line"))
-    state = prim.mamba_cache_gib if prim else None
-    if state is not None:
-        add(WaterfallStep(item="state_pool", label="hybrid state pool (Mamba/GDN conv + ssm state)", gib=state, source="log:Mamba Cache is allocated",
-                          note="carved out of the static budget before the KV pool (§1.2)"))
-    if prim and prim.swa_pool_gib is not None:
-        add(WaterfallStep(item="swa_pool", label="sliding-window KV pool (hybrid SWA)", gib=prim.swa_pool_gib, tokens=prim.swa_tokens, source="log:SWAKVPool mem usage"))
-    draft = _draft_of(report, prim)
-    if draft is not None and draft.kv_pool_gib is not None and report is not None and _draft_in_budget(report):
-        add(WaterfallStep(item="draft_kv_pool", label="draft model's KV pool (inside the profiled budget, 0.5.16+)", gib=round(draft.kv_pool_gib, 2),
-                          tokens=draft.kv_tokens, source="log:KV Cache is allocated (second line)",
-                          note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
-    if m is not None and mfs is not None and weight is not None and kv is not None:
-        other = mfs * m.baseline_gib - weight - kv - (state or 0.0)
+        steps.append(WaterfallStep(item="pool_drop", label="free memory taken by init_memory_pool (KV pool + req_to_token)", gib=prim.kv_pool_consumed_gib,
+                                   source="derived: Load weight end − Memory pool end avail mem", note="the log prints no KV size line"))
+    if prim is not None and prim.mamba_cache_gib is not None:
+        steps.append(WaterfallStep(item="state_pool", label="hybrid state pool (Mamba/GDN conv + ssm state)", gib=prim.mamba_cache_gib,
+                                   source="log:Mamba Cache is allocated", note="carved out of the static budget before the KV pool (§1.2)"))
+    return steps
+
+
+def _budget_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The draft's KV inside the budget (0.5.16+), the static residue, and the reserve."""
+    steps, draft, m, mfs = [], w.draft, w.m, w.mfs
+    if draft is not None and draft.kv_pool_gib is not None and w.report is not None and _draft_in_budget(w.report):
+        steps.append(WaterfallStep(item="draft_kv_pool", label="draft model's KV pool (inside the profiled budget, 0.5.16+)", gib=round(draft.kv_pool_gib, 2),
+                                   tokens=draft.kv_tokens, source="log:KV Cache is allocated (second line)",
+                                   note=f"K {draft.k_size_gib} + V {draft.v_size_gib} GiB" if draft.k_size_gib is not None else None))
+    if m is None or mfs is None:
+        return steps
+    weight, kv = _weight_gib(w), _kv_gib(w)
+    if weight is not None and kv is not None:
+        other = mfs * m.baseline_gib - weight - kv - ((w.prim.mamba_cache_gib if w.prim else None) or 0.0)
         if abs(other) > RESIDUE_ROUNDING_GIB:
-            add(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
-                              note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
-    if m is not None and mfs is not None:
-        add(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
-                          note="everything below comes out of this"))
-    if mrr and ctx:
-        add(WaterfallStep(item="req_to_token", label=f"req_to_token table ({mrr} × ({ctx} + 4) × 4 B)", gib=round(req_to_token_gib(mrr, ctx), 2), source="derived"))
-    if prim and prim.graph_gib is not None:
-        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=prim.graph_gib, source="log:Capture ... end"))
-    elif info and info.graph_gib is not None:
-        add(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=info.graph_gib, source="server_info"))
-    draft_in_reserve = 0.0
-    if draft is not None:
-        d = draft
-        if report is not None and _draft_in_budget(report):
-            # 0.5.16+ loads the draft before profiling (its weights are static, in "other static")
-            # and counts its KV in the target's cell; only its graphs come out of the reserve (§1.5).
-            if d.graph_gib is not None:
-                add(WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
-                                  gib=d.graph_gib, source="log:Capture draft ... end",
-                                  note=f"draft weights {d.weight_gib} GiB counted before profiling" if d.weight_gib is not None else None))
-        else:
-            draft_in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
-            total = draft_in_reserve + (d.graph_gib or 0.0)
-            parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
-            add(WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(total, 2), tokens=d.kv_tokens,
-                              source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)"))
-    if m is not None and m.other_reserve_gib is not None and abs(m.other_reserve_gib - draft_in_reserve) > RESIDUE_ROUNDING_GIB:
-        add(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)", gib=round(m.other_reserve_gib - draft_in_reserve, 2) + 0.0, source="derived"))
-    after_pool = _after_pool_drop(report, prim)
+            steps.append(WaterfallStep(item="other_static", label="other static (mfs × B − W − KV)", gib=round(other, 2) + 0.0, source="derived",
+                                       note="≈0 when nothing else was allocated between baseline and profiling (§8)"))
+    steps.append(WaterfallStep(item="reserve", label=f"reserve (1 − {mfs:g}) × B", gib=round(m.reserve_gib(float(mfs)), 2), source="derived",
+                               note="everything below comes out of this"))
+    return steps
+
+
+def _reserve_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The req_to_token table (§1.6) and the target's CUDA graphs."""
+    steps = []
+    if w.mrr and w.ctx:
+        steps.append(WaterfallStep(item="req_to_token", label=f"req_to_token table ({w.mrr} × ({w.ctx} + 4) × 4 B)",
+                                   gib=round(req_to_token_gib(w.mrr, w.ctx), 2), source="derived"))
+    if w.prim and w.prim.graph_gib is not None:
+        steps.append(WaterfallStep(item="cuda_graphs", label="CUDA graphs (target)", gib=w.prim.graph_gib, source="log:Capture ... end"))
+    elif w.info and w.info.graph_gib is not None:
+        steps.append(WaterfallStep(item="cuda_graphs", label="CUDA graphs", gib=w.info.graph_gib, source="server_info"))
+    return steps
+
+
+def _draft_steps(w: _WaterfallInput) -> tuple[list[WaterfallStep], float]:
+    """``(rows, GiB of the draft in the reserve)``: 0.5.16+ loads the draft before profiling (its
+    weights are static, its KV in the target's cell), so only its graphs come out of the reserve;
+    earlier its weights, KV and graphs all do (§1.5)."""
+    d = w.draft
+    if d is None:
+        return [], 0.0
+    if w.report is not None and _draft_in_budget(w.report):
+        if d.graph_gib is None:
+            return [], 0.0
+        return [WaterfallStep(item="draft_model", label="draft model graphs (its weights are static, its KV is in the pool)",
+                              gib=d.graph_gib, source="log:Capture draft ... end",
+                              note=f"draft weights {d.weight_gib} GiB counted before profiling" if d.weight_gib is not None else None)], 0.0
+    in_reserve = sum(x for x in (d.weight_gib, d.kv_pool_gib) if x is not None)
+    parts = [f"{name} {v:.2f} GiB" for name, v in (("weights", d.weight_gib), ("KV", d.kv_pool_gib), ("graphs", d.graph_gib)) if v is not None]
+    return [WaterfallStep(item="draft_model", label="draft model (weights + KV + graphs)", gib=round(in_reserve + (d.graph_gib or 0.0), 2),
+                          tokens=d.kv_tokens, source="log:draft Load weight/KV/Capture", note=", ".join(parts) + " (the parts the log prints)")], in_reserve
+
+
+def _after_reserve_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The rest of the reserve's use (derived) and what was allocated between the pool and capture."""
+    steps = []
+    in_reserve = _draft_steps(w)[1]
+    m = w.m
+    if m is not None and m.other_reserve_gib is not None and abs(m.other_reserve_gib - in_reserve) > RESIDUE_ROUNDING_GIB:
+        steps.append(WaterfallStep(item="other_reserve", label="other reserve use (workspace, allocator)",
+                                   gib=round(m.other_reserve_gib - in_reserve, 2) + 0.0, source="derived"))
+    after_pool = _after_pool_drop(w.report, w.prim)
     if after_pool is not None:
         gib, src, note = after_pool
-        add(WaterfallStep(item="after_pool_allocation", label="taken after the KV pool, before graph capture (attention workspace, buffers)",
-                          gib=gib, source=src, note=note))
+        steps.append(WaterfallStep(item="after_pool_allocation", label="taken after the KV pool, before graph capture (attention workspace, buffers)",
+                                   gib=gib, source=src, note=note))
+    return steps
+
+
+def _headroom_steps(w: _WaterfallInput) -> list[WaterfallStep]:
+    """The runtime headroom: ``free_after_graphs`` (graphs captured) or ``free_at_start`` (none in the
+    log), from the scheduler line, the last capture end line or the server info; while capture is
+    still pending at the log's end, ``free_so_far`` instead (not the runtime headroom)."""
+    report, prim, info = w.report, w.prim, w.info
     free = report.scheduler.available_gpu_mem_gib if report and report.scheduler else None
     free_src = "log:scheduler available_gpu_mem"
     pending = report is not None and report.scheduler is None and not report.ready and report.last_phase == "capture"
     if free is None and prim is not None and not pending:
-        draft_end = draft.graph_end_avail_gib if draft else None
+        draft_end = w.draft.graph_end_avail_gib if w.draft else None
         free = draft_end if draft_end is not None else prim.graph_end_avail_gib  # the last capture of the start
         free_src = "log:Capture ... end avail mem"
     if free is None and info and info.startup_available_gib is not None:
         free, free_src = info.startup_available_gib, "server_info:startup_available"
     if free is not None:
-        add(WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src))
-    elif pending and report is not None:
-        last = report.capture_progress_avail_gib
-        src = "log:Capturing batches avail_mem"
-        if last is None and prim is not None:
-            last = prim.graph_end_avail_gib if prim.graph_end_avail_gib is not None else prim.graph_begin_avail_gib
-            src = "log:Capture ... avail mem"
-        if last is not None:
-            add(WaterfallStep(item="free_so_far", label="free at the last capture line (capture still pending: not the runtime headroom)",
-                              gib=last, source=src, note="the log ends before the scheduler line; later graphs and buffers come out of this"))
-    return steps
+        if _captured_graphs(report, info):
+            return [WaterfallStep(item="free_after_graphs", label="free after graphs (runtime headroom)", gib=free, source=free_src)]
+        return [WaterfallStep(item="free_at_start", label="free when the scheduler started (runtime headroom; the log shows no CUDA-graph capture)",
+                              gib=free, source=free_src)]
+    if not pending or report is None:
+        return []
+    last, src = report.capture_progress_avail_gib, "log:Capturing batches avail_mem"
+    if last is None and prim is not None:
+        last = prim.graph_end_avail_gib if prim.graph_end_avail_gib is not None else prim.graph_begin_avail_gib
+        src = "log:Capture ... avail mem"
+    if last is None:
+        return []
+    return [WaterfallStep(item="free_so_far", label="free at the last capture line (capture still pending: not the runtime headroom)",
+                          gib=last, source=src, note="the log ends before the scheduler line; later graphs and buffers come out of this")]
+
+
+def _captured_graphs(report: LogReport | None, info: ServerInfo | None) -> bool:
+    """The server captured CUDA graphs: some capture line in the log (§4.2 item 7), or a live
+    server's graph memory above 0. A server run with ``--disable-cuda-graph`` (or a log cut before
+    capture) has none, so its headroom is not "after graphs"."""
+    if report is not None:
+        for r in report.ranks.values():
+            for d in (r, r.draft):
+                if d is not None and (d.graph_gib is not None or d.graph_begin_avail_gib is not None or d.graph_bs):
+                    return True
+        if report.capture_progress_avail_gib is not None:
+            return True
+    return bool(info is not None and info.graph_gib)
+
+
+HEADROOM_ITEMS = ("free_after_graphs", "free_at_start")
+"""The waterfall rows that are the runtime headroom (with and without CUDA graphs)."""
+
+
+def _kv_note(prim: Any) -> str | None:
+    """How the KV pool row is made up: K + V, or a hybrid SWA pool's total (§4.2 item 5)."""
+    if prim is None:
+        return None
+    if prim.swa_pool_gib is not None:
+        return (f"SWAKVPool total of the sliding-window part ({prim.swa_tokens:,} tokens) and the full-attention part; "
+                "its KV lines are the parts, not added again")
+    return f"K {prim.k_size_gib} + V {prim.v_size_gib} GiB" if prim.k_size_gib is not None else None
 
 
 def _draft_of(report: LogReport | None, prim: Any) -> Any:
@@ -718,17 +924,41 @@ def _prefix_tier_words(report: LogReport, m: KVCapacityModel | None, device_toke
             f"not active capacity: running requests must still fit the device pool{pool} (§7, sglang#11698).")
 
 
-def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel | None, settings: dict[str, Setting],  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
-           tokens: int | None, mrr: int | None, ctx: int | None, mfs: float | None, tp: int | None, prim: Any) -> list[Trap]:
-    traps: list[Trap] = []
+class _TrapInput(BaseModel):
+    """What every trap rule reads: the parsed log, the live server's info, the memory model and the
+    settings, with the facts :func:`explain` derived from them."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    report: LogReport | None
+    info: ServerInfo | None
+    m: KVCapacityModel | None
+    settings: dict[str, Setting]
+    tokens: int | None
+    mrr: int | None
+    ctx: int | None
+    mfs: float | None
+    tp: int | None
+    prim: Any
+
+
+def _failure_rule(c: _TrapInput) -> Trap | None:
+    """The failure itself, with its class's lever (§4.3, §4.4)."""
+    report, m, mfs = c.report, c.m, c.mfs
     if report is not None and report.failure is not None:
-        traps.append(_failure_trap(report.failure, m, report, mfs))
+        return (_failure_trap(report.failure, m, report, mfs))
+    return None
+
+
+def _fraction_misread_rule(c: _TrapInput) -> Trap | None:
+    """The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4)."""
+    m, tokens, mfs, prim = c.m, c.tokens, c.mfs, c.prim
     # The fraction misread as a share of post-weight memory (§1.2, §1.8 step 4).
     if m is not None and mfs is not None and prim is not None and prim.weight_gib is not None and prim.kv_pool_gib is not None:
         # What was left after the weights: the logged 'Load weight end' avail mem where printed, not B − W.
         after = prim.weight_end_avail_gib if prim.weight_end_avail_gib is not None else m.baseline_gib - prim.weight_gib
         wrong = float(mfs) * after
-        traps.append(Trap(
+        return (Trap(
             id="fraction_misread", severity="info",
             title="mem_fraction_static covers weights plus KV of the whole baseline, not a share of what is left after the weights",
             detail=(f"{mfs:g} × baseline {m.baseline_gib:.2f} GiB = {float(mfs) * m.baseline_gib:.2f} GiB holds weights {prim.weight_gib:.2f} + "
@@ -738,20 +968,34 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             evidence=[f"Load weight begin. avail mem={m.baseline_gib:.2f} GB", f"Load weight end ... mem usage={prim.weight_gib:.2f} GB",
                       f"KV Cache is allocated. #tokens: {tokens}, KV size: {prim.kv_pool_gib:.2f} GB"],
         ))
-    free = next((s.gib for s in _waterfall(report, info, m, tokens, mrr, ctx, mfs) if s.item == "free_after_graphs"), None)
+    return None
+
+
+def _idle_reserve_rule(c: _TrapInput) -> Trap | None:
+    """Headroom after startup above :data:`IDLE_RESERVE_GIB`: KV the reserve could hold (§1.6, §8)."""
+    report, info, m, tokens, mrr, ctx, mfs = c.report, c.info, c.m, c.tokens, c.mrr, c.ctx, c.mfs
+    step = next((s for s in _waterfall(report, info, m, tokens, mrr, ctx, mfs) if s.item in HEADROOM_ITEMS), None)
+    free = step.gib if step is not None else None
     if free is not None and free >= IDLE_RESERVE_GIB and m is not None:
         hundredths = int((free - 1.0) / (m.baseline_gib / 100))
-        traps.append(Trap(
+        after = "after CUDA graphs" if step is not None and step.item == "free_after_graphs" else "once started (no CUDA graphs captured)"
+        return (Trap(
             id="idle_reserve", severity="warning",
-            title=f"about {free:.1f} GiB per GPU sits idle after CUDA graphs",
-            detail=(f"{free:.2f} GiB is free after graphs; only activations use it. Keeping ~1 GiB, +{hundredths / 100:.2f} of fraction "
+            title=f"about {free:.1f} GiB per GPU sits idle {after}",
+            detail=(f"{free:.2f} GiB is free {after}; only activations use it. Keeping ~1 GiB, +{hundredths / 100:.2f} of fraction "
                     f"would add ≈{hundredths * m.tokens_per_hundredth():,.0f} tokens; the safe ceiling is the activation peak of the "
                     "largest prefill chunk, found under a stress load (tuner run)."),
             evidence=[f"available_gpu_mem={free:.2f} GB"], fix="raise --mem-fraction-static step by step under peak-prefill load (tuner run does this)",
             lever=Lever(knob="mem_fraction_static", direction="raise",
-                        why=f"{free:.2f} GiB sits idle after graphs; each +0.01 turns {m.baseline_gib / 100:.2f} GiB of it into "
+                        why=f"{free:.2f} GiB sits idle {after}; each +0.01 turns {m.baseline_gib / 100:.2f} GiB of it into "
                             f"≈{m.tokens_per_hundredth():,.0f} KV tokens (raise under peak-prefill load, keeping the activation peak)"),
         ))
+    return None
+
+
+def _graph_bs_rule(c: _TrapInput) -> Trap | None:
+    """Decode graphs captured below max_running_requests (§2.1, case-21)."""
+    report, settings, tokens, mrr = c.report, c.settings, c.tokens, c.mrr
     graph_bs = _val(settings, "cuda_graph_max_bs")
     if graph_bs and mrr and graph_bs < mrr:
         s = report.batch_summary if report else None
@@ -768,7 +1012,7 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             reached = False  # the pool cannot even hold more than graph_bs short requests
             note = f" The KV pool holds at most {tokens // _SHORT_REQUEST_TOKENS} requests of {_SHORT_REQUEST_TOKENS:,} tokens, so it binds first for such requests."
             ev.append(f"max_total_num_tokens={tokens}")
-        traps.append(Trap(
+        return (Trap(
             id="cuda_graph_bs_below_max_running_requests", severity="info" if reached is False else "warning",
             title=f"CUDA graphs cover decode batches up to {graph_bs}, but up to {mrr} requests are admitted",
             detail="Decode batches above the largest captured size run eagerly and slower, so the batch grows and stays large (case-21)." + note,
@@ -776,11 +1020,17 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             lever=Lever(knob="cuda_graph_max_bs", direction="raise",
                         why=f"decode batches above {graph_bs} run without CUDA graphs while up to {mrr} requests are admitted (slow, and the batch stays large)"),
         ))
+    return None
+
+
+def _hicache_rule(c: _TrapInput) -> Trap | None:
+    """The hierarchical cache's host pool is per rank (§7, case-16)."""
+    report, m, tokens, tp = c.report, c.m, c.tokens, c.tp
     if report is not None and report.host_pool_gb is not None:
         ranks = report.host_pool_ranks
         idx = [int(r.split("TP")[-1]) for r in ranks if "TP" in r and r.split("TP")[-1].isdigit()]
         n = max(int(tp or 1), len(ranks), (max(idx) + 1) if idx else 1)
-        traps.append(Trap(
+        return (Trap(
             id="hicache_per_rank", severity="warning" if n > 1 else "info",
             title=f"the hierarchical cache's host pool is per rank: {report.host_pool_gb:g} GB × {n} ranks = {report.host_pool_gb * n:g} GB of pinned host RAM",
             detail="--hicache-size (decimal GB) and --hicache-ratio size each TP rank's own host pool; it must fit psutil available − 10 GiB (§7, case-16)."
@@ -790,9 +1040,15 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             lever=Lever(knob="hicache_size", direction="lower",
                         why=f"each of the {n} ranks pins its own {report.host_pool_gb:g} GB host pool: size it as (host RAM budget) / {n}"),
         ))
+    return None
+
+
+def _speculative_rule(c: _TrapInput) -> Trap | None:
+    """Speculative decoding resets max_running_requests to 48 (§1.5)."""
+    report, settings, mrr = c.report, c.settings, c.mrr
     spec = _val(settings, "speculative_algorithm")
     if (report is not None and report.max_running_requests_reset_for_speculative) or (spec and mrr == 48 and _val(settings, "max_running_requests") in (None, 48)):
-        traps.append(Trap(
+        return (Trap(
             id="speculative_max_running_requests_48", severity="warning",
             title="speculative decoding reset max_running_requests to 48",
             detail="With --speculative-algorithm and no --max-running-requests, SGLang admits at most 48 requests (§1.5), whatever the KV pool holds.",
@@ -800,58 +1056,96 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             fix="set --max-running-requests explicitly",
             lever=Lever(knob="max_running_requests", direction="set", why="speculative decoding without --max-running-requests admits at most 48 requests (§1.5)"),
         ))
+    return None
+
+
+def _mtt_profiled_rule(c: _TrapInput) -> Trap | None:
+    """``--max-total-tokens`` above the profiled pool (§1.4)."""
+    report = c.report
     if report is not None and report.max_total_tokens_requested is not None:
         prof = report.max_total_tokens_profiled
-        traps.append(Trap(
+        return (Trap(
             id="max_total_tokens_cap", severity="error" if prof is not None and prof <= 0 else "info",
             title=f"--max-total-tokens {report.max_total_tokens_requested} is larger than the profiled pool ({prof})",
             detail="The cap only lowers the pool; the profiled value is used (§1.4)." + (" The profiled value is ≤ 0: startup KV OOM." if prof is not None and prof <= 0 else ""),
             evidence=[f"max_total_tokens={report.max_total_tokens_requested} is larger than the profiled value {prof}"],
         ))
+    return None
+
+
+def _mtt_cap_rule(c: _TrapInput) -> Trap | None:
+    """``--max-total-tokens`` capping the pool below the fraction's (§1.4)."""
+    m, settings, tokens, mfs = c.m, c.settings, c.tokens, c.mfs
     cap = _val(settings, "max_total_tokens")
     if cap and tokens and tokens >= int(cap) - 1 and m is not None and mfs is not None:
         uncapped = math.floor(m.kv_budget_gib(float(mfs)) * GIB / m.cell_bytes)
         if uncapped > tokens:
-            traps.append(Trap(
+            return (Trap(
                 id="max_total_tokens_cap", severity="warning",
                 title=f"--max-total-tokens {cap} caps the pool below what the fraction gives (~{uncapped:,} tokens)",
                 detail="Memory freed by a lower cap is not given to anything else; it stays idle (§1.4).",
                 evidence=[f"max_total_tokens={cap} ({settings['max_total_tokens'].source})", f"#tokens: {tokens}"],
                 fix="drop --max-total-tokens, or lower --mem-fraction-static to hand the memory to the reserve",
             ))
+    return None
+
+
+def _context_rule(c: _TrapInput) -> Trap | None:
+    """The context length above the KV pool, or rejected inputs (§1.4, case-26)."""
+    report, tokens, ctx = c.report, c.tokens, c.ctx
     rejections = report.input_rejections if report else []
     if (ctx and tokens and ctx > tokens) or rejections:
         ev = [f"context_len={ctx}, max_total_num_tokens={tokens}"] if ctx and tokens else []
         ev += [f"Input length ({r.input_tokens} tokens) exceeds the maximum allowed length ({r.max_allowed_tokens} tokens)" for r in rejections[:3]]
-        traps.append(Trap(
+        return (Trap(
             id="context_exceeds_pool", severity="warning",
             title="the context length is larger than the KV pool" if ctx and tokens and ctx > tokens else "requests were rejected as longer than the pool allows",
             detail=("The longest accepted input is min(context_len − 1, max_total_num_tokens − 1) − 5"
                     + (f" = {max_req_input_len(tokens, ctx):,} tokens" if ctx and tokens else "") + ", so long requests are rejected although --context-length accepts them (§1.4, case-26)."),
             evidence=ev, fix="enlarge the KV pool (higher --mem-fraction-static, more GPUs, fp8 KV) or lower --context-length to what fits",
+            also=[Lever(knob="tp_size", direction="raise", why="more GPUs give each rank a larger KV pool for the long requests"),
+                  Lever(knob="mem_fraction_static", direction="raise", why="a higher fraction enlarges the KV pool, if the headroom after graphs allows")],
             lever=Lever(knob="context_length", direction="lower",
                         why=(f"the pool holds {tokens:,} tokens, so inputs over {max_req_input_len(tokens, ctx):,} are rejected although context_len is {ctx:,}; "
                              if ctx and tokens else "requests longer than the pool allows were rejected; ")
                             + "lower --context-length to what fits, or enlarge the pool (a higher fraction, fp8 KV, more GPUs)"),
         ))
+    return None
+
+
+def _kv_full_rule(c: _TrapInput) -> Trap | None:
+    """Retractions, else a nearly full pool (§4.4, case-27, case-38, case-49)."""
+    report, tokens = c.report, c.tokens
     if report is not None and report.retractions:
-        traps.append(_retraction_trap(report, tokens))
+        return (_retraction_trap(report, tokens))
     elif report is not None and (report.batch_summary.max_token_usage or 0.0) >= 0.9:
         usage = report.batch_summary.max_token_usage or 0.0
         last = next((b for b in reversed(report.batches) if b.kind == "decode"), None)
-        traps.append(Trap(
+        return (Trap(
             id="kv_pool_nearly_full", severity="warning", title=f"the KV pool was nearly full: token usage reached {usage:.2f}",
             detail="Near a full pool the scheduler retracts requests and decode slows while they are re-run (§4.4, case-27).",
             evidence=[f"token usage {usage:.2f}" + (f", #running-req {last.running_req}, #token {last.num_token}" if last else "")],
-            lever=_kv_full_lever(last.running_req if last else None, last.num_token if last else None, usage),
+            lever=(full := _kv_full_levers(last.running_req if last else None, last.num_token if last else None, usage))[0], also=full[1],
         ))
+    return None
+
+
+def _shortfall_rule(c: _TrapInput) -> Trap | None:
+    """The KV allocator's page shortfall while the server kept running (§4.4)."""
+    report, settings = c.report, c.settings
     if report is not None and report.kv_shortfall is not None and report.failure is None:
-        traps.append(_shortfall_trap(report, settings))
+        return (_shortfall_trap(report, settings))
+    return None
+
+
+def _after_pool_rule(c: _TrapInput) -> Trap | None:
+    """Memory taken after the KV pool and before capture (§1.6, case-30, case-31)."""
+    report, prim = c.report, c.prim
     after_pool = _after_pool_drop(report, prim)
     if after_pool is not None and after_pool[0] >= AFTER_POOL_GIB:
         gib, _src, _note = after_pool
         rocm = report is not None and report.oom is not None and report.oom.vendor == "hip"
-        traps.append(Trap(
+        return (Trap(
             id="after_pool_allocation", severity="warning",
             title=f"{gib:.2f} GiB was allocated after the KV pool and before graph capture",
             detail=("Something outside the profiled budget took it from the (1 − mem_fraction_static) reserve: usually an attention "
@@ -862,15 +1156,114 @@ def _traps(report: LogReport | None, info: ServerInfo | None, m: KVCapacityModel
             lever=Lever(knob="mem_fraction_static", direction="lower",
                         why=f"{gib:.2f} GiB allocated after the pool comes out of the reserve; a lower fraction (or --max-total-tokens, "
                             "or a shorter --context-length for a workspace sized by it) leaves room for it"),
+            also=[Lever(knob="max_total_tokens", direction="set", why=f"a pool capped by --max-total-tokens leaves its memory to the {gib:.2f} GiB allocated after it"),
+                  Lever(knob="context_length", direction="lower", why="workspaces such as AITER's are sized from the context length (§1.6)")],
         ))
+    return None
+
+
+def _mrr_reduced_rule(c: _TrapInput) -> Trap | None:
+    """0.5.16+'s max_running_requests cap (§2.3)."""
+    report = c.report
     if report is not None and report.max_running_requests_reduced_to is not None:
-        traps.append(Trap(
+        return (Trap(
             id="max_running_requests_reduced", severity="info",
             title=f"max_running_requests was reduced from {report.max_running_requests_requested} to {report.max_running_requests_reduced_to}",
             detail="From 0.5.16 SGLang caps it at max_total_num_tokens // 2 per DP worker (§2.3).",
             evidence=[f"max_running_requests was reduced from the requested {report.max_running_requests_requested} to {report.max_running_requests_reduced_to}"],
         ))
-    return traps
+    return None
+
+
+TIGHT_HEADROOM_GIB = 1.0
+"""Runtime headroom below which a long prefill chunk's activations are likely to run out (the
+predictions' "under 1 GiB headroom" note; §1.6: activations grow with chunked_prefill_size)."""
+
+
+def _tight_headroom_rule(c: _TrapInput) -> Trap | None:
+    """Headroom after startup below :data:`TIGHT_HEADROOM_GIB` on a server that started: the next
+    long prefill is likely a runtime OOM (§1.6, §4.4). Not raised once a failure explains the start."""
+    report = c.report
+    if report is None or report.failure is not None or report.scheduler is None or report.scheduler.available_gpu_mem_gib is None:
+        return None
+    step = next((s for s in _waterfall(report, c.info, c.m, c.tokens, c.mrr, c.ctx, c.mfs) if s.item in HEADROOM_ITEMS), None)
+    if step is None or step.gib is None or step.gib >= TIGHT_HEADROOM_GIB:
+        return None
+    chunk = _val(c.settings, "chunked_prefill_size")
+    per = f"; each −0.01 of fraction adds {c.m.baseline_gib / 100:.2f} GiB" if c.m is not None else ""
+    return Trap(
+        id="tight_headroom", severity="warning",
+        title=f"only {step.gib:.2f} GiB is free for activations once started",
+        detail=(f"{step.gib:.2f} GiB is left for the activations of a prefill chunk" + (f" of {chunk:,} tokens" if chunk else "")
+                + " and of the running batch; a long prefill is likely to run out of CUDA memory while serving (§1.6, §4.4)."),
+        evidence=[f"available_gpu_mem={step.gib:.2f} GB"],
+        fix="lower --mem-fraction-static for more headroom, or a smaller --chunked-prefill-size",
+        lever=Lever(knob="mem_fraction_static", direction="lower", why=f"{step.gib:.2f} GiB of headroom is under {TIGHT_HEADROOM_GIB:g} GiB{per}"),
+        also=[Lever(knob="chunked_prefill_size", direction="lower", why="a smaller prefill chunk needs fewer activations at once")],
+    )
+
+
+def _allocator_retry_rule(c: _TrapInput) -> Trap | None:
+    """torch's caching allocator missed and retried (``memory allocation failed with OOM ... (free:
+    F, total: T)``): CUDA memory, not the KV allocator, so more KV is the wrong way (§4.4)."""
+    retry = c.report.allocator_retry if c.report is not None else None
+    if retry is None:
+        return None
+    free = f", {retry.free_bytes / GIB:.2f} GiB free of {retry.total_bytes / GIB:.2f} GiB" if retry.free_bytes is not None and retry.total_bytes is not None else ""
+    return Trap(
+        id="allocator_retry", severity="warning",
+        title=f"torch's CUDA allocator ran short {retry.count} time(s): {retry.tried_bytes / GIB:.2f} GiB asked{free}",
+        detail=("PyTorch's caching allocator could not allocate and retried after freeing its cached blocks (a warning; a hard "
+                "failure raises 'CUDA out of memory'). This is GPU headroom, not the KV pool: a higher fraction makes it worse."),
+        evidence=[f"memory allocation failed with OOM on device {retry.device} while trying to allocate {retry.tried_bytes} bytes"],
+        lever=Lever(knob="mem_fraction_static", direction="lower", why=f"an allocation of {retry.tried_bytes / GIB:.2f} GiB found too little "
+                    "free GPU memory: a lower fraction leaves more headroom for activations"),
+        also=[Lever(knob="chunked_prefill_size", direction="lower", why="a smaller prefill chunk asks for smaller activation buffers")],
+    )
+
+
+def _transformers_fallback_rule(c: _TrapInput) -> Trap | None:
+    """``... falling back to Transformers implementation``: no native SGLang class for the model, so
+    its kernels and memory are not SGLang's (the fraction and tp rules of §1 may not hold)."""
+    line = c.report.transformers_fallback if c.report is not None else None
+    if line is None:
+        return None
+    return Trap(
+        id="transformers_fallback", severity="warning",
+        title="the model runs through the Transformers fallback, not a native SGLang implementation",
+        detail=("SGLang has no native class for this architecture and runs the Hugging Face implementation: its attention, KV "
+                "layout and memory use differ from SGLang's own models, so fix this before tuning memory knobs (or adding GPUs)."),
+        evidence=[line],
+        lever=Lever(knob="model_impl", direction="set", why="the architecture is not native: use an SGLang release (or --model-impl) with a native "
+                    "implementation of it before moving memory knobs; the fallback's memory differs"),
+    )
+
+
+_TRAP_RULES = (
+    _tight_headroom_rule,
+    _allocator_retry_rule,
+    _transformers_fallback_rule,
+    _failure_rule,
+    _fraction_misread_rule,
+    _idle_reserve_rule,
+    _graph_bs_rule,
+    _hicache_rule,
+    _speculative_rule,
+    _mtt_profiled_rule,
+    _mtt_cap_rule,
+    _context_rule,
+    _kv_full_rule,
+    _shortfall_rule,
+    _after_pool_rule,
+    _mrr_reduced_rule,
+)
+"""The trap rules; each reads :class:`_TrapInput` and returns its trap or ``None``. Their order is not
+a priority: :data:`_TRAP_ORDER` ranks the traps afterwards."""
+
+
+def _traps(c: _TrapInput) -> list[Trap]:
+    """Every trap whose rule applies to ``c`` (see :data:`_TRAP_RULES`)."""
+    return [t for t in (rule(c) for rule in _TRAP_RULES) if t is not None]
 
 
 def _metric_traps(metrics: Mapping[str, float]) -> list[Trap]:
@@ -944,85 +1337,237 @@ def _reserve_fix(report: LogReport | None, m: KVCapacityModel | None, mfs: float
     return fix + f": {mfs:g} leaves only (1 − {mfs:g}) × {base:.2f} GiB = {(1 - mfs) * base:.2f} GiB; or lower {others}"
 
 
-def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None, mfs: float | None = None) -> Trap:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
-    """The ``failure`` trap: what the class means, the phase, the quoted evidence line, and the lever
-    with the log's numbers (§4.3, §4.4)."""
-    cls = failure.failure_class
-    fix = _FIXES.get(cls)
-    detail = _MEANING.get(cls, cls.value) + "."
-    site = report.failure_site if report else None
-    lever = LEVERS[cls]
+class _Refined(BaseModel):
+    """What a class's rule makes of the log's numbers: the lever, the other knobs, and optionally a
+    new fix or detail text (``None``: the class's default)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    lever: Lever
+    also: list[Lever] = Field(default_factory=list)
+    fix: str | None = None
+    detail: str | None = None
+
+
+WORKSPACE_ALLOCATION_GIB = 1.0
+"""One startup allocation at least this large outside graph capture is a buffer sized from the
+context: the req_to_token table (max_running_requests × (context_len + 4) × 4 B, §1.6) or an
+attention backend's workspace (AITER sizes it from the context length, case-32)."""
+
+
+def _reserve_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``cuda_graph_oom`` / ``startup_oom``: the ``(1 − mfs)`` reserve was too small (§1.6). One large
+    allocation outside graph capture is a context-sized buffer (:data:`WORKSPACE_ALLOCATION_GIB`), so
+    the context length comes first; one over half the GPU is the model itself (more GPUs)."""
+    fix = _reserve_fix(report, m, mfs)
+    lower = Lever(knob="mem_fraction_static", direction="lower", why=fix)
+    cap = Lever(knob="max_total_tokens", direction="set", why="a smaller pool (--max-total-tokens) hands its memory to the reserve")
+    shorter = Lever(knob="context_length", direction="lower",
+                    why="buffers allocated after the pool (req_to_token table, attention workspaces) grow with the context length (§1.6)")
     oom = report.oom if report else None
-    if cls in (FailureClass.CUDA_GRAPH_OOM, FailureClass.STARTUP_OOM):
-        fix = _reserve_fix(report, m, mfs)
-        lever = Lever(knob="mem_fraction_static", direction="lower", why=fix)
-    if cls is FailureClass.STARTUP_OOM and oom is not None and oom.tried_to_allocate_mib is not None and oom.total_capacity_gib is not None:
-        if oom.tried_to_allocate_mib / 1024 > 0.5 * oom.total_capacity_gib:
-            lever = Lever(knob="tp_size", direction="raise", why=f"one allocation of {oom.tried_to_allocate_mib / 1024:.2f} GiB is over half the "
-                          f"GPU's {oom.total_capacity_gib:.2f} GiB: more GPUs or a smaller model, not a fraction")
-    if cls is FailureClass.RUNTIME_OOM and report is not None and not report.ready and not report.batch_summary.prefill_lines:
+    site = (report.failure_site if report else None) or ""
+    tried_gib = oom.tried_to_allocate_mib / 1024 if oom is not None and oom.tried_to_allocate_mib is not None else None
+    if tried_gib is not None and oom is not None and oom.total_capacity_gib is not None and tried_gib > 0.5 * oom.total_capacity_gib:
+        return _Refined(lever=Lever(knob="tp_size", direction="raise", why=f"one allocation of {tried_gib:.2f} GiB is over half the GPU's "
+                                    f"{oom.total_capacity_gib:.2f} GiB: more GPUs or a smaller model, not a fraction"), also=[lower], fix=fix)
+    failed = report.failure if report else None
+    in_capture = "graph" in site or "capture" in site or (failed is not None and (failed.phase == "capture" or "capture" in failed.evidence.lower()))
+    if tried_gib is not None and tried_gib >= WORKSPACE_ALLOCATION_GIB and not in_capture:
+        return _Refined(lever=Lever(knob="context_length", direction="lower",
+                                    why=f"one allocation of {tried_gib:.2f} GiB at startup, outside graph capture, is a buffer sized from the "
+                                        "context (an attention workspace or the req_to_token table, §1.6): a shorter --context-length "
+                                        "shrinks it; or " + fix), also=[lower, cap], fix=fix)
+    return _Refined(lever=lower, also=[cap, shorter], fix=fix)
+
+
+def _kv_oom_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``startup_kv_oom``: the KV budget ≤ 0 (§1.2, §4.3); raise the fraction above what the weights
+    take of the baseline, or more GPUs when they take ≥ 0.95 of it."""
+    low = m.min_fraction() if m is not None else None
+    if low is None and report is not None:
+        begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None]
+        ends = [r.weight_end_avail_gib for r in report.ranks.values() if r.weight_end_avail_gib is not None]
+        if begins and ends:
+            low = (min(begins) - min(ends)) / min(begins)
+    more_gpus = Lever(knob="tp_size", direction="raise", why="more GPUs split the weights and leave each a KV budget")
+    if low is None:
+        return _Refined(lever=LEVERS[FailureClass.STARTUP_KV_OOM], also=[more_gpus])
+    fix = (f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline)"
+           + (f", plus ≈0.01 per {m.tokens_per_hundredth():,.0f} tokens" if m else " plus the KV pool you want"))
+    if low >= 0.95:
+        return _Refined(lever=Lever(knob="tp_size", direction="raise", why=f"the weights alone take {low:.3f} of the free memory: no fraction "
+                                    "leaves a KV pool; more GPUs or a smaller checkpoint"), fix=fix)
+    return _Refined(lever=Lever(knob="mem_fraction_static", direction="raise", why=fix), also=[more_gpus], fix=fix)
+
+
+def _runtime_oom_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``runtime_oom``: activations of the running batch outgrew the headroom after graphs (§4.4): a
+    smaller prefill chunk, fewer running requests (case-11: a batch of thousands), more headroom."""
+    detail = None
+    if report is not None and not report.ready and not report.batch_summary.prefill_lines:
         detail = "CUDA ran out of memory running a batch before the server was ready (the warm-up request): activations outgrew the headroom (§4.4)."
-    if cls is FailureClass.STARTUP_KV_OOM:
-        low = m.min_fraction() if m is not None else None
-        if low is None and report is not None:
-            begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None]
-            ends = [r.weight_end_avail_gib for r in report.ranks.values() if r.weight_end_avail_gib is not None]
-            if begins and ends:
-                low = (min(begins) - min(ends)) / min(begins)
-        if low is not None:
-            fix = f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline), plus ≈0.01 per {m.tokens_per_hundredth():,.0f} tokens" if m else f"raise --mem-fraction-static above {low:.3f} (weights alone take that share of the baseline) plus the KV pool you want"
-            if low >= 0.95:
-                lever = Lever(knob="tp_size", direction="raise", why=f"the weights alone take {low:.3f} of the free memory: no fraction leaves a KV pool; more GPUs or a smaller checkpoint")
-            else:
-                lever = Lever(knob="mem_fraction_static", direction="raise", why=fix)
-    if cls is FailureClass.KV_PAGE_SHORTFALL and report is not None:
-        trap = _shortfall_trap(report, {})
-        detail, fix, lever = trap.detail, trap.fix, trap.lever or lever
-    if cls is FailureClass.REQUEST_SLOT_EXHAUSTION and report is not None and report.req_slots_available is not None:
-        lever = Lever(knob="max_running_requests", direction="set",
-                      why=f"the req_to_token pool had {report.req_slots_available} slot(s) for {report.req_slots_requested} request(s): "
-                          "slots leak or are all held while the KV pool may have room; an explicit --max-running-requests sizes the pool "
-                          "(SGLang's hint to lower it helps only when the slots are really all in use)")
+    peak = report.batch_summary.max_running_req if report is not None else None
+    return _Refined(lever=LEVERS[FailureClass.RUNTIME_OOM], detail=detail, also=[
+        Lever(knob="max_running_requests", direction="lower",
+              why="a smaller running batch needs fewer activations" + (f" (up to {peak} ran)" if peak else "")),
+        Lever(knob="mem_fraction_static", direction="lower", why="a lower fraction leaves more headroom after graphs for activations (§1.6)"),
+    ])
+
+
+def _shortfall_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``kv_page_shortfall``: the KV allocator's pages (§4.4), see :func:`_shortfall_trap`."""
+    if report is None:
+        return _Refined(lever=LEVERS[FailureClass.KV_PAGE_SHORTFALL])
+    trap = _shortfall_trap(report, {})
+    return _Refined(lever=trap.lever or LEVERS[FailureClass.KV_PAGE_SHORTFALL], fix=trap.fix, detail=trap.detail)
+
+
+def _slot_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``request_slot_exhaustion``: the req_to_token pool's slots (§4.4, case-29)."""
+    if report is None or report.req_slots_available is None:
+        return _Refined(lever=LEVERS[FailureClass.REQUEST_SLOT_EXHAUSTION])
+    return _Refined(lever=Lever(knob="max_running_requests", direction="set",
+                                why=f"the req_to_token pool had {report.req_slots_available} slot(s) for {report.req_slots_requested} request(s): "
+                                    "slots leak or are all held while the KV pool may have room; an explicit --max-running-requests sizes the pool "
+                                    "(SGLang's hint to lower it helps only when the slots are really all in use)"))
+
+
+_NOT_MEMORY = (
+    ("no kernel image", "a kernel has no image for this GPU's architecture (raised at its first launch, often graph capture): install a "
+                        "build of SGLang and its kernel libraries for this GPU; no memory knob changes it"),
+    ("out of resource", "a Triton kernel asked for more shared memory than the hardware has: a kernel configuration (block sizes, "
+                        "num_stages) or attention backend change, not GPU memory"),
+    ("illegal memory access", "an illegal memory access is a kernel or driver fault, not a lack of memory: read the traceback, try "
+                              "another attention backend or SGLang build"),
+)
+"""Why no memory knob helps, per non-memory fatal line (``tuner.sglang.logs.non_memory_fatal``)."""
+
+
+def _crash_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``crash``: no knob, and when the evidence is a fatal line that is not memory, why not."""
+    evidence = report.failure.evidence if report is not None and report.failure is not None else ""
+    why = next((w for key, w in _NOT_MEMORY if key in evidence), None)
+    return _Refined(lever=Lever(knob=None, direction="none", why=why) if why else LEVERS[FailureClass.CRASH], fix=why)
+
+
+def _weight_oom_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``weight_load_oom``: the weights did not fit the free memory at load, before any fraction
+    applies (§1.2): more GPUs split them, a quantized checkpoint shrinks them."""
+    begins = [r.load_begin_avail_gib for r in report.ranks.values() if r.load_begin_avail_gib is not None] if report else []
+    oom = report.oom if report else None
+    nums = f" ({min(begins):.2f} GiB free at 'Load weight begin'" if begins else ""
     if oom is not None and oom.tried_to_allocate_mib is not None:
-        what = f"tried to allocate {oom.tried_to_allocate_mib:,.2f} MiB"
-        if oom.free_mib is not None:
-            what += f" with {oom.free_mib:,.2f} MiB free"
-        if oom.total_capacity_gib is not None:
-            what += f" of {oom.total_capacity_gib:.2f} GiB"
-        detail += f" The {'HIP' if oom.vendor == 'hip' else 'CUDA'} allocator {what}."
+        nums += ("; " if nums else " (") + f"a {oom.tried_to_allocate_mib / 1024:.2f} GiB allocation failed"
+    nums += ")" if nums else ""
+    return _Refined(lever=Lever(knob="tp_size", direction="raise", why=f"the weights did not fit the GPU{nums}: more GPUs (tp) split them, "
+                                "or a quantized checkpoint; mem_fraction_static plays no part yet"),
+                    also=[Lever(knob="quantization", direction="set", why="a quantized checkpoint (fp8, int4) takes a fraction of the weight memory")])
+
+
+_HOST_ASK = re.compile(r"Requesting (\d+(?:\.\d+)?) GB but only have (\d+(?:\.\d+)?) GB free")
+
+
+def _host_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
+    """``host_memory``: the hierarchical cache's host pools (per rank, decimal GB) asked for more than
+    ``psutil available − 10 GiB`` (§4.3, §7); the message's numbers give how far to lower."""
+    evidence = report.failure.evidence if report is not None and report.failure is not None else ""
+    ask = _HOST_ASK.search(evidence)
+    if ask is None:
+        return _Refined(lever=LEVERS[FailureClass.HOST_MEMORY])
+    want, have = float(ask.group(1)), float(ask.group(2))
+    ranks = max(len(report.host_pool_ranks) if report else 0, 1)
+    return _Refined(lever=Lever(knob="hicache_size", direction="lower",
+                                why=f"the host pools asked for {want:g} GB with only {have:g} GB free (psutil available − 10 GiB, §7): "
+                                    f"size --hicache-size so that {ranks} rank(s) × size stays below {have:g} GB"),
+                    also=[Lever(knob="hicache_ratio", direction="lower", why="a smaller host/device ratio shrinks each rank's host pool")])
+
+
+_CLASS_RULES = {
+    FailureClass.CRASH: _crash_levers,
+    FailureClass.WEIGHT_LOAD_OOM: _weight_oom_levers,
+    FailureClass.HOST_MEMORY: _host_levers,
+    FailureClass.CUDA_GRAPH_OOM: _reserve_levers,
+    FailureClass.STARTUP_OOM: _reserve_levers,
+    FailureClass.STARTUP_KV_OOM: _kv_oom_levers,
+    FailureClass.RUNTIME_OOM: _runtime_oom_levers,
+    FailureClass.KV_PAGE_SHORTFALL: _shortfall_levers,
+    FailureClass.REQUEST_SLOT_EXHAUSTION: _slot_levers,
+}
+"""The rule that makes a class's lever concrete from the log's numbers; a class not listed keeps
+:data:`~tuner.sglang.failures.LEVERS`' default."""
+
+
+def _oom_words(oom: OOMDetail | None) -> str:
+    """`` The CUDA allocator tried to allocate X MiB with F MiB free of T GiB.`` (empty without numbers)."""
+    if oom is None or oom.tried_to_allocate_mib is None:
+        return ""
+    what = f"tried to allocate {oom.tried_to_allocate_mib:,.2f} MiB"
+    if oom.free_mib is not None:
+        what += f" with {oom.free_mib:,.2f} MiB free"
+    if oom.total_capacity_gib is not None:
+        what += f" of {oom.total_capacity_gib:.2f} GiB"
+    return f" The {'HIP' if oom.vendor == 'hip' else 'CUDA'} allocator {what}."
+
+
+def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport | None, mfs: float | None = None) -> Trap:
+    """The ``failure`` trap: what the class means, the phase, the quoted evidence line, and the lever
+    with the log's numbers (§4.3, §4.4), made by the class's rule in :data:`_CLASS_RULES`."""
+    cls = failure.failure_class
+    rule = _CLASS_RULES.get(cls)
+    refined = rule(report, m, mfs) if rule else _Refined(lever=LEVERS[cls])
+    detail = (refined.detail or _MEANING.get(cls, cls.value) + ".") + _oom_words(report.oom if report else None)
     where = f"phase {failure.phase}" if failure.phase and failure.phase != "init" else None
     if failure.phase == "init" and cls in (FailureClass.STARTUP_OOM, FailureClass.RUNTIME_OOM, FailureClass.CRASH):
         where = "no startup phase line in the log"
+    site = report.failure_site if report else None
     title = f"the server failed: {cls.value}" + (f" (raised in {site})" if site else "") + (f" [{where}]" if where else "")
-    return Trap(id="failure", severity="error", title=title, detail=detail,
-                evidence=[failure.evidence], fix=fix, lever=lever)
+    return Trap(id="failure", severity="error", title=title, detail=detail, evidence=[failure.evidence],
+                fix=refined.fix or _FIXES.get(cls), lever=refined.lever, also=refined.also)
 
 
-def _kv_full_lever(running: int | None, in_use: int | None, usage: float | None) -> Lever:
-    """The lever of a full KV pool: with few, long requests, more KV (a higher fraction); with
-    many, fewer admitted requests. 'Lower the offered concurrency' with 2 running requests is wrong."""
+FEW_REQUESTS_FILL = 8
+"""When each running request holds at least 1/8 of the pool, so that a handful fill it, admitting
+fewer cannot help and a few hundredths of fraction only postpone it: the request length binds."""
+
+
+def _kv_full_levers(running: int | None, in_use: int | None, usage: float | None) -> tuple[Lever, list[Lever]]:
+    """``(lever, others)`` of a full KV pool (§4.4, §8), from the decode line that saw it. A handful
+    of requests each holding ≥ 1/:data:`FEW_REQUESTS_FILL` of the pool (case-38: 2 requests of
+    ≈154K tokens): bound the request length (``max_new_tokens``, context length); few requests of
+    moderate length (≤ 16, or ≥ 4,096 tokens each): more KV; many short ones (case-49: 66 of
+    ≈1,320 tokens): admit fewer. 'Lower the offered concurrency' with 2 running requests is wrong."""
     per_req = in_use / running if running and in_use else None
+    pool = in_use / usage if in_use and usage else None
+    held = f"{running} request(s) of ≈{per_req:,.0f} tokens" if per_req else (f"{running} request(s)" if running is not None else "few requests")
+    more_kv = Lever(knob="mem_fraction_static", direction="raise", why="more KV tokens (a higher fraction, fp8 KV, more GPUs) hold longer requests")
+    fewer = Lever(knob="max_running_requests", direction="lower", why="admitting fewer requests leaves each room to grow without retraction")
+    if per_req is not None and pool is not None and per_req * FEW_REQUESTS_FILL >= pool:
+        return Lever(knob="max_new_tokens", direction="lower",
+                     why=f"{held} filled the {pool:,.0f}-token pool: a handful of very long requests, so admitting fewer cannot help and "
+                         "more KV only postpones it; cap the request's output (max_tokens) or the context length"), [
+            Lever(knob="context_length", direction="lower", why="a shorter --context-length bounds how long one request may grow"), more_kv]
     if (running is not None and running <= 16) or (per_req is not None and per_req >= 4096):
         return Lever(knob="mem_fraction_static", direction="raise",
-                     why=(f"only {running} request(s) held the pool" if running is not None else "few requests held the pool")
-                         + (f" (≈{per_req:,.0f} tokens each)" if per_req else "")
-                         + ": fewer requests would not help; the pool needs more tokens (a higher fraction, fp8 KV, more GPUs)")
-    who = f"{running} requests of ≈{per_req:,.0f} tokens" if per_req else "many requests"
+                     why=f"only {held} held the pool: fewer requests would not help; the pool needs more tokens (a higher fraction, fp8 KV, more GPUs)"), [fewer]
     return Lever(knob="max_running_requests", direction="lower",
-                 why=f"{who} filled the pool: admitting fewer avoids retraction; or enlarge the pool (a higher fraction)")
+                 why=f"{held if per_req else 'many requests'} filled the pool: admitting fewer avoids retraction; or enlarge the pool (a higher fraction)"), [more_kv]
 
 
 def _retraction_trap(report: LogReport, tokens: int | None) -> Trap:
-    """Retractions (§4.4; the 0.4.x wording ``Decode out of memory happened``): a full pool, not a CUDA OOM."""
+    """Retractions (§4.4; the 0.4.x wording ``Decode out of memory happened``): a full pool, not a CUDA
+    OOM. The lever reads the rank's last decode line before the first retraction (what filled it)."""
     n = sum(r.retracted_reqs for r in report.retractions)
-    last = report.retractions[-1]
-    decodes = [b for b in report.batches if b.kind == "decode"]
-    before = next((b for b in reversed(decodes) if b.rank == last.rank), decodes[-1] if decodes else None)
-    running = before.running_req if before else None
-    in_use = before.num_token if before else None
+    first, last = report.retractions[0], report.retractions[-1]
+    running, in_use, usage = first.running_req_before, first.num_token_before, first.token_usage_before
+    if running is None:  # no decode line before it on that rank: the last one of the log
+        decodes = [b for b in report.batches if b.kind == "decode"]
+        before = decodes[-1] if decodes else None
+        running, in_use = (before.running_req, before.num_token) if before else (None, None)
+        usage = (before.token_usage or before.full_token_usage) if before else None
     ratio = (f" The new-token ratio jumped {last.new_token_ratio_before:g} → {last.new_token_ratio_after:g}, so admission turns conservative."
              if last.new_token_ratio_before is not None and last.new_token_ratio_after is not None else "")
     ranks = sorted({r.rank or "" for r in report.retractions})
+    lever, also = _kv_full_levers(running, in_use, usage)
     return Trap(
         id="retractions", severity="warning",
         title=f"the KV pool filled up: {len(report.retractions)} retraction line(s) on {len(ranks)} rank(s), {n} request(s) retracted",
@@ -1030,7 +1575,7 @@ def _retraction_trap(report: LogReport, tokens: int | None) -> Trap:
                 "requests and re-runs them later, and decode slows meanwhile (case-27)." + ratio
                 + (f" Before it, {running} request(s) held {in_use:,} tokens" + (f" of {tokens:,}" if tokens else "") + "." if running is not None and in_use else "")),
         evidence=[report.soft_failure.evidence if report.soft_failure else f"#retracted_reqs: {last.retracted_reqs}"],
-        lever=_kv_full_lever(running, in_use, before.token_usage if before else None),
+        lever=lever, also=also,
     )
 
 

@@ -19,9 +19,9 @@ import gzip
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,10 @@ from tuner.sglang.failures import Failure, FailureClass
 
 __all__ = [
     "log_error_line",
+    "LineFormat",
+    "LINE_FORMATS",
+    "match_format",
+    "matching_formats",
     "RankMemory",
     "SchedulerInfo",
     "Retraction",
@@ -38,12 +42,14 @@ __all__ = [
     "InputRejection",
     "OOMDetail",
     "LogReport",
+    "AllocatorRetry",
     "LogWatcher",
     "parse_log",
     "read_log",
     "classify",
     "clean_line",
     "outcome_of",
+    "non_memory_fatal",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -113,7 +119,10 @@ class RankMemory(BaseModel):
 
     @property
     def kv_pool_gib(self) -> float | None:
-        """KV pool size in GiB: ``KV size`` or ``K size + V size``; ``None`` when not logged."""
+        """KV pool size in GiB: ``KV size`` or ``K size + V size``; for hybrid SWA models the
+        ``SWAKVPool mem usage`` total of both parts; ``None`` when not logged."""
+        if self.swa_pool_gib is not None:
+            return self.swa_pool_gib
         if self.kv_size_gib is not None:
             return self.kv_size_gib
         if self.k_size_gib is not None and self.v_size_gib is not None:
@@ -161,6 +170,26 @@ class Retraction(BaseModel):
     new_token_ratio_after: float | None = None
     timestamp: str | None = None
     rank: str | None = None
+    running_req_before: int | None = None
+    """``#running-req`` of the rank's last decode line before this retraction (§4.5)."""
+    num_token_before: int | None = None
+    """``#token`` (KV tokens held by running requests) of that decode line."""
+    token_usage_before: float | None = None
+    """``token usage`` of that decode line."""
+
+
+class AllocatorRetry(BaseModel):
+    """torch's ``CUDACachingAllocator`` warning ``memory allocation failed with OOM on device D while
+    trying to allocate N bytes (free: F, total: T)``: the allocator freed its cached blocks and
+    retried. A warning of thin headroom, not a failure and not the KV allocator. Bytes as printed."""
+
+    model_config = _FROZEN
+
+    count: int
+    device: int
+    tried_bytes: int
+    free_bytes: int | None = None
+    total_bytes: int | None = None
 
 
 class BatchLine(BaseModel):
@@ -349,6 +378,10 @@ class LogReport(BaseModel):
     capture_progress_avail_gib: float | None = None
     weights_committed_after_capture: bool = False
     last_phase: str | None = None
+    allocator_retry: AllocatorRetry | None = None
+    transformers_fallback: str | None = None
+    """The ``... falling back to Transformers implementation`` line: the architecture has no native
+    SGLang class, so its memory and kernels are not SGLang's own."""
 
     def primary(self) -> RankMemory | None:
         """The binding rank, as SGLang takes it: both of its memory readings are a MIN over ranks
@@ -503,6 +536,11 @@ _P = {
     "oom_tried": re.compile(r"Tried to allocate " + _NUM + r" ?(MiB|GiB|KiB|B)"),
     "oom_gpu": re.compile(r"GPU (\d+) has a total capacity of " + _NUM),
     "oom_free": re.compile(r"of which " + _NUM + r" (MiB|GiB|KiB|B) is free"),
+    "alloc_retry": re.compile(r"memory allocation failed with OOM on device (\d+) while trying to allocate (\d+) bytes"
+                              r"(?: \(free: (\d+), total: (\d+)\))?"),
+    "transformers_fallback": re.compile(r"(?i)^(?!.*\bvllm\b).*falling back to (?:the )?Transformers implementation"),
+    "command": re.compile(r"(?:^|[\s$>#])(?:python3?\s+-m\s+sglang\.launch_server|sglang\s+serve)(?:\s+\\?\s*$|\s+(?:\S+\s+)*?--[a-z])"),
+    "flag_line": re.compile(r"^--[a-z][\w-]*(?:[ =]\S+)?$"),
     "frame": re.compile(r'^File "(?P<file>[^"]*)", (?:line \d+, )?in (?P<func>[\w<>.]+)'),
 }
 
@@ -541,7 +579,7 @@ _VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
 # req_to_token table and the KV pool in init_memory_pool, graphs, a 0.5.5/0.5.10 draft worker.
 _OOM_SITES: list[tuple[str, re.Pattern[str]]] = [
     ("graphs", re.compile(r"capture|cuda_graph|graph_runner|init_device_graphs")),
-    ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|process_batch_result\w*)$")),
+    ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|forward_thread_func_?|process_batch_result\w*)$")),
     ("pool", re.compile(r"init_memory_pool|profile_max_num_token|_profile_available_bytes|memory_pool|kv_cache_configurator"
                         r"|pool_configurator|ReqToTokenPool|TokenToKVPool|_create_buffers")),
     ("weights", re.compile(r"^(?:load_model|load_weights\w*|get_model|load_weight\w*|weight_loader)$|model_loader")),
@@ -563,19 +601,57 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
     (90, FailureClass.HOST_MEMORY, re.compile(r"The host memory should be larger than the device memory")),
     (90, FailureClass.UNBALANCED_MEMORY, re.compile(r"The memory capacity is unbalanced")),
     (90, FailureClass.REQUEST_SLOT_EXHAUSTION, re.compile(r"alloc_req_slots runs out of memory")),
+    # Fatal and not memory: a kernel built without an image for this GPU's architecture (raised by
+    # the first launch, e.g. at graph capture on a new GPU), a Triton kernel over the hardware's
+    # shared memory. Specific evidence: they beat the scheduler's exception line that follows.
+    (88, FailureClass.CRASH, re.compile(r"no kernel image is available for execution on the device")),
+    (88, FailureClass.CRASH, re.compile(r"OutOfResources: out of resource: ")),
     (85, FailureClass.INVALID_ARGUMENTS, re.compile(r"(?:launch_server(?:\.py)?|sglang(?: serve)?|\S+\.py): error: |error: unrecognized arguments|error: ambiguous option|error: argument --")),
-    (80, FailureClass.KV_PAGE_SHORTFALL, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size|memory allocation failed with OOM")),
+    (80, FailureClass.KV_PAGE_SHORTFALL, re.compile(r"(?:Prefill|Decode)? ?[Oo]ut of memory\. Try to lower your batch size"
+                                                           r"|^(?:RuntimeError: )?memory allocation failed with OOM\s*$")),
     (70, None, re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA OOM|HIP out of memory|(?:CUDA|HIP) error: out of memory"
                           r"|hipErrorOutOfMemory|cudaErrorMemoryAllocation")),
+    # Fatal CUDA/HIP/NCCL errors that are not memory (an illegal access, a device assert): below a
+    # CUDA OOM of the same traceback, above the scheduler's exception line. Generic text, so like
+    # the OOM row it counts only as program output (_PROGRAM_OUTPUT).
+    (60, FailureClass.CRASH, re.compile(r"(?:CUDA|HIP) error: (?!out of memory)|illegal memory access was encountered|device-side assert triggered"
+                                        r"|NCCL error|ncclUnhandledCudaError|ncclSystemError")),
     (20, FailureClass.CRASH, re.compile(r"Scheduler hit an exception|Received sigquit from a child|SIGQUIT received|[Ss]cheduler is dead|Initialization failed|Watchdog timeout")),
 ]
 
+
+def non_memory_fatal(evidence: str) -> bool:
+    """The evidence is a fatal line that is not about memory (no kernel image for the GPU, a Triton
+    kernel over the shared-memory limit, an illegal access, a device assert, NCCL): no memory knob
+    can help, whatever else the log shows (case-45, case-54).
+
+    Args:
+        evidence: A failure's evidence line.
+
+    Returns:
+        Whether one of the non-memory crash rows of the failure table matches it.
+    """
+    return any(cls is FailureClass.CRASH and prio >= 60 and pat.search(evidence) for prio, cls, pat in _FAILURES)
+
+
+_GENERIC_PRIORITIES = frozenset({60, 70})
+"""The rows of :data:`_FAILURES` whose text any program (or a person) may write: torch's OOM and
+CUDA/HIP/NCCL errors, not SGLang's own wording."""
+
+_PROGRAM_OUTPUT = re.compile(
+    r"[>`*\s-]*(?:[\w.]*(?:Error|Exception)\b|(?:CUDA|HIP|NCCL) (?:out of memory|error)|(?:hip|cuda|nccl)\w*Error|CUDA OOM|OutOfMemoryError)"
+    r"|.*Tried to allocate \d"
+)
+"""A generic OOM line without a log prefix counts as evidence only when it is program output: it
+starts with an exception name or torch's own ``CUDA out of memory`` / ``HIP error`` text (a
+markdown quote allowed), or carries torch's ``Tried to allocate N``. Prose that names the error in
+a sentence is not a log line (``tuner explain`` refuses a text of such lines)."""
 
 _STARTUP_WORDS = re.compile(r"Init |Load weight|KV Cache|Capture|Memory baseline|host pool|new_tokens_gained|Post-capture")
 """Lines that can carry a version marker (a cheap gate before the marker patterns)."""
 _FAILURE_WORDS = re.compile(
     r"[Mm]emory|[Ff]ailed|error|OOM|unbalanced|alloc_req_slots|exception|sigquit|SIGQUIT|dead|Initialization|Watchdog"
-    r"|profiled value|capacity|Tried to allocate"
+    r"|profiled value|capacity|Tried to allocate|kernel image|out of resource"
 )
 """Every failure pattern contains one of these words (a cheap gate before the failure patterns)."""
 
@@ -677,6 +753,7 @@ class LogWatcher:
         self._progress_avail: float | None = None
         self._committed = False
         self._soft: Failure | None = None
+        self._prefixed = False
 
     def _log(self, rank: str | None, line: str, msg: str, role: str | None = None) -> None:
         """Keep every number of a recognised line for the ``logged`` block (bounded per rank)."""
@@ -706,6 +783,7 @@ class LogWatcher:
                     status = int(m.group("status"))
                     self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
                 return
+            self._prefixed = bool(rank or ts or ident)
             if self._parse(msg, rank, ts):
                 self._sglang_lines += 1
                 self._last_sglang_line = msg
@@ -770,7 +848,8 @@ class LogWatcher:
         if usage is not None and usage >= 0.9:
             warnings.append(
                 f"KV pool nearly full: token usage reached {usage:.2f}; expect retractions and slow decode "
-                "(more KV capacity: raise mem_fraction_static or lower the offered concurrency)"
+                "(who held the pool decides the lever: a handful of long requests, cap their length; many, admit fewer; "
+                "in between, more KV)"
             )
         return LogReport(
             version_format=self._version,
@@ -805,6 +884,8 @@ class LogWatcher:
             capture_progress_avail_gib=self._progress_avail,
             weights_committed_after_capture=self._committed,
             last_phase=self._phase,
+            allocator_retry=AllocatorRetry(**self._fields["allocator_retry"]) if self._fields.get("allocator_retry") else None,
+            transformers_fallback=self._fields.get("transformers_fallback"),
         )
 
     def _logged_with_batches(self) -> dict[str, list[LoggedLine]]:
@@ -859,12 +940,13 @@ class LogWatcher:
         self._warnings = list(dict.fromkeys(warnings))
         return True
 
-    def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
-        if "batch" in msg and (m := _P["batch"].search(msg)):  # the hot path: most lines of a long log
-            kind = m.group("kind").lower()
-            self._batch(kind, m.group("body"), rank, ts)
-            self._last_batch[(rank or "", kind)] = m.group("body")
-            return True
+    def _parse(self, msg: str, rank: str | None, ts: str | None) -> bool:
+        """One cleaned line: traceback bookkeeping, the version markers, the failure table, then the
+        one line format of :data:`LINE_FORMATS` it is (see :func:`match_format`) and its handler.
+
+        Returns:
+            Whether the line is SGLang output (a recognised format or failure evidence).
+        """
         if msg.startswith('File "') and (m := _P["frame"].match(msg)):  # a traceback frame
             self._frames.append((m.group("file"), m.group("func")))
             return False
@@ -874,178 +956,250 @@ class LogWatcher:
             for version, pat in _VERSION_MARKERS:
                 if pat.search(msg) and (self._version is None or _vkey(version) > _vkey(self._version)):
                     self._version = version
-        if m := _P["server_args"].search(msg):  # an echo of every setting: never failure evidence
-            self._new_start("*")
-            if m.group("dict") is not None:  # 0.5.23: server_args={...} from resolved_dict()
-                pairs = re.findall(r"['\"](\w+)['\"]:\s*('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,{}]+)", m.group("dict"))
-            else:
-                pairs = re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group("obj"))
-            for k, v in pairs:
-                self._server_args.setdefault(k, v.strip().strip("'\""))
-            return True
-        known = self._parse_failure(msg, rank)
-        if _P["dist_begin"].search(msg):  # nothing to read; a startup line all the same
-            return True
-        if m := _P["parallel_end"].search(msg):  # 0.5.23: the baseline line follows
-            self._log(rank, "init_parallel_end", msg)
-            return True
-        if (m := _P["dist_end"].search(msg)) or (m := _P["baseline"].search(msg)):
-            self._new_start(rank)
-            d = self._target_or_draft(rank, "baseline_gib")
-            d["baseline_gib"] = float(m.groups()[-1])
-            self._log(rank, "distributed_init", msg, self._role(rank, d))
-            return True
-        if m := _P["load_begin"].search(msg):
-            self._phase = "weights"
-            d = self._target_or_draft(rank, "load_begin_avail_gib")
-            d["load_begin_avail_gib"] = float(m.group(1))
-            self._log(rank, "load_weight_begin", msg, self._role(rank, d))
-            return True
-        if _P["load_end_committed"].search(msg):  # 0.5.23 overlap weight loading: no memory numbers
-            self._phase = "after_weights" if self._phase in ("init", "weights") else self._phase
-            self._committed = True
-            self._log(rank, "load_weight_end_committed", msg)
-            return True
-        if m := _P["load_end"].search(msg):
-            self._phase = "after_weights"
-            d = self._target_or_draft(rank, "weight_end_avail_gib")
-            self._log(rank, "load_weight_end", msg, self._role(rank, d))
-            body = m.group("body")
-            d["weight_end_avail_gib"] = float(m.group(2))
-            d["weight_gib"] = _float(m.group(3))
-            if t := re.search(r"type=([\w.]+)", body):
-                d["model_class"] = t.group(1)
-            if t := re.search(r"dtype=([\w.]+)", body):
-                d["weight_dtype"] = t.group(1)
-            elif t := re.search(r"quant=([\w.\-]+)", body):
-                d["weight_dtype"] = t.group(1)
-            return True
-        if m := _P["kv_dtype"].search(msg):
-            self._fields["kv_cache_dtype"] = m.group(1)
-            self._log(rank, "kv_cache_dtype", msg)
-            return True
-        if m := _P["post_capture"].search(msg):  # 0.5.23, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (§1.7)
-            d = self._rank(rank)
-            d.update(kv_tokens=int(m.group("tokens")), kv_size_gib=float(m.group(3)), k_size_gib=None, v_size_gib=None)
-            if m.group("dtype"):
-                d["kv_dtype"] = m.group("dtype")
-            self._log(rank, "post_capture_kv_sizing", msg)
-            return True
-        if m := _P["mamba"].search(msg):  # hybrid Mamba models carve their state out first (§1.2)
-            self._rank(rank)["mamba_cache_gib"] = round(sum(float(x) for x in m.groups()), 4)
-            self._log(rank, "mamba_cache_allocated", msg)
-            return True
-        if m := _P["swa_pool"].search(msg):  # hybrid SWA models (§4.2 item 5)
-            self._log(rank, "swa_kv_pool", msg)
-            d = self._rank(rank)
-            d.update(swa_pool_gib=float(m.group(1)), swa_tokens=int(m.group(2)))
-            if d.get("kv_tokens") is None:
-                d["kv_tokens"] = int(m.group(3))
-            return True
-        if m := _P["kv_alloc"].search(msg):
-            self._phase = "kv_pool"
-            d = self._target_or_draft(rank, "kv_tokens")
-            self._log(rank, "kv_cache_allocated", msg, self._role(rank, d))
-            d["kv_tokens"] = int(m.group("tokens"))
-            d["k_size_gib"] = _float(m.group("k"))
-            d["v_size_gib"] = _float(m.group("v"))
-            d["kv_size_gib"] = _float(m.group("kv"))
-            if m.group("dtype"):
-                d["kv_dtype"] = m.group("dtype")
-            return True
-        if m := _P["pool_end"].search(msg):
-            self._phase = "after_pool"
-            d = self._target_or_draft(rank, "memory_pool_end_avail_gib")
-            d["memory_pool_end_avail_gib"] = float(m.group(1))
-            self._log(rank, "memory_pool_end", msg, self._role(rank, d))
-            return True
-        if m := _P["cap_progress"].search(msg):  # tqdm progress of graph capture (rank 0's stderr)
-            self._phase = "capture"
-            self._progress_avail = float(m.group("avail"))
-            self._log(rank, "capture_progress", m.group(0))
-            return True
-        if m := _P["cap_bs_list"].search(msg):  # 0.5.5: "Capture cuda graph bs [1, 2, ...]" (rank 0)
-            sizes = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
-            if sizes:
-                self._rank(rank)["graph_bs"] = sizes
-            self._log(rank, "capture_bs_list", msg)
-            return True
-        if m := _P["cap_end"].search(msg):
-            self._log(rank, "capture_end", msg.split("max_total_num_tokens=")[0])
-            self._capture(rank, m.group("name"), m.group("body"), end=True)
-            self._phase = "after_capture"
-            if sched := _P["scheduler"].search(msg):  # some logs glue the scheduler line on (case-21)
-                self._scheduler_line(int(sched.group("tokens")), sched.group("rest"))
-                self._log(rank, "scheduler", sched.group(0))
-            return True
-        if m := _P["cap_begin"].search(msg):
-            self._phase = "capture"
-            self._log(rank, "capture_begin", msg)
-            self._capture(rank, m.group("name"), m.group("body"), end=False)
-            return True
-        if m := _P["scheduler"].search(msg):
-            self._scheduler_line(int(m.group("tokens")), m.group("rest"))
-            self._log(rank, "scheduler", msg)
-            return True
-        if m := _P["host_pool_old"].search(msg):
-            self._log(rank, "host_pool", msg)
-            self._phase = "host_pool"
-            self._fields.setdefault("host_pool_gb", float(m.group(1)))
-            self._host_rank(rank)
-            return True
-        if m := _P["host_pool_new"].search(msg):
-            self._log(rank, "host_pool", msg)
-            self._phase = "host_pool"
-            self._fields.setdefault("host_pool_tokens", int(m.group(1)))
-            self._fields.setdefault("host_pool_gb", float(m.group(2)))
-            self._host_rank(rank)
-            return True
-        if _P["ready"].search(msg):
-            self.ready = True
-            self._serving = True
-            self._phase = "serving"
-            return True
-        if m := _P["retract"].search(msg):
-            self._serving = True
-            self._log(rank, "retraction", msg)
-            if self._soft is None:
-                self._soft = Failure(failure_class=FailureClass.RETRACTION_STORM, evidence=msg[:500], rank=rank, phase="serving")
-            self._retractions.append(Retraction(
-                retracted_reqs=int(m.group(1)), new_tokens_gained=_int(m.group(2)),
-                new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
-                timestamp=ts, rank=rank,
-            ))
-            return True
-        if m := _P["mtt_larger"].search(msg):
-            self._log(rank, "max_total_tokens_larger_than_profiled", msg)
-            self._fields["mtt_requested"] = int(m.group(1))
-            self._fields["mtt_profiled"] = int(m.group(2))
-            return True
-        if m := _P["mrr_spec"].search(msg):
-            self._log(rank, "max_running_requests_reset_for_speculative", msg)
-            self._fields["mrr_spec"] = int(m.group(1))
-            return True
-        if m := _P["mrr_reduced"].search(msg):
-            self._log(rank, "max_running_requests_reduced", msg)
-            self._fields["mrr_requested"] = int(m.group(1))
-            self._fields["mrr_reduced"] = int(m.group(2))
-            return True
-        if mm := (_P["input_long"].search(msg) or _P["input_ctx"].search(msg)):
-            limit: Literal["max_req_input_len", "context_length"] = "max_req_input_len" if mm.re is _P["input_long"] else "context_length"
-            rej = InputRejection(input_tokens=int(mm.group(1)), max_allowed_tokens=int(mm.group(2)), limit=limit, rank=rank)
-            self._log(rank, "input_too_long", msg)
-            if rej not in self._rejections:
-                self._rejections.append(rej)
-            self._serving = True
-            return True
-        if self._shortfall is not None and self._shortfall_line(msg, rank):
-            return True
-        if _P["serving"].search(msg):  # an HTTP request or a benchmark client: the server was serving
-            self._serving = True
-        if "sglang.launch_server" in msg or "sglang serve" in msg or re.match(r"^--[a-z][\w-]*(?:[ =]\S+)?$", msg):
-            self._command_flags(msg)
-            return known or "sglang" in msg
-        return known
+        hit = match_format(msg)
+        known = False
+        if hit is None or hit[0].evidence:
+            known = self._parse_failure(msg, rank)
+        if hit is None:
+            return known
+        fmt, m = hit
+        counted = fmt.handler(self, m, msg, rank, ts)
+        return counted is not False or known
+
+    # -- one handler per line format (LINE_FORMATS): each fills typed facts from its match -------
+
+    def _on_batch(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        kind = m.group("kind").lower()
+        self._batch(kind, m.group("body"), rank, ts)
+        self._last_batch[(rank or "", kind)] = m.group("body")
+
+    def _on_server_args(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._new_start("*")
+        if m.group("dict") is not None:  # 0.5.23: server_args={...} from resolved_dict()
+            pairs = re.findall(r"['\"](\w+)['\"]:\s*('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,{}]+)", m.group("dict"))
+        else:
+            pairs = re.findall(r"(\w+)=('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,()]+)", m.group("obj"))
+        for k, v in pairs:
+            self._server_args.setdefault(k, v.strip().strip("'\""))
+
+    def _on_dist_begin(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        """Nothing to read; a startup line all the same."""
+
+    def _on_parallel_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "init_parallel_end", msg)  # 0.5.23: the baseline line follows
+
+    def _on_dist_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._new_start(rank)
+        d = self._target_or_draft(rank, "baseline_gib")
+        d["baseline_gib"] = float(m.groups()[-1])
+        self._log(rank, "distributed_init", msg, self._role(rank, d))
+
+    def _on_load_begin(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "weights"
+        d = self._target_or_draft(rank, "load_begin_avail_gib")
+        d["load_begin_avail_gib"] = float(m.group(1))
+        self._log(rank, "load_weight_begin", msg, self._role(rank, d))
+
+    def _on_load_end_committed(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "after_weights" if self._phase in ("init", "weights") else self._phase
+        self._committed = True
+        self._log(rank, "load_weight_end_committed", msg)
+
+    def _on_load_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "after_weights"
+        d = self._target_or_draft(rank, "weight_end_avail_gib")
+        self._log(rank, "load_weight_end", msg, self._role(rank, d))
+        body = m.group("body")
+        d["weight_end_avail_gib"] = float(m.group(2))
+        d["weight_gib"] = _float(m.group(3))
+        if t := re.search(r"type=([\w.]+)", body):
+            d["model_class"] = t.group(1)
+        if t := re.search(r"dtype=([\w.]+)", body):
+            d["weight_dtype"] = t.group(1)
+        elif t := re.search(r"quant=([\w.\-]+)", body):
+            d["weight_dtype"] = t.group(1)
+
+    def _on_kv_dtype(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._fields["kv_cache_dtype"] = m.group(1)
+        self._log(rank, "kv_cache_dtype", msg)
+
+    def _on_post_capture_kv(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        d = self._rank(rank)  # 0.5.23, SGLANG_ENABLE_POST_CAPTURE_KV_SIZING (§1.7)
+        d.update(kv_tokens=int(m.group("tokens")), kv_size_gib=float(m.group(3)), k_size_gib=None, v_size_gib=None)
+        if m.group("dtype"):
+            d["kv_dtype"] = m.group("dtype")
+        self._log(rank, "post_capture_kv_sizing", msg)
+
+    def _on_mamba(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._rank(rank)["mamba_cache_gib"] = round(sum(float(x) for x in m.groups()), 4)  # carved out first (§1.2)
+        self._log(rank, "mamba_cache_allocated", msg)
+
+    def _on_swa_pool(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "swa_kv_pool", msg)
+        self._swa_pool(rank, float(m.group(1)), int(m.group(2)), int(m.group(3)))
+
+    def _on_kv_alloc(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "kv_pool"
+        d = self._target_or_draft(rank, "kv_tokens")
+        self._log(rank, "kv_cache_allocated", msg, self._role(rank, d))
+        d["kv_tokens"] = int(m.group("tokens"))
+        d["k_size_gib"] = _float(m.group("k"))
+        d["v_size_gib"] = _float(m.group("v"))
+        d["kv_size_gib"] = _float(m.group("kv"))
+        if m.group("dtype"):
+            d["kv_dtype"] = m.group("dtype")
+
+    def _on_pool_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "after_pool"
+        d = self._target_or_draft(rank, "memory_pool_end_avail_gib")
+        d["memory_pool_end_avail_gib"] = float(m.group(1))
+        self._log(rank, "memory_pool_end", msg, self._role(rank, d))
+
+    def _on_cap_progress(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "capture"  # tqdm progress of graph capture (rank 0's stderr)
+        self._progress_avail = float(m.group("avail"))
+        self._log(rank, "capture_progress", m.group(0))
+
+    def _on_cap_bs_list(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        sizes = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]  # 0.5.5, rank 0
+        if sizes:
+            self._rank(rank)["graph_bs"] = sizes
+        self._log(rank, "capture_bs_list", msg)
+
+    def _on_cap_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "capture_end", msg.split("max_total_num_tokens=")[0])
+        self._capture(rank, m.group("name"), m.group("body"), end=True)
+        self._phase = "after_capture"
+        if sched := _P["scheduler"].search(msg):  # some logs glue the scheduler line on (case-21)
+            self._scheduler_line(int(sched.group("tokens")), sched.group("rest"))
+            self._log(rank, "scheduler", sched.group(0))
+
+    def _on_cap_begin(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._phase = "capture"
+        self._log(rank, "capture_begin", msg)
+        self._capture(rank, m.group("name"), m.group("body"), end=False)
+
+    def _on_scheduler(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._scheduler_line(int(m.group("tokens")), m.group("rest"))
+        self._log(rank, "scheduler", msg)
+
+    def _on_host_pool_old(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "host_pool", msg)
+        self._phase = "host_pool"
+        self._fields.setdefault("host_pool_gb", float(m.group(1)))
+        self._host_rank(rank)
+
+    def _on_host_pool_new(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "host_pool", msg)
+        self._phase = "host_pool"
+        self._fields.setdefault("host_pool_tokens", int(m.group(1)))
+        self._fields.setdefault("host_pool_gb", float(m.group(2)))
+        self._host_rank(rank)
+
+    def _on_ready(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self.ready = True
+        self._serving = True
+        self._phase = "serving"
+
+    def _on_retract(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._serving = True
+        self._log(rank, "retraction", msg)
+        if self._soft is None:
+            self._soft = Failure(failure_class=FailureClass.RETRACTION_STORM, evidence=msg[:500], rank=rank, phase="serving")
+        before = self._batch_values(self._last_batch.get((rank or "", "decode"), ""))
+        self._retractions.append(Retraction(
+            retracted_reqs=int(m.group(1)), new_tokens_gained=_int(m.group(2)),
+            new_token_ratio_before=_float(m.group(3)), new_token_ratio_after=_float(m.group(4)),
+            timestamp=ts, rank=rank, running_req_before=before.get("running_req"),
+            num_token_before=before.get("num_token"), token_usage_before=before.get("token_usage", before.get("full_token_usage")),
+        ))
+
+    def _on_mtt_larger(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "max_total_tokens_larger_than_profiled", msg)
+        self._fields["mtt_requested"] = int(m.group(1))
+        self._fields["mtt_profiled"] = int(m.group(2))
+
+    def _on_mrr_spec(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "max_running_requests_reset_for_speculative", msg)
+        self._fields["mrr_spec"] = int(m.group(1))
+
+    def _on_mrr_reduced(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._log(rank, "max_running_requests_reduced", msg)
+        self._fields["mrr_requested"] = int(m.group(1))
+        self._fields["mrr_reduced"] = int(m.group(2))
+
+    def _on_input_too_long(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        limit: Literal["max_req_input_len", "context_length"] = "max_req_input_len" if m.re is _P["input_long"] else "context_length"
+        rej = InputRejection(input_tokens=int(m.group(1)), max_allowed_tokens=int(m.group(2)), limit=limit, rank=rank)
+        self._log(rank, "input_too_long", msg)
+        if rej not in self._rejections:
+            self._rejections.append(rej)
+        self._serving = True
+
+    def _on_alloc_continuation(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> bool:
+        """The continuation lines of the KV allocator's message (``Try to allocate N tokens.``,
+        ``Available tokens: X (available_size=A + evictable_size=E)``, the older ``Avaliable
+        tokens: X`` / ``...available_size()=A`` / ``...evictable_size()=E``); SGLang's only after
+        its first line (:attr:`_shortfall` open)."""
+        sf = self._shortfall
+        if sf is None:
+            return False
+        if m.re is _P["alloc_try"]:
+            sf.setdefault("requested_tokens", int(m.group(1)))
+        elif m.re is _P["alloc_avail"]:
+            sf.setdefault("available_tokens", int(m.group(1)))
+            if m.group(2) is not None:
+                sf.setdefault("available_size", int(m.group(2)))
+                sf.setdefault("evictable_size", int(m.group(3)))
+        elif m.re is _P["alloc_avail_old"]:
+            sf.setdefault("available_size", int(m.group(1)))
+        else:
+            sf.setdefault("evictable_size", int(m.group(1)))
+        self._log(rank, "kv_allocator", msg)
+        return True
+
+    def _on_http_request(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> bool:
+        self._serving = True  # an HTTP request or a benchmark client: the server was serving
+        return False
+
+    def _on_worker_exception(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        """0.4.x ``TpModelWorkerClient hit an exception: {traceback}`` (``forward_thread_func``): the
+        overlap scheduler's worker thread, which only runs batches (warm-up included), raised. A
+        crash unless more specific evidence follows; a CUDA OOM under it is a runtime OOM (§4.4)."""
+        self._serving = True
+        self._raise(20, FailureClass.CRASH, msg, rank)
+
+    def _on_alloc_retry(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._allocator_retry(m, rank, msg)
+
+    def _on_transformers_fallback(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._fields["transformers_fallback"] = msg[:300]
+
+    def _on_command(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._command_flags(msg)
+
+    def _on_flag_line(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> bool:
+        self._command_flags(msg)  # a continuation line of a multi-line launch command
+        return False
+
+    def _swa_pool(self, rank: str | None, total_gib: float, swa_tokens: int, full_tokens: int) -> None:
+        """``SWAKVPool mem usage: X GB, swa size: A, full size: B``: ``SWAKVPool.__init__`` builds its
+        sliding-window pool, then its full-attention pool (each prints its own ``KV Cache is
+        allocated`` line), then this total of both. A second KV line on the rank before it is that
+        full-attention part, not a draft model's pool (a draft's lines start with its own weights,
+        §4.1): it is folded back, and ``X`` is the rank's whole KV pool (the parts are not added again)."""
+        d = self._rank(rank)
+        draft = d.get("draft")
+        if draft is not None and draft.get("weight_gib") is None and draft.get("load_begin_avail_gib") is None and draft.get("kv_tokens") is not None:
+            d["draft"] = None
+        d.update(swa_pool_gib=total_gib, swa_tokens=swa_tokens)
+        if d.get("kv_tokens") is None:
+            d["kv_tokens"] = full_tokens
+        lines = self._logged.get(rank or "", [])
+        parts = [i for i, e in enumerate(lines) if e.line == "kv_cache_allocated"][-2:]
+        if len(parts) == 2:  # one part only (a cut excerpt): which one it is is not known
+            for i, role in zip(parts, ("swa", "full"), strict=True):
+                lines[i] = lines[i].model_copy(update={"role": role})
 
     def _role(self, rank: str | None, d: dict[str, Any]) -> str | None:
         """``draft`` when ``d`` is the draft's dict of ``rank``, ``target`` when a draft exists, else None."""
@@ -1054,27 +1208,16 @@ class LogWatcher:
             return None
         return "target" if d is top else "draft"
 
-    def _shortfall_line(self, msg: str, rank: str | None) -> bool:
-        """The continuation lines of the KV allocator's message (``Try to allocate N tokens.``,
-        ``Available tokens: X (available_size=A + evictable_size=E)``, the older
-        ``Avaliable tokens: X`` / ``...available_size()=A`` / ``...evictable_size()=E``)."""
-        sf = self._shortfall
-        assert sf is not None
-        if m := _P["alloc_try"].search(msg):
-            sf.setdefault("requested_tokens", int(m.group(1)))
-        elif m := _P["alloc_avail"].search(msg):
-            sf.setdefault("available_tokens", int(m.group(1)))
-            if m.group(2) is not None:
-                sf.setdefault("available_size", int(m.group(2)))
-                sf.setdefault("evictable_size", int(m.group(3)))
-        elif m := _P["alloc_avail_old"].search(msg):
-            sf.setdefault("available_size", int(m.group(1)))
-        elif m := _P["alloc_evict_old"].search(msg):
-            sf.setdefault("evictable_size", int(m.group(1)))
-        else:
-            return False
-        self._log(rank, "kv_allocator", msg)
-        return True
+    def _allocator_retry(self, m: re.Match[str], rank: str | None, msg: str) -> None:
+        """``CUDACachingAllocator.cpp: memory allocation failed with OOM on device D while trying to
+        allocate N bytes (free: F, total: T)``: torch's allocator missed, freed its cached blocks and
+        retried (a warning; a hard failure raises ``CUDA out of memory``). Not the KV allocator."""
+        prev = self._fields.get("allocator_retry") or {"count": 0}
+        self._fields["allocator_retry"] = {
+            "count": prev["count"] + 1, "device": int(m.group(1)), "tried_bytes": int(m.group(2)),
+            "free_bytes": _int(m.group(3)), "total_bytes": _int(m.group(4)),
+        }
+        self._log(rank, "allocator_retry", msg)
 
     def _host_rank(self, rank: str | None) -> None:
         ranks = self._fields.setdefault("host_pool_ranks", [])
@@ -1189,10 +1332,14 @@ class LogWatcher:
         for prio, cls, pat in _FAILURES:
             if not pat.search(msg):
                 continue
+            if prio in _GENERIC_PRIORITIES and not self._prefixed and not _PROGRAM_OUTPUT.match(msg):
+                return False  # a sentence that names the error ("it crashes with CUDA out of memory"), not the error
             if cls is None:
                 cls = self._oom_class(msg)
             if self._oom_numbers(msg):
                 self._log(rank, "oom", msg)
+            elif cls is FailureClass.CRASH:
+                self._log(rank, "fatal", msg)
             if cls is FailureClass.KV_PAGE_SHORTFALL and self._shortfall is None:
                 kind = "prefill" if "Prefill" in msg else "decode" if "Decode" in msg else "allocator"
                 self._shortfall = {"kind": kind}
@@ -1200,20 +1347,25 @@ class LogWatcher:
                 self._fields["req_slots_available"] = int(m.group(1))
                 self._fields["req_slots_requested"] = _int(m.group(2))
                 self._log(rank, "alloc_req_slots", msg)
-            if prio > self._failure_prio:
-                self._failure_prio = prio
-                self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
-                site = self._oom_site()
-                self._failure_site = site[1] if site else None
+            self._raise(prio, cls, msg, rank)
             return True
         if m := _P["mtt_larger"].search(msg):
-            if int(m.group(2)) <= 0 and self._failure_prio < 90:
-                self._failure_prio = 90
-                self.failure = Failure(failure_class=FailureClass.STARTUP_KV_OOM, evidence=msg[:500], rank=rank, phase=self._phase)
+            if int(m.group(2)) <= 0:
+                self._raise(90, FailureClass.STARTUP_KV_OOM, msg, rank)
             return False
         if self.failure is not None and self._oom_numbers(msg):
             self._log(rank, "oom", msg)
         return False
+
+    def _raise(self, prio: int, cls: FailureClass, msg: str, rank: str | None) -> None:
+        """Take ``msg`` as the failure's evidence when it is more specific (``prio``, as in
+        :data:`_FAILURES`) than the evidence seen so far; a tie keeps the first."""
+        if prio <= self._failure_prio:
+            return
+        self._failure_prio = prio
+        self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
+        site = self._oom_site()
+        self._failure_site = site[1] if site else None
 
     def _oom_site(self) -> tuple[str, str] | None:
         """Where the current traceback was raised: ``(site, frame)`` of the innermost frame that
@@ -1226,6 +1378,11 @@ class LogWatcher:
                 if site != "batch" and pat.search(file):
                     return site, f"{func} ({file.rsplit('/', 1)[-1]})"
         return None
+
+    def _frames_hold(self, site: str) -> bool:
+        """Some frame of the current traceback names ``site`` (see ``_OOM_SITES``)."""
+        pat = dict(_OOM_SITES)[site]
+        return any(pat.search(func) for _file, func in self._frames)
 
     def _target_pool_allocated(self) -> bool:
         """Some rank's target KV pool exists: weights loaded now are a draft's, from the reserve (§1.5)."""
@@ -1251,6 +1408,11 @@ class LogWatcher:
         if self._serving:
             return FailureClass.RUNTIME_OOM
         kind = site[0] if site else None
+        if kind != "graphs" and self._frames_hold("batch"):
+            # A scheduler frame anywhere in the stack (event_loop, run_batch, the worker thread's
+            # forward): the OOM was raised running a batch, whatever kernel (attention, indexer,
+            # KV-buffer write in memory_pool) is innermost.
+            return FailureClass.RUNTIME_OOM
         if kind == "batch":
             return FailureClass.RUNTIME_OOM
         if kind in ("graphs", "pool"):
@@ -1311,6 +1473,143 @@ class LogWatcher:
         draft = d.get("draft")
         fields = {k: v for k, v in d.items() if k != "draft"}
         return RankMemory(**fields, draft=self._freeze_rank(key, draft) if draft else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The line formats: one row per format, each with its handler
+# ---------------------------------------------------------------------------------------------
+
+
+class LineFormat(NamedTuple):
+    """One format of SGLang's output: a row of :data:`LINE_FORMATS`.
+
+    Attributes:
+        id: The format's name; SGLang's own formats use the ``id`` of ``tuner/data/log-formats.json``
+            (read from SGLang's source per version, §4), others name their source in ``source``.
+        anchor: A literal every line of the format contains (the cheap gate before ``pattern``).
+        pattern: What the line must match; its groups are what the handler reads.
+        handler: ``LogWatcher`` method that fills typed facts from the match; it returns ``False``
+            when the line is not to be counted as SGLang output (a traceback helper, a client line).
+        source: Where the format comes from: ``§`` of the reference, or the non-SGLang program.
+        evidence: Whether the line may also be failure evidence (the failure table is read too).
+    """
+
+    id: str
+    anchor: str
+    pattern: re.Pattern[str]
+    handler: Callable[[LogWatcher, re.Match[str], str, str | None, str | None], bool | None]
+    source: str
+    evidence: bool = True
+
+
+W = LogWatcher
+LINE_FORMATS: tuple[LineFormat, ...] = (
+    LineFormat("prefill_batch", "Prefill batch", _P["batch"], W._on_batch, "§4.5 log_prefill_stats", evidence=False),
+    LineFormat("decode_batch", "Decode batch", _P["batch"], W._on_batch, "§4.5 log_decode_stats", evidence=False),
+    LineFormat("server_args", "server_args=", _P["server_args"], W._on_server_args, "§2 server_args echo", evidence=False),
+    LineFormat("dist_begin", "Init torch distributed begin.", _P["dist_begin"], W._on_dist_begin, "§4.2 item 1"),
+    LineFormat("parallel_end", "Init parallel ends.", _P["parallel_end"], W._on_parallel_end, "§4.2 item 1 (0.5.23)"),
+    LineFormat("dist_end", "Init torch distributed ends.", _P["dist_end"], W._on_dist_end, "§4.2 item 1"),
+    LineFormat("baseline", "Memory baseline taken.", _P["baseline"], W._on_dist_end, "§4.2 item 1 (0.5.23)"),
+    LineFormat("load_begin", "Load weight begin.", _P["load_begin"], W._on_load_begin, "§4.2 item 2"),
+    LineFormat("load_end_committed", "Load weight end. Committed", _P["load_end_committed"], W._on_load_end_committed, "§4.2 item 3 (0.5.23 overlap)"),
+    LineFormat("load_end", "Load weight end.", _P["load_end"], W._on_load_end, "§4.2 item 3"),
+    LineFormat("kv_dtype", "Using KV cache dtype: ", _P["kv_dtype"], W._on_kv_dtype, "§4.2 item 4"),
+    LineFormat("post_capture_kv", "Post-capture KV sizing", _P["post_capture"], W._on_post_capture_kv, "§1.7 (0.5.23)"),
+    LineFormat("mamba", "Mamba Cache is allocated.", _P["mamba"], W._on_mamba, "§4.2 item 5 (hybrid Mamba)"),
+    LineFormat("swa_pool", "SWAKVPool mem usage: ", _P["swa_pool"], W._on_swa_pool, "§4.2 item 5 (hybrid SWA)"),
+    LineFormat("kv_alloc", "KV Cache ", _P["kv_alloc"], W._on_kv_alloc, "§4.2 item 5"),
+    LineFormat("pool_end", "Memory pool end.", _P["pool_end"], W._on_pool_end, "§4.2 item 6"),
+    LineFormat("cap_progress", "Capturing ", _P["cap_progress"], W._on_cap_progress, "§4.2 item 7 (tqdm)"),
+    LineFormat("cap_bs_list", "Capture cuda graph bs [", _P["cap_bs_list"], W._on_cap_bs_list, "§4.2 item 7 (0.5.5)"),
+    LineFormat("cap_end", "Capture ", _P["cap_end"], W._on_cap_end, "§4.2 item 7"),
+    LineFormat("cap_begin", "Capture ", _P["cap_begin"], W._on_cap_begin, "§4.2 item 7"),
+    LineFormat("scheduler", "max_total_num_tokens=", _P["scheduler"], W._on_scheduler, "§4.2 item 8"),
+    LineFormat("host_pool_old", "host memory for hierarchical KV cache", _P["host_pool_old"], W._on_host_pool_old, "§4.2 item 9"),
+    LineFormat("host_pool_new", "hierarchical KV host pool: ", _P["host_pool_new"], W._on_host_pool_new, "§4.2 item 9 (0.5.23)"),
+    LineFormat("ready", "ready to roll", _P["ready"], W._on_ready, "§4.2 item 10"),
+    LineFormat("retract", "#retracted_reqs: ", _P["retract"], W._on_retract, "§4.4 retraction"),
+    LineFormat("mtt_larger", "is larger than the profiled value", _P["mtt_larger"], W._on_mtt_larger, "§1.4"),
+    LineFormat("mrr_spec", "Max running requests is reset to", _P["mrr_spec"], W._on_mrr_spec, "§1.5"),
+    LineFormat("mrr_reduced", "max_running_requests was reduced", _P["mrr_reduced"], W._on_mrr_reduced, "§2.3 (0.5.16+)"),
+    LineFormat("input_long", "exceeds the maximum allowed length", _P["input_long"], W._on_input_too_long, "§4.4 too-long input"),
+    LineFormat("input_ctx", "is longer than the model's context length", _P["input_ctx"], W._on_input_too_long, "§4.4 too-long input"),
+    LineFormat("alloc_try", "Try to allocate ", _P["alloc_try"], W._on_alloc_continuation, "§4.4 allocation failure"),
+    LineFormat("alloc_avail", "Available ", _P["alloc_avail"], W._on_alloc_continuation, "§4.4 allocation failure"),
+    LineFormat("alloc_avail_typo", "Avaliable ", _P["alloc_avail"], W._on_alloc_continuation, "§4.4 allocation failure (0.4.x spelling)"),
+    LineFormat("alloc_avail_old", "available_size()=", _P["alloc_avail_old"], W._on_alloc_continuation, "§4.4 allocation failure (0.4.x)"),
+    LineFormat("alloc_evict_old", "evictable_size()=", _P["alloc_evict_old"], W._on_alloc_continuation, "§4.4 allocation failure (0.4.x)"),
+    LineFormat("http_request", " HTTP/1.", _P["serving"], W._on_http_request, "uvicorn access log (serving)"),
+    LineFormat("bench_client", "bench_serving", _P["serving"], W._on_http_request, "§6 sglang.bench_serving (serving)"),
+    LineFormat("worker_exception_04", "TpModelWorkerClient hit an exception", re.compile(r"TpModelWorkerClient hit an exception"), W._on_worker_exception,
+               "0.4.x managers/tp_worker_overlap_thread.py forward_thread_func", evidence=False),
+    LineFormat("alloc_retry", "memory allocation failed with OOM on device", _P["alloc_retry"], W._on_alloc_retry,
+               "torch CUDACachingAllocator.cpp warning (flush and retry)"),
+    LineFormat("transformers_fallback", "Transformers implementation", _P["transformers_fallback"], W._on_transformers_fallback,
+               "model_loader: no native class, falling back to Transformers"),
+    LineFormat("command", "sglang.launch_server", _P["command"], W._on_command, "§3 launch command"),
+    LineFormat("command_serve", "sglang serve", _P["command"], W._on_command, "§3 launch command (sglang serve)"),
+    LineFormat("flag_line", "--", _P["flag_line"], W._on_flag_line, "§3 launch command, one flag per line"),
+)
+"""Every line format the parser reads. A line is matched against the rows whose anchor it contains
+(one scan for all anchors), never in table order; see :func:`match_format` for the rule that decides
+a line two rows match. Adding a wording is one row here and one ``_on_*`` handler."""
+
+_ROWS_BY_ANCHOR: dict[str, tuple[LineFormat, ...]] = {
+    a: tuple(f for f in LINE_FORMATS if f.anchor == a) for a in dict.fromkeys(f.anchor for f in LINE_FORMATS)
+}
+_ANCHORS = re.compile("|".join(re.escape(a) for a in sorted(_ROWS_BY_ANCHOR, key=len, reverse=True)))
+"""All anchors in one alternation, longest first (so an anchor that contains another is found)."""
+
+
+_WITH_CONTAINED: dict[str, tuple[str, ...]] = {a: (a, *(b for b in _ROWS_BY_ANCHOR if b != a and b in a)) for a in _ROWS_BY_ANCHOR}
+"""Each anchor with the anchors inside it (``Capture cuda graph bs [`` holds ``Capture ``)."""
+
+
+def _anchors_in(msg: str) -> list[str]:
+    """Every anchor the line contains, including anchors inside a longer one found at the same place."""
+    found: list[str] = []
+    for m in _ANCHORS.finditer(msg):
+        found += _WITH_CONTAINED[m.group(0)]
+    return found
+
+
+def match_format(msg: str) -> tuple[LineFormat, re.Match[str]] | None:
+    """The one line format a cleaned line is, with its match.
+
+    Rule: of the rows whose anchor the line contains and whose pattern matches, the one whose match
+    covers the most characters of the line wins (the most specific reading: a capture end line
+    with a scheduler line glued on is a capture end line, whose handler reads the glued part). Two
+    rows covering equally much would be ambiguous; ``tests/sglang/test_formats.py`` checks that no
+    golden line of any version (``tests/fixtures/sglang-formats``) and no line of a handed case
+    has such a tie, so the table's order never decides.
+
+    Args:
+        msg: The line, prefixes stripped (:func:`clean_line`).
+
+    Returns:
+        ``(row, match)``, or ``None`` when no row matches.
+    """
+    head = _ANCHORS.match(msg)
+    if head is not None:  # a row that covers the whole line wins at once: nothing can cover more
+        for anchor in _WITH_CONTAINED[head.group(0)]:
+            for row in _ROWS_BY_ANCHOR[anchor]:
+                m = row.pattern.match(msg)
+                if m is not None and m.end() == len(msg):
+                    return row, m
+    best: tuple[LineFormat, re.Match[str]] | None = None
+    for anchor in _anchors_in(msg):
+        for row in _ROWS_BY_ANCHOR[anchor]:
+            m = row.pattern.search(msg)
+            if m is not None and (best is None or m.end() - m.start() > best[1].end() - best[1].start()):
+                best = (row, m)
+    return best
+
+
+def matching_formats(msg: str) -> list[tuple[LineFormat, re.Match[str]]]:
+    """Every row that matches a cleaned line (for the ambiguity check), widest match first."""
+    hits = [(row, m) for anchor in dict.fromkeys(_anchors_in(msg)) for row in _ROWS_BY_ANCHOR[anchor] if (m := row.pattern.search(msg))]
+    return sorted(hits, key=lambda h: h[1].start() - h[1].end())
 
 
 # ---------------------------------------------------------------------------------------------
