@@ -129,6 +129,20 @@ class JsonProgress:
             self._stream.close()
 
 
+def _prometheus_textfile(path: Path | None, cfg, storage: str | None):  # noqa: ANN001, ANN202 - TunerConfig, PrometheusTextfile
+    """The ``--prometheus-textfile`` sink (written once now: a bad path is refused before the run)."""
+    if path is None:
+        return None
+    from tuner.cli.common import check_output_path
+    from tuner.report.prometheus import PrometheusTextfile
+    from tuner.study.hosts import host_name
+    from tuner.study.storage import display_url, study_storage_url
+
+    check_output_path(path, "--prometheus-textfile")
+    return PrometheusTextfile(path, study=cfg.study.name, host=host_name(),
+                              storage=display_url(storage or study_storage_url(cfg)))
+
+
 class _RunProgress:
     """Renders :class:`tuner.study.loop.Progress` events: one line per trial, a live phase line.
 
@@ -138,7 +152,7 @@ class _RunProgress:
     left down every second from the last event's ``eta_s``. Events may come from a reader thread.
     """
 
-    def __init__(self, also=None, out=console) -> None:  # noqa: ANN001 - an extra event sink (JsonProgress), a rich Console
+    def __init__(self, also=(), out=console) -> None:  # noqa: ANN001 - extra event sinks (JsonProgress, PrometheusTextfile), a rich Console
         import threading
         import time
 
@@ -175,8 +189,8 @@ class _RunProgress:
             self.progress.stop()
 
     def __call__(self, event) -> None:  # noqa: ANN001
-        if self.also is not None:
-            self.also(event)
+        for sink in self.also:
+            sink(event)
         deadline = None if event.eta_s is None or event.eta_s == float("inf") else self._monotonic() + event.eta_s
         with self._lock:
             if event.event == "phase" and event.number is None:  # about the study, not this host's trial
@@ -207,6 +221,11 @@ def run_cmd(
         "--json-progress", metavar="FILE|-",
         help="Also write every progress event (trial start/end, phase and its progress, flags, launch n of ~N, "
              "budget left) as one JSON object per line to FILE (appended), or to standard output with -.")] = None,
+    prometheus_textfile: Annotated[Path | None, typer.Option(
+        "--prometheus-textfile", metavar="FILE",
+        help="Keep FILE a Prometheus text exposition of the run (restarts, trials by result, the phase in "
+             "flight, best so far, budget left), rewritten at every step: point it into node_exporter's "
+             "textfile directory (e.g. /var/lib/node_exporter/textfile/sglang-tuner.prom).")] = None,
 ) -> None:
     """Run (or resume) the Optuna study: relaunch the service per trial, measure, learn; restore it at the end.
 
@@ -239,8 +258,9 @@ def run_cmd(
         console.print("checks: every check a run makes before it changes anything passes", highlight=False)
         return
     sink = JsonProgress(json_progress) if json_progress else None
+    metrics = _prometheus_textfile(prometheus_textfile, cfg, storage)
     out = err_console if json_progress == "-" else console  # `-`: standard output carries JSON only
-    renderer = _RunProgress(also=sink, out=out)
+    renderer = _RunProgress(also=[s for s in (sink, metrics) if s is not None], out=out)
     try:
         with renderer:
             summary = entrypoints.tune(cfg, budget_s=budget_s, max_trials=max_trials,
@@ -259,10 +279,14 @@ def run_cmd(
     except BaseException:
         if sink is not None:
             sink.close()
+        if metrics is not None:
+            metrics.close()
         raise
     if sink is not None:
         sink.summary(summary)
         sink.close()
+    if metrics is not None:
+        metrics.close()
     out.print("service restored to its original flags", highlight=False)
     from tuner import results
 
