@@ -219,7 +219,8 @@ class StudyRun:
         self.opened = _Opened(study=study, claims=ClaimLock.of(study),
                               recorder=Recorder(study, store, self.summary.host, environment), shared=shared,
                               environment=environment, context_tokens=context_tokens,
-                              settings=ModelSettings.for_config(config, context_tokens), records=RecordCache())
+                              settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
+                              records=RecordCache())
         if self.options.budget_s is not None:
             require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
         return self.opened
