@@ -366,6 +366,9 @@ def resolve_facts(
         (info.max_prefill_tokens, "server_info"))
     free = put("available_gpu_mem_gib", (sched.available_gpu_mem_gib if sched else None, "log:scheduler"))
     rank = report.primary()
+    # The captured decode batch sizes, where the log lists them (§2.1: `Capture cuda graph bs [...]`,
+    # 0.5.23's `bs=[...]`); the planner predicts them otherwise (tuner.sglang.graphs).
+    put("cuda_graph_bs", (rank.graph_bs if rank is not None and rank.graph_bs else None, "log:capture"))
     if free is None and rank is not None:
         free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
     capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None

@@ -94,26 +94,42 @@ def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, T
         return runner.run(TrialJob(number=count, kind="sampled", params=params, context_tokens=context_tokens),
                           lambda _p: None)
 
-    for mfs, cps in itertools.product(space.fractions()[::stride], space.chunked_prefill_size):
-        base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps}
+    graphs: list[dict[str, Any]] = [{"cuda_graph_max_bs": g} for g in space.cuda_graph_max_bs or ()] or [{}]
+    for mfs, cps, graph in itertools.product(space.fractions()[::stride], space.chunked_prefill_size, graphs):
+        base = {"mem_fraction_static": mfs, "chunked_prefill_size": cps, **graph}
         argv = render_argv(runner.offline.sim_argv, {**base, "max_running_requests": hi}, runner.table)
         tight = size_server(argv).max_total_num_tokens // context_tokens
         values = sorted(powers | ({tight} if lo <= tight <= hi else set()))
+        # Graph coverage changes at captured sizes (§2.1): the largest captured size of this
+        # config's graphs, and one above it, are evaluated too (latency is not monotone across it).
+        edge = int(graph.get("cuda_graph_max_bs") or _unit_graph_bs(runner))
+        values = sorted(set(values) | {m for m in (edge, edge + 1) if lo <= m <= hi})
         results = {m: run({**base, "max_running_requests": m}) for m in values}
-        feasible = [m for m in values if results[m].feasible and m <= max(tight, lo)]
-        if not feasible:
-            continue
-        good = max(feasible)
-        bad = min((m for m in values if m > good and m <= max(tight, lo)), default=None)
-        while bad is not None and bad - good > 1:
-            mid = (good + bad) // 2
-            if run({**base, "max_running_requests": mid}).feasible:
-                good = mid
-            else:
-                bad = mid
+        # Between two evaluated counts of one graph coverage (both at or below the captured edge,
+        # or both above it) feasibility is monotone on this simulator: bisect each such gap.
+        for run_of in ([m for m in values if m <= edge], [m for m in values if m > edge]):
+            ok = [m for m in run_of if results[m].feasible and m <= max(tight, lo)]
+            if not ok:
+                continue
+            good = max(ok)
+            bad = min((m for m in run_of if m > good and m <= max(tight, lo)), default=None)
+            while bad is not None and bad - good > 1:
+                mid = (good + bad) // 2
+                if run({**base, "max_running_requests": mid}).feasible:
+                    good = mid
+                else:
+                    bad = mid
     optimum = _best(runner.history, cfg)
     assert optimum is not None, "the grid found no feasible config"
     return runner.history, optimum, space, baseline, context_tokens
+
+
+def _unit_graph_bs(runner: OfflineExecutor) -> int:
+    """The unit's largest captured decode batch (its own ``cuda_graph_max_bs``, or SGLang's default
+    for the GPU, §2.1), from a start of the unit's own command line."""
+    from tuner.sim.startup import plan_from_argv
+
+    return int(plan_from_argv(list(runner.offline.sim_argv))[1].config.cuda_graph_max_bs or 0)
 
 
 def _coarse_grid(space: Space, n: int) -> list[dict]:
@@ -173,12 +189,55 @@ def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfi
     return repeats, above
 
 
-def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float) -> list[tuple[int, TrialRecord]]:
+def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float,
+           skips: list[tuple[dict[str, Any], str]] | None = None) -> list[tuple[int, TrialRecord]]:
+    """The first :data:`LAUNCHES` launches of a study (``skips`` collects its skips: params, reason)."""
     cfg = with_seed(cfg, seed, "tpe" if planner else "random")
     runner = OfflineExecutor(cfg, world_seed=0, noise=noise)
+
+    def on_progress(event: Any) -> None:
+        if skips is not None and event.event == "skip" and event.flags:
+            skips.append((dict(event.flags), event.message))
+
     # Trials include skips (no launch): allow enough trials for LAUNCHES launches.
-    run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner)
+    run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner,
+              on_progress=on_progress)
     return runner.history[:LAUNCHES]
+
+
+_PROOFS = ("must fail", "must break the SLO")
+"""Skip reasons that claim a proof (the config cannot be feasible); the others are predictions."""
+
+
+def _false_skips(cfg: TunerConfig, skips: list[tuple[dict[str, Any], str]], optimum: TrialRecord,
+                 history: list[tuple[int, TrialRecord]], context_tokens: int) -> list[str]:
+    """Skips the grid contradicts: a config skipped as proved infeasible (``must fail``, ``must
+    break the SLO``) that the simulated world runs feasibly; or, while the study's own best after
+    :data:`LAUNCHES` launches is below 98 % of the optimum, a config skipped as predicted not to
+    win that reaches 98 % of the optimum's capacity and throughput (the skip cost the search).
+    Each such config is evaluated once, noise-free, as a launch would run it."""
+    best = _best(history, cfg)
+    short = best is None or (best.context_capacity or 0) < 0.98 * optimum.context_capacity or (
+        _true_throughput(cfg, best) < 0.98 * (optimum.output_throughput_tok_s or 0))
+    runner = OfflineExecutor(cfg, world_seed=0)
+    out: list[str] = []
+    seen: set[str] = set()
+    for params, reason in skips:
+        key = json.dumps(params, sort_keys=True, default=str)
+        proof = any(word in reason for word in _PROOFS)
+        predicted = "predicted" in reason and not proof
+        if key in seen or not (proof or (predicted and short)):
+            continue
+        seen.add(key)
+        record = runner.run(TrialJob(number=0, kind="sampled", params=params, context_tokens=context_tokens),
+                            lambda _p: None)
+        if not (record.feasible and record.outcome == "ok"):
+            continue
+        good = ((record.context_capacity or 0) >= 0.98 * optimum.context_capacity
+                and (record.output_throughput_tok_s or 0) >= 0.98 * (optimum.output_throughput_tok_s or 0))
+        if proof or good:
+            out.append(f"{params}: {reason[:120]}")
+    return out
 
 
 def _until(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: TrialRecord, *, noisy: bool) -> int | None:
@@ -212,7 +271,8 @@ def test_search_quality(name: str) -> None:
                                            "params": optimum.params},
                                "baseline_capacity": baseline.context_capacity, "grid_launches": len(grid),
                                "strategies": {}}
-    histories = {("tuner", s): _study(cfg, s, planner=True, noise=noise) for s in seeds}
+    skips: dict[int, list[tuple[dict[str, Any], str]]] = {s: [] for s in seeds}
+    histories = {("tuner", s): _study(cfg, s, planner=True, noise=noise, skips=skips[s]) for s in seeds}
     histories |= {("random", s): _study(cfg, s, planner=False, noise=noise) for s in seeds}
     coarse_runner = OfflineExecutor(cfg, world_seed=0, noise=noise)
     coarse = [(0, baseline)]
@@ -220,6 +280,13 @@ def test_search_quality(name: str) -> None:
         coarse.append((i + 1, coarse_runner.run(TrialJob(number=i + 1, kind="sampled", params=params,
                                                          context_tokens=context_tokens), lambda _p: None)))
     histories |= {("coarse grid", None): coarse}
+    false_skips = {s: _false_skips(cfg, skips[s], optimum, histories[("tuner", s)], context_tokens) for s in seeds}
+    figures["false_skips"] = [len(false_skips[s]) for s in seeds]
+    figures["skips_stored"] = [len(skips[s]) for s in seeds]
+    figures["noise_repeats"] = [sum(r.repeat_of is not None for _, r in histories[("tuner", s)]) for s in seeds]
+    rows.append(f"  false skips {figures['false_skips']} (of {figures['skips_stored']} skips) | noise re-measurements "
+                f"in {LAUNCHES} launches {figures['noise_repeats']}"
+                + "".join(f"\n    false skip (seed {s}): {line}" for s in seeds for line in false_skips[s][:3]))
     for label in ("tuner", "random", "coarse grid"):
         runs = [(s, h) for (lab, s), h in histories.items() if lab == label]
         cells = []
@@ -292,8 +359,24 @@ def _check_targets(item: dict[str, Any], figures: dict[str, Any], rows: list[str
             problems.append("below 98 % of the optimum at 5 launches")
         if max(tuner[10]["failed"]) > 0:
             problems.append("a failed launch in the first 10")
+    problems += _graph_targets(item, figures)
     if item["noise"]:
         same = sum(a == b for a, b in zip(tuner[20]["chosen_capacity"], figures["noise_free_choice"], strict=True))
         if same < min(4, len(item["seeds"]) - 1):
             problems.append(f"noisy choice equals the noise-free one in only {same} seeds")
     assert not problems, "; ".join(dict.fromkeys(problems)) + "\n" + "\n".join(rows)
+
+
+def _graph_targets(item: dict[str, Any], figures: dict[str, Any]) -> list[str]:
+    """Issue 30's targets: no false skip anywhere; where graph coverage decides the optimum
+    (``graphs = true``), >= 98 % of its capacity and throughput by launch 5 and no failed launch."""
+    tuner = figures["strategies"]["tuner"]
+    problems = []
+    if any(figures.get("false_skips", [])):
+        problems.append(f"false skips {figures['false_skips']}")
+    if item.get("graphs"):
+        if min(tuner[5]["capacity"] + tuner[5]["throughput"]) < 0.98:
+            problems.append("below 98 % of the optimum's capacity or throughput at 5 launches")
+        if max(tuner[LAUNCHES]["failed"]) > 0:
+            problems.append("a failed launch")
+    return problems

@@ -510,3 +510,32 @@ def test_speculative_decoding_yields_accept_length_tokens_per_step():
     assert steps == pytest.approx(200 / 2.5, abs=1)
     line = next(line for line in logs if line.startswith("Decode batch"))
     assert "accept len: 2.50, accept rate: 0.62, cuda graph: True" in line
+
+
+def test_decode_replays_the_next_captured_size_and_runs_eagerly_above_the_largest():
+    """SGLang's can_run / replay_prepare (§2.1): padded up to the next captured size; above the
+    largest captured size, or between sizes with padding off, eagerly (``cuda graph: False``)."""
+    from tuner.sim.engine import graph_batch
+
+    spec = make_spec(cuda_graph_max_bs=32, capture_bs=(1, 2, 4, 8, 12, 16, 24, 32))
+    assert [graph_batch(spec, b) for b in (1, 3, 9, 17, 24, 25, 32, 33)] == [1, 4, 12, 24, 24, 32, 32, None]
+    unpadded = replace(spec, cuda_graph_padding=False)
+    assert [graph_batch(unpadded, b) for b in (8, 9, 33)] == [8, None, None]
+    c = spec.cost
+    padded = costmodel.decode_step_s(c, 17, 17 * 1000, eager=False, padded_bs=24)
+    exact = costmodel.decode_step_s(c, 17, 17 * 1000, eager=False)
+    eager = costmodel.decode_step_s(c, 33, 33 * 1000, eager=True)
+    assert exact <= padded < eager
+
+    def itl(cap: tuple[int, ...], mrr: int) -> list[str]:
+        logs: list[str] = []
+        e = Engine(make_spec(max_running_requests=mrr, cuda_graph_max_bs=max(cap), capture_bs=cap,
+                             decode_log_interval=1), logs.append)
+        rng = random.Random(2)
+        for i in range(mrr):
+            e.add_request(SimRequest(f"r{i}", ids(50, rng), 20))
+        run(e)
+        return [line for line in logs if line.startswith("Decode batch")]
+
+    assert all("cuda graph: True" in line for line in itl((1, 2, 4, 8, 12, 16, 24, 31), 31))
+    assert any("cuda graph: False" in line for line in itl((1, 2, 4, 8, 12, 16, 24), 31))

@@ -141,8 +141,17 @@ def test_capture_list_and_cut_at_max_running_requests() -> None:
     assert capture_batch_sizes(32, False) == (1, 2, 4, 8, 12, 16, 24, 32)
     assert len(capture_batch_sizes(512, False)) == 52
     assert capture_batch_sizes(48, True)[-4:] == (32, 40, 44, 48)
+    # get_batch_sizes_to_capture: the pool size (max_running_requests) is added, then the sizes
+    # above it dropped, so every batch the server can run has a graph (§2.1).
     plan = plan_for(["--model-path", "llama-3.1-8b", "--max-running-requests", "20"])
-    assert plan.capture_bs == (1, 2, 4, 8, 12, 16)
+    assert plan.capture_bs == (1, 2, 4, 8, 12, 16, 20)
+    exact = plan_for(["--model-path", "llama-3.1-8b", "--max-running-requests", "24"])
+    assert exact.capture_bs == (1, 2, 4, 8, 12, 16, 24)
+    # Below the pool the list stops at cuda_graph_max_bs: batches above it run eagerly.
+    above = plan_for(["--model-path", "llama-3.1-8b", "--cuda-graph-max-bs", "32", "--max-running-requests", "48"])
+    assert above.capture_bs == (1, 2, 4, 8, 12, 16, 24, 32)
+    unpadded = plan_for(["--model-path", "llama-3.1-8b", "--cuda-graph-max-bs", "12", "--disable-cuda-graph-padding"])
+    assert unpadded.capture_bs == tuple(range(1, 13))
     more = plan_for(["--model-path", "llama-3.1-8b", "--cuda-graph-max-bs", "512", "--max-running-requests", "4096"])
     assert more.graph_bytes > plan_for(["--model-path", "llama-3.1-8b"]).graph_bytes
 

@@ -38,6 +38,7 @@ def scenarios() -> dict[str, dict[str, Any]]:
         out[item["name"]] = {
             "config": parse_config(config), "binds": item.get("binds", "memory"), "noise": float(item.get("noise", 0.0)),
             "seeds": list(item.get("seeds", [0, 1, 2])), "grid_stride": int(item.get("grid_stride", 1)),
+            "graphs": bool(item.get("graphs", False)),
         }
     return out
 

@@ -40,7 +40,7 @@ SIMULATED_DESTS = frozenset(
         "model_path", "tokenizer_path", "tp_size", "mem_fraction_static", "max_running_requests",
         "max_total_tokens", "chunked_prefill_size", "max_prefill_tokens", "enable_mixed_chunk",
         "schedule_policy", "schedule_conservativeness", "cuda_graph_max_bs", "cuda_graph_bs",
-        "cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "disable_cuda_graph",
+        "cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "disable_cuda_graph", "disable_cuda_graph_padding",
         "disable_decode_cuda_graph", "kv_cache_dtype", "page_size", "context_length",
         "enable_hierarchical_cache", "hicache_ratio", "hicache_size", "hicache_write_policy",
         "hicache_io_backend", "hicache_mem_layout", "disable_radix_cache", "speculative_algorithm",

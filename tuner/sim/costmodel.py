@@ -18,9 +18,11 @@ layer, plus launch and communication overheads:
 - **Tensor parallelism**: two all-reduces of ``tokens × hidden × 2 B`` per layer, ring cost
   ``2 (tp − 1)/tp × bytes / link B/W`` plus a fixed latency each. Link B/W is NVLink for the SXM
   parts (H100, H200, A100) and PCIe for the others (L40S, L4, RTX PRO 6000).
-- **Launch overhead**: a CUDA-graph decode step (batch ≤ ``cuda_graph_max_bs``, §2.1) pays a small
-  fixed cost; an eager step (prefill, or a decode batch above the largest captured graph, §2.1
-  "Decode batches larger than the largest captured size run eagerly") is bounded below by the CPU
+- **Launch overhead**: a CUDA-graph decode step (batch ≤ the largest captured size, §2.1) pays a
+  small fixed cost and runs its linear layers at the next captured size (the padded rows); an eager
+  step (prefill, a decode batch above the largest captured graph, §2.1 "Decode batches larger than
+  the largest captured size run eagerly", or one between captured sizes with
+  ``--disable-cuda-graph-padding``) is bounded below by the CPU
   time to launch every layer's kernels: ``max(GPU time, layers × eager_layer_overhead_s)``.
   Case-21 (``shared/cases/case-21.json``: a 0.5B, 24-layer model on an RTX 4090, median TPOT
   30.6 ms beyond a bs-48 graph vs 5.3 ms with bs-128 graphs) bounds it at about 1 ms per layer;
@@ -333,21 +335,28 @@ def step_time_s(c: CostInputs, shape: StepShape) -> float:
     return gpu_s + f.step_overhead_s + f.per_seq_overhead_s * shape.num_seqs
 
 
-def decode_step_s(c: CostInputs, batch_size: int, kv_tokens: int, *, eager: bool) -> float:
+def decode_step_s(c: CostInputs, batch_size: int, kv_tokens: int, *, eager: bool, padded_bs: int | None = None) -> float:
     """Time of one decode step (speculative when ``c`` says so), seconds.
+
+    A graph step replays the graph of the next captured size (§2.1, ``replay_prepare``): its linear
+    layers and all-reduces run over ``padded_bs`` rows; the padded rows attend to a one-token
+    sequence (``seq_len_fill_value``), so the attention work stays the real batch's.
 
     Args:
         c: Cost inputs.
         batch_size: Running requests.
         kv_tokens: Σ of their current sequence lengths (KV read per step), tokens.
-        eager: True when the batch is above the largest captured CUDA graph.
+        eager: True when the batch runs without a CUDA graph (above the largest captured size, or
+            not a captured size with padding off).
+        padded_bs: The captured size the graph step replays (``None``: ``batch_size``).
     """
     if batch_size <= 0:
         return 0.0
+    rows = batch_size if eager or padded_bs is None else max(batch_size, padded_bs)
     if not c.speculative:
-        return step_time_s(c, StepShape(batch_size, batch_size, float(kv_tokens), kv_tokens, eager))
+        return step_time_s(c, StepShape(rows, batch_size, float(kv_tokens), kv_tokens, eager))
     k = c.spec_num_draft_tokens
-    verify = step_time_s(c, StepShape(batch_size * k, batch_size, float(kv_tokens) * k, kv_tokens, eager))
+    verify = step_time_s(c, StepShape(rows * k, batch_size, float(kv_tokens) * k, kv_tokens, eager))
     draft_one = c.weight_bytes_per_gpu / max(1, c.num_layers) / (c.hbm_gb_s * 1e9 * c.factors.eff_hbm)
     draft = c.spec_num_steps * (draft_one + c.factors.graph_step_overhead_s)
     return verify + draft

@@ -52,6 +52,7 @@ Rules modelled (§2.4 unless noted):
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -216,6 +217,10 @@ class EngineSpec:
         schedule_conservativeness: Scales ``new_token_ratio`` (§2.4).
         enable_mixed_chunk: Decode inside prefill batches (§3.1).
         cuda_graph_max_bs: Largest captured decode batch; 0 when CUDA graphs are disabled.
+        capture_bs: The captured decode batch sizes, ascending (§2.1); empty: every batch up to
+            ``cuda_graph_max_bs`` counts as captured (a spec built by hand).
+        cuda_graph_padding: A batch between captured sizes replays the next captured size's graph
+            (SGLang's default); ``False`` (``--disable-cuda-graph-padding``): it runs eagerly.
         disable_radix_cache: No prefix reuse (§3.1).
         context_len: Model context length, tokens.
         hicache_host_tokens: Host-tier size, tokens; None without the hierarchical cache (§7).
@@ -244,9 +249,27 @@ class EngineSpec:
     activation_headroom_bytes: int
     cost: CostInputs
     version: str = "0.5.5"
+    capture_bs: tuple[int, ...] = ()
+    cuda_graph_padding: bool = True
     decode_log_interval: int = 40
     eos_token_id: int = 2
     seed: int = 0
+
+
+def graph_batch(spec: EngineSpec, bs: int) -> int | None:
+    """The captured size a decode batch of ``bs`` replays, or ``None`` when it runs eagerly (§2.1,
+    ``CudaGraphRunner.can_run`` / ``replay_prepare``): above the largest captured size it runs
+    eagerly; below it, padded up to the next captured size, or eagerly when it is not a captured
+    size and padding is off."""
+    if spec.cuda_graph_max_bs <= 0 or bs > spec.cuda_graph_max_bs:
+        return None
+    if not spec.capture_bs:
+        return bs
+    i = bisect.bisect_left(spec.capture_bs, bs)
+    if i >= len(spec.capture_bs):
+        return None
+    size = spec.capture_bs[i]
+    return size if spec.cuda_graph_padding or size == bs else None
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -963,10 +986,11 @@ class Engine:
                     f"Try to allocate {len(self._running)} tokens.\nAvailable tokens: {self._free()}"
                 )
         bs = len(self._running)
-        eager = spec.cuda_graph_max_bs <= 0 or bs > spec.cuda_graph_max_bs
+        graph = graph_batch(spec, bs)
+        eager = graph is None
         if eager:
             self._check_activations(bs * (spec.cost.spec_num_draft_tokens if spec.cost.speculative else 1), bs)
-        duration = costmodel.decode_step_s(spec.cost, bs, self._running_kv, eager=eager)
+        duration = costmodel.decode_step_s(spec.cost, bs, self._running_kv, eager=eager, padded_bs=graph)
         running_before = self._running
         self._decode_log_t_s = now_s if self._decode_log_t_s is None else self._decode_log_t_s
         token_reqs, finished = self._advance_decode(running_before)

@@ -141,6 +141,8 @@ class ServerConfig:
         cuda_graph_max_bs: Largest decode batch captured (§2.1), 0 when graphs are disabled.
         cuda_graph_bs: The capture list before the cut at max_num_reqs (§2.1).
         disable_cuda_graph: No graphs at all.
+        disable_cuda_graph_padding: ``--disable-cuda-graph-padding``: every size ``1..max_bs`` is
+            captured, and a batch that is not a captured size runs eagerly (§2.1).
         prefill_graphs: Prefill-side graphs are captured too: 0.5.10's piecewise CUDA graphs (on
             unless speculative decoding, HiCache or ``--disable-piecewise-cuda-graph``, §2.2) and
             0.5.23's target prefill graphs (unless ``--disable-prefill-cuda-graph``).
@@ -197,6 +199,7 @@ class ServerConfig:
     port: int
     server_args: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    disable_cuda_graph_padding: bool = False
 
     @property
     def kv_elem_bytes(self) -> float:
@@ -278,15 +281,31 @@ def default_mem_fraction_static(
     return round((gpu_mib - reserved) / gpu_mib, 3)
 
 
-def capture_batch_sizes(max_bs: int, speculative: bool) -> tuple[int, ...]:
-    """0.5.5's ``_generate_cuda_graph_batch_sizes`` cut at ``max_bs`` (§2.1)."""
-    if speculative:
+def capture_batch_sizes(max_bs: int, speculative: bool, disable_padding: bool = False,
+                        version: str = "0.5.5") -> tuple[int, ...]:
+    """0.5.5's ``_generate_cuda_graph_batch_sizes`` cut at ``max_bs`` (§2.1; 0.5.10 and 0.5.23's
+    ``generate_decode_cuda_graph_batch_sizes`` read alike, and append ``max_bs`` when the list
+    lacks it): every size ``1..max_bs`` with ``--disable-cuda-graph-padding``."""
+    if disable_padding:
+        sizes = list(range(1, max_bs + 1))
+    elif speculative:
         sizes = (list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4))
                  + list(range(72, 257, 8)) + list(range(272, max(max_bs, 272) + 1, 16)))
     else:
         sizes = ([1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 497, 16))
                  + list(range(512, max(max_bs, 512) + 1, 32)))
-    return tuple(s for s in sizes if s <= max_bs)
+    out = [s for s in sizes if s <= max_bs]
+    if version != "0.5.5" and max_bs > 0 and max_bs not in out:
+        out.append(max_bs)
+    return tuple(out)
+
+
+def _captured(sizes: tuple[int, ...], pool: int) -> tuple[int, ...]:
+    """The sizes of ``sizes`` captured with a req_to_token pool of ``pool`` rows (§2.1)."""
+    out = list(sizes)
+    if out and max(out) > pool:
+        out.append(pool)
+    return tuple(sorted({b for b in out if b <= pool}))
 
 
 def cell_size_bytes(model: ModelSpec, tp: int, elem_bytes: float, num_layers: int | None = None,
@@ -402,7 +421,8 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         max_bs = int(user_bs) if user_bs else max_bs_default
         if version == "0.5.23" and not user_bs and mrr is not None and max_bs > mrr:
             max_bs = int(mrr)
-        bs_list = capture_batch_sizes(max_bs, spec is not None and spec.algorithm != "NGRAM")
+        bs_list = capture_batch_sizes(max_bs, spec is not None and spec.algorithm != "NGRAM",
+                                      bool(v.get("disable_cuda_graph_padding")), version)
 
     kv_dtype = str(v.get("kv_cache_dtype") or "auto")
     if kv_dtype == "auto":
@@ -457,7 +477,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         max_total_tokens=v.get("max_total_tokens"), page_size=page, context_len=context_len,
         kv_cache_dtype=kv_dtype, cuda_graph_max_bs=0 if disable_graph else max_bs,
         cuda_graph_bs=() if disable_graph else bs_list, disable_cuda_graph=disable_graph,
-        prefill_graphs=prefill_graphs,
+        prefill_graphs=prefill_graphs, disable_cuda_graph_padding=bool(v.get("disable_cuda_graph_padding")),
         schedule_policy=str(v.get("schedule_policy") or "fcfs"),
         schedule_conservativeness=float(v.get("schedule_conservativeness") or 1.0),
         enable_mixed_chunk=bool(v.get("enable_mixed_chunk")) and spec is None,
@@ -789,8 +809,9 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
         return replace(plan, failure=StartupFailure("draft_kv_oom" if draft_kv_early else "pool_oom",
                                                     r.rank, kv + draft_kv_early + r2t, r.after_weights))
 
-    # CUDA graphs of the target (§2.1: sizes above the req_to_token pool are dropped).
-    bs = tuple(b for b in cfg.cuda_graph_bs if b <= max_num_reqs)
+    # CUDA graphs of the target (§2.1, ``get_batch_sizes_to_capture``: when the list goes above the
+    # req_to_token pool, the pool size is added, then the sizes above the pool are dropped).
+    bs = _captured(cfg.cuda_graph_bs, max_num_reqs)
     tokens_per_req = spec.num_draft_tokens if (spec and draft) else 1
     per_layer = GRAPH_BYTES_PER_LAYER_MOE if model.num_experts else GRAPH_BYTES_PER_LAYER_DENSE
     g = graph_bytes(bs, model.num_layers, per_layer * tokens_per_req, model.hidden_size, tokens_per_req,

@@ -492,6 +492,8 @@ def _capture(plan: MemoryPlan, log: SimLogger, wait: Callable[[float], float], d
         log.all_ranks(lambda r: f"Capture {runner} {phase} CUDA graph begin. backend=full, "
                                 f"num_tokens_per_req={per_req}, avail mem={_gb(before(r) or 0)} GB")
     else:
+        if runner == "target":  # cuda_graph_runner.py __init__, log_info_on_rank0 (§2.1)
+            log.line(f"Capture cuda graph bs {bs}", 0)
         log.all_ranks(lambda r: "Capture cuda graph begin. This can take up to several minutes. "
                                 f"avail mem={_gb(before(r) or 0)} GB")
     t = wait(len(bs) * layers * delays.capture_s_per_graph_layer)
@@ -550,6 +552,8 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         schedule_conservativeness=cfg.schedule_conservativeness,
         enable_mixed_chunk=cfg.enable_mixed_chunk,
         cuda_graph_max_bs=max(plan.capture_bs) if plan.capture_bs else 0,
+        capture_bs=tuple(plan.capture_bs),
+        cuda_graph_padding=not cfg.disable_cuda_graph_padding,
         disable_radix_cache=cfg.disable_radix_cache,
         context_len=cfg.context_len,
         hicache_host_tokens=plan.hicache_host_tokens if cfg.enable_hierarchical_cache else None,

@@ -31,6 +31,7 @@ from tuner.config import BudgetSection, ObjectiveSection, TunerConfig
 from tuner.load.workloads import build_workload
 from tuner.records import TrialRecord
 from tuner.sglang.failures import RESERVE_FAILURES, FailureClass
+from tuner.sglang.graphs import GraphCoverage, GraphFacts
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, family_of, slo_bounds, slo_points
@@ -62,6 +63,7 @@ class ModelSettings:
         margin_gib: Extra GiB kept free above the scaled peak while no prediction of the memory
             model has been checked against a start (the first extrapolation from the baseline).
         min_margin_gib: The least extra GiB once predictions have been checked.
+        sglang_version: The SGLang version (its CUDA-graph capture rules), or ``None`` (0.5.5's).
     """
 
     context_tokens: int
@@ -72,15 +74,18 @@ class ModelSettings:
     peak_safety: float = 1.15
     margin_gib: float = 0.25
     min_margin_gib: float = 0.05
+    sglang_version: str | None = None
 
     @classmethod
-    def for_config(cls, config: TunerConfig, context_tokens: int) -> ModelSettings:
-        """The settings of ``config``'s study (its ``[objective]``, ``[budget]`` and workload)."""
+    def for_config(cls, config: TunerConfig, context_tokens: int, sglang_version: str | None = None) -> ModelSettings:
+        """The settings of ``config``'s study (its ``[objective]``, ``[budget]`` and workload; the
+        SGLang version: its CUDA-graph capture rules, :mod:`tuner.sglang.graphs`)."""
         workload = build_workload(config.workload, seed=config.study.seed)
         spec = config.workload
         return cls(context_tokens=context_tokens, objective=config.objective, budget=config.budget,
                    mean_request_tokens=workload.mean_request_tokens,
-                   longest_input_tokens=int(spec.input_len) if hasattr(spec, "input_len") else None)
+                   longest_input_tokens=int(spec.input_len) if hasattr(spec, "input_len") else None,
+                   sglang_version=sglang_version or config.service.sglang_version)
 
     @property
     def capacity_tolerance(self) -> float:
@@ -133,6 +138,9 @@ class Calibration:
         ceilings: Per family, ``(mem_fraction_static, max_running_requests)`` of the reserve
             failures (each proves every larger fraction with at least as many slots fails).
         bounds: Per family, where the latency SLO breaks.
+        graphs: The unit's CUDA-graph facts (:class:`tuner.sglang.graphs.GraphFacts`), or ``None``.
+        coverages: Per launched trial, the decode batches that replayed a CUDA graph: the log's
+            captured list where it printed one, else predicted.
     """
 
     space: Space
@@ -144,6 +152,8 @@ class Calibration:
     oom_frees: tuple[tuple[dict[str, Any], float], ...]
     ceilings: Mapping[Family, tuple[tuple[float, int], ...]]
     bounds: Mapping[Family, SLOBound]
+    graphs: GraphFacts | None = None
+    coverages: Mapping[int, GraphCoverage] = field(default_factory=dict)
 
     @classmethod
     def of(cls, history: Sequence[tuple[int, TrialRecord]], space: Space, settings: ModelSettings) -> Calibration:
@@ -165,8 +175,9 @@ class Calibration:
             return family_of(space.snap({**dict(family), "mem_fraction_static": low_mfs,
                                          "max_running_requests": low_mrr}))
 
+        graphs, coverages = _graph_facts(history, space, settings)
         return cls(
-            space=space, settings=settings, points=points,
+            space=space, settings=settings, points=points, graphs=graphs, coverages=coverages,
             model_points=points or tuple(_oom_starts(history, space)),
             slot_cost_gib=_slot_cost(points, settings),
             margin_gib=margin_for(history, settings),
@@ -321,6 +332,93 @@ class Calibration:
             return other
         return own
 
+    # -- CUDA-graph coverage (tuner.sglang.graphs, §2.1) ------------------------------------------
+
+    def coverage(self, family: Family, mrr: int) -> GraphCoverage | None:
+        """The predicted decode-graph coverage of ``family`` with ``mrr`` request slots (``None``:
+        the unit's graphs are not known)."""
+        if self.graphs is None:
+            return None
+        graph_bs = dict(family).get("cuda_graph_max_bs")
+        return self.graphs.coverage(mrr, int(graph_bs) if graph_bs else None)
+
+    def slo_proof(self, family: Family, mrr: int, running: float) -> tuple[int, float] | None:
+        """``(trial, running requests)`` of a window that proves ``family`` at ``mrr`` slots
+        (running ``running`` requests at once) breaks the SLO, or ``None``.
+
+        The monotone rule (:mod:`tuner.study.slo_bound`) holds within equal graph coverage only: a
+        window that broke the SLO at ``r`` requests proves a config running at least ``r`` breaks
+        it when every batch of ``1..r`` that replays a graph on the config also did on that
+        window's server (:meth:`tuner.sglang.graphs.GraphCoverage.covers_as_well`); a config that
+        decodes some of those batches with a graph where the window ran them eagerly may be
+        faster, so it is launched, not skipped. Windows of the same knobs count, and those of knobs
+        that differ in ``cuda_graph_max_bs`` only (coverage decides there).
+        """
+        mine = self.coverage(family, mrr)
+        for fam, bound in self.bounds.items():
+            if fam != family and _without_graphs(fam) != _without_graphs(family):
+                continue
+            for point in sorted(bound.points, key=lambda p: p.running_requests):
+                if point.slo <= 0 or running < point.running_requests:
+                    continue
+                theirs = self.coverages.get(point.number)
+                if mine is None or theirs is None:
+                    if fam == family:
+                        return point.number, point.running_requests
+                    continue
+                if theirs.covers_as_well(mine, int(point.running_requests)):
+                    return point.number, point.running_requests
+        return None
+
+    def land(self, family: Family, mrr: int) -> tuple[Family, str | None]:
+        """Where a request-slot proposal lands on the graphs: ``(family, note)``.
+
+        Every batch up to ``mrr`` replays a graph when ``mrr`` is at most the largest captured
+        size (SGLang captures the request table's size itself below ``cuda_graph_max_bs``, §2.1):
+        ``(family, None)``. Above it, where the space searches ``cuda_graph_max_bs``, the graphs
+        move with the slots (the smallest choice that covers them, else the largest); otherwise the
+        note says which batches decode eagerly.
+        """
+        cov = self.coverage(family, mrr)
+        if cov is None or cov.eager_above(mrr) is None:
+            return family, None
+        choices = [int(c) for c in self.space.grid("cuda_graph_max_bs")]
+        if choices:
+            current = dict(family).get("cuda_graph_max_bs")
+            best = min((c for c in choices if c >= mrr), default=max(choices))
+            if best != current:
+                moved = tuple(sorted({**dict(family), "cuda_graph_max_bs": best}.items()))
+                return moved, (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
+                               f"(captured up to {cov.largest} at {current or self._default_graph_bs()})")
+        return family, (f"max_running_requests {mrr} is above the largest captured CUDA-graph batch {cov.largest}: "
+                        f"batches of {cov.largest + 1}-{mrr} decode eagerly (slower steps)")
+
+    def place(self, ref: Point, family: Family, mfs: float, mrr: int,
+              need: float) -> tuple[dict[str, Any], float, str | None]:
+        """``(params, predicted free GiB after graphs, note)`` of ``family`` at ``(mfs, mrr)``
+        landed on the CUDA graphs (:meth:`land`: ``cuda_graph_max_bs`` moves with the slots where
+        the space searches it, unless the moved graphs leave less than ``need`` GiB free)."""
+        landed, note = self.land(family, mrr)
+        _, free = self.predict(ref, mfs, mrr, landed)
+        if landed != family and free < need:
+            landed, note = family, None
+            _, free = self.predict(ref, mfs, mrr, family)
+        params = self.space.snap({**dict(landed), "mem_fraction_static": mfs, "max_running_requests": mrr})
+        return params, free, note
+
+    def land_count(self, family: Family, count: int, floor: float = 0.0) -> int:
+        """``count`` request slots, or the largest captured size below it when ``count`` lies above
+        the family's captured sizes and that size is above ``floor`` (an SLO bracket's safe count):
+        a count past the largest graph pays eager decode steps for its extra batches."""
+        cov = self.coverage(family, count)
+        if cov is None or cov.eager_above(count) is None or self.space.grid("cuda_graph_max_bs"):
+            return count
+        landed = cov.snap_down(count)
+        return landed if landed > floor else count
+
+    def _default_graph_bs(self) -> int | None:
+        return self.graphs.default_max_bs if self.graphs else None
+
     @property
     def _mean_request_tokens(self) -> int:
         return self.settings.mean_request_tokens or self.settings.context_tokens
@@ -442,3 +540,43 @@ def _slot_cost(points: Sequence[Point], settings: ModelSettings) -> float:
             cost = max(cost, (predicted - fb - _LOG_RESOLUTION_GIB) / (mb - ma))
     return cost
 
+
+
+def _without_graphs(family: Family) -> Family:
+    """``family`` without ``cuda_graph_max_bs``."""
+    return tuple((k, v) for k, v in family if k != "cuda_graph_max_bs")
+
+
+def _graph_facts(history: Sequence[tuple[int, TrialRecord]], space: Space,
+                 settings: ModelSettings) -> tuple[GraphFacts | None, dict[int, GraphCoverage]]:
+    """The unit's CUDA-graph facts (from the first launch that reported ``cuda_graph_max_bs``) and
+    each launch's coverage: its logged captured list, else predicted from the facts."""
+    facts = None
+    for _number, record in history:
+        if record.outcome not in ("ok", "failed"):
+            continue
+        logged = (record.resolved.get("cuda_graph_bs") or {}).get("value")
+        max_bs = (record.resolved.get("cuda_graph_max_bs") or {}).get("value")
+        slots = int(record.params.get("max_running_requests") or 0)
+        max_bs = max_bs or record.params.get("cuda_graph_max_bs")
+        if not max_bs and logged and slots > max(logged):
+            max_bs = max(logged)  # cut by cuda_graph_max_bs, not by the request table (§2.1)
+        if max_bs:
+            facts = GraphFacts.read(logged, int(max_bs), settings.sglang_version)
+            break
+    coverages: dict[int, GraphCoverage] = {}
+    for number, record in history:
+        if record.outcome != "ok" or not record.params:
+            continue
+        logged = (record.resolved.get("cuda_graph_bs") or {}).get("value")
+        if logged:
+            coverages[number] = GraphCoverage(tuple(sorted(int(b) for b in logged)),
+                                              padding=facts.padding if facts else True)
+        elif facts is not None:
+            params = space.snap(record.params)
+            graph_bs = params.get("cuda_graph_max_bs")
+            cov = facts.coverage(int(record.params.get("max_running_requests") or params["max_running_requests"]),
+                                 int(graph_bs) if graph_bs else None)
+            if cov is not None:
+                coverages[number] = cov
+    return facts, coverages

@@ -241,7 +241,8 @@ class StudyRun:
         context_tokens = info.context_tokens or context_tokens
         self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
                               environment=environment, context_tokens=context_tokens,
-                              settings=ModelSettings.for_config(config, context_tokens), records=RecordCache())
+                              settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
+                              records=RecordCache())
         if self.options.budget_s is not None:
             require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
         return self.opened

@@ -8,6 +8,8 @@ study asks them (:class:`Decider`):
 =================  ===========================================================================
 the queue          trials enqueued in the study (a killed run's, a dead host's): run them first
 SLO bracket        :mod:`~tuner.study.decide.slo`: get feasible, then push inside the latency SLO
+early cache        :mod:`~tuner.study.decide.cache`: the first planned best with the hierarchical
+                   cache on, once (the space searches it only where the workload's reuse pays)
 memory frontier    :mod:`~tuner.study.decide.memory`: the smallest fraction reaching the highest
                    capacity the calibrated memory model predicts, then the band's neighbours
 cache              :mod:`~tuner.study.decide.cache`: the best flags with the hierarchical cache on

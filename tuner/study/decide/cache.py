@@ -1,8 +1,11 @@
 """The hierarchical cache, measured on the best flags: what the host tier buys, on equal terms.
 
-Once the planner has nothing left to propose, the best config so far is launched once more with the
-hierarchical cache on, at the largest host pool of the space's grid that fits this host
-(``shared/sglang-reference.md`` §7), so what the cache buys is measured on the same flags.
+The space searches the cache only where the workload's reuse says it pays
+(:func:`tuner.study.space.decide_hicache`), so as soon as a planned config is the best, it is
+launched once more with the hierarchical cache on (not after every cache-off setting), at the
+largest host pool of the space's grid that fits this host (``shared/sglang-reference.md`` §7), so
+what the cache buys is measured on the same flags; and once the planner has nothing left, on the
+final best flags.
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ class CacheCandidate:
         objective: ``[objective]`` (what "best" means).
         host: The host-memory screen (:class:`tuner.study.decide.screens.HostMemory`): the
             largest pool of the grid that passes it is proposed.
+        early: Propose it as soon as a planned config is the best (the space searches the cache
+            only where the workload's reuse says it pays, :func:`tuner.study.space.decide_hicache`),
+            once, before the memory frontier's other steps; the late one (after the planner has
+            nothing else) measures it on the final best flags.
     """
 
-    def __init__(self, objective: ObjectiveSection, host: Screen) -> None:
+    def __init__(self, objective: ObjectiveSection, host: Screen, *, early: bool = False) -> None:
         self.objective = objective
         self.host = host
+        self.early = early
 
     def propose(self, view: StudyView) -> Proposal | None:
         """``None`` when the space does not search the cache, nothing is feasible yet, the best
@@ -47,6 +55,9 @@ class CacheCandidate:
         best = dict(choice.record.params)
         if best.get("enable_hierarchical_cache"):
             return None
+        if self.early and (choice.record.kind == "baseline"
+                           or any(r.params.get("enable_hierarchical_cache") for _, r in view.finished)):
+            return None  # early: once, on the first planned config that is best
         base = {k: v for k, v in best.items() if k not in HICACHE_KNOBS}
         # The host pool's knob (hicache_size replaces hicache_ratio), largest pool first.
         knob = next((k for k in ("hicache_size", "hicache_ratio") if k in on), "")

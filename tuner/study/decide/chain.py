@@ -43,6 +43,7 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     host = HostMemory(read_host, version, argv)
     proofs: list[Screen] = [MeasuredAlready(), MustFail()]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
-    planned: list[Proposer] = [SLOBracket(), MemoryFrontier(), CacheCandidate(objective, host), NoiseRepeat(objective)]
+    planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
+                               CacheCandidate(objective, host), NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)
     return decider, Sampler(mirror, [*sampled, RunningElsewhere()], on_skip)

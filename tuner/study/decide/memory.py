@@ -20,9 +20,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tuner.study.calibration import Calibration, Point, changed_knobs, margin_for, neighbours
+from tuner.study.calibration import Calibration, Family, Point, changed_knobs, margin_for, neighbours
 from tuner.study.decide import Proposal
-from tuner.study.slo_bound import family_of
+from tuner.study.slo_bound import SLOBound, family_of
 from tuner.study.space import config_key
 from tuner.study.view import ConfigKey, StudyView
 
@@ -124,13 +124,13 @@ def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: fro
                    if (found := cal.frontier(family, ref, mrr, need)) is not None]
         bound = cal.bound_for(family)
         for mfs, tokens, capacity, free, mrr in options:
-            params = space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
+            params, free, graphs_note = cal.place(ref, family, mfs, mrr, need)
             if config_key(params) in tried:
                 continue
             if mrr > cal.slots_cap(tokens):
                 continue  # more slots than the measured window can ever run at once
-            if bound is not None and bound.violates(cal.running_requests(mrr, tokens)):
-                continue  # at least the load of a window that broke the SLO
+            if _slo_blocks(cal, family, bound, mrr, tokens):
+                continue  # at least the load of a window that broke the SLO, with no better graphs
             if rank == 0 and capacity <= best_capacity and mrr not in more:
                 continue
             if rank > 0 and capacity < best_capacity * (1.0 - settings.capacity_tolerance):
@@ -148,9 +148,28 @@ def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: fro
             order = (0 if capacity > best_capacity else 1, -capacity if capacity > best_capacity else 0, rank, -capacity)
             proposals.append((order, Proposal(params=params, prediction={
                 "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
-                "need_gib": round(need, 3), "calibrated_on_trial": ref.number, "why": why,
+                "need_gib": round(need, 3), "calibrated_on_trial": ref.number,
+                "why": why if graphs_note is None else f"{why}; {graphs_note}",
             })))
     if not proposals:
         return None
     proposals.sort(key=lambda item: item[0])
     return proposals[0][1]
+
+
+def _slo_blocks(cal: Calibration, family: Family, bound: SLOBound | None, mrr: int, tokens: int) -> bool:
+    """Whether the SLO rules out ``family`` at ``mrr`` slots: a proof on its own windows (within
+    equal graph coverage, :meth:`~tuner.study.calibration.Calibration.slo_proof`), or, while its
+    knobs broke nothing yet, the binding family's bound as an estimate."""
+    if bound is None:
+        return False
+    running = cal.running_requests(mrr, tokens)
+    own = cal.bounds.get(family)
+    if own is not None and own.binds:
+        return cal.slo_proof(family, mrr, running) is not None
+    if not bound.violates(running):
+        return False
+    # The estimate holds as far as the graphs do: a family that decodes on a graph the batches
+    # the broken window ran eagerly may hold the SLO there (it is launched, not ruled out).
+    mine, theirs = cal.coverage(family, mrr), cal.coverages.get(bound.broken_trial or -1)
+    return mine is None or theirs is None or theirs.covers_as_well(mine, int(bound.broken or 0))

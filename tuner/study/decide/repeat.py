@@ -2,7 +2,12 @@
 
 Capacity is exact (the pool is sized at startup); throughput is what needs a repeat. When the
 planner has nothing left and the two fastest configs of the best capacity band differ by less than
-twice the noise margin, the chosen one, then the runner-up, is measured once more.
+twice the noise margin (the measured spread once a config was measured twice, else ``[objective]
+throughput_noise``), the chosen one, then the runner-up, is measured once more, but only when a
+re-measurement can change the choice: the chosen config measured a margin lower and the others a
+margin higher would make another config "best", and that config is not an equal of the chosen one
+(the same context capacity and a throughput within :data:`EQUAL_THROUGHPUT`: either is as good,
+so telling them apart buys nothing).
 """
 
 from __future__ import annotations
@@ -11,15 +16,18 @@ import math
 
 from tuner.config import ObjectiveSection
 from tuner.records import TrialRecord
-from tuner.study.best import choose_best
+from tuner.study.best import choose_best, measured_noise
 from tuner.study.decide import Proposal
 from tuner.study.space import config_key
 from tuner.study.view import ConfigKey, StudyView
 
-__all__ = ["MAX_NOISE_REPEATS", "NoiseRepeat"]
+__all__ = ["EQUAL_THROUGHPUT", "MAX_NOISE_REPEATS", "NoiseRepeat"]
 
 MAX_NOISE_REPEATS = 2
 """Configs a study re-measures at most to measure the throughput noise."""
+
+EQUAL_THROUGHPUT = 0.01
+"""Relative throughput difference below which two configs of one capacity are equals."""
 
 
 class NoiseRepeat:
@@ -57,8 +65,13 @@ class NoiseRepeat:
         if len(ranked) < 2:
             return None
         first, second = (r.output_throughput_tok_s or 0.0 for _, r in ranked[:2])
-        margin = choice.noise if choice.noise is not None else objective.throughput_noise
+        # Once a config was measured twice, the measured spread is the noise (a quiet box's may be
+        # below the configured margin); before that, the configured margin.
+        spread = measured_noise([(n, r) for n, r in done if r.feasible and r.outcome == "ok"])
+        margin = spread if spread is not None else objective.throughput_noise
         if first <= 0 or (first - second) / first >= 2 * margin:
+            return None
+        if not _can_change(done, choice.number, ranked, margin, objective):
             return None
         others = [item for item in ranked[:2] if item[0] != choice.number]
         chosen = next((item for item in ranked if item[0] == choice.number), None)
@@ -68,3 +81,27 @@ class NoiseRepeat:
                        f"{(first - second) / first:.1%} in throughput, within twice the {margin:.1%} noise margin")
                 return Proposal(params=view.space.snap(record.params), prediction={"why": why}, repeat_of=number)
         return None
+
+
+def _can_change(done: tuple[tuple[int, TrialRecord], ...], chosen: int, ranked: list[tuple[int, TrialRecord]],
+                margin: float, objective: ObjectiveSection) -> bool:
+    """Whether a re-measurement within ``margin`` can change the choice for a config that is not
+    an equal of the chosen one: the chosen trial measured ``margin`` lower and the band's others
+    ``margin`` higher."""
+    band = {number for number, _ in ranked}
+
+    def shifted(number: int, record: TrialRecord) -> TrialRecord:
+        if number not in band or record.output_throughput_tok_s is None:
+            return record
+        factor = 1.0 - margin if number == chosen else 1.0 + margin
+        return record.model_copy(update={"output_throughput_tok_s": record.output_throughput_tok_s * factor})
+
+    other = choose_best([(n, shifted(n, r)) for n, r in done], policy=objective.policy,
+                        capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise)
+    if other is None or other.number == chosen:
+        return False
+    mine = next(r for n, r in done if n == chosen)
+    theirs = next(r for n, r in done if n == other.number)
+    a, b = mine.output_throughput_tok_s or 0.0, theirs.output_throughput_tok_s or 0.0
+    equal = mine.context_capacity == theirs.context_capacity and abs(a - b) <= EQUAL_THROUGHPUT * max(a, b, 1e-9)
+    return not equal

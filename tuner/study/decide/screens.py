@@ -86,7 +86,9 @@ class Predicted:
     (:meth:`~tuner.study.calibration.Calibration.need_gib`), or below what a runtime OOM under the
     stress load already showed too small, scaled by the ratio of prefill chunks (activations grow
     with the chunk, §1.6). One proof (the SLO's monotone rule, :mod:`tuner.study.slo_bound`): it
-    runs at least as many requests at once as a window of the same other knobs that broke the SLO.
+    runs at least as many requests at once as a window of the same other knobs that broke the SLO,
+    with no better CUDA-graph coverage of those batches (the rule does not hold across a captured
+    size, :meth:`~tuner.study.calibration.Calibration.slo_proof`).
 
     The capacity band is the view's (:attr:`tuner.study.view.StudyView.band_floor`, the study's
     ``[objective]``).
@@ -114,14 +116,15 @@ class Predicted:
                 f"change the result with (predicted pool {tokens} tokens, model calibrated on trial {ref.number}: "
                 "its context capacity, or what the measured window can run at once by [budget] max_concurrency "
                 "and the pool over the mean request length); predicted, not launched", ref.number)
-        slo = cal.bounds.get(family)
         running = cal.running_requests(mrr, tokens) if tokens > 0 else mrr
-        if slo is not None and slo.violates(running):
+        proof = cal.slo_proof(family, mrr, running)
+        if proof is not None:
+            number, broken = proof
             return Skip(
-                f"must break the SLO: trial {slo.broken_trial} broke it running {slo.broken:g} requests at once "
-                f"with the same other knobs, and this config runs {running} (closed-loop latency grows with the "
-                "requests in flight at equal knobs); not launched",
-                int(slo.broken_trial if slo.broken_trial is not None else ref.number))
+                f"must break the SLO: trial {number} broke it running {broken:g} requests at once "
+                f"with the same other knobs and no fewer of those batches on CUDA graphs, and this config runs "
+                f"{running} (closed-loop latency grows with the requests in flight at equal knobs and graph "
+                "coverage); not launched", number)
         measured = [int(p.params["max_running_requests"]) for p in cal.points if family_of(p.params) == family]
         if measured and mrr > 2 * max(measured):
             return Skip(

@@ -64,6 +64,7 @@ class SLOBracket:
                 why = f"another {changed_knobs(family, fam)} at the SLO-safe load of trial {base.safe_trial}"
             if count is None or count < 1:
                 continue
+            count = cal.land_count(fam, count, floor=own.safe if own is not None else 0.0)
             proposal = _at_count(cal, fam, count, view.tried, why, own or base)
             if proposal is not None:
                 return proposal
@@ -80,9 +81,11 @@ def _at_count(cal: Calibration, family: Family, count: int, tried: frozenset[Con
     if found is None:
         return None
     mfs, tokens, capacity, free, mrr = found
-    params = cal.space.snap({**dict(family), "mem_fraction_static": mfs, "max_running_requests": mrr})
+    params, free, graphs = cal.place(ref, family, mfs, mrr, need)
     if config_key(params) in tried:
         return None
+    if graphs is not None:
+        why = f"{why}; {graphs}"
     return Proposal(params=params, prediction={
         "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
         "need_gib": round(need, 3), "calibrated_on_trial": ref.number,

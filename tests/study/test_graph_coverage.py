@@ -1,0 +1,98 @@
+"""The planner and the SLO rule know SGLang's CUDA-graph batch sizes (§2.1, :mod:`tuner.sglang.graphs`).
+
+Histories as the product records them (the simulator's startup log read by the product: the
+``Capture cuda graph bs [...]`` line gives each launch's captured sizes); windows by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.study_factory import simulated_start
+from tests.support.views import plan, study_view
+from tuner.config import BudgetSection, SpaceSection
+from tuner.records import TrialRecord
+from tuner.sglang.flags import FlagTable
+from tuner.study.decide.screens import Predicted
+from tuner.study.space import resolve_space
+from tuner.trial import render_argv
+
+# An 8B on an L40S: SGLang's default cuda_graph_max_bs there is 32 (§2.1), so the unit sets 24.
+BASE = ["--model-path", "llama-3.1-8b", "--sim-gpu", "L40S-48GB", "--mem-fraction-static", "0.85",
+        "--cuda-graph-max-bs", "24"]
+TABLE = FlagTable.for_version("0.5.5")
+CONTEXT = 2048
+BUDGET = BudgetSection(max_concurrency=256)
+
+
+def _record(params: dict, *, running: float, slo: float) -> TrialRecord:
+    argv = render_argv(BASE, params, TABLE)
+    resolved, facts, memory = simulated_start(argv, CONTEXT, TABLE)
+    constraints = {"oom_or_crash": -1.0, "slo": slo, "stress": -1.0}
+    return TrialRecord(
+        params=dict(params), argv=argv, resolved=resolved, outcome="ok", context_tokens=CONTEXT,
+        context_capacity=facts["context_capacity"], token_capacity=facts["max_total_num_tokens"],
+        free_gib_after_graphs=facts["free_gib_after_graphs"], memory=memory, output_throughput_tok_s=900.0,
+        constraints=constraints, feasible=all(v <= 0 for v in constraints.values()),
+        measured_load={"streams": running, "running_requests": running, "chunk_tokens": 8192.0},
+    )
+
+
+def _params(mfs: float, mrr: int, graph_bs: int | None = 24) -> dict:
+    out = {"mem_fraction_static": mfs, "max_running_requests": mrr, "chunked_prefill_size": 4096}
+    return {**out, "cuda_graph_max_bs": graph_bs} if graph_bs else out
+
+
+@pytest.fixture(scope="module")
+def space():
+    return resolve_space(SpaceSection(mem_fraction_step=0.01, cuda_graph_max_bs=[24, 32, 48, 64]),
+                         _params(0.85, 256), capacity_hint=200, slots_hint=256)
+
+
+def _view(space, history):  # noqa: ANN001, ANN202
+    return study_view(space, history, context_tokens=CONTEXT, budget=BUDGET, mean_request_tokens=1200)
+
+
+def test_the_log_gives_each_launch_its_captured_sizes(space) -> None:
+    record = _record(_params(0.85, 31), running=31, slo=0.1)
+    assert record.resolved["cuda_graph_bs"]["value"] == [1, 2, 4, 8, 12, 16, 24]
+    cal = _view(space, [(0, record)]).calibration
+    assert cal.coverages[0].largest == 24 and cal.graphs is not None and cal.graphs.default_max_bs == 24
+    # below cuda_graph_max_bs the request table's own size is captured: every batch has a graph
+    assert cal.coverage((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 24)), 20).largest == 20
+
+
+def test_a_break_with_eager_batches_proves_nothing_of_a_config_that_graphs_them(space) -> None:
+    """31 slots under 24-wide graphs decode batches 25-31 eagerly and broke the ITL; 32 slots
+    with 32-wide graphs decode every batch on a graph: the rule does not cross the captured size."""
+    history = [(0, _record(_params(0.85, 31), running=31, slo=0.1))]
+    view = _view(space, history)
+    assert Predicted().why_not(_params(0.84, 32, 32), view) is None
+    assert Predicted().why_not(_params(0.84, 48, 64), view) is None
+    # equal coverage (the same 24-wide graphs) and more requests: the monotone rule holds
+    skip = Predicted().why_not(_params(0.84, 32, 24), view)
+    assert skip is not None and skip.proof == 0 and "no fewer of those batches on CUDA graphs" in skip.reason
+    # worse coverage (narrower graphs) and more requests: proved too
+    assert Predicted().why_not(_params(0.84, 40, 24), _view(space, [(0, _record(_params(0.85, 32, 32), running=32,
+                                                                                     slo=0.1))])) is not None
+
+
+def test_cuda_graph_max_bs_moves_with_the_request_slots(space) -> None:
+    """The planner's proposals above the captured sizes carry graphs that cover them."""
+    history = [(0, _record(_params(0.85, 20), running=20, slo=-0.6))]
+    proposal = plan(_view(space, history))
+    assert proposal is not None
+    mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
+    assert mrr > 24 and graph_bs >= min(mrr, 64), proposal
+    assert "moves with max_running_requests" in proposal.prediction["why"]
+
+
+def test_inside_an_slo_bracket_the_next_count_is_launched_on_graphs_that_cover_it(space) -> None:
+    """Safe at 24 slots, broken at 31 with batches 25-31 eager: the count between them is
+    proposed with graphs up to it (the optimum may sit there), not on the 24-wide graphs."""
+    history = [(0, _record(_params(0.85, 24), running=24, slo=-0.3)),
+               (1, _record(_params(0.85, 31), running=31, slo=0.1))]
+    proposal = plan(_view(space, history))
+    assert proposal is not None, "nothing proposed"
+    mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
+    assert mrr > 24 and graph_bs >= mrr, proposal.params
