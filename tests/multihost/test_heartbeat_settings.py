@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy
+from tests.support.study_factory import stored_trials
 from tuner.study.hosts import HEARTBEAT_ATTR, HOST_ATTR
 
 
@@ -39,10 +40,7 @@ def test_a_host_with_a_shorter_grace_period_fails_no_live_trial(postgres_url: st
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # host-a's baseline is running: its first beat is 30 s away
-            try:
-                trials = optuna.load_study(study_name="demo-sim", storage=postgres_url).trials
-            except KeyError:
-                trials = []
+            trials = stored_trials(postgres_url)
             if trials and trials[0].state is TrialState.RUNNING and trials[0].user_attrs.get(HOST_ATTR) == "host-a":
                 break
             time.sleep(0.2)

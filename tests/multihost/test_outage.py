@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy, service_url
 from tests.support.postgres import PASSWORD, PostgresCluster, boot_postgres, missing_reason
+from tests.support.study_factory import stored_trials
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.study.hosts import ClaimLock
@@ -131,19 +132,11 @@ def _start_hosts(configs: dict[str, Path], folders: dict[str, Path], trials: int
     return procs
 
 
-def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        return optuna.load_study(study_name="demo-sim", storage=url).trials
-    except KeyError:
-        return []
-
-
 def _wait_in_load(url: str, timeout_s: float) -> None:
     """Wait until a candidate (not the baseline) is in its measured window on some host."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        running = [t for t in _trials(url) if t.state is TrialState.RUNNING and t.number > 0]
+        running = [t for t in stored_trials(url) if t.state is TrialState.RUNNING and t.number > 0]
         if any(t.user_attrs.get(PHASE_ATTR) == "measure" for t in running):
             return
         time.sleep(0.3)
@@ -194,7 +187,7 @@ def test_three_hosts_ride_out_a_20_s_database_outage(cluster: PostgresCluster, t
     assert all("Traceback" not in text for text in logs.values()), logs
     assert any("not stored: " in text or "does not answer" in text for text in logs.values()), logs  # met and said
     assert all("invalid data in the commit" not in text for text in logs.values()), logs  # named as what it is
-    trials = _trials(url)
+    trials = stored_trials(url)
     _stored_once(trials)
     assert not [t.number for t in trials if t.state is TrialState.FAIL], "a trial was failed by the outage"
     assert not any(sorted((folders[h] / "state").glob("*.results.jsonl")) for h in HOSTS)
@@ -237,7 +230,7 @@ def test_past_the_limit_every_host_stops_in_one_line_and_its_next_run_stores_wha
         if host in keeping:
             assert "that the last run kept" in again.stdout, again.stdout[-2000:]
         assert not sorted((folders[host] / "state").glob("*.results.jsonl"))
-    trials = _trials(url)
+    trials = stored_trials(url)
     late = [t.user_attrs[LATE_ATTR] for t in trials if LATE_ATTR in t.user_attrs]
     for number in (n for h in keeping for n in kept[h]):  # stored once: on its trial, or as a late trial
         on_trial = trials[number].state is TrialState.COMPLETE and RECORD_ATTR in trials[number].user_attrs

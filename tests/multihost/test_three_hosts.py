@@ -15,13 +15,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import optuna
 import pytest
 import requests
 from optuna.trial import TrialState
 
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy, service_url
+from tests.support.study_factory import stored_trials
 from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.study.decide.repeat import MAX_NOISE_REPEATS
 from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR
@@ -56,14 +56,6 @@ def _tuner(*args: str, cwd: Path, host: str | None = None, timeout_s: float = 12
     return run_tuner(*args, cwd=cwd, env=env, timeout_s=timeout_s)
 
 
-def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        return optuna.load_study(study_name="demo-sim", storage=url).trials
-    except KeyError:
-        return []
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str, tmp_path: Path) -> None:
@@ -82,7 +74,7 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
         deadline = time.monotonic() + 300
         while victim is None and time.monotonic() < deadline and procs["host-c"].poll() is None:
             time.sleep(0.5)
-            for t in _trials(postgres_url):
+            for t in stored_trials(postgres_url):
                 if t.state is TrialState.RUNNING and t.params and t.user_attrs.get(HOST_ATTR) == "host-c":
                     if t.user_attrs.get(PHASE_ATTR) in ("measure", "stress"):  # a load phase
                         victim = t
@@ -90,10 +82,10 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
         procs["host-c"].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         procs["host-c"].wait(timeout=30)
-        complete_then = {t.number: t.values for t in _trials(postgres_url) if t.state is TrialState.COMPLETE}
+        complete_then = {t.number: t.values for t in stored_trials(postgres_url) if t.state is TrialState.COMPLETE}
         failed_after = None
         while time.monotonic() - killed_at < 60:
-            if _trials(postgres_url)[victim.number].state is TrialState.FAIL:
+            if stored_trials(postgres_url)[victim.number].state is TrialState.FAIL:
                 failed_after = time.monotonic() - killed_at
                 break
             time.sleep(0.25)
@@ -111,7 +103,7 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
 
     # Dead host: its trial FAIL within the grace period (+ one beat of the reaper and polling).
     assert failed_after is not None and failed_after <= GRACE_S + INTERVAL_S + 3.0, failed_after
-    trials = _trials(postgres_url)
+    trials = stored_trials(postgres_url)
     assert trials[victim.number].state is TrialState.FAIL
     reruns = [t for t in trials if (t.user_attrs.get(REQUEUED_ATTR) or {}).get("trial") == victim.number]
     assert len(reruns) == 1 and reruns[0].params == victim.params
@@ -154,4 +146,4 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
     assert best_pg.returncode == 0 and best_local.returncode == 0, best_pg.stderr + best_local.stderr
     chosen_pg, chosen_local = json.loads(best_pg.stdout), json.loads(best_local.stdout)
     assert chosen_pg["trial"]["number"] == chosen_local["trial"]["number"]
-    assert len(_trials(local)) == len(trials)
+    assert len(stored_trials(local)) == len(trials)

@@ -142,3 +142,13 @@ def make_study(db: Path, name: str, trials: list[dict[str, Any]], *, policy: dic
         assert trial.params == spec["params"], trial.params
         tell_record(study, trial, TrialRecord.model_validate({"params": spec["params"], **spec["record"]}))
     return url
+
+
+def stored_trials(url: str, name: str = "demo-sim") -> list[optuna.trial.FrozenTrial]:
+    """The trials of study ``name`` in ``url`` as another reader sees them now (``[]`` before the
+    study exists): how the many-hosts tests watch ``tuner run`` processes work."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return optuna.load_study(study_name=name, storage=url).trials
+    except KeyError:
+        return []
