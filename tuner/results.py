@@ -26,7 +26,8 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, choose_best, stored_policy
-from tuner.study.optuna_io import HOST_ATTR
+from tuner.study.hosts import REQUEUED_ATTR
+from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
 from tuner.study.storage import (
     STUDIES_DIR,
     default_artifacts_dir,
@@ -332,6 +333,22 @@ class StoredStudy:
     def name(self) -> str:
         """The study's name."""
         return self.study.study_name
+
+    def rerun_of(self, number: int) -> int | None:
+        """The trial that ran failed trial ``number``'s params again (queued by another host's
+        reaper, :data:`tuner.study.hosts.REQUEUED_ATTR`, or by an interrupted run: the next
+        ``enqueued`` trial with the same params), or ``None``."""
+        frozen = self.study.get_trials(deepcopy=False)
+        if number >= len(frozen):
+            return None
+        params = frozen[number].params
+        for trial in frozen[number + 1:]:
+            requeued = trial.user_attrs.get(REQUEUED_ATTR)
+            if isinstance(requeued, dict) and requeued.get("trial") == number:
+                return trial.number
+            if requeued is None and trial.user_attrs.get(KIND_ATTR) == "enqueued" and params and trial.params == params:
+                return trial.number
+        return None
 
     def trial(self, number: int) -> TrialView:
         """The trial with this number.

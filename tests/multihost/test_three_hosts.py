@@ -136,6 +136,10 @@ def test_three_hosts_share_one_study_and_survive_a_killed_host(postgres_url: str
     shown = _tuner("trials", "--storage", postgres_url, "--study", "demo-sim", cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "host" in shown.stdout and "host-a" in shown.stdout and "host-b" in shown.stdout
+    # the dead host's trial says why it has no result and which trial ran its params again
+    dead = _tuner("show", str(victim.number), "--storage", postgres_url, "--study", "demo-sim", cwd=tmp_path)
+    assert dead.returncode == 0 and "marked FAIL" in dead.stdout, dead.stdout[-2000:] + dead.stderr
+    assert f"run again as trial {reruns[0].number}" in " ".join(dead.stdout.split()), dead.stdout[-2000:]
     listed = _tuner("studies", "--storage", postgres_url, cwd=tmp_path)
     assert listed.returncode == 0 and "demo-sim" in listed.stdout, listed.stderr
     local = f"sqlite:///{tmp_path / 'copy.db'}"

@@ -321,6 +321,8 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
     metrics = [(METRICS[m][0], view.metric(m)) for m in METRICS]
     metrics.append(("constraints (≤ 0 is met)", ", ".join(f"{k} {cell(v)}" for k, v in view.constraints.items())))
     parts.append(_kv_table("results", metrics, "metric", "value"))
+    if view.state == "FAIL":
+        parts.append(_failed_note(stored, view))
     if rec is None:
         parts.append(Text("no tuner record stored with this trial", style="yellow"))
         return Group(*parts)
@@ -358,6 +360,20 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
             rows.append((name, str(path) + ("" if path.exists() else "  (missing)")))
         parts.append(_kv_table("artifacts", rows, "name", "path"))
     return Group(*parts)
+
+
+def _failed_note(stored: StoredStudy, view: TrialView) -> Text:
+    """Why a FAIL trial has no result, and the trial that ran its params again (if any)."""
+    rec = view.record
+    why = (rec.failure_evidence if rec is not None and rec.failure_evidence else
+           "no result was stored: the run that held it was killed, or its host stopped beating for the "
+           "grace period and another host marked it FAIL")
+    again = stored.rerun_of(view.number)
+    text = Text("marked FAIL: ", style="bold yellow")
+    text.append(terminal_safe(why))
+    text.append(f"; its params were run again as trial {again} (`tuner show {again}`)" if again is not None
+                else "; its params were not run again (yet)")
+    return text
 
 
 def _cache_table(effect: CacheEffect) -> Table:
