@@ -494,3 +494,38 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
     finally:
         gate.unlink(missing_ok=True)
         box.systemctl_run("stop", unit.unit, check=False)
+
+
+def _full_tmpfs_prefix(folder: Path) -> tuple[str, ...]:
+    """argv prefix running a command in a private mount namespace where ``folder`` is a small tmpfs
+    filled to the last byte (the sandbox's systemd, in its own namespace, does not see it)."""
+    script = 'mount -t tmpfs -o size=256k tmpfs "$0" && { cat /dev/zero > "$0/filler" 2>/dev/null; exec "$@"; }'
+    return ("unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, str(folder))
+
+
+FULL_DISKS = {
+    "state folder": lambda served, tmp: tmp / "state",
+    "lock folder": lambda served, tmp: tmp / "locks",
+    "runtime drop-in folder": lambda served, tmp: served.box.runtime_dir,
+    "study storage": lambda served, tmp: tmp / "studies",
+}
+
+
+@pytest.mark.parametrize("case", list(FULL_DISKS))
+def test_full_disk_at_the_first_write_is_one_line_and_leaves_the_unit_alone(
+    served: Served, tmp_path: Path, locks: Path, case: str
+) -> None:
+    """The disk holding a folder the run writes first (state file, lock, trial drop-in, study
+    database) is full: `tuner run` refuses before any systemctl verb that changes anything, in one
+    line naming the disk as full and how to fix it; MainPID and the drop-ins are unchanged."""
+    folder = FULL_DISKS[case](served, tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = served.config(tmp_path)
+    before = served.ensure_serving()
+    dropins = served.tuner_dropins()
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150,
+                     prefix=_full_tmpfs_prefix(folder))
+    line = one_error_line(proc, "full", "free space")
+    assert str(folder) in line, line
+    assert served.pid_state() == before, f"the unit was touched: {line}"
+    assert served.tuner_dropins() == dropins
