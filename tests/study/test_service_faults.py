@@ -529,3 +529,34 @@ def test_full_disk_at_the_first_write_is_one_line_and_leaves_the_unit_alone(
     assert str(folder) in line, line
     assert served.pid_state() == before, f"the unit was touched: {line}"
     assert served.tuner_dropins() == dropins
+
+
+def test_journald_stopping_mid_trial_stops_the_run_and_is_not_the_candidates_failure(
+    served: Served, tmp_path: Path, locks: Path
+) -> None:
+    """journald (the real one, inside the sandbox) is stopped while a trial is measured: the trial is
+    recorded as journal_unreadable (not a crash of the candidate), the run stops with exit 1 and one
+    line naming journald, and the unit is back on its own command, healthy."""
+    box = served.box
+    served.ensure_serving()
+    config = served.config(tmp_path, measure_s=20)
+    storage = f"sqlite:///{tmp_path}/studies/sd.db"
+    try:
+        with _running(config, tmp_path, "--trials", "4") as run:
+            _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
+            time.sleep(3.0)  # inside its 20 s load phase
+            box.systemctl_run("stop", "systemd-journald.service", "systemd-journald.socket",
+                              "systemd-journald-dev-log.socket")
+            _, err = run.communicate(timeout=300)
+    finally:
+        box.systemctl_run("start", "systemd-journald.socket", "systemd-journald-dev-log.socket",
+                          "systemd-journald.service", check=False)
+    assert run.returncode == 1, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and "journald" in lines[-1], err[-3000:]
+    records = [TrialRecord.model_validate(t.user_attrs["tuner.record"]) for t in load(storage, "sd").trials
+               if "tuner.record" in t.user_attrs]
+    assert [r.failure_class.value for r in records if r.failure_class] == ["journal_unreadable"], records
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+    assert is_healthy(served.url, 60)
+    assert requests.get(f"{served.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80

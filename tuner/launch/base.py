@@ -426,8 +426,10 @@ class GuardedLauncher(Launcher):
             now = time.monotonic()
             self._healthy_since = self._healthy_since or now
             # SGLang answers /health before its warm-up ends; the ready line marks the end. Output
-            # that never reaches the launcher (StandardOutput=file:...) must not block for ever.
-            if self._watcher.ready or now - self._healthy_since >= self.ready_line_grace_s:
+            # that never reaches the launcher (StandardOutput=file:...) must not block for ever, and
+            # a restore whose journal is broken (no line can come) goes on /health alone at once.
+            no_lines = self._restoring and bool(poll.journal_error)
+            if self._watcher.ready or no_lines or now - self._healthy_since >= self.ready_line_grace_s:
                 return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
                                    elapsed_s=elapsed)
         else:

@@ -102,6 +102,7 @@ class SystemdLauncher(GuardedLauncher):
         super().__init__(key=unit.name, url=url, state_dir=state_dir, **kwargs)
         self._cursor = ""
         self._journal_error = ""
+        self._journald = ""  # journald's instance at the start ("" when not watched: the emulator)
         self._restarts0 = 0
         self._stopped_by_us = False
 
@@ -277,9 +278,13 @@ class SystemdLauncher(GuardedLauncher):
     def _start_unit(self) -> None:
         """Start (after reset-failed) with a journal cursor and NRestarts baseline taken first."""
         self.unit.reset_failed()
-        self._journal_error = ""
+        self._journal_error = self._journald = ""
         try:
             self._cursor = self.unit.journal_cursor()
+            if self.unit.journal_has_cursors:
+                self._journald = self.unit.journald_instance()
+                if not self._journald:
+                    self._journal_error = "journald is not running: no log line of the server reaches the journal"
         except LaunchError as err:
             self._cursor, self._journal_error = "", f"the journal of {self.unit.name} stopped answering: {err.message}"
         self._restarts0 = self.unit.properties().n_restarts or 0
@@ -298,6 +303,7 @@ class SystemdLauncher(GuardedLauncher):
 
     def _poll(self) -> ServerPoll:
         props = self.unit.properties()
+        self._watch_journald()
         lines = self._read_journal()
         restarts = max(0, (props.n_restarts or 0) - self._restarts0)
         looping = props.sub_state == "auto-restart" or restarts > 0
@@ -322,6 +328,21 @@ class SystemdLauncher(GuardedLauncher):
             stopped_by_us=dead and self._stopped_by_us and not looping,
             journal_error=self._journal_error,
         )
+
+    def _watch_journald(self) -> None:
+        """Set ``_journal_error`` when journald stopped (or was restarted) since the start: the
+        server's lines since are lost, and a server whose stdout went with it may die of it, which
+        is journald's failure, not the candidate's."""
+        if not self._journald or self._journal_error:
+            return
+        try:
+            now = self.unit.journald_instance()
+        except LaunchError as err:
+            now, why = "", err.message
+        else:
+            why = "systemd-journald.service is not active" if not now else "systemd-journald.service was restarted"
+        if now != self._journald:
+            self._journal_error = f"journald stopped during the trial ({why}): the server's log lines since are lost"
 
     def _read_journal(self) -> list[str]:
         """New journal lines since the cursor; a journalctl that fails sets ``_journal_error``."""

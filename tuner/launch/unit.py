@@ -776,6 +776,25 @@ class SystemdUnit:
             raise LaunchError(f"the journal of {self.name} cannot be read with {cmd!r}: {err.message}",
                               hint=fix) from err
 
+    @property
+    def journal_has_cursors(self) -> bool:
+        """Whether journalctl answered with cursors (real journald; not the emulator's plain log)."""
+        return not self._journal_line_mode
+
+    def journald_instance(self) -> str:
+        """Which journald runs now: ``"<InvocationID>/<MainPID>"`` of ``systemd-journald.service``
+        while it is active, ``""`` while it is not. A journald that was stopped (and started again,
+        e.g. by its socket) is another instance: the lines logged meanwhile are lost, and a
+        service's stdout connected to the old one is cut.
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        p = self.show_unit("systemd-journald.service", "ActiveState", "InvocationID", "MainPID")
+        if p.get("ActiveState") not in ("active", "reloading"):
+            return ""
+        return f"{p.get('InvocationID', '')}/{p.get('MainPID', '')}"
+
     def show_unit(self, unit: str, *props: str) -> dict[str, str]:
         """``systemctl show -p A,B UNIT`` for another unit (e.g. journald) as a dict.
 
