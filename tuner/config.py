@@ -90,7 +90,12 @@ class ServiceSection(_Section):
         systemctl: The systemctl command (a list, so a prefix such as ``nsenter -t PID -m -p``
             works).
         journalctl: The journalctl command, likewise.
-        dropin_dir: Where drop-ins go (default ``/etc/systemd/system/<unit>.d``).
+        dropin_dir: Where persistent drop-ins go (``tuner apply``'s; default
+            ``/etc/systemd/system``, i.e. ``/etc/systemd/system/<unit>.d``).
+        runtime_dropin_dir: Where a trial's drop-in goes: systemd's runtime unit folder (default
+            ``/run/systemd/system``, a tmpfs systemd forgets at boot, so a reboot in the middle of
+            a trial brings the unit up on its own command). It must be a folder systemd reads units
+            from.
         python: The Python that runs SGLang, used to read its flags and version.
         sglang_version: Override the detected SGLang version.
         start_timeout_s: How long a start may take until ready (weights load for minutes).
@@ -111,6 +116,7 @@ class ServiceSection(_Section):
     systemctl: list[str] = Field(default_factory=lambda: ["systemctl"])
     journalctl: list[str] = Field(default_factory=lambda: ["journalctl"])
     dropin_dir: str | None = None
+    runtime_dropin_dir: str | None = None
     python: str | None = None
     sglang_version: str | None = None
     start_timeout_s: float = Field(default=900.0, gt=0)

@@ -83,6 +83,7 @@ url = "{url}"
 systemctl = {json.dumps(box.systemctl)}
 journalctl = {json.dumps(box.journalctl)}
 dropin_dir = "{box.unit_dir}"
+runtime_dropin_dir = "{box.runtime_dir}"
 sglang_version = "0.5.5"
 start_timeout_s = 120
 gpu_monitor = "sim"

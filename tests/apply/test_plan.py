@@ -54,7 +54,8 @@ def _config(service: dict[str, Any]) -> TunerConfig:
 
 def _systemd(box: SystemdSandbox) -> dict[str, Any]:
     return {"launcher": "systemd", "unit": UNIT, "url": "http://127.0.0.1:39999", "systemctl": box.systemctl,
-            "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir)}
+            "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
+            "runtime_dropin_dir": str(box.runtime_dir)}
 
 
 def _study(tmp_path: Path, target: dict[str, Any] | None = None) -> tuple[StoredStudy, str]:

@@ -86,6 +86,7 @@ def test_detection_overhead_process_and_systemd(tmp_path: Path) -> None:
         box.add_unit("sim.service", f"[Service]\nEnvironment=PYTHONUNBUFFERED=1\nExecStart={format_exec_command(base)}\n")
         launcher = build_launcher({"launcher": "systemd", "unit": "sim", "url": url, "systemctl": box.systemctl,
                                    "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
+                                   "runtime_dropin_dir": str(box.runtime_dir),
                                    "state_dir": str(tmp_path / "s")})
         results[f"systemd ({box.kind})"] = _measure(launcher, base, url)
     bare = {case: results["process"][case][0] for case in CASES}

@@ -31,6 +31,7 @@ def test_systemd_launcher_on_the_emulator() -> None:
         box.systemctl_run("start", "sim.service")
         launcher = build_launcher({"launcher": "systemd", "unit": "sim", "url": url, "systemctl": box.systemctl,
                                    "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
+                                   "runtime_dropin_dir": str(box.runtime_dir),
                                    "state_dir": str(Path(tmp) / "state")})
         with launcher.session():
             launcher.start(set_flag(argv, "--mem-fraction-static", "0.1"))

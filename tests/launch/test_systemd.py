@@ -52,6 +52,7 @@ def _service(box: SystemdSandbox, tmp_path: Path, unit_extra: str = "") -> Itera
     (tmp_path / "state").mkdir(exist_ok=True)  # the folder a run keeps its state file in
     settings = {"launcher": "systemd", "unit": unit, "url": f"http://127.0.0.1:{port}",
                 "systemctl": box.systemctl, "journalctl": box.journalctl, "dropin_dir": str(box.unit_dir),
+                "runtime_dropin_dir": str(box.runtime_dir),
                 "state_dir": str(tmp_path / "state"), "stop_timeout_s": 30}
     try:
         wait_healthy(settings["url"], START_TIMEOUT_S)
@@ -67,9 +68,9 @@ def harness(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> Iterator[Harness
         folder = box.unit_dir / f"{unit}.d"
         unit_file = box.unit_dir / unit
 
-        def snapshot() -> tuple[dict[str, str], str, str]:
+        def snapshot() -> tuple[dict[str, str], dict[str, str], str, str]:
             show = box.systemctl_run("show", "-p", "DropInPaths", unit).stdout.strip()
-            return _folder_snapshot(folder), unit_file.read_text(), show
+            return _folder_snapshot(folder), _folder_snapshot(box.runtime_dir / f"{unit}.d"), unit_file.read_text(), show
 
         yield Harness(settings=settings, base_argv=argv, url=settings["url"], snapshot=snapshot)
 
@@ -84,14 +85,15 @@ def test_trial_dropin_is_quoted_and_listed(systemd_sandbox: SystemdSandbox, tmp_
         launcher = build_launcher(settings)
         with launcher.session():
             text = launcher.dry_run([*argv, "--served-model-name", "x $HOME 100% y"]).splitlines()
-            assert text[0] == f"Would write {box.unit_dir / f'{unit}.d' / '90-tuner-trial.conf'}:"
+            dropin = box.runtime_dir / f"{unit}.d" / "90-tuner-trial.conf"
+            assert text[0] == f"Would write {dropin} (a runtime drop-in: systemd forgets it at boot):"
             assert (f"Then would run systemctl daemon-reload, stop {unit}, wait until its GPU memory is "
                     f"released, and start {unit}.") in text
             assert text[-1] == "As a shell line: " + shlex.join([*argv, "--served-model-name", "x $HOME 100% y"])
             launcher.start([*argv, "--served-model-name", "x $HOME 100% y"])
             assert launcher.wait(START_TIMEOUT_S).phase is LaunchPhase.READY
-            dropin = box.unit_dir / f"{unit}.d" / "90-tuner-trial.conf"
             text = dropin.read_text()
+            assert not (box.unit_dir / f"{unit}.d" / "90-tuner-trial.conf").exists()
             assert "ExecStart=\nExecStart=" in text and '"x $$HOME 100%% y"' in text
             assert str(dropin) in box.systemctl_run("show", "-p", "DropInPaths", unit).stdout
             assert launcher.unit.exec_command().argv[-1] == "x $HOME 100% y"
@@ -125,7 +127,7 @@ def test_crash_loop_under_restart_always_is_detected_and_stopped(
 def _cli_target(box: SystemdSandbox, settings: dict) -> list[str]:
     """``tuner restore`` options reaching the sandbox (``--systemctl`` first)."""
     return ["--systemctl", " ".join(box.systemctl), "--journalctl", " ".join(box.journalctl),
-            "--dropin-dir", str(box.unit_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]
+            "--dropin-dir", str(box.unit_dir), "--runtime-dropin-dir", str(box.runtime_dir), "--state-dir", settings["state_dir"], "--url", settings["url"]]
 
 
 def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandbox, tmp_path: Path) -> None:
@@ -151,13 +153,15 @@ def test_bad_input_is_one_line_and_changes_nothing(systemd_sandbox: SystemdSandb
         assert not (box.unit_dir / f"{env_unit}.d").exists()
 
 
+@pytest.mark.parametrize("folder", ["runtime", "persistent (an older version's)"])
 def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing(
-    systemd_sandbox: SystemdSandbox, tmp_path: Path
+    systemd_sandbox: SystemdSandbox, tmp_path: Path, folder: str
 ) -> None:
     box = systemd_sandbox
     with _service(box, tmp_path) as (unit, settings, argv):
         stray = box.unit(unit)
-        stray.write_dropin("90-tuner-trial.conf", stray.exec_start_dropin(set_flag(argv, "--mem-fraction-static", "0.7")))
+        stray.write_dropin("90-tuner-trial.conf", stray.exec_start_dropin(set_flag(argv, "--mem-fraction-static", "0.7")),
+                           runtime=folder == "runtime")
         box.systemctl_run("daemon-reload")
         box.systemctl_run("restart", unit)
         base = ["--unit", unit, *_cli_target(box, settings)]
@@ -166,6 +170,7 @@ def test_restore_without_state_removes_a_stray_trial_dropin_else_touches_nothing
         with SGLangClient(settings["url"]) as client:
             assert client.server_info().mem_fraction_static == 0.85
         assert sorted(p.name for p in (box.unit_dir / f"{unit}.d").iterdir()) == ["10-operator.conf"]
+        assert not (box.runtime_dir / f"{unit}.d" / "90-tuner-trial.conf").exists()
         pid = stray.properties().main_pid
         done = run_tuner("restore", *base)
         assert done.returncode == 0 and "nothing to restore" in done.stdout, (done.stdout, done.stderr)

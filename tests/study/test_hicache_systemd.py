@@ -50,7 +50,7 @@ def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_s
         config.write_text(
             f'[study]\nname = "sdmem"\n\n[service]\nlauncher = "systemd"\nunit = "{unit}"\nurl = "{url}"\n'
             f"systemctl = {json.dumps(box.systemctl)}\njournalctl = {json.dumps(box.journalctl)}\n"
-            f'dropin_dir = "{box.unit_dir}"\nstate_dir = "{tmp_path / "state"}"\nstart_timeout_s = 90\n'
+            f'dropin_dir = "{box.unit_dir}"\nruntime_dropin_dir = "{box.runtime_dir}"\nstate_dir = "{tmp_path / "state"}"\nstart_timeout_s = 90\n'
             'gpu_monitor = "sim"\n\n[space]\nmem_fraction_step = 0.01\nhierarchical_cache = true\n'
             "hicache_ratio = [2.0, 4.5]\n\n"
             '[workload]\nkind = "multi_turn"\nnum_sessions = 4\nturns = 2\nfirst_input_len = 512\n'

@@ -35,7 +35,7 @@ def test_study_under_systemd_restores_the_unit(systemd_sandbox: SystemdSandbox, 
         config.write_text(
             f'[study]\nname = "sd"\n\n[service]\nlauncher = "systemd"\nunit = "{unit}"\nurl = "{url}"\n'
             f"systemctl = {json.dumps(box.systemctl)}\njournalctl = {json.dumps(box.journalctl)}\n"
-            f'dropin_dir = "{box.unit_dir}"\nstate_dir = "{tmp_path / "state"}"\nstart_timeout_s = 90\n'
+            f'dropin_dir = "{box.unit_dir}"\nruntime_dropin_dir = "{box.runtime_dir}"\nstate_dir = "{tmp_path / "state"}"\nstart_timeout_s = 90\n'
             'gpu_monitor = "sim"\n\n[space]\nmem_fraction_step = 0.01\n\n'
             '[workload]\nkind = "random"\ninput_len = 1000\noutput_len = 16\n\n'
             '[slo]\nitl_ms = { p99 = 5000 }\n\n[objective]\ncontext_tokens = 2048\n\n'

@@ -53,6 +53,7 @@ class Served:
                      "--port", str(self.port)]
         self.unit = f"sglang-faults-{self.port}.service"
         self.dropin_folder = box.unit_dir / f"{self.unit}.d"
+        self.trial_folder = box.runtime_dir / f"{self.unit}.d"  # systemd's runtime folder: a trial's drop-in
 
     def pid_state(self) -> tuple[int, str]:
         """``(MainPID, ActiveState)`` as systemd reports them now."""
@@ -70,7 +71,8 @@ class Served:
         return before
 
     def tuner_dropins(self) -> list[str]:
-        return sorted(p.name for p in self.dropin_folder.glob("*.conf")) if self.dropin_folder.is_dir() else []
+        """The unit's drop-in names in the persistent and the runtime folder."""
+        return sorted({p.name for d in (self.dropin_folder, self.trial_folder) for p in d.glob("*.conf")})
 
     def config(self, tmp: Path, *, name: str = "sd", state: str = "state", url: str | None = None,
                journalctl: list[str] | None = None, measure_s: int = 4, storage: str = "") -> Path:
@@ -80,7 +82,8 @@ class Served:
             + (f'[storage]\nurl = "{storage}"\n\n' if storage else "")
             + f'[service]\nlauncher = "systemd"\nunit = "{self.unit}"\nurl = "{url or self.url}"\n'
             f"systemctl = {json.dumps(self.box.systemctl)}\njournalctl = {json.dumps(journalctl or self.box.journalctl)}\n"
-            f'dropin_dir = "{self.box.unit_dir}"\nstate_dir = "{tmp / state}"\nstart_timeout_s = 90\n'
+            f'dropin_dir = "{self.box.unit_dir}"\nruntime_dropin_dir = "{self.box.runtime_dir}"\n'
+            f'state_dir = "{tmp / state}"\nstart_timeout_s = 90\n'
             'gpu_monitor = "sim"\n\n[space]\nmem_fraction_step = 0.01\n\n'
             '[workload]\nkind = "random"\ninput_len = 1000\noutput_len = 16\n\n'
             '[slo]\nitl_ms = { p99 = 5000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
@@ -268,14 +271,14 @@ def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Serv
     assert TRIAL_DROPIN in served.tuner_dropins()
     serving = served.pid_state()
     assert serving[1] == "active"
-    with _read_only(served.dropin_folder):
+    with _read_only(served.trial_folder):
         proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=120)
         line = _one_line_error(proc)
-        assert str(served.dropin_folder) in line, line
+        assert str(served.trial_folder) in line, line
         assert served.pid_state() == serving, "restore stopped a serving unit it could not put back"
         assert is_healthy(served.url, 5)
         proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
-        assert str(served.dropin_folder) in _one_line_error(proc)
+        assert str(served.trial_folder) in _one_line_error(proc)
         assert served.pid_state() == serving
     proc = run_tuner("restore", "--config", str(first), cwd=tmp_path, timeout_s=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -320,12 +323,12 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     storage = f"sqlite:///{tmp_path}/studies/sd.db"
     with _running(config, tmp_path, "--trials", "4") as run:
         _wait(lambda: _completed(storage) >= 1 and _in_trial(served), 200, "the baseline to finish", run)
-        with _read_only(served.dropin_folder):
+        with _read_only(served.trial_folder):
             _, err = run.communicate(timeout=300)
             after = served.pid_state()
     assert run.returncode == 1, err[-3000:]
     lines = [x for x in err.splitlines() if x.strip()]
-    assert str(served.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
+    assert str(served.trial_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
     study = load(storage, "sd")
     crashes = [t.number for t in study.trials if (t.user_attrs.get("tuner.record") or {}).get("failure_class") == "crash"]
     assert crashes == [], f"false server crashes recorded: {crashes}"
@@ -359,11 +362,11 @@ def test_drop_in_folder_turning_read_only_while_the_unit_stops_is_no_crash(serve
             _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
             marker.unlink(missing_ok=True)
             _wait(marker.exists, 200, "the unit to be stopped for trial 1", run)
-            with _read_only(unit.dropin_folder):
+            with _read_only(unit.trial_folder):  # holds the baseline's trial drop-in until the next is written
                 _, err = run.communicate(timeout=300)
         assert run.returncode == 1, err[-3000:]
         lines = [x for x in err.splitlines() if x.strip()]
-        assert str(unit.dropin_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
+        assert str(unit.trial_folder) in lines[-1] and "Traceback" not in err, err[-3000:]
         records = [t.user_attrs.get("tuner.record") or {} for t in load(storage, "sd").trials]
         assert [r.get("failure_class") for r in records if r.get("failure_class") == "crash"] == [], records
         proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)  # now writable again
@@ -429,3 +432,131 @@ def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_
             assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
     assert is_healthy(served.url, 60)
+
+
+def _show(box: SystemdSandbox, unit: str) -> dict[str, str]:
+    out = box.systemctl_run("show", "-p", "ActiveState,DropInPaths,ExecStart,MainPID", unit).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize("when", ["serving", "starting"])
+def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_own_flags(
+    served: Served, tmp_path: Path, locks: Path, when: str
+) -> None:
+    """The tuner is killed (SIGKILL) while a trial serves, or after the trial's drop-in was written
+    and before its server started (the unit held in ExecStartPre); the host reboots: the unit comes
+    up at boot on its own command with no `tuner restore`, because the trial's drop-in lived in
+    systemd's runtime folder (/run), which a boot empties. `tuner restore` afterwards is a clean no-op
+    restart on the original."""
+    box = served.box
+    unit = Served(box)
+    gate = tmp_path / "hold-start"
+    box.add_unit(unit.unit, "[Service]\nEnvironment=PYTHONUNBUFFERED=1\n"
+                            f"ExecStartPre=/bin/sh -c 'while [ -e {gate} ]; do sleep 0.1; done'\n"
+                            f"ExecStart={format_exec_command(unit.argv)}\n")
+    unit.dropin_folder.mkdir()
+    (unit.dropin_folder / "10-site.conf").write_text("[Service]\nEnvironment=SITE=1\n")
+    box.enable(unit.unit)
+    box.systemctl_run("start", unit.unit)
+    try:
+        unit.ensure_serving()
+        config = unit.config(tmp_path, measure_s=30)
+        storage = f"sqlite:///{tmp_path}/studies/sd.db"
+        with _running(config, tmp_path, "--trials", "4") as run:
+            _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
+            if when == "starting":
+                gate.touch()
+                _wait(lambda: TRIAL_DROPIN in unit.tuner_dropins() and unit.pid_state()[1] == "activating", 200,
+                      "trial 1's drop-in with the unit held before its start", run)
+            else:
+                baseline_pid = unit.pid_state()[0]
+                _wait(lambda: unit.pid_state()[0] not in (0, baseline_pid) and _in_trial(unit), 200,
+                      "trial 1 to serve", run)
+            run.send_signal(signal.SIGKILL)
+            run.wait(30)
+        assert TRIAL_DROPIN in unit.tuner_dropins()
+        gate.unlink(missing_ok=True)
+        box.reboot()
+        _wait(lambda: is_healthy(unit.url, 0.5), 120, "the unit to come up after the reboot")
+        shown = _show(box, unit.unit)
+        assert shown["ActiveState"] == "active", shown
+        assert TRIAL_DROPIN not in shown["DropInPaths"] and "10-site.conf" in shown["DropInPaths"], shown
+        assert f"argv[]={' '.join(unit.argv)} ;" in shown["ExecStart"], shown
+        assert requests.get(f"{unit.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80
+        assert unit.tuner_dropins() == ["10-site.conf"]
+        # the killed run's state file is still there: restore (a fresh config: the reboot changed the
+        # nsenter target) puts the same original back and clears it
+        proc = run_tuner("restore", "--config", str(unit.config(tmp_path, name="after")), "--unit", unit.unit,
+                         "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout_s=200)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not list((tmp_path / "state").glob("*.state.json"))
+        assert unit.tuner_dropins() == ["10-site.conf"] and is_healthy(unit.url, 60)
+    finally:
+        gate.unlink(missing_ok=True)
+        box.systemctl_run("stop", unit.unit, check=False)
+
+
+def _full_tmpfs_prefix(folder: Path) -> tuple[str, ...]:
+    """argv prefix running a command in a private mount namespace where ``folder`` is a small tmpfs
+    filled to the last byte (the sandbox's systemd, in its own namespace, does not see it)."""
+    script = 'mount -t tmpfs -o size=256k tmpfs "$0" && { cat /dev/zero > "$0/filler" 2>/dev/null; exec "$@"; }'
+    return ("unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, str(folder))
+
+
+FULL_DISKS = {
+    "state folder": lambda served, tmp: tmp / "state",
+    "lock folder": lambda served, tmp: tmp / "locks",
+    "runtime drop-in folder": lambda served, tmp: served.box.runtime_dir,
+    "study storage": lambda served, tmp: tmp / "studies",
+}
+
+
+@pytest.mark.parametrize("case", list(FULL_DISKS))
+def test_full_disk_at_the_first_write_is_one_line_and_leaves_the_unit_alone(
+    served: Served, tmp_path: Path, locks: Path, case: str
+) -> None:
+    """The disk holding a folder the run writes first (state file, lock, trial drop-in, study
+    database) is full: `tuner run` refuses before any systemctl verb that changes anything, in one
+    line naming the disk as full and how to fix it; MainPID and the drop-ins are unchanged."""
+    folder = FULL_DISKS[case](served, tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = served.config(tmp_path)
+    before = served.ensure_serving()
+    dropins = served.tuner_dropins()
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=150,
+                     prefix=_full_tmpfs_prefix(folder))
+    line = one_error_line(proc, "full", "free space")
+    assert str(folder) in line, line
+    assert served.pid_state() == before, f"the unit was touched: {line}"
+    assert served.tuner_dropins() == dropins
+
+
+def test_journald_stopping_mid_trial_stops_the_run_and_is_not_the_candidates_failure(
+    served: Served, tmp_path: Path, locks: Path
+) -> None:
+    """journald (the real one, inside the sandbox) is stopped while a trial is measured: the trial is
+    recorded as journal_unreadable (not a crash of the candidate), the run stops with exit 1 and one
+    line naming journald, and the unit is back on its own command, healthy."""
+    box = served.box
+    served.ensure_serving()
+    config = served.config(tmp_path, measure_s=20)
+    storage = f"sqlite:///{tmp_path}/studies/sd.db"
+    try:
+        with _running(config, tmp_path, "--trials", "4") as run:
+            _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
+            time.sleep(3.0)  # inside its 20 s load phase
+            box.systemctl_run("stop", "systemd-journald.service", "systemd-journald.socket",
+                              "systemd-journald-dev-log.socket")
+            _, err = run.communicate(timeout=300)
+    finally:
+        box.systemctl_run("start", "systemd-journald.socket", "systemd-journald-dev-log.socket",
+                          "systemd-journald.service", check=False)
+    assert run.returncode == 1, err[-3000:]
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and "journald" in lines[-1], err[-3000:]
+    records = [TrialRecord.model_validate(t.user_attrs["tuner.record"]) for t in load(storage, "sd").trials
+               if "tuner.record" in t.user_attrs]
+    assert [r.failure_class.value for r in records if r.failure_class] == ["journal_unreadable"], records
+    assert served.tuner_dropins() == [] and served.pid_state()[1] == "active"
+    assert is_healthy(served.url, 60)
+    assert requests.get(f"{served.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80

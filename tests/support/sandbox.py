@@ -27,7 +27,12 @@ reuse it for several scenarios)::
         unit = box.unit("sim.service")        # a tuner.launch.unit.SystemdUnit wired to the box
         box.systemctl_run("start", "sim.service")
         # the tuner's config: systemctl=box.systemctl, journalctl=box.journalctl,
-        #                     dropin_dir=box.unit_dir
+        #                     dropin_dir=box.unit_dir, runtime_dropin_dir=box.runtime_dir
+
+The unit path is ``<unit_dir>:<runtime_dir>`` (``/etc/systemd/system`` then ``/run/systemd/system``
+on a host: a same-named file in the first masks one in the second). :meth:`SystemdSandbox.reboot`
+ends the sandbox's systemd, empties ``runtime_dir`` as a boot empties the ``/run`` tmpfs, and boots
+again on the same ``unit_dir``; units made :meth:`SystemdSandbox.enable`-d come up at boot.
 
 or without pytest: ``with boot_sandbox(Path(tmp)) as box: ...``. Units under test start with
 ``Environment=PYTHONUNBUFFERED=1`` so Python output reaches the journal at once.
@@ -75,21 +80,26 @@ class SystemdSandbox:
         kind: ``"systemd"`` (real systemd in a PID namespace) or ``"emulator"``
             (docker-systemctl-replacement).
         why_emulated: Why real systemd could not be used (``None`` when it is).
-        unit_dir: Folder of unit files; also the tuner's ``dropin_dir``.
+        unit_dir: Folder of unit files; also the tuner's ``dropin_dir`` (persistent drop-ins).
+        runtime_dir: The runtime unit folder (the host's ``/run/systemd/system``), emptied by
+            :meth:`reboot`; the tuner's ``runtime_dropin_dir``.
         systemctl: argv prefix reaching this manager's systemctl.
         journalctl: argv prefix reaching its journalctl.
         host_pid: Host PID of the namespace's systemd (``None`` for the emulator).
     """
 
     def __init__(self, kind: str, unit_dir: Path, systemctl: list[str], journalctl: list[str],
-                 host_pid: int | None = None, why_emulated: str | None = None) -> None:
+                 host_pid: int | None = None, why_emulated: str | None = None,
+                 runtime_dir: Path | None = None) -> None:
         self.kind = kind
         self.unit_dir = unit_dir
+        self.runtime_dir = runtime_dir or unit_dir.parent / "run-units"
         self.systemctl = systemctl
         self.journalctl = journalctl
         self.host_pid = host_pid
         self.why_emulated = why_emulated
         self._units: list[str] = []
+        self._reboot: Callable[[], None] | None = None
 
     @property
     def real(self) -> bool:
@@ -118,7 +128,28 @@ class SystemdSandbox:
 
     def unit(self, name: str) -> SystemdUnit:
         """A :class:`~tuner.launch.unit.SystemdUnit` wired to this sandbox."""
-        return SystemdUnit(name, systemctl=self.systemctl, journalctl=self.journalctl, dropin_dir=self.unit_dir)
+        return SystemdUnit(name, systemctl=self.systemctl, journalctl=self.journalctl, dropin_dir=self.unit_dir,
+                           runtime_dropin_dir=self.runtime_dir)
+
+    def enable(self, name: str) -> None:
+        """Make the sandbox's boot target want unit ``name`` (it comes up at :meth:`reboot`)."""
+        wants = self.unit_dir / f"{TARGET}.d"
+        wants.mkdir(exist_ok=True)
+        (wants / f"50-{name}.conf").write_text(f"[Unit]\nWants={name}\n", encoding="utf-8")
+        self.systemctl_run("daemon-reload")
+
+    def reboot(self) -> None:
+        """Reboot real systemd: SIGKILL it (a power cut), empty :attr:`runtime_dir` as a boot
+        empties ``/run``, boot again on the same :attr:`unit_dir`. :attr:`systemctl`,
+        :attr:`journalctl` and :attr:`host_pid` then reach the new instance (argv prefixes taken
+        before are stale). Skips the test for the emulator.
+
+        Raises:
+            AssertionError: The new boot did not reach ``running``.
+        """
+        self.require_real()
+        assert self._reboot is not None, "this sandbox cannot reboot"
+        self._reboot()
 
     def stop_units(self) -> None:
         """Stop every unit added through :meth:`add_unit` (errors ignored)."""
@@ -257,11 +288,14 @@ def _systemd_child(unshare_pid: int, timeout_s: float) -> psutil.Process | None:
 
 def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subprocess.Popen[bytes] | None]:
     unit_dir = workdir / "units"
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    _write_base_units(unit_dir)
-    console = open(workdir / "systemd-console.log", "wb")  # noqa: SIM115
+    runtime_dir = workdir / "run-units"
+    if not unit_dir.is_dir():
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        _write_base_units(unit_dir)
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    console = open(workdir / "systemd-console.log", "ab")  # noqa: SIM115
     cmd = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--mount", "--uts", "--ipc",
-           "--", "env", f"SYSTEMD_UNIT_PATH={unit_dir}", str(SYSTEMD), "--system", f"--unit={TARGET}",
+           "--", "env", f"SYSTEMD_UNIT_PATH={unit_dir}:{runtime_dir}", str(SYSTEMD), "--system", f"--unit={TARGET}",
            "--log-target=console"]
     unshare = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
                                start_new_session=True)
@@ -274,7 +308,8 @@ def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subp
         return None, f"unshare did not start systemd (exit {unshare.poll()}): {tail.strip()}", None
     _write_lock_info(fd, {"host_pid": child.pid, "create_time": child.create_time()})
     prefix = ["nsenter", "-t", str(child.pid), "-m", "-p"]
-    box = SystemdSandbox("systemd", unit_dir, [*prefix, "systemctl"], [*prefix, "journalctl"], host_pid=child.pid)
+    box = SystemdSandbox("systemd", unit_dir, [*prefix, "systemctl"], [*prefix, "journalctl"], host_pid=child.pid,
+                         runtime_dir=runtime_dir)
     deadline = time.monotonic() + _BOOT_TIMEOUT_S
     state = ""
     while time.monotonic() < deadline:
@@ -308,6 +343,7 @@ def _emulator(workdir: Path, why: str) -> SystemdSandbox:
     root = workdir / "emu" / "root" / "r"  # at least three levels deep (§2)
     unit_dir = root / "etc" / "systemd" / "system"
     unit_dir.mkdir(parents=True, exist_ok=True)
+    (root / "run" / "systemd" / "system").mkdir(parents=True, exist_ok=True)
     (root / "run" / "systemd").mkdir(parents=True, exist_ok=True)
     bindir = Path(sys.executable).parent
     systemctl3, journalctl3 = bindir / "systemctl3", bindir / "journalctl3"
@@ -316,7 +352,8 @@ def _emulator(workdir: Path, why: str) -> SystemdSandbox:
                     "(pip install docker-systemctl-replacement)")
     systemctl = [str(systemctl3), f"--root={root}", "-c", f"_notify_socket_folder={root}/run/systemd",
                  "-c", "MinimumYield=0.1"]
-    return SystemdSandbox("emulator", unit_dir, systemctl, [str(journalctl3), f"--root={root}"], why_emulated=why)
+    return SystemdSandbox("emulator", unit_dir, systemctl, [str(journalctl3), f"--root={root}"], why_emulated=why,
+                          runtime_dir=root / "run" / "systemd" / "system")
 
 
 @contextlib.contextmanager
@@ -354,6 +391,19 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
         why = _why_not_real()
         if why is None:
             box, why, unshare = _boot_real(workdir, fd)
+        if box is not None:
+            real = box
+
+            def reboot() -> None:
+                nonlocal unshare
+                assert real.host_pid is not None
+                _kill_real(real.host_pid, unshare)
+                shutil.rmtree(real.runtime_dir, ignore_errors=True)  # /run is a tmpfs: gone at boot
+                again, why_not, unshare = _boot_real(workdir, fd)
+                assert again is not None, f"the sandbox did not boot again: {why_not}"
+                real.systemctl, real.journalctl, real.host_pid = again.systemctl, again.journalctl, again.host_pid
+
+            box._reboot = reboot
         if box is None:
             warnings.warn(f"systemd sandbox: real systemd unavailable ({why}); using docker-systemctl-replacement",
                           stacklevel=2)

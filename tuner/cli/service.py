@@ -12,7 +12,7 @@ from tuner.cli.common import STATE_DIR_DEFAULT, app, check_seconds, check_state_
 
 def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | None,
                      systemctl: str | None, journalctl: str | None, dropin_dir: Path | None,
-                     url: str | None) -> dict[str, Any] | None:  # fmt: skip
+                     url: str | None, runtime_dropin_dir: Path | None = None) -> dict[str, Any] | None:  # fmt: skip
     """The [service] settings of --config, overridden by the explicit options (None if neither)."""
     settings: dict[str, Any] = {}
     if config is not None:
@@ -20,7 +20,7 @@ def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | No
 
         settings = load_config(config).service.model_dump()
     overrides = {"unit": unit, "state_dir": state_dir, "systemctl": systemctl, "journalctl": journalctl,
-                 "dropin_dir": dropin_dir, "url": url}  # fmt: skip
+                 "dropin_dir": dropin_dir, "runtime_dropin_dir": runtime_dropin_dir, "url": url}  # fmt: skip
     settings.update({k: str(v) for k, v in overrides.items() if v is not None})
     return settings or None
 
@@ -33,6 +33,7 @@ def restore_cmd(
     systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
     journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
     dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
+    runtime_dropin_dir: Annotated[Path | None, typer.Option(help="systemd's runtime unit folder, holding a trial's <unit>.d/ (default /run/systemd/system).")] = None,
     url: Annotated[str | None, typer.Option(help="Server URL checked for health.")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be healthy.")] = 900.0,
 ) -> None:
@@ -48,7 +49,7 @@ def restore_cmd(
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
     check_state_dir(state_dir)
-    settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url)
+    settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url, runtime_dropin_dir)
     launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
     shown = " ".join(launcher.current_argv())
     if source == "nothing" and state_dir is not None and not state_dir.exists():

@@ -57,6 +57,7 @@ from tuner.launch.session import (
     StateStore,
     UnitLock,
     deferred_signals,
+    full_folder,
     interrupt_on_signals,
     writable_folder,
 )
@@ -308,8 +309,9 @@ class GuardedLauncher(Launcher):
         """Check everything a session (or, with ``restore``, a restore) needs, changing nothing.
 
         The service (:meth:`_check_service`: systemd reachable, unit known, command readable; for a
-        session also the drop-in folder writable and the journal readable), the server startable
-        (:meth:`_check_startable`, sessions only), and the state and lock folders writable.
+        session also the drop-in folder writable and not full and the journal readable), the server
+        startable (:meth:`_check_startable`, sessions only), and the state folder (state file, work
+        folder, result journal) and lock folder writable and on a disk that is not full.
         :func:`tuner.preflight.check_service` and :func:`tuner.preflight.check_run` call it before
         the lock is taken; :meth:`session` and :meth:`restore` call it when nobody did.
 
@@ -325,6 +327,10 @@ class GuardedLauncher(Launcher):
             if blocked is not None:
                 raise LaunchError(f"the {what} {folder} cannot be written ({blocked} is not writable)",
                                   hint="run as root, or point it at a writable folder")
+            full = full_folder(folder)
+            if full is not None:
+                raise LaunchError(f"the disk holding the {what} {full[0]} is full ({full[1]})",
+                                  hint=f"free space on it (df -h {full[0]}), or point it at a folder on another disk")
         self._preflighted = True
 
     def current_argv(self) -> list[str]:
@@ -420,8 +426,10 @@ class GuardedLauncher(Launcher):
             now = time.monotonic()
             self._healthy_since = self._healthy_since or now
             # SGLang answers /health before its warm-up ends; the ready line marks the end. Output
-            # that never reaches the launcher (StandardOutput=file:...) must not block for ever.
-            if self._watcher.ready or now - self._healthy_since >= self.ready_line_grace_s:
+            # that never reaches the launcher (StandardOutput=file:...) must not block for ever, and
+            # a restore whose journal is broken (no line can come) goes on /health alone at once.
+            no_lines = self._restoring and bool(poll.journal_error)
+            if self._watcher.ready or no_lines or now - self._healthy_since >= self.ready_line_grace_s:
                 return LaunchState(phase=LaunchPhase.READY, pid=poll.pid, restarts=poll.restarts,
                                    elapsed_s=elapsed)
         else:

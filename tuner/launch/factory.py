@@ -2,7 +2,7 @@
 
 Settings are a dict or any object with these attributes (``tuner.config.ServiceSection`` has them):
 ``launcher`` (``"systemd"`` | ``"process"``), ``unit``, ``command``, ``url``, ``systemctl``,
-``journalctl``, ``dropin_dir``, ``state_dir``, ``log_dir``, ``workdir``, ``allow_foreign``,
+``journalctl``, ``dropin_dir``, ``runtime_dropin_dir``, ``state_dir``, ``log_dir``, ``workdir``, ``allow_foreign``,
 ``stop_timeout_s``; and ``dropin_name`` (systemd: the drop-in file a start writes; default the
 trial's ``90-tuner-trial.conf``; ``tuner apply`` passes ``80-tuner.conf``). Every session records
 the settings it was built from in its state file, so ``tuner restore --unit U`` rebuilds the very
@@ -21,12 +21,12 @@ from tuner.launch.base import GuardedLauncher, LaunchState
 from tuner.launch.process import ProcessLauncher
 from tuner.launch.session import StateStore, default_state_dir
 from tuner.launch.systemd import TRIAL_DROPIN, SystemdLauncher
-from tuner.launch.unit import DEFAULT_DROPIN_DIR
+from tuner.launch.unit import DEFAULT_DROPIN_DIR, DEFAULT_RUNTIME_DROPIN_DIR
 
 __all__ = ["SETTING_KEYS", "build_launcher", "restore_service"]
 
-SETTING_KEYS = ("launcher", "unit", "command", "url", "systemctl", "journalctl", "dropin_dir", "state_dir",
-                "log_dir", "workdir", "allow_foreign", "stop_timeout_s", "dropin_name")
+SETTING_KEYS = ("launcher", "unit", "command", "url", "systemctl", "journalctl", "dropin_dir", "runtime_dropin_dir",
+                "state_dir", "log_dir", "workdir", "allow_foreign", "stop_timeout_s", "dropin_name")
 """The settings :func:`build_launcher` reads (others are ignored)."""
 
 
@@ -76,6 +76,7 @@ def build_launcher(settings: Mapping[str, Any] | Any, *, gpu: Any | None = None)
             systemctl=_argv(_get(settings, "systemctl"), "systemctl") or ["systemctl"],
             journalctl=_argv(_get(settings, "journalctl"), "journalctl") or ["journalctl"],
             dropin_dir=_get(settings, "dropin_dir") or DEFAULT_DROPIN_DIR,
+            runtime_dropin_dir=_get(settings, "runtime_dropin_dir") or DEFAULT_RUNTIME_DROPIN_DIR,
             dropin_name=_get(settings, "dropin_name") or TRIAL_DROPIN,
             **common,
         )

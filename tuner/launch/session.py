@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import fcntl
 import json
 import logging
@@ -40,13 +41,14 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuner.errors import LaunchError, LockHeldError
-from tuner.launch.unit import atomic_write_text
+from tuner.launch.unit import atomic_write_text, disk_full
 
 __all__ = [
     "LOCK_DIR_ENV",
     "default_lock_dir",
     "default_state_dir",
     "writable_folder",
+    "full_folder",
     "UnitLock",
     "SessionState",
     "StateStore",
@@ -80,8 +82,26 @@ def _ensure_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise LaunchError(f"cannot create the state folder {path}: {err.strerror}",
-                          hint="set service.state_dir to a writable folder") from err
+        raise _write_error(err, path, "the state folder") from err
+
+
+_FREE_HINT = "free space on it (df -h {folder}), or set service.state_dir to a folder on another disk"
+
+
+def _write_error(err: OSError, path: Path, what: str) -> LaunchError:
+    """A failed write under the state folder as one line: a full disk named as such."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LaunchError(f"the disk holding {what} {path} is full",
+                           hint=_FREE_HINT.format(folder=_nearest_existing(path)))
+    return LaunchError(f"cannot write {what} {path}: {err.strerror}",
+                       hint="set service.state_dir to a writable folder with free space")
+
+
+def _nearest_existing(folder: Path) -> Path:
+    probe = Path(folder)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe
 
 
 def _own_command() -> str:
@@ -97,12 +117,19 @@ def _own_command() -> str:
 def writable_folder(folder: Path) -> Path | None:
     """``None`` when files can be created under ``folder`` (it, or its nearest existing ancestor, is
     a writable folder), else the folder that blocks it. Changes nothing."""
-    probe = Path(folder)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = _nearest_existing(folder)
     if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK):
         return None
     return probe
+
+
+def full_folder(folder: Path) -> tuple[Path, str] | None:
+    """``None`` when the disk holding ``folder`` (or its nearest existing ancestor) has room for the
+    tuner's files, else ``(that folder, why)`` (e.g. ``"0 KiB free"``; see
+    :func:`tuner.launch.unit.disk_full`). Changes nothing."""
+    probe = _nearest_existing(folder)
+    why = disk_full(probe)
+    return (probe, why) if why else None
 
 
 LOCK_DIR_ENV = "SGLANG_TUNER_LOCK_DIR"
@@ -238,9 +265,18 @@ class UnitLock:
         info = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "command": _own_command(),
                 "since": dt.datetime.now().isoformat(timespec="seconds"),
                 "state_file": str(self.state_file) if self.state_file else None}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LaunchError(f"the disk holding the lock file {self.path} is full",
+                                  hint=f"free space on it (df -h {folder}), or set ${LOCK_DIR_ENV} to a "
+                                  "folder on another disk") from err
+            raise LaunchError(f"cannot write the lock file {self.path}: {err.strerror}",
+                              hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
         self._fd = fd
 
     def release(self) -> None:
@@ -322,8 +358,7 @@ class StateStore:
         try:
             self.work_dir.mkdir(parents=True, mode=0o700)
         except OSError as err:
-            raise LaunchError(f"cannot create the work folder {self.work_dir}: {err.strerror}",
-                              hint="set service.state_dir to a writable folder with free space") from err
+            raise _write_error(err, self.work_dir, "the work folder") from err
         return self.work_dir
 
     def drop_work_dir(self) -> None:
@@ -334,14 +369,13 @@ class StateStore:
         """Write the state atomically.
 
         Raises:
-            LaunchError: The state folder is not writable.
+            LaunchError: The state folder is not writable, or its disk is full (named as such).
         """
         _ensure_dir(self.path.parent)
         try:
             atomic_write_text(self.path, state.model_dump_json(indent=2) + "\n", mode=0o600)
         except OSError as err:
-            raise LaunchError(f"cannot write the state file {self.path}: {err.strerror}",
-                              hint="set service.state_dir to a writable folder") from err
+            raise _write_error(err, self.path, "the state file") from err
 
     def load(self) -> SessionState | None:
         """The recorded state, or ``None`` when no session left one.

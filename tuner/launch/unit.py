@@ -21,6 +21,7 @@ than ``%%``, ``$VAR`` references, several commands): the tuner never guesses a c
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from tuner.errors import LaunchError
 
 __all__ = [
     "DEFAULT_DROPIN_DIR",
+    "DEFAULT_RUNTIME_DROPIN_DIR",
     "ExecCommand",
     "UnitProperties",
     "SystemdUnit",
@@ -43,12 +45,19 @@ __all__ = [
     "format_exec_command",
     "split_exec_command",
     "atomic_write_text",
+    "disk_full",
+    "MIN_FREE_BYTES",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DROPIN_DIR = Path("/etc/systemd/system")
 """Where drop-in folders ``<unit>.d/`` live on a normal host."""
+DEFAULT_RUNTIME_DROPIN_DIR = Path("/run/systemd/system")
+"""systemd's runtime unit folder (a tmpfs forgotten at boot): where a trial's drop-in goes, so a
+reboot in the middle of a trial brings the unit up on its own command. systemd merges drop-ins of
+every unit folder sorted by file name (``systemd.unit(5)``; a same-named file in ``/etc`` masks one
+in ``/run``), so the operator's drop-ins in :data:`DEFAULT_DROPIN_DIR` still apply."""
 
 _PLAIN_WORD = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
@@ -63,6 +72,38 @@ _FIX_SYSTEMCTL = (
     "install systemd, or set service.systemctl / service.journalctl to the commands that reach it "
     "(e.g. 'nsenter -t PID -m -p systemctl'), or use launcher = \"process\""
 )
+
+
+MIN_FREE_BYTES = 1 << 20
+"""Free space below which a folder the tuner must write counts as full (1 MiB: a state file, a
+drop-in, a lock and a trial's files need far less, so a refusal means the disk really is full)."""
+
+
+def disk_full(folder: Path | str, *, min_free_bytes: int = MIN_FREE_BYTES) -> str:
+    """Why the file system holding ``folder`` is too full to write on, or ``""`` when it is not.
+
+    Changes nothing (``statvfs``). Space counts what this user may use (root may use the blocks
+    reserved for it); a file system that reports no inode count (btrfs) is not judged on inodes.
+
+    Args:
+        folder: An existing path on the file system to judge.
+        min_free_bytes: Free bytes below which it counts as full.
+
+    Returns:
+        ``""``, or e.g. ``"12 KiB free"`` / ``"no inode free"``. A path that cannot be examined
+        gives ``""`` (the write itself will then say what is wrong).
+    """
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return ""
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    free = blocks * st.f_frsize
+    if free < min_free_bytes:
+        return f"{free // 1024} KiB free"
+    if st.f_files and not (st.f_ffree if os.geteuid() == 0 else st.f_favail):
+        return "no inode free"
+    return ""
 
 
 def atomic_write_text(path: Path, text: str, *, mode: int = 0o644) -> None:
@@ -319,6 +360,8 @@ class SystemdUnit:
         systemctl: argv prefix of systemctl (``["systemctl"]``, or with ``nsenter ...``).
         journalctl: argv prefix of journalctl.
         dropin_dir: Folder holding ``<unit>.d/`` drop-in folders (``/etc/systemd/system``).
+        runtime_dropin_dir: systemd's runtime unit folder (``/run/systemd/system``, emptied at
+            boot): the ``runtime=True`` drop-in methods work in ``<runtime_dropin_dir>/<unit>.d``.
         command_timeout_s: Limit for one systemctl/journalctl call (``stop`` gets 3x).
 
     .. note:: :meth:`write_dropin`, :meth:`remove_dropin`, :meth:`daemon_reload`, :meth:`start`,
@@ -332,6 +375,7 @@ class SystemdUnit:
         systemctl: Sequence[str] = ("systemctl",),
         journalctl: Sequence[str] = ("journalctl",),
         dropin_dir: Path | str = DEFAULT_DROPIN_DIR,
+        runtime_dropin_dir: Path | str = DEFAULT_RUNTIME_DROPIN_DIR,
         command_timeout_s: float = 60.0,
     ) -> None:
         if not name or "/" in name or name.startswith("-"):
@@ -340,6 +384,7 @@ class SystemdUnit:
         self.systemctl = list(systemctl)
         self.journalctl = list(journalctl)
         self.dropin_dir = Path(dropin_dir)
+        self.runtime_dropin_dir = Path(runtime_dropin_dir)
         self.command_timeout_s = command_timeout_s
         self._journal_line_mode = False
 
@@ -441,8 +486,17 @@ class SystemdUnit:
 
     @property
     def dropin_folder(self) -> Path:
-        """``<dropin_dir>/<unit>.d`` — where the tuner's drop-ins go."""
+        """``<dropin_dir>/<unit>.d`` — the persistent drop-ins (the operator's, ``tuner apply``'s)."""
         return self.dropin_dir / f"{self.name}.d"
+
+    @property
+    def runtime_dropin_folder(self) -> Path:
+        """``<runtime_dropin_dir>/<unit>.d`` — drop-ins systemd forgets at boot (a trial's)."""
+        return self.runtime_dropin_dir / f"{self.name}.d"
+
+    def folder(self, *, runtime: bool = False) -> Path:
+        """:attr:`runtime_dropin_folder` when ``runtime``, else :attr:`dropin_folder`."""
+        return self.runtime_dropin_folder if runtime else self.dropin_folder
 
     def unit_files(self) -> list[Path]:
         """The unit file then its drop-ins, in the order systemd reads them.
@@ -458,16 +512,19 @@ class SystemdUnit:
         fragment = p.get("FragmentPath") or str(self.dropin_dir / self.name)
         if "DropInPaths" in p and p.get("FragmentPath"):
             dropins = [Path(x) for x in p["DropInPaths"].split()]
-        else:
-            dropins = sorted(self.dropin_folder.glob("*.conf"))
+        else:  # merged by file name; a persistent file masks a runtime one of the same name
+            by_name = {x.name: x for x in sorted(self.runtime_dropin_folder.glob("*.conf"))}
+            by_name.update({x.name: x for x in sorted(self.dropin_folder.glob("*.conf"))})
+            dropins = [by_name[n] for n in sorted(by_name)]
         return [Path(fragment), *dropins]
 
     def exec_command(self, *, ignore_dropins: Sequence[str] = ()) -> ExecCommand:
         """The command the unit runs, read from its unit file and drop-ins.
 
         Args:
-            ignore_dropins: Names of drop-ins in :attr:`dropin_folder` to leave out (what the
-                command is without the tuner's trial drop-in).
+            ignore_dropins: Names of drop-ins in :attr:`dropin_folder` or
+                :attr:`runtime_dropin_folder` to leave out (what the command is without the
+                tuner's trial drop-in).
 
         Returns:
             The parsed ``ExecStart=`` in effect.
@@ -478,7 +535,7 @@ class SystemdUnit:
         """
         texts = []
         for path in self.unit_files():
-            if path.parent == self.dropin_folder and path.name in ignore_dropins:
+            if path.parent in (self.dropin_folder, self.runtime_dropin_folder) and path.name in ignore_dropins:
                 continue
             try:
                 texts.append(path.read_text(encoding="utf-8"))
@@ -500,13 +557,14 @@ class SystemdUnit:
                 "or use launcher = \"process\" with the command",
             ) from err
 
-    def read_dropin(self, filename: str) -> str | None:
-        """Content of ``<unit>.d/<filename>``, or ``None`` when absent.
+    def read_dropin(self, filename: str, *, runtime: bool = False) -> str | None:
+        """Content of ``<unit>.d/<filename>`` (in :attr:`runtime_dropin_folder` when ``runtime``),
+        or ``None`` when absent.
 
         Raises:
             LaunchError: The file exists but cannot be read.
         """
-        path = self.dropin_folder / filename
+        path = self.folder(runtime=runtime) / filename
         try:
             return path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -525,20 +583,29 @@ class SystemdUnit:
             return {}
         return {p.name: self.read_dropin(p.name) or "" for p in sorted(self.dropin_folder.glob("*.conf"))}
 
-    def check_writable(self) -> None:
-        """Raise unless the tuner may create, replace and remove files in :attr:`dropin_folder`.
+    def check_writable(self, *, runtime: bool = False) -> None:
+        """Raise unless the tuner may create, replace and remove files in :attr:`dropin_folder`
+        (:attr:`runtime_dropin_folder` when ``runtime``).
 
-        Changes nothing (``os.access``, and ``statvfs`` for a read-only mount).
+        Changes nothing (``os.access``, and ``statvfs`` for a read-only mount and free space).
 
         Raises:
             LaunchError: The folder (or its parent, when it does not exist yet) is missing, on a
-                read-only file system, or not writable by this user; the message names it.
+                read-only file system, on a full one (under 64 KiB or no inode free), or not
+                writable by this user; the message names it.
         """
-        target = self.dropin_folder if self.dropin_folder.exists() else self.dropin_dir
+        folder = self.folder(runtime=runtime)
+        setting = "service.runtime_dropin_dir" if runtime else "service.dropin_dir"
+        target = folder if folder.exists() else folder.parent
         if not target.is_dir():
+            default = DEFAULT_RUNTIME_DROPIN_DIR if runtime else DEFAULT_DROPIN_DIR
             raise LaunchError(f"the drop-in folder {target} does not exist",
-                              hint="set service.dropin_dir to the folder holding the unit (/etc/systemd/system)")
+                              hint=f"set {setting} to the folder systemd reads ({default})")
         if os.access(target, os.W_OK | os.X_OK):
+            full = disk_full(target)
+            if full:
+                raise LaunchError(f"the disk holding the drop-in folder {target} is full ({full})",
+                                  hint=f"free space on the file system holding {target}")
             return
         try:
             read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
@@ -549,31 +616,65 @@ class SystemdUnit:
                               hint=f"remount it read-write (mount -o remount,rw on the mount holding {target})")
         raise LaunchError(
             f"no permission to write drop-ins in {target}",
-            hint="run the tuner as root, or set service.dropin_dir to the folder holding the unit",
+            hint=f"run the tuner as root, or set {setting} to the folder systemd reads",
         )
 
-    def write_dropin(self, filename: str, text: str) -> Path:
-        """Write ``<unit>.d/<filename>`` atomically, creating the folder if needed.
+    def check_read_by_manager(self, *, runtime: bool = False) -> None:
+        """Refuse a drop-in folder systemd does not read units from (a drop-in there would not apply).
+
+        Compares :attr:`runtime_dropin_dir` (or :attr:`dropin_dir`) with the manager's ``UnitPath``
+        (``systemctl show -p UnitPath``); a manager that does not report it (the emulator) passes.
+        Changes nothing.
 
         Raises:
-            LaunchError: No permission or the folder cannot be created.
+            LaunchError: The folder is not in the manager's unit path (the message lists it), or
+                systemctl is missing or timed out.
         """
-        path = self.dropin_folder / filename
+        folder = self.runtime_dropin_dir if runtime else self.dropin_dir
+        proc = self._run(self.systemctl, ["show", "-p", "UnitPath"], check=False)
+        paths = proc.stdout.partition("UnitPath=")[2].split() if proc.returncode == 0 else []
+        if not paths:
+            return
+        if os.path.realpath(folder) not in {os.path.realpath(p) for p in paths}:
+            setting = "service.runtime_dropin_dir" if runtime else "service.dropin_dir"
+            default = DEFAULT_RUNTIME_DROPIN_DIR if runtime else DEFAULT_DROPIN_DIR
+            raise LaunchError(
+                f"systemd does not read units from {folder} (its unit path: {' '.join(paths)}): "
+                f"a drop-in written there would not change {self.name}",
+                hint=f"set {setting} to a folder of that path (usually {default})",
+            )
+
+    def write_dropin(self, filename: str, text: str, *, runtime: bool = False) -> Path:
+        """Write ``<unit>.d/<filename>`` atomically (in :attr:`runtime_dropin_folder` when
+        ``runtime``), creating the folder if needed.
+
+        Raises:
+            LaunchError: No permission, the folder cannot be created, or the disk is full (named
+                as such).
+        """
+        folder = self.folder(runtime=runtime)
+        path = folder / filename
         try:
-            self.dropin_folder.mkdir(mode=0o755, parents=False, exist_ok=True)
+            folder.mkdir(mode=0o755, parents=False, exist_ok=True)
             atomic_write_text(path, text)
         except OSError as err:
+            if err.errno == errno.ENOSPC:
+                raise LaunchError(f"the disk holding {path} is full",
+                                  hint=f"free space on the file system holding {folder}") from err
+            setting = "service.runtime_dropin_dir" if runtime else "service.dropin_dir"
             raise LaunchError(f"cannot write drop-in {path}: {err.strerror}",
-                              hint="run the tuner as root, or set service.dropin_dir") from err
+                              hint=f"run the tuner as root, or set {setting}") from err
         return path
 
-    def remove_dropin(self, filename: str) -> bool:
-        """Remove ``<unit>.d/<filename>``; return whether it existed. Removes the folder if empty.
+    def remove_dropin(self, filename: str, *, runtime: bool = False) -> bool:
+        """Remove ``<unit>.d/<filename>`` (in :attr:`runtime_dropin_folder` when ``runtime``);
+        return whether it existed. Removes the folder if empty.
 
         Raises:
             LaunchError: No permission.
         """
-        path = self.dropin_folder / filename
+        folder = self.folder(runtime=runtime)
+        path = folder / filename
         try:
             path.unlink()
         except FileNotFoundError:
@@ -582,7 +683,7 @@ class SystemdUnit:
             raise LaunchError(f"cannot remove drop-in {path}: {err.strerror}",
                               hint="run the tuner as root") from err
         with contextlib.suppress(OSError):
-            self.dropin_folder.rmdir()
+            folder.rmdir()
         return True
 
     @staticmethod
@@ -674,6 +775,25 @@ class SystemdUnit:
                 raise
             raise LaunchError(f"the journal of {self.name} cannot be read with {cmd!r}: {err.message}",
                               hint=fix) from err
+
+    @property
+    def journal_has_cursors(self) -> bool:
+        """Whether journalctl answered with cursors (real journald; not the emulator's plain log)."""
+        return not self._journal_line_mode
+
+    def journald_instance(self) -> str:
+        """Which journald runs now: ``"<InvocationID>/<MainPID>"`` of ``systemd-journald.service``
+        while it is active, ``""`` while it is not. A journald that was stopped (and started again,
+        e.g. by its socket) is another instance: the lines logged meanwhile are lost, and a
+        service's stdout connected to the old one is cut.
+
+        Raises:
+            LaunchError: systemctl failed.
+        """
+        p = self.show_unit("systemd-journald.service", "ActiveState", "InvocationID", "MainPID")
+        if p.get("ActiveState") not in ("active", "reloading"):
+            return ""
+        return f"{p.get('InvocationID', '')}/{p.get('MainPID', '')}"
 
     def show_unit(self, unit: str, *props: str) -> dict[str, str]:
         """``systemctl show -p A,B UNIT`` for another unit (e.g. journald) as a dict.

@@ -68,7 +68,7 @@ from tuner.study.optuna_io import (
     open_study,
     study_info,
 )
-from tuner.study.outage import ResultJournal, db_reason, impatient
+from tuner.study.outage import ResultJournal, db_reason, impatient, storage_refuses
 from tuner.study.progress import Progress, RunProgress, RunSummary
 from tuner.study.record import Recorder, server_reason
 from tuner.study.space import Space
@@ -396,7 +396,9 @@ class StudyRun:
                     with impatient():  # for readers only: a trial never waits for the database for it
                         trial.set_user_attr(PHASE_ATTR, name)
                 except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
-                    _log.warning("trial %d: phase %s not stored: %s", trial.number, name, db_reason(err))
+                    # a full disk is named once, by the result's write that fails after it
+                    (_log.debug if storage_refuses(err) else _log.warning)(
+                        "trial %d: phase %s not stored: %s", trial.number, name, db_reason(err))
             self.progress.phase(job, name, detail)
 
         def on_reaped(numbers: list[int]) -> None:

@@ -27,6 +27,7 @@ recorder treat as "already stored").
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -43,7 +44,8 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from tuner.errors import StudyError, first_line
 
-__all__ = ["PatientStorage", "ResultJournal", "StorageOutage", "db_reason", "impatient", "is_transient", "patiently"]
+__all__ = ["PatientStorage", "ResultJournal", "StorageOutage", "db_reason", "impatient", "is_transient", "patiently",
+           "storage_refuses"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +94,18 @@ def is_transient(err: BaseException) -> bool:
     if any(p in text for p in _PERMANENT):
         return False
     return any(isinstance(c, OperationalError | InterfaceError | DisconnectionError) for c in chain)
+
+
+_REFUSALS = ("database or disk is full", "no space left on device", "disk i/o error", "readonly database",
+             "read-only file system")
+
+
+def storage_refuses(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says the storage's disk is full or turned
+    read-only: the storage's own state, named by :func:`tuner.study.storage.storage_errors` as such
+    (not as a database that stopped answering)."""
+    text = " ".join(str(c) for c in _chain(err)).lower()
+    return any(p in text for p in _REFUSALS)
 
 
 @contextlib.contextmanager
@@ -220,6 +234,10 @@ class ResultJournal:
                     out.flush()
                     os.fsync(out.fileno())
             except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise StudyError(f"trial {number}'s result cannot be kept: the disk holding {self.path} is full",
+                                     hint="free space on the state folder's disk (df -h "
+                                     f"{self.path.parent}) and run again") from err
                 raise StudyError(f"trial {number}'s result cannot be kept in {self.path}: {err.strerror}",
                                  hint="free space on the state folder's disk (df -h "
                                  f"{self.path.parent}) and run again") from err

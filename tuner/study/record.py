@@ -38,7 +38,7 @@ from tuner.study.optuna_io import (
     fail_trial,
     tell_record,
 )
-from tuner.study.outage import ResultJournal, StorageOutage
+from tuner.study.outage import ResultJournal, StorageOutage, storage_refuses
 
 __all__ = ["Recorder", "SkipWriter", "server_reason"]
 
@@ -142,6 +142,8 @@ class Recorder:
             raise StorageOutage(f"{err.message}: trial {trial.number}'s result is {where} and the next run "
                                 "on this host stores it first; the service was restored", hint=err.hint) from err
         except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+            if storage_refuses(err) and (kept or self._keep(trial, kind, record.model_copy(update={"artifacts": {}}))):
+                raise  # a full or read-only storage: named as such by storage_errors; the result is in the journal
             _log.warning("trial %d not stored (the database does not answer: %s): params %s, context "
                          "capacity %s, output %s tok/s, outcome %s", trial.number, first_line(err),
                          json.dumps(record.params, sort_keys=True), record.context_capacity,

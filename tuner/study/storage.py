@@ -24,6 +24,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from tuner.config import TunerConfig
 from tuner.errors import StudyError, first_line
+from tuner.launch.unit import disk_full
 from tuner.study.hosts import RequeueOnce, host_name, schema_lock
 from tuner.study.outage import PatientStorage
 
@@ -460,8 +461,14 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
     path = _sqlite_file(url)
     if path is None:
         return url != ":memory:"
+    folder = _nearest_existing(path.parent)
+    full = disk_full(folder)
+    if full:
+        shown = os.path.abspath(folder)
+        raise StudyError(f"storage {url!r}: the disk holding {shown!r} is full ({full})",
+                         hint=f"free space on it (df -h {shown}), or point {flag} at a folder on another disk")
     if not path.exists():
-        blocked = _nearest_existing(path.parent)
+        blocked = folder
         if not os.access(blocked, os.W_OK | os.X_OK):
             raise StudyError(f"storage {display_url(url)!r}: no permission to create {str(path)!r} (in {str(blocked)!r})",
                              hint=f"point {flag} at a writable folder")
