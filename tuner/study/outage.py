@@ -44,15 +44,19 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
 from tuner.errors import StudyError, first_line
 
-__all__ = ["PatientStorage", "ResultJournal", "StorageOutage", "db_reason", "impatient", "is_transient", "patiently",
-           "storage_refuses"]
+__all__ = ["DISK_FULL", "READ_ONLY", "PatientStorage", "ResultJournal", "StorageOutage", "chain_text", "db_reason",
+           "impatient", "is_transient", "patiently", "storage_refuses"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DISK_FULL = ("database or disk is full", "no space left on device", "disk i/o error")
+"""What SQLite and the OS say of a storage whose disk is full."""
+READ_ONLY = ("attempt to write a readonly database", "readonly database", "read-only file system")
+"""What SQLite and the OS say of a storage that turned read-only."""
 # Errors of the database's own state, not of the link to it: retrying does not help.
 _PERMANENT = ("password authentication failed", "does not exist", "permission denied", "no pg_hba.conf entry",
-              "database or disk is full", "no space left on device", "readonly database", "read-only")
+              *DISK_FULL, *READ_ONLY)
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
 _local = threading.local()
 
@@ -90,22 +94,22 @@ def is_transient(err: BaseException) -> bool:
     starting up"), and not an error of the database's own state (authentication, a missing
     database, a full disk), which no wait mends."""
     chain = _chain(err)
-    text = " ".join(str(c) for c in chain).lower()
-    if any(p in text for p in _PERMANENT):
+    if any(p in chain_text(err) for p in _PERMANENT):
         return False
     return any(isinstance(c, OperationalError | InterfaceError | DisconnectionError) for c in chain)
 
 
-_REFUSALS = ("database or disk is full", "no space left on device", "disk i/o error", "readonly database",
-             "read-only file system")
+def chain_text(err: BaseException) -> str:
+    """``err`` and the errors it was raised from, as one lower-case text (for the phrases above)."""
+    return " ".join(str(c) for c in _chain(err)).lower()
 
 
 def storage_refuses(err: BaseException) -> bool:
     """Whether ``err`` (or an error it was raised from) says the storage's disk is full or turned
     read-only: the storage's own state, named by :func:`tuner.study.storage.storage_errors` as such
     (not as a database that stopped answering)."""
-    text = " ".join(str(c) for c in _chain(err)).lower()
-    return any(p in text for p in _REFUSALS)
+    text = chain_text(err)
+    return any(p in text for p in (*DISK_FULL, *READ_ONLY))
 
 
 @contextlib.contextmanager

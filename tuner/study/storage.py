@@ -26,7 +26,7 @@ from tuner.config import TunerConfig
 from tuner.errors import StudyError, first_line
 from tuner.launch.unit import disk_full
 from tuner.study.hosts import RequeueOnce, host_name, schema_lock
-from tuner.study.outage import PatientStorage
+from tuner.study.outage import DISK_FULL, READ_ONLY, PatientStorage, chain_text
 
 __all__ = [
     "STUDIES_DIR",
@@ -517,8 +517,6 @@ def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
     return tables, "" if rows == ["ok"] else "; ".join(rows)[:200]
 
 
-_DISK_FULL = ("database or disk is full", "no space left on device", "disk i/o error")
-_READ_ONLY = ("attempt to write a readonly database", "read-only file system")
 
 
 @contextlib.contextmanager
@@ -537,22 +535,17 @@ def storage_errors(url: str) -> Iterator[None]:
     try:
         yield
     except (optuna.exceptions.StorageInternalError, SQLAlchemyError, sqlite3.Error, OSError) as err:
-        chain: list[BaseException] = []
-        cause: BaseException | None = err
-        while cause is not None and len(chain) < 8:
-            chain.append(cause)
-            cause = cause.__cause__ or cause.__context__
-        text = " ".join(str(c) for c in chain).lower()
+        text = chain_text(err)
         path = _sqlite_file(url)
         where = f"the file {str(path)!r}" if path else url
-        if any(k in text for k in _DISK_FULL):
+        if any(k in text for k in DISK_FULL):
             folder = path.parent if path else None
             raise StudyError(
                 f"storage {display_url(url)!r}: the disk holding {where} is full; every trial finished before is stored",
                 hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
                 + "and run the same command again to resume",
             ) from err
-        if any(k in text for k in _READ_ONLY):
+        if any(k in text for k in READ_ONLY):
             raise StudyError(f"storage {display_url(url)!r}: {where} became read-only during the run; "
                              "every trial finished before is stored",
                              hint="make it writable again and run the same command to resume") from err
