@@ -59,8 +59,12 @@ def test_phases_window_and_max_requests(sse_url: str) -> None:
     assert measure.end_s == pytest.approx(0.3 + 1.2) and names[-1] == "drain"
     measured = result.measured()
     assert measured and result.summary.completed == len(measured)
-    assert all(measure.start_s - 1e-6 <= r.send_time_s <= 0.3 + 1.2 + 0.1 for r in measured)
-    assert all(r.send_time_s < 0.3 + 1e-6 for r in result.records if r.phase == "warmup")
+    # A request's phase is the one it was claimed in; its send (the client's clock) may lag the claim
+    # by the event loop's delay, which a loaded box stretches (review N10: a warm-up request "sent"
+    # at 0.3x s failed a check with no lag allowed). One tick of lag is allowed either way.
+    lag = 0.25
+    assert all(measure.start_s - 1e-6 <= r.send_time_s <= 0.3 + 1.2 + lag for r in measured)
+    assert all(r.send_time_s < 0.3 + lag for r in result.records if r.phase == "warmup")
     assert ticks and ticks[-1].sent >= len(measured) and {t.phase for t in ticks} >= {"measure"}
     counted = run_load_sync(sse_url, wl, concurrency=3, max_requests=7)
     assert len(counted.measured()) == 7 and counted.summary.completed == 7
