@@ -163,6 +163,7 @@ def test_trials_per_minute_scale_with_hosts_and_quality_holds(postgres_cluster, 
         print(_line(res, single))
     worse = [w for n in (2, 4) for w in _quality_holds(results[n], single)]
     print("quality worse than one host (seed 0):", worse or "none", flush=True)
+    assert single["rate_per_min"] > 0, f"one host did not complete {RATE_LAUNCHES} launches: no rate to compare"
     for n, res in results.items():
         assert res["baselines"] == 1
         assert res["duplicates"] == 0
