@@ -41,9 +41,11 @@ from tuner.study.best import choose_best
 
 TRIAL_S = 12.0
 """Wall-clock seconds of one launch in the rate runs (restart + load phases of a real trial, scaled down)."""
-RATE_LAUNCHES = 32
-"""Rate: the time to the RATE_LAUNCHES-th launch completed study-wide after the baseline (8 rounds
-of 4 workers; 32 launches in a row on one host)."""
+RATE_LAUNCHES = 24
+"""Rate: the time to the RATE_LAUNCHES-th launch completed study-wide after the baseline (6 rounds
+of 4 workers; 24 launches in a row on one host). It was 32 until the CUDA-graph-aware planner
+(issue 30): this scenario's study is then spent (nearly every draw screened out) and one host no
+longer completed 32 launches in its budget, so the rate was 0 and the check passed vacuously."""
 
 
 def _budget_s(workers: int) -> float:
