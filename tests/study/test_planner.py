@@ -175,6 +175,23 @@ def test_skip_what_the_slo_rule_proves_must_break_the_slo(space) -> None:
     assert _screen(space, _params(0.9, 48, 4096), history) is None
 
 
+def test_no_slo_proof_for_a_smaller_pool_that_cannot_surely_run_the_broken_load(space) -> None:
+    """Contexts of 8192 tokens: a window broke the SLO running 160 requests on a pool of 173 such
+    contexts (mem_fraction_static 0.9); a config with more slots (170) on a pool of 148 (0.8)
+    cannot run 160 of them at once when they are long (it runs fewer, retracting), so the monotone
+    rule proves nothing about it: launched, not skipped as must-break. The same slots on the
+    window's own pool are still proved."""
+    history = [(1, _record(_params(0.9, 160), running=160, slo=0.2, context=8192))]
+
+    def screen(params: dict) -> str:
+        view = study_view(space, history, context_tokens=8192, budget=BUDGET, mean_request_tokens=MEAN)
+        skip = Predicted().why_not(params, view)
+        return skip.reason if skip else ""
+
+    assert not screen(_params(0.8, 170)).startswith("must break the SLO")
+    assert screen(_params(0.9, 170)).startswith("must break the SLO: trial 1 broke it running 160 requests")
+
+
 def test_skip_slots_the_workload_can_never_run_at_once(space) -> None:
     history = [(0, _record(_params(0.85, 20), running=20, slo=-0.5))]
     text, _ = _screen(space, _params(0.8, 2000), history)

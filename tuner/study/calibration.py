@@ -34,7 +34,7 @@ from tuner.sglang.failures import RESERVE_FAILURES, FailureClass
 from tuner.sglang.graphs import GraphCoverage, GraphFacts
 from tuner.sglang.memory import KVCapacityModel
 from tuner.study.budget import load_concurrency, reachable_slots
-from tuner.study.slo_bound import SLOBound, family_of, slo_bounds, slo_points
+from tuner.study.slo_bound import SLOBound, SLOPoint, family_of, slo_bounds, slo_points
 from tuner.study.space import Space
 
 __all__ = ["Family", "ModelSettings", "Point", "Calibration", "margin_for", "changed_knobs", "neighbours"]
@@ -342,9 +342,17 @@ class Calibration:
         graph_bs = dict(family).get("cuda_graph_max_bs")
         return self.graphs.coverage(mrr, int(graph_bs) if graph_bs else None)
 
-    def slo_proof(self, family: Family, mrr: int, running: float) -> tuple[int, float] | None:
+    def slo_proof(self, family: Family, mrr: int, running: float, tokens: int | None = None) -> tuple[int, float] | None:
         """``(trial, running requests)`` of a window that proves ``family`` at ``mrr`` slots
         (running ``running`` requests at once) breaks the SLO, or ``None``.
+
+        With ``tokens`` (the config's predicted KV pool) it is a proof in the strict sense, as the
+        screens need it: the config must *surely* run as many requests as the window did, not only
+        by the estimate ``running``. A pool smaller than the window's can hold fewer of the
+        workload's long requests at once than the slots (retractions, §4.4), so the config runs
+        fewer and may hold the SLO; it is sure when its pool holds that many longest contexts, or is
+        at least the window's own pool. Without ``tokens`` the estimate is enough (a planner's
+        filter, not a skip).
 
         The monotone rule (:mod:`tuner.study.slo_bound`) holds within equal graph coverage only: a
         window that broke the SLO at ``r`` requests proves a config running at least ``r`` breaks
@@ -361,6 +369,8 @@ class Calibration:
             for point in sorted(bound.points, key=lambda p: p.running_requests):
                 if point.slo <= 0 or running < point.running_requests:
                     continue
+                if tokens is not None and not self._surely_runs(tokens, point):
+                    continue
                 theirs = self.coverages.get(point.number)
                 if mine is None or theirs is None:
                     if fam == family:
@@ -369,6 +379,14 @@ class Calibration:
                 if theirs.covers_as_well(mine, int(point.running_requests)):
                     return point.number, point.running_requests
         return None
+
+    def _surely_runs(self, tokens: int, point: SLOPoint) -> bool:
+        """Whether a config with a ``tokens`` pool surely runs ``point``'s running requests at once
+        (given the slots and streams): its pool holds that many of the longest contexts, or is at
+        least the pool of ``point``'s window (same workload, at least as much room)."""
+        by_longest = tokens // max(1, self.settings.context_tokens)
+        return by_longest >= point.running_requests or (
+            point.token_capacity is not None and tokens >= point.token_capacity)
 
     def land(self, family: Family, mrr: int) -> tuple[Family, str | None]:
         """Where a request-slot proposal lands on the graphs: ``(family, note)``.

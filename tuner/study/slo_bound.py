@@ -62,6 +62,7 @@ class SLOPoint(BaseModel):
         family: :func:`family_of` its params.
         running_requests: Requests the server ran at once (closed loop, capped by its slots).
         slo: The ``slo`` constraint (≤ 0: met).
+        token_capacity: The window's KV pool (``max_total_num_tokens``, tokens; ``None``: unknown).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -70,6 +71,7 @@ class SLOPoint(BaseModel):
     family: tuple[tuple[str, Any], ...]
     running_requests: float
     slo: float
+    token_capacity: int | None = None
 
 
 class SLOBound(BaseModel):
@@ -162,7 +164,8 @@ def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
         ):
             continue
         out.append(SLOPoint(number=number, family=family_of(record.params),
-                            running_requests=float(load.running_requests or 0), slo=float(value)))
+                            running_requests=float(load.running_requests or 0), slo=float(value),
+                            token_capacity=record.token_capacity))
     return out
 
 

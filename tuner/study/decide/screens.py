@@ -117,7 +117,7 @@ class Predicted:
                 "its context capacity, or what the measured window can run at once by [budget] max_concurrency "
                 "and the pool over the mean request length); predicted, not launched", ref.number)
         running = cal.running_requests(mrr, tokens) if tokens > 0 else mrr
-        proof = cal.slo_proof(family, mrr, running)
+        proof = cal.slo_proof(family, mrr, running, tokens=tokens if tokens > 0 else None)
         if proof is not None:
             number, broken = proof
             return Skip(
