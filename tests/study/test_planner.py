@@ -106,6 +106,20 @@ def test_a_flat_latency_falls_back_to_bisection_and_adjacent_counts_converge() -
     assert done.converged and done.next_count() is None
 
 
+def test_a_latency_that_bends_up_toward_the_break_is_bisected_not_crept_up_on() -> None:
+    """p99 ITL flat at 94-95 % of the limit from 18 to 21 requests, 22 % over at 38: the line from
+    21 to 38 would aim at 24 (then 26, 27, ...: the creep seen in the search benchmark); the bend
+    sends the next step to the middle of the bracket instead."""
+    bound = slo_bounds([_point(0, 38, 0.2185), _point(1, 18, -0.048), _point(2, 21, -0.056)])[
+        (("chunked_prefill_size", 8192),)]
+    assert (bound.safe, bound.broken) == (21, 38)
+    assert bound.next_count() == 29
+    # a line that keeps rising at the secant's rate is still interpolated
+    straight = slo_bounds([_point(0, 40, 0.2), _point(1, 20, -0.2), _point(2, 30, 0.0 - 1e-9)])[
+        (("chunked_prefill_size", 8192),)]
+    assert straight.next_count() == 31
+
+
 def test_a_break_below_a_safe_window_is_noise_and_does_not_close_the_bracket() -> None:
     bound = slo_bounds([_point(0, 30, 0.01), _point(1, 32, -0.02), _point(2, 40, 0.3)])[(("chunked_prefill_size", 8192),)]
     assert (bound.safe, bound.broken, bound.broken_trial) == (32, 40, 2)

@@ -30,7 +30,9 @@ latency grows about linearly with requests in flight) and solved for ``1 − AIM
 limit itself once a safe window is within that margin); when the
 fit says nothing useful (fewer than two points, a flat or falling slope, an estimate outside the
 bracket) the step is a bisection (geometric without a safe point, since latencies fall at least to
-one running request's).
+one running request's). Once two safe windows show the curve bending up toward the broken one
+(latency near the boundary rises far slower than the line to the break says), a line from the safe
+side would land short every time; the step is a bisection there too (``SLOBound._convex``).
 """
 
 from __future__ import annotations
@@ -113,12 +115,29 @@ class SLOBound(BaseModel):
         if self.broken is None or self.converged:
             return None
         lo, hi = self.safe, self.broken
-        estimate = self._interpolate()
+        estimate = None if self._convex() else self._interpolate()
         if estimate is None or not lo < estimate < hi:
             estimate = (lo + hi) / 2 if lo > 0 else hi / 4
         count = int(math.floor(estimate))
         count = max(int(lo) + 1, min(int(math.ceil(hi)) - 1, count))
         return max(1, count)
+
+    def _convex(self) -> bool:
+        """Whether the two safe windows nearest the boundary show latency rising at less than half
+        the rate of the line from the nearest one to the broken window: the curve bends up between
+        them (queueing near saturation, or a cliff such as a batch that leaves the CUDA graphs),
+        so a line from the safe side lands short of the boundary every time and the bracket
+        creeps up a few requests per launch; bisection halves it instead."""
+        safe = sorted((p for p in self.points if p.slo <= 0), key=lambda p: p.running_requests)[-2:]
+        broken = [p for p in self.points if p.slo > 0 and p.running_requests == self.broken]
+        if len(safe) < 2 or not broken:
+            return False
+        (a, b), c = safe, broken[0]
+        if b.running_requests <= a.running_requests or c.running_requests <= b.running_requests:
+            return False
+        rising = (b.slo - a.slo) / (b.running_requests - a.running_requests)
+        secant = (c.slo - b.slo) / (c.running_requests - b.running_requests)
+        return rising < 0.5 * secant
 
     def _interpolate(self) -> float | None:
         """Running requests where the latency ratio ``slo + 1`` reaches ``1 − AIM_MARGIN``, from
