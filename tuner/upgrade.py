@@ -20,17 +20,28 @@ of the new version is compared with. Nothing is persisted.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuner.errors import FlagError
+from tuner.config import TunerConfig
+from tuner.errors import ConfigError, FlagError
 from tuner.results import StoredStudy, TrialView, best_trial
+from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
-from tuner.study.fingerprint import FINGERPRINT_ATTR, LAYOUT_FLAGS, STRUCTURAL_FLAGS, Fingerprint, parse_fingerprint
+from tuner.study.fingerprint import (
+    FINGERPRINT_ATTR,
+    LAYOUT_FLAGS,
+    STRUCTURAL_FLAGS,
+    Fingerprint,
+    parse_fingerprint,
+    start_facts,
+)
 
-__all__ = ["FlagChange", "UpgradeCheck", "MEMORY_DEFAULTS", "flag_changes", "plan_upgrade"]
+__all__ = ["FlagChange", "UpgradeCheck", "BootResult", "MEMORY_DEFAULTS", "flag_changes", "plan_upgrade", "boot",
+           "in_window"]
 
 MEMORY_DEFAULTS = ("mem_fraction_static", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens",
                    "cuda_graph_max_bs", "max_total_tokens", "schedule_conservativeness", "hicache_ratio",
@@ -201,3 +212,167 @@ def plan_upgrade(stored: StoredStudy, old: FlagTable, new: FlagTable, view: Tria
     return UpgradeCheck(study=stored.name, trial=view.number, from_version=old.version, to_version=new.version,
                         changes=changes, argv=argv, new_argv=_renamed_argv(argv, changes, old, new),
                         fingerprint=stored_fp.fingerprint if stored_fp is not None else None)
+
+
+class BootResult(BaseModel):
+    """One start of the best flags on the new version (``--boot``), beside the fingerprint.
+
+    Attributes:
+        argv: The command that was started.
+        outcome: ``ok`` or ``failed`` (the record's).
+        failure: The failure's class and evidence, if it failed.
+        token_capacity: ``max_total_num_tokens`` on the new version (tokens).
+        context_capacity: Its context capacity (requests).
+        free_gib_after_graphs: Free GPU memory after graphs (GiB).
+        draft_gib: The draft model's share (GiB), with speculative decoding.
+        before: The same figures from the fingerprint's start of the same flags (or its best), if any.
+        loaded: Whether a short load ran (``--load``).
+        output_throughput_tok_s: Its output throughput, when it ran.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    argv: list[str]
+    outcome: str
+    failure: str | None = None
+    token_capacity: int | None = None
+    context_capacity: int | None = None
+    free_gib_after_graphs: float | None = None
+    draft_gib: float | None = None
+    before: dict[str, Any] = Field(default_factory=dict)
+    loaded: bool = False
+    output_throughput_tok_s: float | None = None
+
+    def lines(self) -> list[str]:
+        """The boot's figures beside the fingerprint's, one line each."""
+        if self.outcome != "ok" and self.token_capacity is None:
+            return [f"boot on the new version failed: {self.failure}; the service was restored"]
+        out = ["boot on the new version (the service was restored afterwards):"]
+        for name, unit in (("token_capacity", "tokens"), ("context_capacity", "contexts"),
+                           ("free_gib_after_graphs", "GiB free after graphs"), ("draft_gib", "GiB draft share"),
+                           ("output_throughput_tok_s", "tok/s")):
+            now, was = getattr(self, name), self.before.get(name)
+            if now is None and was is None:
+                continue
+            delta = ""
+            if isinstance(now, (int, float)) and isinstance(was, (int, float)) and was:
+                delta = f" ({(now - was) / abs(was):+.1%})"
+            out.append(f"  {name}: {_fmt(was)} → {_fmt(now)} {unit}{delta}")
+        if self.failure:
+            out.append(f"  it failed on the new version: {self.failure[:200]}")
+        return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def in_window(window: str, now: datetime.time) -> bool:
+    """Whether ``now`` lies in ``window`` (``HH:MM-HH:MM``, local time; it may wrap midnight).
+
+    Raises:
+        ConfigError: ``window`` is not ``HH:MM-HH:MM``.
+    """
+    try:
+        start, end = (datetime.time.fromisoformat(part.strip()) for part in window.split("-", 1))
+    except ValueError as err:
+        raise ConfigError(f"--window {window!r} is not HH:MM-HH:MM", hint="pass e.g. --window 02:00-04:00") from err
+    return start <= now <= end if start <= end else (now >= start or now <= end)
+
+
+def _on_new_version(argv: Sequence[str], *, python: str | None, version: str | None) -> list[str]:
+    """The command on the other installation: its Python as the interpreter (a command run as
+    ``PYTHON -m ...``), or the simulator's ``--sim-version`` standing in for a version."""
+    out = list(argv)
+    if version is not None and any("tuner.sim" in w for w in out):
+        if "--sim-version" in out:
+            out[out.index("--sim-version") + 1] = version
+        else:
+            out += ["--sim-version", version]
+    if python is not None and len(out) > 1 and out[1] == "-m":
+        out[0] = python
+    return out
+
+
+def _before(check: UpgradeCheck, params: dict[str, Any], view: TrialView) -> dict[str, Any]:
+    """The best trial's figures on the current version: its record, and its start's facts in the
+    fingerprint (the draft's share)."""
+    record = view.record
+    out: dict[str, Any] = {} if record is None else {
+        "token_capacity": record.token_capacity, "context_capacity": record.context_capacity,
+        "free_gib_after_graphs": record.free_gib_after_graphs}
+    if check.fingerprint is None:
+        return out
+    starts = [s for s in check.fingerprint.starts if s.outcome == "ok"]
+    same = next((s for s in starts if s.params == params), None) or next((s for s in starts if s.trial == check.trial), None)
+    if same is not None:
+        out["draft_gib"] = same.draft_gib
+    return out
+
+
+def boot(config: TunerConfig, stored: StoredStudy, check: UpgradeCheck, old: FlagTable, new: FlagTable, *,
+         python: str | None, version: str | None, load: bool = False) -> BootResult:
+    """Start the best flags once on the new version, under the unit's lock and state file, and
+    restore the service (:meth:`tuner.launch.base.GuardedLauncher.session`, as ``tuner run`` does
+    for a trial): one boot probe (the trial's start and probe), or with ``load`` one short load
+    (the config's ``[budget]`` phases). Nothing is stored in the study.
+
+    Raises:
+        LaunchError: A service check fails (before the lock: nothing changed).
+        LockHeldError: Another tuner holds the unit.
+        FlagError: A flag of the command was removed in the new version (nothing changed).
+    """
+    from tuner.entrypoints import resolve_environment, resolve_gpu_monitor, resolve_launcher
+    from tuner.preflight import check_service
+    from tuner.study.job import TrialJob
+    from tuner.trial import TrialExecutor
+
+    gpu = resolve_gpu_monitor(config)
+    launcher = resolve_launcher(config, gpu=gpu)
+    current = launcher.current_argv()
+    renamed = _renamed_argv(current, flag_changes(current, old, new, ()), old, new)
+    if renamed is None:
+        removed = [c.line() for c in flag_changes(current, old, new, ()) if c.change == "removed"]
+        raise FlagError(f"the service's command cannot start on SGLang {new.version}: {'; '.join(removed)}",
+                        hint="drop the flag from the unit's command first; nothing was changed")
+    argv = _on_new_version(renamed, python=python, version=version)
+    check_service(launcher)
+    view = stored.trial(check.trial)
+    params = dict(view.params)
+    context_tokens = (stored.info.context_tokens if stored.info else None) or config.objective.context_tokens or 1
+    with launcher.session():
+        work_dir = launcher.store.fresh_work_dir()
+        try:
+            environment = resolve_environment(config, argv, new, gpu)
+            server = _NewVersionServer(config, launcher, gpu=gpu, environment=environment, argv=argv)
+            job = TrialJob(number=0, kind="sampled", params=params, context_tokens=context_tokens,
+                           capacity_floor=0 if load else 2**31)
+            record = TrialExecutor(config, server, new, work_dir=work_dir).run(job, lambda *_a: None)
+        finally:
+            launcher.store.drop_work_dir()
+    facts = start_facts(0, record)
+    failure = None
+    if record.failure_class is not None:
+        failure = f"{record.failure_class.value}: {record.failure_evidence or ''}".strip()
+    return BootResult(argv=list(record.argv) or argv, outcome=record.outcome, failure=failure,
+                      token_capacity=record.token_capacity, context_capacity=record.context_capacity,
+                      free_gib_after_graphs=record.free_gib_after_graphs,
+                      draft_gib=facts.draft_gib if facts else None, before=_before(check, params, view),
+                      loaded=load and not record.memory.probe_only,
+                      output_throughput_tok_s=record.output_throughput_tok_s if load and record.outcome == "ok" else None)
+
+
+class _NewVersionServer(LaunchedServer):
+    """The service on the new version: :class:`tuner.served.LaunchedServer` whose command is the
+    new installation's (the trial renders the best flags into it with the new flag table)."""
+
+    def __init__(self, config: TunerConfig, launcher: Any, *, gpu: Any, environment: dict[str, Any],
+                 argv: list[str]) -> None:
+        super().__init__(config, launcher, gpu=gpu, environment=environment)
+        self._new_argv = list(argv)
+
+    def baseline_argv(self) -> list[str]:
+        """The new installation's command (not the unit's current one)."""
+        return list(self._new_argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Annotated
 
 import typer
@@ -45,26 +46,43 @@ def upgrade_check_cmd(
     version: Annotated[str | None, typer.Option("--version", help="Another SGLang version, from the bundled flag tables (the simulator stands in for it).")] = None,
     study: StudyOpt = None,
     storage: StorageOpt = None,
+    boot: Annotated[bool, typer.Option("--boot", help="Consent: start the best flags once on the new version (the unit's lock, restored afterwards, as a trial); needs --config.")] = False,
+    window: Annotated[str | None, typer.Option("--window", help="Only boot inside this local-time window, HH:MM-HH:MM (e.g. 02:00-04:00).")] = None,
+    load: Annotated[bool, typer.Option("--load", help="With --boot: one short load after the boot probe ([budget] phases).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Report the flags of the study's best config that another SGLang installation renamed,
-    removed, deprecated or changed the default of, beside the deployment's fingerprint. Changes
-    nothing and stores nothing."""
+    removed, deprecated or changed the default of, beside the deployment's fingerprint. With
+    --boot, start those flags once on the new version and print capacity, free memory after
+    graphs and the draft's share beside the fingerprint; the service is restored. Nothing is stored."""
+    from tuner.config import load_config
     from tuner.errors import ConfigError
     from tuner.report import tables
     from tuner.sglang.flags import FlagTable
-    from tuner.upgrade import plan_upgrade
+    from tuner.upgrade import boot as boot_new
+    from tuner.upgrade import in_window, plan_upgrade
 
     if (python is None) == (version is None):
         raise ConfigError("upgrade-check needs exactly one of --python and --version",
                           hint="pass --python /opt/sglang-new/bin/python (or --version 0.5.23 for a bundled table)")
+    if (window is not None or load) and not boot:
+        raise ConfigError("--window and --load only apply with --boot", hint="add --boot to start the new version once")
+    if boot and config is None:
+        raise ConfigError("--boot needs --config (the service to start)", hint="pass --config tuner.toml")
     stored = open_stored_study(study, storage, config)
     recorded = (stored.info.environment if stored.info else {}).get("sglang_version")
     old = FlagTable.for_version(str(recorded or FlagTable.bundled_versions()[0]))
     new = FlagTable.from_python(python) if python else FlagTable.for_version(str(version))
     check = plan_upgrade(stored, old, new)
+    result = None
+    if boot:
+        assert config is not None
+        if window is not None and not in_window(window, datetime.datetime.now().time()):
+            raise ConfigError(f"now ({datetime.datetime.now():%H:%M}) is outside the window {window}: nothing was started",
+                              hint="run it inside the window, or pass another --window")
+        result = boot_new(load_config(config), stored, check, old, new, python=python, version=version, load=load)
     if as_json:
-        print(tables.json_text(check.model_dump(mode="json")))
+        print(tables.json_text({**check.model_dump(mode="json"), "boot": result.model_dump(mode="json") if result else None}))
     else:
-        for line in check.lines():
+        for line in check.lines() + (result.lines() if result else []):
             print(line)
