@@ -26,6 +26,12 @@ from tuner.study.warm import WARM_ATTR, WarmStart
 SCENARIO = "70B tp4 on H100, 8k contexts"
 
 
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Studies' artifacts (``studies/<study>/artifacts``) land in the test's folder."""
+    monkeypatch.chdir(tmp_path)
+
 def _config(name: str | None = None, *, workload: dict[str, Any] | None = None,
             replace: dict[str, str] | None = None) -> TunerConfig:
     cfg = with_seed(scenarios()[SCENARIO]["config"], 0)
@@ -79,6 +85,8 @@ def test_a_study_stores_its_fingerprint_and_the_next_one_on_the_deployment_start
     proc = run_tuner("fingerprints", "--storage", url)
     assert proc.returncode == 0
     assert "1x H100-80GB" in proc.stdout and "first" in proc.stdout and "from first (same)" in proc.stdout
+    studies = run_tuner("studies", "--storage", url)
+    assert studies.returncode == 0 and "from first (same)" in studies.stdout
 
 
 def test_another_workload_reuses_the_memory_facts_and_proposes_the_frontier_first(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from tuner.report.tables import warm_text
 from tuner.study.fingerprint import StoredFingerprint
 from tuner.study.storage import display_url
 
@@ -69,13 +70,10 @@ def fingerprints_view(rows: Sequence[Mapping[str, Any]]) -> RenderableType:
         for row in items:
             f = row["figures"]
             graphs = ", ".join(f"{v}@{k}" for k, v in f["graph_gib_per_bs"].items()) or "-"
-            warm = row.get("warm_start") or {}
-            warm_text = (f"from {warm['source']} ({warm.get('level')})" if warm.get("source")
-                         else ("none" if warm else "-"))
             table.add_row(Text(str(row["study"])), f"{f['launches']} ({f['failed']} failed)", _num(f["baseline_gib"]),
                           _num(f["weight_gib"]), _num(f["cell_bytes"], "{:.0f}"), _num(f["tokens_per_hundredth"], "{:,}"),
                           graphs, _num(f["draft_gib"]), _num(f["host_pool_gb_per_rank"]), _num(f["model_error_gib"]),
-                          Text(warm_text))
+                          Text(warm_text(row.get("warm_start"))))
         parts.append(table)
     if not parts and not error_lines(rows):
         parts.append(Text("no fingerprints: no study in these storages has launched a trial yet"))
