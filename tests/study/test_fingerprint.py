@@ -7,6 +7,7 @@ its rendered command line); ``tuner fingerprints`` runs as the installed script.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,13 @@ def test_a_study_stores_its_fingerprint_and_the_next_one_on_the_deployment_start
     best_capacity = max(r.context_capacity or 0 for _, r in first_rows)
     assert record.context_capacity == best_capacity, (record.context_capacity, best_capacity)
     assert warm.sampler_trials > 0 and warm.checks_gib
+
+    # a resumed run re-applies the stored warm start: nothing is looked up or enqueued again
+    _run(_config("second"), url, trials=2)
+    again = _study(url, "second")
+    assert WarmStart.model_validate(again.user_attrs[WARM_ATTR]) == warm
+    enqueued = [t for t in again.trials if "the best config of study first" in str(t.user_attrs.get("tuner.prediction"))]
+    assert len(enqueued) == 1, [t.number for t in enqueued]
 
     proc = run_tuner("fingerprints", "--storage", url)
     assert proc.returncode == 0
@@ -170,3 +178,16 @@ def test_the_fingerprint_reads_a_start_of_the_stored_record(tmp_path: Path) -> N
     fp = Fingerprint.model_validate(study.user_attrs[FINGERPRINT_ATTR])
     assert record is not None and fp.starts[0].token_capacity == record.token_capacity
     assert fp.starts[0].capacity_model == record.memory.capacity_model
+
+
+def test_fingerprints_are_read_across_studies_in_postgresql(postgres_url: str) -> None:
+    _run(_config("pg-first"), postgres_url, trials=3)
+    _, notes = _run(_config("pg-second"), postgres_url, trials=2)
+    assert any(n.startswith("warm start from study pg-first") for n in notes), notes
+    proc = run_tuner("fingerprints", "--storage", postgres_url, "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["study"]: row for row in json.loads(proc.stdout)}
+    assert set(rows) == {"pg-first", "pg-second"}
+    assert rows["pg-second"]["warm_start"]["source"] == "pg-first"
+    assert rows["pg-first"]["figures"]["cell_bytes"] == rows["pg-second"]["figures"]["cell_bytes"]
+    assert "tuner-test-pw" not in proc.stdout  # the password never shows

@@ -423,12 +423,13 @@ def _differs(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
 def compare(stored: DeploymentKey, current: DeploymentKey) -> Match:
     """Whether ``stored``'s facts describe the ``current`` deployment.
 
-    Another GPU (model, memory or count), another model (name or ``config.json``), another parallel
+    Another GPU (model, memory or count; a fact one side does not know is not compared), another model (name or ``config.json``), another parallel
     layout or other structural flags: :data:`MATCH_NONE`, with the first difference named. Then
     another SGLang version or driver: :data:`MATCH_VERSION` (the free memory at the baseline, the
     graphs, the draft's budget and the model's error move with them). Else :data:`MATCH_SAME`.
     """
-    if (stored.gpu_name, stored.gpu_count) != (current.gpu_name, current.gpu_count) or (
+    counts = stored.gpu_count and current.gpu_count and stored.gpu_count != current.gpu_count
+    if stored.gpu_name != current.gpu_name or counts or (
             stored.gpu_total_mib and current.gpu_total_mib and abs(stored.gpu_total_mib - current.gpu_total_mib) > 1):
         return Match(level=MATCH_NONE, reason=f"other GPU ({stored.gpu_count or 1}x {stored.gpu_name} vs "
                                               f"{current.gpu_count or 1}x {current.gpu_name})")

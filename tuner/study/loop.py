@@ -319,9 +319,10 @@ class StudyRun:
         models' settings start from its checks; the sampler gets its measured trials."""
         opened = self._opened()
         baseline = self.summary.baseline
-        prior = warm_start(opened.study, self.summary.storage_url, opened.deployment, workload=opened.workload,
-                           baseline=baseline[1] if baseline else None, config=self.config, space=self.space(),
-                           fresh=is_fresh(self.finished()))
+        with self.claim(reap=False):  # hosts starting together: one looks up and enqueues, the others read it
+            prior = warm_start(opened.study, self.summary.storage_url, opened.deployment, workload=opened.workload,
+                               baseline=baseline[1] if baseline else None, config=self.config, space=self.space(),
+                               fresh=is_fresh(self.finished()))
         self.opened = dataclasses.replace(opened, prior=prior, settings=prior.settings(opened.settings, self.space()))
         self.view = None
         if prior.warm.source is not None or prior.warm.not_used:  # nothing found: nothing to say
@@ -452,8 +453,13 @@ class StudyRun:
         record = opened.recorder.tell(trial, record)
         self.view = None
         if record.outcome in ("ok", "failed"):  # the deployment's fingerprint, with this start's facts
-            save_fingerprint(opened.study, fingerprint_of(self.config.study.name, opened.deployment, self.finished(),
-                                                          workload=opened.workload, context_tokens=opened.context_tokens))
+            fingerprint = fingerprint_of(self.config.study.name, opened.deployment, self.finished(),
+                                         workload=opened.workload, context_tokens=opened.context_tokens)
+            try:
+                with impatient():  # for later studies only: a run never waits for the database for it
+                    save_fingerprint(opened.study, fingerprint)
+            except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+                _log.warning("trial %d: fingerprint not stored: %s", trial.number, db_reason(err))
         self.progress.trial_end(job, record)
         return record
 

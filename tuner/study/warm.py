@@ -267,12 +267,13 @@ def _stored(study: optuna.Study) -> WarmStart | None:
         return WarmStart(reason="the stored warm start is unreadable: nothing reused")
 
 
-def _resumed(warm: WarmStart, url: str, space: Space) -> Prior:
-    """A resumed run's prior: the stored warm start, and its sampler trials read again."""
+def _resumed(warm: WarmStart, url: str, study_name: str, space: Space) -> Prior:
+    """A resumed run's prior: the stored warm start, and its sampler trials read again (left out,
+    with a log line, when the earlier study cannot be read any more)."""
     trials: tuple[FrozenTrial, ...] = ()
     if warm.source is not None and warm.sampler_trials and warm.source_storage is not None:
         try:
-            for candidate in (url, *candidate_urls(url, warm.source)):
+            for candidate in candidate_urls(url, study_name):
                 if display_url(candidate) == warm.source_storage:
                     trials = _sampler_trials(optuna.load_study(study_name=warm.source, storage=read_storage(candidate)),
                                              space)
@@ -302,7 +303,7 @@ def warm_start(study: optuna.Study, url: str, key: DeploymentKey, *, workload: s
     """
     stored = _stored(study)
     if stored is not None:
-        return _resumed(stored, url, space)
+        return _resumed(stored, url, config.study.name, space)
     if not fresh:
         return Prior(warm=WarmStart(reason="the study has launched trials of its own"))
     found = _read_all(candidate_urls(url, config.study.name), config.study.name)
@@ -316,7 +317,10 @@ def warm_start(study: optuna.Study, url: str, key: DeploymentKey, *, workload: s
             not_used.append(f"study {stored_fp.study}: {match.reason}")
         else:
             usable.append((u, stored_fp, match))
-    warm = _choose(study, usable, not_used, workload=workload, baseline=baseline, config=config, space=space)
+    try:
+        warm = _choose(study, usable, not_used, workload=workload, baseline=baseline, config=config, space=space)
+    except (StudyError, KeyError) as err:  # the earlier study went away between the two reads
+        warm = Prior(warm=WarmStart(reason=f"the matching study could not be read: {err}", not_used=not_used))
     study.set_user_attr(WARM_ATTR, warm.warm.model_dump(mode="json"))
     return warm
 
