@@ -191,3 +191,24 @@ def test_fingerprints_are_read_across_studies_in_postgresql(postgres_url: str) -
     assert rows["pg-second"]["warm_start"]["source"] == "pg-first"
     assert rows["pg-first"]["figures"]["cell_bytes"] == rows["pg-second"]["figures"]["cell_bytes"]
     assert "tuner-test-pw" not in proc.stdout  # the password never shows
+
+
+class _OtherDriver(OfflineExecutor):
+    """The same simulated deployment reported under another NVIDIA driver."""
+
+    def environment(self) -> dict[str, Any]:
+        return {**super().environment(), "driver_version": "575.57.08"}
+
+
+def test_a_driver_change_whose_figures_all_hold_transfers_the_memory_model_only(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/s.db"
+    _run(_config("before"), url, trials=4)
+    cfg = _config("after")
+    runner = _OtherDriver(cfg, world_seed=0)
+    run_study(cfg, runner, max_trials=2, storage_url=url)
+    warm = WarmStart.model_validate(_study(url, "after").user_attrs[WARM_ATTR])
+    assert warm.level == "version" and "driver simulated vs 575.57.08" in warm.reason
+    assert not warm.moved and warm.references and warm.enqueued is None and warm.sampler_trials == 0
+    assert any("every figure holds" in line for line in warm.reused), warm.reused
+    planned = runner.history[1][1]
+    assert planned.kind == "predicted" and (planned.prediction.calibrated_on_trial or 0) < 0

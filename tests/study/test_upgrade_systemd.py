@@ -35,6 +35,7 @@ def _snapshot(box: SystemdSandbox, unit: str) -> tuple[dict[str, str], dict[str,
 def test_boot_on_the_new_version_restores_the_unit_and_a_refusal_changes_nothing(
         systemd_sandbox: SystemdSandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     box = systemd_sandbox
+    box.require_real()  # MainPID and the unit's drop-ins as real systemd keeps them
     monkeypatch.chdir(tmp_path)
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -18,9 +18,12 @@ storage, the other ``studies/*.db`` files too) and takes the best match
   as the first proposal (Optuna's ``enqueue_trial``; measured here, never copied as a result), and
   its measured trials are added to the sampler's in-memory study as prior knowledge (Optuna's
   ``add_trials``, :meth:`tuner.study.decide.sampler.ProposalMirror.add_prior`).
-- **The same GPU, model, layout and flags on another SGLang version or driver**: what the version
-  sets (``B``, graph memory, the draft's budget, the model's error) is not transferred; the study
-  says which of the earlier figures still hold against its own baseline, and which moved.
+- **The same GPU, model, layout and flags on another SGLang version or driver**: the study checks
+  each earlier figure against its own baseline (``B``, weights, bytes per KV token, the graphs at
+  the same captured batch, the draft's share) and says which hold and which moved. Only when every
+  one holds (the graphs compared) are the memory model's references and checks transferred; a
+  moved figure means the version changed the decomposition, and nothing of the model is. Measured
+  values never transfer across versions.
 - **Anything else** (another GPU, another model, another layout or flags): never used; the study
   says why. A corrupt or foreign fingerprint is one line, and is never used either.
 
@@ -341,8 +344,20 @@ def _choose(study: optuna.Study, usable: list[tuple[str, StoredFingerprint, Matc
         common = WarmStart(source=fp.study, source_storage=display_url(u), level=match.level,
                            not_used=not_used, moved=moved, reason=match.reason or "the same deployment")
         if match.level == MATCH_VERSION:
-            return Prior(warm=common.model_copy(update={"reused": [
-                f"still holds: {', '.join(held)}" if held else "no figure (each moved with the version)"]}))
+            graphs = any(line.startswith("graphs at bs") for line in held)
+            if moved or not graphs:  # the version moved a figure, or the graphs could not be compared
+                return Prior(warm=common.model_copy(update={"reused": [
+                    f"nothing of the memory model; still holds: {', '.join(held)}" if held
+                    else "nothing (each figure moved with the version)"]}))
+            # every figure holds on this baseline (B, weights, KV cell, graphs, draft): the memory
+            # model's references and checks do too; measured values do not (another version)
+            checks = [round(c, 4) for c in fp.over_predictions_gib()]
+            return Prior(warm=common.model_copy(update={
+                "reused": [f"{', '.join(held)} (every figure holds on this baseline)",
+                           f"{len(fp.calibrated)} calibrated starts as reference points of the memory model",
+                           *([f"the memory model's measured error ({len(checks)} checks)"] if checks else []),
+                           "no measured values (another version)"],
+                "checks_gib": checks, "references": fp.calibrated}))
         checks = [round(c, 4) for c in fp.over_predictions_gib()]
         reused = [f"{', '.join(held)} (checked on this baseline)"]
         if checks:
