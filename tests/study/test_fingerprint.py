@@ -109,6 +109,7 @@ def test_another_workload_reuses_the_memory_facts_and_proposes_the_frontier_firs
     # its first planned launch is calibrated on an earlier study's start (numbered -1 - n)
     planned = other[1][1]
     assert planned.kind == "predicted" and (planned.prediction.calibrated_on_trial or 0) < 0
+    assert "started warm from" in (planned.prediction.why or "")
 
 
 def test_a_fingerprint_of_another_gpu_or_model_is_never_used_and_the_study_says_why(tmp_path: Path) -> None:
