@@ -15,7 +15,7 @@ from rich.markup import escape
 
 # Importing a command module registers its commands; this order is the order of `tuner --help`.
 # isort: off
-from tuner.cli import sim, explain, service, load, run, results, apply  # noqa: F401
+from tuner.cli import sim, explain, service, load, run, results, apply, fingerprint  # noqa: F401
 # isort: on
 from tuner.cli.common import app, console, err_console
 from tuner.errors import TunerError

@@ -29,8 +29,9 @@ from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialVie
 from tuner.study.best import max_running_requests_cut
 from tuner.study.space import KNOBS
 from tuner.study.storage import display_url
+from tuner.study.warm import WARM_ATTR
 
-__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'applies_table', 'apply_result']
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'warm_text', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
@@ -465,6 +466,7 @@ def studies_rows(
                     "model": (info.get("environment") or {}).get("model")
                     if isinstance(info, dict)
                     else None,
+                    "warm_start": summary.user_attrs.get(WARM_ATTR),
                 }
             )
     return rows
@@ -473,7 +475,7 @@ def studies_rows(
 def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: str) -> Table:
     """``tuner studies``: name, trials, started, and the tuner's target of each study."""
     table = Table(title=f"studies in {display_url(storage_url)}", header_style="bold")
-    for header in ("study", "trials", "started", "target", "model"):
+    for header in ("study", "trials", "started", "target", "model", "warm start"):
         table.add_column(header, justify="right" if header == "trials" else "left")
     for summary in summaries:
         info = summary.user_attrs.get("tuner.study") or {}
@@ -488,8 +490,16 @@ def studies_table(summaries: Sequence[optuna.study.StudySummary], storage_url: s
             started,
             _text(str(shown or target.get("url") or "-")),
             _text(str(env.get("model") or "-")),
+            _text(warm_text(summary.user_attrs.get(WARM_ATTR))),
         )
     return table
+
+
+def warm_text(warm: Any) -> str:
+    """A study's warm start in a few words (:mod:`tuner.study.warm`): ``from X (same)``, ``none``, ``-``."""
+    if not isinstance(warm, dict):
+        return "-"
+    return f"from {warm['source']} ({warm.get('level')})" if warm.get("source") else "none"
 
 
 # ---- applies -----------------------------------------------------------------------------

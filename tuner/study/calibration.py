@@ -64,6 +64,13 @@ class ModelSettings:
             model has been checked against a start (the first extrapolation from the baseline).
         min_margin_gib: The least extra GiB once predictions have been checked.
         sglang_version: The SGLang version (its CUDA-graph capture rules), or ``None`` (0.5.5's).
+        prior_checks_gib: Checks of the memory model made by an earlier study of the same
+            deployment (predicted − measured free memory after graphs, GiB; the warm start,
+            :mod:`tuner.study.warm`): they count as this study's own in :func:`margin_for`.
+        prior_points: Starts of an earlier study of the same deployment as reference points of the
+            memory model only (their pool, graphs and reserve at their knobs hold here; their
+            capacity, peak and feasibility are another workload's, so they are no incumbent and
+            size no headroom need); numbered ``-1 - n`` for the earlier study's trial ``n``.
     """
 
     context_tokens: int
@@ -75,6 +82,8 @@ class ModelSettings:
     margin_gib: float = 0.25
     min_margin_gib: float = 0.05
     sglang_version: str | None = None
+    prior_checks_gib: tuple[float, ...] = ()
+    prior_points: tuple[Point, ...] = ()
 
     @classmethod
     def for_config(cls, config: TunerConfig, context_tokens: int, sglang_version: str | None = None) -> ModelSettings:
@@ -178,7 +187,7 @@ class Calibration:
         graphs, coverages = _graph_facts(history, space, settings)
         return cls(
             space=space, settings=settings, points=points, graphs=graphs, coverages=coverages,
-            model_points=points or tuple(_oom_starts(history, space)),
+            model_points=(points or tuple(_oom_starts(history, space))) + settings.prior_points,
             slot_cost_gib=_slot_cost(points, settings),
             margin_gib=margin_for(history, settings),
             oom_frees=tuple(oom_frees),
@@ -466,6 +475,7 @@ def margin_for(history: Sequence[tuple[int, TrialRecord]], settings: ModelSettin
     over = [predicted - measured for _, record in history
             if (predicted := record.prediction.free_gib_after_graphs) is not None
             and (measured := record.free_gib_after_graphs) is not None]
+    over += settings.prior_checks_gib
     if believed_check:
         over.append(0.0)
     if not over:

@@ -19,6 +19,7 @@ to a listener (:class:`tuner.study.progress.RunProgress`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import zlib
@@ -42,6 +43,7 @@ from tuner.study.calibration import ModelSettings
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
+from tuner.study.fingerprint import DeploymentKey, deployment_key, fingerprint_of, save_fingerprint, workload_key
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
     ClaimLock,
@@ -82,6 +84,7 @@ from tuner.study.storage import (
     study_storage_url,
 )
 from tuner.study.view import RecordCache, StudyView
+from tuner.study.warm import Prior, is_fresh, warm_start
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "StudyRun", "run_study"]
 
@@ -120,6 +123,9 @@ class _Opened:
     context_tokens: int
     settings: ModelSettings
     records: RecordCache
+    deployment: DeploymentKey
+    workload: str
+    prior: Prior | None = None
 
 
 class StudyRun:
@@ -187,6 +193,7 @@ class StudyRun:
         with storage_errors(self.summary.storage_url):
             opened = self.open()
             self.summary.baseline = self.baseline()
+            self.warm_start()
             decider, sampler = self.decider(self.space())
             try:
                 while not self.stopped and self.can_continue():
@@ -242,7 +249,9 @@ class StudyRun:
         self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
                               environment=environment, context_tokens=context_tokens,
                               settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
-                              records=RecordCache())
+                              records=RecordCache(),
+                              deployment=deployment_key(environment, self.runner.baseline_argv(), config),
+                              workload=workload_key(config, context_tokens))
         if self.options.budget_s is not None:
             require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
         return self.opened
@@ -299,9 +308,25 @@ class StudyRun:
         seed = self.config.study.seed + (zlib.crc32(self.summary.host.encode()) % 1_000_003 if opened.shared else 0)
         mirror = ProposalMirror(opened.study.directions, make_sampler(self.config.study.sampler, seed), space,
                                 self.summary.host)
+        if opened.prior is not None and opened.prior.trials:
+            mirror.add_prior(opened.prior.trials)
         return build_chain(self.config, mirror, read_host=self.runner.host_memory,
                            version=str(opened.environment.get("sglang_version") or "0.5.5"),
                            argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw)
+
+    def warm_start(self) -> None:
+        """Reuse another study's fingerprint of this deployment (:mod:`tuner.study.warm`): the
+        models' settings start from its checks; the sampler gets its measured trials."""
+        opened = self._opened()
+        baseline = self.summary.baseline
+        with self.claim(reap=False):  # hosts starting together: one looks up and enqueues, the others read it
+            prior = warm_start(opened.study, self.summary.storage_url, opened.deployment, workload=opened.workload,
+                               baseline=baseline[1] if baseline else None, config=self.config, space=self.space(),
+                               fresh=is_fresh(self.finished()))
+        self.opened = dataclasses.replace(opened, prior=prior, settings=prior.settings(opened.settings, self.space()))
+        self.view = None
+        if prior.warm.source is not None or prior.warm.not_used:  # nothing found: nothing to say
+            self.progress.note(None, prior.warm.line())
 
     # ---- one step: decide, claim ------------------------------------------------------------------
 
@@ -424,8 +449,17 @@ class StudyRun:
     def record(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> TrialRecord:
         """Tell ``record`` (:meth:`tuner.study.record.Recorder.tell`), read the study afresh, tell
         the listener."""
-        record = self._opened().recorder.tell(trial, record)
+        opened = self._opened()
+        record = opened.recorder.tell(trial, record)
         self.view = None
+        if record.outcome in ("ok", "failed"):  # the deployment's fingerprint, with this start's facts
+            fingerprint = fingerprint_of(self.config.study.name, opened.deployment, self.finished(),
+                                         workload=opened.workload, context_tokens=opened.context_tokens)
+            try:
+                with impatient():  # for later studies only: a run never waits for the database for it
+                    save_fingerprint(opened.study, fingerprint)
+            except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+                _log.warning("trial %d: fingerprint not stored: %s", trial.number, db_reason(err))
         self.progress.trial_end(job, record)
         return record
 

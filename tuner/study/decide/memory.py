@@ -143,6 +143,7 @@ def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: fro
                 why = "same capacity band with more request slots (shorter requests alongside)"
             else:
                 why = "same capacity band with another " + changed_knobs(base_family, family)
+            why += _warm_note(ref)
             # A higher predicted capacity first (the highest, whichever knobs reach it), then the
             # incumbent's own knobs before a neighbour's.
             order = (0 if capacity > best_capacity else 1, -capacity if capacity > best_capacity else 0, rank, -capacity)
@@ -155,6 +156,12 @@ def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: fro
         return None
     proposals.sort(key=lambda item: item[0])
     return proposals[0][1]
+
+
+def _warm_note(ref: Point) -> str:
+    """What a proposal says when a warm start's reference point (numbered ``-1 - n``,
+    :mod:`tuner.study.warm`) predicted it; ``""`` for this study's own trials."""
+    return f" (memory model of trial {-1 - ref.number} of the study this one started warm from)" if ref.number < 0 else ""
 
 
 def _slo_blocks(cal: Calibration, family: Family, bound: SLOBound | None, mrr: int, tokens: int) -> bool:

@@ -170,6 +170,14 @@ class ProposalMirror:
                 self._end_running(trial.number)
                 self._copied.add(trial.number)
 
+    def add_prior(self, trials: Iterable[FrozenTrial]) -> int:
+        """Add an earlier study's measured trials as the sampler's prior knowledge (Optuna's
+        ``add_trials``; the warm start, :mod:`tuner.study.warm`): they shape its proposals and are
+        never told to the shared study. Returns how many were added."""
+        prior = [self._complete(t) for t in trials]
+        self.study.add_trials(prior)
+        return len(prior)
+
     def ask(self) -> optuna.Trial:
         """A trial of the mirror for the sampler to fill (``Space.suggest``)."""
         return self.study.ask()
