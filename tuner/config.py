@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
+from tuner.load.quality import QualityConfig
 from tuner.load.workloads import WorkloadSpec
 from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
@@ -367,6 +368,7 @@ class TunerConfig(_Section):
     objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
     budget: BudgetSection = Field(default_factory=BudgetSection)
     storage: StorageSection = Field(default_factory=StorageSection)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
     path: str | None = None
 
 
