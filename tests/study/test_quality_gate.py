@@ -128,3 +128,17 @@ def test_a_malformed_task_set_stops_before_any_trial(tmp_path: Path, bad: str) -
     config = _config(tmp_path, fault=False, quality=bad)
     with pytest.raises(QualityError, match="cannot read it"):
         OfflineExecutor(config)
+
+
+def test_a_malformed_evaluation_jsonl_is_one_line_before_the_run_changes_anything(
+        tmp_path: Path, tuner_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default studies/ folder would land here
+    tasks = tmp_path / "eval.jsonl"
+    tasks.write_text('{"question": "What is 2 + 3?", "answer": 5}\n{"question": oops\n', encoding="utf-8")
+    config = _config(tmp_path, fault=False, quality=f"tasks = {json.dumps(str(tasks))}")
+    for args in (("--dry-run",), ("--trials", "1")):
+        proc = tuner_cli("run", "--config", str(config.path), *args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert "eval.jsonl' line 2: not JSON" in line and "one JSON object per line" in line
+    assert not (tmp_path / "studies").exists() and not list(tmp_path.glob("*.db"))  # nothing stored
