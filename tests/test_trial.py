@@ -42,8 +42,9 @@ def _job(params: dict[str, Any] | None = None, **kwargs: Any) -> TrialJob:
 
 def test_a_started_trial_runs_every_phase_and_records_what_the_server_resolved() -> None:
     record, began, _ = _run(_job())
-    assert began == ["render", "start", "probe", "measure", "stress", "record"]
+    assert began == ["render", "start", "probe", "measure", "stress", "quality", "record"]  # the study's reference answers
     assert record.outcome == "ok" and record.feasible
+    assert record.quality.status == "reference" and record.quality.answers and record.constraints["quality"] < 0
     # the baseline's knobs are what SGLang resolved for its command (the scheduler line), not assumed
     assert record.params == {"mem_fraction_static": 0.8, "max_running_requests": 2048, "chunked_prefill_size": 2048}
     assert record.resolved["max_total_num_tokens"] == {"value": 21032, "source": "log:scheduler"}
@@ -71,7 +72,7 @@ def test_a_startup_oom_is_a_failed_record_with_every_constraint_violated() -> No
     record, began, _ = _run(_job({"mem_fraction_static": 0.97}))
     assert began == ["render", "start"]
     assert record.outcome == "failed" and record.failure_class is FailureClass.CUDA_GRAPH_OOM
-    assert record.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0} and not record.feasible
+    assert record.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": 1.0} and not record.feasible
     assert record.token_capacity is None and record.phases == []
     assert record.memory.ranks  # the startup's memory lines, for the memory model's bound
     evidence = record.failure_evidence or ""

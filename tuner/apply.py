@@ -51,6 +51,7 @@ from tuner.records import now_iso
 from tuner.results import StoredStudy, TrialView
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
+from tuner.sglang.numerics import numerics_changes
 from tuner.study.hosts import host_name
 from tuner.study.storage import check_storage, display_url, is_shared_url
 
@@ -504,6 +505,27 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
     return replace_flags(argv, changes, table) if changes else list(argv)
 
 
+def unprobed_numerics(stored: StoredStudy, view: TrialView) -> tuple[list[str], str] | None:
+    """The numerics-relevant flags a trial changes without a quality probe that passed, and why
+    (:mod:`tuner.load.quality`), or ``None`` when it is safe on that count: the baseline's
+    numerics, or a passed gate. A record stored before the gate is read from its command line
+    against the study's baseline command (:func:`tuner.sglang.numerics.numerics_changes`)."""
+    record = view.record
+    if record is None:
+        return None
+    facts = record.quality
+    if facts.status in ("reference", "same", "passed"):
+        return None
+    if facts.status is None:
+        info = stored.info
+        if info is None or not info.baseline_argv or not record.argv:
+            return None
+        table = FlagTable.for_version(str(info.environment.get("sglang_version") or "0.5.5"))
+        changes = numerics_changes(parse_argv(record.argv, table), parse_argv(info.baseline_argv, table))
+        return (changes, "stored before the quality gate") if changes else None
+    return facts.changes, facts.reason or f"quality gate {facts.status}"
+
+
 def _flag_table(stored: StoredStudy, config: Any, argv: list[str]) -> FlagTable:
     """The run's flag table (:func:`tuner.entrypoints.resolve_flag_table`), or the SGLang version the study
     recorded when the config names none."""
@@ -554,6 +576,17 @@ def plan_apply(
         raise ApplyError(
             f"trial {view.number} is not feasible ({why}); applying it would not be safe",
             hint="apply a feasible trial: see `tuner best` or `tuner trials --feasible`",
+        )
+    unprobed = unprobed_numerics(stored, view)
+    if unprobed is not None:
+        changes, why = unprobed
+        path = getattr(config, "path", None) or "FILE"
+        raise ApplyError(
+            f"trial {view.number} changes numerics ({', '.join(changes)}) and its answers were never compared with "
+            f"the baseline's ({why}); applying it could change what the model answers",
+            hint=f"probe it: run the study with [quality] enabled = true (`tuner run --config {path}`), where a "
+                 "numerics change never probed counts as not yet measured, or apply a trial that passed the quality gate "
+                 "(`tuner trials` shows it)",
         )
     settings = service_settings(config, state_dir=state_dir)
     expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
+from tuner.load.quality import QualityConfig
 from tuner.load.workloads import WorkloadSpec
 from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
@@ -195,6 +196,8 @@ class SpaceSection(_Section):
         page_size: Choices (optional).
         cuda_graph_max_bs: Choices (optional; rendered per version, §3.2).
         schedule_conservativeness: ``[low, high]`` (optional, §2.4).
+        kv_cache_dtype: Choices (optional; ``fp8_e4m3``/``fp8_e5m2`` change numerics: such a
+            candidate must pass the ``[quality]`` gate).
     """
 
     mem_fraction_static: FloatRange | None = None
@@ -211,6 +214,7 @@ class SpaceSection(_Section):
     page_size: list[int] | None = None
     cuda_graph_max_bs: list[int] | None = None
     schedule_conservativeness: FloatRange | None = None
+    kv_cache_dtype: list[Literal["auto", "fp8_e4m3", "fp8_e5m2"]] | None = None
 
     @field_validator("mem_fraction_static")
     @classmethod
@@ -367,6 +371,7 @@ class TunerConfig(_Section):
     objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
     budget: BudgetSection = Field(default_factory=BudgetSection)
     storage: StorageSection = Field(default_factory=StorageSection)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
     path: str | None = None
 
 

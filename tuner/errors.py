@@ -99,6 +99,11 @@ class StudyError(TunerError):
     """Study storage, budget, resume, or environment problems."""
 
 
+class QualityError(TunerError):
+    """The quality probe cannot run (the server returns no logprobs) or its input is malformed (an
+    evaluation JSONL)."""
+
+
 class ApplyError(TunerError):
     """Applying a trial's config, its verification, rollback or undo failed."""
 

@@ -34,6 +34,7 @@ __all__ = [
     "Prediction",
     "CacheFacts",
     "MeasuredLoad",
+    "QualityFacts",
     "TrialRecord",
     "StudyInfo",
     "context_capacity",
@@ -44,11 +45,18 @@ RECORD_ATTR = "tuner.record"
 """Optuna trial user attribute holding ``TrialRecord.model_dump(mode="json")``."""
 STUDY_ATTR = "tuner.study"
 """Optuna study user attribute holding ``StudyInfo.model_dump(mode="json")``."""
-CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress")
+CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress", "quality")
 """Order of the constraint values Optuna stores for a trial (``trial.set_constraint``):
 ``oom_or_crash`` is 1.0 on any startup/runtime failure else -1.0; ``slo`` is the largest relative
 SLO overshoot (``measured/target - 1``; ≤ 0 when met); ``stress`` is 1.0 when the stress phase
-failed (an OOM, errored requests, a cut load) else -1.0."""
+failed (an OOM, errored requests, a cut load) else -1.0; ``quality`` is 1.0 when the candidate
+changes numerics and its answers failed the quality gate or could not be compared, else -1.0 (a
+record stored before the gate existed has none, and reads -1.0: :data:`BEFORE_GATE`)."""
+
+BEFORE_GATE = {"quality": -1.0}
+"""The value of a constraint added after records were stored without it: a record from before the
+quality gate changed no numerics through the study (``tuner apply`` still refuses a numerics change
+never probed, from its flags and :class:`QualityFacts`)."""
 
 
 class Constraints(BaseModel):
@@ -63,6 +71,7 @@ class Constraints(BaseModel):
         oom_or_crash: 1.0 on any startup or runtime failure, else -1.0.
         slo: The largest relative SLO overshoot (``measured/target - 1``; ≤ 0 when met).
         stress: 1.0 when the stress phase failed (an OOM, errored requests, a cut load), else -1.0.
+        quality: 1.0 when the quality gate failed or could not judge a numerics change, else -1.0.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -70,10 +79,13 @@ class Constraints(BaseModel):
     oom_or_crash: float = 1.0
     slo: float = 1.0
     stress: float = 1.0
+    quality: float = 1.0
 
     @classmethod
     def of(cls, values: Mapping[str, float]) -> Constraints:
-        """The constraints in ``values`` (name → value); a name missing there is violated."""
+        """The constraints in ``values`` (name → value); a name missing there is violated (one of
+        :data:`BEFORE_GATE` reads its value there)."""
+        values = {**BEFORE_GATE, **values}
         return cls(**{name: float(values[name]) for name in CONSTRAINT_NAMES if values.get(name) is not None})
 
     @classmethod
@@ -85,8 +97,10 @@ class Constraints(BaseModel):
     def feasible_values(values: Mapping[str, float]) -> bool:
         """Whether ``values`` (name → value) are feasible: every constraint of
         :data:`CONSTRAINT_NAMES` present and ≤ 0 (:attr:`feasible` of :meth:`of`, without building
-        the model: a study's readers ask it of every trial, often)."""
-        return all(values.get(name) is not None and float(values[name]) <= 0.0 for name in CONSTRAINT_NAMES)
+        the model: a study's readers ask it of every trial, often); one of :data:`BEFORE_GATE`
+        missing reads its value there."""
+        merged = {**BEFORE_GATE, **values}
+        return all(merged.get(name) is not None and float(merged[name]) <= 0.0 for name in CONSTRAINT_NAMES)
 
     @staticmethod
     def holds(values: Mapping[str, float]) -> bool:
@@ -297,6 +311,64 @@ class MeasuredLoad(BaseModel):
     chunk_tokens: float | None = None
 
 
+class QualityFacts(BaseModel):
+    """The quality gate's facts of a trial (:mod:`tuner.load.quality`): what it changes in the
+    numerics, and how its greedy answers compare with the baseline's.
+
+    Attributes:
+        numerics: The numerics-relevant flags the launch sets (:func:`tuner.sglang.numerics.numerics_key`).
+        changes: The flags on which they differ from the baseline's (empty: nothing to gate).
+        status: ``reference`` (its answers are the study's reference), ``same`` (the baseline's
+            numerics; not probed), ``passed`` / ``failed`` (probed, or ``cached_from_trial``'s
+            probe of the same numerics), ``unprobed`` (a change never compared: the gate was off,
+            there was no reference, the probe could not run; ``reason`` says which).
+        probed_on_trial: The trial whose probe gave the figures (this one, or an earlier one with
+            the same numerics: one probe per distinct numerics per study).
+        reference_trial: The trial whose answers were the reference.
+        prompts: Prompts compared.
+        exact_match_share: Share of answers token-for-token identical to the reference's (0-1).
+        first_divergence: The earliest token position at which any answer differs (tokens;
+            ``None``: none differs).
+        mean_abs_logprob_delta: Mean |Δ logprob| of the chosen tokens over each answer's prefix
+            shared with the reference (nats).
+        task_accuracy: Exact-answer share on the task set (0-1), when one is configured.
+        reference_task_accuracy: The reference's on the same set (0-1).
+        probe_s: The probe's wall time, seconds.
+        digest: What the probe asked (prompts, answer lengths, tasks): probes are comparable only
+            with the same digest.
+        reason: One line: why it failed, or why it was not probed.
+        answers: The reference's answers (``reference`` only): ``digest`` of the prompts and
+            settings, ``token_ids`` and ``logprobs`` per prompt.
+    """
+
+    model_config = _FACTS
+
+    numerics: dict[str, Any] = Field(default_factory=dict)
+    changes: list[str] = Field(default_factory=list)
+    status: Literal["reference", "same", "passed", "failed", "unprobed"] | None = None
+    probed_on_trial: int | None = None
+    reference_trial: int | None = None
+    prompts: int | None = None
+    exact_match_share: float | None = None
+    first_divergence: int | None = None
+    mean_abs_logprob_delta: float | None = None
+    task_accuracy: float | None = None
+    reference_task_accuracy: float | None = None
+    probe_s: float | None = None
+    digest: str | None = None
+    reason: str | None = None
+    answers: dict[str, Any] | None = None
+
+    @property
+    def probed(self) -> bool:
+        """Whether its answers were compared with the reference (``passed`` or ``failed``)."""
+        return self.status in ("passed", "failed")
+
+    def stored(self) -> dict[str, Any]:
+        """The facts as stored, without the reference's answers (JSON; unset fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"answers"})
+
+
 class TrialRecord(BaseModel):
     """Everything known about one trial.
 
@@ -326,6 +398,7 @@ class TrialRecord(BaseModel):
         memory: The memory report (:class:`MemoryFacts`).
         windows: Measured windows this record's throughput averages (a reader merges a config
             measured more than once; 1 as stored).
+        quality: The quality gate's facts (:class:`QualityFacts`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -359,6 +432,7 @@ class TrialRecord(BaseModel):
     started_at: str | None = None
     duration_s: float | None = None
     windows: int = 1
+    quality: QualityFacts = Field(default_factory=QualityFacts)
 
     @model_validator(mode="before")
     @classmethod

@@ -289,7 +289,8 @@ class TrialView(BaseModel):
         params, the :data:`METRICS` fields, feasible, failure_class, values, constraints (``None``
         for a skipped config: it was never launched, so nothing was violated), skipped_reason and
         proved_by_trial (why a config needed no restart, and the trial that shows it),
-        started_at, host."""
+        started_at, host, quality (the quality gate's facts without the reference's answers, or
+        ``None``)."""
         skipped = self.outcome == "skipped" or self.state == "PRUNED"
         record = self.record
         row: dict[str, Any] = {
@@ -309,6 +310,7 @@ class TrialView(BaseModel):
             proved_by_trial=record.proved_by_trial if record is not None else None,
             started_at=self.started_at,
             host=self.host,
+            quality=record.quality.stored() if record is not None and record.quality.status else None,
         )
         return row
 

@@ -23,7 +23,7 @@ from tuner.gpu import GPUMonitor, GPUWindow
 from tuner.launch.base import Launcher, LaunchPhase
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import LiveStats, run_load_sync
-from tuner.sglang.client import ServerInfo, SGLangClient
+from tuner.sglang.client import GreedyAnswer, ServerInfo, SGLangClient
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogWatcher, parse_log
@@ -158,6 +158,16 @@ class LaunchedServer:
             return SGLangClient(self.url, timeout_s=5.0).metrics()
         except ServerError:
             return None
+
+    def generate(self, texts: list[str], max_new_tokens: int, timeout_s: float) -> list[GreedyAnswer]:
+        """Greedy answers with logprobs from the server (:meth:`SGLangClient.greedy_answers`).
+
+        Raises:
+            QualityError: The server returns no logprobs.
+            ServerError: It did not answer in ``timeout_s`` seconds.
+        """
+        with SGLangClient(self.url, timeout_s=timeout_s) as client:
+            return client.greedy_answers(texts, max_new_tokens=max_new_tokens, timeout_s=timeout_s)
 
     def load(self, plan: LoadPlan, on_tick: Callable[[LiveStats], bool | None] | None) -> LoadOutcome:
         """Run ``plan`` with the HTTP load generator (:func:`tuner.load.run_load_sync`) while the GPU

@@ -10,6 +10,9 @@ The ordered phases of a trial (one list, like SGLang's own pipeline), one method
              clearly lost); skipped when the probe shows the candidate cannot matter
     stress   the workload's worst case: the longest contexts at the highest concurrency the config
              admits; a runtime OOM here makes the config infeasible
+    quality  a candidate whose numerics differ from the baseline's answers a fixed prompt set
+             greedily, compared with the baseline's answers (:mod:`tuner.load.quality`; one probe per
+             distinct numerics per study); the first start of the baseline's numerics records them
     record   objectives, constraints, record, artifacts (server log, per-request results, server info)
 
 What a trial needs from a server is :class:`ServerUnderTest`, defined here by its one consumer:
@@ -35,6 +38,7 @@ from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import ServerError, TunerError
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
 from tuner.load.metrics import LoadSummary, tier_hits_from_metrics
+from tuner.load.quality import ProbeAnswers, gate, probe_digest, quality_constraint, read_tasks, run_probe
 from tuner.records import (
     CacheFacts,
     Constraints,
@@ -42,15 +46,17 @@ from tuner.records import (
     MemoryFacts,
     PhaseResult,
     Prediction,
+    QualityFacts,
     TrialRecord,
     context_capacity,
 )
-from tuner.sglang.client import ServerInfo
+from tuner.sglang.client import GreedyAnswer, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
+from tuner.sglang.numerics import numerics_changes, numerics_key
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
@@ -220,6 +226,16 @@ class ServerUnderTest(Protocol):
     def metrics(self) -> dict[str, float] | None:
         """A ``/metrics`` scrape (sample name → value, §5.5), or ``None`` when the server
         exports none (no ``--enable-metrics``) or does not answer."""
+        ...
+
+    def generate(self, texts: list[str], max_new_tokens: int, timeout_s: float) -> list[GreedyAnswer]:
+        """Greedy answers (temperature 0) with the chosen tokens' logprobs, one per prompt: the
+        quality probe (SGLang's native ``/generate`` with ``return_logprob``, §5.3).
+
+        Raises:
+            QualityError: The server returns no logprobs (the line names the fix).
+            ServerError: It did not answer within ``timeout_s`` seconds.
+        """
         ...
 
     def load(self, plan: LoadPlan, on_tick: Callable[[LiveStats], bool | None] | None) -> LoadOutcome:
@@ -716,6 +732,8 @@ class TrialExecutor:
         self._baseline_argv = list(server.baseline_argv())
         self._workload = workload or build_workload(config.workload, seed=config.study.seed)
         self._clock = clock
+        quality = config.quality
+        self._tasks = read_tasks(quality.tasks) if quality.enabled and quality.tasks else []
 
     # ---- the TrialRunner facts (the server's) ------------------------------------------------------
 
@@ -790,9 +808,13 @@ class TrialExecutor:
         on_phase("measure")
         measured = self._measure(argv, started, probe, on_phase, files)
         stressed = self._stress(job, probe, measured, on_phase)
+        quality = self._quality(job, argv, alive=measured.failure is None and stressed.failure is None, on_phase=on_phase)
         on_phase("record")
         lines = self.server.logs()
-        return self._finish(self._record(record, probe, measured, stressed, lines), lines, begun_s, files)
+        record = self._record(record, probe, measured, stressed, lines)
+        record = record.model_copy(update={"quality": quality, "constraints": {
+            **record.constraints, "quality": quality_constraint(quality, self.config.quality)}})
+        return self._finish(record, lines, begun_s, files)
 
     def _asked(self, job: TrialJob) -> TrialRecord:
         """The record of what ``job`` asks (the baseline: the searched knobs its command sets)."""
@@ -899,6 +921,25 @@ class TrialExecutor:
         result = outcome.result
         failed = failure is not None or (result is not None and (result.summary.errored > 0 or result.partial))
         return _Stressed(outcome=outcome, failure=failure, failed=failed)
+
+    def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None]) -> QualityFacts:
+        """Quality: the launch's numerics against the baseline's; a change is probed (after the
+        load phases, on a server that still serves) unless this study already probed the same
+        numerics; the baseline's numerics record the study's reference answers once
+        (:func:`tuner.load.quality.gate`)."""
+        flags, baseline = parse_argv(argv, self.table), parse_argv(self._baseline_argv, self.table)
+        numerics, changes = dict(numerics_key(flags)), numerics_changes(flags, baseline)
+        config = self.config.quality
+        if not alive:
+            return QualityFacts(numerics=numerics, changes=changes, status="same" if not changes else "unprobed",
+                                reason="the server died under load: no probe")
+
+        def probe() -> ProbeAnswers:
+            on_phase("quality")
+            return run_probe(self.server.generate, config, self._tasks, clock=self._clock)
+
+        return gate(job.number, numerics, changes, config, reference=job.quality_reference, probes=job.quality_probes,
+                    probe=probe, digest=probe_digest(config, self._tasks))
 
     def _record(self, record: TrialRecord, probe: _Probe, measured: _Measured, stressed: _Stressed,
                 lines: list[str]) -> TrialRecord:

@@ -69,6 +69,9 @@ def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(demo_run:
     assert len(done) >= 2
     first = TrialRecord.model_validate(done[0].user_attrs["tuner.record"])
     assert first.kind == "baseline" and first.context_capacity and first.memory.capacity_model
+    # the quality gate's reference answers, read from the real server's /generate with return_logprob
+    assert first.quality.status == "reference" and first.quality.answers is not None
+    assert len(first.quality.answers["token_ids"]) == 16 and first.constraints["quality"] < 0
     assert first.artifacts.get("server_log") and (demo_run.work / "studies" / "demo-sim" / "artifacts").is_dir()
     assert done[0].values[0] == first.context_capacity
     best = max((t for t in done if t.state == TrialState.COMPLETE), key=lambda t: t.values[0])

@@ -36,18 +36,23 @@ from collections.abc import Callable
 from typing import Any
 
 from tuner.config import TunerConfig
+from tuner.errors import ServerError
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload
 from tuner.load.metrics import LoadSummary, slo_violations
 from tuner.records import TrialRecord
-from tuner.sglang.client import ServerInfo
+from tuner.sglang.client import GreedyAnswer, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import parse_log
+from tuner.sim.answers import NumericsFault, answer
+from tuner.sim.args import parse_args as parse_sim_args
 from tuner.sim.engine import SimRequest
 from tuner.sim.evaluate import EvalResult, evaluate
 from tuner.sim.gpus import get_gpu
+from tuner.sim.models import load_model
+from tuner.sim.server import _WORDS, tokenize
 from tuner.study.job import PhaseProgress, TrialJob
 from tuner.trial import LoadOutcome, LoadPlan, StartOutcome, TrialExecutor
 
@@ -210,6 +215,25 @@ class OfflineServer:
     def info(self) -> ServerInfo:
         """An empty answer: every value is read from the startup log."""
         return ServerInfo.from_json({})
+
+    def generate(self, texts: list[str], max_new_tokens: int, timeout_s: float) -> list[GreedyAnswer]:
+        """The simulated model's greedy answers under the running command's numerics (and its
+        ``--sim-numerics-fault``), as the simulator's ``/generate`` with ``return_logprob`` gives them.
+
+        Raises:
+            ServerError: No server runs.
+        """
+        if self._startup is None:
+            raise ServerError("the server is not running")
+        parsed = parse_sim_args(self._argv)
+        fault = NumericsFault(parsed.sim.numerics_fault) if parsed.sim.numerics_fault else None
+        vocab = load_model(str(parsed.server["model_path"])).vocab_size
+        out = []
+        for text in texts:
+            got = answer(text, tokenize(text, vocab), max_new_tokens, parsed.server, vocab_size=vocab, words=_WORDS,
+                         fault=fault)
+            out.append(GreedyAnswer(token_ids=got.token_ids, logprobs=got.logprobs, text=got.text))
+        return out
 
     def logs(self) -> list[str]:
         """The startup lines, then each load's retraction lines and last lines."""

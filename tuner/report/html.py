@@ -20,7 +20,7 @@ import plotly.offline
 from tuner.errors import StudyError
 from tuner.report import figures
 from tuner.report.figures import CATEGORY_COLORS, category
-from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, status_text
+from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, quality_text, status_text
 from tuner.results import METRICS, BestTrial, StoredStudy, best_trial, cache_effect
 from tuner.study.storage import STUDIES_DIR, display_url
 
@@ -105,7 +105,8 @@ def _trial_rows_html(stored: StoredStudy) -> str:
     params = key_params(stored.trials)
     hosts = len({v.host for v in stored.trials if v.host}) > 1  # a study shared by many hosts
     heads = ["#", *(["host"] if hosts else []), "state", "kind", *params, *[METRICS[m][0] for m in TABLE_METRICS]]
-    heads += ["feasible", "failure"]
+    gated = any(v.record is not None and v.record.quality.changes for v in stored.trials)  # a numerics change
+    heads += [*(["quality"] if gated else []), "feasible", "failure"]
     out = ['<div style="overflow-x:auto"><table><thead><tr>']
     out += [f"<th>{html.escape(h)}</th>" for h in heads]
     out.append("</tr></thead><tbody>")
@@ -113,7 +114,7 @@ def _trial_rows_html(stored: StoredStudy) -> str:
         cells = [str(view.number), *([view.host or "-"] if hosts else []), view.state, view.kind or "-"]
         cells += [cell(view.params.get(p)) for p in params]
         cells += [cell(view.metric(m)) for m in TABLE_METRICS]
-        cells += ["yes" if view.feasible else "no", status_text(view)]
+        cells += [*([quality_text(view)] if gated else []), "yes" if view.feasible else "no", status_text(view)]
         out.append(f'<tr class="{category(view)}">')
         out += [f"<td>{html.escape(c)}</td>" for c in cells]
         out.append("</tr>")
@@ -141,6 +142,9 @@ def _trial_details_html(stored: StoredStudy) -> str:
             out.append(f"<p><b>evidence</b></p><pre>{html.escape(rec.failure_evidence)}</pre>")
         if rec.skipped_reason:
             out.append(f"<p><b>skipped</b>: {html.escape(rec.skipped_reason)}</p>")
+        if rec.quality.changes:
+            out.append(f"<p><b>quality gate</b>: {html.escape(quality_text(view))}"
+                       f"{html.escape(': ' + rec.quality.reason) if rec.quality.reason else ''}</p>")
         effect = cache_effect(stored, view)
         if effect is not None:
             out.append(f"<p><b>prefix cache</b>: {html.escape(effect.describe())}</p>")
@@ -201,6 +205,10 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
             row = [METRICS[name][0], cell(delta.baseline), cell(delta.best), delta_text(name, delta)]
             summary.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>")
         summary.append("</table>")
+        facts = best.trial.record.quality if best.trial.record is not None else None
+        if facts is not None and facts.changes:
+            summary.append(f"<p><b>quality gate of the best</b>: {html.escape(quality_text(best.trial))} "
+                           f"({html.escape(', '.join(facts.changes))} changed)</p>")
         if best.cache is not None:
             summary.append(f"<p><b>prefix cache of the best</b>: {html.escape(best.cache.describe())}</p>")
     elif best_error:

@@ -31,7 +31,7 @@ from tuner.study.space import KNOBS
 from tuner.study.storage import display_url
 from tuner.study.warm import WARM_ATTR
 
-__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'warm_text', 'applies_table', 'apply_result']
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'quality_text', 'quality_rows', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'warm_text', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,43 @@ def status_text(view: TrialView) -> str:
     return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
 
 
+def quality_text(view: TrialView) -> str:
+    """The quality gate of a trial in a few words: ``-`` (the baseline's numerics, or stored
+    before the gate), ``reference`` (its answers are the study's reference), ``pass 88% @32``
+    (exact-match share, first divergence; ``cached #10`` when an earlier probe of the same
+    numerics decided), ``FAIL 0% @0``, ``unprobed``."""
+    facts = view.record.quality if view.record is not None else None
+    if facts is None or facts.status in (None, "same"):
+        return "-"
+    if facts.status in ("reference", "unprobed"):
+        return str(facts.status)
+    text = "pass" if facts.status == "passed" else "FAIL"
+    if facts.exact_match_share is not None:
+        text += f" {facts.exact_match_share:.0%}"
+    if facts.first_divergence is not None:
+        text += f" @{facts.first_divergence}"
+    if facts.probed_on_trial is not None and facts.probed_on_trial != view.number:
+        text += f" (#{facts.probed_on_trial})"
+    return text
+
+
+def quality_rows(view: TrialView) -> list[tuple[str, Any]]:
+    """``tuner show``'s quality-gate rows (empty when the trial has no quality facts)."""
+    facts = view.record.quality if view.record is not None else None
+    if facts is None or facts.status is None:
+        return []
+    rows: list[tuple[str, Any]] = [("verdict", facts.status), ("numerics", ", ".join(f"{k}={v}" for k, v in facts.numerics.items()) or "SGLang's defaults"),
+                                   ("changes vs the baseline", ", ".join(facts.changes) or "none")]
+    for label, value in (("exact-match share", facts.exact_match_share), ("first divergence (token)", facts.first_divergence),
+                         ("mean |Δ logprob| (nats)", facts.mean_abs_logprob_delta), ("task accuracy", facts.task_accuracy),
+                         ("baseline task accuracy", facts.reference_task_accuracy), ("prompts", facts.prompts),
+                         ("probed on trial", facts.probed_on_trial), ("reference trial", facts.reference_trial),
+                         ("probe time (s)", facts.probe_s), ("reason", facts.reason)):
+        if value is not None:
+            rows.append((label, value))
+    return rows
+
+
 def _kind(view: TrialView) -> str:
     kind = view.kind or "-"
     return kind if view.state == "COMPLETE" else f"{kind}/{view.state.lower()}"
@@ -171,6 +208,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         table.add_column(header, min_width=max(len(w) for w in header.split()), **kw)
 
     hosts = len({v.host for v in trials if v.host}) > 1  # a study shared by many hosts
+    gated = any(v.record is not None and v.record.quality.changes for v in trials)  # a numerics change
     column("#", justify="right", no_wrap=True)
     if hosts:
         column("host", no_wrap=True)
@@ -179,6 +217,8 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
         column(_SHORT.get(name, name), justify="right")
     for name in TABLE_METRICS:
         column(_SHORT[name], justify="right")
+    if gated:
+        column("quality", overflow="fold")
     column("status", overflow="fold")
     for view in trials:
         style = None if view.feasible else ("red" if view.failed else "yellow")
@@ -188,6 +228,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
             _kind(view),
             *[_text(view.params.get(p)) for p in params],
             *[_text(view.metric(m)) for m in TABLE_METRICS],
+            *([_text(quality_text(view))] if gated else []),
             _text("feasible" if view.feasible else (status_text(view) or "infeasible")),
             style=style,
         )
@@ -216,14 +257,14 @@ def trials_csv(trials: Sequence[TrialView]) -> str:
     """``tuner trials --csv``: one row per trial; params as ``param.<name>`` columns."""
     params = key_params(trials)
     fields = ["number", "state", "kind", "outcome", *[f"param.{p}" for p in params], *METRICS]
-    fields += ["feasible", "failure_class", "skipped_reason", "started_at", "host"]
+    fields += ["feasible", "failure_class", "skipped_reason", "started_at", "host", "quality"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     for view in trials:
         row = view.row()
         out = {k: row.get(k) for k in fields if not k.startswith("param.")}
-        out.update({f"param.{p}": view.params.get(p) for p in params})
+        out.update({f"param.{p}": view.params.get(p) for p in params}, quality=quality_text(view))
         writer.writerow(out)
     return buf.getvalue()
 
@@ -336,6 +377,8 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
         parts.append(_waterfall(rec.memory.stored()))
     if rec.phases:
         parts.append(_phases_table(view))
+    if quality := quality_rows(view):
+        parts.append(_kv_table("quality gate (answers vs the baseline's)", quality, "figure", "value"))
     effect = cache_effect(stored, view)
     if effect is not None:
         parts.append(_cache_table(effect))
@@ -436,6 +479,10 @@ def best_panel(choice: BestTrial) -> Group:
             name, cell(base_params.get(name)), cell(choice.trial.params.get(name))
         )
     parts: list[Any] = [front, reason, params, deltas]
+    facts = choice.trial.record.quality if choice.trial.record is not None else None
+    if facts is not None and facts.changes:
+        parts.append(Text(f"quality gate: {quality_text(choice.trial)} ({', '.join(facts.changes)} changed; "
+                          f"mean |Δ logprob| {cell(facts.mean_abs_logprob_delta)} nats)"))
     if choice.cache is not None:
         parts.append(Text(choice.cache.describe()))
     cut = max_running_requests_cut(choice.trial.record, choice.baseline.record if choice.baseline else None)

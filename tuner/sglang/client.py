@@ -18,10 +18,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuner.errors import ServerError
+from tuner.errors import QualityError, ServerError
 from tuner.sglang.failures import Failure, FailureClass
 
-__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "url_problem"]
+__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "GreedyAnswer", "url_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,50 @@ class ServerInfo(BaseModel):
         )
 
 
+class GreedyAnswer(BaseModel):
+    """One greedy answer of SGLang's native ``/generate`` with ``return_logprob``.
+
+    Attributes:
+        token_ids: The output token ids.
+        logprobs: The chosen tokens' logprobs (nats), one per output token: ``meta_info.
+            output_token_logprobs``' ``[logprob, token_id, text]`` triples
+            (``TokenizerManager.add_logprob_to_meta_info``, SGLang ``python/sglang/srt/managers/
+            tokenizer_manager.py``).
+        text: The output text.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str = ""
+
+
+_NO_LOGPROBS_HINT = ("the quality gate needs SGLang's native /generate with return_logprob (§5.3): point [service] url "
+                     "at the SGLang server itself, not a proxy or an OpenAI-only endpoint, or set [quality] enabled = false "
+                     "(then a candidate that changes numerics can never be applied)")
+
+
+def _greedy_answer(url: str, item: Any) -> GreedyAnswer:
+    """One ``/generate`` result → :class:`GreedyAnswer`.
+
+    Raises:
+        QualityError: No ``meta_info.output_token_logprobs`` (naming the fix).
+    """
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(triples, list) or (not triples and (meta or {}).get("completion_tokens")):
+        raise QualityError(f"the server at {url} returned no output_token_logprobs for /generate with return_logprob",
+                           hint=_NO_LOGPROBS_HINT)
+    try:
+        logprobs = [float(t[0]) for t in triples]
+        ids = [int(t[1]) for t in triples]
+    except (TypeError, ValueError, IndexError) as err:
+        raise QualityError(f"the server at {url} returned malformed output_token_logprobs ({err})",
+                           hint=_NO_LOGPROBS_HINT) from err
+    return GreedyAnswer(token_ids=ids, logprobs=logprobs, text=str(item.get("text") or ""))
+
+
 class SGLangClient:
     """A client of one SGLang server's management endpoints.
 
@@ -195,9 +239,9 @@ class SGLangClient:
 
     # -- transport --------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, *, timeout_s: float | None = None) -> requests.Response:
+    def _request(self, method: str, path: str, *, timeout_s: float | None = None, body: Any = None) -> requests.Response:
         try:
-            return self._session.request(method, self.url + path, timeout=timeout_s or self.timeout_s)
+            return self._session.request(method, self.url + path, timeout=timeout_s or self.timeout_s, json=body)
         except requests.Timeout as err:
             raise ServerError(
                 f"cannot reach the SGLang server at {self.url}: {path} timed out after {timeout_s or self.timeout_s:.0f} s",
@@ -246,6 +290,42 @@ class SGLangClient:
         except requests.RequestException:
             return False
         return resp.status_code == 200
+
+    def greedy_answers(self, texts: list[str], *, max_new_tokens: int, timeout_s: float) -> list[GreedyAnswer]:
+        """Greedy answers with the chosen tokens' logprobs: one batch ``POST /generate`` (§5.3) of
+        ``{"text": [...], "sampling_params": {"temperature": 0, "max_new_tokens": N},
+        "return_logprob": true}`` (``GenerateReqInput``, SGLang ``python/sglang/srt/managers/
+        io_struct.py``; temperature 0 is greedy).
+
+        Args:
+            texts: The prompts.
+            max_new_tokens: Output tokens per answer at most.
+            timeout_s: Limit of the whole request, seconds.
+
+        Returns:
+            One answer per prompt, in order.
+
+        Raises:
+            QualityError: The server has no native ``/generate`` or returns no logprobs.
+            ServerError: Unreachable, timed out, or an error status.
+        """
+        body = {"text": list(texts), "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
+        resp = self._request("POST", "/generate", timeout_s=timeout_s, body=body)
+        if resp.status_code == 404:
+            raise QualityError(f"the server at {self.url} has no /generate (404)", hint=_NO_LOGPROBS_HINT)
+        if resp.status_code != 200:
+            raise ServerError(f"SGLang server at {self.url} answered {resp.status_code} on /generate: {resp.text[:200]}",
+                              hint="check the server log")
+        try:
+            data = resp.json()
+        except ValueError as err:
+            raise QualityError(f"the server at {self.url} sent non-JSON on /generate", hint=_NO_LOGPROBS_HINT) from err
+        items = data if isinstance(data, list) else [data]
+        if len(items) != len(texts):
+            raise QualityError(f"the server at {self.url} answered {len(items)} of {len(texts)} prompts on /generate",
+                               hint=_NO_LOGPROBS_HINT)
+        return [_greedy_answer(self.url, item) for item in items]
 
     def server_info(self) -> ServerInfo:
         """``GET /get_server_info``, falling back to ``/server_info`` (0.5.10+; §5.2).

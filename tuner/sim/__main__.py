@@ -75,10 +75,12 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     log = SimLogger(sys.stderr, cfg.tp_size)
     if not log_startup(parsed, plan, log, time_scale=parsed.sim.time_scale):
         kill_process_tree()
+    from tuner.sim.answers import NumericsFault
     from tuner.sim.server import SimServer  # aiohttp and prometheus only once startup succeeded
 
     server = SimServer(plan, log, seed=parsed.sim.seed,
-                       skip_warmup=bool(cfg.server_args.get("skip_server_warmup")))
+                       skip_warmup=bool(cfg.server_args.get("skip_server_warmup")),
+                       numerics_fault=NumericsFault(parsed.sim.numerics_fault) if parsed.sim.numerics_fault else None)
     try:
         asyncio.run(_serve(server, cfg.host, cfg.port, parsed.sim.time_scale))
     except KeyboardInterrupt:

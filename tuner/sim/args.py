@@ -126,6 +126,8 @@ class SimOptions:
         time_scale: Multiplier on realistic startup delays (``--sim-time-scale``); 0 = instant.
         foreign_gib: Memory held by a foreign process on GPU 0, GiB (``--sim-foreign-gib``).
         seed: Seed of generated output tokens (``--sim-seed``).
+        numerics_fault: ``--sim-numerics-fault NAME=VALUE[,...]``: a launch that sets every named
+            flag to its value answers badly (:mod:`tuner.sim.answers`); empty: none.
     """
 
     gpu: str = "H100-80GB"
@@ -135,6 +137,7 @@ class SimOptions:
     time_scale: float = 0.05
     foreign_gib: float = 0.0
     seed: int = 0
+    numerics_fault: str = ""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sim-foreign-gib", type=float, default=SimOptions.foreign_gib,
                        help="GiB held by a foreign process on GPU 0 at startup")
     group.add_argument("--sim-seed", type=int, default=SimOptions.seed, help="seed of generated tokens")
+    group.add_argument("--sim-numerics-fault", default=SimOptions.numerics_fault, metavar="NAME=VALUE[,...]",
+                       help="plant a numerics fault: a launch setting these flags (e.g. kv_cache_dtype=fp8_e4m3) "
+                            "gives broken greedy answers")
 
 
 def build_parser(version: str, prog: str = PROG) -> argparse.ArgumentParser:
@@ -276,6 +282,7 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> ParsedArgs:
         time_scale=values.pop("sim_time_scale"),
         foreign_gib=values.pop("sim_foreign_gib"),
         seed=values.pop("sim_seed"),
+        numerics_fault=values.pop("sim_numerics_fault"),
     )
     if values.get("model_path") is None:
         parser.error("the following arguments are required: --model-path")
@@ -322,5 +329,7 @@ def _check_values(v: dict[str, Any], sim: SimOptions) -> None:
             ok = False
         if not ok:
             raise SimError(f"--sim-memory-max {sim.memory_max!r} must be none, auto or a size in GiB above 0.")
+    if sim.numerics_fault and not all("=" in part for part in sim.numerics_fault.split(",") if part.strip()):
+        raise SimError(f"--sim-numerics-fault {sim.numerics_fault!r} must be NAME=VALUE[,NAME=VALUE] (e.g. kv_cache_dtype=fp8_e4m3).")
     if sim.time_scale < 0 or sim.foreign_gib < 0 or sim.host_memory_gib <= 0:
         raise SimError("--sim-time-scale and --sim-foreign-gib must be >= 0, --sim-host-memory-gib > 0.")

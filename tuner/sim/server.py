@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tuner.sim.answers import NumericsFault, answer
 from tuner.sim.args import VERSIONS
 from tuner.sim.engine import (
     ABORT_STATUS_CODE,
@@ -114,10 +115,14 @@ class SimServer:
         log: The logger (stderr, SGLang format).
         seed: Seed of generated tokens.
         skip_warmup: Mimic ``--skip-server-warmup``.
+        numerics_fault: A planted numerics fault (``--sim-numerics-fault``): greedy answers break
+            when the launch matches it (:mod:`tuner.sim.answers`).
     """
 
-    def __init__(self, plan: MemoryPlan, log: SimLogger, *, seed: int = 0, skip_warmup: bool = False) -> None:
+    def __init__(self, plan: MemoryPlan, log: SimLogger, *, seed: int = 0, skip_warmup: bool = False,
+                 numerics_fault: NumericsFault | None = None) -> None:
         self.plan = plan
+        self.numerics_fault = numerics_fault
         self.cfg = plan.config
         self.log = log
         self.skip_warmup = skip_warmup
@@ -553,7 +558,8 @@ class SimServer:
             max_new = _max_new_tokens(sp.get("max_new_tokens"), 128)
         except RequestRejected as err:
             return self._reject(str(err))
-        ignore_eos = bool(sp.get("ignore_eos", False))
+        logprob = bool(body.get("return_logprob"))  # the model's own answers: every token, no early EOS
+        ignore_eos = bool(sp.get("ignore_eos", False)) or logprob
         if batch:
             items = ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [None] * len(text)
             texts = text if isinstance(text, list) else [None] * len(items)
@@ -570,16 +576,22 @@ class SimServer:
             for upd, _ids in results:
                 if (error := _abort_error(upd)) is not None:
                     return self._reject(*error)
-            return web.json_response([self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results, strict=True)])
+            bodies = [self._generate_body(p, u, ids_) for p, (u, ids_) in zip(pendings, results, strict=True)]
+            if logprob:
+                bodies = [self._answer_body(b, t or "", prompt) for b, t, prompt in zip(bodies, texts, prompts, strict=True)]
+            return web.json_response(bodies)
         try:
-            p = self._submit(self._input_ids(text, ids), max_new, ignore_eos, rid=body.get("rid"))
+            prompt = self._input_ids(text, ids)
+            p = self._submit(prompt, max_new, ignore_eos, rid=body.get("rid"))
         except RequestRejected as err:
             return self._reject(str(err))
         if not body.get("stream"):
             upd, out_ids = await self._collect(p)
             if (error := _abort_error(upd)) is not None:
                 return self._reject(*error)
-            return web.json_response(self._generate_body(p, upd, out_ids))
+            out = self._generate_body(p, upd, out_ids)
+            return web.json_response(self._answer_body(out, text if isinstance(text, str) else "", prompt)
+                                     if logprob else out)
         args = self.cfg.server_args  # 0.5.5 spells it --stream-output
         incremental = bool(args.get("incremental_streaming_output") or args.get("stream_output"))
         # Streamed output_ids (managers/tokenizer_manager.py): 0.5.5 always sends the new ids;
@@ -649,6 +661,17 @@ class SimServer:
         new_text = detokenize(new_ids)
         p.text += new_text
         return {"text": new_text if incremental else p.text, "output_ids": new_ids, "meta_info": meta}
+
+    def _answer_body(self, out: dict[str, Any], text: str, prompt_ids: list[int]) -> dict[str, Any]:
+        """``out`` (a finished ``/generate`` body) with the model's greedy answer under this
+        launch's numerics (:func:`tuner.sim.answers.answer`) and ``meta_info.output_token_logprobs``
+        as SGLang writes it: ``[logprob, token_id, null]`` per output token
+        (``TokenizerManager.detokenize_logprob_tokens``, ``return_text_in_logprobs`` false)."""
+        n = int(out["meta_info"].get("completion_tokens") or len(out.get("output_ids") or []))
+        got = answer(text, prompt_ids, n, self.cfg.server_args, vocab_size=self.cfg.model.vocab_size, words=_WORDS,
+                     fault=self.numerics_fault)
+        meta = dict(out["meta_info"], output_token_logprobs=[[lp, t, None] for lp, t in zip(got.logprobs, got.token_ids, strict=True)])
+        return {**out, "text": got.text, "output_ids": got.token_ids, "meta_info": meta}
 
     def _spec_meta(self, completion_tokens: int) -> dict[str, Any]:
         """``meta_info``'s speculative-decoding fields (§5.3) at the engine's mean accept length."""

@@ -7,7 +7,7 @@ is the runner, on a real (or simulated) server or on the simulator's offline eva
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.records import TrialRecord
 from tuner.sglang.hicache import HostMemory
 
-__all__ = ["TrialJob", "TrialRunner", "PhaseProgress"]
+__all__ = ["TrialJob", "TrialRunner", "PhaseProgress", "quality_context"]
 
 
 class TrialJob(BaseModel):
@@ -31,6 +31,11 @@ class TrialJob(BaseModel):
             below this, the full load is skipped (0 = always load).
         started_at: ISO time the trial started.
         repeat_of: The trial this one re-measures (the noise), or ``None``.
+        quality_reference: The study's reference answers for the quality gate (``trial``,
+            ``digest``, ``token_ids``, ``logprobs``, ``task_accuracy``), or ``None`` (then a trial
+            of the baseline's numerics records them).
+        quality_probes: The study's earlier quality probes (stored :class:`tuner.records.QualityFacts`):
+            a trial with the same numerics reuses one instead of probing again.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -43,6 +48,22 @@ class TrialJob(BaseModel):
     capacity_floor: int = 0
     started_at: str = ""
     repeat_of: int | None = None
+    quality_reference: dict[str, Any] | None = None
+    quality_probes: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def quality_context(finished: Sequence[tuple[int, TrialRecord]]) -> dict[str, Any]:
+    """The quality gate's part of a :class:`TrialJob` from the study's finished trials: the last
+    recorded reference and every probe made (one per distinct numerics and probe settings)."""
+    reference: dict[str, Any] | None = None
+    probes: list[dict[str, Any]] = []
+    for number, record in finished:
+        facts = record.quality
+        if facts.status == "reference" and facts.answers:
+            reference = {"trial": number, **facts.answers}
+        elif facts.probed and facts.probed_on_trial == number:
+            probes.append(facts.stored())
+    return {"quality_reference": reference, "quality_probes": probes}
 
 
 class PhaseProgress(BaseModel):

@@ -58,7 +58,7 @@ from tuner.study.hosts import (
     schema_lock,
     study_heartbeat,
 )
-from tuner.study.job import TrialJob, TrialRunner
+from tuner.study.job import TrialJob, TrialRunner, quality_context
 from tuner.study.optuna_io import (
     KIND_ATTR,
     PHASE_ATTR,
@@ -358,7 +358,7 @@ class StudyRun:
         job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                        context_tokens=opened.context_tokens, started_at=now_iso(),
                        capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below),
-                       repeat_of=None if repeat_of is None else int(repeat_of))
+                       repeat_of=None if repeat_of is None else int(repeat_of), **quality_context(view.finished))
         skip = None if repeat_of is not None else decider.screen(params, kind, view)
         if skip is None:
             with self.claim():

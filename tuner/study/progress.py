@@ -237,12 +237,14 @@ def result_fields(record: TrialRecord) -> dict[str, Any]:
     """A finished trial's figures for machines: ``outcome``, ``feasible``, ``failure_class``,
     ``context_capacity`` (requests of ``context_tokens`` tokens), ``token_capacity`` (tokens),
     ``output_throughput_tok_s`` (tokens/s), ``p99_ttft_ms`` and ``p99_itl_ms`` (ms, the measured
-    window), ``duration_s`` (s)."""
+    window), ``duration_s`` (s), ``quality`` (the quality gate's verdict: ``reference``, ``same``,
+    ``passed``, ``failed``, ``unprobed``; ``None`` when the trial did not reach it)."""
     return {"outcome": record.outcome, "feasible": record.feasible,
             "failure_class": record.failure_class.value if record.failure_class is not None else None,
             "context_capacity": record.context_capacity, "context_tokens": record.context_tokens,
             "token_capacity": record.token_capacity, "output_throughput_tok_s": record.output_throughput_tok_s,
-            "p99_ttft_ms": record.p99_ttft_ms, "p99_itl_ms": record.p99_itl_ms, "duration_s": record.duration_s}
+            "p99_ttft_ms": record.p99_ttft_ms, "p99_itl_ms": record.p99_itl_ms, "duration_s": record.duration_s,
+            "quality": record.quality.status}
 
 
 def describe(number: int, record: TrialRecord) -> str:

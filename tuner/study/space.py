@@ -123,6 +123,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
          help="How much KV the scheduler reserves for running requests' future tokens before admitting "
               "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
+    Knob(name="kv_cache_dtype", kind="categorical",
+         help="The KV cache's dtype: auto (the model's) or fp8 (half the bytes per token, so about twice the "
+              "tokens; it changes the model's answers, so a candidate must pass the quality gate, §1.3)."),
 )
 """Every knob the study can change, in the order the sampler is asked for them."""
 
@@ -217,6 +220,7 @@ class Space(BaseModel):
         page_size: Choices, or ``None`` (left as the baseline has it).
         cuda_graph_max_bs: Choices, or ``None``.
         schedule_conservativeness: ``(low, high)``, or ``None``.
+        kv_cache_dtype: Choices, or ``None`` (left as the baseline has it).
         fixed: Knobs not searched, kept at the baseline's value.
     """
 
@@ -235,6 +239,7 @@ class Space(BaseModel):
     page_size: tuple[int, ...] | None = None
     cuda_graph_max_bs: tuple[int, ...] | None = None
     schedule_conservativeness: tuple[float, float] | None = None
+    kv_cache_dtype: tuple[str, ...] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
     _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
 
@@ -644,6 +649,8 @@ def resolve_space(
         page_size=page_size,
         cuda_graph_max_bs=graph_bs,
         schedule_conservativeness=conservativeness,
+        kv_cache_dtype=tuple(dict.fromkeys([str(baseline.get("kv_cache_dtype") or "auto"), *section.kv_cache_dtype]))
+        if section.kv_cache_dtype else None,
         fixed=fixed,
     )
 

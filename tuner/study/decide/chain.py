@@ -2,7 +2,7 @@
 
 One place says the order of the decision chain (:mod:`tuner.study.decide`): the planner's
 proposers (the SLO bracket, the memory frontier, the cache candidate, the noise repeat), the
-screens every asked trial passes (the two proofs, the host's memory), those a sampled config passes
+screens every asked trial passes (the two proofs and a failed quality gate of the same numerics, the host's memory), those a sampled config passes
 (the proofs, the models' predictions, the host's memory), and the sampler, which also skips a config
 another host runs now.
 """
@@ -18,7 +18,7 @@ from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere
+from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, QualityFailed, RunningElsewhere
 from tuner.study.decide.slo import SLOBracket
 
 __all__ = ["build_chain"]
@@ -41,7 +41,7 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
-    proofs: list[Screen] = [MeasuredAlready(), MustFail()]
+    proofs: list[Screen] = [MeasuredAlready(reprobe=config.quality.enabled), MustFail(), QualityFailed()]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
     planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
                                CacheCandidate(objective, host), NoiseRepeat(objective)]

@@ -10,6 +10,8 @@ PRUNED with the reason and the proving trial:
 - :class:`Predicted` — the calibrated models predict it cannot win: below the best capacity's band,
   more request slots than can change its result, too little headroom for the measured activation
   peak; and one proof, the SLO's monotone rule (sampled configs only; the reasons say "predicted").
+- :class:`QualityFailed` — a trial with the same numerics failed the quality gate (the answers
+  depend on the numerics only, :mod:`tuner.sglang.numerics`).
 - :class:`HostMemory` — its hierarchical-cache pools do not fit this host.
 - :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
 """
@@ -23,6 +25,7 @@ from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.memory import must_fail
+from tuner.sglang.numerics import numerics_key
 from tuner.study.calibration import Calibration
 from tuner.study.decide import Skip
 from tuner.study.hostcheck import host_skip_reason, ranks_of
@@ -31,16 +34,30 @@ from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["MeasuredAlready", "MustFail", "Predicted", "HostMemory", "RunningElsewhere"]
+__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere"]
 
 
 class MeasuredAlready:
     """The same config was launched (compared on the space's grid: the baseline's resolved knobs,
-    and floats, land on the same point)."""
+    and floats, land on the same point).
+
+    Args:
+        reprobe: The quality gate is on: a launch that changed numerics without a quality probe
+            (the gate was off then) does not count as measured, so it is launched and probed again.
+    """
+
+    def __init__(self, *, reprobe: bool = False) -> None:
+        self.reprobe = reprobe
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         number = view.measured.get(config_key(view.space.snap(dict(params))))
-        return None if number is None else Skip(f"the same config was measured by trial {number}", number)
+        if number is None:
+            return None
+        if self.reprobe:
+            quality = next((r.quality for n, r in view.finished if n == number), None)
+            if quality is not None and quality.changes and quality.status == "unprobed":
+                return None
+        return Skip(f"the same config was measured by trial {number}", number)
 
 
 class MustFail:
@@ -62,6 +79,24 @@ class MustFail:
             "knobs equal or smaller, and failures are monotone in these knobs",
             number,
         )
+
+
+class QualityFailed:
+    """A trial with the same numerics (the baseline's numerics-relevant flags with the config's
+    over them) failed the quality gate: its answers would be the same."""
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        failed = [(n, r) for n, r in view.finished if r.quality.status == "failed"]
+        base = next((r.quality.numerics for _, r in view.finished if r.kind == "baseline"), None)
+        if not failed or base is None:
+            return None
+        numerics = dict(numerics_key({**base, **params}))
+        for number, record in failed:
+            if record.quality.numerics == numerics:
+                return Skip(f"fails the quality gate: trial {number} with the same numerics "
+                            f"({', '.join(f'{k}={v}' for k, v in numerics.items())}) failed it: {record.quality.reason}",
+                            number)
+        return None
 
 
 def _monotone_class(failure_class: FailureClass) -> FailureClass:

@@ -1,0 +1,221 @@
+"""The simulated model's greedy answers: a deterministic function of the prompt and the server's
+numerics (what ``/generate`` with ``return_logprob`` and temperature 0 returns).
+
+The simulated model has a "true" greedy continuation per prompt: a hash chain over the prompt's
+token ids, one token per step, each with the chosen token's logprob and its logit *margin* over
+the runner-up. A launch whose numerics differ from SGLang's defaults perturbs every step by a
+deterministic noise (seeded by the numerics, the prompt and the prefix so far) of scale
+``sigma``: the chosen logprob moves by it, and where it exceeds the margin the runner-up wins and
+the rest of the answer follows another prefix (a divergence). How the sources drift:
+
+- an fp8 KV cache (``kv_cache_dtype`` ``fp8_e4m3``/``fp8_e5m2``): a small error that grows with
+  the context the KV cache holds (prompt + tokens so far), so a few answers diverge, late, and
+  logprobs move by about 0.01 nats (the shape of sglang#1286's fp8 KV accuracy tables: small
+  average drift, a few changed answers); fp4 KV four times more;
+- another attention backend, decode context parallelism, DP attention, another weight dtype or
+  MoE runner: a small position-independent error (other accumulation orders);
+- speculative decoding (``speculative_*``): none, the target model verifies every token, so
+  greedy answers are identical;
+- a planted fault (``--sim-numerics-fault NAME=VALUE[,NAME=VALUE]``): when the launch sets every
+  named flag to its value, the noise is large and ignores the margins: answers break from the
+  first tokens, as with ROCm/ATOM#1772's fp8 KV dtype bug.
+
+Arithmetic prompts (``What is 17 + 25?``) are answered with the correct number first (a large
+margin), so a task probe scores the healthy model at 100 %.
+
+This module reads only its inputs: flags by SGLang field name, the prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Answer", "NumericsFault", "answer", "numerics_drift"]
+
+_ALWAYS_NEUTRAL = (None, "auto", False, "", "none")
+
+_DRIFT: dict[str, tuple[float, float]] = {
+    # flag -> (sigma at an empty context in nats, growth per 1024 tokens of context)
+    "attention_backend": (0.003, 0.0),
+    "prefill_attention_backend": (0.002, 0.0),
+    "decode_attention_backend": (0.002, 0.0),
+    "dcp_size": (0.002, 0.0),
+    "enable_dp_attention": (0.001, 0.0),
+    "quantization": (0.012, 0.0),
+    "dtype": (0.006, 0.0),
+    "moe_runner_backend": (0.002, 0.0),
+    "enable_fp32_lm_head": (0.001, 0.0),
+    "triton_attention_reduce_in_fp32": (0.001, 0.0),
+}
+"""Drift of each numerics source other than the KV cache's dtype (speculative flags: none)."""
+
+_KV_DRIFT = {"fp8_e4m3": (0.004, 2.5), "fp8_e5m2": (0.006, 2.5), "fp4_e2m1": (0.016, 2.5)}
+"""KV dtype -> (sigma at an empty context, growth per 1024 tokens of context)."""
+
+_NEAR_TIES = 0.008
+"""Share of near ties (a margin of a few thousandths of a nat) among the tokens after the first 32;
+fewer before (the opening of an answer is confident). Only they flip under a healthy drift."""
+
+_FAULT_SIGMA = 2.0
+"""The noise of a planted numerics fault (nats): answers break from the first tokens."""
+
+_MASK = 2**64 - 1
+
+_ARITH = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One greedy answer.
+
+    Attributes:
+        token_ids: The output token ids.
+        logprobs: The chosen tokens' logprobs (nats, ≤ 0), one per token.
+        text: The output text (one word per token, each with a leading space).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+
+
+@dataclass(frozen=True)
+class NumericsFault:
+    """A planted numerics fault: ``flags`` (field name → value as text) that together break answers.
+
+    Args:
+        spec: ``NAME=VALUE[,NAME=VALUE...]`` by SGLang field name or flag (``kv_cache_dtype=fp8_e4m3``,
+            ``--kv-cache-dtype=fp8_e4m3``); empty: no fault.
+
+    Raises:
+        ValueError: A part without ``=``.
+    """
+
+    spec: str = ""
+
+    @property
+    def flags(self) -> dict[str, str]:
+        """Field name → value (lowercased text)."""
+        out: dict[str, str] = {}
+        for part in (p.strip() for p in self.spec.split(",") if p.strip()):
+            name, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"--sim-numerics-fault part {part!r} is not NAME=VALUE (e.g. kv_cache_dtype=fp8_e4m3)")
+            out[name.strip().lstrip("-").replace("-", "_")] = value.strip().lower()
+        return out
+
+    def hits(self, server_args: Mapping[str, Any]) -> bool:
+        """Whether a launch with ``server_args`` sets every flag of the fault to its value."""
+        flags = self.flags
+        return bool(flags) and all(str(server_args.get(k)).strip().lower() == v for k, v in flags.items())
+
+
+def _neutral(name: str, value: Any) -> bool:
+    return value in _ALWAYS_NEUTRAL or (name == "dcp_size" and value in (1, "1"))
+
+
+def numerics_drift(server_args: Mapping[str, Any], fault: NumericsFault | None = None) -> tuple[str, float, float, bool]:
+    """The launch's numerics as the simulated model sees them.
+
+    Returns:
+        ``(key, sigma0, growth, faulty)``: a text naming the drifting settings (the noise's seed;
+        empty for the exact model), the noise at an empty context (nats), its growth per 1024
+        tokens of context, and whether a planted fault hits.
+    """
+    parts: list[str] = []
+    sigma2, growth = 0.0, 0.0
+    kv = str(server_args.get("kv_cache_dtype") or "auto").lower()
+    if kv in _KV_DRIFT:
+        s, g = _KV_DRIFT[kv]
+        sigma2, growth = sigma2 + s * s, g
+        parts.append(f"kv_cache_dtype={kv}")
+    for name, (s, _g) in _DRIFT.items():
+        value = server_args.get(name)
+        if not _neutral(name, value):
+            sigma2 += s * s
+            parts.append(f"{name}={value}")
+    faulty = fault is not None and fault.hits(server_args)
+    if faulty:
+        parts.append("fault")
+    return ",".join(parts), math.sqrt(sigma2), growth, faulty
+
+
+def _unit(*parts: int) -> float:
+    """A deterministic uniform in (0, 1) from integers."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:  # splitmix64 over the parts
+        h = (h ^ (part & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK
+        h ^= h >> 31
+    return ((h >> 11) + 0.5) / 2**53
+
+
+def _normal(*parts: int) -> float:
+    """A deterministic standard normal from integers (Box-Muller)."""
+    u1, u2 = _unit(*parts, 1), _unit(*parts, 2)
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+
+
+def _arith_answer(prompt: str) -> int | None:
+    """The correct number of an arithmetic prompt (``17 + 25``, ``6 * 7``, ``9 - 4``), else ``None``."""
+    found = _ARITH.search(prompt)
+    if found is None:
+        return None
+    a, op, b = int(found.group(1)), found.group(2), int(found.group(3))
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def answer(prompt: str, prompt_ids: list[int], max_new_tokens: int, server_args: Mapping[str, Any], *,
+           vocab_size: int, words: tuple[str, ...], fault: NumericsFault | None = None) -> Answer:
+    """The simulated model's greedy answer to one prompt under a launch's numerics.
+
+    Args:
+        prompt: The prompt text (empty when sent as ids).
+        prompt_ids: The prompt's token ids.
+        max_new_tokens: Tokens to generate (≥ 0).
+        server_args: The launch's SGLang fields (``kv_cache_dtype``, ``attention_backend``, ...).
+        vocab_size: The model's vocabulary size.
+        words: The words the simulator shows generated ids as (id → ``words[id % len]``).
+        fault: A planted numerics fault, or ``None``.
+
+    Returns:
+        The answer: token ids, the chosen tokens' logprobs (nats) and the text.
+    """
+    key, sigma0, growth, faulty = numerics_drift(server_args, fault)
+    seed = zlib.crc32(key.encode())
+    state = zlib.crc32(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)) if prompt_ids else 7
+    number = _arith_answer(prompt)
+    ids: list[int] = []
+    lps: list[float] = []
+    texts: list[str] = []
+    for i in range(max_new_tokens):
+        true_id = state % vocab_size
+        true_word = words[true_id % len(words)]
+        runner_word = words[(true_id + 1) % len(words)]
+        margin = 0.1 - 2.0 * math.log(_unit(state, 11))  # logit gap to the runner-up, nats
+        if _unit(state, 17) < _NEAR_TIES * min(1.0, (i / 32.0) ** 2):  # a near tie: the opening is confident
+            margin = -0.005 * math.log(_unit(state, 19))
+        logprob = -3.0 * _unit(state, 13) ** 3
+        if i == 0 and number is not None:
+            true_word, runner_word, margin, logprob = str(number), str(number + 1), 8.0, -0.01
+        chosen_word, noise = true_word, 0.0
+        if key:
+            sigma = _FAULT_SIGMA if faulty else sigma0 * (1.0 + growth * (len(prompt_ids) + i) / 1024.0)
+            noise = sigma * _normal(seed, state, i)
+            flip = sigma * _normal(seed, state, i, 5)
+            if (faulty and abs(flip) > 0.5) or abs(flip) > margin:
+                chosen_word = runner_word
+                logprob -= min(margin, 1.0)
+        chosen_id = zlib.crc32(chosen_word.encode()) % vocab_size if chosen_word.lstrip("-").isdigit() else (
+            (true_id + (chosen_word != true_word)) % vocab_size)
+        ids.append(chosen_id)
+        lps.append(round(min(0.0, logprob + noise), 6))
+        texts.append(chosen_word)
+        state = int(_unit(state, chosen_id, i) * 2**53)
+    return Answer(token_ids=ids, logprobs=lps, text="".join(" " + w for w in texts))
