@@ -53,6 +53,7 @@ __all__ = [
     "dcp_per_rank_cell_bytes",
     "dcp_gain",
     "supporting_backend",
+    "table_for",
 ]
 
 LeverName = Literal["fp8_kv", "dcp", "dp_attention", "speculative"]
@@ -131,6 +132,12 @@ def gpu_arch(gpu: str | None) -> str | None:
     return None
 
 
+@cache
+def table_for(version: str) -> FlagTable:
+    """:meth:`FlagTable.for_version`, read once per version (the ladder asks many times)."""
+    return FlagTable.for_version(version)
+
+
 def _neighbours(version: str) -> tuple[str | None, str | None]:
     """The bundled flag tables at or below and above ``version``."""
     wanted = release(version)
@@ -159,7 +166,7 @@ def flag_available(version: str, field: str, value: Any = None) -> Verdict:
         FlagError: ``version`` is not a version number.
     """
     below, above = _neighbours(version)
-    table = FlagTable.for_version(version)
+    table = table_for(version)
     exact = below is not None and release(below) == release(version)
     flag = "--" + field.replace("_", "-")
     if table.has(field):
@@ -167,7 +174,7 @@ def flag_available(version: str, field: str, value: Any = None) -> Verdict:
         if value is not None and opt.choices is not None and value not in opt.choices:
             return Verdict(ok=False, why=f"SGLang {version}'s {flag} accepts {', '.join(map(str, opt.choices))}, not {value} (flag table {table.table_version})")
         return Verdict(ok=True, why=f"SGLang {version} has {flag} (flag table {table.table_version})")
-    if not exact and above is not None and FlagTable.for_version(above).has(field):
+    if not exact and above is not None and table_for(above).has(field):
         return Verdict(ok=None, why=f"{flag} is not in SGLang {table.table_version} but is in {above}; whether {version} has it is unknown")
     return Verdict(ok=False, why=f"SGLang {version} has no {flag} (flag table {table.table_version})")
 
