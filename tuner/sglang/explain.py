@@ -26,6 +26,7 @@ from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
 from tuner.sglang.ladder import LadderBase, Rung, ladder
+from tuner.sglang.levers import draft_budget
 from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
@@ -439,13 +440,27 @@ def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch 
     draft = _draft_of(report, report.primary()) if report is not None else None
     backend = _arg(report, info, "attention_backend", "decode_attention_backend")
     flags = {k: _arg(report, info, k) for k in ("kv_cache_dtype", "attention_backend", "speculative_algorithm", "enable_dp_attention", "dcp_size")}
+    spec = _val(settings, "speculative_algorithm") or None
+    headroom = 0
+    if spec and draft_budget(str(version)).headroom and str(spec).upper() != "NGRAM":
+        pool = _arg(report, info, "max_running_requests")
+        ctx = _val(settings, "context_len")
+        if pool is None and ctx and kv_model.observed_tokens:
+            pool = min(4096, max(2048, int(kv_model.observed_tokens / ctx * 512)))  # §2.3 estimate
+        steps, topk = _arg(report, info, "speculative_num_steps"), _arg(report, info, "speculative_eagle_topk")
+        draft_tokens = _arg(report, info, "speculative_num_draft_tokens")
+        if None not in (pool, steps, topk, draft_tokens):
+            headroom = int(pool) * int(steps) * int(topk) + int(pool) * int(draft_tokens) + 100
+    if headroom:  # the logged count holds 0.5.5's headroom rows; the profiled budget does not (§1.5)
+        kv_model = kv_model.model_copy(update={"static_gib": kv_model.static_gib + headroom * kv_model.cell_bytes / GIB})
     base = LadderBase(
         memory=kv_model, model=model, version=str(version), tp=tp, dp=int(_val(settings, "dp_size") or 1) if dp_on else 1,
         mem_fraction_static=float(mfs), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"),
         speculative_algorithm=_val(settings, "speculative_algorithm") or None, attention_backend=str(backend) if backend else None,
         context_len=_val(settings, "context_len"), page_size=int(_val(settings, "page_size") or 1), gpu=gpu,
         draft_weight_gib=draft.weight_gib if draft else None, draft_kv_gib=draft.kv_pool_gib if draft else None,
-        draft_graph_gib=draft.graph_gib if draft else None, flags={k: v for k, v in flags.items() if v is not None},
+        draft_graph_gib=draft.graph_gib if draft else None, spec_headroom_tokens=headroom,
+        flags={k: v for k, v in flags.items() if v is not None},
     )
     return ladder(base)
 

@@ -38,7 +38,7 @@ from tuner.sglang.levers import (
     supporting_backend,
     table_for,
 )
-from tuner.sglang.memory import KVCapacityModel, cell_size_bytes, kv_elem_bytes
+from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, kv_elem_bytes
 from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.numerics import numerics_changes
 
@@ -98,6 +98,11 @@ class LadderBase(BaseModel):
         page_size: Tokens per page.
         gpu: GPU name or architecture (``None``: unknown; feasibility cells then answer unknown).
         draft_weight_gib, draft_kv_gib, draft_graph_gib: The draft model's own lines (§4.1).
+        spec_headroom_tokens: Tokens 0.5.5 added to the observed pool for speculative decoding
+            (``max_num_reqs × steps × topk + max_num_reqs × draft_tokens + 100``, §1.5), 0 otherwise;
+            ``memory`` must price the profiled budget, i.e. the observed count less these (a model
+            calibrated on the logged count holds them in its budget: add ``headroom × cell`` to its
+            static memory, as :func:`tuner.sglang.explain.explain` does).
         flags: The deployment's flags by SGLang field name (for the numerics comparison).
     """
 
@@ -118,6 +123,7 @@ class LadderBase(BaseModel):
     draft_weight_gib: float | None = None
     draft_kv_gib: float | None = None
     draft_graph_gib: float | None = None
+    spec_headroom_tokens: int = 0
     flags: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -215,6 +221,26 @@ def _draft_reserve(base: LadderBase, s: _Shape, tokens: int, cell: int) -> float
     return total
 
 
+def _headroom(base: LadderBase, s: _Shape) -> int:
+    """0.5.5's speculative headroom rows at this rung (per DP rank: max_num_reqs // dp, §1.5b)."""
+    if not s.spec or not base.spec_headroom_tokens or not draft_budget(s.version).headroom:
+        return 0
+    b = _base_shape(base)
+    if not b.spec:
+        return 0
+    return (base.spec_headroom_tokens - 100) * b.dp // s.dp + 100
+
+
+def _tokens(base: LadderBase, m: KVCapacityModel, s: _Shape) -> int:
+    """SGLang's count (§1.4 order): floor(budget / cell), + the speculative headroom, cap, page."""
+    raw = math.floor(m.kv_budget_gib(s.mfs) * GIB / m.cell_bytes) + _headroom(base, s)  # added before the ≤ 0 check (§1.4)
+    if raw <= 0:
+        return raw
+    if m.max_total_tokens is not None:
+        raw = min(raw, m.max_total_tokens)
+    return raw // base.page_size * base.page_size
+
+
 def fraction_ceiling(free_after_graphs_gib: float, mem_fraction_static: float, baseline_gib: float, *, floor_gib: float = 0.0) -> float:
     """The largest fraction (0.001 steps) whose reserve still covers what the observed start used:
     ``mfs + (free − floor) / B`` rounded down (§1.2: each +0.01 moves ``0.01 × B`` GiB from the
@@ -283,10 +309,10 @@ def evaluate(base: LadderBase, flags: Mapping[str, Any], *, version: str | None 
         return Rung(lever=dict(flags), tokens_per_rank=None, logical_tokens=None, per_request_max_tokens=None, free_after_graphs_gib=None,
                     starts=None, available=avail.ok, changes_numerics=numerics, why="; ".join(w for w in [*words, avail.why] if w))
     m = base.memory.model_copy(update={"static_gib": static, "cell_bytes": cell})
-    tokens = m.tokens(s.mfs, page_size=base.page_size)
+    tokens = _tokens(base, m, s)
     budget = m.kv_budget_gib(s.mfs)
     if tokens <= 0:
-        need = m.min_fraction(page_size=base.page_size)
+        need = (m.static_gib + (base.page_size - _headroom(base, s)) * m.cell_bytes / GIB) / m.baseline_gib
         words.append(f"does not start: static memory {static:.2f} GiB > {s.mfs:g} × baseline {m.baseline_gib:.2f} = {s.mfs * m.baseline_gib:.2f} GiB "
                      f"('Not enough memory', §4.3); needs mem_fraction_static ≥ {math.ceil(need * 1000) / 1000:.3f} to start")
         return Rung(lever=dict(flags), tokens_per_rank=tokens, logical_tokens=0, per_request_max_tokens=0,
@@ -297,7 +323,9 @@ def evaluate(base: LadderBase, flags: Mapping[str, Any], *, version: str | None 
     per_request = min(base.context_len - 1, one - 1) if base.context_len else one - 1
     free = _free(base, s, tokens, cell)
     starts = None if free is None else free >= 0
-    words.append(f"KV budget {s.mfs:g} × {m.baseline_gib:.2f} − {static:.2f} = {budget:.2f} GiB / {cell:,} B per token = {tokens:,} per rank")
+    head = _headroom(base, s)
+    plus = f" + {head:,} speculative headroom (0.5.5, §1.5)" if head else ""
+    words.append(f"KV budget {s.mfs:g} × {m.baseline_gib:.2f} − {static:.2f} = {budget:.2f} GiB / {cell:,} B per token{plus} = {tokens:,} per rank")
     if s.dp > 1 or s.dcp > 1:
         words.append(f"logical {tokens:,} × {s.dcp * s.dp} = {logical:,}")
     if free is not None:
