@@ -63,6 +63,7 @@ __all__ = [
     "LoadOutcome",
     "TrialExecutor",
     "render_argv",
+    "without_neutral_levers",
     "host_pool_kill",
     "host_pools",
     "slo_clearly_lost",
@@ -240,6 +241,16 @@ class ServerUnderTest(Protocol):
 # ---- the phases' helpers -----------------------------------------------------------------------------
 
 
+def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[str, Any]:
+    """``params`` less a structural lever at its no-op value that this version has no flag for
+    (``dcp_size`` 1 on a version without ``--dcp-size``: the space's baseline value; issue 23's
+    lever screen skips the other values before a launch)."""
+    out = dict(params)
+    if out.get("dcp_size") in (None, 1) and not table.has("dcp_size"):
+        out.pop("dcp_size", None)
+    return out
+
+
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
@@ -251,7 +262,7 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     """
     if not params:
         return list(baseline_argv)
-    rendered = dict(params)
+    rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
     return replace_flags(baseline_argv, rendered, table)
@@ -808,7 +819,7 @@ class TrialExecutor:
 
     def _render(self, job: TrialJob) -> tuple[list[str], Failure | None]:
         """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
-        asked = dict(job.params)
+        asked = without_neutral_levers(job.params, self.table)
         reasons = validate(asked, self.table) if asked else []
         try:
             argv = self.argv_for(asked)

@@ -18,7 +18,7 @@ from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere
+from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere, Unavailable
 from tuner.study.decide.slo import SLOBracket
 
 __all__ = ["build_chain"]
@@ -41,7 +41,7 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
-    proofs: list[Screen] = [MeasuredAlready(), MustFail()]
+    proofs: list[Screen] = [MeasuredAlready(), MustFail(), Unavailable(version, argv)]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
     planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
                                CacheCandidate(objective, host), NoiseRepeat(objective)]
