@@ -47,3 +47,20 @@ def test_a_candidate_without_dcp_renders_on_a_version_without_the_flag():
     assert "--dcp-size" not in argv and argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     argv = render_argv(ARGV, {**BASELINE, "dcp_size": 8}, FlagTable.for_version("0.5.23"))
     assert argv[argv.index("--dcp-size") + 1] == "8"
+
+
+def test_a_trial_that_changes_numerics_says_so_in_its_attributes():
+    """The quality gate's scope (issue 24) is stored with each trial of a lever that changes numerics."""
+    import optuna
+
+    from tuner.study.decide import Proposal
+    from tuner.study.optuna_io import SPACE_ATTR
+    from tuner.study.record import NUMERICS_ATTR, Recorder
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), directions=["maximize"])
+    study.set_user_attr(SPACE_ATTR, _space().model_dump(mode="json"))
+    recorder = Recorder(study, None, "host", {})
+    fp8 = recorder.ask(Proposal(params={**BASELINE, "kv_cache_dtype": "fp8_e4m3", "dcp_size": 1}))
+    assert fp8.user_attrs[NUMERICS_ATTR] == ["kv_cache_dtype"]
+    same = recorder.ask(Proposal(params={**BASELINE, "kv_cache_dtype": "auto", "dcp_size": 1}))
+    assert NUMERICS_ATTR not in same.user_attrs
