@@ -64,3 +64,25 @@ def test_a_trial_that_changes_numerics_says_so_in_its_attributes():
     assert fp8.user_attrs[NUMERICS_ATTR] == ["kv_cache_dtype"]
     same = recorder.ask(Proposal(params={**BASELINE, "kv_cache_dtype": "auto", "dcp_size": 1}))
     assert NUMERICS_ATTR not in same.user_attrs
+
+
+def test_rungs_are_proposed_on_the_best_flags_largest_gain_first_and_unavailable_ones_are_screened():
+    from tests.support.views import study_view as view_of
+    from tuner.config import ObjectiveSection
+    from tuner.records import TrialRecord
+    from tuner.study.decide import first_skip
+    from tuner.study.decide.rungs import RungCandidate
+
+    space = _space()
+    baseline = TrialRecord(params={**BASELINE, "kv_cache_dtype": "auto", "dcp_size": 1}, kind="baseline", outcome="ok",
+                           context_tokens=32768, context_capacity=4, token_capacity=159277, feasible=True,
+                           output_throughput_tok_s=100.0, constraints={"oom_or_crash": -1.0, "slo": -1.0, "stress": -1.0})
+    view = view_of(space, [(0, baseline)], context_tokens=32768, budget=BudgetSection(), mean_request_tokens=4096)
+    first = RungCandidate(ObjectiveSection()).propose(view)
+    assert first is not None and first.params["dcp_size"] == 8 and first.params["kv_cache_dtype"] == "auto"
+    skip = first_skip([Unavailable("0.5.5", ARGV)], first.params, view)
+    assert skip is not None and "has no --dcp-size" in skip.reason  # never launched on 0.5.5
+    tried = TrialRecord(params=first.params, kind="predicted", outcome="skipped", skipped_reason=skip.reason, proved_by_trial=0)
+    after = view_of(space, [(0, baseline), (1, tried)], context_tokens=32768, budget=BudgetSection(), mean_request_tokens=4096)
+    second = RungCandidate(ObjectiveSection()).propose(after)
+    assert second is not None and second.params["dcp_size"] == 3

@@ -1,7 +1,7 @@
 """The study's chain: which proposers and screens a run asks, in which order.
 
 One place says the order of the decision chain (:mod:`tuner.study.decide`): the planner's
-proposers (the SLO bracket, the memory frontier, the cache candidate, the noise repeat), the
+proposers (the structural levers' rungs on the best flags, the SLO bracket, the memory frontier, the cache candidate, the noise repeat), the
 screens every asked trial passes (the two proofs, the host's memory), those a sampled config passes
 (the proofs, the models' predictions, the host's memory), and the sampler, which also skips a config
 another host runs now.
@@ -17,6 +17,7 @@ from tuner.study.decide import Decider, Proposer, Screen
 from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
+from tuner.study.decide.rungs import RungCandidate
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
 from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere, Unavailable
 from tuner.study.decide.slo import SLOBracket
@@ -43,7 +44,7 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     host = HostMemory(read_host, version, argv)
     proofs: list[Screen] = [MeasuredAlready(), MustFail(), Unavailable(version, argv)]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
-    planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
+    planned: list[Proposer] = [RungCandidate(objective), SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
                                CacheCandidate(objective, host), NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)
     return decider, Sampler(mirror, [*sampled, RunningElsewhere()], on_skip)
