@@ -382,10 +382,14 @@ def resolve_facts(
     put("cuda_graph_bs", (rank.graph_bs if rank is not None and rank.graph_bs else None, "log:capture"))
     if free is None and rank is not None:
         free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
-    capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
     # The baseline's knobs: what its command line sets, plus what SGLang resolved for the
     # three knobs every study searches (the others stay at SGLang's own default).
     explicit = parse_argv(argv, table)
+    # Across the deployment (issue 23): DCP interleaves a request over dcp ranks (the pool SGLang
+    # 0.5.23 reports is one rank's), DP attention runs dp pools of their own (§1.5b).
+    dcp = int(explicit.get("dcp_size") or 1)
+    dp = int(explicit.get("dp_size") or explicit.get("data_parallel_size") or 1) if explicit.get("enable_dp_attention") else 1
+    capacity = dp * context_capacity(mrr, tokens * dcp, context_tokens) if tokens else None
     params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:

@@ -115,3 +115,20 @@ def test_simulated_server_with_dp_attention_that_does_not_fit_prints_not_enough_
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Not enough memory" in out, out[-2000:]
+
+
+def test_a_trial_counts_capacity_across_the_deployment():
+    """The product's facts of a simulated start (its startup log): DCP's per-rank pool × dcp, DP
+    attention's pools × dp (one request still fits one DP rank's pool)."""
+    from tests.support.study_factory import simulated_start
+    from tuner.sglang.flags import FlagTable
+
+    base = _argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.23", 0.88, False) + ["--max-running-requests", "64"]
+    _, plain, _ = simulated_start(base, 32768, FlagTable.for_version("0.5.23"))
+    _, dcp, _ = simulated_start(base + ["--dcp-size", "8"], 32768, FlagTable.for_version("0.5.23"))
+    assert dcp["max_total_num_tokens"] == plain["max_total_num_tokens"]  # the log's count is one rank's
+    assert dcp["context_capacity"] == min(64, 8 * dcp["max_total_num_tokens"] // 32768) > plain["context_capacity"]
+    dp_argv = base + ["--enable-dp-attention", "--dp-size", "8", "--mem-fraction-static", "0.95"]
+    _, dp, _ = simulated_start(dp_argv, 32768, FlagTable.for_version("0.5.23"))
+    per_rank = min(dp["effective_max_running_requests"], dp["max_total_num_tokens"] // 32768)
+    assert dp["context_capacity"] == 8 * per_rank
