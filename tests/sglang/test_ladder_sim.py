@@ -132,3 +132,25 @@ def test_a_trial_counts_capacity_across_the_deployment():
     _, dp, _ = simulated_start(dp_argv, 32768, FlagTable.for_version("0.5.23"))
     per_rank = min(dp["effective_max_running_requests"], dp["max_total_num_tokens"] // 32768)
     assert dp["context_capacity"] == 8 * per_rank
+
+
+def test_explain_of_a_running_simulated_server_prices_the_ladder_as_its_startup_does(tmp_path):
+    """`tuner explain --url` on a real simulator process (0.5.23, where /get_server_info reports the
+    free memory at startup) and its log: both inputs price fp8 KV as the simulator's startup would."""
+    from tests.support.sim import start_healthy
+    from tuner.sglang.explain import explain_from
+
+    args = _argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.23", 0.88, False)
+    _, fp8 = plan_from_argv(args + ["--kv-cache-dtype", "fp8_e4m3"])
+    sim = start_healthy(args, tmp_path)
+    try:
+        live = explain_from(url=sim.url, model_config=str(MODELS / "kimi-k2.5-int4"), gpu="sm120")
+        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / "kimi-k2.5-int4"), gpu="sm120")
+    finally:
+        sim.stop()
+    for explained in (live, logged):
+        rung = next(r for r in explained.ladder if r.lever.get("kv_cache_dtype") == "fp8_e4m3" and "mem_fraction_static" not in r.lever)
+        assert rung.tokens_per_rank == pytest.approx(fp8.max_total_num_tokens, rel=1e-4)  # calibrated on 2-decimal GB lines
+        assert rung.available is True  # 0.5.23 has the Triton MLA fp8 path on SM120 (sglang#20479)
+        dcp = next(r for r in explained.ladder if r.lever == {"dcp_size": 8})
+        assert dcp.available is None and dcp.logical_tokens == 8 * dcp.tokens_per_rank  # the DCP backend on SM120: unknown
