@@ -196,8 +196,11 @@ class SpaceSection(_Section):
         page_size: Choices (optional).
         cuda_graph_max_bs: Choices (optional; rendered per version, §3.2).
         schedule_conservativeness: ``[low, high]`` (optional, §2.4).
-        kv_cache_dtype: Choices (optional; ``fp8_e4m3``/``fp8_e5m2`` change numerics: such a
+        kv_cache_dtype: Choices of ``--kv-cache-dtype`` (optional; a structural lever:
+            ``["auto", "fp8_e4m3"]`` halves the bytes per token; fp8 changes numerics, so such a
             candidate must pass the ``[quality]`` gate).
+        dcp_size: Choices of ``--dcp-size`` (optional; decode context parallelism, SGLang 0.5.23;
+            a size the version lacks or that does not divide ``--tp-size`` is skipped, never launched).
     """
 
     mem_fraction_static: FloatRange | None = None
@@ -214,7 +217,8 @@ class SpaceSection(_Section):
     page_size: list[int] | None = None
     cuda_graph_max_bs: list[int] | None = None
     schedule_conservativeness: FloatRange | None = None
-    kv_cache_dtype: list[Literal["auto", "fp8_e4m3", "fp8_e5m2"]] | None = None
+    kv_cache_dtype: list[Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]] | None = None
+    dcp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
 
     @field_validator("mem_fraction_static")
     @classmethod

@@ -69,6 +69,7 @@ __all__ = [
     "LoadOutcome",
     "TrialExecutor",
     "render_argv",
+    "without_neutral_levers",
     "host_pool_kill",
     "host_pools",
     "slo_clearly_lost",
@@ -256,6 +257,16 @@ class ServerUnderTest(Protocol):
 # ---- the phases' helpers -----------------------------------------------------------------------------
 
 
+def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[str, Any]:
+    """``params`` less a structural lever at its no-op value that this version has no flag for
+    (``dcp_size`` 1 on a version without ``--dcp-size``: the space's baseline value; issue 23's
+    lever screen skips the other values before a launch)."""
+    out = dict(params)
+    if out.get("dcp_size") in (None, 1) and not table.has("dcp_size"):
+        out.pop("dcp_size", None)
+    return out
+
+
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
@@ -267,7 +278,7 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     """
     if not params:
         return list(baseline_argv)
-    rendered = dict(params)
+    rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
     return replace_flags(baseline_argv, rendered, table)
@@ -387,10 +398,14 @@ def resolve_facts(
     put("cuda_graph_bs", (rank.graph_bs if rank is not None and rank.graph_bs else None, "log:capture"))
     if free is None and rank is not None:
         free = put("available_gpu_mem_gib", (rank.graph_end_avail_gib, "log:capture"))
-    capacity = context_capacity(mrr, tokens, context_tokens) if tokens else None
     # The baseline's knobs: what its command line sets, plus what SGLang resolved for the
     # three knobs every study searches (the others stay at SGLang's own default).
     explicit = parse_argv(argv, table)
+    # Across the deployment (issue 23): DCP interleaves a request over dcp ranks (the pool SGLang
+    # 0.5.23 reports is one rank's), DP attention runs dp pools of their own (§1.5b).
+    dcp = int(explicit.get("dcp_size") or 1)
+    dp = int(explicit.get("dp_size") or explicit.get("data_parallel_size") or 1) if explicit.get("enable_dp_attention") else 1
+    capacity = dp * context_capacity(mrr, tokens * dcp, context_tokens) if tokens else None
     params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
@@ -830,7 +845,7 @@ class TrialExecutor:
 
     def _render(self, job: TrialJob) -> tuple[list[str], Failure | None]:
         """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
-        asked = dict(job.params)
+        asked = without_neutral_levers(job.params, self.table)
         reasons = validate(asked, self.table) if asked else []
         try:
             argv = self.argv_for(asked)

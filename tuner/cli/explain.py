@@ -17,14 +17,16 @@ def explain_cmd(
     model_config: Annotated[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,
     journalctl: Annotated[str, typer.Option("--journalctl", help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
     mem_fraction_static: Annotated[float | None, typer.Option("--mem-fraction-static", help="the server's fraction in (0, 1), used only when the input does not state it (a stated value wins; a different one here is reported).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="the GPU's name or architecture (e.g. 'RTX PRO 6000', sm120) for the ladder's feasibility cells; unknown without it.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
 ) -> None:
-    """Where the GPU memory went, what limits capacity, predictions at other fractions, and traps."""
+    """Where the GPU memory went, what limits capacity, predictions at other fractions, traps, and the
+    structural levers (fp8 KV, DP attention, DCP, speculative decoding off) priced on this start."""
     from tuner.report.explain import renderables
     from tuner.sglang.explain import explain_from
 
     result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
-                          mem_fraction_static=mem_fraction_static)
+                          mem_fraction_static=mem_fraction_static, gpu=gpu)
     if as_json:
         print(result.model_dump_json(indent=2))
     else:

@@ -11,8 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from tuner.sglang.explain import Explanation, WaterfallStep, waterfall_steps
+from tuner.sglang.ladder import Rung
 
-__all__ = ["renderables", "waterfall_table"]
+__all__ = ["renderables", "waterfall_table", "ladder_table"]
 
 
 def _fmt(x: float | None, unit: str = "GiB") -> str:
@@ -31,6 +32,35 @@ def _steps_table(steps: Sequence[WaterfallStep]) -> Table:
 def waterfall_table(memory: Mapping[str, Any]) -> Table:
     """A rich table of :func:`waterfall_steps` (``tuner show`` uses it)."""
     return _steps_table(waterfall_steps(memory))
+
+
+def _lever_words(lever: dict[str, Any]) -> str:
+    if not lever:
+        return "as observed"
+    return " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " none" if v is None else f" {v}") for k, v in lever.items())
+
+
+def _yes(x: bool | None) -> str:
+    return {True: "yes", False: "no", None: "?"}[x]
+
+
+def _num(x: int | None) -> str:
+    return "—" if x is None else f"{x:,}"
+
+
+def ladder_table(rungs: Sequence[Rung]) -> RenderableType:
+    """The structural-levers ladder: one row per rung, then each rung's ``why`` (``?`` = unknown)."""
+    t = Table(title="Structural levers (priced on this start, before any restart)", title_justify="left")
+    for col in ("#", "lever", "tokens/rank", "logical", "one request", "free GiB", "starts", "available", "numerics"):
+        t.add_column(col, justify="left" if col in ("lever",) else "right")
+    base = rungs[0].logical_tokens if rungs and rungs[0].logical_tokens else None
+    for i, r in enumerate(rungs, 1):
+        gain = f" ({r.logical_tokens / base:.2f}×)" if base and r.logical_tokens else ""
+        t.add_row(str(i), _lever_words(r.lever), _num(r.tokens_per_rank), _num(r.logical_tokens) + gain, _num(r.per_request_max_tokens),
+                  _fmt(r.free_after_graphs_gib, "").strip(), _yes(r.starts), _yes(r.available), "changes" if r.changes_numerics else "same")
+    lines: list[RenderableType] = [t]
+    lines += [Text(f"  {i}. {r.why}", style="dim") for i, r in enumerate(rungs, 1)]
+    return Group(*lines)
 
 
 def _other_levers(e: Explanation) -> list[RenderableType]:
@@ -88,6 +118,8 @@ def renderables(e: Explanation) -> RenderableType:  # noqa: C901 - over the comp
         lever.append(f"  ({e.lever.why})")
         parts.append(lever)
         parts += _other_levers(e)
+    if e.ladder:
+        parts.append(ladder_table(e.ladder))
     if e.diagnosis is not None:
         where = f", phase {e.diagnosis.phase}" if e.diagnosis.phase else ""
         parts.append(Text(f"Diagnosis: {e.diagnosis.failure_class.value}{where}; evidence: {e.diagnosis.evidence}", style="bold"))

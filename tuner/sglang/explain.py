@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
+from tuner.sglang.ladder import LadderBase, Rung, ladder
+from tuner.sglang.levers import draft_budget
 from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
@@ -204,6 +206,9 @@ class Explanation(BaseModel):
     """The KV allocator's page shortfall (tokens asked, available, evictable), if logged."""
     retractions: RetractionSummary | None = None
     """The log's retractions, if any."""
+    ladder: list[Rung] = Field(default_factory=list)
+    """The structural levers priced on this start (:mod:`tuner.sglang.ladder`): fp8 KV, DP
+    attention, DCP, speculative decoding off, the fraction's ceiling; empty without a calibrated model."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +351,7 @@ def explain(
     mem_fraction_static: float | None = None,
     fractions: Sequence[float] | None = None,
     metrics: Mapping[str, float] | None = None,
+    gpu: str | None = None,
 ) -> Explanation:
     """Explain one server start.
 
@@ -359,6 +365,8 @@ def explain(
             (a stated value wins; a different one given here is reported in ``warnings``); in (0, 1).
         fractions: Fractions to predict (default: around the current one).
         metrics: A ``/metrics`` scrape of the running server (:meth:`SGLangClient.metrics`), if any.
+        gpu: The GPU's name or architecture (``RTX PRO 6000``, ``sm120``), for the ladder's
+            feasibility cells (unknown without it).
 
     Returns:
         The :class:`Explanation`.
@@ -406,7 +414,55 @@ def explain(
         waterfall=waterfall, capacity=capacity, model=_model_out(kv_model, cell, cell_source, page), predictions=predictions, traps=traps,
         findings=findings, warnings=warnings, logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
         kv_shortfall=report.kv_shortfall if report else None, retractions=_retraction_summary(report),
+        ladder=_ladder(report, info, model, kv_model, settings, mfs, gpu),
     )
+
+
+def _arg(report: LogReport | None, info: ServerInfo | None, *names: str) -> Any:
+    """A launch argument as the server's info or the logged ``server_args`` state it."""
+    for name in names:
+        if info is not None and info.raw.get(name) is not None:
+            return info.raw[name]
+        if report is not None and name in report.server_args:
+            value = _to_num(report.server_args[name])
+            return None if value in ("None", "none") else value
+    return None
+
+
+def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch | None, kv_model: KVCapacityModel | None,
+            settings: dict[str, Setting], mfs: Any, gpu: str | None) -> list[Rung]:
+    """The ladder from the calibrated model and the launch arguments (empty when uncalibrated)."""
+    if kv_model is None or mfs is None or (report is not None and report.failure is not None):
+        return []
+    version = (info.version if info and info.version else None) or (report.version_format if report and report.version_format else "0.5.5")
+    tp = int(_val(settings, "tp_size") or 1)
+    dp_on = _arg(report, info, "enable_dp_attention") in (True, "True", "true")
+    draft = _draft_of(report, report.primary()) if report is not None else None
+    backend = _arg(report, info, "attention_backend", "decode_attention_backend")
+    flags = {k: _arg(report, info, k) for k in ("kv_cache_dtype", "attention_backend", "speculative_algorithm", "enable_dp_attention", "dcp_size")}
+    spec = _val(settings, "speculative_algorithm") or None
+    headroom = 0
+    if spec and draft_budget(str(version)).headroom and str(spec).upper() != "NGRAM":
+        pool = _arg(report, info, "max_running_requests")
+        ctx = _val(settings, "context_len")
+        if pool is None and ctx and kv_model.observed_tokens:
+            pool = min(4096, max(2048, int(kv_model.observed_tokens / ctx * 512)))  # §2.3 estimate
+        steps, topk = _arg(report, info, "speculative_num_steps"), _arg(report, info, "speculative_eagle_topk")
+        draft_tokens = _arg(report, info, "speculative_num_draft_tokens")
+        if None not in (pool, steps, topk, draft_tokens):
+            headroom = int(pool) * int(steps) * int(topk) + int(pool) * int(draft_tokens) + 100
+    if headroom:  # the logged count holds 0.5.5's headroom rows; the profiled budget does not (§1.5)
+        kv_model = kv_model.model_copy(update={"static_gib": kv_model.static_gib + headroom * kv_model.cell_bytes / GIB})
+    base = LadderBase(
+        memory=kv_model, model=model, version=str(version), tp=tp, dp=int(_val(settings, "dp_size") or 1) if dp_on else 1,
+        mem_fraction_static=float(mfs), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"),
+        speculative_algorithm=_val(settings, "speculative_algorithm") or None, attention_backend=str(backend) if backend else None,
+        context_len=_val(settings, "context_len"), page_size=int(_val(settings, "page_size") or 1), gpu=gpu,
+        draft_weight_gib=draft.weight_gib if draft else None, draft_kv_gib=draft.kv_pool_gib if draft else None,
+        draft_graph_gib=draft.graph_gib if draft else None, spec_headroom_tokens=headroom,
+        flags={k: v for k, v in flags.items() if v is not None},
+    )
+    return ladder(base)
 
 
 def _scheduler_settings(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None) -> None:
@@ -1662,6 +1718,7 @@ def explain_from(
     journalctl: str = "journalctl",
     mem_fraction_static: float | None = None,
     timeout_s: float = 10.0,
+    gpu: str | None = None,
 ) -> Explanation:
     """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
 
@@ -1673,6 +1730,7 @@ def explain_from(
         journalctl: The journalctl command prefix for ``unit``.
         mem_fraction_static: The fraction, used only if no input states it; in (0, 1).
         timeout_s: HTTP timeout for ``url``.
+        gpu: The GPU's name or architecture, for the ladder's feasibility cells.
 
     Returns:
         The :class:`Explanation`.
@@ -1718,4 +1776,4 @@ def explain_from(
     model = load_model_config(model_config) if model_config else None
     if model_config:
         sources.append(f"model config {model_config}")
-    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static, metrics=metrics)
+    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static, metrics=metrics, gpu=gpu)

@@ -78,6 +78,9 @@ def _layer_cell(model: ModelArch, tp: int, elem: float) -> float:
     """KV bytes per token per layer on one GPU (§1.3)."""
     if model.attention == "mla":
         assert model.kv_lora_rank is not None and model.qk_rope_head_dim is not None
+        if model.index_head_dim and elem == 1.0:
+            # NSA/flashmla fp8 row: fp8 latent + 4 B scale per 128 + bf16 rope (656 B for 512/64)
+            return model.kv_lora_rank + model.kv_lora_rank / 128 * 4 + model.qk_rope_head_dim * 2
         return (model.kv_lora_rank + model.qk_rope_head_dim) * elem  # not divided by tp
     assert model.head_dim is not None and model.num_kv_heads is not None
     heads = max(1, model.num_kv_heads // max(1, tp))  # replicated below one head per rank
@@ -97,8 +100,9 @@ def cell_size_bytes(
     """KV-cache bytes per token per GPU, as SGLang sizes the pool (§1.3, §1.5, §1.5b).
 
     MHA/GQA: ``max(1, kv_heads // attn_tp) × (head_dim + v_head_dim) × layers × elem``; MLA:
-    ``(kv_lora_rank + qk_rope_head_dim) × layers × elem``, not divided by TP; the DeepSeek NSA
-    indexer adds ``(index_head_dim + index_head_dim/128×4) × layers × 1 B``. From 0.5.16 on,
+    ``(kv_lora_rank + qk_rope_head_dim) × layers × elem``, not divided by TP (a DSA/NSA model's
+    fp8 row is ``kv_lora_rank + kv_lora_rank/128 × 4 + qk_rope_head_dim × 2`` = 656 B per layer,
+    ``shared/cases/ladder/README.md``, ladder-01); the DeepSeek NSA indexer adds ``(index_head_dim + index_head_dim/128×4) × layers × 1 B``. From 0.5.16 on,
     speculative decoding puts the draft KV inside the cell: ``cell × (1 + draft_layers /
     target_layers)`` with the draft's layers = ``num_nextn_predict_layers`` (MTP), the draft
     model's layers, or 1 (an EAGLE head) (§1.5). Before 0.5.16 the draft KV comes out of the

@@ -41,6 +41,11 @@ class ModelArch(BaseModel):
             KV dtype then becomes fp8_e4m3).
         num_nextn_predict_layers: MTP layers (the NEXTN/EAGLE draft of DeepSeek-family models).
         max_position_embeddings: The model's context length.
+        hidden_size, vocab_size, q_lora_rank, qk_nope_head_dim: what the attention projections and
+            the embedding weigh (DP attention replicates them, §1.5b); ``None`` when not in the config.
+        attn_weight_bytes: Bytes per attention-projection weight: 1 when the checkpoint quantizes
+            them to fp8, the model dtype's bytes when it has no quantization or lists attention in
+            its quantization ``ignore`` list (compressed-tensors), else ``None`` (not known here).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -61,6 +66,30 @@ class ModelArch(BaseModel):
     kv_cache_quant_algo: str | None = None
     num_nextn_predict_layers: int | None = None
     max_position_embeddings: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    attn_weight_bytes: float | None = None
+
+
+_DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
+
+
+def _attn_weight_bytes(cfg: Mapping[str, Any], quant: Any) -> float | None:
+    """Bytes per attention weight (see :class:`ModelArch`); ``None`` when the quantization is not
+    one this rule reads."""
+    dtype = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", ""))
+    if not quant:
+        return dtype
+    if not isinstance(quant, Mapping):
+        return None
+    ignore = " ".join(str(x) for x in quant.get("ignore") or quant.get("modules_to_not_convert") or [])
+    if "attention" in ignore or "self_attn" in ignore:
+        return dtype
+    if str(quant.get("quant_method", "")).lower() == "fp8":
+        return 1.0
+    return None
 
 
 def _need(cfg: Mapping[str, Any], key: str, source: str) -> Any:
@@ -104,6 +133,9 @@ def model_arch_from_dict(cfg: Mapping[str, Any], *, source: str = "config.json",
         "num_nextn_predict_layers": cfg.get("num_nextn_predict_layers"),
         "max_position_embeddings": cfg.get("max_position_embeddings"),
         "num_attention_heads": cfg.get("num_attention_heads"),
+        "hidden_size": cfg.get("hidden_size"),
+        "vocab_size": cfg.get("vocab_size"),
+        "attn_weight_bytes": _attn_weight_bytes(cfg, quant),
     }
     if cfg.get("kv_lora_rank") is not None:
         return ModelArch(
@@ -111,6 +143,9 @@ def model_arch_from_dict(cfg: Mapping[str, Any], *, source: str = "config.json",
             kv_lora_rank=_need(cfg, "kv_lora_rank", source),
             qk_rope_head_dim=_need(cfg, "qk_rope_head_dim", source),
             index_head_dim=cfg.get("index_head_dim"),
+            q_lora_rank=cfg.get("q_lora_rank"),
+            qk_nope_head_dim=cfg.get("qk_nope_head_dim"),
+            v_head_dim=cfg.get("v_head_dim"),
             num_kv_heads=1,
             **common,
         )

@@ -147,6 +147,11 @@ class CostInputs:
         spec_num_draft_tokens: Tokens verified per request per step.
         spec_accept_length: Mean tokens accepted per request per step.
         factors: Efficiency factors.
+        dp_size: DP-attention size: each DP rank attends over its own requests (``1/dp`` of the
+            batch's KV reads per GPU, with ``heads / attn_tp`` heads), §1.5b.
+        dcp_size: Decode context parallelism: each rank reads ``1/dcp`` of every request's KV, then
+            the partial outputs are gathered once per layer (sglang#14194: an extra collective per
+            layer; its latency is what makes small-batch decode slower).
     """
 
     num_layers: int
@@ -178,6 +183,8 @@ class CostInputs:
     spec_num_draft_tokens: int = 0
     spec_accept_length: float = 1.0
     factors: CostFactors = CostFactors()
+    dp_size: int = 1
+    dcp_size: int = 1
 
     @classmethod
     def from_specs(
@@ -240,6 +247,10 @@ class CostInputs:
             spec_accept_length=float(spec_accept_length),
         )
 
+    def with_parallel(self, *, dp_size: int = 1, dcp_size: int = 1) -> CostInputs:
+        """A copy with DP-attention and DCP sizes."""
+        return replace(self, dp_size=max(1, dp_size), dcp_size=max(1, dcp_size))
+
     def with_factors(self, factors: CostFactors) -> CostInputs:
         """A copy with other efficiency factors (used by the calibration fit)."""
         return replace(self, factors=factors)
@@ -301,7 +312,11 @@ def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int) -> float:
     else:
         d_qk = d_v = c.head_dim
     flops = 2.0 * heads * (d_qk + d_v) * c.num_layers * attn_pairs
-    read = float(c.kv_cell_bytes) * kv_read_tokens
+    # DP attention: a rank attends over its 1/dp of the requests with dp× the heads; DCP: a rank
+    # holds and reads 1/dcp of each request's KV (flops split the same way).
+    share = 1.0 / (c.dp_size * c.dcp_size)
+    flops *= c.dp_size * share  # heads per rank grow with dp (attn_tp = tp / dp), the requests shrink by dp
+    read = float(c.kv_cell_bytes) * kv_read_tokens * share
     eff_read = f.eff_hbm * (f.eff_mla if c.is_mla else 1.0)
     return max(read / (c.hbm_gb_s * 1e9 * eff_read), flops / (c.bf16_tflops * 1e12 * f.eff_attn))
 
@@ -312,6 +327,17 @@ def _comm_s(c: CostInputs, num_tokens: int) -> float:
     nbytes = num_tokens * c.hidden_size * c.dtype_bytes
     one = 2.0 * (c.tp_size - 1) / c.tp_size * nbytes / (c.interconnect_gb_s * 1e9) + c.factors.allreduce_latency_s
     return 2 * c.num_layers * one
+
+
+def _dcp_comm_s(c: CostInputs, num_seqs: int) -> float:
+    """DCP's gather of partial attention outputs and their log-sum-exp, once per layer."""
+    if c.dcp_size <= 1:
+        return 0.0
+    heads = max(1, c.num_attention_heads // c.tp_size)
+    d_v = c.kv_lora_rank if c.is_mla else c.head_dim
+    nbytes = num_seqs * heads * (d_v + 1) * 4
+    one = (c.dcp_size - 1) / c.dcp_size * nbytes / (c.interconnect_gb_s * 1e9) + c.factors.allreduce_latency_s
+    return c.num_layers * one
 
 
 def step_time_s(c: CostInputs, shape: StepShape) -> float:
@@ -328,6 +354,7 @@ def step_time_s(c: CostInputs, shape: StepShape) -> float:
         return 0.0
     f = c.factors
     gpu_s = _linear_s(c, shape.num_tokens) + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens) + _comm_s(c, shape.num_tokens)
+    gpu_s += _dcp_comm_s(c, shape.num_seqs)
     if shape.eager:
         gpu_s = max(gpu_s, c.num_layers * f.eager_layer_overhead_s)
     else:

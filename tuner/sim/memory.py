@@ -24,7 +24,7 @@ from typing import Any
 from tuner.sim.args import ParsedArgs
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import MIB, GpuSpec
-from tuner.sim.models import GIB, ModelSpec, load_model, weight_bytes_per_gpu
+from tuner.sim.models import GIB, ModelSpec, dp_attention_extra_bytes, load_model, weight_bytes_per_gpu
 
 __all__ = [
     "ServerConfig",
@@ -159,6 +159,10 @@ class ServerConfig:
         host, port: HTTP bind address.
         server_args: Every ServerArgs field (flat) with resolved values, for ``/get_server_info``.
         warnings: Lines SGLang logs while resolving (flag not simulated, mrr reset to 48...).
+        dp_size: DP-attention size (1 = off): each DP rank has its own pool, the attention
+            projections and embedding are split over ``tp / dp`` (§1.5b).
+        dcp_size: Decode context parallelism (0.5.23 ``--dcp-size``): each request's KV is
+            interleaved over ``dcp`` ranks, so the logical pool is ``dcp ×`` the per-rank one.
     """
 
     version: str
@@ -200,6 +204,13 @@ class ServerConfig:
     server_args: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     disable_cuda_graph_padding: bool = False
+    dp_size: int = 1
+    dcp_size: int = 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Attention tensor parallelism: ``tp / dp`` under DP attention (§1.5b)."""
+        return max(1, self.tp_size // self.dp_size)
 
     @property
     def kv_elem_bytes(self) -> float:
@@ -396,10 +407,14 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
     warnings = list(parsed.warnings)
     tp = int(v.get("tp_size") or 1)
     spec = _resolve_spec(v, model)
+    dp, dcp = _resolve_parallel(v, model, tp)
     chunk_default, max_bs_default = _gpu_tier(gpu.memory_mib, tp, version)
     chunk = v.get("chunked_prefill_size")
     chunk = chunk_default if chunk is None else chunk
     chunk = None if chunk is not None and chunk <= 0 else chunk
+    if dp > 1 and chunk is not None:
+        chunk //= dp  # _handle_data_parallelism (0.5.5 server_args.py)
+        warnings.append(f"DP attention is enabled. The chunked prefill size is adjusted to {chunk} to avoid MoE kernel issues. ")
     max_prefill = int(v.get("max_prefill_tokens") or 16384)
 
     mrr = v.get("max_running_requests")
@@ -479,7 +494,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         cuda_graph_bs=() if disable_graph else bs_list, disable_cuda_graph=disable_graph,
         prefill_graphs=prefill_graphs, disable_cuda_graph_padding=bool(v.get("disable_cuda_graph_padding")),
         schedule_policy=str(v.get("schedule_policy") or "fcfs"),
-        schedule_conservativeness=float(v.get("schedule_conservativeness") or 1.0),
+        schedule_conservativeness=float(v.get("schedule_conservativeness") or 1.0) * (0.3 if dp > 1 else 1.0),
         enable_mixed_chunk=bool(v.get("enable_mixed_chunk")) and spec is None,
         disable_radix_cache=bool(v.get("disable_radix_cache")),
         speculative=spec, draft=draft,
@@ -494,8 +509,30 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         enable_metrics=bool(v.get("enable_metrics")),
         enable_cache_report=bool(v.get("enable_cache_report")),
         host=str(v.get("host") or "127.0.0.1"), port=30000 if v.get("port") is None else int(v["port"]),
-        server_args=resolved, warnings=tuple(warnings),
+        server_args=resolved, warnings=tuple(warnings), dp_size=dp, dcp_size=dcp,
     )
+
+
+def _resolve_parallel(v: dict[str, Any], model: ModelSpec, tp: int) -> tuple[int, int]:
+    """``(dp-attention size, dcp size)`` with SGLang's checks (§1.5b; 0.5.23 ``arg_groups/attention_hook.py``).
+
+    Raises:
+        SimError: dp does not divide tp (SGLang asserts ``tp_size % dp_size == 0``), dcp does not
+            divide tp, or dcp on a model that is not MLA (the simulator models DCP for MLA only,
+            sglang#14194).
+    """
+    dp = int(v.get("dp_size") or 1)
+    dp = dp if v.get("enable_dp_attention") and dp > 1 else 1
+    if tp % dp:
+        raise SimError(f"AssertionError: tp_size {tp} % dp_size {dp} != 0 (_handle_data_parallelism asserts "
+                       "self.tp_size % self.dp_size == 0); pass a --dp-size that divides --tp-size.")
+    dcp = int(v.get("dcp_size") or 1)
+    if dcp > 1 and tp % dcp:
+        raise SimError(f"ValueError: --dcp-size {dcp} must divide --tp-size {tp}.")
+    if dcp > 1 and not model.is_mla:
+        raise SimError(f"--dcp-size {dcp}: the simulator models decode context parallelism for MLA models only "
+                       "(sglang#14194); pass --dcp-size 1.")
+    return dp, dcp
 
 
 # ---------------------------------------------------------------- the ledger
@@ -633,6 +670,17 @@ class MemoryPlan:
         return r.total - self._last_free(r)
 
     @property
+    def request_pool_tokens(self) -> int:
+        """The pool one request can use: one rank's (DP attention: its own DP rank's), × dcp under
+        DCP (a request's KV is interleaved over the DCP ranks)."""
+        return self.max_total_num_tokens * self.config.dcp_size
+
+    @property
+    def logical_tokens(self) -> int:
+        """Tokens resident across the deployment: the per-rank pool × dp (DP attention) × dcp."""
+        return self.max_total_num_tokens * self.config.dcp_size * self.config.dp_size
+
+    @property
     def weight_gib(self) -> float:
         """Weights per GPU, GiB."""
         return self.weight_bytes / GIB
@@ -711,7 +759,7 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
         before = total - gpu.context_bytes(1) - foreign
         ranks.append(RankMemory(r, total, foreign, before, before - comm))
     baseline = min(r.after_init for r in ranks)
-    weights = weight_bytes_per_gpu(model, tp)
+    weights = weight_bytes_per_gpu(model, tp) + dp_attention_extra_bytes(model, tp, cfg.dp_size)
     plan = MemoryPlan(config=cfg, ranks=tuple(ranks), comm_bytes=comm, baseline_bytes=baseline,
                       weight_bytes=weights)
 
@@ -745,7 +793,7 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     # §1.2 / §1.3: profile.
     mfs = cfg.mem_fraction_static
     rest = post_load - baseline * (1 - mfs)
-    target_cell = cell_size_bytes(model, tp, cfg.kv_elem_bytes, version=version)
+    target_cell = cell_size_bytes(model, cfg.attn_tp_size, cfg.kv_elem_bytes, version=version)
     cell = target_cell
     if draft and version == "0.5.23":
         cell = target_cell + draft.cell_bytes
@@ -759,6 +807,8 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     # §2.3 req_to_token pool size, from the profiled count (0.5.5 order).
     est = min(max(int(profiled / cfg.context_len * 512), 2048), 4096)
     user = cfg.max_running_requests
+    if user is not None:
+        user = max(1, user // cfg.dp_size)  # per DP rank (§1.5b)
     if version == "0.5.5":
         max_num_reqs = user if user is not None else est
     elif version == "0.5.10":
@@ -794,7 +844,7 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     if model.is_mla:
         k_b, v_b = kv, 0
     else:
-        heads = max(1, model.num_kv_heads // tp)
+        heads = max(1, model.num_kv_heads // cfg.attn_tp_size)
         k_b = int(rows * heads * model.head_dim * model.num_layers * cfg.kv_elem_bytes)
         v_b = kv - k_b
     draft_kv_early = int(rows * draft.cell_bytes) if (draft and version == "0.5.23") else 0
@@ -882,4 +932,4 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
 
 def _host_bytes_per_token(cfg: ServerConfig) -> float:
     """HiCache host bytes per token per rank (§7): the device cell of the target."""
-    return cell_size_bytes(cfg.model, cfg.tp_size, cfg.kv_elem_bytes, version=cfg.version)
+    return cell_size_bytes(cfg.model, cfg.attn_tp_size, cfg.kv_elem_bytes, version=cfg.version)

@@ -23,6 +23,7 @@ __all__ = [
     "ModelSpec",
     "load_model",
     "weight_bytes_per_gpu",
+    "dp_attention_extra_bytes",
     "model_presets",
     "DTYPE_BYTES",
     "GIB",
@@ -67,6 +68,9 @@ class ModelSpec:
         replicated_weight_bytes: Weight bytes every tp rank holds in full (norms, MLA's low-rank
             a-projections, the router).
         sharded_weight_bytes: Weight bytes split across tp ranks.
+        attention_sharded_bytes: The tp-split part of the attention projections (MLA: q_b, kv_b,
+            o; MHA: q, k, v, o), all layers: DP attention splits them over ``tp / dp`` instead.
+        embedding_bytes: The input embedding (split over the attention TP group under DP attention).
     """
 
     name: str
@@ -96,6 +100,8 @@ class ModelSpec:
     kv_cache_fp8: bool = False
     replicated_weight_bytes: int = 0
     sharded_weight_bytes: int = 0
+    attention_sharded_bytes: int = 0
+    embedding_bytes: int = 0
 
     @property
     def is_mla(self) -> bool:
@@ -313,6 +319,8 @@ def load_model(path_or_preset: str) -> ModelSpec:
         == "FP8",
         replicated_weight_bytes=int(rep_bytes),
         sharded_weight_bytes=int(shard_bytes),
+        attention_sharded_bytes=int(linear_bytes(layers * attn_shard, "attention")),
+        embedding_bytes=int(embed * full),
     )
 
 
@@ -323,6 +331,16 @@ def _ignored(group: str, ignore: tuple[str, ...]) -> bool:
 
 def _counted_bytes_per_gpu(model: ModelSpec, tp: int) -> float:
     return model.replicated_weight_bytes + model.sharded_weight_bytes / tp
+
+
+def dp_attention_extra_bytes(model: ModelSpec, tp: int, dp: int) -> int:
+    """Extra weight bytes per GPU under ``--enable-dp-attention --dp-size dp``: the attention
+    projections and the embedding are split over ``attn_tp = tp / dp`` ranks instead of ``tp``
+    (``python/sglang/srt/models/deepseek_v2.py``; ``shared/sglang-reference.md`` §1.5b)."""
+    if dp <= 1:
+        return 0
+    share = 1 / (tp // dp) - 1 / tp
+    return int((model.attention_sharded_bytes + model.embedding_bytes) * share)
 
 
 def weight_bytes_per_gpu(model: ModelSpec, tp: int) -> int:

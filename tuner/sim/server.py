@@ -425,7 +425,7 @@ class SimServer:
             state["avg_spec_accept_length"] = self.engine.spec.cost.spec_accept_length
         if self.version == "0.5.23":
             state["world_size"] = self.cfg.tp_size
-        max_req_len = min(self.cfg.context_len - 1, self.plan.max_total_num_tokens - 1)
+        max_req_len = min(self.cfg.context_len - 1, self.plan.request_pool_tokens - 1)
         body = {
             **args,
             "status": "ready" if self.ready else "starting",

@@ -541,10 +541,10 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         weight_bytes_per_gpu=plan.weight_bytes,
         spec_num_steps=spec.num_steps if spec else 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
-    )
+    ).with_parallel(dp_size=cfg.dp_size, dcp_size=cfg.dcp_size)
     return EngineSpec(
-        max_total_num_tokens=plan.max_total_num_tokens,
-        max_running_requests=plan.max_running_requests,
+        max_total_num_tokens=plan.logical_tokens,
+        max_running_requests=plan.max_running_requests * cfg.dp_size,
         chunked_prefill_size=cfg.chunked_prefill_size,
         max_prefill_tokens=cfg.max_prefill_tokens,
         page_size=cfg.page_size,
@@ -555,7 +555,7 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         capture_bs=tuple(plan.capture_bs),
         cuda_graph_padding=not cfg.disable_cuda_graph_padding,
         disable_radix_cache=cfg.disable_radix_cache,
-        context_len=cfg.context_len,
+        context_len=min(cfg.context_len, plan.request_pool_tokens) if cfg.dp_size > 1 else cfg.context_len,
         hicache_host_tokens=plan.hicache_host_tokens if cfg.enable_hierarchical_cache else None,
         hicache_write_policy=cfg.hicache_write_policy,
         activation_headroom_bytes=plan.available_bytes,

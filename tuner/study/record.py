@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import StudyError, first_line
 from tuner.records import RECORD_ATTR, TrialRecord
+from tuner.sglang.numerics import numerics_changes
 from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
 from tuner.study.hosts import add_record, trial_id
@@ -35,6 +36,7 @@ from tuner.study.optuna_io import (
     LATE_ATTR,
     PREDICTION_ATTR,
     REPEAT_ATTR,
+    SPACE_ATTR,
     fail_trial,
     tell_record,
 )
@@ -43,6 +45,10 @@ from tuner.study.outage import ResultJournal, StorageOutage, storage_refuses
 __all__ = ["Recorder", "SkipWriter", "server_reason"]
 
 _log = logging.getLogger(__name__)
+
+
+NUMERICS_ATTR = "tuner.changes_numerics"
+"""Trial attribute: the numerics flags a trial's params change against the baseline (a list; absent = none)."""
 
 
 class Recorder:
@@ -76,8 +82,20 @@ class Recorder:
                 attrs[PREDICTION_ATTR] = proposal.prediction
             if proposal.repeat_of is not None:
                 attrs[REPEAT_ATTR] = proposal.repeat_of
+            changed = self.numerics_changes(proposal.params)
+            if changed:
+                attrs[NUMERICS_ATTR] = changed
             self.study.enqueue_trial(proposal.params, user_attrs=attrs)
         return self.study.ask()
+
+    def numerics_changes(self, params: Mapping[str, Any]) -> list[str]:
+        """The numerics flags (:func:`tuner.sglang.numerics.numerics_changes`) on which ``params``
+        differ from the baseline: a structural lever's baseline value is its first choice in the
+        study's space (:func:`tuner.study.space.resolve_space` puts it there). Stored as the trial's
+        ``tuner.changes_numerics`` attribute: the quality gate's scope (issue 23, 24)."""
+        space = self.study.user_attrs.get(SPACE_ATTR) or {}
+        baseline = {name: choices[0] for name in ("kv_cache_dtype", "dcp_size") if (choices := space.get(name))}
+        return numerics_changes({k: v for k, v in params.items() if k in baseline}, baseline)
 
     def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any],
              skip: Skip) -> None:

@@ -125,7 +125,11 @@ KNOBS: tuple[Knob, ...] = (
               "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
     Knob(name="kv_cache_dtype", kind="categorical",
          help="The KV cache's dtype: auto (the model's) or fp8 (half the bytes per token, so about twice the "
-              "tokens; it changes the model's answers, so a candidate must pass the quality gate, §1.3)."),
+              "tokens; a structural lever, tuner/sglang/levers.py; it changes the model's answers, so a candidate "
+              "must pass the quality gate, §1.3)."),
+    Knob(name="dcp_size", kind="categorical",
+         help="Decode context parallelism (ranks a request's KV is interleaved over; logical pool × dcp; SGLang "
+              "0.5.23, MLA; tuner/sglang/levers.py)."),
 )
 """Every knob the study can change, in the order the sampler is asked for them."""
 
@@ -220,7 +224,8 @@ class Space(BaseModel):
         page_size: Choices, or ``None`` (left as the baseline has it).
         cuda_graph_max_bs: Choices, or ``None``.
         schedule_conservativeness: ``(low, high)``, or ``None``.
-        kv_cache_dtype: Choices, or ``None`` (left as the baseline has it).
+        kv_cache_dtype: Choices (the baseline's first), or ``None``.
+        dcp_size: Choices (the baseline's first), or ``None``.
         fixed: Knobs not searched, kept at the baseline's value.
     """
 
@@ -240,6 +245,7 @@ class Space(BaseModel):
     cuda_graph_max_bs: tuple[int, ...] | None = None
     schedule_conservativeness: tuple[float, float] | None = None
     kv_cache_dtype: tuple[str, ...] | None = None
+    dcp_size: tuple[int, ...] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
     _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
 
@@ -649,10 +655,18 @@ def resolve_space(
         page_size=page_size,
         cuda_graph_max_bs=graph_bs,
         schedule_conservativeness=conservativeness,
-        kv_cache_dtype=tuple(dict.fromkeys([str(baseline.get("kv_cache_dtype") or "auto"), *section.kv_cache_dtype]))
-        if section.kv_cache_dtype else None,
+        kv_cache_dtype=_levers_first(section.kv_cache_dtype, baseline.get("kv_cache_dtype") or "auto"),
+        dcp_size=_levers_first(section.dcp_size, int(baseline.get("dcp_size") or 1)),
         fixed=fixed,
     )
+
+
+def _levers_first(choices: Sequence[Any] | None, value: Any) -> tuple[Any, ...] | None:
+    """A structural lever's choices with the baseline's value first (where a candidate that leaves
+    the knob out lands), or ``None`` when ``[space]`` does not name the lever."""
+    if not choices:
+        return None
+    return tuple(dict.fromkeys([value, *choices]))
 
 
 def _with_baseline(choices: Sequence[int] | None, value: Any) -> tuple[int, ...] | None:

@@ -1,8 +1,8 @@
 """The study's chain: which proposers and screens a run asks, in which order.
 
 One place says the order of the decision chain (:mod:`tuner.study.decide`): the planner's
-proposers (the SLO bracket, the memory frontier, the cache candidate, the noise repeat), the
-screens every asked trial passes (the two proofs and a failed quality gate of the same numerics, the host's memory), those a sampled config passes
+proposers (the structural levers' rungs on the best flags, the SLO bracket, the memory frontier, the cache candidate, the noise repeat), the
+screens every asked trial passes (the two proofs, a structural lever this deployment cannot take, a failed quality gate of the same numerics, the host's memory), those a sampled config passes
 (the proofs, the models' predictions, the host's memory), and the sampler, which also skips a config
 another host runs now.
 """
@@ -17,8 +17,17 @@ from tuner.study.decide import Decider, Proposer, Screen
 from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
+from tuner.study.decide.rungs import RungCandidate
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, QualityFailed, RunningElsewhere
+from tuner.study.decide.screens import (
+    HostMemory,
+    MeasuredAlready,
+    MustFail,
+    Predicted,
+    QualityFailed,
+    RunningElsewhere,
+    Unavailable,
+)
 from tuner.study.decide.slo import SLOBracket
 
 __all__ = ["build_chain"]
@@ -41,9 +50,10 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
-    proofs: list[Screen] = [MeasuredAlready(reprobe=config.quality.enabled), MustFail(), QualityFailed()]
+    proofs: list[Screen] = [MeasuredAlready(reprobe=config.quality.enabled), MustFail(), Unavailable(version, argv),
+                            QualityFailed()]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
-    planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
+    planned: list[Proposer] = [RungCandidate(objective), SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
                                CacheCandidate(objective, host), NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)
     return decider, Sampler(mirror, [*sampled, RunningElsewhere()], on_skip)

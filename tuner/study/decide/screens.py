@@ -14,6 +14,8 @@ PRUNED with the reason and the proving trial:
   depend on the numerics only, :mod:`tuner.sglang.numerics`).
 - :class:`HostMemory` — its hierarchical-cache pools do not fit this host.
 - :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
+- :class:`Unavailable` — a structural lever this SGLang version does not have (its flag table), or
+  a ``--dcp-size`` that does not divide ``--tp-size`` (issue 23: never launched, the skip names the fact).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
+from tuner.sglang.levers import flag_available
 from tuner.sglang.memory import must_fail
 from tuner.sglang.numerics import numerics_key
 from tuner.study.calibration import Calibration
@@ -34,7 +37,33 @@ from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere"]
+__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable"]
+
+_LEVER_DEFAULTS = {"kv_cache_dtype": "auto", "dcp_size": 1}
+"""Structural levers the space can search, and SGLang's value that sets nothing."""
+
+
+class Unavailable:
+    """A structural lever the deployment cannot take: the SGLang version has no such flag or value
+    (the bundled flag tables, :func:`tuner.sglang.levers.flag_available`), or ``--dcp-size`` does not
+    divide ``--tp-size`` (0.5.23 ``arg_groups/attention_hook.py``). The proof is the baseline (trial
+    0): its version and command are the fact."""
+
+    def __init__(self, version: str, argv: Sequence[str]) -> None:
+        self._version = version
+        self._tp = flag_int(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        for field, default in _LEVER_DEFAULTS.items():
+            value = params.get(field)
+            if value is None or value == default:
+                continue
+            verdict = flag_available(self._version, field, value if field == "kv_cache_dtype" else None)
+            if verdict.ok is False:
+                return Skip(f"unavailable: {verdict.why}", 0)
+            if field == "dcp_size" and self._tp % int(value):
+                return Skip(f"unavailable: --dcp-size {value} must divide --tp-size {self._tp} (SGLang 0.5.23 attention_hook.py)", 0)
+        return None
 
 
 class MeasuredAlready:
