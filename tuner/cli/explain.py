@@ -9,6 +9,35 @@ import typer
 from tuner.cli.common import app, console
 
 
+def _device_free_gib(url: str) -> tuple[float, str] | None:
+    """The GPU memory free now on the server's tightest GPU (GiB) and where it was read: the
+    simulator's ledger when ``url`` serves one, else NVML's GPUs that hold memory; ``None`` when
+    neither can be read (``explain`` then predicts headroom from SGLang's own reserve rule)."""
+    from tuner.errors import TunerError
+    from tuner.gpu import NvmlBackend, SimBackend
+
+    try:
+        sim = SimBackend(url).memory()
+    except TunerError:
+        sim = []
+    if sim:
+        return min(g.free_mib for g in sim) / 1024, "the simulator's device ledger"
+    try:
+        backend = NvmlBackend()
+    except (TunerError, ImportError, OSError):
+        return None
+    try:
+        held = [g for g in backend.memory() if g.used_mib > 1024]
+    except TunerError:
+        return None
+    finally:
+        backend.close()
+    if not held:
+        return None
+    tightest = min(held, key=lambda g: g.free_mib)
+    return tightest.free_mib / 1024, f"NVML, GPU {tightest.index}"
+
+
 @app.command("explain", short_help="Where a server's GPU memory went and what limits capacity.")
 def explain_cmd(
     log: Annotated[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
@@ -24,7 +53,7 @@ def explain_cmd(
     from tuner.sglang.explain import explain_from
 
     result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
-                          mem_fraction_static=mem_fraction_static)
+                          mem_fraction_static=mem_fraction_static, device_free=_device_free_gib)
     if as_json:
         print(result.model_dump_json(indent=2))
     else:

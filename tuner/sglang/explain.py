@@ -16,7 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -1662,6 +1662,7 @@ def explain_from(
     journalctl: str = "journalctl",
     mem_fraction_static: float | None = None,
     timeout_s: float = 10.0,
+    device_free: Callable[[str], tuple[float, str] | None] | None = None,
 ) -> Explanation:
     """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
 
@@ -1673,6 +1674,11 @@ def explain_from(
         journalctl: The journalctl command prefix for ``unit``.
         mem_fraction_static: The fraction, used only if no input states it; in (0, 1).
         timeout_s: HTTP timeout for ``url``.
+        device_free: For ``url`` without a log: reads the server's GPU memory free now (GiB, and
+            where it was read: NVML, the simulator's ledger), the same figure as the log's
+            ``available_gpu_mem`` after CUDA graphs (§4.2) when the server is idle; used when
+            ``/get_server_info`` has no ``startup_available`` (before 0.5.23), so the URL and the
+            log of one server predict the same headroom.
 
     Returns:
         The :class:`Explanation`.
@@ -1715,6 +1721,12 @@ def explain_from(
             except ServerError:
                 metrics = None  # launched without --enable-metrics: the rest still explains
         sources.append(f"server {url}")
+        if report is None and info.startup_available_gib is None and device_free is not None:
+            read = device_free(url)
+            if read is not None:
+                info = info.model_copy(update={"startup_available_gib": read[0]})
+                sources.append(f"GPU memory free now ({read[1]}: {read[0]:.2f} GiB; taken as available_gpu_mem after "
+                               "CUDA graphs, which an idle server still leaves free)")
     model = load_model_config(model_config) if model_config else None
     if model_config:
         sources.append(f"model config {model_config}")
