@@ -266,6 +266,10 @@ class ObjectiveSection(_Section):
             ties, and the higher context capacity wins them).
         context_tokens: The context length a "context" means for context capacity (default:
             the workload's longest request, input plus output).
+        capacity: Which context capacity the objective and the best rule use: ``slo_safe`` (the
+            longest-context requests in flight at which the ``[slo]``'s p99 TTFT/ITL still hold,
+            measured by the stress phase and its bracketing steps), ``oom_safe`` (those that fit
+            without OOM), or ``auto`` (default: ``slo_safe`` where an SLO is set, else ``oom_safe``).
     """
 
     policy: Literal["throughput_within_capacity", "max_capacity", "max_throughput"] = (
@@ -274,6 +278,7 @@ class ObjectiveSection(_Section):
     capacity_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
     throughput_noise: float = Field(default=0.03, ge=0.0, lt=1.0)
     context_tokens: int | None = Field(default=None, gt=0)
+    capacity: Literal["auto", "slo_safe", "oom_safe"] = "auto"
 
 
 class BudgetSection(_Section):
@@ -294,6 +299,9 @@ class BudgetSection(_Section):
         probe_only_below: Capacity-first fidelity: a candidate whose context capacity is below
             this share of the best feasible capacity gets no full load (0 disables).
         restore_reserve_s: Seconds kept at the end for restoring the service.
+        slo_capacity_steps: Bracketing loads (each ``stress_s`` long) a trial may add when its
+            stress load breaks the SLO, to measure how many longest contexts still meet it (0:
+            the stress load's verdict only).
     """
 
     total: str | None = None
@@ -308,6 +316,7 @@ class BudgetSection(_Section):
     early_stop: bool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
     restore_reserve_s: float = Field(default=0.0, ge=0)
+    slo_capacity_steps: int = Field(default=2, ge=0, le=8)
 
     @field_validator("total")
     @classmethod

@@ -32,7 +32,8 @@ def test_trials_json_matches_what_optuna_stored(demo_run: DemoRun, tuner_cli) ->
         assert row["state"] == trial.state.name
         if trial.values is not None:
             assert row["values"] == list(trial.values)
-            assert row["context_capacity"] == trial.values[0]
+            assert row["objective_capacity"] == trial.values[0]  # the SLO-safe capacity where the objective used it
+            assert row["objective_capacity"] <= row["context_capacity"]
             feasible = all(v <= 0 for v in trial.constraints.values())
             assert row["feasible"] is feasible
         assert row["params"]["mem_fraction_static"] is not None

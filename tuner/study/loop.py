@@ -199,7 +199,7 @@ class StudyRun:
         objective = self.config.objective
         self.summary.best = choose_best(self.finished(), policy=objective.policy,
                                         capacity_tolerance=objective.capacity_tolerance,
-                                        throughput_noise=objective.throughput_noise)
+                                        throughput_noise=objective.throughput_noise, capacity=objective.capacity)
         self.summary.elapsed_s = self.clock() - started
         return self.summary
 
@@ -332,7 +332,8 @@ class StudyRun:
         repeat_of = trial.user_attrs.get(REPEAT_ATTR)
         job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                        context_tokens=opened.context_tokens, started_at=now_iso(),
-                       capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below),
+                       capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below,
+                                                                        self.config.objective.capacity),
                        repeat_of=None if repeat_of is None else int(repeat_of))
         skip = None if repeat_of is not None else decider.screen(params, kind, view)
         if skip is None:
@@ -366,7 +367,7 @@ class StudyRun:
                 self.stop("exhausted")
             return
         self.repeats_in_a_row = 0
-        self.summary.trials_skipped += 1
+        self.summary.count_skip(text)
         self.progress.skip(number, params, kind, text)
 
     # ---- run, record ------------------------------------------------------------------------------
