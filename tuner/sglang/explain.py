@@ -1120,12 +1120,22 @@ def _kv_full_rule(c: _TrapInput) -> Trap | None:
         return (_retraction_trap(report, tokens))
     elif report is not None and (report.batch_summary.max_token_usage or 0.0) >= 0.9:
         usage = report.batch_summary.max_token_usage or 0.0
-        last = next((b for b in reversed(report.batches) if b.kind == "decode"), None)
+        # Every figure from the one line that reached the peak usage (a stress prefill's usage with a
+        # measure-phase decode line's tokens per request would describe no moment of the server);
+        # a prefill line prints no #token: its usage × the pool is what the running requests held.
+        line_usage = lambda b: b.token_usage if b.token_usage is not None else b.full_token_usage  # noqa: E731
+        peak = next((b for b in report.batches if line_usage(b) is not None and abs(line_usage(b) - usage) < 1e-9), None)
+        running = peak.running_req if peak else None
+        in_use = (peak.num_token if peak.num_token is not None else (round(usage * tokens) if tokens else None)) if peak else None
+        evidence = f"token usage {usage:.2f}"
+        if peak is not None:
+            evidence += (f", #running-req {running}, #token {in_use}" + ("" if peak.num_token is not None else " (usage × pool)")
+                         + f" (one {peak.kind} line" + (f" at {peak.timestamp}" if peak.timestamp else "") + ")")
         return (Trap(
             id="kv_pool_nearly_full", severity="warning", title=f"the KV pool was nearly full: token usage reached {usage:.2f}",
             detail="Near a full pool the scheduler retracts requests and decode slows while they are re-run (§4.4, case-27).",
-            evidence=[f"token usage {usage:.2f}" + (f", #running-req {last.running_req}, #token {last.num_token}" if last else "")],
-            lever=(full := _kv_full_levers(last.running_req if last else None, last.num_token if last else None, usage))[0], also=full[1],
+            evidence=[evidence],
+            lever=(full := _kv_full_levers(running, in_use, usage))[0], also=full[1],
         ))
     return None
 
