@@ -12,11 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.offline_server import OfflineExecutor
-from tuner.config import load_config
-from tuner.study.loop import run_study
-
-ROOT = Path(__file__).resolve().parents[2]
 TUNER = str(Path(sys.executable).with_name("tuner"))
 
 
@@ -26,22 +21,13 @@ def _tuner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def reference_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int, float]:
-    tmp = tmp_path_factory.mktemp("explain-trial")
-    url = f"sqlite:///{tmp}/reference.db"
-    config = load_config(ROOT / "configs" / "reference-sim.toml")
-    config = config.model_copy(update={"storage": config.storage.model_copy(update={
-        "url": url, "artifacts_dir": str(tmp / "reference-sim" / "artifacts")})})
-    (tmp / "reference-sim").mkdir()
-    runner = OfflineExecutor(config)
-    runner.work_dir = tmp / "work"
-    summary = run_study(config, runner, max_trials=6, storage_url=url)
-    assert summary.best is not None
-    peak = max(r.memory.peak_activation_gib or 0 for _, r in runner.history)
+def reference_study(reference_offline_study) -> tuple[Path, str, int, float]:
+    study = reference_offline_study
+    peak = max(r.memory.peak_activation_gib or 0 for _, r in study.history)
     # the launched trial at the highest fraction: the study measured where its headroom ends
-    highest, _ = max(((n, r) for n, r in runner.history if r.outcome == "ok"),
+    highest, _ = max(((n, r) for n, r in study.history if r.outcome == "ok"),
                      key=lambda item: item[1].params["mem_fraction_static"])
-    return tmp, url, highest, peak
+    return study.folder, study.url, highest, peak
 
 
 def test_the_highest_fractions_log_alone_advises_a_higher_fraction(reference_study) -> None:
