@@ -25,7 +25,7 @@ from tuner.load.metrics import SLO
 from tuner.load.workloads import WorkloadSpec
 from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
-from tuner.units import parse_duration_s
+from tuner.units import MaintenanceWindow, parse_duration_s
 
 __all__ = [
     "check_url_matches_port",
@@ -107,6 +107,16 @@ class ServiceSection(_Section):
         state_dir: Folder of the restore state (default: the launcher's, ``/var/lib/sglang-tuner``
             for root). The unit's lock is host-wide whatever this is (``/run/lock/sglang-tuner``,
             see :func:`tuner.launch.session.default_lock_dir`).
+        pre_restart: A command run before every restart of a trial and before the final restore
+            (e.g. drain the server from a load balancer; argv or one string, no shell); a non-zero
+            exit stops the run, the service restored (:mod:`tuner.launch.hooks`).
+        post_ready: A command run once a trial's server is ready, and after the final restore
+            (e.g. return it to the load balancer).
+        hook_timeout_s: How long a hook may take, seconds.
+        window: A daily maintenance window of local time (``"02:00-05:00"``; may wrap midnight)
+            outside which no trial's restart starts.
+        outside_window: ``wait`` (default: wait for the window when the budget holds the wait and
+            a trial, else stop) or ``stop`` (stop at once); either way the run says which.
     """
 
     launcher: Literal["systemd", "process"] = "systemd"
@@ -125,6 +135,29 @@ class ServiceSection(_Section):
     gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
     allow_foreign: bool = False
     state_dir: str | None = None
+    pre_restart: list[str] | None = None
+    post_ready: list[str] | None = None
+    hook_timeout_s: float = Field(default=300.0, gt=0)
+    window: str | None = None
+    outside_window: Literal["wait", "stop"] = "wait"
+
+    @field_validator("pre_restart", "post_ready", mode="before")
+    @classmethod
+    def _split_hook(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import shlex
+
+            value = shlex.split(value)
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty hook: name a command, or leave the key out")
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _window_ok(cls, value: str | None) -> str | None:
+        if value is not None:
+            MaintenanceWindow.parse(value)
+        return value
 
     @field_validator("command", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -82,6 +83,7 @@ from tuner.study.storage import (
     study_storage_url,
 )
 from tuner.study.view import RecordCache, StudyView
+from tuner.units import MaintenanceWindow, format_duration
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "StudyRun", "run_study"]
 
@@ -187,8 +189,9 @@ class StudyRun:
         with storage_errors(self.summary.storage_url):
             opened = self.open()
             self.summary.baseline = self.baseline()
-            decider, sampler = self.decider(self.space())
             try:
+                if not self.stopped:  # a stop before the baseline (the window) leaves nothing to decide
+                    decider, sampler = self.decider(self.space())
                 while not self.stopped and self.can_continue():
                     step = self.decide(decider, sampler)
                     if step is not None:
@@ -441,7 +444,30 @@ class StudyRun:
         if not self.budget.fits(self.cost_s()):
             self.stop("budget")
             return False
-        return True
+        return self.in_window()
+
+    def in_window(self) -> bool:
+        """``[service] window``: whether a restart may start now. Outside it the run waits for it
+        (``outside_window = "wait"`` and the budget holds the wait and a trial) or stops as
+        ``window``; a line says which, and no restart starts outside it."""
+        service = self.config.service
+        if service.window is None:
+            return True
+        window = MaintenanceWindow.parse(service.window)
+        wait_s = window.seconds_until_open(datetime.now())
+        if wait_s <= 0:
+            return True
+        if service.outside_window == "wait" and self.budget.fits(wait_s + self.cost_s()):
+            self.progress.note(None, f"outside the maintenance window {window.text} (local time): waiting "
+                                     f"{format_duration(wait_s)} until it opens; no restart before", phase="waiting")
+            time.sleep(wait_s)
+            return True
+        why = ("[service] outside_window = \"stop\"" if service.outside_window == "stop"
+               else f"the budget does not hold the {format_duration(wait_s)} until it opens and a trial")
+        self.progress.note(None, f"outside the maintenance window {window.text} (local time; {why}): stopping, "
+                                 "no restart started")
+        self.stop("window")
+        return False
 
     def check_invalid_streak(self, number: int, record: TrialRecord) -> None:
         """Stop the run after :data:`MAX_INVALID_IN_A_ROW` ``invalid_arguments`` failures in a row.

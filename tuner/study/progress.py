@@ -75,7 +75,8 @@ class RunSummary(BaseModel):
         recovered: Trials a killed run of this host left RUNNING, or another host's trials silent for
             the grace period, marked FAIL (their params re-queued once).
         host: The host name this run recorded on its trials (:func:`tuner.study.hosts.host_name`).
-        stop_reason: ``budget``, ``trials``, ``interrupted`` or ``exhausted``.
+        stop_reason: ``budget``, ``trials``, ``interrupted``, ``exhausted`` or ``window`` (outside
+            ``[service] window``, no wait possible or wanted).
         baseline: The baseline's record (trial number, record).
         best: The chosen best and why (:func:`tuner.study.best.choose_best` under the config's
             ``[objective]``, over every trial of the study).
