@@ -91,3 +91,11 @@ def test_outside_the_window_no_restart_starts_and_the_run_says_so(workdir: Path)
     proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "the budget does not hold the" in out and "stopped by window" in out
+
+
+def test_a_hook_that_cannot_run_is_refused_before_anything_changes(workdir: Path) -> None:
+    config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service='post_ready = ["/nonexistent/drain"]\n')
+    for args in (("--dry-run",), ("--trials", "1")):
+        proc = run_tuner("run", "--config", str(config), *args, cwd=workdir, timeout_s=120)
+        one_error_line(proc, "[service] post_ready program '/nonexistent/drain'")
+    assert not (workdir / "studies" / "demo-sim.db").exists()  # refused before the study was created
