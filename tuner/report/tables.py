@@ -282,11 +282,25 @@ def _phases_table(view: TrialView) -> Table:
                   *[f"{p.completed} / {p.errored} / {p.incomplete}" for p in phases])  # fmt: skip
     for key, label in _PHASE_METRICS:
         table.add_row(label, *[cell(p.metrics.get(key)) for p in phases])
+        if key in ("p99_ttft_ms", "p99_itl_ms"):
+            table.add_row(f"  95 % interval, over n ({label.split()[1]})", *[_p99_interval(p, key) for p in phases])
     table.add_row(
         "stopped early",
         *[_text((p.stop_reason or "yes") if p.stopped_early else "no") for p in phases],
     )
     return table
+
+
+def _p99_interval(phase: Any, key: str) -> str:
+    """``1,900-∞ over 49``: the p99's 95 % order-statistic interval (ms; ``∞``: too few samples to
+    bound it from above) and the requests (TTFT) or token gaps (ITL) it is over; ``-`` when not
+    recorded (a phase stored before intervals were)."""
+    low = phase.metrics.get(key.replace("_ms", "_low_ms"))
+    high = phase.metrics.get(key.replace("_ms", "_high_ms"))
+    n = phase.completed if key == "p99_ttft_ms" else phase.metrics.get("itl_count")
+    if low is None or n is None:
+        return "-"
+    return f"{low:,.0f}-{'∞' if high is None else f'{high:,.0f}'} over {int(n)}"
 
 
 _CONTROL = re.compile(
