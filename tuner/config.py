@@ -26,7 +26,7 @@ from tuner.load.quality import QualityConfig
 from tuner.load.workloads import WorkloadSpec
 from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
-from tuner.units import parse_duration_s
+from tuner.units import MaintenanceWindow, parse_duration_s
 
 __all__ = [
     "check_url_matches_port",
@@ -108,6 +108,16 @@ class ServiceSection(_Section):
         state_dir: Folder of the restore state (default: the launcher's, ``/var/lib/sglang-tuner``
             for root). The unit's lock is host-wide whatever this is (``/run/lock/sglang-tuner``,
             see :func:`tuner.launch.session.default_lock_dir`).
+        pre_restart: A command run before every restart of a trial and before the final restore
+            (e.g. drain the server from a load balancer; argv or one string, no shell); a non-zero
+            exit stops the run, the service restored (:mod:`tuner.launch.hooks`).
+        post_ready: A command run once a trial's server is ready, and after the final restore
+            (e.g. return it to the load balancer).
+        hook_timeout_s: How long a hook may take, seconds.
+        window: A daily maintenance window of local time (``"02:00-05:00"``; may wrap midnight)
+            outside which no trial's restart starts.
+        outside_window: ``wait`` (default: wait for the window when the budget holds the wait and
+            a trial, else stop) or ``stop`` (stop at once); either way the run says which.
     """
 
     launcher: Literal["systemd", "process"] = "systemd"
@@ -126,6 +136,29 @@ class ServiceSection(_Section):
     gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
     allow_foreign: bool = False
     state_dir: str | None = None
+    pre_restart: list[str] | None = None
+    post_ready: list[str] | None = None
+    hook_timeout_s: float = Field(default=300.0, gt=0)
+    window: str | None = None
+    outside_window: Literal["wait", "stop"] = "wait"
+
+    @field_validator("pre_restart", "post_ready", mode="before")
+    @classmethod
+    def _split_hook(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            import shlex
+
+            value = shlex.split(value)
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty hook: name a command, or leave the key out")
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _window_ok(cls, value: str | None) -> str | None:
+        if value is not None:
+            MaintenanceWindow.parse(value)
+        return value
 
     @field_validator("command", mode="before")
     @classmethod
@@ -274,6 +307,10 @@ class ObjectiveSection(_Section):
             ties, and the higher context capacity wins them).
         context_tokens: The context length a "context" means for context capacity (default:
             the workload's longest request, input plus output).
+        capacity: Which context capacity the objective and the best rule use: ``slo_safe`` (the
+            longest-context requests in flight at which the ``[slo]``'s p99 TTFT/ITL still hold,
+            measured by the stress phase and its bracketing steps), ``oom_safe`` (those that fit
+            without OOM), or ``auto`` (default: ``slo_safe`` where an SLO is set, else ``oom_safe``).
     """
 
     policy: Literal["throughput_within_capacity", "max_capacity", "max_throughput"] = (
@@ -282,6 +319,7 @@ class ObjectiveSection(_Section):
     capacity_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
     throughput_noise: float = Field(default=0.03, ge=0.0, lt=1.0)
     context_tokens: int | None = Field(default=None, gt=0)
+    capacity: Literal["auto", "slo_safe", "oom_safe"] = "auto"
 
 
 class BudgetSection(_Section):
@@ -302,6 +340,9 @@ class BudgetSection(_Section):
         probe_only_below: Capacity-first fidelity: a candidate whose context capacity is below
             this share of the best feasible capacity gets no full load (0 disables).
         restore_reserve_s: Seconds kept at the end for restoring the service.
+        slo_capacity_steps: Bracketing loads (each ``stress_s`` long) a trial may add when its
+            stress load breaks the SLO, to measure how many longest contexts still meet it (0:
+            the stress load's verdict only).
     """
 
     total: str | None = None
@@ -316,6 +357,7 @@ class BudgetSection(_Section):
     early_stop: bool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
     restore_reserve_s: float = Field(default=0.0, ge=0)
+    slo_capacity_steps: int = Field(default=2, ge=0, le=8)
 
     @field_validator("total")
     @classmethod

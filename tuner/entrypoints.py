@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tuner.config import TunerConfig
-from tuner.errors import ConfigError, TunerError
+from tuner.errors import ConfigError, ServiceControlError, TunerError
 from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
@@ -162,19 +162,35 @@ def tune(
               max_trials=max_trials, allow_mixed_environment=allow_mixed_environment)
     url = storage_url or study_storage_url(config)
     journal = ResultJournal(launcher.store.journal_path, config.study.name, url)
-    with launcher.session():
-        # Per-trial files live in the unit's work folder until run_study uploads them to the
-        # artifact store; a killed run's folder is emptied by the next run or `tuner restore`.
-        work_dir = launcher.store.fresh_work_dir()
-        try:
-            server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
-            executor = TrialExecutor(config, server, table, work_dir=work_dir)
-            return run_study(
-                config, executor, budget_s=budget_s, max_trials=max_trials, journal=journal,
-                allow_mixed_environment=allow_mixed_environment, storage_url=url, on_progress=on_progress,
-            )
-        finally:
-            launcher.store.drop_work_dir()
+    server: LaunchedServer | None = None
+    try:
+        with launcher.session():
+            # Per-trial files live in the unit's work folder until run_study uploads them to the
+            # artifact store; a killed run's folder is emptied by the next run or `tuner restore`.
+            work_dir = launcher.store.fresh_work_dir()
+            try:
+                server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
+                executor = TrialExecutor(config, server, table, work_dir=work_dir)
+                return run_study(
+                    config, executor, budget_s=budget_s, max_trials=max_trials, journal=journal,
+                    allow_mixed_environment=allow_mixed_environment, storage_url=url, on_progress=on_progress,
+                )
+            finally:
+                launcher.store.drop_work_dir()
+                _restore_hook(server, "pre_restart")  # the session's exit restarts the original next
+    finally:
+        _restore_hook(server, "post_ready")  # the original runs again (the session checked it healthy)
+
+
+def _restore_hook(server: LaunchedServer | None, name: str) -> None:
+    """Run ``[service]`` hook ``name`` around the final restore when a trial restarted the service; a
+    failure there is logged (the run is ending, the restore goes on), not raised."""
+    if server is None or not server.restarted:
+        return
+    try:
+        server.hook(name, "restore")
+    except ServiceControlError as err:
+        _log.warning("%s (around the final restore; run it by hand)", err.message)
 
 
 def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,

@@ -31,7 +31,7 @@ from typing import Any
 import optuna
 
 from tuner.config import TunerConfig, check_url_matches_port
-from tuner.errors import StudyError
+from tuner.errors import ConfigError, StudyError
 from tuner.load.quality import read_tasks
 from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
 from tuner.study.optuna_io import check_environment, records, study_info
@@ -94,7 +94,29 @@ def check_run(
     if budget_s is not None:
         require_one_trial(budget_s, Budget.estimate(durations, prior_trial_cost_s(config)).seconds,
                           reserve_s=config.budget.restore_reserve_s)
+    check_hooks(config)
     check_service(launcher)
+
+
+def check_hooks(config: TunerConfig) -> None:
+    """The ``[service]`` hooks' programs exist and may be run (a hook that cannot run would stop the
+    run at its first restart, after its study was created).
+
+    Raises:
+        ConfigError: Naming the hook and the program.
+    """
+    import os
+    import shutil
+
+    for name in ("pre_restart", "post_ready"):
+        command = getattr(config.service, name)
+        if not command:
+            continue
+        program = command[0]
+        found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+        if found is None:
+            raise ConfigError(f"[service] {name} program {program!r} is not an executable file or on PATH",
+                              hint=f"fix [service] {name} (an argv list like [\"/usr/local/bin/drain\", \"sglang\"]), or remove it")
 
 
 def _check_stored_study(name: str, url: str, environment: Mapping[str, Any], allow_mixed: bool) -> list[float]:

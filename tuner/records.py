@@ -35,6 +35,9 @@ __all__ = [
     "CacheFacts",
     "MeasuredLoad",
     "QualityFacts",
+    "SloStep",
+    "SloCapacity",
+    "CapacityBasis",
     "TrialRecord",
     "StudyInfo",
     "context_capacity",
@@ -369,6 +372,109 @@ class QualityFacts(BaseModel):
         return self.model_dump(mode="json", exclude_none=True, exclude={"answers"})
 
 
+CapacityBasis = Literal["slo_safe", "oom_safe"]
+"""Which context capacity a figure is: ``oom_safe`` (longest contexts that fit without OOM:
+:attr:`TrialRecord.context_capacity`) or ``slo_safe`` (longest contexts in flight at which the
+latency SLO still holds, measured: :attr:`SloCapacity.contexts`)."""
+
+
+class SloStep(BaseModel):
+    """One load of longest-context requests judged against the SLO's TTFT/ITL/TPOT limits: the
+    stress phase itself, or a bracketing step at fewer requests.
+
+    Attributes:
+        contexts: Longest-context requests sent at once (closed loop of that many streams).
+        completed: Requests whose latencies the percentiles are over.
+        p99_ttft_ms, p99_itl_ms: Their p99 (ms), ``None`` when not measured.
+        p99_ttft_low_ms, p99_ttft_high_ms: A 95 % order-statistic interval of the p99 TTFT (ms;
+            ``high`` ``None``: too few requests to bound it from above,
+            :func:`tuner.load.metrics.quantile_interval`).
+        violations: Each limit's relative overshoot (``measured / limit − 1``; ≤ 0 holds).
+        met: Every limit held and no request errored.
+    """
+
+    model_config = _FACTS
+
+    contexts: int
+    completed: int = 0
+    p99_ttft_ms: float | None = None
+    p99_itl_ms: float | None = None
+    p99_ttft_low_ms: float | None = None
+    p99_ttft_high_ms: float | None = None
+    violations: dict[str, float | None] = Field(default_factory=dict)
+    met: bool = False
+
+
+class SloCapacity(BaseModel):
+    """The SLO-safe context capacity: how many longest-context requests in flight still meet the
+    SLO's p99 TTFT/ITL (and TPOT) limits, measured by the stress phase and, when the stress load
+    broke them, bracketing steps at fewer requests (the next count interpolated from the measured
+    overshoot, :func:`tuner.load.search.bracket_level`).
+
+    Attributes:
+        limits: The limits judged (``{"p99_ttft_ms": 30000.0, ...}``); empty: no SLO, nothing judged.
+        contexts: The largest count measured to meet them (0: none measured did; ``None``: not
+            measured: no SLO, no stress phase, or the stress load failed).
+        broken_at: The smallest count measured to break them (the bracket's upper end), or ``None``.
+        at_least: The stress load was capped by ``[budget] max_concurrency`` below the OOM-safe
+            capacity and met the SLO: more may meet it.
+        steps: Every load judged, in order; ``steps[0]`` is the stress phase.
+        basis: The capacity the study's objective used for this trial (:data:`CapacityBasis`,
+            from ``[objective] capacity``).
+    """
+
+    model_config = _FACTS
+
+    limits: dict[str, float] = Field(default_factory=dict)
+    contexts: int | None = None
+    broken_at: int | None = None
+    at_least: bool = False
+    steps: list[SloStep] = Field(default_factory=list)
+    basis: CapacityBasis = "oom_safe"
+
+    @property
+    def stress(self) -> SloStep | None:
+        """The stress phase's own verdict (the first step), or ``None`` when it was not judged."""
+        return self.steps[0] if self.steps else None
+
+    def describe(self) -> str:
+        """One line: the SLO-safe count with its evidence, or why there is none.
+
+        ``"5 (stress at 8: p99 TTFT 31,285 ms, ITL 6,154 ms breaks the SLO; 5 meets it: p99 TTFT
+        19,550 ms over 5 requests)"``.
+        """
+        if not self.limits:
+            return "no SLO set"
+        if self.contexts is None or not self.steps:
+            return "not measured (no stress phase judged)"
+        stress = self.steps[0]
+        verdict = "meets" if stress.met else "breaks"
+        text = f"{'≥ ' if self.at_least else ''}{self.contexts}"
+        parts = [f"stress at {stress.contexts}: {_latencies(stress)} {verdict} the SLO"]
+        met = next((s for s in self.steps if s.met and s.contexts == self.contexts), None)
+        if met is not None and met is not stress:
+            parts.append(f"{met.contexts} meets it: {_latencies(met)}")
+        elif self.contexts == 0:
+            parts.append(f"no count measured meets it (below {self.broken_at})")
+        if self.broken_at is not None and self.broken_at != stress.contexts and self.contexts:
+            parts.append(f"{self.broken_at} breaks it")
+        return f"{text} ({'; '.join(parts)})"
+
+
+def _latencies(step: SloStep) -> str:
+    """``p99 TTFT 31,285 ms [29,000-∞], ITL 6,154 ms over 8 requests``."""
+    parts = []
+    if step.p99_ttft_ms is not None:
+        interval = ""
+        if step.p99_ttft_low_ms is not None:
+            high = "∞" if step.p99_ttft_high_ms is None else f"{step.p99_ttft_high_ms:,.0f}"
+            interval = f" [95 %: {step.p99_ttft_low_ms:,.0f}-{high}]"
+        parts.append(f"p99 TTFT {step.p99_ttft_ms:,.0f} ms{interval}")
+    if step.p99_itl_ms is not None:
+        parts.append(f"ITL {step.p99_itl_ms:,.0f} ms")
+    return f"{', '.join(parts) or 'no latency'} over {step.completed} requests"
+
+
 class TrialRecord(BaseModel):
     """Everything known about one trial.
 
@@ -399,6 +505,8 @@ class TrialRecord(BaseModel):
         windows: Measured windows this record's throughput averages (a reader merges a config
             measured more than once; 1 as stored).
         quality: The quality gate's facts (:class:`QualityFacts`).
+        slo_capacity: The SLO-safe context capacity beside the OOM-safe :attr:`context_capacity`
+            (:class:`SloCapacity`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -433,6 +541,7 @@ class TrialRecord(BaseModel):
     duration_s: float | None = None
     windows: int = 1
     quality: QualityFacts = Field(default_factory=QualityFacts)
+    slo_capacity: SloCapacity = Field(default_factory=SloCapacity)
 
     @model_validator(mode="before")
     @classmethod
@@ -458,6 +567,20 @@ class TrialRecord(BaseModel):
         """Every constraint ≤ 0, a missing one counting as violated (:class:`Constraints`); stored
         with the record for readers of the stored JSON (and dropped when it is read back)."""
         return Constraints.feasible_values(self.constraints)
+
+    def capacity(self, basis: CapacityBasis) -> int | None:
+        """The context capacity on ``basis``: ``oom_safe`` is :attr:`context_capacity`;
+        ``slo_safe`` is :attr:`SloCapacity.contexts` where it was measured, else the OOM-safe one
+        (no SLO, or no stress phase judged: nothing narrower is known)."""
+        if basis == "slo_safe" and self.slo_capacity.contexts is not None:
+            return min(self.slo_capacity.contexts, self.context_capacity or self.slo_capacity.contexts)
+        return self.context_capacity
+
+    @property
+    def objective_capacity(self) -> int | None:
+        """The capacity the study's objective was told for this trial (Optuna's ``values[0]``):
+        :meth:`capacity` on :attr:`SloCapacity.basis`."""
+        return self.capacity(self.slo_capacity.basis)
 
 
 class StudyInfo(BaseModel):

@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
-from tuner.study.best import BestChoice, MetricDelta, choose_best, stored_policy
+from tuner.study.best import BestChoice, MetricDelta, capacity_label, choose_best, stored_policy
 from tuner.study.hosts import REQUEUED_ATTR
 from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
 from tuner.study.storage import (
@@ -49,6 +49,7 @@ __all__ = [
     "cache_effect",
     "best_trial",
     "present_best",
+    "best_notes",
     "resolve_location",
     "open_study",
     "select_trials",
@@ -58,7 +59,8 @@ __all__ = [
 _M = TypeVar("_M", bound=BaseModel)
 
 METRICS: Mapping[str, tuple[str, Literal["max", "min"]]] = MappingProxyType({
-    "context_capacity": ("context capacity (requests)", "max"),
+    "context_capacity": ("OOM-safe context capacity (requests)", "max"),
+    "slo_context_capacity": ("SLO-safe context capacity (requests)", "max"),
     "token_capacity": ("token capacity (tokens)", "max"),
     "output_throughput_tok_s": ("output throughput (tok/s)", "max"),
     "goodput_req_s": ("goodput (req/s)", "max"),
@@ -73,6 +75,8 @@ SORT_KEYS: Mapping[str, str] = MappingProxyType({
     "number": "number",
     "capacity": "context_capacity",
     "context_capacity": "context_capacity",
+    "slo_capacity": "slo_context_capacity",
+    "slo_context_capacity": "slo_context_capacity",
     "tokens": "token_capacity",
     "token_capacity": "token_capacity",
     "throughput": "output_throughput_tok_s",
@@ -248,8 +252,12 @@ class TrialView(BaseModel):
     def metric(self, name: str) -> Any:
         """A measured field of the record (see :data:`METRICS`), ``None`` when unknown.
 
-        ``context_capacity`` and ``output_throughput_tok_s`` fall back to Optuna's values.
+        ``context_capacity`` and ``output_throughput_tok_s`` fall back to Optuna's values;
+        ``slo_context_capacity`` is :attr:`tuner.records.SloCapacity.contexts` (``None`` where not
+        measured).
         """
+        if name == "slo_context_capacity":
+            return self.record.slo_capacity.contexts if self.record is not None else None
         value = getattr(self.record, name, None) if self.record is not None else None
         if value is None and self.values is not None and self.state == "COMPLETE":
             if name == "context_capacity":
@@ -290,7 +298,10 @@ class TrialView(BaseModel):
         for a skipped config: it was never launched, so nothing was violated), skipped_reason and
         proved_by_trial (why a config needed no restart, and the trial that shows it),
         started_at, host, quality (the quality gate's facts without the reference's answers, or
-        ``None``)."""
+        ``None``); ``slo_capacity`` (:class:`tuner.records.SloCapacity` as stored, with
+        ``stress_slo_met``, the stress load's verdict, and ``describe``), ``None`` without an SLO
+        judged; ``objective_capacity``, the capacity Optuna's ``values[0]`` holds (the SLO-safe one
+        where the study's objective used it)."""
         skipped = self.outcome == "skipped" or self.state == "PRUNED"
         record = self.record
         row: dict[str, Any] = {
@@ -308,11 +319,23 @@ class TrialView(BaseModel):
             constraints=None if skipped else self.constraints,
             skipped_reason=record.skipped_reason if record is not None else None,
             proved_by_trial=record.proved_by_trial if record is not None else None,
+            slo_capacity=_slo_row(record),
+            objective_capacity=record.objective_capacity if record is not None else None,
             started_at=self.started_at,
             host=self.host,
             quality=record.quality.stored() if record is not None and record.quality.status else None,
         )
         return row
+
+
+def _slo_row(record: TrialRecord | None) -> dict[str, Any] | None:
+    """The SLO-safe capacity as ``trials --json`` carries it, or ``None`` when no SLO was judged."""
+    if record is None or not record.slo_capacity.limits:
+        return None
+    slo = record.slo_capacity
+    stress = slo.stress
+    return {**slo.model_dump(mode="json"), "stress_slo_met": stress.met if stress is not None else None,
+            "describe": slo.describe()}
 
 
 @dataclass(frozen=True)
@@ -609,10 +632,12 @@ class BestTrial(BaseModel):
     deltas: dict[str, MetricDelta] = Field(default_factory=dict)
     choice: BestChoice | None = None
     cache: CacheEffect | None = None
+    notes: list[str] = Field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready form (``tuner best --json``)."""
         return {
+            "notes": self.notes,
             "cache": self.cache.model_dump() if self.cache else None,
             "trial": self.trial.row(),
             "reason": self.reason,
@@ -660,6 +685,7 @@ def best_trial(stored: StoredStudy, policy: ObjectiveSection | None = None) -> B
             policy=policy.policy,
             capacity_tolerance=policy.capacity_tolerance,
             throughput_noise=policy.throughput_noise,
+            capacity=policy.capacity,
         )
         if pairs
         else None
@@ -675,15 +701,44 @@ def best_trial(stored: StoredStudy, policy: ObjectiveSection | None = None) -> B
     return present_best(stored, choice, policy)
 
 
+def best_notes(chosen: TrialView, baseline: TrialView | None, basis: str) -> list[str]:
+    """What a reader of the choice must know beside its figures: which context capacity ranked it,
+    the chosen trial's SLO-safe capacity with the stress load's SLO verdict, and whether baseline
+    and best were measured at equal load (the measured window's streams)."""
+    rec = chosen.record
+    notes = [f"ranked by the {capacity_label(basis)}"]  # type: ignore[arg-type]
+    if rec is not None and rec.slo_capacity.limits:
+        notes.append(f"trial {chosen.number}: OOM-safe context capacity {cell_int(rec.context_capacity)}, "
+                     f"SLO-safe {rec.slo_capacity.describe()}")
+    base = baseline.record if baseline is not None else None
+    if rec is not None and base is not None:
+        old, new = base.measured_load.streams, rec.measured_load.streams
+        if old is not None and new is not None and old != new:
+            notes.append(f"throughput compared at unequal load: the baseline's window ran {old:g} streams, "
+                         f"trial {chosen.number}'s {new:g} (each at the concurrency its pool admits)")
+        elif old is not None and new is not None:
+            notes.append(f"throughput compared at equal load ({new:g} streams in both measured windows)")
+    return notes
+
+
+def cell_int(value: int | None) -> str:
+    """An integer figure or ``-``."""
+    return "-" if value is None else str(value)
+
+
 def present_best(stored: StoredStudy, choice: BestChoice, policy: ObjectiveSection) -> BestTrial:
     """The readers' form of a choice already made (``tuner run``'s :attr:`RunSummary.best`, or
-    :func:`best_trial`'s): the chosen view, the feasible Pareto front, and deltas vs the baseline.
+    :func:`best_trial`'s): the chosen view, the feasible Pareto front (with the chosen trial in
+    it: a choice among throughput ties may be one Optuna's front leaves out), deltas vs the
+    baseline and :func:`best_notes`.
 
     Raises:
         StudyError: The chosen trial is not in ``stored``.
     """
     front = stored.pareto_front()
     chosen = stored.trial(choice.number)
+    if all(v.number != chosen.number for v in front):
+        front = sorted([*front, chosen], key=lambda v: (-(v.metric("context_capacity") or 0), v.number))
     baseline = stored.baseline()
     return BestTrial(
         choice=choice,
@@ -694,4 +749,5 @@ def present_best(stored: StoredStudy, choice: BestChoice, policy: ObjectiveSecti
         baseline=baseline,
         deltas=_deltas(chosen, baseline),
         cache=cache_effect(stored, chosen),
+        notes=best_notes(chosen, baseline, choice.basis),
     )

@@ -21,6 +21,7 @@ from tuner.config import TunerConfig
 from tuner.errors import LaunchError, LoadError, ServerError, ServiceControlError, TunerError
 from tuner.gpu import GPUMonitor, GPUWindow
 from tuner.launch.base import Launcher, LaunchPhase
+from tuner.launch.hooks import run_hook
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import LiveStats, run_load_sync
 from tuner.sglang.client import GreedyAnswer, ServerInfo, SGLangClient
@@ -60,6 +61,7 @@ class LaunchedServer:
         self._environment = dict(environment or {})
         self._baseline_argv = list(launcher.current_argv())
         self._pinned_now_bytes = 0  # host pools of the server the tuner started last (freed at its restart)
+        self.restarted = False  # a trial restarted the service (the final restore then runs the hooks too)
 
     # ---- the study's facts ---------------------------------------------------------------------------
 
@@ -109,9 +111,12 @@ class LaunchedServer:
 
         Raises:
             ServiceControlError: The host refused the change (a read-only drop-in folder);
-                nothing was stopped.
+                nothing was stopped. Or a ``[service]`` hook failed (``pre_restart`` before the
+                restart, ``post_ready`` once ready).
         """
         self._pinned_now_bytes = 0
+        self.hook("pre_restart", "trial")
+        self.restarted = True
         try:
             self.launcher.start(argv)
             with _StartupLines(self.launcher, on_progress):
@@ -129,7 +134,20 @@ class LaunchedServer:
         pools = host_pools(report, argv)
         if pools is not None:
             self._pinned_now_bytes = int(pools[0] * 1e9 * pools[1])
+        self.hook("post_ready", "trial")
         return StartOutcome(failure=None, log_lines=lines)
+
+    def hook(self, name: str, reason: str) -> None:
+        """Run ``[service]`` hook ``name`` (``pre_restart``/``post_ready``) if the config names one
+        (:func:`tuner.launch.hooks.run_hook`; ``reason``: ``trial`` or ``restore``).
+
+        Raises:
+            ServiceControlError: The hook failed: the run stops, the service is restored.
+        """
+        command = getattr(self.config.service, name)
+        if command:
+            run_hook(name, command, timeout_s=self.config.service.hook_timeout_s,
+                     context={"SGLANG_TUNER_URL": self.url, "SGLANG_TUNER_REASON": reason})
 
     def info(self) -> ServerInfo:
         """``/get_server_info``, normalised.

@@ -39,6 +39,7 @@ from tuner.errors import ServerError, TunerError
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
 from tuner.load.metrics import LoadSummary, tier_hits_from_metrics
 from tuner.load.quality import ProbeAnswers, gate, probe_digest, quality_constraint, read_tasks, run_probe
+from tuner.load.search import bracket_level, context_slo, judge_contexts, slo_capacity
 from tuner.records import (
     CacheFacts,
     Constraints,
@@ -47,6 +48,7 @@ from tuner.records import (
     PhaseResult,
     Prediction,
     QualityFacts,
+    SloCapacity,
     TrialRecord,
     context_capacity,
 )
@@ -686,6 +688,7 @@ class _Stressed:
     outcome: LoadOutcome | None = None
     failure: Failure | None = None
     failed: bool = False
+    slo_capacity: SloCapacity | None = None
 
 
 class _TrialFiles:
@@ -926,16 +929,43 @@ class TrialExecutor:
             return _Stressed()
         on_phase("stress")
         n = _stress_concurrency(probe.capacity, budget)
-        workload = capacity_probe(n, job.context_tokens, output_len=_stress_output_tokens(job.context_tokens),
-                                  seed=self.config.study.seed + job.number)
-        outcome = self.server.load(LoadPlan(
-            name="stress", workload=workload, concurrency=n, duration_s=budget.stress_s, seed=self.config.study.seed,
-            timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
-        ), _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s))
+        slo = context_slo(self.config.slo)
+        outcome = self._stress_load(job, n, slo, on_phase)
         failure = outcome.failure or _could_not_run("stress load", outcome)
         result = outcome.result
         failed = failure is not None or (result is not None and (result.summary.errored > 0 or result.partial))
-        return _Stressed(outcome=outcome, failure=failure, failed=failed)
+        steps = [] if failed or slo is None or result is None else [judge_contexts(result.summary, n, slo)]
+        while steps and failure is None and len(steps) <= budget.slo_capacity_steps:
+            # The stress load broke the SLO: bracket the count that still meets it (one load each).
+            met = max((s.contexts for s in steps if s.met), default=None)
+            broken = min((s.contexts for s in steps if not s.met), default=None)
+            worst = max((v for s in steps if s.contexts == broken for v in s.violations.values()
+                         if v is not None), default=None)
+            k = bracket_level(met, broken, worst) if broken is not None else None
+            if k is None:
+                break
+            step = self._stress_load(job, k, slo, on_phase)
+            failure = step.failure or _could_not_run("stress load", step)
+            if failure is not None or step.result is None or step.result.partial:
+                break
+            steps.append(judge_contexts(step.result.summary, k, slo or SLO()))
+        basis = self.config.objective.capacity
+        capacity = None if slo is None else slo_capacity(
+            steps, slo, capped=n < probe.capacity,
+            basis="oom_safe" if basis == "oom_safe" else "slo_safe")
+        return _Stressed(outcome=outcome, failure=failure, failed=failed or failure is not None,
+                         slo_capacity=capacity)
+
+    def _stress_load(self, job: TrialJob, n: int, slo: SLO | None, on_phase: Callable[..., None]) -> LoadOutcome:
+        """``n`` requests of the longest context at once for ``stress_s`` (the stress load, or one
+        bracketing step of the SLO-safe capacity), judged by ``slo``."""
+        budget = self.config.budget
+        workload = capacity_probe(n, job.context_tokens, output_len=_stress_output_tokens(job.context_tokens),
+                                  seed=self.config.study.seed + job.number)
+        return self.server.load(LoadPlan(
+            name="stress", workload=workload, concurrency=n, duration_s=budget.stress_s, seed=self.config.study.seed,
+            slo=slo, timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
+        ), _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s))
 
     def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None]) -> QualityFacts:
         """Quality: the launch's numerics against the baseline's; a change is probed (after the
@@ -975,7 +1005,10 @@ class TrialExecutor:
             stress_failed=stressed.failed, runtime_failure=measured.failure or stressed.failure,
             unmeasured=measured.unmeasured, load=_window_load(measured.concurrency, probe.facts, self._longest_input()),
         )
-        return record.model_copy(update={"cache": measured.cache})
+        update: dict[str, Any] = {"cache": measured.cache}
+        if stressed.slo_capacity is not None:
+            update["slo_capacity"] = stressed.slo_capacity
+        return record.model_copy(update=update)
 
     def _finish(self, record: TrialRecord, lines: list[str], begun_s: float, files: _TrialFiles) -> TrialRecord:
         """The record's artifacts, log excerpt and duration; a failure quotes the server log's error line."""

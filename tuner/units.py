@@ -1,4 +1,5 @@
-"""Units the config and the CLI share: durations (``4h``, ``90m``, ``1h30m``) and GiB.
+"""Units the config and the CLI share: durations (``4h``, ``90m``, ``1h30m``), GiB, and a daily
+window of local time (``[service] window``).
 
 Lowest layer with :mod:`tuner.errors`: it imports nothing else of the product.
 """
@@ -6,10 +7,12 @@ Lowest layer with :mod:`tuner.errors`: it imports nothing else of the product.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from tuner.errors import ConfigError
 
-__all__ = ["GIB", "parse_duration_s", "format_duration"]
+__all__ = ["GIB", "parse_duration_s", "format_duration", "MaintenanceWindow"]
 
 GIB = float(2**30)
 """Bytes in a GiB (binary; SGLang logs memory in GB meaning GiB, ``sglang-reference.md`` §4.2)."""
@@ -67,3 +70,53 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+_SPAN = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+
+
+@dataclass(frozen=True)
+class MaintenanceWindow:
+    """A daily window of local time (``02:00-05:00``; ``22:00-04:00`` wraps midnight) in which a
+    restart may start.
+
+    Attributes:
+        start_min: Its first minute of the day (0-1439).
+        end_min: The minute it closes (exclusive; equal to ``start_min``: the whole day).
+        text: As written.
+    """
+
+    start_min: int
+    end_min: int
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> MaintenanceWindow:
+        """``"HH:MM-HH:MM"``.
+
+        Raises:
+            ValueError: Not two times of day joined by ``-`` (the config names the key).
+        """
+        m = _SPAN.match(text)
+        if m is None:
+            raise ValueError(f"{text!r} is not HH:MM-HH:MM (e.g. \"02:00-05:00\")")
+        h1, m1, h2, m2 = (int(g) for g in m.groups())
+        if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59 or (h2 == 24 and m2 != 0):
+            raise ValueError(f"{text!r} holds a time that is not a time of day (00:00-24:00)")
+        return cls(start_min=h1 * 60 + m1, end_min=(h2 * 60 + m2) % 1440, text=text.strip())
+
+    def contains(self, when: datetime) -> bool:
+        """Whether a restart may start at ``when`` (local time)."""
+        minute = when.hour * 60 + when.minute
+        if self.start_min == self.end_min:
+            return True
+        if self.start_min < self.end_min:
+            return self.start_min <= minute < self.end_min
+        return minute >= self.start_min or minute < self.end_min
+
+    def seconds_until_open(self, when: datetime) -> float:
+        """Seconds from ``when`` until the window is open (0 when it is)."""
+        if self.contains(when):
+            return 0.0
+        opens = when.replace(hour=self.start_min // 60, minute=self.start_min % 60, second=0, microsecond=0)
+        if opens <= when:
+            opens += timedelta(days=1)
+        return (opens - when).total_seconds()

@@ -40,7 +40,7 @@ def _study(cfg: TunerConfig) -> tuple[OfflineExecutor, list[tuple[int, TrialReco
 def _best(cfg: TunerConfig, launched: list[tuple[int, TrialRecord]]) -> tuple[int, TrialRecord] | None:
     objective = cfg.objective
     choice = choose_best(launched, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
-                         throughput_noise=objective.throughput_noise)
+                         throughput_noise=objective.throughput_noise, capacity=objective.capacity)
     if choice is None:
         return None
     return next((n, r) for n, r in launched if n == choice.number)

@@ -110,7 +110,7 @@ def _run(cluster, workers: int, cwd: Path, *, seed: int = 0, trial_s: float = TR
     for k in K_LAUNCHES:
         first = [(t.number, r) for t, r in launched[:k]]
         best = choose_best(first, policy=cfg.objective.policy, capacity_tolerance=cfg.objective.capacity_tolerance,
-                           throughput_noise=cfg.objective.throughput_noise)
+                           throughput_noise=cfg.objective.throughput_noise, capacity=cfg.objective.capacity)
         quality[k] = (best.record.context_capacity if best else 0, best.record.output_throughput_tok_s if best else 0.0,
                       sum(1 for _, r in first if r.outcome == "failed") / max(1, len(first)))
     out = {

@@ -46,7 +46,8 @@ LAUNCHES = max(CHECKPOINTS)
 
 def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, *, noise: float | None = None) -> TrialRecord | None:
     choice = choose_best(history, policy=cfg.objective.policy, capacity_tolerance=cfg.objective.capacity_tolerance,
-                         throughput_noise=cfg.objective.throughput_noise if noise is None else noise)
+                         throughput_noise=cfg.objective.throughput_noise if noise is None else noise,
+                         capacity=cfg.objective.capacity)
     return choice.record if choice else None
 
 

@@ -62,6 +62,8 @@ def test_a_running_study_is_scraped_and_the_dashboard_asks_for_what_is_there(tmp
     ended = sum(v for k, v in after.items() if k.startswith("sglang_tuner_trials_total{"))
     assert ended == summary["trials_run"] + summary["trials_skipped"], (after, summary)
     assert after["sglang_tuner_best_context_capacity"] >= summary["baseline"]["context_capacity"] > 0, after
+    # the best's SLO-safe capacity (the demo sets an SLO): measured, never above its OOM-safe one
+    assert 0 <= after["sglang_tuner_best_slo_context_capacity"] <= after["sglang_tuner_best_context_capacity"], after
     assert after["sglang_tuner_last_restart_timestamp_seconds"] > time.time() - 600
     info = [k for k in after if k.startswith("sglang_tuner_info{")]
     assert info and "study=demo-sim" in info[0], info

@@ -2,11 +2,64 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from tuner.cli.common import app, console
+from tuner.cli.common import ConfigOpt, StorageOpt, StudyOpt, app, console, open_stored_study
+
+
+def _explain_trial(number: int, study: str | None, storage: str | None, config: Path | None, *, given: list[str]):  # noqa: ANN202 - (Explanation, StoredStudy)
+    """Trial ``number``'s server log (its artifact) explained, with its study.
+
+    Raises:
+        ConfigError: ``--trial`` with another input.
+        StudyError: No such study or trial, or the trial kept no server log.
+    """
+    from tuner.errors import ConfigError, StudyError
+    from tuner.sglang.explain import explain_from
+
+    if given:
+        raise ConfigError(f"--trial {number} and {' '.join(given)} both name what to explain",
+                          hint="pass --trial N (with --study/--storage/--config) or a log, unit or URL")
+    stored = open_stored_study(study, storage, config)
+    view = stored.trial(number)
+    path = stored.artifact_paths(view).get("server_log")
+    if path is None or not path.is_file():
+        where = "none was stored" if path is None else f"{path} is missing"
+        raise StudyError(f"trial {number} of study {stored.name!r} has no server log to explain ({where})",
+                         hint="pick a launched trial (`tuner trials`), or pass the log with --log FILE")
+    return explain_from(log=str(path)), stored
+
+
+def _device_free_gib(url: str) -> tuple[float, str] | None:
+    """The GPU memory free now on the server's tightest GPU (GiB) and where it was read: the
+    simulator's ledger when ``url`` serves one, else NVML's GPUs that hold memory; ``None`` when
+    neither can be read (``explain`` then predicts headroom from SGLang's own reserve rule)."""
+    from tuner.errors import TunerError
+    from tuner.gpu import NvmlBackend, SimBackend
+
+    try:
+        sim = SimBackend(url).memory()
+    except TunerError:
+        sim = []
+    if sim:
+        return min(g.free_mib for g in sim) / 1024, "the simulator's device ledger"
+    try:
+        backend = NvmlBackend()
+    except (TunerError, ImportError, OSError):
+        return None
+    try:
+        held = [g for g in backend.memory() if g.used_mib > 1024]
+    except TunerError:
+        return None
+    finally:
+        backend.close()
+    if not held:
+        return None
+    tightest = min(held, key=lambda g: g.free_mib)
+    return tightest.free_mib / 1024, f"NVML, GPU {tightest.index}"
 
 
 @app.command("explain", short_help="Where a server's GPU memory went and what limits capacity.")
@@ -19,14 +72,27 @@ def explain_cmd(
     mem_fraction_static: Annotated[float | None, typer.Option("--mem-fraction-static", help="the server's fraction in (0, 1), used only when the input does not state it (a stated value wins; a different one here is reported).")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="the GPU's name or architecture (e.g. 'RTX PRO 6000', sm120) for the ladder's feasibility cells; unknown without it.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
+    trial: Annotated[int | None, typer.Option("--trial", min=0, help="a stored trial: its server log, bounded by what its study measured (with --study, --storage or --config).")] = None,
+    study: StudyOpt = None,
+    storage: StorageOpt = None,
+    config: ConfigOpt = None,
 ) -> None:
     """Where the GPU memory went, what limits capacity, predictions at other fractions, traps, and the
     structural levers (fp8 KV, DP attention, DCP, speculative decoding off) priced on this start."""
-    from tuner.report.explain import renderables
+    from tuner.report.explain import bound_by_study, renderables
     from tuner.sglang.explain import explain_from
 
-    result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
-                          mem_fraction_static=mem_fraction_static, gpu=gpu)
+    if trial is not None:
+        result = _explain_trial(trial, study, storage, config, given=[f for f, v in (("--log", log), ("--unit", unit), ("--url", url)) if v])
+        result = bound_by_study(result[0], result[1], trial)
+    else:
+        if study or storage or config:
+            from tuner.errors import ConfigError
+
+            raise ConfigError("--study, --storage and --config name the study of --trial",
+                              hint="pass --trial N with them, or drop them to explain --log, --unit or --url")
+        result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
+                              mem_fraction_static=mem_fraction_static, gpu=gpu, device_free=_device_free_gib)
     if as_json:
         print(result.model_dump_json(indent=2))
     else:

@@ -28,6 +28,9 @@ def _print_best_vs_baseline(summary, chosen, console=console) -> None:  # noqa: 
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
         highlight=False, soft_wrap=True,  # one line in a pipe or the journal, not wrapped at 80 columns
     )
+    skips = summary.skips_text()
+    if skips is not None:
+        console.print(skips, highlight=False, soft_wrap=True)
     if chosen is None:
         console.print("no feasible trial yet: nothing beats the baseline (see `tuner trials`)")
         return
@@ -37,6 +40,8 @@ def _print_best_vs_baseline(summary, chosen, console=console) -> None:  # noqa: 
     changed = {k: v for k, v in best.record.params.items() if not base or base.params.get(k) != v}
     console.print(f"flags changed: {changed or 'none (the baseline is best)'}", highlight=False)
     console.print(f"why: {chosen.reason}", highlight=False, soft_wrap=True)
+    for note in chosen.notes:
+        console.print(note, highlight=False, soft_wrap=True)
     cut = max_running_requests_cut(best.record, chosen.baseline.record if chosen.baseline else None)
     if cut is not None:
         console.print(cut, highlight=False, soft_wrap=True)

@@ -90,12 +90,15 @@ def disk_full(folder: Path | str, *, min_free_bytes: int = MIN_FREE_BYTES) -> st
         min_free_bytes: Free bytes below which it counts as full.
 
     Returns:
-        ``""``, or e.g. ``"12 KiB free"`` / ``"no inode free"``. A path that cannot be examined
-        gives ``""`` (the write itself will then say what is wrong).
+        ``""``, or e.g. ``"12 KiB free"`` / ``"no inode free"``. A path that cannot be examined,
+        or on a file system without blocks (``/proc``, ``/sys``), gives ``""`` (the write itself
+        will then say what is wrong).
     """
     try:
         st = os.statvfs(folder)
     except OSError:
+        return ""
+    if st.f_blocks == 0:  # no blocks at all: a virtual file system (proc, sysfs), not a full disk
         return ""
     blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
     free = blocks * st.f_frsize

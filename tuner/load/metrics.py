@@ -21,6 +21,7 @@ meeting every per-request limit, bench_serving's ``--goodput``), attainment and 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ __all__ = [
     "ErrorCount",
     "LoadSummary",
     "summarize",
+    "quantile_interval",
     "slo_violations",
     "top_errors",
     "request_itls_s",
@@ -259,7 +261,11 @@ class LoadSummary(BaseModel):
     """bench_serving's result keys (§6.2) plus failure counts, cache hit rate and SLO results.
 
     Latency fields are ms; ``None`` when nothing was measured. Throughputs: requests/s, tokens/s.
-    ``top_errors`` holds the most common errors of the window (empty when none errored).
+    ``p99_ttft_low_ms``/``p99_ttft_high_ms`` (and ITL's) bound each p99 at 95 % confidence
+(:func:`quantile_interval`; ``high`` is ``None`` when too few requests bound it from above: a p99
+over fewer than ~370 requests is close to their maximum); ``itl_count`` is the token gaps the ITL
+figures are over (TTFT's count is ``completed``).
+``top_errors`` holds the most common errors of the window (empty when none errored).
     ``device_hit_rate`` / ``host_hit_rate`` / ``storage_hit_rate`` split ``cache_hit_rate`` by the
     tier that served the hit (shares of prompt tokens, 0-1) when the server reported
     ``cached_tokens_details`` (§5.3, 0.5.10+); :func:`tier_hits_from_metrics` gives the same split
@@ -292,6 +298,11 @@ class LoadSummary(BaseModel):
     p95_itl_ms: float | None = None
     p99_itl_ms: float | None = None
     max_itl_ms: float | None = None
+    p99_ttft_low_ms: float | None = None
+    p99_ttft_high_ms: float | None = None
+    p99_itl_low_ms: float | None = None
+    p99_itl_high_ms: float | None = None
+    itl_count: int | None = None
     mean_tpot_ms: float | None = None
     median_tpot_ms: float | None = None
     std_tpot_ms: float | None = None
@@ -365,6 +376,40 @@ def _stats(values_ms: np.ndarray) -> dict[str, float | None]:
         "p99": float(p99),
         "max": float(values_ms.max()),
     }
+
+
+def quantile_interval(values: Sequence[float] | np.ndarray, q: float = 0.99,
+                      confidence: float = 0.95) -> tuple[float | None, float | None]:
+    """A distribution-free confidence interval of the ``q`` quantile of ``values``: order
+    statistics ``x_(l) ≤ Q_q ≤ x_(u)`` with the number of values below ``Q_q`` binomial(n, q).
+
+    Args:
+        values: The sample (any unit; the bounds are in it).
+        q: The quantile (0.99: p99).
+        confidence: Two-sided level (0.95).
+
+    Returns:
+        ``(low, high)``; ``low`` ``None`` when the sample cannot bound it from below, ``high``
+        ``None`` when it cannot bound it from above (e.g. p99 over 50 requests: ``x_(48)``
+        to ``None``); ``(None, None)`` for an empty sample.
+    """
+    xs = np.sort(np.asarray(values, dtype=float))
+    n = int(xs.size)
+    if n == 0:
+        return None, None
+    tail = (1.0 - confidence) / 2
+    # cdf[j] = P(Binomial(n, q) <= j), j = 0..n, in log space so that n may be large (every token gap)
+    i = np.arange(1, n + 1)
+    log_choose = np.concatenate([[0.0], np.cumsum(np.log((n - i + 1) / i))])
+    j = np.arange(n + 1)
+    log_pmf = log_choose + j * math.log(q) + (n - j) * math.log1p(-q)
+    pmf = np.exp(log_pmf - log_pmf.max())
+    cdf = np.cumsum(pmf) / pmf.sum()
+    c = int(np.searchsorted(cdf[:n], tail + 1e-12, side="right"))  # P(B < c) <= tail: x_(c) is below Q_q
+    first = int(np.searchsorted(cdf[:n], 1 - tail - 1e-12, side="left"))  # P(B <= first) >= 1 - tail
+    low = float(xs[c - 1]) if c >= 1 else None
+    high = float(xs[first]) if first < n else None
+    return low, high
 
 
 def _stat_of(values_ms: np.ndarray, key: str) -> float:
@@ -496,6 +541,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e_latency", e2e)):
         for key, value in _stats(np.asarray(values, dtype=float)).items():
             fields[f"{key}_{name}_ms"] = value
+    for name, values in (("ttft", ttft), ("itl", itl)):
+        fields[f"p99_{name}_low_ms"], fields[f"p99_{name}_high_ms"] = quantile_interval(values)
+    fields["itl_count"] = int(itl.size)
     # /v1/completions reports cached_tokens only when > 0 (§5.3): once any request reported it,
     # a request that did not had no hit.
     any_cached = any(r.cached_tokens is not None for r in done)

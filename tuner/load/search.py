@@ -35,9 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LoadError
 from tuner.load.client import Api, Transport
-from tuner.load.metrics import SLO
+from tuner.load.metrics import SLO, LoadSummary, slo_violations
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
 from tuner.load.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, TraceSpec, Workload, build_workload
+from tuner.records import CapacityBasis, SloCapacity, SloStep
 
 __all__ = [
     "Verdict",
@@ -47,6 +48,11 @@ __all__ = [
     "wilson_min_requests",
     "find_max_under_slo",
     "find_max_under_slo_async",
+    "bisect_level",
+    "bracket_level",
+    "context_slo",
+    "judge_contexts",
+    "slo_capacity",
 ]
 
 Verdict = Literal["pass", "fail", "indeterminate", "saturated", "aborted"]
@@ -95,6 +101,82 @@ def wilson_min_requests(attainment: float, target: float, confidence: float = 0.
         return None
     z = NormalDist().inv_cdf(1 - (1 - confidence) / 2)
     return max(1, math.ceil(z * z * target * (1 - target) / (attainment - target) ** 2 - 1e-9))
+
+
+def bisect_level(lo: float, hi: float, *, integer: bool = True, rtol: float = 0.1) -> float | None:
+    """The search's next level between a passing ``lo`` and a failing ``hi`` (their midpoint,
+    floored for a count), or ``None`` once the bracket is within ``rtol`` of ``lo`` (1 for a count)."""
+    if hi - lo <= max(1.0 if integer else 0.0, rtol * lo):
+        return None
+    return float(math.floor((lo + hi) / 2)) if integer else (lo + hi) / 2
+
+
+def bracket_level(met: int | None, broken: int, overshoot: float | None) -> int | None:
+    """The next count of a bracketing step below a count that broke the SLO: the broken count
+    scaled by its overshoot (latency taken as proportional to the requests in flight, as a queue
+    of prefills or a decode batch makes it: ``broken / (1 + overshoot)``), kept strictly inside the
+    bracket ``(met, broken)``; the bisection midpoint (:func:`bisect_level`) when the overshoot is
+    unknown.
+
+    Args:
+        met: The largest count measured to meet the SLO (``None``: none yet; 0 is the floor).
+        broken: The smallest count measured to break it (≥ 1).
+        overshoot: The worst relative overshoot at ``broken`` (``measured / limit − 1`` > 0).
+
+    Returns:
+        The count to measure next, or ``None`` when no count lies between ``met`` and ``broken``.
+    """
+    low = met or 0
+    if broken - low <= 1:
+        return None
+    if overshoot is None or overshoot <= 0:
+        mid = bisect_level(float(low), float(broken), integer=True, rtol=0.0)
+        return None if mid is None else int(mid)
+    return max(low + 1, min(broken - 1, math.floor(broken / (1.0 + overshoot))))
+
+
+def context_slo(slo: SLO) -> SLO | None:
+    """The limits a load of longest-context requests is judged by: the SLO's TTFT, ITL and TPOT
+    limits (per token or to the first one; an E2E limit depends on the output length, which the
+    stress load keeps short), or ``None`` when it sets none of them."""
+    kept = SLO(ttft_ms=slo.ttft_ms, itl_ms=slo.itl_ms, tpot_ms=slo.tpot_ms)
+    return None if kept.is_empty() else kept
+
+
+def judge_contexts(summary: LoadSummary, contexts: int, slo: SLO) -> SloStep:
+    """One load of ``contexts`` longest-context requests judged against ``slo``
+    (:func:`context_slo`): met when every limit holds (:func:`tuner.load.metrics.slo_violations`),
+    something completed and nothing errored."""
+    fields = summary.model_dump()
+    violations = slo_violations(slo, fields)
+    met = (summary.completed > 0 and summary.errored == 0
+           and all(v is not None and v <= 0 for v in violations.values()))
+    return SloStep(contexts=contexts, completed=summary.completed, p99_ttft_ms=summary.p99_ttft_ms,
+                   p99_itl_ms=summary.p99_itl_ms, p99_ttft_low_ms=summary.p99_ttft_low_ms,
+                   p99_ttft_high_ms=summary.p99_ttft_high_ms, violations=violations, met=met)
+
+
+def slo_capacity(steps: list[SloStep], slo: SLO, *, capped: bool, basis: CapacityBasis) -> SloCapacity:
+    """The SLO-safe context capacity from the judged loads (the stress phase first).
+
+    Args:
+        steps: Every judged load, in order (empty: none judged).
+        slo: The limits judged (:func:`context_slo`).
+        capped: The stress load ran fewer contexts than the OOM-safe capacity (``[budget]
+            max_concurrency``).
+        basis: The capacity the study's objective uses (:data:`tuner.records.CapacityBasis`).
+
+    Returns:
+        ``contexts``: the largest count that met the limits (0 when none did, ``None`` with no
+        step); ``broken_at``: the smallest that broke them.
+    """
+    limits = {f"{key}_{metric}_ms": limit for metric, key, limit in slo.items()}
+    if not steps:
+        return SloCapacity(limits=limits, basis=basis)
+    met = [s.contexts for s in steps if s.met]
+    broken = [s.contexts for s in steps if not s.met]
+    return SloCapacity(limits=limits, contexts=max(met) if met else 0, broken_at=min(broken) if broken else None,
+                       at_least=capped and steps[0].met, steps=steps, basis=basis)
 
 
 class SearchStep(BaseModel):
@@ -371,10 +453,9 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
             hi, hi_step = value, step
             break
     while status is None and lo is not None and hi is not None:  # bisection
-        gap = hi - lo
-        if gap <= max(1.0 if integer else 0.0, rtol * lo):
+        mid = bisect_level(lo, hi, integer=integer, rtol=rtol)
+        if mid is None:
             break
-        mid = float(math.floor((lo + hi) / 2)) if integer else (lo + hi) / 2
         step = await judge(mid)
         if step is None:
             break

@@ -10,10 +10,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from tuner.results import StoredStudy
 from tuner.sglang.explain import Explanation, WaterfallStep, waterfall_steps
+from tuner.sglang.failures import Lever
 from tuner.sglang.ladder import Rung
 
-__all__ = ["renderables", "waterfall_table", "ladder_table"]
+__all__ = ["renderables", "waterfall_table", "ladder_table", "bound_by_study"]
 
 
 def _fmt(x: float | None, unit: str = "GiB") -> str:
@@ -130,3 +132,77 @@ def renderables(e: Explanation) -> RenderableType:  # noqa: C901 - over the comp
     for w in e.warnings:
         parts.append(Text("note: " + w, style="dim"))
     return Group(*parts)
+
+
+# ---- an explanation bounded by what a study measured ------------------------------------------
+
+
+def _raises_fraction(lever: Lever | None) -> bool:
+    return lever is not None and lever.knob == "mem_fraction_static" and lever.direction == "raise"
+
+
+def bound_by_study(e: Explanation, stored: StoredStudy, number: int) -> Explanation:
+    """``tuner explain --trial N``: the explanation of trial ``number``'s server log, bounded by
+    what its study measured under load, so it never advises what the study saw fail.
+
+    The study's boundaries are the largest activation peak a trial measured under the stress load
+    (:attr:`tuner.records.MemoryFacts.peak_activation_gib`) and the lowest fraction measured to fail
+    above those that started (:func:`tuner.report.figures.measured_boundaries`). A predicted
+    fraction whose free memory after graphs is below that peak, or at or above that failing
+    fraction, is marked as failing under load; a "raise mem_fraction_static" lever stays only
+    while a higher fraction is still inside the boundaries (its reason then names the highest),
+    and the idle-reserve trap says the idle memory is the measured activation headroom when none is.
+
+    Args:
+        e: The explanation of the trial's own server log.
+        stored: The study.
+        number: The trial.
+
+    Returns:
+        The bounded explanation (a copy).
+    """
+    from tuner.report.figures import measured_boundaries
+
+    peaks = [(v.record.memory.peak_activation_gib, v.number) for v in stored.trials
+             if v.record is not None and v.record.memory.peak_activation_gib]
+    peak, peak_trial = max(peaks) if peaks else (None, None)
+    above = next(((hi, label) for _, hi, label in measured_boundaries(stored.trials) if label.startswith("fails above")),
+                 None)
+    setting = e.settings.get("mem_fraction_static")
+    current = float(setting.value) if setting is not None and setting.value is not None else None
+    rows = []
+    for p in e.predictions:
+        why = []
+        if peak is not None and p.free_after_graphs_gib is not None and p.free_after_graphs_gib < peak:
+            why.append(f"{p.free_after_graphs_gib:.2f} GiB free is below the {peak:.2f} GiB activation peak trial "
+                       f"{peak_trial} measured under the stress load")
+        if above is not None and p.mem_fraction_static >= above[0] - 1e-9:
+            why.append(f"the study measured {above[1].removeprefix('fails above: ')} at {above[0]:g}")
+        rows.append(p.model_copy(update={"starts": False, "note": "fails under load: " + "; ".join(why)}) if why else p)
+    higher = [p.mem_fraction_static for p in rows if p.starts and current is not None and p.mem_fraction_static > current + 1e-9]
+    bound = f" (study {stored.name}: up to {max(higher):g}, inside its measured boundaries)" if higher else ""
+
+    def keep(lever: Lever | None) -> Lever | None:
+        if not _raises_fraction(lever):
+            return lever
+        return lever.model_copy(update={"why": lever.why + bound}) if higher else None  # type: ignore[union-attr]
+
+    traps = []
+    for trap in e.traps:
+        if trap.id == "idle_reserve" and not higher and peak is not None:
+            trap = trap.model_copy(update={
+                "severity": "info", "title": trap.title.replace("sits idle", "is this config's activation headroom"),
+                "detail": (f"trial {peak_trial} of study {stored.name} measured a {peak:.2f} GiB activation peak under the "
+                           "stress load" + (f" and {above[1].removeprefix('fails above: ')} at {above[0]:g}" if above else "")
+                           + ": no higher fraction is inside the study's measured boundaries"),
+                "fix": None, "lever": None})
+        else:
+            trap = trap.model_copy(update={"lever": keep(trap.lever), "also": [lv for lv in trap.also if keep(lv) is not None]})
+        traps.append(trap)
+    levers = [kept for lv in e.levers if (kept := keep(lv)) is not None]
+    finding = (f"bounded by study {stored.name} (trial {number}'s log): "
+               + (f"activation peak {peak:.2f} GiB (trial {peak_trial})" if peak is not None else "no activation peak measured")
+               + (f", {above[1]} at {above[0]:g}" if above else ""))
+    return e.model_copy(update={"predictions": rows, "traps": traps, "levers": levers,
+                                "lever": levers[0] if levers else None, "findings": [*e.findings, finding],
+                                "sources": [*e.sources, f"study {stored.name}, trial {number}"]})

@@ -80,6 +80,11 @@ def hover(view: TrialView) -> str:
     lines += [f"{k}={v}" for k, v in sorted(view.params.items())]
     if view.failure_class:
         lines.append(f"failure: {view.failure_class}")
+    rec = view.record
+    if rec is not None and rec.context_capacity is not None:
+        lines.append(f"OOM-safe context capacity {rec.context_capacity}")
+        if rec.slo_capacity.limits:
+            lines.append(f"SLO-safe {rec.slo_capacity.describe()}")
     return "<br>".join(html.escape(line) for line in lines)
 
 
@@ -356,12 +361,14 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
             fig.add_trace(go.Scatter(
                 x=[p.metrics["concurrency"] for _, p in group], y=[p.metrics[metric] for _, p in group],
                 mode="markers+text", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
-                text=[_label(v, baseline, best) if v.number in (baseline, best) else "" for v, _ in group],
+                text=[_label(v, baseline, best) + _stress_verdict(v, phase) if v.number in (baseline, best) else ""
+                      for v, _ in group],
                 textposition="top center",
                 marker={"symbol": symbol, "size": 11, "color": colors, "line": {"width": 1, "color": "#222"}},
                 hovertext=[f"trial {v.number} {phase}: {p.metrics[metric]:,.0f} ms at {p.metrics['concurrency']:.1f} "
                            f"in flight, {p.metrics.get('output_throughput') or 0:,.1f} tok/s" for v, p in group],
                 hoverinfo="text"), row=1, col=col)
+        _bracket_trace(fig, trials, metric, col, best)
         limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
         if limit:
             fig.add_hline(y=limit, line={"color": BEST_COLOR, "dash": "dash"}, row=1, col=col,
@@ -369,8 +376,36 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
         fig.update_xaxes(title_text="load: mean requests in flight", row=1, col=col)
         fig.update_yaxes(title_text="ms", row=1, col=col)
     known = "SLO dashed" if slo_ms and any(slo_ms.values()) else "SLO unknown: pass --config to draw it"
-    fig.update_layout(title=f"Latency against load (each trial's measure and stress phases; {known})")
+    fig.update_layout(title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
+                            "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: "
+                            "the longest contexts at fewer requests, the SLO-safe capacity the largest that meets it</sup>")
     return fig
+
+
+def _stress_verdict(view: TrialView, phase: str) -> str:
+    """`` (stress breaks the SLO; SLO-safe 5)`` beside a labelled stress point, else ``""``."""
+    stress = view.record.slo_capacity.stress if view.record is not None else None
+    if phase != "stress" or stress is None:
+        return ""
+    verdict = "meets" if stress.met else "breaks"
+    return f" (stress {verdict} the SLO; SLO-safe {view.record.slo_capacity.contexts})"  # type: ignore[union-attr]
+
+
+def _bracket_trace(fig: go.Figure, trials: Sequence[TrialView], metric: str, col: int, best: int | None) -> None:
+    """The SLO-safe capacity's bracketing loads (the longest contexts at fewer requests than the
+    stress load) of each trial, at the count sent at once, met (filled) or broken (open)."""
+    steps = [(v, s) for v in trials if v.record is not None for s in v.record.slo_capacity.steps[1:]
+             if getattr(s, metric) is not None]
+    if not steps:
+        return
+    fig.add_trace(go.Scatter(
+        x=[s.contexts for _, s in steps], y=[getattr(s, metric) for _, s in steps],
+        mode="markers", name="bracketing step (longest contexts)", legendgroup="bracket", showlegend=col == 1,
+        marker={"symbol": ["triangle-down" if s.met else "triangle-down-open" for _, s in steps], "size": 11,
+                "color": [BEST_COLOR if v.number == best else "#6c757d" for v, _ in steps]},
+        hovertext=[html.escape(f"trial {v.number}: {s.contexts} longest contexts at once, {getattr(s, metric):,.0f} ms "
+                               f"over {s.completed} requests: {'meets' if s.met else 'breaks'} the SLO")
+                   for v, s in steps], hoverinfo="text"), row=1, col=col)
 
 
 # ---- why the winner won -------------------------------------------------------------------------
@@ -389,32 +424,43 @@ def pareto_figure(stored: StoredStudy, *, baseline: int | None = None, best: int
     if not started:
         return "No trial was measured yet."
     fig = go.Figure()
-    x_name, y_name = METRICS["context_capacity"][0], METRICS["output_throughput_tok_s"][0]
+    slo_safe = any(v.record is not None and v.record.slo_capacity.basis == "slo_safe"
+                   and v.record.slo_capacity.contexts is not None for v in started)
+    metric = "slo_context_capacity" if slo_safe else "context_capacity"
+
+    def capacity(view: TrialView) -> Any:
+        """The capacity the study's objective ranked (Optuna's values[0]): the SLO-safe one where measured."""
+        return view.record.objective_capacity if view.record is not None else view.metric("context_capacity")
+
+    x_name, y_name = METRICS[metric][0], METRICS["output_throughput_tok_s"][0]
     for cat in ("infeasible", "feasible"):
         group = [v for v in started if category(v) == cat]
         if group:
             fig.add_trace(go.Scatter(
-                x=[v.metric("context_capacity") for v in group], y=[v.metric("output_throughput_tok_s") or 0 for v in group],
+                x=[capacity(v) for v in group], y=[v.metric("output_throughput_tok_s") or 0 for v in group],
                 mode="markers", name=cat, opacity=0.55 if cat == "infeasible" else 0.9,
                 marker={"color": CATEGORY_COLORS[cat], "size": 10, "symbol": "x" if cat == "infeasible" else "circle"},
                 hovertext=[hover(v) for v in group], hoverinfo="text"))
-    front = sorted(stored.pareto_front(), key=lambda v: (v.metric("context_capacity") or 0))
+    front = sorted(stored.pareto_front(), key=lambda v: (capacity(v) or 0))
     if front:
+        # Both objectives are maximized: the front falls as capacity grows, so the staircase drops
+        # first then runs right ("vh"): its corners lie below attained points, never above them.
         fig.add_trace(go.Scatter(
-            x=[v.metric("context_capacity") for v in front], y=[v.metric("output_throughput_tok_s") or 0 for v in front],
-            mode="lines", line={"color": "#264653", "shape": "hv", "dash": "dot"}, name="Pareto front (feasible)",
+            x=[capacity(v) for v in front], y=[v.metric("output_throughput_tok_s") or 0 for v in front],
+            mode="lines", line={"color": "#264653", "shape": "vh", "dash": "dot"}, name="Pareto front (feasible)",
             hoverinfo="skip"))
     for number, name, color, symbol in ((baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")):
         view = next((v for v in started if v.number == number), None)
         if view is None:
             continue
         fig.add_trace(go.Scatter(
-            x=[view.metric("context_capacity")], y=[view.metric("output_throughput_tok_s") or 0],
+            x=[capacity(view)], y=[view.metric("output_throughput_tok_s") or 0],
             mode="markers+text", name=f"{name} (trial {view.number})", text=[f"{name} #{view.number}"],
             textposition="bottom center" if name == "baseline" else "top center",
             textfont={"size": 14, "color": color},
             marker={"color": color, "size": 20, "symbol": symbol, "line": {"width": 2, "color": "#fff"}},
             hovertext=[hover(view)], hoverinfo="text"))
-    fig.update_layout(title="Pareto front: context capacity vs output throughput", xaxis_title=x_name,
+    fig.update_layout(title=f"Pareto front: {'SLO-safe' if slo_safe else 'OOM-safe'} context capacity vs output "
+                            "throughput", xaxis_title=x_name,
                       yaxis_title=y_name, hovermode="closest")
     return fig

@@ -28,19 +28,34 @@ __all__ = ['FIGURE_IDS', 'build_html_report', 'write_html_report', 'write_study_
 
 
 def _history_figure(stored: StoredStudy) -> go.Figure:
+    """Context capacity per trial in trial order: measured trials at their (OOM-safe) capacity, a
+    failed start at 0 (it fitted nothing), skipped configs open at their predicted capacity (never
+    at 0 as if measured; one without a prediction is left out and counted in the legend), and the
+    best feasible capacity so far."""
     fig = go.Figure()
     for cat, color in CATEGORY_COLORS.items():
         views = [v for v in stored.trials if category(v) == cat]
-        if not views:
+        if cat == "skipped":
+            drawn = [v for v in views if v.record is not None and v.record.prediction.context_capacity is not None]
+            ys = [v.record.prediction.context_capacity if v.record else None for v in drawn]
+            name = f"skipped: not launched, at predicted capacity ({len(views) - len(drawn)} without one not drawn)"
+            marker = {"color": color, "size": 9, "symbol": "circle-open"}
+            hovers = [html.escape(f"trial {v.number} skipped: {v.record.skipped_reason if v.record else ''}")
+                      for v in drawn]
+        else:
+            drawn, name, marker = views, cat, {"color": color, "size": 10}
+            ys = [v.metric("context_capacity") or 0 for v in views]
+            hovers = [figures.hover(v) for v in views]
+        if not drawn:
             continue
         fig.add_trace(
             go.Scatter(
-                x=[v.number for v in views],
-                y=[v.metric("context_capacity") or 0 for v in views],
+                x=[v.number for v in drawn],
+                y=ys,
                 mode="markers",
-                name=cat,
-                marker={"color": color, "size": 10},
-                hovertext=[figures.hover(v) for v in views],
+                name=name,
+                marker=marker,
+                hovertext=hovers,
                 hoverinfo="text",
             )
         )
@@ -209,6 +224,7 @@ def build_html_report(stored: StoredStudy, best: BestTrial | None, best_error: s
         if facts is not None and facts.changes:
             summary.append(f"<p><b>quality gate of the best</b>: {html.escape(quality_text(best.trial))} "
                            f"({html.escape(', '.join(facts.changes))} changed)</p>")
+        summary.extend(f"<p>{html.escape(note)}</p>" for note in best.notes)
         if best.cache is not None:
             summary.append(f"<p><b>prefix cache of the best</b>: {html.escape(best.cache.describe())}</p>")
     elif best_error:

@@ -14,7 +14,9 @@ these series). The metrics come from the run's :class:`tuner.study.progress.Prog
   ``sglang_tuner_phase{phase}`` (1 for the phase in flight);
 - ``sglang_tuner_best_context_capacity`` (requests), ``sglang_tuner_best_output_throughput_tok_s``
   and ``sglang_tuner_best_trial``: the best feasible trial of this run so far (highest context
-  capacity, then throughput; the study's own choice is ``tuner best``);
+  capacity, then throughput; the study's own choice is ``tuner best``), and
+  ``sglang_tuner_best_slo_context_capacity``: that trial's SLO-safe context capacity (requests in
+  flight at which the SLO's p99 still holds; -1 when not measured);
 - ``sglang_tuner_launches_expected`` and ``sglang_tuner_budget_remaining_seconds``;
 - ``sglang_tuner_running`` 1 while the run works, 0 once it stopped.
 """
@@ -71,6 +73,10 @@ class PrometheusTextfile:
         self.best_capacity = Gauge("sglang_tuner_best_context_capacity",
                                    "Context capacity (requests) of this run's best feasible trial so far.",
                                    registry=reg)
+        self.best_slo_capacity = Gauge("sglang_tuner_best_slo_context_capacity",
+                                       "SLO-safe context capacity (requests) of that trial (-1: not measured).",
+                                       registry=reg)
+        self.best_slo_capacity.set(-1)
         self.best_tput = Gauge("sglang_tuner_best_output_throughput_tok_s",
                                "Output throughput (tokens/s) of this run's best feasible trial so far.", registry=reg)
         self.best_trial = Gauge("sglang_tuner_best_trial", "Number of this run's best feasible trial (-1: none).",
@@ -131,6 +137,8 @@ class PrometheusTextfile:
         if score > self._best:
             self._best = score
             self.best_capacity.set(score[0])
+            slo = result.get("slo_context_capacity")
+            self.best_slo_capacity.set(float(slo) if slo is not None else -1.0)
             self.best_tput.set(score[1])
             self.best_trial.set(number if number is not None else -1)
 

@@ -44,6 +44,7 @@ PIPE_MAX_WIDTH = 400
 
 TABLE_METRICS = (
     "context_capacity",
+    "slo_context_capacity",
     "token_capacity",
     "output_throughput_tok_s",
     "p99_ttft_ms",
@@ -175,6 +176,7 @@ _SHORT = MappingProxyType({
     "enable_hierarchical_cache": "hicache",
     "hicache_ratio": "hc_ratio",
     "context_capacity": "ctx cap",
+    "slo_context_capacity": "SLO cap",
     "token_capacity": "tokens",
     "output_throughput_tok_s": "tok/s",
     "p99_ttft_ms": "TTFT p99",
@@ -195,7 +197,8 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
     legend = ", ".join(f"{_SHORT[k]} = {k}" for k in used)
     table = Table(
         title=title,
-        caption=f"{legend}; latencies in ms; ctx cap in requests",
+        caption=f"{legend}; latencies in ms; ctx cap: longest contexts that fit without OOM, SLO cap: "
+                "those in flight at which the SLO's p99 still holds (measured), both in requests",
         header_style="bold",
         box=box.SIMPLE_HEAD,
         padding=(0, 0),  # the box's column separator is the one space between columns: fits 80 columns
@@ -321,11 +324,25 @@ def _phases_table(view: TrialView) -> Table:
                   *[f"{p.completed} / {p.errored} / {p.incomplete}" for p in phases])  # fmt: skip
     for key, label in _PHASE_METRICS:
         table.add_row(label, *[cell(p.metrics.get(key)) for p in phases])
+        if key in ("p99_ttft_ms", "p99_itl_ms"):
+            table.add_row(f"  95 % interval, over n ({label.split()[1]})", *[_p99_interval(p, key) for p in phases])
     table.add_row(
         "stopped early",
         *[_text((p.stop_reason or "yes") if p.stopped_early else "no") for p in phases],
     )
     return table
+
+
+def _p99_interval(phase: Any, key: str) -> str:
+    """``1,900-∞ over 49``: the p99's 95 % order-statistic interval (ms; ``∞``: too few samples to
+    bound it from above) and the requests (TTFT) or token gaps (ITL) it is over; ``-`` when not
+    recorded (a phase stored before intervals were)."""
+    low = phase.metrics.get(key.replace("_ms", "_low_ms"))
+    high = phase.metrics.get(key.replace("_ms", "_high_ms"))
+    n = phase.completed if key == "p99_ttft_ms" else phase.metrics.get("itl_count")
+    if low is None or n is None:
+        return "-"
+    return f"{low:,.0f}-{'∞' if high is None else f'{high:,.0f}'} over {int(n)}"
 
 
 _CONTROL = re.compile(
@@ -363,6 +380,8 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
     metrics = [(METRICS[m][0], view.metric(m)) for m in METRICS]
     metrics.append(("constraints (≤ 0 is met)", ", ".join(f"{k} {cell(v)}" for k, v in view.constraints.items())))
     parts.append(_kv_table("results", metrics, "metric", "value"))
+    if rec is not None and rec.slo_capacity.limits:
+        parts.append(_capacity_text(rec))
     if view.state == "FAIL":
         parts.append(_failed_note(stored, view))
     if rec is None:
@@ -404,6 +423,22 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
             rows.append((name, str(path) + ("" if path.exists() else "  (missing)")))
         parts.append(_kv_table("artifacts", rows, "name", "path"))
     return Group(*parts)
+
+
+def _capacity_text(rec: Any) -> Text:
+    """Both context capacities, the stress load's SLO verdict and which one the objective used."""
+    slo = rec.slo_capacity
+    text = Text("context capacity: ", style="bold")
+    text.append(f"OOM-safe {cell(rec.context_capacity)}; SLO-safe {slo.describe()}")
+    stress = slo.stress
+    if stress is not None:
+        text.append("\nstress load: ", style="bold")
+        text.append(f"{stress.contexts} longest contexts at once "
+                    + ("meet the SLO" if stress.met else "break the SLO"),
+                    "green" if stress.met else "yellow")
+    label = "SLO-safe" if slo.basis == "slo_safe" else "OOM-safe"
+    text.append(f"\nthe study's objective used the {label} capacity ({cell(rec.objective_capacity)})")
+    return text
 
 
 def _failed_note(stored: StoredStudy, view: TrialView) -> Text:
@@ -483,6 +518,7 @@ def best_panel(choice: BestTrial) -> Group:
     if facts is not None and facts.changes:
         parts.append(Text(f"quality gate: {quality_text(choice.trial)} ({', '.join(facts.changes)} changed; "
                           f"mean |Δ logprob| {cell(facts.mean_abs_logprob_delta)} nats)"))
+    parts.extend(Text(note) for note in choice.notes)
     if choice.cache is not None:
         parts.append(Text(choice.cache.describe()))
     cut = max_running_requests_cut(choice.trial.record, choice.baseline.record if choice.baseline else None)
@@ -652,14 +688,14 @@ def best_vs_baseline_table(chosen: BestTrial) -> Table:
     def fmt(value: Any, spec: str = ".0f") -> str:
         return "-" if value is None else format(value, spec)
 
-    base = chosen.baseline.record if chosen.baseline else None
     best = chosen.trial
     table = Table(title=f"best (trial {best.number}) vs baseline"
                   + (f" (trial {chosen.baseline.number})" if chosen.baseline else ""))
     for column in ("", "baseline", "best", "change"):
         table.add_column(column, justify="right" if column else "left")
     rows = [
-        ("context capacity (requests)", "context_capacity", "d"),
+        ("OOM-safe context capacity (requests)", "context_capacity", "d"),
+        ("SLO-safe context capacity (requests)", "slo_context_capacity", "d"),
         ("token capacity (tokens)", "token_capacity", "d"),
         ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
         ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
@@ -667,8 +703,8 @@ def best_vs_baseline_table(chosen: BestTrial) -> Table:
         ("free after graphs (GiB)", "free_gib_after_graphs", ".2f"),
     ]
     for label, field, spec in rows:
-        old = getattr(base, field, None) if base else None
-        new = getattr(best.record, field, None)
+        old = chosen.baseline.metric(field) if chosen.baseline else None
+        new = best.metric(field)
         change = f"{new / old:.2f}×" if old and new is not None and old > 0 else "-"
         table.add_row(label, fmt(old, spec), fmt(new, spec), change)
     return table

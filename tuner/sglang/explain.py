@@ -16,7 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -1176,12 +1176,22 @@ def _kv_full_rule(c: _TrapInput) -> Trap | None:
         return (_retraction_trap(report, tokens))
     elif report is not None and (report.batch_summary.max_token_usage or 0.0) >= 0.9:
         usage = report.batch_summary.max_token_usage or 0.0
-        last = next((b for b in reversed(report.batches) if b.kind == "decode"), None)
+        # Every figure from the one line that reached the peak usage (a stress prefill's usage with a
+        # measure-phase decode line's tokens per request would describe no moment of the server);
+        # a prefill line prints no #token: its usage × the pool is what the running requests held.
+        line_usage = lambda b: b.token_usage if b.token_usage is not None else b.full_token_usage  # noqa: E731
+        peak = next((b for b in report.batches if line_usage(b) is not None and abs(line_usage(b) - usage) < 1e-9), None)
+        running = peak.running_req if peak else None
+        in_use = (peak.num_token if peak.num_token is not None else (round(usage * tokens) if tokens else None)) if peak else None
+        evidence = f"token usage {usage:.2f}"
+        if peak is not None:
+            evidence += (f", #running-req {running}, #token {in_use}" + ("" if peak.num_token is not None else " (usage × pool)")
+                         + f" (one {peak.kind} line" + (f" at {peak.timestamp}" if peak.timestamp else "") + ")")
         return (Trap(
             id="kv_pool_nearly_full", severity="warning", title=f"the KV pool was nearly full: token usage reached {usage:.2f}",
             detail="Near a full pool the scheduler retracts requests and decode slows while they are re-run (§4.4, case-27).",
-            evidence=[f"token usage {usage:.2f}" + (f", #running-req {last.running_req}, #token {last.num_token}" if last else "")],
-            lever=(full := _kv_full_levers(last.running_req if last else None, last.num_token if last else None, usage))[0], also=full[1],
+            evidence=[evidence],
+            lever=(full := _kv_full_levers(running, in_use, usage))[0], also=full[1],
         ))
     return None
 
@@ -1719,6 +1729,7 @@ def explain_from(
     mem_fraction_static: float | None = None,
     timeout_s: float = 10.0,
     gpu: str | None = None,
+    device_free: Callable[[str], tuple[float, str] | None] | None = None,
 ) -> Explanation:
     """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
 
@@ -1731,6 +1742,11 @@ def explain_from(
         mem_fraction_static: The fraction, used only if no input states it; in (0, 1).
         timeout_s: HTTP timeout for ``url``.
         gpu: The GPU's name or architecture, for the ladder's feasibility cells.
+        device_free: For ``url`` without a log: reads the server's GPU memory free now (GiB, and
+            where it was read: NVML, the simulator's ledger), the same figure as the log's
+            ``available_gpu_mem`` after CUDA graphs (§4.2) when the server is idle; used when
+            ``/get_server_info`` has no ``startup_available`` (before 0.5.23), so the URL and the
+            log of one server predict the same headroom.
 
     Returns:
         The :class:`Explanation`.
@@ -1773,6 +1789,12 @@ def explain_from(
             except ServerError:
                 metrics = None  # launched without --enable-metrics: the rest still explains
         sources.append(f"server {url}")
+        if report is None and info.startup_available_gib is None and device_free is not None:
+            read = device_free(url)
+            if read is not None:
+                info = info.model_copy(update={"startup_available_gib": read[0]})
+                sources.append(f"GPU memory free now ({read[1]}: {read[0]:.2f} GiB; taken as available_gpu_mem after "
+                               "CUDA graphs, which an idle server still leaves free)")
     model = load_model_config(model_config) if model_config else None
     if model_config:
         sources.append(f"model config {model_config}")

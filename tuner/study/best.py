@@ -15,11 +15,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tuner.config import ObjectiveSection
 from tuner.errors import ConfigError, StudyError
-from tuner.records import StudyInfo, TrialRecord
+from tuner.records import CapacityBasis, StudyInfo, TrialRecord
 
 __all__ = [
     "BestChoice",
     "choose_best",
+    "capacity_basis",
+    "capacity_label",
+    "LATENCY_TIE",
     "measured_noise",
     "MetricDelta",
     "stored_policy",
@@ -43,6 +46,7 @@ class BestChoice(BaseModel):
         noise: The relative throughput margin treated as a tie.
         noise_measured: Whether :attr:`noise` was measured from re-measured configs
             (:func:`measured_noise`) rather than ``[objective] throughput_noise``.
+        basis: Which context capacity the choice ranked by (:func:`capacity_basis`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -53,6 +57,79 @@ class BestChoice(BaseModel):
     tied: list[int] = []
     noise: float | None = None
     noise_measured: bool = False
+    basis: CapacityBasis = "oom_safe"
+
+
+LATENCY_TIE = 0.05
+"""Relative p99 latency margin within which throughput-tied trials count as equally fast to
+answer (a p99 over a few dozen requests moves by several percent between windows)."""
+
+
+def capacity_basis(capacity: str, records: Sequence[TrialRecord]) -> CapacityBasis:
+    """The context capacity a choice ranks by: ``slo_safe`` or ``oom_safe`` as ``[objective]
+    capacity`` names it; ``auto`` is ``slo_safe`` when the trials were judged against an SLO (a
+    record's :attr:`tuner.records.SloCapacity.limits`), else ``oom_safe``."""
+    if capacity in ("slo_safe", "oom_safe"):
+        return capacity  # type: ignore[return-value]
+    return "slo_safe" if any(r.slo_capacity.limits for r in records) else "oom_safe"
+
+
+def capacity_label(basis: CapacityBasis) -> str:
+    """``SLO-safe context capacity`` or ``OOM-safe context capacity``: what a figure is."""
+    return "SLO-safe context capacity" if basis == "slo_safe" else "OOM-safe context capacity"
+
+
+def _latency(record: TrialRecord) -> float | None:
+    """The measured window's p99 latency as the choice compares it: against the SLO where one was
+    set (the ``slo`` constraint is the worst ``p99 / limit − 1``), else the p99 TTFT (ms)."""
+    if record.slo_capacity.limits and record.constraints.get("slo") is not None:
+        return 1.0 + float(record.constraints["slo"])
+    return record.p99_ttft_ms
+
+
+def _p99_text(record: TrialRecord) -> str:
+    """``p99 TTFT 1,460 ms, ITL 390 ms over 27 requests`` (the measured window's)."""
+    measure = next((p for p in record.phases if p.name == "measure"), None)
+    count = f" over {measure.completed} requests" if measure is not None else ""
+    parts = [f"{name} {value:,.0f} ms" for name, value in (("p99 TTFT", record.p99_ttft_ms), ("ITL", record.p99_itl_ms))
+             if value is not None]
+    return (", ".join(parts) or "no p99") + count
+
+
+def _tie_break(ties: list[tuple[int, TrialRecord]], cap: Any) -> tuple[tuple[int, TrialRecord], str | None]:
+    """Among throughput ties: the lowest p99 latency (within :data:`LATENCY_TIE` counted equal),
+    then the higher context capacity, then fewer request slots (effective
+    ``max_running_requests``), then higher throughput, then the earlier trial; with the sentence
+    saying what decided when it was not capacity or throughput alone."""
+    tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
+    latencies = [lat for _, r in ties if (lat := _latency(r)) is not None]
+    fastest = min(latencies) if latencies else None
+    quick = [p for p in ties if fastest is None or ((lat := _latency(p[1])) is not None
+                                                    and lat <= fastest * (1 + LATENCY_TIE) + 1e-12)] or ties
+    top = max(cap(r) or 0 for _, r in quick)
+    widest = [p for p in quick if (cap(p[1]) or 0) == top]
+    slots = lambda r: _max_running_requests(r) or 1 << 30  # noqa: E731
+    chosen = min(widest, key=lambda p: (slots(p[1]), -tput(p[1]), p[0]))
+    notes = []
+    slower = [p for p in ties if p not in quick]
+    if slower:
+        others = "; ".join(f"trial {n}: {_p99_text(r)}" for n, r in sorted(slower)[:3])
+        notes.append(f"lower p99 latency ({_p99_text(chosen[1])}) than the tied {others}")
+    more_slots = [p for p in widest if p is not chosen and slots(p[1]) > slots(chosen[1])]
+    if more_slots:
+        notes.append(f"fewer request slots ({_max_running_requests(chosen[1])}) than tied trial(s) "
+                     f"{', '.join(str(n) for n, _ in sorted(more_slots))}")
+    return chosen, ("; ".join(notes) or None)
+
+
+def _load_note(chosen: tuple[int, TrialRecord], others: list[tuple[int, TrialRecord]]) -> str | None:
+    """Says plainly when throughputs compared were measured at different loads (the measured
+    window's closed-loop streams), or ``None`` when every one ran at the same."""
+    streams = {n: r.measured_load.streams for n, r in [chosen, *others] if r.measured_load.streams is not None}
+    if len(set(streams.values())) <= 1:
+        return None
+    listed = ", ".join(f"trial {n}: {s:g}" for n, s in sorted(streams.items())[:4])
+    return f"their throughputs were measured at different loads (streams {listed}), not at equal load"
 
 
 def choose_best(
@@ -61,8 +138,12 @@ def choose_best(
     policy: str = "throughput_within_capacity",
     capacity_tolerance: float = 0.05,
     throughput_noise: float = 0.03,
+    capacity: str = "auto",
 ) -> BestChoice | None:
     """Pick "best" among feasible, fully measured trials by the configured policy.
+
+    Context capacity is the one ``capacity`` names (:func:`capacity_basis`: by default the
+    SLO-safe one where an SLO was set, :meth:`tuner.records.TrialRecord.capacity`).
 
     ``throughput_within_capacity`` keeps the trials whose context capacity is within
     ``capacity_tolerance`` of the best (the band); among them, every trial whose output throughput
@@ -93,43 +174,56 @@ def choose_best(
     if not measured:
         return None
     pool = _by_config(measured)
+    basis = capacity_basis(capacity, [r for _, r in measured])
+    cap = lambda r: r.capacity(basis)  # noqa: E731
+    label = capacity_label(basis)
     noise_measured = measured_noise(measured)
     if noise_measured is not None:  # the measured spread, never tighter than the configured margin
         throughput_noise = max(throughput_noise, noise_measured)
-    top_capacity = max(r.context_capacity or 0 for _, r in pool)
+    top_capacity = max(cap(r) or 0 for _, r in pool)
     tput = lambda r: r.output_throughput_tok_s or 0.0  # noqa: E731
+    ties: list[tuple[int, TrialRecord]] = []
     if policy == "max_throughput":
-        number, record = max(pool, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
+        number, record = max(pool, key=lambda p: (tput(p[1]), cap(p[1]) or 0, -p[0]))
         reason = f"highest output throughput ({tput(record):.1f} tok/s) among feasible trials"
     elif policy == "max_capacity":
-        number, record = max(pool, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
-        reason = (
-            f"highest context capacity ({record.context_capacity} requests) among feasible trials"
-        )
+        number, record = max(pool, key=lambda p: (cap(p[1]) or 0, tput(p[1]), -p[0]))
+        reason = f"highest {label} ({cap(record)} requests) among feasible trials"
     else:
         floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
-        band = [p for p in pool if (p[1].context_capacity or 0) >= floor]
-        fastest_number, fastest = max(band, key=lambda p: (tput(p[1]), p[1].context_capacity, -p[0]))
+        band = [p for p in pool if (cap(p[1]) or 0) >= floor]
+        fastest_number, fastest = max(band, key=lambda p: (tput(p[1]), cap(p[1]) or 0, -p[0]))
         ties = [p for p in band if tput(p[1]) >= tput(fastest) * (1.0 - throughput_noise) - 1e-9]
-        number, record = max(ties, key=lambda p: (p[1].context_capacity, tput(p[1]), -p[0]))
+        (number, record), decided = _tie_break(ties, cap)
         among = (
             f"among the {len(band)} feasible trial(s) within {capacity_tolerance:.0%} of the best "
-            f"context capacity ({top_capacity} requests)"
+            f"{label} ({top_capacity} requests)"
         )
         if number == fastest_number:
             reason = f"highest output throughput ({tput(record):.1f} tok/s) {among}"
-            if len(ties) > 1:
+            if len(ties) > 1 and decided is None:
                 reason += (
                     f"; {len(ties) - 1} other(s) within the {throughput_noise:.0%} throughput noise "
-                    "margin have no higher context capacity"
+                    f"margin have no higher {label}"
                 )
-        else:
+        elif decided is None:
             reason = (
-                f"highest context capacity ({record.context_capacity} requests) of the {len(ties)} "
+                f"highest {label} ({cap(record)} requests) of the {len(ties)} "
                 f"trial(s) whose output throughput is within the {throughput_noise:.0%} noise margin "
                 f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
                 f"{tput(record):.1f} tok/s), {among}"
             )
+        else:
+            reason = (
+                f"output throughput within the {throughput_noise:.0%} noise margin of the highest "
+                f"({tput(fastest):.1f} tok/s, trial {fastest_number}; this one {tput(record):.1f} tok/s) "
+                f"{among}"
+            )
+        if decided is not None:
+            reason += f"; {decided}"
+        note = _load_note((number, record), [p for p in ties if p[0] != number])
+        if note is not None:
+            reason += f"; {note}"
     tied: list[int] = []
     if policy == "throughput_within_capacity":
         tied = sorted(n for n, _ in ties if n != number)
@@ -139,7 +233,7 @@ def choose_best(
     if record.windows > 1:
         reason += f"; its throughput is the mean of {record.windows} measured windows"
     return BestChoice(number=number, record=record, reason=reason, tied=tied, noise=throughput_noise,
-                      noise_measured=noise_measured is not None)
+                      noise_measured=noise_measured is not None, basis=basis)
 
 
 def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:
@@ -169,19 +263,21 @@ def band_floor(finished: Sequence[tuple[int, TrialRecord]], objective: Objective
     band (``[objective] capacity_tolerance``) for ``throughput_within_capacity`` and
     ``max_capacity``; 0 for ``max_throughput`` (any capacity may win there) or with nothing
     feasible yet."""
-    best = choose_best(finished, policy="max_capacity")
+    best = choose_best(finished, policy="max_capacity", capacity=objective.capacity)
     if best is None or objective.policy == "max_throughput":
         return 0
-    return math.ceil((best.record.context_capacity or 0) * (1.0 - objective.capacity_tolerance) - 1e-9)
+    return math.ceil((best.record.capacity(best.basis) or 0) * (1.0 - objective.capacity_tolerance) - 1e-9)
 
 
-def probe_floor(finished: Sequence[tuple[int, TrialRecord]], probe_only_below: float) -> int:
+def probe_floor(finished: Sequence[tuple[int, TrialRecord]], probe_only_below: float, capacity: str = "auto") -> int:
     """Capacity-first fidelity: a trial whose boot probe shows a context capacity below this skips
-    its full load (``[budget] probe_only_below`` of the best feasible capacity; 0 = always load)."""
-    best = choose_best(finished, policy="max_capacity")
+    its full load (``[budget] probe_only_below`` of the best feasible capacity on the objective's
+    basis, ``capacity``: an OOM-safe capacity below the best SLO-safe one cannot win; 0 = always
+    load)."""
+    best = choose_best(finished, policy="max_capacity", capacity=capacity)
     if best is None or probe_only_below <= 0:
         return 0
-    return int(probe_only_below * (best.record.context_capacity or 0))
+    return int(probe_only_below * (best.record.capacity(best.basis) or 0))
 
 
 def measured_noise(measured: Sequence[tuple[int, TrialRecord]]) -> float | None:

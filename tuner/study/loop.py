@@ -25,6 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -85,6 +86,7 @@ from tuner.study.storage import (
 )
 from tuner.study.view import RecordCache, StudyView
 from tuner.study.warm import Prior, is_fresh, warm_start
+from tuner.units import MaintenanceWindow, format_duration
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "StudyRun", "run_study"]
 
@@ -193,9 +195,11 @@ class StudyRun:
         with storage_errors(self.summary.storage_url):
             opened = self.open()
             self.summary.baseline = self.baseline()
-            self.warm_start()
-            decider, sampler = self.decider(self.space())
+            if not self.stopped:
+                self.warm_start()
             try:
+                if not self.stopped:  # a stop before the baseline (the window) leaves nothing to decide
+                    decider, sampler = self.decider(self.space())
                 while not self.stopped and self.can_continue():
                     step = self.decide(decider, sampler)
                     if step is not None:
@@ -206,7 +210,7 @@ class StudyRun:
         objective = self.config.objective
         self.summary.best = choose_best(self.finished(), policy=objective.policy,
                                         capacity_tolerance=objective.capacity_tolerance,
-                                        throughput_noise=objective.throughput_noise)
+                                        throughput_noise=objective.throughput_noise, capacity=objective.capacity)
         self.summary.elapsed_s = self.clock() - started
         return self.summary
 
@@ -357,7 +361,8 @@ class StudyRun:
         repeat_of = trial.user_attrs.get(REPEAT_ATTR)
         job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
                        context_tokens=opened.context_tokens, started_at=now_iso(),
-                       capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below),
+                       capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below,
+                                                                        self.config.objective.capacity),
                        repeat_of=None if repeat_of is None else int(repeat_of), **quality_context(view.finished))
         skip = None if repeat_of is not None else decider.screen(params, kind, view)
         if skip is None:
@@ -391,7 +396,7 @@ class StudyRun:
                 self.stop("exhausted")
             return
         self.repeats_in_a_row = 0
-        self.summary.trials_skipped += 1
+        self.summary.count_skip(text)
         self.progress.skip(number, params, kind, text)
 
     # ---- run, record ------------------------------------------------------------------------------
@@ -474,7 +479,30 @@ class StudyRun:
         if not self.budget.fits(self.cost_s()):
             self.stop("budget")
             return False
-        return True
+        return self.in_window()
+
+    def in_window(self) -> bool:
+        """``[service] window``: whether a restart may start now. Outside it the run waits for it
+        (``outside_window = "wait"`` and the budget holds the wait and a trial) or stops as
+        ``window``; a line says which, and no restart starts outside it."""
+        service = self.config.service
+        if service.window is None:
+            return True
+        window = MaintenanceWindow.parse(service.window)
+        wait_s = window.seconds_until_open(datetime.now())
+        if wait_s <= 0:
+            return True
+        if service.outside_window == "wait" and self.budget.fits(wait_s + self.cost_s()):
+            self.progress.note(None, f"outside the maintenance window {window.text} (local time): waiting "
+                                     f"{format_duration(wait_s)} until it opens; no restart before", phase="waiting")
+            time.sleep(wait_s)
+            return True
+        why = ("[service] outside_window = \"stop\"" if service.outside_window == "stop"
+               else f"the budget does not hold the {format_duration(wait_s)} until it opens and a trial")
+        self.progress.note(None, f"outside the maintenance window {window.text} (local time; {why}): stopping, "
+                                 "no restart started")
+        self.stop("window")
+        return False
 
     def check_invalid_streak(self, number: int, record: TrialRecord) -> None:
         """Stop the run after :data:`MAX_INVALID_IN_A_ROW` ``invalid_arguments`` failures in a row.

@@ -230,7 +230,9 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
     """Store ``record`` on ``trial`` and tell Optuna the outcome.
 
     Skipped trials (``outcome == "skipped"``) and budget stops are told as PRUNED; everything else
-    as COMPLETE with ``values = [context_capacity or 0, output_throughput_tok_s or 0]``, so a failed
+    as COMPLETE with ``values = [objective capacity or 0, output_throughput_tok_s or 0]`` (the
+    capacity ``[objective] capacity`` names: :attr:`tuner.records.TrialRecord.objective_capacity`,
+    the SLO-safe one where an SLO is set), so a failed
     start is a COMPLETE trial with a violated ``oom_or_crash`` constraint.
 
     Args:
@@ -247,7 +249,7 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
     if record.outcome in ("skipped", "budget"):
         frozen = study.tell(trial, state=TrialState.PRUNED)
     else:
-        values = [float(record.context_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
+        values = [float(record.objective_capacity or 0), float(record.output_throughput_tok_s or 0.0)]
         frozen = study.tell(trial, values)
     return frozen
 

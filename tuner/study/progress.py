@@ -9,6 +9,7 @@ count, the estimate of launches to come and the budget left.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -74,11 +75,13 @@ class RunSummary(BaseModel):
         recovered: Trials a killed run of this host left RUNNING, or another host's trials silent for
             the grace period, marked FAIL (their params re-queued once).
         host: The host name this run recorded on its trials (:func:`tuner.study.hosts.host_name`).
-        stop_reason: ``budget``, ``trials``, ``interrupted`` or ``exhausted``.
+        stop_reason: ``budget``, ``trials``, ``interrupted``, ``exhausted`` or ``window`` (outside
+            ``[service] window``, no wait possible or wanted).
         baseline: The baseline's record (trial number, record).
         best: The chosen best and why (:func:`tuner.study.best.choose_best` under the config's
             ``[objective]``, over every trial of the study).
         elapsed_s: Wall-clock seconds of the run.
+        skip_reasons: Skips of this run by reason (:func:`skip_kind` → count).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -93,6 +96,21 @@ class RunSummary(BaseModel):
     baseline: tuple[int, TrialRecord] | None = None
     best: BestChoice | None = None
     elapsed_s: float = 0.0
+    skip_reasons: dict[str, int] = Field(default_factory=dict)
+
+    def count_skip(self, reason: str) -> None:
+        """Count one skip of this run under its :func:`skip_kind`."""
+        self.trials_skipped += 1
+        kind = skip_kind(reason)
+        self.skip_reasons[kind] = self.skip_reasons.get(kind, 0) + 1
+
+    def skips_text(self) -> str | None:
+        """``39 skipped without a restart: 31 below the best capacity's band, 8 predicted ...``
+        (most frequent first), or ``None`` when nothing was skipped."""
+        if not self.trials_skipped:
+            return None
+        parts = sorted(self.skip_reasons.items(), key=lambda item: (-item[1], item[0]))
+        return f"{self.trials_skipped} skipped without a restart: " + ", ".join(f"{n} {kind}" for kind, n in parts)
 
     @property
     def handled(self) -> int:
@@ -102,7 +120,7 @@ class RunSummary(BaseModel):
     def as_json(self) -> dict[str, Any]:
         """The run's summary for machines (``tuner run --json-progress``'s last object, ``event``
         ``summary``): study, storage (password masked), host, trials_run, trials_skipped,
-        recovered, stop_reason, elapsed_s, and the baseline and the best as ``{"number": n,
+        recovered, stop_reason, elapsed_s, skip_reasons (reason → count), and the baseline and the best as ``{"number": n,
         **result_fields}`` (the best with ``reason`` and ``tied``), ``None`` when there is none."""
         from tuner.study.storage import display_url
 
@@ -112,7 +130,33 @@ class RunSummary(BaseModel):
         return {"study": self.study_name, "storage": display_url(self.storage_url), "host": self.host,
                 "trials_run": self.trials_run, "trials_skipped": self.trials_skipped, "recovered": self.recovered,
                 "stop_reason": self.stop_reason, "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
-                "best": best}
+                "best": best, "skip_reasons": dict(self.skip_reasons)}
+
+
+SKIP_KINDS: tuple[tuple[str, str], ...] = (
+    ("the same config was measured", "measured already"),
+    ("the same config is running on host", "running on another host"),
+    ("must fail:", "proved to fail by an earlier failure"),
+    ("must break the SLO", "proved to break the SLO"),
+    ("capacity band of the best", "predicted below the best capacity's band"),
+    ("requests this config can change the result with", "predicted more request slots than can change the result"),
+    ("more than twice any measured config", "request slots beyond the calibrated range"),
+    ("GiB the stress load needs", "predicted too little headroom for the stress load"),
+    ("less than any config has survived", "predicted below the least headroom that survived"),
+    ("runtime OOM under load implies", "predicted below a runtime OOM's headroom"),
+)
+"""A skip reason's fixed phrase (the screens' sentences, :mod:`tuner.study.decide.screens`) → the
+short name the run's end counts it under."""
+
+
+def skip_kind(reason: str) -> str:
+    """The short name of a skip reason (:data:`SKIP_KINDS`); a sentence no phrase matches is named
+    by its words before the first figure (a new screen's reason still groups with its own kind)."""
+    for phrase, kind in SKIP_KINDS:
+        if phrase in reason:
+            return kind
+    head = re.split(r"[\d(:;]", reason, maxsplit=1)[0].strip()
+    return head[:60] or "other"
 
 
 class RunProgress:
@@ -238,8 +282,13 @@ def result_fields(record: TrialRecord) -> dict[str, Any]:
     ``context_capacity`` (requests of ``context_tokens`` tokens), ``token_capacity`` (tokens),
     ``output_throughput_tok_s`` (tokens/s), ``p99_ttft_ms`` and ``p99_itl_ms`` (ms, the measured
     window), ``duration_s`` (s), ``quality`` (the quality gate's verdict: ``reference``, ``same``,
-    ``passed``, ``failed``, ``unprobed``; ``None`` when the trial did not reach it)."""
+    ``passed``, ``failed``, ``unprobed``; ``None`` when the trial did not reach it);
+    ``slo_context_capacity`` (the SLO-safe count, ``None`` where not measured) and
+    ``stress_slo_met`` (the stress load's SLO verdict, ``None`` without an SLO)."""
+    stress = record.slo_capacity.stress
     return {"outcome": record.outcome, "feasible": record.feasible,
+            "slo_context_capacity": record.slo_capacity.contexts,
+            "stress_slo_met": stress.met if stress is not None else None,
             "failure_class": record.failure_class.value if record.failure_class is not None else None,
             "context_capacity": record.context_capacity, "context_tokens": record.context_tokens,
             "token_capacity": record.token_capacity, "output_throughput_tok_s": record.output_throughput_tok_s,
@@ -254,7 +303,10 @@ def describe(number: int, record: TrialRecord) -> str:
             return f"trial {number}: failed ({record.failure_class.value})"
         return f"trial {number}: failed: {record.failure_evidence or 'no evidence recorded'}"
     tput = f"{record.output_throughput_tok_s:.0f} tok/s" if record.output_throughput_tok_s is not None else "no load"
+    slo = record.slo_capacity
+    within = (f" (SLO-safe {'≥ ' if slo.at_least else ''}{slo.contexts})"
+              if slo.contexts is not None and slo.limits else "")
     return (
-        f"trial {number}: capacity {record.context_capacity} × {record.context_tokens} tokens, {tput}, "
+        f"trial {number}: capacity {record.context_capacity}{within} × {record.context_tokens} tokens, {tput}, "
         f"{'feasible' if record.feasible else 'infeasible'}"
     )

@@ -49,7 +49,7 @@ class CacheCandidate:
         objective = self.objective
         choice = choose_best([(n, r) for n, r in view.finished if r.params], policy=objective.policy,
                              capacity_tolerance=objective.capacity_tolerance,
-                             throughput_noise=objective.throughput_noise)
+                             throughput_noise=objective.throughput_noise, capacity=objective.capacity)
         if choice is None:
             return None
         best = dict(choice.record.params)

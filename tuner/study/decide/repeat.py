@@ -52,14 +52,14 @@ class NoiseRepeat:
         if objective.policy != "throughput_within_capacity" or len(repeated) >= MAX_NOISE_REPEATS:
             return None
         choice = choose_best(done, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
-                             throughput_noise=objective.throughput_noise)
+                             throughput_noise=objective.throughput_noise, capacity=objective.capacity)
         if choice is None:
             return None
-        top = max(r.context_capacity or 0 for _, r in done if r.feasible and r.outcome == "ok")
+        top = max(r.capacity(choice.basis) or 0 for _, r in done if r.feasible and r.outcome == "ok")
         floor = math.ceil(top * (1.0 - objective.capacity_tolerance) - 1e-9)
         band: dict[ConfigKey, tuple[int, TrialRecord]] = {}
         for number, record in done:
-            if record.feasible and record.outcome == "ok" and (record.context_capacity or 0) >= floor:
+            if record.feasible and record.outcome == "ok" and (record.capacity(choice.basis) or 0) >= floor:
                 band.setdefault(config_key(view.space.snap(record.params)), (number, record))
         ranked = sorted(band.values(), key=lambda item: -(item[1].output_throughput_tok_s or 0.0))
         if len(ranked) < 2:
@@ -97,11 +97,12 @@ def _can_change(done: tuple[tuple[int, TrialRecord], ...], chosen: int, ranked: 
         return record.model_copy(update={"output_throughput_tok_s": record.output_throughput_tok_s * factor})
 
     other = choose_best([(n, shifted(n, r)) for n, r in done], policy=objective.policy,
-                        capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise)
+                        capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise,
+                        capacity=objective.capacity)
     if other is None or other.number == chosen:
         return False
     mine = next(r for n, r in done if n == chosen)
     theirs = next(r for n, r in done if n == other.number)
     a, b = mine.output_throughput_tok_s or 0.0, theirs.output_throughput_tok_s or 0.0
-    equal = mine.context_capacity == theirs.context_capacity and abs(a - b) <= EQUAL_THROUGHPUT * max(a, b, 1e-9)
+    equal = mine.objective_capacity == theirs.objective_capacity and abs(a - b) <= EQUAL_THROUGHPUT * max(a, b, 1e-9)
     return not equal
