@@ -19,6 +19,7 @@ from tests.support.offline_server import OfflineExecutor
 from tests.support.scenarios import scenarios, with_config, with_seed
 from tuner.config import TunerConfig
 from tuner.records import TrialRecord
+from tuner.study.best import choose_best
 from tuner.study.fingerprint import FINGERPRINT_ATTR, Fingerprint, compare, parse_fingerprint
 from tuner.study.loop import run_study
 from tuner.study.optuna_io import record_of
@@ -78,9 +79,11 @@ def test_a_study_stores_its_fingerprint_and_the_next_one_on_the_deployment_start
     # the same workload: the earlier best is the first proposal after the baseline, measured here
     number, record = second[1]
     assert record.kind == "predicted" and "the best config of study first" in (record.prediction.why or "")
-    first_rows = [(n, r) for n, r in first if r.outcome == "ok" and r.feasible]
-    best_capacity = max(r.context_capacity or 0 for _, r in first_rows)
-    assert record.context_capacity == best_capacity, (record.context_capacity, best_capacity)
+    objective = _config("first").objective
+    chosen = choose_best(first, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
+                         throughput_noise=objective.throughput_noise, capacity=objective.capacity)
+    assert chosen is not None and record.params == chosen.record.params, (record.params, chosen)
+    assert record.context_capacity == chosen.record.context_capacity
     assert warm.sampler_trials > 0 and warm.checks_gib
 
     # a resumed run re-applies the stored warm start: nothing is looked up or enqueued again

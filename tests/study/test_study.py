@@ -100,7 +100,7 @@ def test_throughput_within_the_noise_margin_is_a_tie_won_by_capacity() -> None:
     finished = [(1, _rec(23, 48.6)), (5, _rec(22, 49.0)), (7, _rec(22, 41.0))]
     best = choose_best(finished)  # default margin 3 %: 48.6 vs 49.0 is a tie
     assert best is not None and best.number == 1, best
-    assert "highest context capacity (23 requests) of the 2 trial(s)" in best.reason
+    assert "highest OOM-safe context capacity (23 requests) of the 2 trial(s)" in best.reason
     assert "within the 3% noise margin of the highest (49.0 tok/s, trial 5" in best.reason
     assert "among the 3 feasible trial(s) within 5%" in best.reason
     assert choose_best(finished, throughput_noise=0.0).number == 5

@@ -20,6 +20,7 @@ from tuner.records import CapacityBasis, StudyInfo, TrialRecord
 __all__ = [
     "BestChoice",
     "choose_best",
+    "best_by",
     "capacity_basis",
     "capacity_label",
     "LATENCY_TIE",
@@ -234,6 +235,16 @@ def choose_best(
         reason += f"; its throughput is the mean of {record.windows} measured windows"
     return BestChoice(number=number, record=record, reason=reason, tied=tied, noise=throughput_noise,
                       noise_measured=noise_measured is not None, basis=basis)
+
+
+def best_by(
+    finished: Sequence[tuple[FrozenTrial, TrialRecord]] | Sequence[tuple[int, TrialRecord]],
+    objective: ObjectiveSection,
+) -> BestChoice | None:
+    """:func:`choose_best` by the config's ``[objective]`` (policy, capacity tolerance, throughput
+    noise, capacity basis): the one call every decision and reader of a running study makes."""
+    return choose_best(finished, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
+                       throughput_noise=objective.throughput_noise, capacity=objective.capacity)
 
 
 def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:

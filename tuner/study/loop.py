@@ -38,7 +38,7 @@ from tuner.load.workloads import build_workload
 from tuner.records import StudyInfo, TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
 from tuner.study.baseline import claim_baseline, could_not_start, fix_space
-from tuner.study.best import choose_best, probe_floor
+from tuner.study.best import best_by, probe_floor
 from tuner.study.budget import Budget, require_one_trial
 from tuner.study.calibration import ModelSettings
 from tuner.study.decide import Decider, Skip
@@ -208,9 +208,7 @@ class StudyRun:
             finally:
                 opened.recorder.close()  # an interrupted run's last skips are stored, not raised over it
         objective = self.config.objective
-        self.summary.best = choose_best(self.finished(), policy=objective.policy,
-                                        capacity_tolerance=objective.capacity_tolerance,
-                                        throughput_noise=objective.throughput_noise, capacity=objective.capacity)
+        self.summary.best = best_by(self.finished(), objective)
         self.summary.elapsed_s = self.clock() - started
         return self.summary
 

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tuner.config import TunerConfig
 from tuner.errors import StudyError
 from tuner.records import TrialRecord
-from tuner.study.best import choose_best
+from tuner.study.best import best_by
 from tuner.study.calibration import ModelSettings, Point
 from tuner.study.fingerprint import (
     MATCH_NONE,
@@ -242,8 +242,7 @@ def _sampler_trials(source: optuna.Study, space: Space) -> tuple[FrozenTrial, ..
 
 def _best_of(source: optuna.Study, config: TunerConfig) -> tuple[int, TrialRecord] | None:
     objective = config.objective
-    choice = choose_best([(t.number, r) for t, r in records(source)], policy=objective.policy,
-                         capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise)
+    choice = best_by([(t.number, r) for t, r in records(source)], objective)
     return (choice.number, choice.record) if choice is not None else None
 
 

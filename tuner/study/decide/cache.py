@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tuner.config import ObjectiveSection
-from tuner.study.best import choose_best
+from tuner.study.best import best_by
 from tuner.study.decide import Proposal, Screen
 from tuner.study.space import HICACHE_KNOBS, config_key
 from tuner.study.view import StudyView
@@ -47,9 +47,7 @@ class CacheCandidate:
         if not on:
             return None
         objective = self.objective
-        choice = choose_best([(n, r) for n, r in view.finished if r.params], policy=objective.policy,
-                             capacity_tolerance=objective.capacity_tolerance,
-                             throughput_noise=objective.throughput_noise, capacity=objective.capacity)
+        choice = best_by([(n, r) for n, r in view.finished if r.params], objective)
         if choice is None:
             return None
         best = dict(choice.record.params)

@@ -16,7 +16,7 @@ import math
 
 from tuner.config import ObjectiveSection
 from tuner.records import TrialRecord
-from tuner.study.best import choose_best, measured_noise
+from tuner.study.best import best_by, measured_noise
 from tuner.study.decide import Proposal
 from tuner.study.space import config_key
 from tuner.study.view import ConfigKey, StudyView
@@ -51,8 +51,7 @@ class NoiseRepeat:
         repeated = view.repeats
         if objective.policy != "throughput_within_capacity" or len(repeated) >= MAX_NOISE_REPEATS:
             return None
-        choice = choose_best(done, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
-                             throughput_noise=objective.throughput_noise, capacity=objective.capacity)
+        choice = best_by(done, objective)
         if choice is None:
             return None
         top = max(r.capacity(choice.basis) or 0 for _, r in done if r.feasible and r.outcome == "ok")
@@ -96,9 +95,7 @@ def _can_change(done: tuple[tuple[int, TrialRecord], ...], chosen: int, ranked: 
         factor = 1.0 - margin if number == chosen else 1.0 + margin
         return record.model_copy(update={"output_throughput_tok_s": record.output_throughput_tok_s * factor})
 
-    other = choose_best([(n, shifted(n, r)) for n, r in done], policy=objective.policy,
-                        capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise,
-                        capacity=objective.capacity)
+    other = best_by([(n, shifted(n, r)) for n, r in done], objective)
     if other is None or other.number == chosen:
         return False
     mine = next(r for n, r in done if n == chosen)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tuner.config import ObjectiveSection
-from tuner.study.best import choose_best
+from tuner.study.best import best_by
 from tuner.study.decide import Proposal
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
@@ -46,8 +46,7 @@ class RungCandidate:
         if not levers:
             return None
         objective = self.objective
-        choice = choose_best([(n, r) for n, r in view.finished if r.params], policy=objective.policy,
-                             capacity_tolerance=objective.capacity_tolerance, throughput_noise=objective.throughput_noise)
+        choice = best_by([(n, r) for n, r in view.finished if r.params], objective)
         if choice is None:
             return None
         best: dict[str, Any] = dict(choice.record.params)
