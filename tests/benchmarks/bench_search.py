@@ -34,7 +34,7 @@ from tests.support.scenarios import scenarios, with_seed
 from tuner.config import TunerConfig
 from tuner.load import build_workload
 from tuner.records import TrialRecord
-from tuner.study.best import choose_best
+from tuner.study.best import best_by, choose_best
 from tuner.study.budget import reachable_slots
 from tuner.study.job import TrialJob
 from tuner.study.loop import run_study
@@ -214,12 +214,18 @@ def _false_skips(cfg: TunerConfig, skips: list[tuple[dict[str, Any], str]], opti
                  history: list[tuple[int, TrialRecord]], context_tokens: int) -> list[str]:
     """Skips the grid contradicts: a config skipped as proved infeasible (``must fail``, ``must
     break the SLO``) that the simulated world runs feasibly; or, while the study's own best after
-    :data:`LAUNCHES` launches is below 98 % of the optimum, a config skipped as predicted not to
-    win that reaches 98 % of the optimum's capacity and throughput (the skip cost the search).
+    :data:`LAUNCHES` launches is below 98 % of the optimum and the study's own rule prefers the
+    optimum to it, a config skipped as predicted not to win that reaches 98 % of the optimum's
+    capacity and throughput (the skip cost the search).
     Each such config is evaluated once, noise-free, as a launch would run it."""
     best = _best(history, cfg)
     short = best is None or (best.context_capacity or 0) < 0.98 * optimum.context_capacity or (
         _true_throughput(cfg, best) < 0.98 * (optimum.output_throughput_tok_s or 0))
+    if short and best is not None:
+        # Below 98 % of the optimum's throughput yet preferred to it by the study's own rule (a tie
+        # within the noise margin won by the lower p99, issue 28): no skip cost the search there.
+        head_to_head = best_by([(0, optimum), (1, best)], cfg.objective)
+        short = head_to_head is None or head_to_head.number == 0
     runner = OfflineExecutor(cfg, world_seed=0)
     out: list[str] = []
     seen: set[str] = set()
