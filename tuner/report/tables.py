@@ -208,7 +208,8 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
     def column(header: str, **kw: Any) -> None:
         # a narrow terminal may wrap a header at its spaces ("ctx cap", "TTFT p99"), never cut a
         # word of it ("max_…"): each column is at least as wide as the header's longest word
-        table.add_column(header, min_width=max(len(w) for w in header.split()), **kw)
+        # and a header of two words is two lines, so it does not ask for the width of both
+        table.add_column(header.replace(" ", "\n"), min_width=max(len(w) for w in header.split()), **kw)
 
     hosts = len({v.host for v in trials if v.host}) > 1  # a study shared by many hosts
     gated = any(v.record is not None and v.record.quality.changes for v in trials)  # a numerics change
