@@ -25,6 +25,7 @@ from tuner.sim.args import ParsedArgs
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import MIB, GpuSpec
 from tuner.sim.models import GIB, ModelSpec, load_model, weight_bytes_per_gpu
+from tuner.sim.speculative import check_flags
 
 __all__ = [
     "ServerConfig",
@@ -396,6 +397,8 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
     warnings = list(parsed.warnings)
     tp = int(v.get("tp_size") or 1)
     spec = _resolve_spec(v, model)
+    if spec is not None:  # SGLang's refusals of a draft shape, and its adjustment warning
+        check_flags(v, spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, version, warnings)
     chunk_default, max_bs_default = _gpu_tier(gpu.memory_mib, tp, version)
     chunk = v.get("chunked_prefill_size")
     chunk = chunk_default if chunk is None else chunk

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from tuner.sim import speculative
 from tuner.sim.args import PROG, ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import EngineSpec, torch_oom_text
@@ -563,4 +564,5 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         version=cfg.version,
         decode_log_interval=cfg.decode_log_interval,
         seed=seed,
+        speculative=speculative.spec_model(plan),
     )
