@@ -76,7 +76,7 @@ PROMPT_ALPHA = {"chat": 0.68, "code": 0.78, "raw": 0.86}
 its drafts on chat and 74.6 % on raw completions, the rates of one EAGLE-3 draft in
 lightseekorg/tokenspeed#1305; code in between (62 %)."""
 
-HOST_STEP_S = 1.2e-3
+HOST_STEP_S = 0.5e-3
 """Host time per speculative step (tree build, verify sampling), not overlapped (simulator's)."""
 
 HOST_PER_REQ_S = 60e-6
@@ -201,7 +201,8 @@ class SpecModel:
         draft_params = self.draft_weight_bytes / c.dtype_bytes
         one = max(self.draft_weight_bytes / bw, 2.0 * draft_params * rows * self.eagle_topk / peak)
         extend = max(self.draft_weight_bytes / bw, 2.0 * draft_params * rows * k / peak)
-        draft = self.num_steps * (one + f.graph_step_overhead_s) + extend + f.graph_step_overhead_s
+        # The draft's steps replay as one CUDA graph (EAGLEDraftCudaGraphRunner), the extend as another.
+        draft = self.num_steps * one + extend + 2 * f.graph_step_overhead_s
         host = HOST_STEP_S + HOST_PER_REQ_S * batch_size * self.eagle_topk
         return verify + draft + host
 
