@@ -68,6 +68,7 @@ __all__ = [
     "meta_fields",
     "refusal",
     "spec_model",
+    "profiled_cell",
     "tree_error",
 ]
 
@@ -248,6 +249,14 @@ def check_flags(v: dict[str, Any], algorithm: str, steps: int, topk: int, draft_
     if topk == 1 and given[2] is not None and given[2] != steps + 1:
         warnings.append("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
                         "speculative_eagle_topk == 1")
+
+
+def profiled_cell(target_cell: float, draft_layers: int, target_layers: int) -> float:
+    """0.5.16+'s per-token cell with a draft model: ``cell × (1 + draft_layers / target_layers)``
+    (``DefaultPoolConfigurator.__init__``, ``pool_configurator.py``, §1.5). The draft's own pool is
+    then allocated at its own geometry: an MHA draft on an MLA target needs more than this share,
+    and the rest comes out of the reserve (the under-budget ``tuner explain`` reports)."""
+    return target_cell * (1 + draft_layers / max(target_layers, 1))
 
 
 def spec_model(plan: MemoryPlan) -> SpecModel | None:
