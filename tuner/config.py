@@ -195,6 +195,11 @@ class SpaceSection(_Section):
         page_size: Choices (optional).
         cuda_graph_max_bs: Choices (optional; rendered per version, §3.2).
         schedule_conservativeness: ``[low, high]`` (optional, §2.4).
+        speculative: Search speculative decoding on/off and its draft shape when the baseline runs a
+            draft model (§1.5): unset or ``true`` searches them, ``false`` leaves them as they are.
+        speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices
+            (default: steps 1-5; topk 1 and the baseline's; draft tokens the baseline's, and 4, 6, 8
+            when a topk above 1 is searched). Combinations SGLang refuses are never launched.
     """
 
     mem_fraction_static: FloatRange | None = None
@@ -211,6 +216,10 @@ class SpaceSection(_Section):
     page_size: list[int] | None = None
     cuda_graph_max_bs: list[int] | None = None
     schedule_conservativeness: FloatRange | None = None
+    speculative: bool | None = None
+    speculative_num_steps: list[Annotated[int, Field(ge=1)]] | None = None
+    speculative_eagle_topk: list[Annotated[int, Field(ge=1)]] | None = None
+    speculative_num_draft_tokens: list[Annotated[int, Field(ge=2)]] | None = None
 
     @field_validator("mem_fraction_static")
     @classmethod

@@ -51,10 +51,11 @@ from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
+from tuner.sglang.speculative import DRAFT_ALGORITHMS
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
-from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
+from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS, SPEC_SHAPE_KNOBS
 
 __all__ = [
     "ServerUnderTest",
@@ -244,7 +245,9 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
     A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
-    policy, I/O backend, memory layout; §7).
+    policy, I/O backend, memory layout; §7). Speculative decoding switched off removes every
+    ``--speculative-*`` flag; switched on (``True``) it keeps the baseline's algorithm and draft
+    model and sets the shape the candidate names (§1.5).
 
     Raises:
         FlagError: A knob this SGLang version lacks, or a value outside its choices.
@@ -254,6 +257,11 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     rendered = dict(params)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
+    switch = rendered.pop("speculative_algorithm", None)
+    if switch is False:
+        rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))
+    elif isinstance(switch, str):  # an algorithm named as such (the baseline's own params)
+        rendered["speculative_algorithm"] = switch
     return replace_flags(baseline_argv, rendered, table)
 
 
@@ -379,6 +387,12 @@ def resolve_facts(
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]
+    if info.speculative_algorithm and str(info.speculative_algorithm).upper() in DRAFT_ALGORITHMS:
+        # The draft shape SGLang resolved (given, or auto-chosen, §1.5): the space's first choices.
+        params["speculative_algorithm"] = True
+        for name in SPEC_SHAPE_KNOBS:
+            if info.raw.get(name) is not None:
+                params[name] = int(info.raw[name])
     if info.enable_hierarchical_cache:
         params["enable_hierarchical_cache"] = True
         if not params.get("hicache_size"):

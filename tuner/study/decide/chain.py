@@ -20,6 +20,7 @@ from tuner.study.decide.repeat import NoiseRepeat
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
 from tuner.study.decide.screens import HostMemory, MeasuredAlready, MustFail, Predicted, RunningElsewhere
 from tuner.study.decide.slo import SLOBracket
+from tuner.study.decide.speculative import SpeculativeRules, SpeculativeShapes
 
 __all__ = ["build_chain"]
 
@@ -41,9 +42,10 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
-    proofs: list[Screen] = [MeasuredAlready(), MustFail()]
+    rules = SpeculativeRules(version, argv)
+    proofs: list[Screen] = [MeasuredAlready(), MustFail(), rules]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
     planned: list[Proposer] = [SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
-                               CacheCandidate(objective, host), NoiseRepeat(objective)]
+                               SpeculativeShapes(rules), CacheCandidate(objective, host), NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)
     return decider, Sampler(mirror, [*sampled, RunningElsewhere()], on_skip)
