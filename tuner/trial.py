@@ -51,7 +51,7 @@ from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
-from tuner.sglang.speculative import DRAFT_ALGORITHMS
+from tuner.sglang.speculative import DRAFT_ALGORITHMS, auto_shape, resolve_shape
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
@@ -387,12 +387,17 @@ def resolve_facts(
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]
-    if info.speculative_algorithm and str(info.speculative_algorithm).upper() in DRAFT_ALGORITHMS:
-        # The draft shape SGLang resolved (given, or auto-chosen, §1.5): the space's first choices.
+    algorithm = info.speculative_algorithm or explicit.get("speculative_algorithm")
+    if algorithm and str(algorithm).upper() in DRAFT_ALGORITHMS:
+        # The draft shape SGLang resolved (§1.5): /get_server_info's, else the command's, else
+        # SGLang's auto choice for the model class the weight line names; the space's first choices.
         params["speculative_algorithm"] = True
-        for name in SPEC_SHAPE_KNOBS:
-            if info.raw.get(name) is not None:
-                params[name] = int(info.raw[name])
+        given = [info.raw.get(name, explicit.get(name)) for name in SPEC_SHAPE_KNOBS]
+        if any(v is None for v in given):
+            auto = auto_shape(rank.model_class if rank is not None else None, str(algorithm))
+            given = [auto[i] if v is None else v for i, v in enumerate(given)]
+        shape = resolve_shape(*(int(v) for v in given if v is not None))
+        params.update(zip(SPEC_SHAPE_KNOBS, shape, strict=True))
     if info.enable_hierarchical_cache:
         params["enable_hierarchical_cache"] = True
         if not params.get("hicache_size"):
@@ -823,7 +828,9 @@ class TrialExecutor:
     def _render(self, job: TrialJob) -> tuple[list[str], Failure | None]:
         """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
         asked = dict(job.params)
-        reasons = validate(asked, self.table) if asked else []
+        # The speculative switch is the tuner's (on: the baseline's algorithm), not a flag value.
+        checked = {k: v for k, v in asked.items() if not (k == "speculative_algorithm" and isinstance(v, bool))}
+        reasons = validate(checked, self.table) if checked else []
         try:
             argv = self.argv_for(asked)
         except TunerError as err:

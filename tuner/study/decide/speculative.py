@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tuner.records import Constraints
+from tuner.records import Constraints, TrialRecord
 from tuner.sglang.flags import flag_int, flag_value
 from tuner.sglang.speculative import SpecShape, resolve_shape, shape_refusal
 from tuner.study.decide import Proposal, Skip
@@ -86,10 +86,18 @@ class SpeculativeRules:
         return None
 
 
+WHY = "speculative shape next to the best so far"
+"""How the proposer's trials say why they ran (their prediction's ``why`` starts with it)."""
+
+SHAPE_PROPOSALS = 4
+"""The proposer's trials per study at most: off, one step fewer, one more, the baseline's shape."""
+
+
 class SpeculativeShapes:
     """Once the planner has a best config, try its neighbouring draft shapes: speculation off, one
     step fewer and one more (topk 1), and the baseline's tree, each at the best config's other knobs;
-    the first one not tried yet and not refused (:class:`SpeculativeRules` screens it)."""
+    the first one not tried yet and not refused (:class:`SpeculativeRules` screens it), at most
+    :data:`SHAPE_PROPOSALS` per study (the sampler searches the rest of the space)."""
 
     def __init__(self, rules: SpeculativeRules) -> None:
         self.rules = rules
@@ -98,16 +106,18 @@ class SpeculativeShapes:
         space = view.space
         if not space.searches("speculative_algorithm"):
             return None
+        asked = sum(1 for _, r in view.finished if (r.prediction.why or "").startswith(WHY))
         best = _best(view)
-        if best is None:
+        if best is None or asked >= SHAPE_PROPOSALS:
             return None
         number, params = best
-        for candidate in _neighbour_shapes(params, view):
+        record = dict(view.finished)[number]
+        for candidate in _neighbour_shapes(params, view, record):
             snapped = space.snap(candidate)
             if config_key(snapped) in view.tried or self.rules.why_not(snapped, view) is not None:
                 continue
             return Proposal(params=snapped, kind="predicted",
-                            prediction={"why": f"speculative shape next to the best so far (trial {number})"})
+                            prediction={"why": f"{WHY} (trial {number})"})
         return None
 
 
@@ -121,22 +131,43 @@ def _best(view: StudyView) -> tuple[int, dict[str, Any]] | None:
     return number, dict(record.params)
 
 
-def _neighbour_shapes(params: Mapping[str, Any], view: StudyView) -> list[dict[str, Any]]:
+def _neighbour_shapes(params: Mapping[str, Any], view: StudyView, record: TrialRecord) -> list[dict[str, Any]]:
+    """Speculation off and one step fewer (they need less memory) at the best's knobs, then one
+    step more at a fraction lowered by its predicted extra graph memory, then the baseline's shape."""
     space = view.space
     base = space.snap(dict(params))
     shape = launched_shape(base, view)
-    out: list[dict[str, Any]] = []
     if shape is None:  # off: back on at the baseline's shape
         return [{**base, **space.snap({**base, "speculative_algorithm": True})}]
     steps_grid = space.grid("speculative_num_steps")
-    for steps in (shape.num_steps - 1, shape.num_steps + 1):
-        if steps in steps_grid:
-            out.append({**base, "speculative_num_steps": steps, "speculative_eagle_topk": 1,
-                        "speculative_num_draft_tokens": _draft_choice(space.grid("speculative_num_draft_tokens"), steps + 1)})
-    out.append({k: v for k, v in base.items() if k not in SPEC_SHAPE_KNOBS} | {"speculative_algorithm": False})
+    drafts = space.grid("speculative_num_draft_tokens")
+
+    def chain(steps: int) -> dict[str, Any]:
+        return {**base, "speculative_num_steps": steps, "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": _draft_choice(drafts, steps + 1)}
+
+    out: list[dict[str, Any]] = [{k: v for k, v in base.items() if k not in SPEC_SHAPE_KNOBS} | {"speculative_algorithm": False}]
+    if shape.num_steps - 1 in steps_grid:
+        out.append(chain(shape.num_steps - 1))
+    if shape.num_steps + 1 in steps_grid:
+        out.append(_with_graph_room(chain(shape.num_steps + 1), shape.num_draft_tokens, shape.num_steps + 2, record, view))
     first = {name: space.grid(name)[0] for name in SPEC_SHAPE_KNOBS if space.grid(name)}
     out.append({**base, **first})
     return out
+
+
+def _with_graph_room(candidate: dict[str, Any], tokens_now: int, tokens_next: int, record: TrialRecord,
+                     view: StudyView) -> dict[str, Any]:
+    """``candidate`` at a fraction lowered by the verify graphs' predicted growth: the target's
+    graphs hold ``num_draft_tokens`` tokens per request (§2.1), so they grow by ``graph_gib ×
+    (next − now) / now``, taken from the fraction (``/ B``) so the runtime headroom stays."""
+    graph, model = record.memory.graph_gib, record.memory.capacity_model
+    mfs = candidate.get("mem_fraction_static")
+    if graph is None or model is None or mfs is None or tokens_next <= tokens_now:
+        return candidate
+    extra = graph * (tokens_next - tokens_now) / max(tokens_now, 1)
+    fractions = [f for f in view.space.fractions() if f <= float(mfs) - extra / model.baseline_gib + 1e-9]
+    return {**candidate, "mem_fraction_static": fractions[-1]} if fractions else candidate
 
 
 def _draft_choice(grid: Sequence[int], want: int) -> int:
