@@ -51,7 +51,7 @@ from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
-from tuner.sglang.speculative import DRAFT_ALGORITHMS, auto_shape, resolve_shape
+from tuner.sglang.speculative import DRAFT_ALGORITHMS, DraftMemory, SpecShape, auto_shape, resolve_shape
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
@@ -447,7 +447,18 @@ def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
         kv_pool_gib=(rank.kv_pool_gib if rank else None) or info.kvcache_gib,
         graph_gib=(rank.graph_gib if rank else None) or info.graph_gib,
         capacity_model=model, capacity_model_error=error,
+        **_draft_fact(report, facts),
     )
+
+
+def _draft_fact(report: LogReport, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"draft": ...}``: the draft model's memory as a typed fact of the start
+    (:class:`tuner.sglang.speculative.DraftMemory`), when the server runs one and its shape is known."""
+    params = facts.get("params") or {}
+    if not all(params.get(k) for k in SPEC_SHAPE_KNOBS):
+        return {}
+    fact = DraftMemory.from_report(report, SpecShape(*(int(params[k]) for k in SPEC_SHAPE_KNOBS)))
+    return {} if fact is None else {"draft": fact.model_dump(mode="json")}
 
 
 def _ranks(report: LogReport) -> dict[str, dict[str, Any]]:

@@ -25,11 +25,16 @@ Read from SGLang's source:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
 
 from tuner.sglang.versions import at_least
 
-__all__ = ["SpecShape", "DRAFT_ALGORITHMS", "auto_shape", "resolve_shape", "shape_refusal", "tree_candidates"]
+if TYPE_CHECKING:
+    from tuner.sglang.logs import LogReport
+
+__all__ = ["SpecShape", "DraftMemory", "DRAFT_ALGORITHMS", "auto_shape", "resolve_shape", "shape_refusal", "tree_candidates"]
 
 DRAFT_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 """``--speculative-algorithm`` values that run a draft model (NGRAM has none)."""
@@ -101,3 +106,60 @@ def shape_refusal(version: str, shape: SpecShape, *, page_size: int = 1, attenti
                 "(eagle_utils.py build_tree_kernel_efficient)")
     return None
 
+
+
+class DraftMemory(BaseModel):
+    """The draft model's memory on one GPU, as a trial's typed fact (§1.5): learned from a start's
+    log, and predicted for an unlaunched candidate from it (:meth:`predict`). GiB = 2^30 bytes.
+
+    Attributes:
+        weight_gib: The draft's weights (its ``Load weight end ... mem usage``).
+        kv_gib: The draft's KV pool (its ``KV Cache is allocated`` line); ``kv_tokens`` its tokens.
+        graph_gib: The draft's CUDA graphs (its ``Capture ... end`` lines).
+        verify_graph_gib: The target's verify graphs (0.5.23's verify capture lines), which hold
+            ``num_draft_tokens`` tokens per request.
+        num_draft_tokens: The shape's verified tokens per request.
+        capture_sizes: Batch sizes captured (the graphs' count).
+        in_budget: 0.5.16+: the draft's weights and KV are inside the profiled budget (else the
+            reserve pays for them).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    weight_gib: float | None = None
+    kv_gib: float | None = None
+    kv_tokens: int | None = None
+    graph_gib: float | None = None
+    verify_graph_gib: float | None = None
+    num_draft_tokens: int = 1
+    capture_sizes: int = 0
+    in_budget: bool = False
+
+    @classmethod
+    def from_report(cls, report: LogReport, shape: SpecShape) -> DraftMemory | None:
+        """The draft's facts from a started server's log (the binding rank's lines), or None
+        without a draft."""
+        prim = report.primary()
+        draft = prim.draft if prim is not None else None
+        if prim is None or draft is None:
+            return None
+        kv = draft.kv_size_gib if draft.kv_size_gib is not None else (
+            (draft.k_size_gib or 0.0) + (draft.v_size_gib or 0.0) if draft.k_size_gib is not None else None)
+        return cls(weight_gib=draft.weight_gib, kv_gib=kv, kv_tokens=draft.kv_tokens, graph_gib=draft.graph_gib,
+                   verify_graph_gib=prim.verify_graph_gib, num_draft_tokens=shape.num_draft_tokens,
+                   capture_sizes=len(draft.graph_bs or prim.graph_bs or ()),
+                   in_budget=report.version_format in ("0.5.16", "0.5.23"))
+
+    def predict(self, shape: SpecShape, *, tokens: int, capture_sizes: int | None = None) -> DraftMemory:
+        """The same draft at another shape, pool size and capture list: its weights stay, its KV
+        scales with the pool's tokens, its graphs with the captured sizes, and the target's verify
+        graphs with ``num_draft_tokens`` × captured sizes (each holds that many tokens a request,
+        §2.1)."""
+        sizes = capture_sizes if capture_sizes is not None else self.capture_sizes
+        size_ratio = sizes / self.capture_sizes if self.capture_sizes else 1.0
+        kv = self.kv_gib * tokens / self.kv_tokens if self.kv_gib is not None and self.kv_tokens else None
+        verify = (self.verify_graph_gib * shape.num_draft_tokens / max(self.num_draft_tokens, 1) * size_ratio
+                  if self.verify_graph_gib is not None else None)
+        graph = self.graph_gib * size_ratio if self.graph_gib is not None else None
+        return self.model_copy(update={"kv_gib": kv, "kv_tokens": tokens, "graph_gib": graph, "verify_graph_gib": verify,
+                                       "num_draft_tokens": shape.num_draft_tokens, "capture_sizes": sizes})
