@@ -234,6 +234,11 @@ class SpaceSection(_Section):
             candidate must pass the ``[quality]`` gate).
         dcp_size: Choices of ``--dcp-size`` (optional; decode context parallelism, SGLang 0.5.23;
             a size the version lacks or that does not divide ``--tp-size`` is skipped, never launched).
+        speculative: Search speculative decoding on/off and its draft shape when the baseline runs a
+            draft model (§1.5): unset or ``true`` searches them, ``false`` leaves them as they are.
+        speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices
+            (default: steps 1-5; topk 1 and the baseline's; draft tokens the baseline's, and 4, 6, 8
+            when a topk above 1 is searched). Combinations SGLang refuses are never launched.
     """
 
     mem_fraction_static: FloatRange | None = None
@@ -252,6 +257,10 @@ class SpaceSection(_Section):
     schedule_conservativeness: FloatRange | None = None
     kv_cache_dtype: list[Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]] | None = None
     dcp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
+    speculative: bool | None = None
+    speculative_num_steps: list[Annotated[int, Field(ge=1)]] | None = None
+    speculative_eagle_topk: list[Annotated[int, Field(ge=1)]] | None = None
+    speculative_num_draft_tokens: list[Annotated[int, Field(ge=2)]] | None = None
 
     @field_validator("mem_fraction_static")
     @classmethod

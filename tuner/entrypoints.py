@@ -16,6 +16,7 @@ from tuner.errors import ConfigError, ServiceControlError, TunerError
 from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
+from tuner.load.workloads import for_speculation
 from tuner.preflight import check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
@@ -122,6 +123,16 @@ def resolve_environment(config: TunerConfig, argv: list[str], table: FlagTable, 
     return env
 
 
+def speculative_workload(config: TunerConfig, argv: list[str], table: FlagTable) -> TunerConfig:
+    """``config`` with a workload fit for the service: when the service runs a draft model
+    (``--speculative-algorithm``), random token ids are replaced by text prompts of the same
+    lengths (:func:`tuner.load.workloads.for_speculation`; random ids overstate acceptance)."""
+    if not parse_argv(argv, table).get("speculative_algorithm"):
+        return config
+    workload = for_speculation(config.workload)
+    return config if workload is config.workload else config.model_copy(update={"workload": workload})
+
+
 def tune(
     config: TunerConfig,
     *,
@@ -157,6 +168,7 @@ def tune(
     launcher = resolve_launcher(config, gpu=gpu)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
+    config = speculative_workload(config, argv, table)
     environment = resolve_environment(config, argv, table, gpu)
     check_run(config, launcher, environment=environment, storage_url=storage_url, budget_s=budget_s,
               max_trials=max_trials, allow_mixed_environment=allow_mixed_environment)
@@ -203,6 +215,7 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
+    config = speculative_workload(config, argv, table)
     explicit = parse_argv(argv, table)
     baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
     ranks = ranks_of(argv)

@@ -59,10 +59,11 @@ from tuner.sglang.hicache import HostMemory
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.sglang.numerics import numerics_changes, numerics_key
+from tuner.sglang.speculative import DRAFT_ALGORITHMS, DraftMemory, SpecShape, auto_shape, resolve_shape
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
-from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS
+from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS, SPEC_SHAPE_KNOBS
 
 __all__ = [
     "ServerUnderTest",
@@ -273,7 +274,9 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
     A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
-    policy, I/O backend, memory layout; §7).
+    policy, I/O backend, memory layout; §7). Speculative decoding switched off removes every
+    ``--speculative-*`` flag; switched on (``True``) it keeps the baseline's algorithm and draft
+    model and sets the shape the candidate names (§1.5).
 
     Raises:
         FlagError: A knob this SGLang version lacks, or a value outside its choices.
@@ -283,6 +286,11 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
+    switch = rendered.pop("speculative_algorithm", None)
+    if switch is False:
+        rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))
+    elif isinstance(switch, str):  # an algorithm named as such (the baseline's own params)
+        rendered["speculative_algorithm"] = switch
     return replace_flags(baseline_argv, rendered, table)
 
 
@@ -412,6 +420,17 @@ def resolve_facts(
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]
+    algorithm = info.speculative_algorithm or explicit.get("speculative_algorithm")
+    if algorithm and str(algorithm).upper() in DRAFT_ALGORITHMS:
+        # The draft shape SGLang resolved (§1.5): /get_server_info's, else the command's, else
+        # SGLang's auto choice for the model class the weight line names; the space's first choices.
+        params["speculative_algorithm"] = True
+        given = [info.raw.get(name, explicit.get(name)) for name in SPEC_SHAPE_KNOBS]
+        if any(v is None for v in given):
+            auto = auto_shape(rank.model_class if rank is not None else None, str(algorithm))
+            given = [auto[i] if v is None else v for i, v in enumerate(given)]
+        shape = resolve_shape(*(int(v) for v in given if v is not None))
+        params.update(zip(SPEC_SHAPE_KNOBS, shape, strict=True))
     if info.enable_hierarchical_cache:
         params["enable_hierarchical_cache"] = True
         if not params.get("hicache_size"):
@@ -461,7 +480,18 @@ def memory_facts(report: LogReport, info: ServerInfo, facts: Mapping[str, Any],
         kv_pool_gib=(rank.kv_pool_gib if rank else None) or info.kvcache_gib,
         graph_gib=(rank.graph_gib if rank else None) or info.graph_gib,
         capacity_model=model, capacity_model_error=error,
+        **_draft_fact(report, facts),
     )
+
+
+def _draft_fact(report: LogReport, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"draft": ...}``: the draft model's memory as a typed fact of the start
+    (:class:`tuner.sglang.speculative.DraftMemory`), when the server runs one and its shape is known."""
+    params = facts.get("params") or {}
+    if not all(params.get(k) for k in SPEC_SHAPE_KNOBS):
+        return {}
+    fact = DraftMemory.from_report(report, SpecShape(*(int(params[k]) for k in SPEC_SHAPE_KNOBS)))
+    return {} if fact is None else {"draft": fact.model_dump(mode="json")}
 
 
 def _ranks(report: LogReport) -> dict[str, dict[str, Any]]:
@@ -849,7 +879,9 @@ class TrialExecutor:
     def _render(self, job: TrialJob) -> tuple[list[str], Failure | None]:
         """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
         asked = without_neutral_levers(job.params, self.table)
-        reasons = validate(asked, self.table) if asked else []
+        # The speculative switch is the tuner's (on: the baseline's algorithm), not a flag value.
+        checked = {k: v for k, v in asked.items() if not (k == "speculative_algorithm" and isinstance(v, bool))}
+        reasons = validate(checked, self.table) if checked else []
         try:
             argv = self.argv_for(asked)
         except TunerError as err:

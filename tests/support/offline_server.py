@@ -104,7 +104,8 @@ def _sim_requests(workload: Workload, limit: int, after: dict[str, str] | None =
     for i, req in enumerate(workload.passes()):
         if i >= limit:
             break
-        out.append(SimRequest(rid=req.rid, input_ids=list(req.input_ids), max_new_tokens=req.max_new_tokens))
+        out.append(SimRequest(rid=req.rid, input_ids=list(req.input_ids), max_new_tokens=req.max_new_tokens,
+                              prompt_class=req.prompt_class))
         if after is not None and req.after is not None:
             after[req.rid] = req.after  # turn k waits for turn k-1, as the load generator does
     return out
@@ -130,6 +131,8 @@ def _summary(result: EvalResult, slo: SLO | None) -> LoadSummary:
         concurrency=(result.mean_e2e_latency_ms or 0.0) / 1000 * done / duration,
         error_rate=errored / (done + errored) if done or errored else 0.0,
         cache_hit_rate=result.cache_hit_rate if done else None,
+        accept_length=(result.counters["spec_accepted_total"] / result.counters["spec_forward_total"]
+                       if result.counters.get("spec_forward_total") else None),
         slo_violations=slo_violations(slo, fields) if slo is not None else {}, **fields,
     )
 

@@ -28,11 +28,33 @@ def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
     )
 
 
+def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - LoadSummary
+    """Speculative decoding's accept length of the window, by prompt class, beside the server's own
+    ``avg_spec_accept_length`` (``/get_server_info``, since start); returns the server's figure."""
+    if summary.accept_length is None:
+        return None
+    from tuner.errors import TunerError
+    from tuner.sglang.client import SGLangClient
+
+    try:
+        server = SGLangClient(url, timeout_s=10).server_info().avg_spec_accept_length
+    except TunerError:
+        server = None
+    by_class = ", ".join(f"{k} {v:.2f}" for k, v in summary.accept_length_by_class.items())
+    console.print(f"accept length {summary.accept_length:.2f} tokens per verify step ({by_class}); "
+                  f"server avg_spec_accept_length {'-' if server is None else f'{server:.2f}'}",
+                  highlight=False, soft_wrap=True)
+    if summary.accept_length_by_class.get("raw") is not None:
+        err_console.print("[yellow]note:[/] random token ids overstate speculative acceptance; load a "
+                          "speculative deployment with --workload text (or a trace)", highlight=False)
+    return server
+
+
 @app.command("load", short_help='Load a server with a streaming workload; bench_serving metrics.')
 def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     url: Annotated[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
     api: Annotated[str, typer.Option("--api", help="generate (/generate, input_ids) or completions (/v1/completions).")] = "generate",
-    workload: Annotated[str, typer.Option("--workload", help="random, shared-prefix, multi-turn or trace.")] = "random",
+    workload: Annotated[str, typer.Option("--workload", help="random, shared-prefix, multi-turn, trace or text (prompts sent as text: use it for a speculative deployment).")] = "random",
     input_len: Annotated[int | None, typer.Option("--input-len", help="random: prompt tokens [1024].")] = None,
     output_len: Annotated[int | None, typer.Option("--output-len", help="output tokens (ignore_eos) [256].")] = None,
     range_ratio: Annotated[float | None, typer.Option("--range-ratio", help="random: lengths uniform in [L*r, L] [1.0].")] = None,
@@ -49,6 +71,8 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     trace_format: Annotated[str | None, typer.Option("--trace-format", help="trace: auto, jsonl, sharegpt or openai [auto].")] = None,
     bytes_per_token: Annotated[float | None, typer.Option("--bytes-per-token", help="trace: UTF-8 bytes per token for text traces, no tokenizer [4.0].")] = None,
     time_scale: Annotated[float | None, typer.Option("--time-scale", help="trace: multiply its time offsets [1.0].")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="text: a JSONL of {\"prompt\": text, \"class\": chat|code} [the shipped chat-like set].")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="text: grow each prompt to about this many tokens [as written].")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of prompts and arrivals.")] = 0,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="token ids are drawn below this.")] = 32000,
     concurrency: Annotated[int | None, typer.Option("--concurrency", help="closed loop: requests in flight (with --rate: a cap).")] = None,
@@ -109,7 +133,8 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         "num_groups": num_groups, "prompts_per_group": prompts_per_group, "system_prompt_len": system_prompt_len,
         "question_len": question_len, "num_sessions": num_sessions, "turns": turns,
         "first_input_len": first_input_len, "turn_input_len": turn_input_len, "path": trace, "time_scale": time_scale,
-        "trace_format": trace_format, "bytes_per_token": bytes_per_token,
+        "trace_format": trace_format, "bytes_per_token": bytes_per_token, "prompts": prompts,
+        "prompt_tokens": prompt_tokens,
     })
     limits = SLO.parse(slo) if slo else None
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
@@ -155,6 +180,9 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         console.print(tables.load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
         _load_print_errors(result.summary)
         payload = result.to_json_dict()
+        server_accept = _print_acceptance(result.summary, url)
+        if server_accept is not None:
+            payload["server_avg_spec_accept_length"] = server_accept
         partial = result.partial
         if result.stopped_early or result.partial:
             err_console.print(f"[yellow]{'partial' if result.partial else 'stopped early'}:[/] {result.stop_reason}",

@@ -102,7 +102,7 @@ class _Stream:
 
     __slots__ = (
         "times", "tokens", "last_ct", "prompt_tokens", "completion_tokens", "cached_tokens",
-        "cached_tiers", "finish_reason", "error", "done", "counter", "server_rid",
+        "cached_tiers", "finish_reason", "error", "done", "counter", "server_rid", "spec_verify_ct",
     )
 
     def __init__(self, counter: TokenCounter | None) -> None:
@@ -118,6 +118,7 @@ class _Stream:
         self.done = False
         self.counter = counter
         self.server_rid: str | None = None
+        self.spec_verify_ct: int | None = None
 
     def feed_generate(self, obj: dict[str, Any], now: float) -> None:
         if "error" in obj:
@@ -141,6 +142,8 @@ class _Stream:
             self.prompt_tokens = meta["prompt_tokens"]
         if "cached_tokens" in meta:
             self.cached_tokens = meta["cached_tokens"]
+        if isinstance(meta.get("spec_verify_ct"), int):  # speculative decoding, at the end (§5.3)
+            self.spec_verify_ct = meta["spec_verify_ct"]
         tiers = meta.get("cached_tokens_details")
         if isinstance(tiers, dict):  # 0.5.10+ with HiCache hits (§5.3)
             self.cached_tiers = {k: int(v) for k, v in tiers.items() if isinstance(v, (int, float))}
@@ -477,7 +480,7 @@ class StreamClient:
     def _payload(self, request: Request) -> bytes:
         if self.api == "generate":
             body: dict[str, Any] = {
-                "input_ids": request.input_ids,
+                **({"text": request.text} if request.text is not None else {"input_ids": request.input_ids}),
                 "sampling_params": {
                     "max_new_tokens": request.max_new_tokens,
                     "ignore_eos": True,
@@ -488,7 +491,7 @@ class StreamClient:
         else:
             body = {
                 "model": self.model or "default",
-                "prompt": request.input_ids,
+                "prompt": request.text if request.text is not None else request.input_ids,
                 "max_tokens": request.max_new_tokens,
                 "ignore_eos": True,
                 "temperature": 0.0,
@@ -561,6 +564,8 @@ class StreamClient:
             e2e_latency_s=end - send if status == "ok" else None,
             group=request.group,
             server_rid=stream.server_rid,
+            spec_verify_ct=stream.spec_verify_ct,
+            prompt_class=request.prompt_class,
         )
 
     async def _connection(self) -> tuple[_Connection, bool]:

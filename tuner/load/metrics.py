@@ -160,6 +160,9 @@ class RequestRecord(BaseModel):
         e2e_latency_s: ``end_time_s - send_time_s`` for finished requests.
         group: The request's prefix group or session.
         server_rid: The server's id of the request (``meta_info.id`` / ``id``), to find it in logs.
+        spec_verify_ct: The server's ``spec_verify_ct`` (verify steps of speculative decoding,
+            ``/generate`` only, §5.3); its accept length is ``completion_tokens / spec_verify_ct``.
+        prompt_class: The workload's class of the prompt (``raw``, ``chat``, ``code``), if known.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -184,6 +187,8 @@ class RequestRecord(BaseModel):
     e2e_latency_s: float | None = None
     group: str | None = None
     server_rid: str | None = None
+    spec_verify_ct: int | None = None
+    prompt_class: str | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -270,6 +275,10 @@ figures are over (TTFT's count is ``completed``).
     tier that served the hit (shares of prompt tokens, 0-1) when the server reported
     ``cached_tokens_details`` (§5.3, 0.5.10+); :func:`tier_hits_from_metrics` gives the same split
     from ``/metrics`` counters for versions without it.
+    ``accept_length`` is speculative decoding's mean tokens per verify step over the window's
+    finished requests (Σ ``completion_tokens`` / Σ ``spec_verify_ct``: SGLang's per-request
+    ``spec_accept_length`` pooled, §5.3), ``accept_length_by_class`` the same per prompt class
+    (``raw``, ``chat``, ``code``); None / empty when the server reported no ``spec_verify_ct``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -325,6 +334,8 @@ figures are over (TTFT's count is ``completed``).
     device_hit_rate: float | None = None
     host_hit_rate: float | None = None
     storage_hit_rate: float | None = None
+    accept_length: float | None = None
+    accept_length_by_class: dict[str, float] = Field(default_factory=dict)
     goodput: float | None = None
     slo_attainment: float | None = None
     slo_met: bool | None = None
@@ -357,10 +368,13 @@ figures are over (TTFT's count is ``completed``).
 
     def metrics(self) -> dict[str, float | None]:
         """The numeric fields as a flat dict (for :class:`tuner.records.PhaseResult.metrics`)."""
-        return {
+        flat = {
             k: (float(v) if v is not None else None)
-            for k, v in self.model_dump(exclude={"slo_violations", "slo_met", "top_errors"}).items()
+            for k, v in self.model_dump(exclude={"slo_violations", "slo_met", "top_errors",
+                                                 "accept_length_by_class"}).items()
         }
+        flat.update({f"accept_length_{cls}": v for cls, v in self.accept_length_by_class.items()})
+        return flat
 
 
 def _stats(values_ms: np.ndarray) -> dict[str, float | None]:
@@ -508,6 +522,22 @@ def slo_violations(slo: SLO, measured: Mapping[str, float | None]) -> dict[str, 
     return out
 
 
+def _acceptance(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """``accept_length`` and ``accept_length_by_class`` of finished requests (see :class:`LoadSummary`)."""
+    spec = [r for r in done if r.spec_verify_ct and r.completion_tokens]
+    if not spec:
+        return {}
+    by_class: dict[str, list[int]] = {}
+    for r in spec:
+        tally = by_class.setdefault(r.prompt_class or "unknown", [0, 0])
+        tally[0] += r.completion_tokens or 0
+        tally[1] += r.spec_verify_ct or 0
+    total_ct = sum(t[0] for t in by_class.values())
+    total_verify = sum(t[1] for t in by_class.values())
+    return {"accept_length": total_ct / total_verify,
+            "accept_length_by_class": {k: t[0] / t[1] for k, t in sorted(by_class.items())}}
+
+
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> LoadSummary:
     """Summarize the measured requests of one window.
 
@@ -569,6 +599,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
         cache_hit_rate=cached_total / prompt_total if reporting and prompt_total else None,
         top_errors=top_errors(records),
         **tiers,
+        **_acceptance(done),
     )
     if slo is not None and not slo.is_empty():
         good = sum(1 for r, own in zip(done, per_request_itls, strict=True) if _meets(r, slo, own))

@@ -18,6 +18,8 @@ Kinds:
   synthetic assistant answer of ``output_len`` tokens and a new user turn. Turn ``k`` waits for turn
   ``k-1`` (:attr:`Request.after`). The server's real answer differs from the synthetic one, so the
   reusable prefix is the previous turn's prompt (what HiCache keeps warm, §7).
+* ``text`` — text prompts like an operator's users send (chat and code; a JSONL file or the
+  shipped set), sent as text: the load for a speculative deployment (:class:`TextSpec`).
 * ``trace`` — replay of the traces operators have (``trace_format``, ``auto`` by default):
 
   - ``jsonl``: one object per line, ``timestamp_s``, ``input_len``, ``output_len`` and optionally
@@ -80,6 +82,10 @@ __all__ = [
     "ReuseEstimate",
     "estimate_reuse",
     "estimate_tokens",
+    "TextSpec",
+    "read_prompts",
+    "SHIPPED_PROMPTS",
+    "for_speculation",
 ]
 
 _FIRST_TOKEN_ID = 100
@@ -160,8 +166,34 @@ class TraceSpec(_Spec):
     max_requests: int | None = Field(None, ge=1)
 
 
+class TextSpec(_Spec):
+    """Text prompts that read like an operator's users: chat questions and code tasks, sent as text.
+
+    A speculative deployment's throughput depends on how often the draft is right, and that
+    depends on what users send: random token ids overstate it (lightseekorg/tokenspeed#1305:
+    74.6 % accepted on raw completions vs 48.5 % on chat), so a speculative deployment is loaded
+    with text. Each line of ``prompts`` is ``{"prompt": text, "class": "chat"|"code"}`` (``class``
+    optional, default ``chat``); without a file the shipped set ``tuner/data/prompts-chat.jsonl``
+    (24 chat, 12 code prompts) is used. Each request starts with its own id, so repeats of a prompt
+    do not hit the prefix cache.
+
+    Attributes:
+        prompts: The JSONL file, or None for the shipped set.
+        prompt_tokens: Grow each prompt with the next prompts of the set until it reaches about
+            this many tokens (estimated at :data:`BYTES_PER_TOKEN`); None: each prompt as it is.
+        output_len: ``max_new_tokens`` (sent with ``ignore_eos``).
+        num_requests: Requests in one pass; ``None`` = an endless stream.
+    """
+
+    kind: Literal["text"] = "text"
+    prompts: Path | None = None
+    prompt_tokens: int | None = Field(None, ge=1)
+    output_len: int = Field(256, ge=1)
+    num_requests: int | None = Field(None, ge=1)
+
+
 WorkloadSpec = Annotated[
-    RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec, Field(discriminator="kind")
+    RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec | TextSpec, Field(discriminator="kind")
 ]
 """Any workload spec; pydantic picks the class from ``kind``."""
 
@@ -176,6 +208,10 @@ class Request(BaseModel):
         arrival_s: Send offset from the run's start for trace replay; ``None`` otherwise.
         group: Prefix group or session the request belongs to (for reporting), if any.
         after: ``rid`` of a request that must finish before this one is sent (the previous turn).
+        text: The prompt as text (sent instead of ``input_ids``, which then only hold its
+            estimated length in placeholder ids), or None.
+        prompt_class: What the prompt is (``raw`` random ids, ``chat``, ``code``), for
+            acceptance by class; None when unknown.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -186,6 +222,8 @@ class Request(BaseModel):
     arrival_s: float | None = None
     group: str | None = None
     after: str | None = None
+    text: str | None = None
+    prompt_class: str | None = None
 
     @property
     def input_len(self) -> int:
@@ -198,6 +236,8 @@ def _make_request(**fields: Any) -> Request:
     fields.setdefault("arrival_s", None)
     fields.setdefault("group", None)
     fields.setdefault("after", None)
+    fields.setdefault("text", None)
+    fields.setdefault("prompt_class", None)
     return Request.model_construct(**fields)
 
 
@@ -290,7 +330,8 @@ def _random(spec: RandomSpec, seed: int, vocab_size: int) -> Workload:
             n_in = int(rng.integers(low_in, spec.input_len + 1))
             n_out = int(rng.integers(low_out, spec.output_len + 1))
             yield _make_request(
-                rid=f"random-{index}-{i}", input_ids=_tokens(rng, n_in, vocab_size), max_new_tokens=n_out
+                rid=f"random-{index}-{i}", input_ids=_tokens(rng, n_in, vocab_size), max_new_tokens=n_out,
+                prompt_class="raw",
             )
 
     return Workload(
@@ -832,7 +873,7 @@ def estimate_reuse(workload: Workload, *, max_requests: int = 2000, max_tokens: 
 
 
 def build_workload(
-    spec: RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec, *, seed: int, vocab_size: int = 32000
+    spec: RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec | TextSpec, *, seed: int, vocab_size: int = 32000
 ) -> Workload:
     """Build the reproducible request stream of ``spec``.
 
@@ -849,8 +890,80 @@ def build_workload(
     """
     if vocab_size <= _FIRST_TOKEN_ID:
         raise LoadError(f"vocab_size {vocab_size} is too small", hint=f"use a vocab_size above {_FIRST_TOKEN_ID}")
-    builders: dict[str, Callable[..., Workload]] = {"random": _random, "shared_prefix": _shared_prefix, "multi_turn": _multi_turn, "trace": _trace}
+    builders: dict[str, Callable[..., Workload]] = {"random": _random, "shared_prefix": _shared_prefix,
+                                                    "multi_turn": _multi_turn, "trace": _trace, "text": _text}
     return builders[spec.kind](spec, seed, vocab_size)
+
+
+def for_speculation(spec: WorkloadSpec) -> WorkloadSpec:
+    """The workload to load a speculative deployment with: ``random`` ids become the shipped text
+    prompts at the same lengths (grown to ``input_len`` tokens, the same ``output_len`` and count);
+    text, traces and the rest are kept. Random ids overstate how often the draft is accepted
+    (:class:`TextSpec`), so a speculative deployment is never measured on them."""
+    if isinstance(spec, RandomSpec):
+        return TextSpec(prompt_tokens=spec.input_len, output_len=spec.output_len, num_requests=spec.num_requests)
+    return spec
+
+
+SHIPPED_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts-chat.jsonl"
+"""The shipped chat-like prompt set (:class:`TextSpec`)."""
+
+
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """``(class, text)`` of every line of a prompts JSONL file (see :class:`TextSpec`).
+
+    Raises:
+        LoadError: A missing or unreadable file, a line that is not JSON or has no ``prompt``.
+    """
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise LoadError(f"prompts file {path} cannot be read: {err.strerror}",
+                        hint="point --prompts (or [workload] prompts) at a JSONL file of {\"prompt\": text}") from None
+    out: list[tuple[str, str]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise LoadError(f"{path}:{n} is not JSON", hint="write one {\"prompt\": text} object per line") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise LoadError(f"{path}:{n} has no \"prompt\" text", hint="write one {\"prompt\": text} object per line")
+        out.append((str(obj.get("class") or "chat"), obj["prompt"]))
+    if not out:
+        raise LoadError(f"prompts file {path} holds no prompt", hint="write one {\"prompt\": text} object per line")
+    return out
+
+
+def _text(spec: TextSpec, seed: int, vocab_size: int) -> Workload:
+    prompts = read_prompts(spec.prompts or SHIPPED_PROMPTS)
+    order = _rng(seed, 5).permutation(len(prompts)).tolist()
+
+    def build(i: int) -> tuple[str, str]:
+        cls, text = prompts[order[i % len(order)]]
+        j = i + 1
+        while spec.prompt_tokens is not None and estimate_tokens(text) < spec.prompt_tokens:
+            text += "\n\n" + prompts[order[j % len(order)]][1]
+            j += 1
+        return cls, text
+
+    def make_pass(index: int) -> Iterator[Request]:
+        counter = range(spec.num_requests) if spec.num_requests else itertools.count()
+        for i in counter:
+            rid = f"text-{index}-{i}"
+            cls, text = build(i)
+            text = f"[{rid}] {text}"
+            yield _make_request(rid=rid, input_ids=[_FIRST_TOKEN_ID] * estimate_tokens(text),
+                                max_new_tokens=spec.output_len, text=text, prompt_class=cls)
+
+    lengths = [estimate_tokens(build(i)[1]) + 4 for i in range(len(prompts))]
+    return Workload(
+        kind=spec.kind, spec=spec, seed=seed, make_pass=make_pass,
+        context_tokens=max(lengths) + spec.output_len, num_requests=spec.num_requests,
+        mean_request_tokens=round(sum(lengths) / len(lengths)) + spec.output_len,
+        repeatable=True, designed_hit_rate=0.0,
+    )
 
 
 def capacity_probe(n: int, context_len: int, *, output_len: int = 16, seed: int = 0, vocab_size: int = 32000) -> Workload:
@@ -892,18 +1005,19 @@ def capacity_probe(n: int, context_len: int, *, output_len: int = 16, seed: int 
     )
 
 
-WORKLOAD_KINDS: Mapping[str, type[RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec]] = MappingProxyType({
+WORKLOAD_KINDS: Mapping[str, type[RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec | TextSpec]] = MappingProxyType({
     "random": RandomSpec,
     "shared-prefix": SharedPrefixSpec,
     "multi-turn": MultiTurnSpec,
     "trace": TraceSpec,
+    "text": TextSpec,
 })
 """``--workload`` names (CLI spelling) and their spec classes."""
 
 
 def spec_from_options(
     kind: str, options: dict[str, object]
-) -> RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec:
+) -> RandomSpec | SharedPrefixSpec | MultiTurnSpec | TraceSpec | TextSpec:
     """Build a spec from CLI options (field name → value, ``None`` = not given).
 
     Args:

@@ -327,6 +327,12 @@ def _phases_table(view: TrialView) -> Table:
         table.add_row(label, *[cell(p.metrics.get(key)) for p in phases])
         if key in ("p99_ttft_ms", "p99_itl_ms"):
             table.add_row(f"  95 % interval, over n ({label.split()[1]})", *[_p99_interval(p, key) for p in phases])
+
+    # Speculative decoding: tokens per verify step, pooled and per prompt class (LoadSummary).
+    spec_keys = sorted({k for p in phases for k in p.metrics if k.startswith("accept_length")})
+    for key in spec_keys:
+        label = "accept length" + (f" ({key.removeprefix('accept_length_')})" if key != "accept_length" else "")
+        table.add_row(label, *[cell(p.metrics.get(key)) for p in phases])
     table.add_row(
         "stopped early",
         *[_text((p.stop_reason or "yes") if p.stopped_early else "no") for p in phases],
@@ -625,6 +631,7 @@ LOAD_SUMMARY_ROWS = (
     ("concurrency (mean in flight)", "concurrency"),
     ("TTFT mean / p50 / p99 (ms)", "ttft"),
     ("ITL mean / p50 / p99 (ms)", "itl"),
+    ("accept length (tokens per verify step)", "accept_length"),
     ("TPOT mean / p50 / p99 (ms)", "tpot"),
     ("E2E latency mean / p50 / p99 (ms)", "e2e_latency"),
     ("prefix-cache hit rate", "cache_hit_rate"),

@@ -87,6 +87,9 @@ class ServerInfo(BaseModel):
         weight_gib, kvcache_gib: ``memory_usage.weight`` / ``.kvcache`` of ``internal_states[0]``.
         graph_gib: ``memory_usage.graph``, summed over phases when it is a dict (0.5.23).
         startup_available_gib: ``memory_usage.startup_available`` (0.5.23).
+        avg_spec_accept_length: ``internal_states[0].avg_spec_accept_length``: speculative
+            decoding's mean tokens per verify step since start (present after the first logged
+            decode window; ``Scheduler.get_internal_state``, 0.5.23 ``internal_state.py``).
         raw: The whole JSON.
     """
 
@@ -117,6 +120,7 @@ class ServerInfo(BaseModel):
     kvcache_gib: float | None = None
     graph_gib: float | None = None
     startup_available_gib: float | None = None
+    avg_spec_accept_length: float | None = None
     raw: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
@@ -160,6 +164,7 @@ class ServerInfo(BaseModel):
             kvcache_gib=_num(mem.get("kvcache")),
             graph_gib=_num(mem.get("graph")),
             startup_available_gib=_num(mem.get("startup_available")),
+            avg_spec_accept_length=_num(state.get("avg_spec_accept_length")),
             raw=data,
         )
 

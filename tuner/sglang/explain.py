@@ -138,7 +138,7 @@ class Trap(BaseModel):
 
     id: str
     """``fraction_misread``, ``idle_reserve``, ``cuda_graph_bs_below_max_running_requests``,
-    ``hicache_per_rank``, ``speculative_max_running_requests_48``, ``max_total_tokens_cap``,
+    ``hicache_per_rank``, ``speculative_max_running_requests_48``, ``draft_kv_under_budget``, ``max_total_tokens_cap``,
     ``context_exceeds_pool``, ``retractions``, ``max_running_requests_reduced``, ``failure``."""
     severity: Literal["info", "warning", "error"]
     title: str
@@ -1115,6 +1115,48 @@ def _speculative_rule(c: _TrapInput) -> Trap | None:
     return None
 
 
+DRAFT_UNDER_BUDGET_GIB = 0.05
+"""A draft pool larger than its share of the profiled budget by more than this is reported (GiB)."""
+
+
+def _draft_under_budget_rule(c: _TrapInput) -> Trap | None:
+    """0.5.16+ budgets the draft's KV as the target's cell × (1 + draft_layers / target_layers)
+    (``DefaultPoolConfigurator``, ``pool_configurator.py``: it "assumes the draft shares the target's
+    per-layer KV size", §1.5). A draft whose own per-layer KV is larger (an MHA draft on an MLA
+    target) allocates more than that share, and the excess comes out of the ``(1 − mfs)`` reserve.
+
+    From the log alone: the draft's share is what the budget left after the target's weights, the
+    draft's weights and the target's KV (``mfs × B − W − W_draft − KV``); the under-budget is the
+    draft pool (its ``KV Cache is allocated`` line) minus that share.
+    """
+    report, m, mfs, prim = c.report, c.m, c.mfs, c.prim
+    if report is None or m is None or mfs is None or prim is None or not _draft_in_budget(report):
+        return None
+    draft = _draft_of(report, prim)
+    weight, kv = prim.weight_gib, prim.kv_pool_gib
+    if draft is None or draft.kv_pool_gib is None or weight is None or kv is None:
+        return None
+    share = mfs * m.baseline_gib - weight - (draft.weight_gib or 0.0) - kv
+    under = draft.kv_pool_gib - max(share, 0.0)
+    if under <= DRAFT_UNDER_BUDGET_GIB:
+        return None
+    geometry = "an MHA draft (K/V halves)" if draft.k_size_gib is not None else "the draft"
+    target = "an MLA target" if prim.k_size_gib is None else "the target"
+    return Trap(
+        id="draft_kv_under_budget", severity="warning",
+        title=f"the draft's KV pool takes {under:.2f} GiB of runtime reserve that the fraction does not show",
+        detail=(f"SGLang 0.5.16+ budgets the draft's KV as the target's cell × (1 + draft_layers / target_layers), assuming the "
+                f"draft has the target's per-layer KV size (§1.5). Here {geometry} on {target} allocates {draft.kv_pool_gib:.2f} "
+                f"GiB for {draft.kv_tokens or 0:,} tokens against a share of about {max(share, 0.0):.2f} GiB, so {under:.2f} GiB "
+                f"more comes out of the (1 − {mfs:g}) × B reserve: the runtime headroom is that much smaller than the fraction "
+                "suggests (0.5.5 / 0.5.10 take the whole draft pool from the reserve instead)."),
+        evidence=[f"draft KV Cache is allocated: {draft.kv_pool_gib:.2f} GiB; mfs × B − W − W_draft − KV = {share:.2f} GiB"],
+        fix="keep that much more reserve: a lower --mem-fraction-static, or a draft whose KV matches the target's per-layer size",
+        lever=Lever(knob="mem_fraction_static", direction="lower",
+                    why=f"the draft's KV pool takes {under:.2f} GiB of the reserve beyond its budgeted share (§1.5)"),
+    )
+
+
 def _mtt_profiled_rule(c: _TrapInput) -> Trap | None:
     """``--max-total-tokens`` above the profiled pool (§1.4)."""
     report = c.report
@@ -1315,6 +1357,7 @@ _TRAP_RULES = (
     _graph_bs_rule,
     _hicache_rule,
     _speculative_rule,
+    _draft_under_budget_rule,
     _mtt_profiled_rule,
     _mtt_cap_rule,
     _context_rule,

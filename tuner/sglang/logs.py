@@ -86,6 +86,9 @@ class RankMemory(BaseModel):
         graph_end_avail_gib: ``avail mem=`` of the last capture end line.
         graph_capture_s: summed capture time in seconds.
         graph_bs: the captured decode batch sizes, when the log lists them (0.5.23).
+        verify_graph_gib: ``mem usage=`` of the speculative verify capture lines (0.5.23 ``Capture
+            target verify CUDA graph end``): the part of ``graph_gib`` that holds
+            ``num_draft_tokens`` tokens a request.
         swa_tokens, swa_pool_gib: ``SWAKVPool mem usage: X GB, swa size: A, full size: B`` of
             hybrid SWA models (``kv_tokens`` is then the full pool B unless a KV line says more).
         mamba_cache_gib: ``conv_state + ssm_state`` of ``Mamba Cache is allocated`` (hybrid models).
@@ -112,6 +115,7 @@ class RankMemory(BaseModel):
     graph_end_avail_gib: float | None = None
     graph_capture_s: float | None = None
     graph_bs: list[int] | None = None
+    verify_graph_gib: float | None = None
     swa_tokens: int | None = None
     swa_pool_gib: float | None = None
     mamba_cache_gib: float | None = None
@@ -1245,6 +1249,8 @@ class LogWatcher:
         elapsed = re.search(r"(?:Time elapsed: |elapsed=)" + _NUM + " ?s", body)
         if usage:
             d["graph_gib"] = round((d.get("graph_gib") or 0.0) + float(usage.group(1)), 4)
+            if "verify" in lname:
+                d["verify_graph_gib"] = round((d.get("verify_graph_gib") or 0.0) + float(usage.group(1)), 4)
         if avail:
             d["graph_end_avail_gib"] = float(avail.group(1))
         if elapsed:

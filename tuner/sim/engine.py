@@ -63,6 +63,7 @@ from tuner.sim.clock import Clock
 from tuner.sim.costmodel import CostInputs, StepShape
 from tuner.sim.gpus import MIB
 from tuner.sim.models import GIB
+from tuner.sim.speculative import SpecModel, classify_ids
 
 __all__ = [
     "EngineSpec",
@@ -148,6 +149,8 @@ class SimRequest:
         ignore_eos: True: generate exactly ``max_new_tokens``; False: stop at a simulated EOS
             drawn deterministically from the rid (uniform in ``1..max_new_tokens``).
         arrival_s: When the request arrived, on the driver's clock (seconds).
+        prompt_class: ``chat`` / ``code`` for a text prompt (:mod:`tuner.sim.speculative`); None:
+            classified from the ids (``raw`` or ``chat``).
     """
 
     rid: str
@@ -155,6 +158,7 @@ class SimRequest:
     max_new_tokens: int
     ignore_eos: bool = True
     arrival_s: float = 0.0
+    prompt_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ class FinishEvent:
     ``{"type": "stop", "matched": eos_id}``, or for a request the scheduler gave up on
     ``{"type": "abort", "message": ..., "status_code": 400, "err_type": "BadRequestError"}``
     (§5.3). ``cached_tokens_details`` is ``{"device": n, "host": m}`` when the hierarchical cache
-    is on, else None.
+    is on, else None. ``spec_verify_ct``: verify steps the request ran (speculative decoding, else 0).
     """
 
     rid: str
@@ -185,6 +189,7 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int
     cached_tokens_details: dict | None
+    spec_verify_ct: int = 0
 
     @property
     def abort_message(self) -> str | None:
@@ -231,6 +236,8 @@ class EngineSpec:
         decode_log_interval: Decode steps between ``Decode batch`` lines (§2.4: 40).
         eos_token_id: Token id reported when a request stops on EOS.
         seed: Seed of the generated output token ids.
+        speculative: The draft shape and model (per-request acceptance and step cost,
+            :mod:`tuner.sim.speculative`); None: ``cost``'s mean accept length and step cost.
     """
 
     max_total_num_tokens: int
@@ -254,6 +261,7 @@ class EngineSpec:
     decode_log_interval: int = 40
     eos_token_id: int = 2
     seed: int = 0
+    speculative: SpecModel | None = None
 
 
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
@@ -286,7 +294,8 @@ class _Req:
     __slots__ = (
         "rid", "input_ids", "n_in", "max_new", "stop_len", "ignore_eos", "arrival_s", "rng",
         "n_out", "out_ids", "fill", "fill_done", "kv_len", "tree_len", "node", "private", "cached_device",
-        "cached_host", "admitted_once", "credit", "new_tokens", "finish_reason", "retractions",
+        "cached_host", "admitted_once", "credit", "new_tokens", "finish_reason", "retractions", "accept",
+        "verify_ct",
     )
 
     def __init__(self, req: SimRequest, max_new: int, seed: int) -> None:
@@ -314,6 +323,8 @@ class _Req:
         self.new_tokens = 0
         self.finish_reason: dict | None = None
         self.retractions = 0
+        self.accept = 1.0
+        self.verify_ct = 0
 
 
 class Engine:
@@ -366,6 +377,9 @@ class Engine:
         self.num_retractions_total = 0
         self.num_aborted_requests_total = 0
         self.peak_activation_bytes = 0
+        self.spec_accepted_total = 0  # Σ tokens per request-step of the logged decode windows
+        self.spec_forward_total = 0  # Σ request-steps of the logged decode windows
+        self._spec_window = [0, 0]
 
     # ------------------------------------------------------------------ public API
 
@@ -387,6 +401,10 @@ class Engine:
             )
         max_new = max(0, min(req.max_new_tokens, self._max_req_len - n - 1))
         r = _Req(req, max_new, self.spec.seed)
+        r.accept = self.spec.cost.spec_accept_length
+        if self.spec.speculative is not None:
+            r.accept = self.spec.speculative.request_accept_length(
+                req.prompt_class or classify_ids(req.input_ids), req.rid)
         self._rids.add(r.rid)
         self._waiting.append(r)
 
@@ -619,7 +637,7 @@ class Engine:
         details = {"device": r.cached_device, "host": r.cached_host} if self.cache.hierarchical else None
         return FinishEvent(
             r.rid, r.finish_reason or {"type": "length", "length": r.max_new}, r.n_in, r.n_out,
-            r.cached_device + r.cached_host, details,
+            r.cached_device + r.cached_host, details, r.verify_ct,
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -893,7 +911,7 @@ class Engine:
         c = self.spec.cost
         if not c.speculative:
             return 1
-        return max(1, min(int(r.credit + c.spec_accept_length), c.spec_num_draft_tokens))
+        return max(1, min(int(r.credit + r.accept), c.spec_num_draft_tokens))
 
     def _advance_decode(self, reqs: list[_Req]) -> tuple[list[_Req], list[_Req]]:
         """Each request in ``reqs`` (cells already allocated) gains its step's tokens."""
@@ -902,9 +920,10 @@ class Engine:
         added = 0
         if c.speculative:
             for r in reqs:
-                r.credit += c.spec_accept_length
-                k = self._tokens_this_step(r)
-                r.credit -= k
+                k = self._tokens_this_step(r)  # as _decode_alloc allocated it
+                r.credit += r.accept - k
+                r.verify_ct += 1
+                self._spec_window[0] += k
                 r.kv_len += k
                 added += k
                 self._emit(r, k)
@@ -920,6 +939,8 @@ class Engine:
                     finished.append(r)
             added = len(reqs)
             self.generation_tokens_total += added
+        if c.speculative:
+            self._spec_window[1] += len(reqs)
         self._running_kv += added
         self._decode_log_tokens += added
         if finished:
@@ -990,7 +1011,10 @@ class Engine:
         eager = graph is None
         if eager:
             self._check_activations(bs * (spec.cost.spec_num_draft_tokens if spec.cost.speculative else 1), bs)
-        duration = costmodel.decode_step_s(spec.cost, bs, self._running_kv, eager=eager, padded_bs=graph)
+        if spec.speculative is not None and spec.cost.speculative:
+            duration = spec.speculative.decode_step_s(spec.cost, bs, self._running_kv, eager=eager, padded_bs=graph)
+        else:
+            duration = costmodel.decode_step_s(spec.cost, bs, self._running_kv, eager=eager, padded_bs=graph)
         running_before = self._running
         self._decode_log_t_s = now_s if self._decode_log_t_s is None else self._decode_log_t_s
         token_reqs, finished = self._advance_decode(running_before)
@@ -1010,7 +1034,12 @@ class Engine:
         spec_part = ""
         c = self.spec.cost
         if c.speculative:
-            spec_part = f"accept len: {c.spec_accept_length:.2f}, accept rate: {c.spec_accept_length / c.spec_num_draft_tokens:.2f}, "
+            tokens, steps = self._spec_window
+            self._spec_window = [0, 0]
+            self.spec_accepted_total += tokens
+            self.spec_forward_total += steps
+            length = tokens / steps if steps else c.spec_accept_length
+            spec_part = f"accept len: {length:.2f}, accept rate: {length / c.spec_num_draft_tokens:.2f}, "
         msg = (
             f"Decode batch, #running-req: {bs}, #token: {used}, token usage: {used / self._total:.2f}, "
             f"{spec_part}cuda graph: {cuda_graph}, gen throughput (token/s): {self.gen_throughput:.2f}, "

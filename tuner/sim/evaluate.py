@@ -241,7 +241,8 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     def submit(req: SimRequest, at_s: float) -> bool:
         nonlocal rejected
         try:
-            engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s))
+            engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s,
+                                          req.prompt_class))
         except RequestRejected:
             rejected += 1
             finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
@@ -337,7 +338,8 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
         host_hit_rate=stats["load_back_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         error=error,
         peak_activation_gib=stats["peak_activation_bytes"] / GIB,
-        counters={k: v for k, v in stats.items() if k.endswith("_total")},
+        counters={**{k: v for k, v in stats.items() if k.endswith("_total")},
+                  "spec_accepted_total": engine.spec_accepted_total, "spec_forward_total": engine.spec_forward_total},
         log_lines=logs,
         **base,
     )

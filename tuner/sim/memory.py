@@ -25,6 +25,7 @@ from tuner.sim.args import ParsedArgs
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import MIB, GpuSpec
 from tuner.sim.models import GIB, ModelSpec, dp_attention_extra_bytes, load_model, weight_bytes_per_gpu
+from tuner.sim.speculative import check_flags, profiled_cell
 
 __all__ = [
     "ServerConfig",
@@ -408,6 +409,8 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
     tp = int(v.get("tp_size") or 1)
     spec = _resolve_spec(v, model)
     dp, dcp = _resolve_parallel(v, model, tp)
+    if spec is not None:  # SGLang's refusals of a draft shape, and its adjustment warning
+        check_flags(v, spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, version, warnings)
     chunk_default, max_bs_default = _gpu_tier(gpu.memory_mib, tp, version)
     chunk = v.get("chunked_prefill_size")
     chunk = chunk_default if chunk is None else chunk
@@ -795,8 +798,8 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     rest = post_load - baseline * (1 - mfs)
     target_cell = cell_size_bytes(model, cfg.attn_tp_size, cfg.kv_elem_bytes, version=version)
     cell = target_cell
-    if draft and version == "0.5.23":
-        cell = target_cell + draft.cell_bytes
+    if draft and version == "0.5.23":  # the target's cell scaled by the draft's layers, not its geometry
+        cell = profiled_cell(target_cell, draft.num_layers, model.num_layers)
     profiled = math.floor(rest / cell)
     plan = replace(plan, cell_bytes=cell, target_cell_bytes=target_cell, profiled_tokens=profiled)
     if version == "0.5.23" and rest <= 0:
@@ -877,6 +880,17 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
         return replace(plan, failure=StartupFailure("graph_oom", worst.rank, g + pg, max(worst.before_capture, 0)))
     ranks = [replace(r, after_capture=r.before_capture - g - pg) for r in ranks]
     plan = replace(plan, ranks=tuple(ranks))
+
+    # 0.5.23: the draft's weights and KV are in place; its graphs come out of the reserve (§1.5).
+    if draft and spec and version == "0.5.23" and bs:
+        dg = graph_bytes(bs, draft.num_layers, GRAPH_BYTES_PER_LAYER_DENSE, draft.hidden_size,
+                         max(spec.eagle_topk, 1), draft.hidden_size * 3 / tp, model.vocab_size / tp)
+        worst = min(ranks, key=lambda x: x.after_capture)
+        plan = replace(plan, draft_graph_bytes=dg)
+        if dg > worst.after_capture:
+            return replace(plan, failure=StartupFailure("draft_graph_oom", worst.rank, dg, max(worst.after_capture, 0)))
+        ranks = [replace(r, draft_after_capture=r.after_capture - dg) for r in ranks]
+        plan = replace(plan, ranks=tuple(ranks))
 
     # The draft worker of 0.5.5 / 0.5.10: created after the target is up, outside the budget (§1.5).
     if draft and version != "0.5.23":

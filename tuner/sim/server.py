@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import traceback
 import uuid
@@ -47,6 +46,7 @@ from tuner.sim.engine import (
 from tuner.sim.gpus import MIB
 from tuner.sim.memory import MemoryPlan
 from tuner.sim.models import GIB
+from tuner.sim.speculative import TextIds, classify_text
 from tuner.sim.startup import SimLogger, engine_spec, kill_process_tree
 
 __all__ = ["SimServer", "tokenize", "detokenize"]
@@ -348,7 +348,8 @@ class SimServer:
         rid = rid or uuid.uuid4().hex
         now = self.now_s()
         pending = _Pending(rid, len(input_ids), now)
-        self.engine.add_request(SimRequest(rid, list(input_ids), int(max_new_tokens), bool(ignore_eos), now))
+        self.engine.add_request(SimRequest(rid, list(input_ids), int(max_new_tokens), bool(ignore_eos), now,
+                                           getattr(input_ids, "prompt_class", None)))
         self._pending[rid] = pending
         if self._wake is not None:
             self._wake.set()
@@ -421,8 +422,8 @@ class SimServer:
                                  "memory_usage": self.memory_usage()}
         if self.version != "0.5.5":
             state["effective_max_running_requests_per_dp"] = self.plan.max_running_requests
-        if self.engine.spec.cost.speculative:
-            state["avg_spec_accept_length"] = self.engine.spec.cost.spec_accept_length
+        if self.engine.spec.cost.speculative and self.engine.spec_forward_total > 0:
+            state["avg_spec_accept_length"] = self.engine.spec_accepted_total / self.engine.spec_forward_total
         if self.version == "0.5.23":
             state["world_size"] = self.cfg.tp_size
         max_req_len = min(self.cfg.context_len - 1, self.plan.request_pool_tokens - 1)
@@ -538,7 +539,7 @@ class SimServer:
             return ids
         if not isinstance(text, str):
             raise RequestRejected("Either text or input_ids should be provided.")
-        return tokenize(text, self.cfg.model.vocab_size)
+        return TextIds(tokenize(text, self.cfg.model.vocab_size), classify_text(text))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
         """``/generate`` (§5.3): text or input_ids, optional SSE streaming, SGLang's ``meta_info``."""
@@ -655,7 +656,7 @@ class SimServer:
             meta["e2e_latency"] = self._finish_observe(p, upd)
             if upd.finish.cached_tokens_details is not None and self.version != "0.5.5":
                 meta["cached_tokens_details"] = upd.finish.cached_tokens_details
-            meta.update(self._spec_meta(upd.completion_tokens))
+            meta.update(self._spec_meta(upd.completion_tokens, upd.finish.spec_verify_ct))
         if new_ids is None:  # one whole answer
             return {"text": detokenize(out_ids), "output_ids": list(out_ids), "meta_info": meta}
         new_text = detokenize(new_ids)
@@ -673,16 +674,12 @@ class SimServer:
         meta = dict(out["meta_info"], output_token_logprobs=[[lp, t, None] for lp, t in zip(got.logprobs, got.token_ids, strict=True)])
         return {**out, "text": got.text, "output_ids": got.token_ids, "meta_info": meta}
 
-    def _spec_meta(self, completion_tokens: int) -> dict[str, Any]:
-        """``meta_info``'s speculative-decoding fields (§5.3) at the engine's mean accept length."""
-        cost = self.engine.spec.cost
-        if not cost.speculative or completion_tokens <= 0:
+    def _spec_meta(self, completion_tokens: int, verify_ct: int) -> dict[str, Any]:
+        """``meta_info``'s speculative-decoding fields (§5.3, :func:`tuner.sim.speculative.meta_fields`)."""
+        model = self.engine.spec.speculative
+        if model is None or not self.engine.spec.cost.speculative:
             return {}
-        verify = max(1, math.ceil(completion_tokens / cost.spec_accept_length))
-        return {"spec_verify_ct": verify, "spec_accept_length": completion_tokens / verify,
-                "spec_accept_rate": cost.spec_accept_length / cost.spec_num_draft_tokens,
-                "spec_accept_token_num": completion_tokens - verify,
-                "spec_draft_token_num": verify * cost.spec_num_draft_tokens}
+        return model.meta(completion_tokens, verify_ct)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``/v1/completions`` (§5.3): prompt as text or ids, ``max_tokens``, ``ignore_eos``, streaming."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from tuner.sim import speculative
 from tuner.sim.args import PROG, ParsedArgs, parse_args
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import EngineSpec, torch_oom_text
@@ -282,6 +283,18 @@ def _kv_line(plan: MemoryPlan, version: str) -> str:
     return head + f"K size: {_gb(plan.k_bytes)} GB, V size: {_gb(plan.v_bytes)} GB"
 
 
+def _draft_kv_line(plan: MemoryPlan, version: str) -> str:
+    """The draft pool's ``KV Cache is allocated`` line: MLA when the draft is the model's MTP
+    layers or a head at its geometry, else K/V halves (an MHA draft)."""
+    cfg = plan.config
+    dtype = f"dtype: {TORCH_DTYPE_NAMES[cfg.kv_cache_dtype]}, " if version == "0.5.23" else ""
+    head = f"KV Cache is allocated. {dtype}#tokens: {plan.max_total_num_tokens}, "
+    draft_mla = cfg.model.is_mla and cfg.draft is not None and cfg.draft.name in ("<mtp>", "<eagle-head>")
+    if draft_mla:
+        return head + f"KV size: {_gb(plan.draft_kv_bytes)} GB"
+    return head + f"K size: {_gb(plan.draft_kv_bytes / 2)} GB, V size: {_gb(plan.draft_kv_bytes / 2)} GB"
+
+
 def _load_end(version: str, cls: str, dtype: str, quant: str | None, avail: int, used: int, elapsed: float) -> str:
     if version == "0.5.5":
         return (f"Load weight end. type={cls}, dtype={dtype}, avail mem={_gb(avail)} GB, "
@@ -384,6 +397,8 @@ def run_startup(  # noqa: C901 - over the complexity ceiling when it was set (15
         log.line(f"Using KV cache dtype: {TORCH_DTYPE_NAMES[cfg.kv_cache_dtype]}", 0)
     wait(delays.kv_alloc_s)
     log.all_ranks(lambda r: _kv_line(plan, version))
+    if draft and version == "0.5.23":  # the draft's pool, at its own geometry (second KV line)
+        log.all_ranks(lambda r: _draft_kv_line(plan, version))
     if fail and fail.kind == "draft_kv_oom" and version == "0.5.23":
         return die()
     log.all_ranks(lambda r: f"Memory pool end. avail mem={_gb(ranks[r].after_pool)} GB")
@@ -396,6 +411,11 @@ def run_startup(  # noqa: C901 - over the complexity ceiling when it was set (15
                     cfg.model.num_layers, "graph_oom"):
         return die()
 
+    if draft and version == "0.5.23" and plan.draft_graph_bytes:
+        if not _capture(plan, log, wait, delays, "draft", lambda r: ranks[r].after_capture,
+                        plan.draft_graph_bytes, draft.num_layers, "draft_graph_oom"):
+            return die()
+
     # 5. the draft worker of 0.5.5 / 0.5.10 (§1.5).
     if draft and version != "0.5.23":
         if not load(draft.model_class, lambda r: ranks[r].draft_before_weights, draft.weight_bytes,
@@ -403,12 +423,7 @@ def run_startup(  # noqa: C901 - over the complexity ceiling when it was set (15
             return False
         if fail and fail.kind == "draft_kv_oom":
             return die()
-        rows = plan.max_total_num_tokens + cfg.page_size
-        if cfg.model.is_mla:
-            dline = f"KV size: {_gb(plan.draft_kv_bytes)} GB"
-        else:
-            dline = f"K size: {_gb(plan.draft_kv_bytes / 2)} GB, V size: {_gb(plan.draft_kv_bytes / 2)} GB"
-        log.all_ranks(lambda r: f"KV Cache is allocated. #tokens: {rows - cfg.page_size}, {dline}")
+        log.all_ranks(lambda r: _draft_kv_line(plan, version))
         log.all_ranks(lambda r: f"Memory pool end. avail mem={_gb(ranks[r].draft_after_pool)} GB")
         if not _capture(plan, log, wait, delays, "draft", lambda r: ranks[r].draft_after_pool,
                         plan.draft_graph_bytes, draft.num_layers, "draft_graph_oom"):
@@ -563,4 +578,5 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         version=cfg.version,
         decode_log_interval=cfg.decode_log_interval,
         seed=seed,
+        speculative=speculative.spec_model(plan),
     )

@@ -37,7 +37,7 @@ from tuner.sglang.hicache import (
     preferred_size_knob,
 )
 
-__all__ = ["Knob", "KNOBS", "SEARCHED_FIELDS", "HICACHE_KNOBS", "MEMORY_KNOBS", "Space", "HiCacheChoice",
+__all__ = ["Knob", "KNOBS", "SEARCHED_FIELDS", "SPEC_SHAPE_KNOBS", "HICACHE_KNOBS", "MEMORY_KNOBS", "Space", "HiCacheChoice",
            "decide_hicache", "resolve_space", "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key",
            "suggest_param"]
 
@@ -94,6 +94,9 @@ class Knob:
 
 
 _HICACHE = "enable_hierarchical_cache"
+_SPEC = "speculative_algorithm"
+SPEC_SHAPE_KNOBS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+"""The draft shape's knobs, searched together under the speculative switch (§1.5)."""
 
 KNOBS: tuple[Knob, ...] = (
     Knob(name="mem_fraction_static", kind="float", memory=True, drawn_digits=6, shown_first=True,
@@ -120,6 +123,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="cuda_graph_max_bs", kind="categorical",
          help="Largest batch captured as a CUDA graph (requests; its reserve grows with it; spelled per "
               "version, §3.2)."),
+    Knob(name=_SPEC, kind="bool", domain="speculative", absent=True,
+         help="Speculative decoding with the baseline's draft model: on (the baseline's --speculative-algorithm) "
+              "or off (every speculative flag removed; §1.5)."),
+    Knob(name="speculative_num_steps", kind="categorical", condition=_SPEC,
+         help="Draft steps per decode step (steps; SGLang's rules in tuner.sglang.speculative, §1.5)."),
+    Knob(name="speculative_eagle_topk", kind="categorical", condition=_SPEC,
+         help="Draft branches per step (1 = a chain: SGLang then verifies steps + 1 tokens, §1.5)."),
+    Knob(name="speculative_num_draft_tokens", kind="categorical", condition=_SPEC,
+         help="Tokens verified per request per step, the root included (tokens; the verify CUDA graphs "
+              "grow with it, §1.5, §2.1)."),
     Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
          help="How much KV the scheduler reserves for running requests' future tokens before admitting "
               "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
@@ -226,6 +239,9 @@ class Space(BaseModel):
         schedule_conservativeness: ``(low, high)``, or ``None``.
         kv_cache_dtype: Choices (the baseline's first), or ``None``.
         dcp_size: Choices (the baseline's first), or ``None``.
+        speculative: Whether speculative decoding is searched (on/off; the baseline runs a draft).
+        speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices, the
+            baseline's first (a candidate that leaves one out runs the baseline's), or ``None``.
         fixed: Knobs not searched, kept at the baseline's value.
     """
 
@@ -246,6 +262,10 @@ class Space(BaseModel):
     schedule_conservativeness: tuple[float, float] | None = None
     kv_cache_dtype: tuple[str, ...] | None = None
     dcp_size: tuple[int, ...] | None = None
+    speculative: bool = False
+    speculative_num_steps: tuple[int, ...] | None = None
+    speculative_eagle_topk: tuple[int, ...] | None = None
+    speculative_num_draft_tokens: tuple[int, ...] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
     _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
 
@@ -638,6 +658,7 @@ def resolve_space(
         conservativeness = (min(conservativeness[0], base_c), max(conservativeness[1], base_c))
     if hicache is None:
         hicache = decide_hicache(section, reuse=None)
+    spec = _speculative_space(section, baseline)
     fixed = {}
     if not hicache.include and baseline.get("enable_hierarchical_cache"):
         fixed["enable_hierarchical_cache"] = True
@@ -657,6 +678,7 @@ def resolve_space(
         schedule_conservativeness=conservativeness,
         kv_cache_dtype=_levers_first(section.kv_cache_dtype, baseline.get("kv_cache_dtype") or "auto"),
         dcp_size=_levers_first(section.dcp_size, int(baseline.get("dcp_size") or 1)),
+        **spec,
         fixed=fixed,
     )
 
@@ -667,6 +689,28 @@ def _levers_first(choices: Sequence[Any] | None, value: Any) -> tuple[Any, ...] 
     if not choices:
         return None
     return tuple(dict.fromkeys([value, *choices]))
+
+
+def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """The speculative knobs' domains (§1.5): searched only when the baseline runs a draft model
+    (its ``speculative_algorithm`` and resolved shape in ``baseline``) and ``[space] speculative``
+    is not false. Choices list the baseline's value first (a candidate without the knob runs it):
+    steps 1-5, topk 1 and the baseline's, draft tokens the baseline's and, with a topk above 1, 4, 6
+    and 8; ``[space]`` lists replace the defaults. Invalid combinations are screened, not launched
+    (:class:`tuner.study.decide.speculative.SpeculativeRules`)."""
+    base = [baseline.get(name) for name in SPEC_SHAPE_KNOBS]
+    if not baseline.get(_SPEC) or section.speculative is False or any(v is None for v in base):
+        return {}
+    steps, topk, draft = (int(v) for v in base)  # type: ignore[arg-type]
+
+    def first(value: int, choices: Sequence[int] | None, default: Sequence[int]) -> tuple[int, ...]:
+        rest = sorted(set(choices or default) - {value})
+        return (value, *rest)
+
+    topks = first(topk, section.speculative_eagle_topk, (1,))
+    drafts = first(draft, section.speculative_num_draft_tokens, (4, 6, 8) if max(topks) > 1 else ())
+    return {"speculative": True, "speculative_num_steps": first(steps, section.speculative_num_steps, (1, 2, 3, 4, 5)),
+            "speculative_eagle_topk": topks, "speculative_num_draft_tokens": drafts}
 
 
 def _with_baseline(choices: Sequence[int] | None, value: Any) -> tuple[int, ...] | None:

@@ -29,6 +29,7 @@ from tuner.study.decide.screens import (
     Unavailable,
 )
 from tuner.study.decide.slo import SLOBracket
+from tuner.study.decide.speculative import SpeculativeRules, SpeculativeShapes
 
 __all__ = ["build_chain"]
 
@@ -50,10 +51,12 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
+    rules = SpeculativeRules(version, argv)
     proofs: list[Screen] = [MeasuredAlready(reprobe=config.quality.enabled), MustFail(), Unavailable(version, argv),
-                            QualityFailed()]
+                            rules, QualityFailed()]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
-    planned: list[Proposer] = [RungCandidate(objective), SLOBracket(), CacheCandidate(objective, host, early=True), MemoryFrontier(),
-                               CacheCandidate(objective, host), NoiseRepeat(objective)]
+    planned: list[Proposer] = [RungCandidate(objective), SLOBracket(), CacheCandidate(objective, host, early=True),
+                               MemoryFrontier(), SpeculativeShapes(rules), CacheCandidate(objective, host),
+                               NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)
     return decider, Sampler(mirror, [*sampled, RunningElsewhere()], on_skip)
