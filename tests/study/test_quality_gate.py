@@ -29,6 +29,7 @@ def _config(tmp_path: Path, *, fault: bool, quality: str = "") -> TunerConfig:
                         'chunked_prefill_size = [1024, 2048, 4096]\nkv_cache_dtype = ["auto", "fp8_e4m3"]')
     if fault:
         text = text.replace('"--enable-metrics"]', FAULT)
+    text += f"\n[storage]\nartifacts_dir = {json.dumps(str(tmp_path / 'artifacts'))}\n"  # not the checkout's studies/
     path = tmp_path / "quality.toml"
     path.write_text(text + (f"\n[quality]\n{quality}\n" if quality else ""), encoding="utf-8")
     return load_config(path)

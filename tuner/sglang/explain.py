@@ -460,9 +460,17 @@ def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch 
         context_len=_val(settings, "context_len"), page_size=int(_val(settings, "page_size") or 1), gpu=gpu,
         draft_weight_gib=draft.weight_gib if draft else None, draft_kv_gib=draft.kv_pool_gib if draft else None,
         draft_graph_gib=draft.graph_gib if draft else None, spec_headroom_tokens=headroom,
+        graphs_captured=_graphs_captured(report),
         flags={k: v for k, v in flags.items() if v is not None},
     )
     return ladder(base)
+
+
+def _graphs_captured(report: LogReport | None) -> bool | None:
+    """Whether the logged start captured CUDA graphs (a ``Capture cuda graph end`` line, §4.2 item
+    7); ``None`` without a log."""
+    prim = report.primary() if report is not None else None
+    return None if prim is None else prim.graph_gib is not None
 
 
 def _scheduler_settings(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None) -> None:

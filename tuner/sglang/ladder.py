@@ -98,6 +98,8 @@ class LadderBase(BaseModel):
         page_size: Tokens per page.
         gpu: GPU name or architecture (``None``: unknown; feasibility cells then answer unknown).
         draft_weight_gib, draft_kv_gib, draft_graph_gib: The draft model's own lines (§4.1).
+        graphs_captured: Whether the start captured CUDA graphs (``False``: its free memory is what
+            is left once started, not after graphs; ``None``: not known, e.g. from a URL).
         spec_headroom_tokens: Tokens 0.5.5 added to the observed pool for speculative decoding
             (``max_num_reqs × steps × topk + max_num_reqs × draft_tokens + 100``, §1.5), 0 otherwise;
             ``memory`` must price the profiled budget, i.e. the observed count less these (a model
@@ -122,6 +124,7 @@ class LadderBase(BaseModel):
     gpu: str | None = None
     draft_weight_gib: float | None = None
     draft_kv_gib: float | None = None
+    graphs_captured: bool | None = None
     draft_graph_gib: float | None = None
     spec_headroom_tokens: int = 0
     flags: dict[str, Any] = Field(default_factory=dict)
@@ -329,7 +332,7 @@ def evaluate(base: LadderBase, flags: Mapping[str, Any], *, version: str | None 
     if s.dp > 1 or s.dcp > 1:
         words.append(f"logical {tokens:,} × {s.dcp * s.dp} = {logical:,}")
     if free is not None:
-        words.append(f"free after graphs {free:.2f} GiB" + ("" if starts else " < 0: the reserve does not cover graphs and activations (does not start)"))
+        words.append(f"{_free_words(base)} {free:.2f} GiB" + ("" if starts else " < 0: the reserve does not cover graphs and activations (does not start)"))
     return Rung(lever=dict(flags), tokens_per_rank=tokens, logical_tokens=logical, per_request_max_tokens=per_request,
                 free_after_graphs_gib=_round(free), starts=starts, available=avail.ok, changes_numerics=numerics,
                 why="; ".join(w for w in [*words, avail.why] if w))
@@ -375,12 +378,17 @@ def _ceiling(base: LadderBase, flags: Mapping[str, Any], version: str | None = N
     return ceil
 
 
+def _free_words(base: LadderBase) -> str:
+    """How a rung's free memory is named: after CUDA graphs, or once started when none were captured."""
+    return "free once started (no CUDA graphs captured)" if base.graphs_captured is False else "free after graphs"
+
+
 def _at_ceiling(base: LadderBase, flags: dict[str, Any], version: str | None = None, note: str = "") -> Rung | None:
     ceil = _ceiling(base, flags, version)
     if ceil is None or ceil <= 0 or ceil >= 1:
         return None
     return evaluate(base, {**flags, "mem_fraction_static": ceil}, version=version,
-                    note=(note + "; " if note else "") + f"at this rung's fraction ceiling {ceil:.3f} (free after graphs ≈ 0, as the observed start used the reserve)")
+                    note=(note + "; " if note else "") + f"at this rung's fraction ceiling {ceil:.3f} ({_free_words(base)} ≈ 0, as the observed start used the reserve)")
 
 
 def _dp_rungs(base: LadderBase, fp8: dict[str, Any]) -> list[Rung]:
