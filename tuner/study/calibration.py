@@ -178,13 +178,13 @@ class Calibration:
                     oom_frees.append((params, record.free_gib_after_graphs))
                 ceilings.setdefault(family_of(params), []).append(
                     (params["mem_fraction_static"], params["max_running_requests"]))
-        low_mfs, low_mrr = space.mem_fraction_static[0], space.max_running_requests[0]
 
         def normalise(family: Family) -> Family:
-            return family_of(space.snap({**dict(family), "mem_fraction_static": low_mfs,
-                                         "max_running_requests": low_mrr}))
+            return bracket_key(space, family)
 
         graphs, coverages = _graph_facts(history, space, settings)
+        windows = [p.model_copy(update={"graphed": _graphed(coverages.get(p.number), p.running_requests)})
+                   for p in slo_points(history)]
         return cls(
             space=space, settings=settings, points=points, graphs=graphs, coverages=coverages,
             model_points=(points or tuple(_oom_starts(history, space))) + settings.prior_points,
@@ -192,7 +192,7 @@ class Calibration:
             margin_gib=margin_for(history, settings),
             oom_frees=tuple(oom_frees),
             ceilings={f: tuple(v) for f, v in ceilings.items()},
-            bounds=slo_bounds(slo_points(history), normalise=normalise),
+            bounds=slo_bounds(windows, normalise=normalise),
         )
 
     def with_margin(self, margin_gib: float) -> Calibration:
@@ -325,15 +325,25 @@ class Calibration:
         return min(mrr, streams)
 
     def binding_family(self) -> Family:
-        """The family whose windows say most about where the SLO breaks (``()`` when none broke it)."""
+        """The bracket key (:func:`bracket_key`) whose windows say most about where the SLO breaks
+        (``()`` when none broke it)."""
         binding = [f for f, b in self.bounds.items() if b.binds]
         return max(binding, key=lambda f: (len(self.bounds[f].points), -(self.bounds[f].broken or 0)), default=())
+
+    def bracket_key(self, family: Family) -> Family:
+        """The key of ``family``'s SLO bracket in :attr:`bounds` (:func:`bracket_key`)."""
+        return bracket_key(self.space, family)
+
+    def bound_of(self, family: Family) -> SLOBound | None:
+        """``family``'s own SLO bracket (its windows and those of knobs that differ from it in
+        ``cuda_graph_max_bs`` only), or ``None`` when none of them measured a verdict."""
+        return self.bounds.get(self.bracket_key(family))
 
     def bound_for(self, family: Family) -> SLOBound | None:
         """The family's own SLO bound when a window of it broke the SLO; else the
         :meth:`binding_family`'s (an estimate for choosing a proposal, never a proof); else the
         family's own (not binding) or ``None``."""
-        own = self.bounds.get(family)
+        own = self.bound_of(family)
         if own is not None and own.binds:
             return own
         other = self.bounds.get(self.binding_family())
@@ -372,17 +382,16 @@ class Calibration:
         that differ in ``cuda_graph_max_bs`` only (coverage decides there).
         """
         mine = self.coverage(family, mrr)
-        for fam, bound in self.bounds.items():
-            if fam != family and _without_graphs(fam) != _without_graphs(family):
-                continue
+        bound = self.bound_of(family)
+        if bound is not None:
             for point in sorted(bound.points, key=lambda p: p.running_requests):
-                if point.slo <= 0 or running < point.running_requests:
+                if not bound.proves(point) or running < point.running_requests:
                     continue
                 if tokens is not None and not self._surely_runs(tokens, point):
                     continue
                 theirs = self.coverages.get(point.number)
                 if mine is None or theirs is None:
-                    if fam == family:
+                    if family_of(self.space.snap(dict(point.family))) == family_of(self.space.snap(dict(family))):
                         return point.number, point.running_requests
                     continue
                 if theirs.covers_as_well(mine, int(point.running_requests)):
@@ -401,22 +410,36 @@ class Calibration:
         """Where a request-slot proposal lands on the graphs: ``(family, note)``.
 
         Every batch up to ``mrr`` replays a graph when ``mrr`` is at most the largest captured
-        size (SGLang captures the request table's size itself below ``cuda_graph_max_bs``, §2.1):
-        ``(family, None)``. Above it, where the space searches ``cuda_graph_max_bs``, the graphs
-        move with the slots (the smallest choice that covers them, else the largest); otherwise the
-        note says which batches decode eagerly.
+        size (SGLang captures the request table's size itself below ``cuda_graph_max_bs``, §2.1).
+        Where the space searches ``cuda_graph_max_bs``, the proposal lands on the *smallest* choice
+        that captures what the best choice does at ``mrr`` slots: the graphs move with the slots
+        when ``mrr`` is above the family's largest captured size (the note says so), and a choice
+        above the slots lands on the smallest one with the same captured sizes (the same server:
+        every size above the request table is dropped, §2.1), so two launches never differ in an
+        unused ``cuda_graph_max_bs`` alone. Without that knob in the space, the note says which
+        batches decode eagerly.
         """
         cov = self.coverage(family, mrr)
-        if cov is None or cov.eager_above(mrr) is None:
+        if cov is None:
             return family, None
-        choices = [int(c) for c in self.space.grid("cuda_graph_max_bs")]
-        if choices:
-            current = dict(family).get("cuda_graph_max_bs")
-            best = min((c for c in choices if c >= mrr), default=max(choices))
-            if best != current:
+        eager = cov.eager_above(mrr) is not None
+        choices = sorted(int(c) for c in self.space.grid("cuda_graph_max_bs"))
+        if choices and self.graphs is not None:
+            current = dict(family).get("cuda_graph_max_bs") or self._default_graph_bs()
+            want = self.graphs.coverage(mrr, choices[-1]) if eager else cov
+            best = next((c for c in choices if want is not None
+                         and self.graphs.coverage(mrr, c) == want), None)
+            if best is None and eager:
+                best = min((c for c in choices if c >= mrr), default=choices[-1])
+            if best is not None and best != dict(family).get("cuda_graph_max_bs"):
                 moved = tuple(sorted({**dict(family), "cuda_graph_max_bs": best}.items()))
-                return moved, (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
-                               f"(captured up to {cov.largest} at {current or self._default_graph_bs()})")
+                note = (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
+                        f"(captured up to {cov.largest} at {current})") if eager else None
+                return moved, note
+            if best is not None:
+                return family, None
+        if not eager:
+            return family, None
         return family, (f"max_running_requests {mrr} is above the largest captured CUDA-graph batch {cov.largest}: "
                         f"batches of {cov.largest + 1}-{mrr} decode eagerly (slower steps)")
 
@@ -573,6 +596,25 @@ def _slot_cost(points: Sequence[Point], settings: ModelSettings) -> float:
 def _without_graphs(family: Family) -> Family:
     """``family`` without ``cuda_graph_max_bs``."""
     return tuple((k, v) for k, v in family if k != "cuda_graph_max_bs")
+
+
+def bracket_key(space: Space, family: Family) -> Family:
+    """The SLO bracket ``family`` shares (:attr:`Calibration.bounds`): its knobs snapped to
+    ``space``, without ``cuda_graph_max_bs``. Configs that differ in the graphs only run the same
+    workload on the same scheduler; their windows are told apart by the batches that replayed a
+    graph (:attr:`tuner.study.slo_bound.SLOPoint.graphed`), not kept in separate brackets (§2.1)."""
+    snapped = space.snap({**dict(family), "mem_fraction_static": space.mem_fraction_static[0],
+                          "max_running_requests": space.max_running_requests[0]})
+    return _without_graphs(family_of(snapped))
+
+
+def _graphed(coverage: GraphCoverage | None, running: float) -> int | None:
+    """The batches of ``1..running`` that replayed a graph as one number: ``running`` itself when
+    every one did, else the largest captured size below the first eager batch; ``None``: unknown."""
+    if coverage is None:
+        return None
+    eager = coverage.eager_above(int(running))
+    return int(running) if eager is None else eager - 1
 
 
 def _graph_facts(history: Sequence[tuple[int, TrialRecord]], space: Space,
