@@ -436,8 +436,6 @@ class Calibration:
                 note = (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
                         f"(captured up to {cov.largest} at {current})") if eager else None
                 return moved, note
-            if best is not None:
-                return family, None
         if not eager:
             return family, None
         return family, (f"max_running_requests {mrr} is above the largest captured CUDA-graph batch {cov.largest}: "
