@@ -126,3 +126,15 @@ def test_a_line_from_the_broken_side_joins_windows_of_one_graph_coverage_only() 
     assert slo_bounds([eager, full])[key].next_count() == 38  # 64 · 0.95 / 1.571
     alike = eager.model_copy(update={"graphed": 256})
     assert slo_bounds([alike, full])[key].next_count() == 10  # the line through both
+
+
+def test_an_unused_wider_cuda_graph_max_bs_lands_on_the_smallest_with_the_same_captures(space) -> None:
+    """SGLang adds the request table's size to the capture list and drops every size above it
+    (§2.1): 20 slots capture [1, 2, 4, 8, 12, 16, 20] under 24- and 64-wide graphs alike, so the
+    planner's count lands on 24 (one server, one launch); above 24 the graphs move with the slots
+    to the smallest choice that captures every batch (40 slots: 48, as 64 would)."""
+    cal = _view(space, [(0, _record(_params(0.85, 20), running=20, slo=-0.6))]).calibration
+    landed, note = cal.land((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 64)), 20)
+    assert dict(landed)["cuda_graph_max_bs"] == 24 and note is None
+    landed, note = cal.land((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 24)), 40)
+    assert dict(landed)["cuda_graph_max_bs"] == 48 and note is not None and "moves with" in note
