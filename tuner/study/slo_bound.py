@@ -22,7 +22,15 @@ knobs of one family only. It does **not** hold
   requests (retractions, §4.4): then the measured ``running_requests`` overstates the load and the
   rule is not applied to a config whose pool holds fewer requests than its slots;
 * within the measurement noise: a window close to the limit may land on either side (the planner
-  aims inside the boundary by :data:`AIM_MARGIN`).
+  aims inside the boundary by :data:`AIM_MARGIN`), and one window's p99 ITL flips between the
+  decode-only steps and those a prefill chunk joins by a handful of steps, so adjacent counts can
+  break and hold in turn; a break that a window of the bracket contradicts by meeting the SLO at
+  as many requests or more proves nothing (:meth:`SLOBound.proves`).
+* across CUDA-graph coverage: a window that decoded some batches eagerly is slower than one whose
+  graphs cover them (§2.1). The study keys its brackets without ``cuda_graph_max_bs``
+  (:func:`tuner.study.calibration.bracket_key`) and tells the windows apart by
+  :attr:`SLOPoint.graphed`; the proofs compare coverages
+  (:meth:`tuner.study.calibration.Calibration.slo_proof`).
 
 Between ``safe`` and ``broken`` the next count to try comes from the measured latencies: the
 latency ratio ``slo + 1`` is interpolated linearly in running requests (a closed loop's queueing
