@@ -11,7 +11,7 @@ import requests
 from tests.support.sim import run_to_exit, spawn, wait_ready
 from tuner.sim import costmodel, startup
 from tuner.sim.engine import SimRequest
-from tuner.sim.evaluate import evaluate
+from tuner.sim.evaluate import evaluate, size_server
 from tuner.sim.speculative import accept_length, classify_ids, classify_text, refusal, tree_error
 
 KIMI = ["--model-path", "kimi-k2.5-int4", "--trust-remote-code", "--tp-size", "8", "--sim-gpu",
@@ -128,3 +128,16 @@ def test_the_crossover_fewer_draft_tokens_then_speculation_off_as_the_batch_grow
     assert max(chain) > off and depths[chain.index(max(chain))] < 4
     off, chain = by_batch[256]
     assert off > 1.1 * max(chain) and depths[chain.index(max(chain))] <= 2
+
+
+def test_a_smaller_draft_kv_dtype_halves_the_draft_pool_and_leaves_the_rest_free() -> None:
+    """0.5.23 budgets the draft's pool as the target cell's share by layers; an fp8 draft pool
+    takes half of it and the other half stays free (the flag's help text)."""
+    args = [*KIMI, "--sim-version", "0.5.23", "--max-running-requests", "64", *_shape(3, 1, 4)]
+    _, bf16 = startup.plan_from_argv(args)
+    _, fp8 = startup.plan_from_argv([*args, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"])
+    assert fp8.max_total_num_tokens == bf16.max_total_num_tokens
+    assert fp8.draft_kv_bytes == pytest.approx(bf16.draft_kv_bytes / 2, rel=0.01)
+    freed = (size_server([*args, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"]).free_gib_after_graphs
+             - size_server(args).free_gib_after_graphs)
+    assert freed == pytest.approx(bf16.draft_kv_bytes / 2 / 2**30, rel=0.05)

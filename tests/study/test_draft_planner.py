@@ -44,8 +44,10 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> tuple[Calibration, dic
     return cal, dict(runner.history[0][1].params)
 
 
-def _argv(shape: tuple[int, int, int] | None, mfs: float, mrr: int) -> list[str]:
+def _argv(shape: tuple[int, int, int] | None, mfs: float, mrr: int, dtype: str | None = None) -> list[str]:
     argv = [*TWIN, "--mem-fraction-static", str(mfs), "--max-running-requests", str(mrr)]
+    if dtype is not None:
+        argv += ["--speculative-draft-kv-cache-dtype", dtype]
     if shape is not None:
         argv += ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(shape[0]),
                  "--speculative-eagle-topk", str(shape[1]), "--speculative-num-draft-tokens", str(shape[2])]
@@ -61,21 +63,25 @@ def test_the_start_stores_the_draft_as_a_typed_fact_the_model_learns(baseline) -
     assert params["speculative_num_steps"] == 3
 
 
-@pytest.mark.parametrize(("shape", "mfs", "mrr"), [
-    ((3, 1, 4), 0.925, 104),  # more slots: more captured sizes, more verify graphs
-    ((4, 1, 5), 0.91, 104),  # and five verified tokens a request
-    ((2, 1, 3), 0.9, 80),
-    ((5, 1, 6), 0.88, 48),  # the baseline's slots, a larger shape
+@pytest.mark.parametrize(("shape", "mfs", "mrr", "dtype"), [
+    ((3, 1, 4), 0.925, 104, None),  # more slots: more captured sizes, more verify graphs
+    ((4, 1, 5), 0.91, 104, None),  # and five verified tokens a request
+    ((2, 1, 3), 0.9, 80, None),
+    ((5, 1, 6), 0.88, 48, None),  # the baseline's slots, a larger shape
+    ((3, 1, 4), 0.925, 104, "fp8_e4m3"),  # the draft's pool at half the bytes: its saving is free memory
 ])
-def test_unlaunched_draft_shapes_are_predicted_within_10_percent_of_the_startup_path(baseline, shape, mfs, mrr) -> None:  # noqa: ANN001
+def test_unlaunched_draft_shapes_are_predicted_within_10_percent_of_the_startup_path(  # noqa: ANN201
+        baseline, shape, mfs, mrr, dtype):  # noqa: ANN001
     cal, params = baseline
     candidate = cal.space.snap({**params, "mem_fraction_static": mfs, "max_running_requests": mrr,
                                 "speculative_algorithm": True, "speculative_num_steps": shape[0],
-                                "speculative_eagle_topk": shape[1], "speculative_num_draft_tokens": shape[2]})
+                                "speculative_eagle_topk": shape[1], "speculative_num_draft_tokens": shape[2],
+                                **({} if dtype is None else {"speculative_draft_kv_cache_dtype": dtype})})
+    assert dtype is None or candidate["speculative_draft_kv_cache_dtype"] == dtype
     family = family_of(candidate)
     ref = cal.reference(family, mrr)
     tokens, free = cal.predict(ref, mfs, mrr, family)
-    sim = size_server(_argv(shape, mfs, mrr))
+    sim = size_server(_argv(shape, mfs, mrr, dtype))
     assert sim.engine_spec is not None
     # What the start leaves free after the draft's and the verify graphs (the runtime headroom).
     assert free == pytest.approx(sim.free_gib_after_graphs, abs=0.1)
@@ -83,9 +89,11 @@ def test_unlaunched_draft_shapes_are_predicted_within_10_percent_of_the_startup_
     # The draft's part of the reserve itself, predicted from the one start.
     assert ref.draft is not None
     predicted = cal.draft_gib(ref, mrr, family, tokens)
-    _, plan = plan_from_argv(_argv(shape, mfs, mrr))
+    _, plan = plan_from_argv(_argv(shape, mfs, mrr, dtype))
     actual = (plan.graph_bytes + plan.draft_graph_bytes) / 2**30
     assert predicted == pytest.approx(actual, rel=0.10)
+    draft = cal.draft_memory(ref, mrr, family, tokens)  # the draft's pool itself, at its dtype
+    assert draft is not None and draft.kv_gib == pytest.approx(plan.draft_kv_bytes / 2**30, rel=0.10)
 
 
 def test_speculation_off_is_predicted_with_no_draft_and_one_token_graphs(baseline) -> None:  # noqa: ANN001

@@ -241,8 +241,13 @@ class Calibration:
         graphs; its KV pool too before 0.5.16), predicted from ``ref``'s start (else the study's
         latest draft) at the candidate's shape, ``tokens`` pool and captured sizes; None without
         a draft (§1.5, §2.1)."""
-        predicted = self._drafts.predicted(ref, mrr, family, tokens)
+        predicted = self.draft_memory(ref, mrr, family, tokens)
         return None if predicted is None else _draft_gib(predicted)
+
+    def draft_memory(self, ref: Point, mrr: int, family: Family, tokens: int) -> DraftMemory | None:
+        """The candidate's draft memory (its pool at its dtype, its graphs, the target's verify
+        graphs), predicted from ``ref``'s start (else the study's latest draft); None without a draft."""
+        return self._drafts.predicted(ref, mrr, family, tokens)
 
     @property
     def _drafts(self) -> _Drafts:
@@ -595,7 +600,17 @@ class _Drafts:
             ratio = self._captured(mrr, family) / have.capture_sizes if have.capture_sizes else 1.0
             return (have.verify_graph_gib or 0.0) / max(have.num_draft_tokens, 1) * ratio - held
         predicted = self.predicted(ref, mrr, family, tokens)
-        return 0.0 if predicted is None else _draft_gib(predicted) - held
+        if predicted is None:
+            return 0.0
+        known = have or self.latest
+        assert known is not None
+        extra = _draft_gib(predicted) - held
+        if known.in_budget and known.kv_gib is not None and known.kv_tokens and predicted.kv_gib is not None:
+            # 0.5.16+ budgets the draft's pool as a share of the cell by layers: a draft dtype
+            # smaller than the start's leaves part of that share free (the flag's help: "the saving
+            # shows up as free device memory"), a larger one takes the rest from the reserve.
+            extra += predicted.kv_gib - known.kv_gib * tokens / known.kv_tokens
+        return extra
 
     def predicted(self, ref: Point, mrr: int, family: Family, tokens: int) -> DraftMemory | None:
         """The candidate's draft memory (None: it runs no draft): ``ref``'s draft, else the
@@ -604,7 +619,9 @@ class _Drafts:
         shape = self._shape(family, known)
         if known is None or shape is None:
             return None
-        return known.predict(shape, tokens=tokens, capture_sizes=self._captured(mrr, family))
+        dtype = dict(family).get("speculative_draft_kv_cache_dtype")
+        return known.predict(shape, tokens=tokens, capture_sizes=self._captured(mrr, family),
+                             kv_dtype=None if dtype is None else str(dtype))
 
     def _shape(self, family: Family, have: DraftMemory | None) -> SpecShape | None:
         """The candidate's draft shape (None: no draft), the reference's where the family
