@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_tuner
 from tests.support.sim import spawn, wait_ready
 from tuner.load.runner import run_load_sync
 from tuner.load.workloads import TraceSpec, build_workload, for_speculation
@@ -84,3 +85,19 @@ def test_on_the_simulator_the_text_reaches_generate_and_is_accepted_as_chat(tmp_
         sim.stop()
     assert results["text"] is not None and results["ids"] is not None
     assert results["ids"] > 1.1 * results["text"]  # random ids overstate the draft's acceptance
+
+
+def test_tuner_load_sends_a_trace_as_text_when_asked(tmp_path: Path) -> None:
+    trace = _sharegpt(tmp_path / "chat.json", 4)
+    sim = spawn(SPEC, tmp_path)
+    try:
+        wait_ready(sim)
+        for extra, cls in (([], "unknown"), (["--send-text"], "trace")):
+            out = tmp_path / f"{cls}.json"
+            done = run_tuner("load", "--url", sim.url, "--workload", "trace", "--trace", str(trace), *extra,
+                             "--concurrency", "2", "--json", str(out), timeout_s=180)
+            assert done.returncode == 0, done.stderr
+            assert set(json.loads(out.read_text())["summary"]["accept_length_by_class"]) == {cls}
+            assert ("random token ids overstate" in done.stderr) is (cls == "unknown")
+    finally:
+        sim.stop()
