@@ -31,7 +31,10 @@ layer, plus launch and communication overheads:
   This factor is not part of the aiconfigurator fit.
 - **Speculative decoding** (optional): a decode step runs ``num_steps`` draft passes of a
   one-layer draft at the batch size, then one target verify pass over ``batch ×
-  num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average.
+  num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average. Past the
+  ridge the verify's compute grows with ``batch × num_draft_tokens``, which is where speculation
+  loses at high concurrency (sglang#22246, #6995; :mod:`tuner.sim.speculative` states the
+  sources, the step costs the engine uses and where the crossover lies).
 
 The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-step overhead were
 fitted once (log least squares) to aiconfigurator 0.12.0's offline SGLang (0.5.14 database)

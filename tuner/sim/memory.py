@@ -357,6 +357,23 @@ def _resolve_spec(v: dict[str, Any], model: ModelSpec) -> SpecConfig | None:
     return SpecConfig(algo, int(steps), int(topk), int(draft))
 
 
+def _draft_elem(v: dict[str, Any], model: ModelSpec, target_elem: float) -> float:
+    """Bytes per element of the draft's KV pool: ``--speculative-draft-kv-cache-dtype`` (0.5.23's
+    flag; ``auto`` is the draft's own dtype), else the target's (``kv_cache_dtype.py``
+    ``configure_kv_cache_dtype``: "Default follows --kv-cache-dtype"). The draft's pool is then
+    smaller than the share of the budget SGLang profiled for it (``cell × draft_layers /
+    target_layers``), and the saving is free memory (the flag's help: "raise
+    --mem-fraction-static to convert it into KV capacity")."""
+    dtype = v.get("speculative_draft_kv_cache_dtype")
+    if dtype is None:
+        return target_elem
+    dtype = model.torch_dtype if dtype == "auto" else str(dtype)
+    if dtype not in KV_DTYPE_BYTES:
+        raise SimError(f"--speculative-draft-kv-cache-dtype {dtype!r} is not simulated; use auto, bf16, fp8_e4m3 "
+                       "or fp8_e5m2.")
+    return KV_DTYPE_BYTES[dtype]
+
+
 def _resolve_draft(v: dict[str, Any], model: ModelSpec, spec: SpecConfig | None, tp: int,
                    elem: float, version: str, warnings: list[str]) -> DraftSpec | None:
     """The draft model: a config dir, the model's MTP layers, or a one-layer EAGLE head (simulator's)."""
@@ -461,7 +478,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
             speculative_algorithm=spec.algorithm if spec else None, is_mla=model.is_mla,
             piecewise=piecewise,
         )
-    draft = _resolve_draft(v, model, spec, tp, elem, version, warnings)
+    draft = _resolve_draft(v, model, spec, tp, _draft_elem(v, model, elem), version, warnings)
     context_len = int(v.get("context_length") or model.max_position_embeddings)
     page = int(v.get("page_size") or 1)
     hicache_ratio = v.get("hicache_ratio")

@@ -165,5 +165,7 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
                                 mean_request_tokens=workload.mean_request_tokens)
     hicache = study_hicache(config, device_tokens=record.token_capacity, version=environment.get("sglang_version"),
                             host=host, ranks=ranks)
+    version = environment.get("sglang_version")
+    draft_kv_dtype = bool(version) and FlagTable.for_version(str(version)).has("speculative_draft_kv_cache_dtype")
     return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
-                         capacity_hint=hint, slots_hint=slots, hicache=hicache)
+                         capacity_hint=hint, slots_hint=slots, hicache=hicache, draft_kv_dtype=draft_kv_dtype)
