@@ -121,9 +121,15 @@ def test_ladder_01_dsa_per_rank_pool_under_dp_attention():
     assert now.logical_tokens == pytest.approx(case["expected"]["logical_tokens"], rel=0.01)
     without_indexer = (arch["kv_lora_rank"] + arch["kv_lora_rank"] / 128 * 4 + arch["qk_rope_head_dim"] * 2) * arch["num_hidden_layers"]
     assert cell / without_indexer == pytest.approx(48068 / 40016, rel=1e-4)
-    # DCP 8 on 0.5.23 with the indexer replicated: gain 3.68x, not 8x
+    # DCP 8 on 0.5.23 with the indexer replicated: not 8x. 0.5.23 defaults both DSA backends to trtllm
+    # under DCP (_dsa_dcp_overrides), whose latent row is raw 576 B (calculate_mla_kv_cache_dim; SGLang's
+    # CPU test asserts (576 + 132 x 8) x L), so from this 656 + 132 B start: 8 x 788 / 1632 = 3.86x
     dcp = evaluate(LadderBase(**{**base.model_dump(), "dp": 1, "flags": {"kv_cache_dtype": "fp8_e4m3"}}), {"dcp_size": 8}, version="0.5.23")
-    assert dcp.logical_tokens / now.tokens_per_rank == pytest.approx(3.68, rel=0.01)
+    assert dcp.logical_tokens / now.tokens_per_rank == pytest.approx(8 * 788 / (576 + 8 * 132), rel=0.01)
+    # with a scaled-row backend named (flashmla_kv), the latent keeps 656 B: the 3.68x of the README's formula
+    scaled = evaluate(LadderBase(**{**base.model_dump(), "dp": 1, "flags": {"kv_cache_dtype": "fp8_e4m3"}}),
+                      {"dcp_size": 8, "dsa_prefill_backend": "flashmla_kv", "dsa_decode_backend": "flashmla_kv"}, version="0.5.23")
+    assert scaled.logical_tokens / now.tokens_per_rank == pytest.approx(3.68, rel=0.01)
 
 
 def test_ladder_09_fraction_rungs_from_one_start_at_065():

@@ -28,7 +28,11 @@ DEPLOYMENTS = [
     ("llama-3.1-8b", 2, "L40S-48GB", "0.5.5", 0.85, False),
     ("llama-3.1-70b", 4, "H100-80GB", "0.5.23", 0.9, False),
     ("qwen3-32b", 2, "H100-80GB", "0.5.10", 0.88, False),
+    # DSA (DeepSeek-V3.2): auto KV is fp8 with the raw trtllm row on B200, bf16 on H200 (0.5.23 overrides.py)
+    ("deepseek-v3.2", 8, "B200-180GB", "0.5.23", 0.85, False),
+    ("deepseek-v3.2", 8, "H200-141GB", "0.5.23", 0.85, False),
 ]
+GPU_ARCH = {"B200-180GB": "sm100", "H200-141GB": "sm90", "RTX-PRO-6000-96GB": "sm120", "H100-80GB": "sm90", "L40S-48GB": "sm89"}
 
 
 def _argv(model: str, tp: int, gpu: str, version: str, mfs: float, spec: bool) -> list[str]:
@@ -46,7 +50,8 @@ def _base(plan: MemoryPlan, model: str, tp: int, version: str, mfs: float) -> La
     mem = KVCapacityModel(baseline_gib=plan.baseline_bytes / GIB, static_gib=(plan.baseline_bytes - plan.post_load_bytes) / GIB,
                           cell_bytes=int(plan.cell_bytes), observed_mem_fraction_static=mfs, observed_tokens=plan.max_total_num_tokens)
     return LadderBase(memory=mem, model=load_model_config(MODELS / model), version=version, tp=tp, mem_fraction_static=mfs,
-                      speculative_algorithm=spec.algorithm if spec else None, context_len=cfg.context_len, spec_headroom_tokens=headroom)
+                      speculative_algorithm=spec.algorithm if spec else None, context_len=cfg.context_len, spec_headroom_tokens=headroom,
+                      page_size=cfg.page_size, gpu=GPU_ARCH[cfg.gpu.name])
 
 
 def _levers(model: str, tp: int, version: str, spec: bool) -> list[tuple[dict[str, Any], list[str]]]:
@@ -59,9 +64,16 @@ def _levers(model: str, tp: int, version: str, spec: bool) -> list[tuple[dict[st
         out.append(({"enable_dp_attention": True, "dp_size": dp}, ["--enable-dp-attention", "--dp-size", str(dp)]))
         out.append(({"enable_dp_attention": True, "dp_size": dp, "mem_fraction_static": 0.95},
                     ["--enable-dp-attention", "--dp-size", str(dp), "--mem-fraction-static", "0.95"]))
-    if version == "0.5.23" and model in ("kimi-k2.5-int4", "deepseek-v3"):
+    if version == "0.5.23" and model in ("kimi-k2.5-int4", "deepseek-v3", "deepseek-v3.2"):
         out.append(({"dcp_size": tp}, ["--dcp-size", str(tp)]))
         out.append(({"dcp_size": tp // 2, "kv_cache_dtype": "fp8_e4m3"}, ["--dcp-size", str(tp // 2), "--kv-cache-dtype", "fp8_e4m3"]))
+    if model == "deepseek-v3.2":  # the other DSA rows: bf16, and fp8 with a scaled-row backend named
+        out.append(({"kv_cache_dtype": "bfloat16"}, ["--kv-cache-dtype", "bfloat16"]))
+        out.append(({"kv_cache_dtype": "fp8_e4m3", "dsa_prefill_backend": "flashmla_kv", "dsa_decode_backend": "flashmla_kv"},
+                    ["--kv-cache-dtype", "fp8_e4m3", "--dsa-prefill-backend", "flashmla_kv", "--dsa-decode-backend", "flashmla_kv"]))
+        out.append(({"dcp_size": tp, "dsa_prefill_backend": "flashmla_kv", "dsa_decode_backend": "flashmla_kv", "kv_cache_dtype": "fp8_e4m3"},
+                    ["--dcp-size", str(tp), "--dsa-prefill-backend", "flashmla_kv", "--dsa-decode-backend", "flashmla_kv",
+                     "--kv-cache-dtype", "fp8_e4m3"]))
     return out
 
 

@@ -33,6 +33,7 @@ from tuner.sglang.levers import (
     dcp_per_rank_cell_bytes,
     dp_attention_extra_weight_gib,
     draft_budget,
+    dsa_kv_settings,
     feasibility,
     flag_available,
     supporting_backend,
@@ -142,6 +143,7 @@ class _Shape(BaseModel):
     dp: int
     dcp: int
     backend: str | None
+    dsa_backends: tuple[str | None, str | None] = (None, None)
 
 
 def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _Shape:
@@ -151,7 +153,18 @@ def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _
         dtype=str(flags.get("kv_cache_dtype", base.kv_cache_dtype)),
         spec=flags["speculative_algorithm"] if "speculative_algorithm" in flags else base.speculative_algorithm,
         dp=dp, dcp=int(flags.get("dcp_size") or 1), backend=flags.get("attention_backend", base.attention_backend),
+        dsa_backends=(flags.get("dsa_prefill_backend"), flags.get("dsa_decode_backend")),
     )
+
+
+def _kv(base: LadderBase, s: _Shape) -> tuple[str, bool]:
+    """The rung's resolved KV dtype and, for a DSA model, whether its latent row is raw
+    (:func:`~tuner.sglang.levers.dsa_kv_settings`; the deployment's own DSA backends are taken as
+    SGLang's defaults, since its log prints resolved values only)."""
+    if base.model is None or attention_type(base.model) != "dsa":
+        return s.dtype, False
+    return dsa_kv_settings(version=s.version, gpu=base.gpu, kv_cache_dtype=s.dtype, dcp=s.dcp,
+                           prefill_backend=s.dsa_backends[0], decode_backend=s.dsa_backends[1])
 
 
 def _base_shape(base: LadderBase) -> _Shape:
@@ -161,14 +174,15 @@ def _base_shape(base: LadderBase) -> _Shape:
 def _cell(base: LadderBase, s: _Shape) -> int | None:
     """The rung's per-rank cell: the observed cell × formula(rung) / formula(observed)."""
     b = _base_shape(base)
-    if s.dtype == b.dtype and s.dp == b.dp and s.dcp == 1 and s.spec == b.spec and s.version == b.version:
+    if s.dtype == b.dtype and s.dp == b.dp and s.dcp == 1 and s.spec == b.spec and s.version == b.version and s.dsa_backends == b.dsa_backends:
         return base.memory.cell_bytes
     if base.model is None:
         return None
 
     def formula(x: _Shape) -> int:
-        return cell_size_bytes(base.model, tp=base.tp, kv_cache_dtype=x.dtype, version=x.version,  # type: ignore[arg-type]
-                               speculative_algorithm=x.spec, dp_attention_size=x.dp)
+        dtype, raw = _kv(base, x)
+        return cell_size_bytes(base.model, tp=base.tp, kv_cache_dtype=dtype, version=x.version,  # type: ignore[arg-type]
+                               speculative_algorithm=x.spec, dp_attention_size=x.dp, dsa_raw=raw)
 
     cell = base.memory.cell_bytes * formula(s) / formula(b)
     return dcp_per_rank_cell_bytes(int(round(cell)), base.model, s.dcp)
@@ -219,7 +233,7 @@ def _draft_reserve(base: LadderBase, s: _Shape, tokens: int, cell: int) -> float
     if rule.draft_kv == "reserve" and base.draft_kv_gib:
         obs = base.memory.observed_tokens or tokens
         model = base.model
-        ratio = 1.0 if model is None else kv_elem_bytes(model, s.dtype) / kv_elem_bytes(model, base.kv_cache_dtype)
+        ratio = 1.0 if model is None else kv_elem_bytes(model, _kv(base, s)[0]) / kv_elem_bytes(model, _kv(base, _base_shape(base))[0])
         total += base.draft_kv_gib * tokens / max(1, obs) * ratio
     return total
 
@@ -438,9 +452,10 @@ def ladder(base: LadderBase) -> list[Rung]:
     if top is not None:
         rungs.append(top)
     fp8: dict[str, Any] = {}
-    if base.model is not None and kv_elem_bytes(base.model, base.kv_cache_dtype) > 1:
+    elem = None if base.model is None else kv_elem_bytes(base.model, _kv(base, _base_shape(base))[0])
+    if base.model is not None and elem is not None and elem > 1:
         fp8 = _fp8_flags(base)
-        rungs.append(evaluate(base, fp8, note=f"fp8 KV: {kv_elem_bytes(base.model, base.kv_cache_dtype):g} → 1 B per element (§1.3)"))
+        rungs.append(evaluate(base, fp8, note=f"fp8 KV: {elem:g} → 1 B per element (§1.3)"))
         top = _at_ceiling(base, dict(fp8))
         if top is not None:
             rungs.append(top)

@@ -54,6 +54,7 @@ __all__ = [
     "dcp_gain",
     "supporting_backend",
     "table_for",
+    "dsa_kv_settings",
 ]
 
 LeverName = Literal["fp8_kv", "dcp", "dp_attention", "speculative"]
@@ -319,3 +320,47 @@ def dcp_gain(cell_bytes: int, model: ModelArch, dcp: int) -> float:
     """Logical capacity under DCP over the capacity without, at the same budget:
     ``dcp × cell / per_rank_cell`` = ``N (kv + idx) / (kv + N idx)`` (3.68× at N = 8 for 656/132)."""
     return dcp * cell_bytes / dcp_per_rank_cell_bytes(cell_bytes, model, dcp)
+
+
+def _sm_major(gpu: str | None) -> int | None:
+    arch = gpu_arch(gpu)
+    return int(arch[2:-1]) if arch and arch[2:].isdigit() and len(arch) >= 4 else None
+
+
+def dsa_kv_settings(*, version: str, gpu: str | None, kv_cache_dtype: str, dcp: int = 1,
+                    prefill_backend: str | None = None, decode_backend: str | None = None) -> tuple[str, bool]:
+    """A DeepSeek DSA model's resolved KV dtype and whether its latent row is raw.
+
+    ``auto`` becomes ``fp8_e4m3`` on SM ≥ 10 and ``bfloat16`` below (0.5.5 ``server_args.py``, 0.5.23
+    ``arg_groups/overrides.py`` ``_dsa_kv_cache_dtype_default``); an unknown GPU keeps ``auto``. From
+    0.5.23 the backends default to ``trtllm`` under ``--dcp-size > 1`` (``_dsa_dcp_overrides``),
+    else fp8 → ``trtllm`` (SM ≥ 10) / ``flashmla_kv``, bf16 → decode ``trtllm`` (SM ≥ 10) / ``fa3``
+    (``_dsa_split_backend_resolution``); a ``trtllm`` or both-``tilelang`` backend stores the raw
+    ``(kv_lora_rank + qk_rope_head_dim) × elem`` row (``calculate_mla_kv_cache_dim``), the other
+    fp8 backends the scaled 656 B row. Before 0.5.23 fp8 is the scaled row (0.5.5's
+    ``flashmla_kv``; ladder-01).
+
+    Args:
+        version: SGLang version.
+        gpu: GPU name or architecture (``None``: unknown).
+        kv_cache_dtype: ``--kv-cache-dtype``.
+        dcp: ``--dcp-size``.
+        prefill_backend, decode_backend: ``--dsa-prefill-backend`` / ``--dsa-decode-backend`` when given.
+
+    Returns:
+        ``(dtype, raw_layout)``: the resolved dtype (``auto`` when the GPU is unknown) and whether
+        the latent row is raw.
+    """
+    major = _sm_major(gpu)
+    dtype = "bfloat16" if kv_cache_dtype == "bf16" else kv_cache_dtype
+    if dtype == "auto" and major is not None:
+        dtype = "fp8_e4m3" if major >= 10 else "bfloat16"
+    if not at_least(version, "0.5.23") or dtype != "fp8_e4m3":
+        return dtype, False
+    if dcp > 1:
+        prefill_backend, decode_backend = prefill_backend or "trtllm", decode_backend or "trtllm"
+    if major is not None:
+        default = "trtllm" if major >= 10 else "flashmla_kv"
+        prefill_backend, decode_backend = prefill_backend or default, decode_backend or default
+    raw = "trtllm" in (prefill_backend, decode_backend) or prefill_backend == decode_backend == "tilelang"
+    return dtype, raw
