@@ -130,7 +130,7 @@ def cell_size_bytes(
     """
     elem = kv_elem_bytes(model, kv_cache_dtype)
     attn_tp = max(1, tp // max(1, dp_attention_size))
-    cell = _layer_cell(model, attn_tp, elem, dsa_raw) * model.num_layers
+    cell = _layer_cell(model, attn_tp, elem, dsa_raw) * model.kv_layers  # hybrid models: full-attention layers only
     if model.attention == "mla" and model.index_head_dim:
         cell += (model.index_head_dim + model.index_head_dim / 128 * 4) * model.num_layers
     algo = (speculative_algorithm or "").upper()
@@ -141,7 +141,7 @@ def cell_size_bytes(
             draft_layers = model.num_nextn_predict_layers
         else:
             draft_layers = 1
-        cell *= 1 + draft_layers / model.num_layers
+        cell *= 1 + draft_layers / model.kv_layers
     return int(round(cell))
 
 
