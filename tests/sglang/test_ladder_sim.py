@@ -120,6 +120,22 @@ def test_simulator_refuses_what_sglang_refuses():
         plan_from_argv(_argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.5", 0.88, False) + ["--dcp-size", "8"])
 
 
+@pytest.mark.parametrize(("model", "tp", "gpu", "dtype", "message"), [
+    ("llama-3.1-8b", 2, "H100-80GB", "mxfp8", "mxfp8 requires an SM100\\+ \\(Blackwell\\) GPU"),
+    ("deepseek-v3.2", 8, "B200-180GB", "fp8_e5m2", "DeepSeek DSA only supports bf16/bfloat16 or fp8_e4m3"),
+])
+def test_dtype_refusals_agree_with_the_feasibility_table(model, tp, gpu, dtype, message):
+    """A KV dtype SGLang refuses on this GPU / attention type: the simulator exits with SGLang's message
+    and the ladder's feasibility cell says no, citing the same source."""
+    from tuner.sglang.levers import attention_type, feasibility
+
+    with pytest.raises(SimError, match=message):
+        plan_from_argv(_argv(model, tp, gpu, "0.5.23", 0.85, False) + ["--kv-cache-dtype", dtype])
+    cell = feasibility("fp8_kv", gpu=GPU_ARCH[gpu], version="0.5.23", backend=None,
+                       attention=attention_type(load_model_config(MODELS / model)), value=dtype)
+    assert cell.ok is False and message.replace("\\", "")[:30] in cell.why.replace("'", "")
+
+
 def test_simulated_server_with_dp_attention_that_does_not_fit_prints_not_enough_memory():
     """A real simulator process: DP attention dp 8 on the reference twin at 0.88 exits with SGLang's line."""
     argv = [sys.executable, "-m", "tuner.sim", *_argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.5", 0.88, True),

@@ -194,8 +194,8 @@ def _in_range(cell: dict[str, Any], version: str) -> bool:
 def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | None, attention: str, value: str | None = None) -> Verdict:
     """The feasibility table's cell for one lever (``tuner/data/levers.json``).
 
-    The most specific matching cell wins (fewest ``"*"``); no cell, or an unknown GPU, is
-    unknown. ``backend`` ``None`` is SGLang's default choice for the GPU and model.
+    The most specific matching cell wins (one naming the value first, then fewest ``"*"``); no
+    cell, or an unknown GPU, is unknown. ``backend`` ``None`` is SGLang's default choice for the GPU and model.
 
     Args:
         lever: ``fp8_kv``, ``dcp`` or ``dp_attention``.
@@ -219,7 +219,7 @@ def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | Non
             continue
         if cell["gpu_arch"] != "*" and (arch is None or not _matches(cell["gpu_arch"], arch)):
             continue
-        score = sum(cell[k] != "*" for k in ("gpu_arch", "attention", "backend"))
+        score = sum(cell[k] != "*" for k in ("gpu_arch", "attention", "backend")) + 10 * ("value" in cell)  # a cell for this value first
         if best is None or score > best[0]:
             best = (score, cell)
     where = f"{lever} on {arch or gpu or 'an unknown GPU'}, {attention}, backend {backend or 'default'}, SGLang {version}"

@@ -453,14 +453,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         bs_list = capture_batch_sizes(max_bs, spec is not None and spec.algorithm != "NGRAM",
                                       bool(v.get("disable_cuda_graph_padding")), version)
 
-    dsa = resolve_dsa(v, model, gpu, version, dcp) if model.is_dsa else None
-    if dsa is not None:
-        warnings.extend(dsa.warnings)
-    kv_dtype = dsa.kv_cache_dtype if dsa is not None else str(v.get("kv_cache_dtype") or "auto")
-    if kv_dtype == "auto":
-        kv_dtype = "fp8_e4m3" if model.kv_cache_fp8 else model.torch_dtype
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise SimError(f"--kv-cache-dtype {kv_dtype!r} is not simulated; use auto, bf16, fp8_e4m3 or fp8_e5m2.")
+    kv_dtype, dsa = _resolve_kv_dtype(v, model, gpu, version, dcp, warnings)
     elem = KV_DTYPE_BYTES[kv_dtype]
 
     hicache = bool(v.get("enable_hierarchical_cache"))
@@ -531,6 +524,28 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         host=str(v.get("host") or "127.0.0.1"), port=30000 if v.get("port") is None else int(v["port"]),
         server_args=resolved, warnings=tuple(warnings), dp_size=dp, dcp_size=dcp, dsa=dsa,
     )
+
+
+def _resolve_kv_dtype(v: dict[str, Any], model: ModelSpec, gpu: GpuSpec, version: str, dcp: int,
+                      warnings: list[str]) -> tuple[str, DsaConfig | None]:
+    """The resolved KV dtype (§1.3) and, for a DSA model, its :class:`~tuner.sim.dsa.DsaConfig`.
+
+    Raises:
+        SimError: A dtype the simulator does not know, mxfp8 below SM100 (0.5.23
+            ``arg_groups/kv_cache_hook.py`` ``handle_mxfp8_kv_cache_compatibility``), or a DSA refusal.
+    """
+    dsa = resolve_dsa(v, model, gpu, version, dcp) if model.is_dsa else None
+    if dsa is not None:
+        warnings.extend(dsa.warnings)
+    kv_dtype = dsa.kv_cache_dtype if dsa is not None else str(v.get("kv_cache_dtype") or "auto")
+    if kv_dtype == "auto":
+        kv_dtype = "fp8_e4m3" if model.kv_cache_fp8 else model.torch_dtype
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise SimError(f"--kv-cache-dtype {kv_dtype!r} is not simulated; use auto, bf16, fp8_e4m3 or fp8_e5m2.")
+    if kv_dtype == "mxfp8" and gpu.compute_capability[0] < 10:
+        raise SimError("ValueError: --kv-cache-dtype mxfp8 requires an SM100+ (Blackwell) GPU for the block-scaled operands "
+                       "used by the FA4 MXFP8 attention path.")
+    return kv_dtype, dsa
 
 
 def _resolve_parallel(v: dict[str, Any], model: ModelSpec, tp: int) -> tuple[int, int]:
