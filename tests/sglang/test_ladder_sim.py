@@ -182,3 +182,27 @@ def test_explain_of_a_running_simulated_server_prices_the_ladder_as_its_startup_
         assert rung.available is True  # 0.5.23 has the Triton MLA fp8 path on SM120 (sglang#20479)
         dcp = next(r for r in explained.ladder if r.lever == {"dcp_size": 8})
         assert dcp.available is None and dcp.logical_tokens == 8 * dcp.tokens_per_rank  # the DCP backend on SM120: unknown
+
+
+def test_explain_of_a_running_simulated_dsa_server_prices_dcp_and_dp_attention_as_its_startup_does(tmp_path):
+    """DeepSeek-V3.2 on 8x B200 (0.5.23; fp8 KV by default on SM100, trtllm's raw row): `tuner explain`
+    on the running simulator and on its log prices DCP 8 (indexer replicated x8) and DP attention
+    exactly as the simulator's own startup with those flags, and finds DCP available (sglang#31821)."""
+    from tests.support.sim import start_healthy
+    from tuner.sglang.explain import explain_from
+
+    args = _argv("deepseek-v3.2", 8, "B200-180GB", "0.5.23", 0.85, False)
+    _, dcp = plan_from_argv(args + ["--dcp-size", "8"])
+    _, dp = plan_from_argv(args + ["--enable-dp-attention", "--dp-size", "8"])
+    sim = start_healthy(args, tmp_path)
+    try:
+        live = explain_from(url=sim.url, model_config=str(MODELS / "deepseek-v3.2"), gpu="B200")
+        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / "deepseek-v3.2"), gpu="B200")
+    finally:
+        sim.stop()
+    for explained in (live, logged):
+        assert not any(r.lever.get("kv_cache_dtype") for r in explained.ladder)  # already fp8: no fp8 rung
+        rung = next(r for r in explained.ladder if r.lever == {"dcp_size": 8})
+        assert (rung.tokens_per_rank, rung.logical_tokens, rung.available) == (dcp.max_total_num_tokens, dcp.logical_tokens, True)
+        rung = next(r for r in explained.ladder if r.lever == {"enable_dp_attention": True, "dp_size": 8})
+        assert (rung.tokens_per_rank, rung.logical_tokens) == (dp.max_total_num_tokens, dp.logical_tokens)

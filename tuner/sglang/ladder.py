@@ -33,6 +33,7 @@ from tuner.sglang.levers import (
     dcp_per_rank_cell_bytes,
     dp_attention_extra_weight_gib,
     draft_budget,
+    dsa_backends,
     dsa_kv_settings,
     feasibility,
     flag_available,
@@ -42,6 +43,7 @@ from tuner.sglang.levers import (
 from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, kv_elem_bytes
 from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.numerics import numerics_changes
+from tuner.sglang.versions import at_least
 
 __all__ = ["Rung", "LadderBase", "evaluate", "ladder", "fraction_ceiling"]
 
@@ -148,19 +150,22 @@ class _Shape(BaseModel):
 
 def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _Shape:
     dp = int(flags.get("dp_size") or base.dp) if flags.get("enable_dp_attention", base.dp > 1) else 1
+    dtype, dcp = str(flags.get("kv_cache_dtype", base.kv_cache_dtype)), int(flags.get("dcp_size") or 1)
+    backends = (flags.get("dsa_prefill_backend"), flags.get("dsa_decode_backend"))
+    if backends == (None, None) and dtype == base.kv_cache_dtype and dcp == 1:  # SGLang re-resolves them with the dtype or dcp
+        backends = (base.flags.get("dsa_prefill_backend"), base.flags.get("dsa_decode_backend"))
     return _Shape(
-        version=version or base.version, mfs=float(flags.get("mem_fraction_static", base.mem_fraction_static)),
-        dtype=str(flags.get("kv_cache_dtype", base.kv_cache_dtype)),
+        version=version or base.version, mfs=float(flags.get("mem_fraction_static", base.mem_fraction_static)), dtype=dtype,
         spec=flags["speculative_algorithm"] if "speculative_algorithm" in flags else base.speculative_algorithm,
-        dp=dp, dcp=int(flags.get("dcp_size") or 1), backend=flags.get("attention_backend", base.attention_backend),
-        dsa_backends=(flags.get("dsa_prefill_backend"), flags.get("dsa_decode_backend")),
+        dp=dp, dcp=dcp, backend=flags.get("attention_backend", base.attention_backend), dsa_backends=backends,
     )
 
 
 def _kv(base: LadderBase, s: _Shape) -> tuple[str, bool]:
     """The rung's resolved KV dtype and, for a DSA model, whether its latent row is raw
-    (:func:`~tuner.sglang.levers.dsa_kv_settings`; the deployment's own DSA backends are taken as
-    SGLang's defaults, since its log prints resolved values only)."""
+    (:func:`~tuner.sglang.levers.dsa_kv_settings`). The deployment's logged DSA backends hold while
+    the rung keeps its KV dtype and runs without DCP; otherwise SGLang's defaults for the rung (a
+    log prints resolved backends, so whether they were chosen or defaulted is not known)."""
     if base.model is None or attention_type(base.model) != "dsa":
         return s.dtype, False
     return dsa_kv_settings(version=s.version, gpu=base.gpu, kv_cache_dtype=s.dtype, dcp=s.dcp,
@@ -282,6 +287,10 @@ def _availability(base: LadderBase, flags: Mapping[str, Any]) -> Verdict:
     verdicts: list[Verdict] = []
     attn = attention_type(base.model) if base.model else None
     backend = flags.get("attention_backend", base.attention_backend)
+    if attn == "dsa" and at_least(base.version, "0.5.23"):  # the feasibility cells name the DSA decode backend
+        s = _shape(base, flags, None)
+        backend = dsa_backends(gpu=base.gpu, kv_cache_dtype=_kv(base, s)[0], dcp=s.dcp, prefill_backend=s.dsa_backends[0],
+                               decode_backend=s.dsa_backends[1])[1]
     for field, value in flags.items():
         if field == "mem_fraction_static" or value is None or field == "dp_size":
             continue
@@ -414,7 +423,7 @@ def _dp_rungs(base: LadderBase, fp8: dict[str, Any]) -> list[Rung]:
              "deepseek_v2.py); one pool per DP rank, one request ≤ one rank's pool, max_running_requests and chunked_prefill_size // dp (§1.5b)"
              if extra else "DP attention")
     out = [evaluate(base, dp, note=words)]
-    for flags in (dp, {**fp8, **dp}):
+    for flags in (dp, {**fp8, **dp}) if fp8 else (dp,):
         rung = _at_ceiling(base, dict(flags), note=words)
         if rung is not None:
             out.append(rung)
@@ -431,7 +440,8 @@ def _dcp_rungs(base: LadderBase, fp8: dict[str, Any]) -> list[Rung]:
     note = "; ".join(w for w in (f"DCP {base.tp}: KV interleaved slot % {base.tp} over the ranks, a request spans the logical pool "
                                   "(sglang#14194, #31514; DSA indexer replicated ×dcp, #31821)", note) if w)
     dcp = {"dcp_size": base.tp}
-    return [evaluate(base, dcp, version=version, note=note), evaluate(base, {**fp8, **dcp}, version=version, note=note)]
+    rungs = [evaluate(base, dcp, version=version, note=note)]
+    return rungs + [evaluate(base, {**fp8, **dcp}, version=version, note=note)] if fp8 else rungs
 
 
 def ladder(base: LadderBase) -> list[Rung]:

@@ -55,6 +55,7 @@ __all__ = [
     "supporting_backend",
     "table_for",
     "dsa_kv_settings",
+    "dsa_backends",
 ]
 
 LeverName = Literal["fp8_kv", "dcp", "dp_attention", "speculative"]
@@ -357,10 +358,24 @@ def dsa_kv_settings(*, version: str, gpu: str | None, kv_cache_dtype: str, dcp: 
         dtype = "fp8_e4m3" if major >= 10 else "bfloat16"
     if not at_least(version, "0.5.23") or dtype != "fp8_e4m3":
         return dtype, False
-    if dcp > 1:
-        prefill_backend, decode_backend = prefill_backend or "trtllm", decode_backend or "trtllm"
-    if major is not None:
-        default = "trtllm" if major >= 10 else "flashmla_kv"
-        prefill_backend, decode_backend = prefill_backend or default, decode_backend or default
+    prefill_backend, decode_backend = dsa_backends(gpu=gpu, kv_cache_dtype=dtype, dcp=dcp, prefill_backend=prefill_backend,
+                                                   decode_backend=decode_backend)
     raw = "trtllm" in (prefill_backend, decode_backend) or prefill_backend == decode_backend == "tilelang"
     return dtype, raw
+
+
+def dsa_backends(*, gpu: str | None, kv_cache_dtype: str, dcp: int = 1, prefill_backend: str | None = None,
+                 decode_backend: str | None = None) -> tuple[str | None, str | None]:
+    """0.5.23's DSA ``(prefill, decode)`` backends: the given ones, ``trtllm`` under ``--dcp-size > 1``
+    (``_dsa_dcp_overrides``), else fp8 → ``trtllm`` (SM ≥ 10) / ``flashmla_kv``, bf16 →
+    ``flashmla_sparse`` / ``trtllm`` (SM ≥ 10) or ``fa3`` (``_dsa_split_backend_resolution``); ``None``
+    where the GPU is unknown."""
+    if dcp > 1:
+        prefill_backend, decode_backend = prefill_backend or "trtllm", decode_backend or "trtllm"
+    major = _sm_major(gpu)
+    if major is None:
+        return prefill_backend, decode_backend
+    if kv_cache_dtype == "fp8_e4m3":
+        default = "trtllm" if major >= 10 else "flashmla_kv"
+        return prefill_backend or default, decode_backend or default
+    return prefill_backend or "flashmla_sparse", decode_backend or ("trtllm" if major >= 10 else "fa3")
