@@ -162,21 +162,26 @@ def test_a_trial_counts_capacity_across_the_deployment():
     assert dp["context_capacity"] == 8 * per_rank
 
 
-def test_explain_of_a_running_simulated_server_prices_the_ladder_as_its_startup_does(tmp_path):
-    """`tuner explain --url` on a real simulator process (0.5.23, where /get_server_info reports the
-    free memory at startup) and its log: both inputs price fp8 KV as the simulator's startup would."""
+def _explained_live_and_logged(args: list[str], model: str, gpu: str, tmp_path: Any) -> tuple[Any, Any]:
+    """`tuner explain` of a real simulator process started with ``args``: from its URL, then its log."""
     from tests.support.sim import start_healthy
     from tuner.sglang.explain import explain_from
 
-    args = _argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.23", 0.88, False)
-    _, fp8 = plan_from_argv(args + ["--kv-cache-dtype", "fp8_e4m3"])
     sim = start_healthy(args, tmp_path)
     try:
-        live = explain_from(url=sim.url, model_config=str(MODELS / "kimi-k2.5-int4"), gpu="sm120")
-        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / "kimi-k2.5-int4"), gpu="sm120")
+        live = explain_from(url=sim.url, model_config=str(MODELS / model), gpu=gpu)
+        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / model), gpu=gpu)
     finally:
         sim.stop()
-    for explained in (live, logged):
+    return live, logged
+
+
+def test_explain_of_a_running_simulated_server_prices_the_ladder_as_its_startup_does(tmp_path):
+    """`tuner explain --url` on a real simulator process (0.5.23, where /get_server_info reports the
+    free memory at startup) and its log: both inputs price fp8 KV as the simulator's startup would."""
+    args = _argv("kimi-k2.5-int4", 8, "RTX-PRO-6000-96GB", "0.5.23", 0.88, False)
+    _, fp8 = plan_from_argv(args + ["--kv-cache-dtype", "fp8_e4m3"])
+    for explained in _explained_live_and_logged(args, "kimi-k2.5-int4", "sm120", tmp_path):
         rung = next(r for r in explained.ladder if r.lever.get("kv_cache_dtype") == "fp8_e4m3" and "mem_fraction_static" not in r.lever)
         assert rung.tokens_per_rank == pytest.approx(fp8.max_total_num_tokens, rel=1e-4)  # calibrated on 2-decimal GB lines
         assert rung.available is True  # 0.5.23 has the Triton MLA fp8 path on SM120 (sglang#20479)
@@ -188,19 +193,10 @@ def test_explain_of_a_running_simulated_dsa_server_prices_dcp_and_dp_attention_a
     """DeepSeek-V3.2 on 8x B200 (0.5.23; fp8 KV by default on SM100, trtllm's raw row): `tuner explain`
     on the running simulator and on its log prices DCP 8 (indexer replicated x8) and DP attention
     exactly as the simulator's own startup with those flags, and finds DCP available (sglang#31821)."""
-    from tests.support.sim import start_healthy
-    from tuner.sglang.explain import explain_from
-
     args = _argv("deepseek-v3.2", 8, "B200-180GB", "0.5.23", 0.85, False)
     _, dcp = plan_from_argv(args + ["--dcp-size", "8"])
     _, dp = plan_from_argv(args + ["--enable-dp-attention", "--dp-size", "8"])
-    sim = start_healthy(args, tmp_path)
-    try:
-        live = explain_from(url=sim.url, model_config=str(MODELS / "deepseek-v3.2"), gpu="B200")
-        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / "deepseek-v3.2"), gpu="B200")
-    finally:
-        sim.stop()
-    for explained in (live, logged):
+    for explained in _explained_live_and_logged(args, "deepseek-v3.2", "B200", tmp_path):
         assert not any(r.lever.get("kv_cache_dtype") for r in explained.ladder)  # already fp8: no fp8 rung
         rung = next(r for r in explained.ladder if r.lever == {"dcp_size": 8})
         assert (rung.tokens_per_rank, rung.logical_tokens, rung.available) == (dcp.max_total_num_tokens, dcp.logical_tokens, True)

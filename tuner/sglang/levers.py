@@ -47,6 +47,8 @@ __all__ = [
     "attention_type",
     "gpu_arch",
     "flag_available",
+    "dsa_kv_settings",
+    "dsa_backends",
     "feasibility",
     "draft_budget",
     "dp_attention_extra_weight_gib",
@@ -54,8 +56,6 @@ __all__ = [
     "dcp_gain",
     "supporting_backend",
     "table_for",
-    "dsa_kv_settings",
-    "dsa_backends",
 ]
 
 LeverName = Literal["fp8_kv", "dcp", "dp_attention", "speculative"]
