@@ -31,6 +31,7 @@ DEPLOYMENTS = [
     # DSA (DeepSeek-V3.2): auto KV is fp8 with the raw trtllm row on B200, bf16 on H200 (0.5.23 overrides.py)
     ("deepseek-v3.2", 8, "B200-180GB", "0.5.23", 0.85, False),
     ("deepseek-v3.2", 8, "H200-141GB", "0.5.23", 0.85, False),
+    ("deepseek-v3.2", 8, "B200-180GB", "0.5.23", 0.85, True),  # + its MTP draft: the draft rows x dcp too (0.5.23)
 ]
 GPU_ARCH = {"B200-180GB": "sm100", "H200-141GB": "sm90", "RTX-PRO-6000-96GB": "sm120", "H100-80GB": "sm90", "L40S-48GB": "sm89"}
 
@@ -51,7 +52,8 @@ def _base(plan: MemoryPlan, model: str, tp: int, version: str, mfs: float) -> La
                           cell_bytes=int(plan.cell_bytes), observed_mem_fraction_static=mfs, observed_tokens=plan.max_total_num_tokens)
     return LadderBase(memory=mem, model=load_model_config(MODELS / model), version=version, tp=tp, mem_fraction_static=mfs,
                       speculative_algorithm=spec.algorithm if spec else None, context_len=cfg.context_len, spec_headroom_tokens=headroom,
-                      page_size=cfg.page_size, gpu=GPU_ARCH[cfg.gpu.name])
+                      page_size=cfg.page_size, gpu=GPU_ARCH[cfg.gpu.name],
+                      draft_weight_gib=cfg.draft.weight_bytes / GIB if cfg.draft is not None else None)
 
 
 def _levers(model: str, tp: int, version: str, spec: bool) -> list[tuple[dict[str, Any], list[str]]]:

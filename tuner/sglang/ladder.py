@@ -190,7 +190,10 @@ def _cell(base: LadderBase, s: _Shape) -> int | None:
                                speculative_algorithm=x.spec, dp_attention_size=x.dp, dsa_raw=raw)
 
     cell = base.memory.cell_bytes * formula(s) / formula(b)
-    return dcp_per_rank_cell_bytes(int(round(cell)), base.model, s.dcp)
+    draft = 0
+    if s.spec and at_least(s.version, "0.5.16"):  # the draft term inside the cell (§1.5), as cell_size_bytes counts it
+        draft = base.model.num_nextn_predict_layers or 1
+    return dcp_per_rank_cell_bytes(int(round(cell)), base.model, s.dcp, draft)
 
 
 def _dp_weights(base: LadderBase, dp: int) -> float | None:

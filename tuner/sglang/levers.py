@@ -304,17 +304,25 @@ def _indexer_row(model: ModelArch) -> float:
     return model.index_head_dim + model.index_head_dim / 128 * 4 if model.index_head_dim else 0.0
 
 
-def dcp_per_rank_cell_bytes(cell_bytes: int, model: ModelArch, dcp: int) -> int:
+def dcp_per_rank_cell_bytes(cell_bytes: int, model: ModelArch, dcp: int, draft_layers: int = 0) -> int:
     """Per-rank KV cell under ``--dcp-size dcp``: unchanged for plain MLA; a DSA indexer row is
     replicated and priced ``× dcp`` (``pool_configurator._get_dsa_indexer_cache_token_multiplier``;
-    SGLang's CPU test asserts ``(576 + 132 × 8) × L``).
+    SGLang's CPU test asserts ``(576 + 132 × 8) × L``). With an EAGLE/MTP draft inside a DSA
+    model's cell (0.5.16+), 0.5.23 prices the draft's latent and indexer rows ``× dcp`` too
+    (``DefaultPoolConfigurator.__init__``: ``draft_kv_size *= dcp_size``, ``draft_indexer_size *=
+    dcp_size``): ``+ (dcp − 1) × cell × d / (L + d)``.
 
     Args:
-        cell_bytes: The cell without DCP (:func:`~tuner.sglang.memory.cell_size_bytes`).
+        cell_bytes: The cell without DCP (:func:`~tuner.sglang.memory.cell_size_bytes`, with its
+            draft term when speculative decoding is on).
         model: The model.
         dcp: DCP size.
+        draft_layers: Draft layers inside ``cell_bytes`` (0: no draft term).
     """
-    return int(round(cell_bytes + (dcp - 1) * _indexer_row(model) * model.num_layers))
+    extra = 0.0
+    if draft_layers and _indexer_row(model):
+        extra = (dcp - 1) * cell_bytes * draft_layers / (model.num_layers + draft_layers)
+    return int(round(cell_bytes + (dcp - 1) * _indexer_row(model) * model.num_layers + extra))
 
 
 def dcp_gain(cell_bytes: int, model: ModelArch, dcp: int) -> float:
