@@ -92,7 +92,7 @@ def _study(cfg: TunerConfig) -> tuple[list[tuple[int, TrialRecord]], int]:
         if event.event == "skip" and "unavailable" in (event.message or ""):
             skips.append(event.message)
 
-    run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", on_progress=on_progress)
+    run_study(cfg, runner, max_trials=LAUNCHES, storage_url=":memory:", on_progress=on_progress)
     return runner.history[:LAUNCHES], len(skips)
 
 
