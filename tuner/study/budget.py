@@ -17,17 +17,30 @@ from pydantic import BaseModel, ConfigDict
 
 from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import ConfigError
+from tuner.load.search import context_slo
 from tuner.units import format_duration
 
 __all__ = ["prior_trial_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
-    ``[service] start_timeout_s`` (at most 10 min) plus the warm-up, measure and stress phases and
-    5 s for the record. The one estimate ``tuner run`` budgets with and ``--dry-run`` prints."""
+    ``[service] start_timeout_s`` (at most 10 min) plus the warm-up, measure and stress phases,
+    the SLO-safe capacity's bracketing loads and 5 s for the record. The one estimate ``tuner run``
+    budgets with and ``--dry-run`` prints.
+
+    The bracketing loads (``[budget] slo_capacity_steps``, each ``stress_s`` long) are counted
+    whenever a trial may run them: the SLO sets a TTFT, ITL or TPOT limit
+    (:func:`tuner.load.search.context_slo`) and there is a stress phase. They run only when the
+    stress load breaks the SLO, so the prior is the cost of a trial that brackets (an upper
+    estimate: a first trial cut by the budget is worse than one trial fewer); later trials are
+    estimated from the study's measured durations (:meth:`Budget.estimate`), which include them.
+    """
     budget = config.budget
     start = min(config.service.start_timeout_s / 3.0, 600.0)
-    return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
+    brackets = 0.0
+    if budget.stress_s > 0 and context_slo(config.slo) is not None:
+        brackets = budget.slo_capacity_steps * budget.stress_s
+    return start + budget.warmup_s + budget.measure_s + budget.stress_s + brackets + 5.0
 
 
 def load_concurrency(
