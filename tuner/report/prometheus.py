@@ -88,6 +88,7 @@ class PrometheusTextfile:
         self.in_flight.set(-1)
         self.best_trial.set(-1)
         self.running.set(1)
+        self._set_phase(None)  # every phase series exists (0) from the first write on, not only once a trial ran
         self._best: tuple[float, float] = (-1.0, -1.0)
         self._write(first=True)
 
