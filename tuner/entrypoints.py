@@ -226,7 +226,7 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     per_trial = prior_trial_cost_s(config)
     lines = [
         f"study {config.study.name!r} in {display_url(storage_url or study_storage_url(config))} "
-        f"(artifacts {study_artifacts_dir(config)})",
+        f"(artifacts {study_artifacts_dir(config, storage_url)})",
         f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
         f"SGLang flags of {table.version}",
         f"workload: {workload.describe()}",

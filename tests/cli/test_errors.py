@@ -150,3 +150,32 @@ def test_a_gpu_monitor_the_config_names_must_open_in_the_dry_run(tmp_path: Path)
     config = config_copy("demo-sim.toml", tmp_path, replace={'gpu_monitor = "sim"': 'gpu_monitor = "nvml"'})
     line = one_error_line(tuner("run", "--config", str(config), "--dry-run", "--trials", "1"), "gpu_monitor")
     assert '"none"' in line, line
+
+
+def test_a_mistyped_command_placeholder_is_a_config_error(tmp_path: Path) -> None:
+    """``"{pyton}"`` in ``[service] command`` passed the config check; the run failed 33 s later at
+    launch as "server command not found: '{pyton}'" after storing a failed baseline (review N11, #252)."""
+    config = config_copy("demo-sim.toml", tmp_path, replace={'"{python}"': '"{pyton}"'})
+    for args in (("--dry-run", "--trials", "1"), ("--budget", "2m")):
+        line = one_error_line(tuner("run", "--config", str(config), *args), "service.command", "{pyton}")
+        assert "unknown placeholder" in line and "{python}" in line, line
+    assert not (tmp_path / "studies").exists()
+    # a JSON argument in braces is not a placeholder
+    from tuner.config import ServiceSection
+
+    kept = ServiceSection(launcher="process", command=["sglang", "--json-model-override-args", '{"a": 1}'])
+    assert kept.command[-1] == '{"a": 1}'
+
+
+def test_restore_refuses_a_unit_that_is_not_the_configs(tmp_path: Path) -> None:
+    """``restore --config C --unit other.service`` silently restored ``other.service`` instead of the
+    config's service ("nothing to restore", exit 0; review #189); the config's own name is accepted."""
+    config = config_copy("demo-sim.toml", tmp_path)
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    port = config.read_text().split("http://127.0.0.1:", 1)[1].split('"', 1)[0]
+    line = one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(state), "--unit", "other.service"),
+                          "--unit other.service", f"process-{port}")
+    assert "--config alone" in line, line
+    same = tuner("restore", "--config", str(config), "--state-dir", str(state), "--unit", f"process-{port}")
+    assert same.returncode == 0 and f"process-{port}: nothing to restore" in same.stdout, same.stderr
