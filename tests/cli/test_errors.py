@@ -125,6 +125,10 @@ def test_apply_checks_write_and_state_dir_before_anything_with_dry_run_too(tmp_p
     one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file" / "state"), *store),
                    "--state-dir", "cannot be written")
     one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file"), *store), "not a folder")
+    # root passes the permission check on /proc, where no file can be created (the sweep of issue 28)
+    for args in (("apply", "best", "--dry-run", "--write", "/proc/tuner-cmd.sh", *store),
+                 ("report", "-o", "/proc/tuner-report.html", *store)):
+        one_error_line(tuner(*args), "/proc", "virtual file system")
 
 
 def test_init_output_folder_and_an_empty_copy_name_are_refused(tmp_path: Path) -> None:
