@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.support.cli import TUNER, one_error_line, run_tuner
+from tests.support.cli import TUNER, one_error_line, run_tuner, signal_when
 from tests.support.configs import config_copy
 from tests.support.study_factory import make_study, ok_trial
 
@@ -46,12 +46,13 @@ def test_an_interrupted_command_is_130(tmp_path: Path) -> None:
         port = silent.getsockname()[1]
         proc = subprocess.Popen([TUNER, "load", "--url", f"http://127.0.0.1:{port}", "--concurrency", "2", "--duration", "60"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            time.sleep(3)
-            proc.send_signal(signal.SIGINT)
-            _out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        silent.settimeout(120)
+
+        def connected() -> socket.socket:  # the command is past its imports and waiting on the server
+            conn, _ = silent.accept()
+            time.sleep(0.5)
+            return conn
+
+        conn, err = signal_when(proc, connected, signal.SIGINT, timeout_s=60)
+        conn.close()
     assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])

@@ -12,7 +12,7 @@ import pytest
 import requests
 from optuna.trial import TrialState
 
-from tests.support.cli import TUNER, run_tuner
+from tests.support.cli import TUNER, run_tuner, signal_when
 from tests.support.configs import DemoRun, config_copy, load_study, service_url, study_created
 from tuner.records import TrialRecord
 from tuner.sglang.memory import must_fail
@@ -123,16 +123,8 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
     config = config_copy("demo-sim.toml", workdir, phases=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
     proc = _start_run(config, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        found = _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240)
-        exited = f"; the run exited {proc.returncode}: {proc.communicate()[1][-2000:]}" if proc.poll() is not None else ""
-        assert found is not None, "never saw a completed trial and a running one under load" + exited
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    found, err = signal_when(proc, lambda: _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240),
+                             signal.SIGTERM)
     assert proc.returncode != 0 and "Traceback" not in err
     number, params = found
     assert f"interrupted: trial {number} recorded as failed (interrupted), service restored" in err, err[-1000:]
@@ -188,15 +180,7 @@ def test_a_storage_elsewhere_keeps_its_artifacts_beside_it_and_in_the_resume_hin
     storage = f"sqlite:///{db}"
     proc = subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "6", "--storage", storage],
                             cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        found = _wait_trial_under_load(proc, storage, db, 240)
-        assert found is not None, "never saw a completed trial and a running one under load"
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    _found, err = signal_when(proc, lambda: _wait_trial_under_load(proc, storage, db, 240), signal.SIGTERM)
     assert proc.returncode == 130 and "Traceback" not in err  # the README's exit code for SIGTERM
     assert f"resume with `tuner run --config {config} --storage {storage}`" in err, err[-1000:]
     artifacts = elsewhere / "demo-sim" / "artifacts"
