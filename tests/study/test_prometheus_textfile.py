@@ -110,3 +110,23 @@ def test_every_metric_the_dashboard_names_is_exported(tmp_path: Path) -> None:
             "sglang_tuner_last_restart_timestamp_seconds", "sglang_tuner_trials_total"} <= asked, asked
     assert asked <= exported, asked - exported
     assert "sglang_tuner_best_slo_capacity" not in exported  # a misspelt name would be caught
+
+
+@pytest.mark.parametrize(("basis", "best"), [("slo_safe", 0), ("oom_safe", 1)])
+def test_the_best_so_far_ranks_by_the_capacity_the_study_ranks_by(tmp_path: Path, basis: str, best: int) -> None:
+    """A real run of the reference twin: every trial SLO-safe at 3, the baseline (OOM-safe 4) the
+    fastest; ``tuner best`` (SLO-safe basis) chose the baseline while the exporter's "best so far"
+    ranked by the OOM-safe capacity named trial 1 (8): a Grafana panel contradicting the study."""
+    from tuner.report.prometheus import PrometheusTextfile
+    from tuner.study.progress import Progress
+
+    prom = tmp_path / "t.prom"
+    sink = PrometheusTextfile(prom, study="s", host="h", storage="sqlite:///x.db", basis=basis)
+    for number, (oom, slo, tput) in enumerate(((4, 3, 129.0), (8, 3, 118.0))):
+        sink(Progress(event="trial_end", number=number, result={
+            "outcome": "ok", "feasible": True, "context_capacity": oom, "slo_context_capacity": slo,
+            "output_throughput_tok_s": tput}))
+    seen = _scrape(prom)
+    assert seen["sglang_tuner_best_trial"] == best, seen
+    assert seen["sglang_tuner_best_context_capacity"] == (4, 8)[best]
+    assert seen["sglang_tuner_best_slo_context_capacity"] == 3
