@@ -183,3 +183,17 @@ def test_restore_refuses_a_unit_that_is_not_the_configs(tmp_path: Path) -> None:
     assert "--config alone" in line, line
     same = tuner("restore", "--config", str(config), "--state-dir", str(state), "--unit", f"process-{port}")
     assert same.returncode == 0 and f"process-{port}: nothing to restore" in same.stdout, same.stderr
+
+
+def test_load_window_and_timeout_errors_name_the_option() -> None:
+    """``load --duration -5`` said "warmup_s=0.0, duration_s=-5.0, cooldown_s=0.0 are invalid" and
+    ``--request-timeout -1`` "request_timeout_s=-1.0 / timeout_s=None are invalid" (the sweep of
+    issue 28): the line names the option the user gave and its value."""
+    base = ("load", "--url", "http://127.0.0.1:1", "--concurrency", "2")
+    for args, needle in ((("--duration", "-5"), "--duration -5 s is out of range"),
+                         (("--duration", "5", "--warmup", "-1"), "--warmup -1 s is out of range"),
+                         (("--duration", "5", "--cooldown", "-2"), "--cooldown -2 s is out of range"),
+                         (("--duration", "5", "--request-timeout", "-1"), "--request-timeout -1 s"),
+                         (("--duration", "5", "--timeout", "0"), "--timeout 0 s")):
+        line = one_error_line(tuner(*base, *args), needle)
+        assert "None" not in line and "=0.0" not in line, line
