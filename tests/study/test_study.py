@@ -123,7 +123,7 @@ def test_budget_estimate_and_fit() -> None:
     assert budget.trials_left(50.0) == 2
 
 
-def test_first_trial_estimate_counts_the_slo_bracketing_loads() -> None:
+def test_first_trial_estimate_counts_the_slo_bracketing_loads(tmp_path: Path) -> None:
     """With an SLO (TTFT/ITL limits) a trial may add ``slo_capacity_steps`` bracketing loads of
     ``stress_s`` each after a stress load that breaks it; the prior counts them, and only then."""
     from tuner.config import load_config
@@ -147,6 +147,13 @@ def test_first_trial_estimate_counts_the_slo_bracketing_loads() -> None:
     # an E2E-only SLO is not judged on the stress load (short outputs), so nothing is bracketed
     e2e = config.model_copy(update={"slo": SLO(e2e_latency_ms={"p99": 60000})})
     assert prior_trial_cost_s(e2e) == pytest.approx(base)
+    # `run --dry-run` says so beside the estimate
+    from tests.support.cli import run_tuner
+    from tests.support.configs import config_copy
+
+    dry = run_tuner("run", "--config", str(config_copy("reference-sim.toml", tmp_path)), "--budget", "10m", "--dry-run",
+                    cwd=tmp_path)
+    assert f"(with up to 2 SLO bracketing loads of {budget.stress_s:g} s)" in dry.stdout, dry.stdout + dry.stderr
 
 
 def test_slo_clearly_lost_only_after_enough_evidence() -> None:

@@ -20,7 +20,7 @@ from tuner.errors import ConfigError
 from tuner.load.search import context_slo
 from tuner.units import format_duration
 
-__all__ = ["prior_trial_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
@@ -37,10 +37,17 @@ def prior_trial_cost_s(config: TunerConfig) -> float:
     """
     budget = config.budget
     start = min(config.service.start_timeout_s / 3.0, 600.0)
-    brackets = 0.0
+    return start + budget.warmup_s + budget.measure_s + budget.stress_s + slo_bracket_cost_s(config) + 5.0
+
+
+def slo_bracket_cost_s(config: TunerConfig) -> float:
+    """Seconds a trial's SLO bracketing loads may add after its stress load (``[budget]
+    slo_capacity_steps × stress_s``), 0 when it runs none: no stress phase, or an SLO that sets no
+    TTFT, ITL or TPOT limit (:func:`tuner.load.search.context_slo`)."""
+    budget = config.budget
     if budget.stress_s > 0 and context_slo(config.slo) is not None:
-        brackets = budget.slo_capacity_steps * budget.stress_s
-    return start + budget.warmup_s + budget.measure_s + budget.stress_s + brackets + 5.0
+        return budget.slo_capacity_steps * budget.stress_s
+    return 0.0
 
 
 def load_concurrency(
