@@ -139,13 +139,16 @@ def _prometheus_textfile(path: Path | None, cfg, storage: str | None):  # noqa: 
     if path is None:
         return None
     from tuner.cli.common import check_output_path
+    from tuner.load.search import context_slo
     from tuner.report.prometheus import PrometheusTextfile
     from tuner.study.hosts import host_name
     from tuner.study.storage import display_url, study_storage_url
 
     check_output_path(path, "--prometheus-textfile")
+    basis = cfg.objective.capacity if cfg.objective.capacity != "auto" else (
+        "slo_safe" if context_slo(cfg.slo) is not None else "oom_safe")  # as the study's choice ranks
     return PrometheusTextfile(path, study=cfg.study.name, host=host_name(),
-                              storage=display_url(storage or study_storage_url(cfg)))
+                              storage=display_url(storage or study_storage_url(cfg)), basis=basis)
 
 
 class _RunProgress:
