@@ -273,6 +273,7 @@ def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
+    DP attention's size (``dp_size``; 1 = off) sets ``--enable-dp-attention`` with it, or removes both (§1.5b).
     A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
     policy, I/O backend, memory layout; §7). Speculative decoding switched off removes every
     ``--speculative-*`` flag; switched on (``True``) it keeps the baseline's algorithm and draft
@@ -286,6 +287,10 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
+    if "dp_size" in rendered:  # DP attention's size (1 = off): the switch goes with it (§1.5b)
+        dp = rendered.pop("dp_size")
+        on = dp is not None and int(dp) > 1
+        rendered.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
     switch = rendered.pop("speculative_algorithm", None)
     if switch is False:
         rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))
@@ -417,6 +422,8 @@ def resolve_facts(
     dp = int(explicit.get("dp_size") or explicit.get("data_parallel_size") or 1) if explicit.get("enable_dp_attention") else 1
     capacity = dp * context_capacity(mrr, tokens * dcp, context_tokens) if tokens else None
     params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
+    if dp == 1:  # the dp_size knob is DP attention's size: plain data parallelism is not searched
+        params.pop("dp_size", None)
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]

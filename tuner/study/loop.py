@@ -277,8 +277,10 @@ class StudyRun:
         record = self.run_trial(trial, job)
         space = fix_space(study, trial, record, self.config, environment, opened.context_tokens,
                           host=self.runner.host_memory(), ranks=ranks_of(self.runner.baseline_argv()),
-                          own_environment=self._own_environment())
+                          own_environment=self._own_environment(), argv=self.runner.baseline_argv())
         self.progress.note(trial.number, f"hierarchical cache {space.hicache_reason}")
+        for reason in space.lever_reasons:
+            self.progress.note(trial.number, f"structural lever {reason}")
         record = self.record(trial, job, record)
         if could_not_start(record):
             raise StudyError(
