@@ -316,7 +316,8 @@ class StudyRun:
             mirror.add_prior(opened.prior.trials)
         return build_chain(self.config, mirror, read_host=self.runner.host_memory,
                            version=str(opened.environment.get("sglang_version") or "0.5.5"),
-                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw)
+                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw,
+                           gpu=opened.environment.get("gpu_name"))
 
     def warm_start(self) -> None:
         """Reuse another study's fingerprint of this deployment (:mod:`tuner.study.warm`): the

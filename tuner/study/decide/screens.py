@@ -16,6 +16,8 @@ PRUNED with the reason and the proving trial:
 - :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
 - :class:`Unavailable` — a structural lever this SGLang version does not have (its flag table), or
   a ``--dcp-size`` that does not divide ``--tp-size`` (issue 23: never launched, the skip names the fact).
+- :class:`WontStart` — the ladder's arithmetic says the config's structural rung does not start
+  (issue 23: DP attention's replicated weights above the fraction's budget; the skip names the GiB).
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.levers import flag_available
 from tuner.sglang.memory import must_fail
 from tuner.sglang.numerics import numerics_key
-from tuner.study.calibration import Calibration
+from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
+from tuner.study.decide.rungs import RungPrices
 from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable"]
+__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable",
+           "WontStart"]
 
 _LEVER_DEFAULTS = {"kv_cache_dtype": "auto", "dcp_size": 1}
 """Structural levers the space can search, and SGLang's value that sets nothing."""
@@ -64,6 +68,29 @@ class Unavailable:
             if field == "dcp_size" and self._tp % int(value):
                 return Skip(f"unavailable: --dcp-size {value} must divide --tp-size {self._tp} (SGLang 0.5.23 attention_hook.py)", 0)
         return None
+
+
+class WontStart:
+    """A config whose structural rung (fp8 KV, DCP, DP attention over the baseline's) the ladder
+    predicts does not start: its static memory (the baseline's, plus DP attention's replicated
+    attention and embedding weights, :func:`tuner.sglang.levers.dp_attention_extra_weight_gib`) is
+    above ``mem_fraction_static × B``, SGLang's ``Not enough memory`` (§4.3), or its reserve does
+    not cover the baseline's CUDA graphs and activations (:func:`tuner.sglang.ladder.evaluate`).
+    The proof is the baseline's start (the calibrated memory model); never launched.
+
+    Args:
+        prices: The rung pricer of this run.
+    """
+
+    def __init__(self, prices: RungPrices) -> None:
+        self.prices = prices
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        priced = self.prices.price(params, view)
+        if priced is None or priced[1].starts is not False:
+            return None
+        number, rung = priced
+        return Skip(f"predicted not to start (the ladder's arithmetic on trial {number}'s start): {rung.why}", number)
 
 
 class MeasuredAlready:
@@ -167,7 +194,7 @@ class Predicted:
         mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
         ref = cal.reference(family, mrr)
         tokens, free = cal.predict(ref, mfs, mrr, family)
-        capacity = min(mrr, tokens // view.settings.context_tokens) if tokens > 0 else 0
+        capacity = deployment_capacity(family, mrr, tokens, view.settings.context_tokens) if tokens > 0 else 0
         floor = view.band_floor
         if floor and capacity < floor:
             return Skip(
