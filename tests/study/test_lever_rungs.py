@@ -86,3 +86,24 @@ def test_capacity_counts_the_deployment() -> None:
     assert deployment_capacity({"dp_size": 4}, 48, 82_000, 32768) == 8  # 4 pools × 2 contexts, 12 slots each
     assert deployment_capacity({"dp_size": 8}, 8, 82_000, 32768) == 8  # one slot per rank
     assert deployment_capacity({"dcp_size": 8}, 64, 40_000, 32768) == 9  # a request spans the logical pool
+
+
+def test_one_request_ceiling_is_a_rank_under_dp_attention(twin_study) -> None:
+    """The record says the longest single request; the ``context_fits`` constraint holds it to the
+    workload's longest request (the baseline's pool holds it, one DP rank's pool at 0.9 does not)."""
+    from tuner.study.job import TrialJob
+    from tuner.trial import context_fits
+
+    config, history, _, _ = twin_study
+    baseline = history[0][1]
+    assert baseline.per_request_max_tokens == min(baseline.token_capacity - 1, 262143)
+    dp = next(r for _, r in history if int(r.params.get("dp_size") or 1) > 1 and r.token_capacity)
+    assert dp.per_request_max_tokens == min(dp.token_capacity - 1, 262143)  # one rank's pool, not dp ×
+    long = config.model_copy(update={"workload": config.workload.model_copy(update={"input_len": 24000})})
+    runner = OfflineExecutor(long, world_seed=0)
+    params = {**baseline.params, "dp_size": 8, "mem_fraction_static": 0.9}
+    record = runner.run(TrialJob(number=1, kind="sampled", params=params, context_tokens=32768), lambda *_a, **_k: None)
+    assert record.outcome == "ok" and record.per_request_max_tokens is not None
+    assert record.per_request_max_tokens < 24000
+    assert record.constraints["context_fits"] == 1.0 and not record.feasible
+    assert context_fits(record.per_request_max_tokens, 1000) == -1.0 and context_fits(None, 10**6) == -1.0
