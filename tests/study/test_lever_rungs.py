@@ -107,3 +107,27 @@ def test_one_request_ceiling_is_a_rank_under_dp_attention(twin_study) -> None:
     assert record.per_request_max_tokens < 24000
     assert record.constraints["context_fits"] == 1.0 and not record.feasible
     assert context_fits(record.per_request_max_tokens, 1000) == -1.0 and context_fits(None, 10**6) == -1.0
+
+
+def test_a_rung_no_trial_ran_is_not_predicted_from_another_rungs_cell(twin_study) -> None:
+    """The boot probe per rung: before a rung's first start, the calibrated model (the baseline's
+    cell) does not screen it; after it, the rung's own start calibrates its predictions."""
+    from tuner.study.decide.screens import Predicted
+
+    config, history, _, _ = twin_study
+    import optuna
+
+    study = optuna.load_study(study_name=config.study.name, storage=config.storage.url)
+    space = Space.model_validate(study.user_attrs[SPACE_ATTR])
+    base = history[0][1].params
+    view = study_view(space, history[:1], context_tokens=32768, budget=BudgetSection(), mean_request_tokens=6144)
+    low = {**base, "mem_fraction_static": 0.85}
+    skip = Predicted().why_not(low, view)
+    assert skip is not None and "predicted" in skip.reason  # same rung: the model predicts it
+    assert Predicted().why_not({**low, "kv_cache_dtype": "fp8_e4m3"}, view) is None  # fp8's first start is its probe
+    fp8 = [(n, r) for n, r in history if r.params.get("kv_cache_dtype") == "fp8_e4m3" and r.token_capacity]
+    if fp8:
+        after = study_view(space, [history[0], fp8[0]], context_tokens=32768, budget=BudgetSection(), mean_request_tokens=6144)
+        rung = {**fp8[0][1].params, "mem_fraction_static": 0.8}
+        skip = Predicted().why_not(rung, after)
+        assert skip is None or f"calibrated on trial {fp8[0][0]}" in skip.reason

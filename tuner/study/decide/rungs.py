@@ -24,7 +24,7 @@ from tuner.study.decide import Proposal
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS"]
+__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "same_rung"]
 
 LEVER_GAIN = {
     "dcp_size": lambda value: float(value),
@@ -99,6 +99,12 @@ class RungPrices:
             return None
         flags["mem_fraction_static"] = float(params.get("mem_fraction_static") or base.mem_fraction_static)
         return number, evaluate(base, flags)
+
+
+def same_rung(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two configs run the same structural rung (their levers' values, SGLang's no-op
+    value for a lever left out: ``auto``, dcp 1, dp 1)."""
+    return rung_flags(a) == rung_flags(b)
 
 
 def rung_flags(params: Mapping[str, Any]) -> dict[str, Any]:

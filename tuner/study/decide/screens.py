@@ -33,7 +33,7 @@ from tuner.sglang.memory import must_fail
 from tuner.sglang.numerics import numerics_key
 from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
-from tuner.study.decide.rungs import RungPrices
+from tuner.study.decide.rungs import RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
@@ -183,6 +183,10 @@ class Predicted:
 
     The capacity band is the view's (:attr:`tuner.study.view.StudyView.band_floor`, the study's
     ``[objective]``).
+
+    A config whose structural rung (fp8 KV, DCP, DP attention) no started trial ran is not
+    predicted (another rung's KV cell and weights would mispredict it): its first launch is the
+    rung's boot probe, which calibrates the model for it (issue 23).
     """
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
@@ -190,6 +194,8 @@ class Predicted:
         if not cal.model_points:
             return None
         snapped = view.space.snap(params)
+        if not any(same_rung(p.params, snapped) for p in cal.model_points):
+            return None  # a structural rung's first launch is its boot probe: no other rung's cell predicts it
         family = family_of(snapped)
         mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
         ref = cal.reference(family, mrr)
