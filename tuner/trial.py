@@ -271,6 +271,17 @@ def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[
     return out
 
 
+def with_dp_attention_switch(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with DP attention's switch set by its size (the ``dp_size`` knob, issue 23):
+    above 1, ``enable_dp_attention`` on; 1, both flags removed (``None``); no ``dp_size``, as is (§1.5b)."""
+    out = dict(params)
+    if "dp_size" in out:
+        dp = out.pop("dp_size")
+        on = dp is not None and int(dp) > 1
+        out.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
+    return out
+
+
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
@@ -288,10 +299,7 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
-    if "dp_size" in rendered:  # DP attention's size (1 = off): the switch goes with it (§1.5b)
-        dp = rendered.pop("dp_size")
-        on = dp is not None and int(dp) > 1
-        rendered.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
+    rendered = with_dp_attention_switch(rendered)
     switch = rendered.pop("speculative_algorithm", None)
     if switch is False:
         rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))

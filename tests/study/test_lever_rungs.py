@@ -131,3 +131,32 @@ def test_a_rung_no_trial_ran_is_not_predicted_from_another_rungs_cell(twin_study
         rung = {**fp8[0][1].params, "mem_fraction_static": 0.8}
         skip = Predicted().why_not(rung, after)
         assert skip is None or f"calibrated on trial {fp8[0][0]}" in skip.reason
+
+
+def test_show_best_and_apply_say_and_write_the_levers(twin_study, tmp_path: Path) -> None:
+    """``tuner show`` / ``best`` say the capacity gain per lever and its costs; ``tuner apply best``
+    writes the structural flags (DP attention's switch with its size)."""
+    from rich.console import Console
+
+    from tuner.apply import plan_apply
+    from tuner.report.tables import trial_detail
+    from tuner.results import StudyLocation, best_trial, open_study
+
+    config, history, _, _ = twin_study
+    stored = open_study(StudyLocation(storage_url=config.storage.url, study_name=config.study.name))
+    rung = max((v for v in stored.trials if v.feasible and v.record is not None and int(v.params.get("dp_size") or 1) > 1),
+               key=lambda v: v.record.context_capacity or 0)  # type: ignore[union-attr]
+    console = Console(width=200, record=True)
+    console.print(trial_detail(stored, rung))
+    text = console.export_text()
+    assert f"structural levers of trial {rung.number} over the baseline (trial 0)" in text
+    assert "dp_size (DP attention) 1 → " in text and "per lever:" in text
+    assert "costs: output throughput" in text and "one request's ceiling" in text and "numerics" in text
+    best = best_trial(stored)
+    if rung_moved := [n for n in best.notes if n.startswith("structural levers")]:
+        assert "capacity:" in " ".join(best.notes) and rung_moved
+    plan = plan_apply(stored, rung, config, state_dir=tmp_path / "state")
+    argv = plan.new_argv
+    assert "--enable-dp-attention" in argv and argv[argv.index("--dp-size") + 1] == str(rung.params["dp_size"])
+    if rung.params.get("kv_cache_dtype") == "fp8_e4m3":
+        assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
