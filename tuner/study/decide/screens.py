@@ -72,11 +72,14 @@ class Unavailable:
 
 class WontStart:
     """A config whose structural rung (fp8 KV, DCP, DP attention over the baseline's) the ladder
-    predicts does not start: its static memory (the baseline's, plus DP attention's replicated
-    attention and embedding weights, :func:`tuner.sglang.levers.dp_attention_extra_weight_gib`) is
-    above ``mem_fraction_static × B``, SGLang's ``Not enough memory`` (§4.3), or its reserve does
-    not cover the baseline's CUDA graphs and activations (:func:`tuner.sglang.ladder.evaluate`).
-    The proof is the baseline's start (the calibrated memory model); never launched.
+    says does not start: its static memory (the baseline's, plus DP attention's replicated
+    attention and embedding weights, :func:`tuner.sglang.levers.dp_attention_extra_weight_gib`)
+    leaves no KV pool at ``mem_fraction_static × B``, SGLang's ``Not enough memory`` (§4.3;
+    :func:`tuner.sglang.ladder.evaluate`, equal to the simulator's startup path,
+    ``tests/sglang/test_ladder_sim.py``). The proof is the baseline's start (the calibrated memory
+    model); never launched. The ladder's free memory after graphs is not used here: a rung's own
+    CUDA graphs (DP attention's per-rank batches) are not known from the baseline's start, so a
+    short reserve is left to the rung's boot probe and the memory screens calibrated on it.
 
     Args:
         prices: The rung pricer of this run.
@@ -87,7 +90,7 @@ class WontStart:
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         priced = self.prices.price(params, view)
-        if priced is None or priced[1].starts is not False:
+        if priced is None or priced[1].tokens_per_rank is None or priced[1].tokens_per_rank > 0:
             return None
         number, rung = priced
         return Skip(f"predicted not to start (the ladder's arithmetic on trial {number}'s start): {rung.why}", number)
