@@ -57,7 +57,7 @@ def test_dp_attention_is_searched_at_a_fraction_where_it_starts(twin_study) -> N
     rungs = [(n, r) for n, r in history if int(r.params.get("dp_size") or 1) > 1]
     assert rungs, "DP attention was derived (the model's config is given) and launched"
     first = rungs[0][1]
-    assert "smallest fraction where the ladder says it starts" in (first.prediction.why or "")
+    assert "the largest fraction where the ladder leaves the headroom" in (first.prediction.why or "")
     assert first.params["mem_fraction_static"] > 0.88  # at 0.88 its replicated weights leave no pool
     for _, record in history:  # never a rung that cannot start
         assert record.failure_class not in STARTUP_MEMORY_FAILURES, record.params

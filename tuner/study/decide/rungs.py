@@ -21,6 +21,7 @@ from tuner.sglang.ladder import LadderBase, Rung, evaluate
 from tuner.sglang.modelconfig import ModelArch
 from tuner.study.best import best_by
 from tuner.study.decide import Proposal
+from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
@@ -123,9 +124,10 @@ class RungCandidate:
     """Each structural lever value once, on the best flags so far (a :class:`~tuner.study.decide.Proposer`).
 
     A rung the ladder predicts does not start at the best flags' fraction (DP attention's
-    replicated weights) is proposed at the smallest fraction of the space's grid where it starts
-    and one request of the study's context fits its per-request ceiling; where none does, it is
-    proposed as is, and the screens skip it with the arithmetic.
+    replicated weights) is proposed at the largest fraction of the space's grid where the ladder
+    leaves the headroom the stress load needs after the baseline's graphs
+    (:meth:`~tuner.study.calibration.Calibration.need_gib`) and one request of the study's context
+    fits; where none does, it is proposed as is, and the screens skip it with the arithmetic.
 
     Args:
         objective: ``[objective]`` (what "best" means).
@@ -137,22 +139,30 @@ class RungCandidate:
         self.prices = prices
 
     def _lift(self, params: dict[str, Any], view: StudyView) -> tuple[dict[str, Any], str]:
-        """``params`` at the smallest grid fraction where the rung starts and one context fits."""
+        """``params`` at the largest grid fraction where the rung starts with the headroom and one context fits."""
         if self.prices is None:
             return params, ""
         priced = self.prices.price(params, view)
         if priced is None or priced[1].starts is not False:
             return params, ""
         need = view.settings.context_tokens
+        fits = []
         for mfs in view.space.fractions():
             if mfs <= float(params["mem_fraction_static"]):
                 continue
             lifted = view.space.snap({**params, "mem_fraction_static": mfs})
             rung = self.prices.price(lifted, view)
-            if rung is not None and rung[1].starts and (rung[1].per_request_max_tokens or 0) >= need:
-                return lifted, (f"; at {mfs:g}, the smallest fraction where the ladder says it starts and one "
-                                f"{need:,}-token context fits ({rung[1].tokens_per_rank:,} tokens per rank)")
-        return params, ""
+            if rung is None or not rung[1].starts or (rung[1].per_request_max_tokens or 0) < need:
+                continue
+            headroom = view.calibration.need_gib(family_of(lifted)) if view.calibration.model_points else 0.0
+            if (rung[1].free_after_graphs_gib or 0.0) >= headroom:
+                fits.append((lifted, mfs, rung[1]))
+        if not fits:
+            return params, ""
+        lifted, mfs, top = fits[-1]
+        return lifted, (f"; at {mfs:g}, the largest fraction where the ladder leaves the headroom the stress load "
+                        f"needs after the baseline's graphs ({top.free_after_graphs_gib} GiB free) and one "
+                        f"{need:,}-token context fits ({top.tokens_per_rank:,} tokens per rank)")
 
     def propose(self, view: StudyView) -> Proposal | None:
         """``None`` when the space names no lever, nothing is measured yet, or every rung was tried."""
