@@ -244,6 +244,9 @@ class SpaceSection(_Section):
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices
             (default: steps 1-5; topk 1 and the baseline's; draft tokens the baseline's, and 4, 6, 8
             when a topk above 1 is searched). Combinations SGLang refuses are never launched.
+        speculative_draft_kv_cache_dtype: Choices of ``--speculative-draft-kv-cache-dtype``
+            (default: the baseline's and ``fp8_e4m3``; searched only where the version has the
+            flag, SGLang 0.5.23, and the draft shape is searched).
     """
 
     mem_fraction_static: FloatRange | None = None
@@ -268,6 +271,7 @@ class SpaceSection(_Section):
     speculative_num_steps: list[Annotated[int, Field(ge=1)]] | None = None
     speculative_eagle_topk: list[Annotated[int, Field(ge=1)]] | None = None
     speculative_num_draft_tokens: list[Annotated[int, Field(ge=2)]] | None = None
+    speculative_draft_kv_cache_dtype: list[Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]] | None = None
 
     @field_validator("mem_fraction_static")
     @classmethod

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_fie
 
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.memory import KVCapacityModel
+from tuner.sglang.speculative import DraftMemory
 
 __all__ = [
     "RECORD_ATTR",
@@ -174,6 +175,9 @@ class MemoryFacts(BaseModel):
         graph_gib: CUDA graphs (GiB).
         capacity_model: The memory model calibrated on this start, or ``None``.
         capacity_model_error: Why no model could be calibrated (or a stored one read).
+        draft: The draft model's memory on this start (weights, KV pool, its graphs and the
+            target's verify graphs; :class:`tuner.sglang.speculative.DraftMemory`), or ``None``
+            without a draft.
         probe_only: The boot probe showed a capacity too low to matter: no load ran.
         retractions: Retraction lines in the trial's log.
         gpu_used_gib_after_start: GPU memory in use after the start (GiB, the GPU monitor).
@@ -193,6 +197,7 @@ class MemoryFacts(BaseModel):
     graph_gib: float | None = None
     capacity_model: KVCapacityModel | None = None
     capacity_model_error: str | None = None
+    draft: DraftMemory | None = None
     probe_only: bool = False
     retractions: int | None = None
     gpu_used_gib_after_start: float | None = None

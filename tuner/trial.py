@@ -518,7 +518,8 @@ def _draft_fact(report: LogReport, facts: Mapping[str, Any]) -> dict[str, Any]:
     params = facts.get("params") or {}
     if not all(params.get(k) for k in SPEC_SHAPE_KNOBS):
         return {}
-    fact = DraftMemory.from_report(report, SpecShape(*(int(params[k]) for k in SPEC_SHAPE_KNOBS)))
+    dtype = params.get("speculative_draft_kv_cache_dtype") or params.get("kv_cache_dtype") or "auto"
+    fact = DraftMemory.from_report(report, SpecShape(*(int(params[k]) for k in SPEC_SHAPE_KNOBS)), str(dtype))
     return {} if fact is None else {"draft": fact.model_dump(mode="json")}
 
 

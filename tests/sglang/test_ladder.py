@@ -1,5 +1,5 @@
 """The structural-levers ladder (tuner/sglang/ladder.py): on the reference deployment's log through the
-installed CLI, and against the handed real pairs of shared/cases/ladder (ladder-01, ladder-09)."""
+installed CLI, and against the handed real pairs of shared/cases/ladder (ladder-01, ladder-06, ladder-09)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from tests.support.cli import run_tuner
 from tuner.sglang.explain import explain_from
 from tuner.sglang.ladder import LadderBase, Rung, evaluate, ladder
+from tuner.sglang.logs import parse_log
 from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes
 from tuner.sglang.modelconfig import model_arch_from_dict
 
@@ -121,9 +122,49 @@ def test_ladder_01_dsa_per_rank_pool_under_dp_attention():
     assert now.logical_tokens == pytest.approx(case["expected"]["logical_tokens"], rel=0.01)
     without_indexer = (arch["kv_lora_rank"] + arch["kv_lora_rank"] / 128 * 4 + arch["qk_rope_head_dim"] * 2) * arch["num_hidden_layers"]
     assert cell / without_indexer == pytest.approx(48068 / 40016, rel=1e-4)
-    # DCP 8 on 0.5.23 with the indexer replicated: gain 3.68x, not 8x
+    # DCP 8 on 0.5.23 with the indexer replicated: not 8x. 0.5.23 defaults both DSA backends to trtllm
+    # under DCP (_dsa_dcp_overrides), whose latent row is raw 576 B (calculate_mla_kv_cache_dim; SGLang's
+    # CPU test asserts (576 + 132 x 8) x L), so from this 656 + 132 B start: 8 x 788 / 1632 = 3.86x
     dcp = evaluate(LadderBase(**{**base.model_dump(), "dp": 1, "flags": {"kv_cache_dtype": "fp8_e4m3"}}), {"dcp_size": 8}, version="0.5.23")
-    assert dcp.logical_tokens / now.tokens_per_rank == pytest.approx(3.68, rel=0.01)
+    assert dcp.logical_tokens / now.tokens_per_rank == pytest.approx(8 * 788 / (576 + 8 * 132), rel=0.01)
+    # with a scaled-row backend named (flashmla_kv), the latent keeps 656 B: the 3.68x of the README's formula
+    scaled = evaluate(LadderBase(**{**base.model_dump(), "dp": 1, "flags": {"kv_cache_dtype": "fp8_e4m3"}}),
+                      {"dcp_size": 8, "dsa_prefill_backend": "flashmla_kv", "dsa_decode_backend": "flashmla_kv"}, version="0.5.23")
+    assert scaled.logical_tokens / now.tokens_per_rank == pytest.approx(3.68, rel=0.01)
+
+
+def test_ladder_06_hybrid_gdn_cell_and_no_guessed_speculative_rung():
+    """ladder-06 (hybrid GDN, 16 of 64 layers full attention, fp8 KV from the checkpoint, DFLASH on vs off):
+    the hybrid cell prices both logged K sizes (same budget rule: 1 %); the spec-on rung is NOT
+    reproducible from the facts held (the case's derived check: draft weights, draft KV and verify
+    scratch split with the GDN state pool, no weights line), so the ladder neither offers a spec-on
+    rung nor prices spec off without the draft's weight line: it says so instead of guessing."""
+    case = _case("ladder-06")
+    arch = case["model"]
+    config = {"num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": arch["num_key_value_heads"],
+              "head_dim": arch["head_dim"], "full_attention_interval": 4, "torch_dtype": "bfloat16",
+              "quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"}}
+    model = model_arch_from_dict(config, name="qwen-gdn")
+    assert model.kv_layers == arch["full_attention_layers"] == 16
+    cell = cell_size_bytes(model)  # auto -> fp8 (kv_cache_quant_algo FP8), K + V over the 16 full-attention layers
+    assert cell == 2 * 16 * 4 * 256
+    for arm in ("baseline", "lever"):
+        obs = case[arm]["observed"]
+        assert obs["max_total_num_tokens"] * cell / 2 / GIB == pytest.approx(obs["k_size_gb"], rel=0.01)
+    parsed = parse_log(" ".join(case["lever"]["log_excerpt"].split()))  # the case wraps the quoted line
+    one = next(iter(parsed.ranks.values()))
+    assert (one.kv_tokens, one.k_size_gib, one.v_size_gib) == (117125, 1.79, 1.79)
+    # the same model written as Qwen3.5's layer_types list
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+    assert model_arch_from_dict({**config, "full_attention_interval": None, "layer_types": types}).kv_layers == 16
+    base_mem = KVCapacityModel(baseline_gib=25.0, static_gib=25.0 * 0.8 - case["baseline"]["observed"]["max_total_num_tokens"] * cell / GIB,
+                               cell_bytes=cell, observed_mem_fraction_static=0.8, observed_tokens=case["baseline"]["observed"]["max_total_num_tokens"])
+    off = LadderBase(memory=base_mem, model=model, version="0.5.23", mem_fraction_static=0.8, context_len=262144)
+    assert not any(r.lever.get("speculative_algorithm") for r in ladder(off))  # no spec-on rung is offered
+    lever_mem = base_mem.model_copy(update={"observed_tokens": case["lever"]["observed"]["max_total_num_tokens"]})
+    on = LadderBase(**{**off.model_dump(), "memory": lever_mem, "speculative_algorithm": "DFLASH"})
+    spec_off = evaluate(on, {"speculative_algorithm": None})
+    assert spec_off.tokens_per_rank is None and "draft's weight line" in spec_off.why
 
 
 def test_ladder_09_fraction_rungs_from_one_start_at_065():

@@ -327,3 +327,26 @@ def test_0_5_23_lines_real_sglang_prints() -> None:
     assert "DP0 ATTN_CP1 MOE_DP0 TP3 EP3" in r.ranks and r.ranks["DP0 ATTN_CP1 MOE_DP0 TP3 EP3"].weight_dtype == "compressed-tensors"
     assert r.weights_committed_after_capture and r.ranks.get("TP0") is None  # no memory numbers on the commit line
     assert r.logged["TP0"][0].values["startup overlap total"].value == 9.1
+
+
+@pytest.mark.parametrize("kv_tokens", ["3307840", "26462720 (3307840 per rank * dcp_size 8)"])
+def test_dcp_logical_count_is_read_per_rank(kv_tokens: str) -> None:
+    """sglang#32730 prints a DCP server's logical capacity with the per-rank math; the report keeps
+    ``max_total_num_tokens`` per rank (what the ladder and the trial multiply by dcp) and says both."""
+    log = "\n".join([
+        f"[2026-08-01 10:00:00 TP0] KV Cache is allocated. dtype: torch.float8_e4m3fn, #tokens: {kv_tokens}, KV size: 32.15 GB",
+        "[2026-08-01 10:00:00 TP0] Memory pool end. avail mem=20.02 GB",
+        "[2026-08-01 10:00:05 TP0] max_total_num_tokens=26462720 (3307840 per rank * dcp_size 8), chunked_prefill_size=8192, "
+        "max_prefill_tokens=16384, max_running_requests=64, context_len=1048576, available_gpu_mem=9.12 GB",
+    ])
+    r = parse_log(log)
+    assert r.ranks["TP0"].kv_tokens == 3307840 and r.ranks["TP0"].kv_size_gib == 32.15
+    assert r.scheduler is not None
+    assert (r.scheduler.max_total_num_tokens, r.scheduler.logical_tokens, r.scheduler.dcp_size) == (3307840, 26462720, 8)
+    assert (r.scheduler.max_running_requests, r.scheduler.available_gpu_mem_gib) == (64, 9.12)
+    assert r.max_total_num_tokens == 3307840
+
+
+def test_per_rank_scheduler_line_has_no_logical_count() -> None:
+    r = parse_log("[2026-08-01 10:00:05 TP0] max_total_num_tokens=3307840, chunked_prefill_size=8192, available_gpu_mem=9.12 GB")
+    assert r.scheduler is not None and (r.scheduler.max_total_num_tokens, r.scheduler.logical_tokens, r.scheduler.dcp_size) == (3307840, None, None)

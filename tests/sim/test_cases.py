@@ -46,7 +46,7 @@ SKIPPED = {
     "case-37": "a runtime KV page shortfall under load (engine behaviour); the model and GPU are not stated",
     "case-38": "a runtime retraction of two long generations (engine behaviour); the GPU is not stated",
     "case-41": "Qwen3-Omni (multimodal, not simulated) on 4 unnamed GPUs",
-    "case-45": "DeepSeek-V3.2 (DSA indexer, not simulated) on B300 (no preset); a 'no kernel image' crash at "
+    "case-45": "DeepSeek-V3.2 on B300 (no preset; DSA is simulated with 0.5.23 rules, this is a dsv32 image); a 'no kernel image' crash at "
                "capture, not a memory figure",
     "case-47": "MiMo-V2-Flash, a hybrid SWA model (not simulated); the GPU is not stated",
     "case-49": "a runtime pool exhaustion under load on 0.5.18 (engine behaviour); RTX 4090 has no preset",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from importlib import resources
 
 import pytest
@@ -108,3 +108,50 @@ def test_load_back_time_is_kv_bytes_over_pcie():
     c = inputs()
     assert costmodel.load_back_s(c, 10_000) == pytest.approx(10_000 * c.kv_cell_bytes / (64e9))
     assert step_time_s(c, StepShape(0, 0, 0, 0, eager=True)) == 0.0
+
+
+def _attention_ms(c: CostInputs, seqs: int, context: int) -> float:
+    """Attention's part of a decode step (the step minus the same step with no KV to read)."""
+    full = step_time_s(c, StepShape(seqs, seqs, float(seqs * context), seqs * context, eager=False))
+    empty = step_time_s(c, StepShape(seqs, seqs, 0.0, 0, eager=False))
+    return 1e3 * (full - empty)
+
+
+def test_dp_attention_step_lasts_as_long_as_its_busiest_rank():
+    """Each request lives on one DP rank (data_parallel_controller.py): one request is not split over
+    the 8 ranks, 8 requests are (one each), 9 put two on one rank."""
+    assert costmodel.dp_rank_share(8, 1) == 1.0 and costmodel.dp_rank_share(8, 8) == 1 / 8
+    assert costmodel.dp_rank_share(8, 9) == pytest.approx(2 / 9) and costmodel.dp_rank_share(1, 5) == 1.0
+    tp = inputs("deepseek-v3", "H200-141GB", tp=8)
+    dp = tp.with_parallel(dp_size=8)
+    assert _attention_ms(dp, 1, 131072) >= _attention_ms(tp, 1, 131072)  # one long request: no DP help
+    assert _attention_ms(dp, 8, 16384) < _attention_ms(dp, 9, 16384)  # the 9th request doubles one rank's reads
+    assert _attention_ms(dp, 8, 16384) == pytest.approx(_attention_ms(dp, 1, 16384), rel=0.05)
+
+
+def test_dcp_pays_a_gather_per_layer_and_splits_long_reads():
+    """sglang#14194: each rank reads 1/dcp of a request's KV, then gathers the partial outputs per layer."""
+    base = inputs("deepseek-v3", "H200-141GB", tp=8)
+    dcp = base.with_parallel(dcp_size=8)
+    short = StepShape(1, 1, 256.0, 256, eager=False)
+    assert step_time_s(dcp, short) > step_time_s(base, short)  # the gather's latency dominates a short step
+    assert _attention_ms(dcp, 1, 131072) < _attention_ms(base, 1, 131072) / 4
+
+
+def test_dsa_reads_the_latent_of_top_k_keys_and_every_indexer_row_on_each_dcp_rank():
+    """DeepSeek-V3.2: sparse attention over index_topk keys, the indexer over all keys; the indexer K
+    is replicated under DCP (sglang#31821), so DCP does not divide its part."""
+    m = load_model("deepseek-v3.2")
+    latent, index = 576 * m.num_layers, 132 * m.num_layers
+    dense = CostInputs.from_specs(m, get_gpu("B200-180GB"), tp_size=8, kv_cell_bytes=latent + index,
+                                  weight_bytes_per_gpu=weight_bytes_per_gpu(m, 8))
+    dsa = dense.with_dsa(index_cell_bytes=index, index_topk=m.index_topk or 0, index_n_heads=m.index_n_heads or 0,
+                         index_head_dim=m.index_head_dim or 0)
+    assert m.is_dsa and m.index_topk == 2048
+    assert _attention_ms(dsa, 1, 131072) < _attention_ms(dense, 1, 131072) / 3  # 2,048 of 131,072 latents read
+    assert _attention_ms(dsa, 1, 131072) > _attention_ms(dsa, 1, 2048)  # the indexer still scans every key
+    dcp = replace(dsa, kv_cell_bytes=latent + 8 * index).with_parallel(dcp_size=8)
+    plain_dcp = dense.with_parallel(dcp_size=8)
+    gain_dsa = _attention_ms(dsa, 1, 131072) / _attention_ms(dcp, 1, 131072)
+    gain_mla = _attention_ms(dense, 1, 131072) / _attention_ms(plain_dcp, 1, 131072)
+    assert gain_dsa < gain_mla  # the replicated indexer keeps DSA's decode from splitting 8 ways

@@ -10,6 +10,8 @@ import requests
 
 from tests.support.sim import run_to_exit, spawn, wait_ready
 from tuner.sim import costmodel, startup
+from tuner.sim.engine import SimRequest
+from tuner.sim.evaluate import evaluate, size_server
 from tuner.sim.speculative import accept_length, classify_ids, classify_text, refusal, tree_error
 
 KIMI = ["--model-path", "kimi-k2.5-int4", "--trust-remote-code", "--tp-size", "8", "--sim-gpu",
@@ -99,3 +101,43 @@ def test_responses_carry_per_request_acceptance_and_server_average(tmp_path, ver
         assert state["avg_spec_accept_length"] == pytest.approx(total_ct / total_verify, rel=0.05)
     finally:
         sim.stop()
+
+
+def test_the_crossover_fewer_draft_tokens_then_speculation_off_as_the_batch_grows() -> None:
+    """On a model whose decode turns compute-bound in the batches memory allows (Llama-3.1-70B,
+    tp 8, H100), the verify forward over ``batch × num_draft_tokens`` tokens costs as much as it
+    accepts: the best chain is deep at one request in flight, shallower at 64, and at 256
+    speculation off wins (sglang#22246: step 4 at batch 1 vs step 2 at batch 64; sglang#6995:
+    Llama-2-70B at high throughput, EAGLE 2/4/4 below no speculation)."""
+    rng = random.Random(0)
+    base = ["--model-path", "llama-3.1-70b", "--tp-size", "8", "--sim-gpu", "H100-80GB", "--sim-version", "0.5.23",
+            "--mem-fraction-static", "0.85", "--max-running-requests", "512", "--cuda-graph-max-bs-decode", "512"]
+
+    def tok_s(extra: list[str], concurrency: int) -> float:
+        reqs = [SimRequest(f"r{i}", [rng.randrange(100, 30000) for _ in range(512)], 128, True, 0.0, "chat")
+                for i in range(max(3 * concurrency, 4))]
+        result = evaluate([*base, *extra], reqs, concurrency=concurrency)
+        assert result.started and result.error is None
+        return result.output_throughput
+
+    depths = (1, 2, 3, 4)
+    by_batch = {bs: (tok_s([], bs), [tok_s(_shape(d, 1, d + 1), bs) for d in depths]) for bs in (1, 64, 256)}
+    off, chain = by_batch[1]
+    assert max(chain) > 1.5 * off and depths[chain.index(max(chain))] >= 3
+    off, chain = by_batch[64]
+    assert max(chain) > off and depths[chain.index(max(chain))] < 4
+    off, chain = by_batch[256]
+    assert off > 1.1 * max(chain) and depths[chain.index(max(chain))] <= 2
+
+
+def test_a_smaller_draft_kv_dtype_halves_the_draft_pool_and_leaves_the_rest_free() -> None:
+    """0.5.23 budgets the draft's pool as the target cell's share by layers; an fp8 draft pool
+    takes half of it and the other half stays free (the flag's help text)."""
+    args = [*KIMI, "--sim-version", "0.5.23", "--max-running-requests", "64", *_shape(3, 1, 4)]
+    _, bf16 = startup.plan_from_argv(args)
+    _, fp8 = startup.plan_from_argv([*args, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"])
+    assert fp8.max_total_num_tokens == bf16.max_total_num_tokens
+    assert fp8.draft_kv_bytes == pytest.approx(bf16.draft_kv_bytes / 2, rel=0.01)
+    freed = (size_server([*args, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"]).free_gib_after_graphs
+             - size_server(args).free_gib_after_graphs)
+    assert freed == pytest.approx(bf16.draft_kv_bytes / 2 / 2**30, rel=0.05)

@@ -96,3 +96,45 @@ def test_inside_an_slo_bracket_the_next_count_is_launched_on_graphs_that_cover_i
     assert proposal is not None, "nothing proposed"
     mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
     assert mrr > 24 and graph_bs >= mrr, proposal.params
+
+
+def test_windows_that_differ_in_the_graphs_share_one_slo_bracket(space) -> None:
+    """A break at 100 requests under 24-wide graphs and a safe window at 40 under 48-wide graphs
+    bracket one curve's boundary (same workload, same scheduler): the next count lies between them,
+    on the smallest cuda_graph_max_bs that captures every batch up to it. Keyed by the graphs, the
+    48-wide knobs had held everywhere they ran, and the planner re-launched the 100 requests the
+    24-wide graphs broke."""
+    history = [(0, _record(_params(0.85, 256), running=100, slo=2.0)),
+               (1, _record(_params(0.80, 40, 48), running=40, slo=-0.02))]
+    proposal = plan(_view(space, history))
+    assert proposal is not None, "nothing proposed"
+    mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
+    assert 40 < mrr < 100, proposal.params
+    assert graph_bs == min(c for c in (24, 32, 48, 64) if c > mrr), proposal.params
+    assert proposal.prediction["slo_broken_trial"] == 0 and proposal.prediction["slo_safe_trial"] == 1
+
+
+def test_a_line_from_the_broken_side_joins_windows_of_one_graph_coverage_only() -> None:
+    """Two breaks, one with every batch on a graph (64 requests) and one decoding above 16 eagerly
+    (256): they lie on different latency curves (§2.1), so the next count is the nearest one's
+    proportional step, not a line through both (which would reach far below)."""
+    from tuner.study.slo_bound import SLOPoint, slo_bounds
+
+    key = (("chunked_prefill_size", 8192),)
+    full = SLOPoint(number=1, family=key, running_requests=64, slo=0.571, graphed=64)
+    eager = SLOPoint(number=0, family=key, running_requests=256, slo=2.788, graphed=16)
+    assert slo_bounds([eager, full])[key].next_count() == 38  # 64 · 0.95 / 1.571
+    alike = eager.model_copy(update={"graphed": 256})
+    assert slo_bounds([alike, full])[key].next_count() == 10  # the line through both
+
+
+def test_an_unused_wider_cuda_graph_max_bs_lands_on_the_smallest_with_the_same_captures(space) -> None:
+    """SGLang adds the request table's size to the capture list and drops every size above it
+    (§2.1): 20 slots capture [1, 2, 4, 8, 12, 16, 20] under 24- and 64-wide graphs alike, so the
+    planner's count lands on 24 (one server, one launch); above 24 the graphs move with the slots
+    to the smallest choice that captures every batch (40 slots: 48, as 64 would)."""
+    cal = _view(space, [(0, _record(_params(0.85, 20), running=20, slo=-0.6))]).calibration
+    landed, note = cal.land((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 64)), 20)
+    assert dict(landed)["cuda_graph_max_bs"] == 24 and note is None
+    landed, note = cal.land((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 24)), 40)
+    assert dict(landed)["cuda_graph_max_bs"] == 48 and note is not None and "moves with" in note

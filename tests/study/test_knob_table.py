@@ -41,7 +41,8 @@ def test_the_names_derive_from_the_table() -> None:
         "mem_fraction_static", "max_running_requests", "chunked_prefill_size", "enable_hierarchical_cache",
         "hicache_ratio", "hicache_size", "hicache_write_policy", "hicache_io_backend", "hicache_mem_layout",
         "page_size", "cuda_graph_max_bs", "speculative_algorithm", "speculative_num_steps",
-        "speculative_eagle_topk", "speculative_num_draft_tokens", "schedule_conservativeness", "kv_cache_dtype",
+        "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_draft_kv_cache_dtype",
+        "schedule_conservativeness", "kv_cache_dtype",
         "dcp_size", "dp_size",
     )
     assert HICACHE_KNOBS == tuple(n for n in SEARCHED_FIELDS if n.startswith("hicache_"))

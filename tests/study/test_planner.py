@@ -189,6 +189,21 @@ def test_skip_what_the_slo_rule_proves_must_break_the_slo(space) -> None:
     assert _screen(space, _params(0.9, 48, 4096), history) is None
 
 
+def test_a_break_that_a_safe_window_at_more_requests_contradicts_proves_nothing(space) -> None:
+    """The p99 of a window near the limit is noise (its ITL lands in the prefill-joined steps or
+    not by a handful of steps): 32 requests broke the SLO, 33 held it with the same knobs. The
+    monotone rule cannot hold for both, so 33 and 34 slots on another fraction are launched, not
+    skipped as must-break; a break above the safe window (36) still proves."""
+    history = [(0, _record(_params(0.85, 4096), running=256, slo=5.9)),
+               (1, _record(_params(0.8, 32), running=32, slo=0.4)),
+               (2, _record(_params(0.8, 33), running=33, slo=-0.02))]
+    assert _screen(space, _params(0.86, 33), history) is None
+    assert _screen(space, _params(0.86, 34), history) is None
+    history.append((3, _record(_params(0.8, 36), running=36, slo=0.4)))
+    text, proof = _screen(space, _params(0.86, 40), history)
+    assert proof == 3 and text.startswith("must break the SLO: trial 3 broke it running 36 requests")
+
+
 def test_no_slo_proof_for_a_smaller_pool_that_cannot_surely_run_the_broken_load(space) -> None:
     """Contexts of 8192 tokens: a window broke the SLO running 160 requests on a pool of 173 such
     contexts (mem_fraction_static 0.9); a config with more slots (170) on a pool of 148 (0.8)

@@ -52,3 +52,24 @@ def test_sglang_rules_per_version() -> None:
     assert shape_refusal("0.5.23", SpecShape(3, 4, 8), page_size=64, attention_backend="fa3") is None
     assert "selected index k out of range" in shape_refusal("0.5.23", SpecShape(1, 4, 8))  # 4 candidates < 7
     assert shape_refusal("0.5.23", SpecShape(2, 4, 8)) is None  # 4 + 16 candidates
+
+
+def test_the_draft_kv_dtype_is_searched_where_the_version_has_its_flag() -> None:
+    # 0.5.23 has --speculative-draft-kv-cache-dtype; 0.5.5 and 0.5.10 do not (shared/sglang-flags).
+    assert FlagTable.for_version("0.5.23").has("speculative_draft_kv_cache_dtype")
+    assert not FlagTable.for_version("0.5.5.post3").has("speculative_draft_kv_cache_dtype")
+    assert not FlagTable.for_version("0.5.10").has("speculative_draft_kv_cache_dtype")
+    space = resolve_space(SpaceSection(), BASE, draft_kv_dtype=True)
+    assert space.grid("speculative_draft_kv_cache_dtype") == ["auto", "fp8_e4m3"]  # unset follows the target's
+    assert space.snap({"mem_fraction_static": 0.88})["speculative_draft_kv_cache_dtype"] == "auto"
+    assert "speculative_draft_kv_cache_dtype" not in space.snap({"speculative_algorithm": False})
+    assert not resolve_space(SpaceSection(), BASE).searches("speculative_draft_kv_cache_dtype")
+    fp8_target = resolve_space(SpaceSection(), {**BASE, "kv_cache_dtype": "fp8_e4m3"}, draft_kv_dtype=True)
+    assert fp8_target.grid("speculative_draft_kv_cache_dtype") == ["fp8_e4m3"]
+    table = FlagTable.for_version("0.5.23")
+    on = parse_argv(render_argv(ARGV, {"speculative_algorithm": True, "speculative_draft_kv_cache_dtype": "fp8_e4m3"},
+                                table), table)
+    assert on["speculative_draft_kv_cache_dtype"] == "fp8_e4m3"
+    off = parse_argv(render_argv([*ARGV, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"],
+                                 {"speculative_algorithm": False}, table), table)
+    assert "speculative_draft_kv_cache_dtype" not in off

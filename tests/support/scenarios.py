@@ -1,4 +1,5 @@
-"""The search scenarios of ``tests/benchmarks/search_scenarios.toml`` as tuner configs (one reader).
+"""The search scenarios of ``tests/benchmarks/search_scenarios.toml`` as tuner configs (one reader),
+and the HiCache and speculative benchmarks' workloads on the reference twin.
 
 Read by the search-quality and many-hosts benchmarks and by the decision trace
 (:mod:`tests.support.decision_trace`).
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.config import TunerConfig, load_config, parse_config
+from tuner.load.metrics import SLO
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS_FILE = ROOT / "tests" / "benchmarks" / "search_scenarios.toml"
@@ -76,3 +78,26 @@ def hicache_scenarios() -> dict[str, TunerConfig]:
         "no reuse (random 8k prompts)": with_config(chat, "random", workload={
             "kind": "random", "input_len": 8192, "output_len": 256, "range_ratio": 0.5, "num_requests": 256}),
     }
+
+
+def spec_twin() -> TunerConfig:
+    """The reference twin (Kimi-K2.5 INT4 + EAGLE-3, tp 8) on SGLang 0.5.23, every candidate loaded (no boot probe)."""
+    cfg = load_config(ROOT / "configs" / "reference-sim.toml")
+    command = [("0.5.23" if a == "0.5.5" else a) for a in cfg.service.command]
+    return cfg.model_copy(update={"service": cfg.service.model_copy(update={"command": command}),
+                                  "budget": cfg.budget.model_copy(update={"probe_only_below": 0.0})})
+
+
+def spec_scenarios() -> dict[str, TunerConfig]:
+    """The speculative benchmark's two workloads on :func:`spec_twin` (``bench_spec.py``): name → config."""
+    twin = spec_twin()
+    agent = with_config(twin, "spec-agent", workload={"kind": "text", "prompt_tokens": 2048, "output_len": 256})
+    agent = agent.model_copy(update={
+        "objective": agent.objective.model_copy(update={"policy": "max_throughput", "context_tokens": 8192}),
+        "budget": agent.budget.model_copy(update={"max_concurrency": 2})})
+    batch = with_config(twin, "spec-batch", workload={"kind": "text", "prompt_tokens": 1024, "output_len": 256})
+    batch = batch.model_copy(update={
+        "slo": SLO(),
+        "objective": batch.objective.model_copy(update={"context_tokens": 2048}),
+        "budget": batch.budget.model_copy(update={"max_concurrency": 64, "measure_s": 60})})
+    return {"agent (2 in flight, max_throughput)": agent, "batch (64 in flight, capacity then throughput)": batch}

@@ -44,9 +44,9 @@ def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - Load
     console.print(f"accept length {summary.accept_length:.2f} tokens per verify step ({by_class}); "
                   f"server avg_spec_accept_length {'-' if server is None else f'{server:.2f}'}",
                   highlight=False, soft_wrap=True)
-    if summary.accept_length_by_class.get("raw") is not None:
+    if any(summary.accept_length_by_class.get(c) is not None for c in ("raw", "unknown")):
         err_console.print("[yellow]note:[/] random token ids overstate speculative acceptance; load a "
-                          "speculative deployment with --workload text (or a trace)", highlight=False)
+                          "speculative deployment with --workload text (or a trace with --send-text)", highlight=False)
     return server
 
 
@@ -71,6 +71,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     trace_format: Annotated[str | None, typer.Option("--trace-format", help="trace: auto, jsonl, sharegpt or openai [auto].")] = None,
     bytes_per_token: Annotated[float | None, typer.Option("--bytes-per-token", help="trace: UTF-8 bytes per token for text traces, no tokenizer [4.0].")] = None,
     time_scale: Annotated[float | None, typer.Option("--time-scale", help="trace: multiply its time offsets [1.0].")] = None,
+    send_text: Annotated[bool, typer.Option("--send-text", help="trace: send the prompts as text (its messages; a JSONL trace gets the shipped prompts at its lengths): use it for a speculative deployment.")] = False,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="text: a JSONL of {\"prompt\": text, \"class\": chat|code} [the shipped chat-like set].")] = None,
     prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="text: grow each prompt to about this many tokens [as written].")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of prompts and arrivals.")] = 0,
@@ -134,7 +135,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         "question_len": question_len, "num_sessions": num_sessions, "turns": turns,
         "first_input_len": first_input_len, "turn_input_len": turn_input_len, "path": trace, "time_scale": time_scale,
         "trace_format": trace_format, "bytes_per_token": bytes_per_token, "prompts": prompts,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": prompt_tokens, "send_text": send_text or None,
     })
     limits = SLO.parse(slo) if slo else None
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)

@@ -35,7 +35,8 @@ Kinds:
     text, else ``max_tokens``. A request whose messages are an earlier request's messages plus an
     assistant message (its answer) and more is that request's next turn and waits for it.
 
-  Text is never sent and no tokenizer is used: each message becomes a block of
+  Unless ``send_text`` (a speculative deployment: :func:`for_speculation`) text is not sent,
+  and no tokenizer is used either way: each message becomes a block of
   ``4 + ceil(UTF-8 bytes / bytes_per_token)`` token ids (:data:`MESSAGE_OVERHEAD_TOKENS`, default
   :data:`BYTES_PER_TOKEN` 4.0) drawn from a seed and the hash of the message with everything before
   it, so two requests share exactly the token ids of their common leading messages, and the prefix
@@ -156,6 +157,11 @@ class TraceSpec(_Spec):
         trace_format: ``auto`` (from the file's first object), ``jsonl``, ``sharegpt`` or ``openai``.
         bytes_per_token: UTF-8 bytes per token for text traces (lengths are estimated, no tokenizer).
         max_requests: Keep the first N requests (ShareGPT: whole conversations up to N requests).
+        send_text: Send each prompt as text (``/generate`` ``text``) instead of token ids: the
+            ShareGPT / OpenAI trace's own messages, one ``role: content`` line each; a JSONL trace,
+            which holds no text, gets the shipped chat prompts cut to each block's length (equal
+            blocks, equal text, so the prefix reuse stays). How a speculative deployment is
+            loaded (:func:`for_speculation`): acceptance depends on the text.
     """
 
     kind: Literal["trace"] = "trace"
@@ -164,6 +170,7 @@ class TraceSpec(_Spec):
     trace_format: Literal["auto", "jsonl", "sharegpt", "openai"] = "auto"
     bytes_per_token: float = Field(BYTES_PER_TOKEN, gt=0.0)
     max_requests: int | None = Field(None, ge=1)
+    send_text: bool = False
 
 
 class TextSpec(_Spec):
@@ -208,10 +215,10 @@ class Request(BaseModel):
         arrival_s: Send offset from the run's start for trace replay; ``None`` otherwise.
         group: Prefix group or session the request belongs to (for reporting), if any.
         after: ``rid`` of a request that must finish before this one is sent (the previous turn).
-        text: The prompt as text (sent instead of ``input_ids``, which then only hold its
-            estimated length in placeholder ids), or None.
-        prompt_class: What the prompt is (``raw`` random ids, ``chat``, ``code``), for
-            acceptance by class; None when unknown.
+        text: The prompt as text (sent instead of ``input_ids``, which then stand for it: its
+            estimated length, in ids equal where the leading text is), or None.
+        prompt_class: What the prompt is (``raw`` random ids, ``chat``, ``code``, ``trace`` a
+            trace's own text), for acceptance by class; None when unknown.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -434,10 +441,12 @@ def estimate_tokens(text: str, *, bytes_per_token: float = BYTES_PER_TOKEN) -> i
 
 @dataclass(frozen=True)
 class _Block:
-    """A run of prompt tokens with a stable identity: equal keys get equal token ids in a pass."""
+    """A run of prompt tokens with a stable identity: equal keys get equal token ids in a pass
+    (and equal text: the message's own, or None where the trace holds none)."""
 
     key: str
     tokens: int
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -587,7 +596,8 @@ def _message_blocks(messages: list[tuple[str, str]], bytes_per_token: float) -> 
     for role, text in messages:
         key = _digest(key, role, text)
         chain.append(key)
-        blocks.append(_Block(f"m:{key}", MESSAGE_OVERHEAD_TOKENS + estimate_tokens(text, bytes_per_token=bytes_per_token)))
+        blocks.append(_Block(f"m:{key}", MESSAGE_OVERHEAD_TOKENS + estimate_tokens(text, bytes_per_token=bytes_per_token),
+                             f"{role}: {text}\n"))
     return blocks, chain
 
 
@@ -747,6 +757,8 @@ def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
     timed = [it.arrival_s for it in items if it.arrival_s is not None]
     start = min(timed) if timed else 0.0
 
+    filler = read_prompts(SHIPPED_PROMPTS) if spec.send_text else []
+
     def make_pass(index: int) -> Iterator[Request]:
         cache: dict[str, list[int]] = {}
         for i, item in enumerate(items):
@@ -756,10 +768,13 @@ def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
                 if part is None or len(part) != b.tokens:
                     part = cache[b.key] = _block_ids(seed, index, b.key, b.tokens, vocab_size)
                 ids.extend(part)
+            text = "".join(b.text if b.text is not None else _filler_text(filler, b) for b in item.blocks) \
+                if spec.send_text else None
             yield _make_request(
                 rid=f"trace-{index}-{i}", input_ids=ids, max_new_tokens=item.output_len,
                 arrival_s=None if item.arrival_s is None else (item.arrival_s - start) * spec.time_scale,
                 group=item.group, after=None if item.parent is None else f"trace-{index}-{item.parent}",
+                text=text, prompt_class=None if text is None else "trace",
             )
 
     return Workload(
@@ -769,6 +784,23 @@ def _trace(spec: TraceSpec, seed: int, vocab_size: int) -> Workload:
         num_requests=len(items), repeatable=False, has_dependencies=any(it.parent is not None for it in items),
         has_arrivals=bool(timed), trace_format=fmt,
     )
+
+
+def _filler_text(prompts: list[tuple[str, str]], block: _Block) -> str:
+    """Text for a block the trace holds no text for: its key in brackets (two blocks never share
+    text by chance), then the shipped chat prompts from one picked by the key, cut to about its
+    tokens (:data:`BYTES_PER_TOKEN`), ending in a newline; the same for the same key."""
+    start = int(_digest(block.key)[:8], 16) % len(prompts)
+    budget = max(1, int(block.tokens * BYTES_PER_TOKEN) - 1)
+    parts: list[str] = [f"[{block.key}] "]
+    size = len(parts[0].encode("utf-8"))
+    j = start
+    while size < budget:
+        part = prompts[j % len(prompts)][1] + "\n"
+        parts.append(part)
+        size += len(part.encode("utf-8"))
+        j += 1
+    return "".join(parts).encode("utf-8")[:budget].decode("utf-8", "ignore") + "\n"
 
 
 # ---- reuse estimate ----------------------------------------------------------------------------
@@ -898,10 +930,12 @@ def build_workload(
 def for_speculation(spec: WorkloadSpec) -> WorkloadSpec:
     """The workload to load a speculative deployment with: ``random`` ids become the shipped text
     prompts at the same lengths (grown to ``input_len`` tokens, the same ``output_len`` and count);
-    text, traces and the rest are kept. Random ids overstate how often the draft is accepted
+    a trace sends its text (:attr:`TraceSpec.send_text`); text and the rest are kept. Random ids overstate how often the draft is accepted
     (:class:`TextSpec`), so a speculative deployment is never measured on them."""
     if isinstance(spec, RandomSpec):
         return TextSpec(prompt_tokens=spec.input_len, output_len=spec.output_len, num_requests=spec.num_requests)
+    if isinstance(spec, TraceSpec) and not spec.send_text:
+        return spec.model_copy(update={"send_text": True})
     return spec
 
 

@@ -26,7 +26,7 @@ from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
 from tuner.sglang.ladder import LadderBase, Rung, ladder
-from tuner.sglang.levers import draft_budget
+from tuner.sglang.levers import attention_type, dcp_per_rank_cell_bytes, draft_budget, dsa_kv_settings
 from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
     GIB,
@@ -390,7 +390,7 @@ def explain(
     tp = _val(settings, "tp_size") or (len(report.ranks) if report and len(report.ranks) > 1 else None)
     page = _val(settings, "page_size") or 1
     mfs = _fraction(settings, report, prim, findings, warnings)
-    cell, cell_source = _cell(settings, report, info, model, prim, tokens, tp, page, warnings)
+    cell, cell_source = _cell(settings, report, info, model, prim, tokens, tp, page, warnings, gpu)
     kv_model = _capacity_model(settings, report, info, prim, mfs, cell, tokens, findings, warnings)
 
     waterfall = _waterfall(report, info, kv_model, tokens, mrr, ctx, mfs)
@@ -439,7 +439,8 @@ def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch 
     dp_on = _arg(report, info, "enable_dp_attention") in (True, "True", "true")
     draft = _draft_of(report, report.primary()) if report is not None else None
     backend = _arg(report, info, "attention_backend", "decode_attention_backend")
-    flags = {k: _arg(report, info, k) for k in ("kv_cache_dtype", "attention_backend", "speculative_algorithm", "enable_dp_attention", "dcp_size")}
+    flags = {k: _arg(report, info, k) for k in ("kv_cache_dtype", "attention_backend", "speculative_algorithm", "enable_dp_attention", "dcp_size",
+                                                "dsa_prefill_backend", "dsa_decode_backend")}
     spec = _val(settings, "speculative_algorithm") or None
     headroom = 0
     if spec and draft_budget(str(version)).headroom and str(spec).upper() != "NGRAM":
@@ -543,16 +544,23 @@ def _fraction(settings: dict[str, Setting], report: LogReport | None, prim: Any,
 
 
 def _cell(settings: dict[str, Setting], report: LogReport | None, info: ServerInfo | None, model: ModelArch | None, prim: Any,
-          tokens: int | None, tp: int | None, page: int, warnings: list[str]) -> tuple[int | None, str | None]:
-    """``(KV bytes per token per GPU, source)``: the model config's (§1.3), else the logged KV size
-    over ``#tokens + page_size`` (§4.2 item 5), else the server info's; a model config that
+          tokens: int | None, tp: int | None, page: int, warnings: list[str], gpu: str | None = None) -> tuple[int | None, str | None]:
+    """``(KV bytes per token per GPU, source)``: the model config's (§1.3; a DSA model's row per its
+    backend and GPU, its indexer × dcp: :func:`~tuner.sglang.levers.dsa_kv_settings`), else the logged
+    KV size over ``#tokens + page_size`` (§4.2 item 5), else the server info's; a model config that
     disagrees with the log by more than 2 % is warned about."""
     cell: int | None = None
     cell_source = None
     if model is not None:
         version = info.version if info and info.version else (report.version_format if report and report.version_format else "0.5.5")
-        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=str(_val(settings, "kv_cache_dtype") or "auto"), version=version,
-                               speculative_algorithm=_val(settings, "speculative_algorithm"))
+        dtype, raw, dcp = str(_val(settings, "kv_cache_dtype") or "auto"), False, int(_arg(report, info, "dcp_size") or 1)
+        if attention_type(model) == "dsa":
+            dtype, raw = dsa_kv_settings(version=version, gpu=gpu, kv_cache_dtype=dtype, dcp=dcp,
+                                         prefill_backend=_arg(report, info, "dsa_prefill_backend"),
+                                         decode_backend=_arg(report, info, "dsa_decode_backend"))
+        cell = cell_size_bytes(model, tp=int(tp or 1), kv_cache_dtype=dtype, version=version,
+                               speculative_algorithm=_val(settings, "speculative_algorithm"), dsa_raw=raw)
+        cell = dcp_per_rank_cell_bytes(cell, model, dcp)
         cell_source = "model_config"
     if prim and tokens and prim.kv_pool_gib is not None:
         logged_cell = prim.kv_pool_gib * GIB / (tokens + page)

@@ -33,6 +33,8 @@ from tuner.sglang.levers import (
     dcp_per_rank_cell_bytes,
     dp_attention_extra_weight_gib,
     draft_budget,
+    dsa_backends,
+    dsa_kv_settings,
     feasibility,
     flag_available,
     supporting_backend,
@@ -41,6 +43,7 @@ from tuner.sglang.levers import (
 from tuner.sglang.memory import GIB, KVCapacityModel, cell_size_bytes, kv_elem_bytes
 from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.numerics import numerics_changes
+from tuner.sglang.versions import at_least
 
 __all__ = ["Rung", "LadderBase", "evaluate", "ladder", "fraction_ceiling", "per_request_max_tokens"]
 
@@ -142,16 +145,31 @@ class _Shape(BaseModel):
     dp: int
     dcp: int
     backend: str | None
+    dsa_backends: tuple[str | None, str | None] = (None, None)
 
 
 def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _Shape:
     dp = int(flags.get("dp_size") or base.dp) if flags.get("enable_dp_attention", base.dp > 1) else 1
+    dtype, dcp = str(flags.get("kv_cache_dtype", base.kv_cache_dtype)), int(flags.get("dcp_size") or 1)
+    backends = (flags.get("dsa_prefill_backend"), flags.get("dsa_decode_backend"))
+    if backends == (None, None) and dtype == base.kv_cache_dtype and dcp == 1:  # SGLang re-resolves them with the dtype or dcp
+        backends = (base.flags.get("dsa_prefill_backend"), base.flags.get("dsa_decode_backend"))
     return _Shape(
-        version=version or base.version, mfs=float(flags.get("mem_fraction_static", base.mem_fraction_static)),
-        dtype=str(flags.get("kv_cache_dtype", base.kv_cache_dtype)),
+        version=version or base.version, mfs=float(flags.get("mem_fraction_static", base.mem_fraction_static)), dtype=dtype,
         spec=flags["speculative_algorithm"] if "speculative_algorithm" in flags else base.speculative_algorithm,
-        dp=dp, dcp=int(flags.get("dcp_size") or 1), backend=flags.get("attention_backend", base.attention_backend),
+        dp=dp, dcp=dcp, backend=flags.get("attention_backend", base.attention_backend), dsa_backends=backends,
     )
+
+
+def _kv(base: LadderBase, s: _Shape) -> tuple[str, bool]:
+    """The rung's resolved KV dtype and, for a DSA model, whether its latent row is raw
+    (:func:`~tuner.sglang.levers.dsa_kv_settings`). The deployment's logged DSA backends hold while
+    the rung keeps its KV dtype and runs without DCP; otherwise SGLang's defaults for the rung (a
+    log prints resolved backends, so whether they were chosen or defaulted is not known)."""
+    if base.model is None or attention_type(base.model) != "dsa":
+        return s.dtype, False
+    return dsa_kv_settings(version=s.version, gpu=base.gpu, kv_cache_dtype=s.dtype, dcp=s.dcp,
+                           prefill_backend=s.dsa_backends[0], decode_backend=s.dsa_backends[1])
 
 
 def _base_shape(base: LadderBase) -> _Shape:
@@ -161,17 +179,21 @@ def _base_shape(base: LadderBase) -> _Shape:
 def _cell(base: LadderBase, s: _Shape) -> int | None:
     """The rung's per-rank cell: the observed cell × formula(rung) / formula(observed)."""
     b = _base_shape(base)
-    if s.dtype == b.dtype and s.dp == b.dp and s.dcp == 1 and s.spec == b.spec and s.version == b.version:
+    if s.dtype == b.dtype and s.dp == b.dp and s.dcp == 1 and s.spec == b.spec and s.version == b.version and s.dsa_backends == b.dsa_backends:
         return base.memory.cell_bytes
     if base.model is None:
         return None
 
     def formula(x: _Shape) -> int:
-        return cell_size_bytes(base.model, tp=base.tp, kv_cache_dtype=x.dtype, version=x.version,  # type: ignore[arg-type]
-                               speculative_algorithm=x.spec, dp_attention_size=x.dp)
+        dtype, raw = _kv(base, x)
+        return cell_size_bytes(base.model, tp=base.tp, kv_cache_dtype=dtype, version=x.version,  # type: ignore[arg-type]
+                               speculative_algorithm=x.spec, dp_attention_size=x.dp, dsa_raw=raw)
 
     cell = base.memory.cell_bytes * formula(s) / formula(b)
-    return dcp_per_rank_cell_bytes(int(round(cell)), base.model, s.dcp)
+    draft = 0
+    if s.spec and at_least(s.version, "0.5.16"):  # the draft term inside the cell (§1.5), as cell_size_bytes counts it
+        draft = base.model.num_nextn_predict_layers or 1
+    return dcp_per_rank_cell_bytes(int(round(cell)), base.model, s.dcp, draft)
 
 
 def _dp_weights(base: LadderBase, dp: int) -> float | None:
@@ -219,7 +241,7 @@ def _draft_reserve(base: LadderBase, s: _Shape, tokens: int, cell: int) -> float
     if rule.draft_kv == "reserve" and base.draft_kv_gib:
         obs = base.memory.observed_tokens or tokens
         model = base.model
-        ratio = 1.0 if model is None else kv_elem_bytes(model, s.dtype) / kv_elem_bytes(model, base.kv_cache_dtype)
+        ratio = 1.0 if model is None else kv_elem_bytes(model, _kv(base, s)[0]) / kv_elem_bytes(model, _kv(base, _base_shape(base))[0])
         total += base.draft_kv_gib * tokens / max(1, obs) * ratio
     return total
 
@@ -268,6 +290,10 @@ def _availability(base: LadderBase, flags: Mapping[str, Any]) -> Verdict:
     verdicts: list[Verdict] = []
     attn = attention_type(base.model) if base.model else None
     backend = flags.get("attention_backend", base.attention_backend)
+    if attn == "dsa" and at_least(base.version, "0.5.23"):  # the feasibility cells name the DSA decode backend
+        s = _shape(base, flags, None)
+        backend = dsa_backends(gpu=base.gpu, kv_cache_dtype=_kv(base, s)[0], dcp=s.dcp, prefill_backend=s.dsa_backends[0],
+                               decode_backend=s.dsa_backends[1])[1]
     for field, value in flags.items():
         if field == "mem_fraction_static" or value is None or field == "dp_size":
             continue
@@ -407,7 +433,7 @@ def _dp_rungs(base: LadderBase, fp8: dict[str, Any]) -> list[Rung]:
              "deepseek_v2.py); one pool per DP rank, one request ≤ one rank's pool, max_running_requests and chunked_prefill_size // dp (§1.5b)"
              if extra else "DP attention")
     out = [evaluate(base, dp, note=words)]
-    for flags in (dp, {**fp8, **dp}):
+    for flags in (dp, {**fp8, **dp}) if fp8 else (dp,):
         rung = _at_ceiling(base, dict(flags), note=words)
         if rung is not None:
             out.append(rung)
@@ -424,7 +450,8 @@ def _dcp_rungs(base: LadderBase, fp8: dict[str, Any]) -> list[Rung]:
     note = "; ".join(w for w in (f"DCP {base.tp}: KV interleaved slot % {base.tp} over the ranks, a request spans the logical pool "
                                   "(sglang#14194, #31514; DSA indexer replicated ×dcp, #31821)", note) if w)
     dcp = {"dcp_size": base.tp}
-    return [evaluate(base, dcp, version=version, note=note), evaluate(base, {**fp8, **dcp}, version=version, note=note)]
+    rungs = [evaluate(base, dcp, version=version, note=note)]
+    return rungs + [evaluate(base, {**fp8, **dcp}, version=version, note=note)] if fp8 else rungs
 
 
 def ladder(base: LadderBase) -> list[Rung]:
@@ -445,9 +472,10 @@ def ladder(base: LadderBase) -> list[Rung]:
     if top is not None:
         rungs.append(top)
     fp8: dict[str, Any] = {}
-    if base.model is not None and kv_elem_bytes(base.model, base.kv_cache_dtype) > 1:
+    elem = None if base.model is None else kv_elem_bytes(base.model, _kv(base, _base_shape(base))[0])
+    if base.model is not None and elem is not None and elem > 1:
         fp8 = _fp8_flags(base)
-        rungs.append(evaluate(base, fp8, note=f"fp8 KV: {kv_elem_bytes(base.model, base.kv_cache_dtype):g} → 1 B per element (§1.3)"))
+        rungs.append(evaluate(base, fp8, note=f"fp8 KV: {elem:g} → 1 B per element (§1.3)"))
         top = _at_ceiling(base, dict(fp8))
         if top is not None:
             rungs.append(top)

@@ -47,6 +47,8 @@ __all__ = [
     "attention_type",
     "gpu_arch",
     "flag_available",
+    "dsa_kv_settings",
+    "dsa_backends",
     "feasibility",
     "draft_budget",
     "dp_attention_extra_weight_gib",
@@ -194,8 +196,8 @@ def _in_range(cell: dict[str, Any], version: str) -> bool:
 def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | None, attention: str, value: str | None = None) -> Verdict:
     """The feasibility table's cell for one lever (``tuner/data/levers.json``).
 
-    The most specific matching cell wins (fewest ``"*"``); no cell, or an unknown GPU, is
-    unknown. ``backend`` ``None`` is SGLang's default choice for the GPU and model.
+    The most specific matching cell wins (one naming the value first, then fewest ``"*"``); no
+    cell, or an unknown GPU, is unknown. ``backend`` ``None`` is SGLang's default choice for the GPU and model.
 
     Args:
         lever: ``fp8_kv``, ``dcp`` or ``dp_attention``.
@@ -219,7 +221,7 @@ def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | Non
             continue
         if cell["gpu_arch"] != "*" and (arch is None or not _matches(cell["gpu_arch"], arch)):
             continue
-        score = sum(cell[k] != "*" for k in ("gpu_arch", "attention", "backend"))
+        score = sum(cell[k] != "*" for k in ("gpu_arch", "attention", "backend")) + 10 * ("value" in cell)  # a cell for this value first
         if best is None or score > best[0]:
             best = (score, cell)
     where = f"{lever} on {arch or gpu or 'an unknown GPU'}, {attention}, backend {backend or 'default'}, SGLang {version}"
@@ -323,20 +325,86 @@ def _indexer_row(model: ModelArch) -> float:
     return model.index_head_dim + model.index_head_dim / 128 * 4 if model.index_head_dim else 0.0
 
 
-def dcp_per_rank_cell_bytes(cell_bytes: int, model: ModelArch, dcp: int) -> int:
+def dcp_per_rank_cell_bytes(cell_bytes: int, model: ModelArch, dcp: int, draft_layers: int = 0) -> int:
     """Per-rank KV cell under ``--dcp-size dcp``: unchanged for plain MLA; a DSA indexer row is
     replicated and priced ``× dcp`` (``pool_configurator._get_dsa_indexer_cache_token_multiplier``;
-    SGLang's CPU test asserts ``(576 + 132 × 8) × L``).
+    SGLang's CPU test asserts ``(576 + 132 × 8) × L``). With an EAGLE/MTP draft inside a DSA
+    model's cell (0.5.16+), 0.5.23 prices the draft's latent and indexer rows ``× dcp`` too
+    (``DefaultPoolConfigurator.__init__``: ``draft_kv_size *= dcp_size``, ``draft_indexer_size *=
+    dcp_size``): ``+ (dcp − 1) × cell × d / (L + d)``.
 
     Args:
-        cell_bytes: The cell without DCP (:func:`~tuner.sglang.memory.cell_size_bytes`).
+        cell_bytes: The cell without DCP (:func:`~tuner.sglang.memory.cell_size_bytes`, with its
+            draft term when speculative decoding is on).
         model: The model.
         dcp: DCP size.
+        draft_layers: Draft layers inside ``cell_bytes`` (0: no draft term).
     """
-    return int(round(cell_bytes + (dcp - 1) * _indexer_row(model) * model.num_layers))
+    extra = 0.0
+    if draft_layers and _indexer_row(model):
+        extra = (dcp - 1) * cell_bytes * draft_layers / (model.num_layers + draft_layers)
+    return int(round(cell_bytes + (dcp - 1) * _indexer_row(model) * model.num_layers + extra))
 
 
 def dcp_gain(cell_bytes: int, model: ModelArch, dcp: int) -> float:
     """Logical capacity under DCP over the capacity without, at the same budget:
     ``dcp × cell / per_rank_cell`` = ``N (kv + idx) / (kv + N idx)`` (3.68× at N = 8 for 656/132)."""
     return dcp * cell_bytes / dcp_per_rank_cell_bytes(cell_bytes, model, dcp)
+
+
+def _sm_major(gpu: str | None) -> int | None:
+    arch = gpu_arch(gpu)
+    return int(arch[2:-1]) if arch and arch[2:].isdigit() and len(arch) >= 4 else None
+
+
+def dsa_kv_settings(*, version: str, gpu: str | None, kv_cache_dtype: str, dcp: int = 1,
+                    prefill_backend: str | None = None, decode_backend: str | None = None) -> tuple[str, bool]:
+    """A DeepSeek DSA model's resolved KV dtype and whether its latent row is raw.
+
+    ``auto`` becomes ``fp8_e4m3`` on SM ≥ 10 and ``bfloat16`` below (0.5.5 ``server_args.py``, 0.5.23
+    ``arg_groups/overrides.py`` ``_dsa_kv_cache_dtype_default``); an unknown GPU keeps ``auto``. From
+    0.5.23 the backends default to ``trtllm`` under ``--dcp-size > 1`` (``_dsa_dcp_overrides``),
+    else fp8 → ``trtllm`` (SM ≥ 10) / ``flashmla_kv``, bf16 → decode ``trtllm`` (SM ≥ 10) / ``fa3``
+    (``_dsa_split_backend_resolution``); a ``trtllm`` or both-``tilelang`` backend stores the raw
+    ``(kv_lora_rank + qk_rope_head_dim) × elem`` row (``calculate_mla_kv_cache_dim``), the other
+    fp8 backends the scaled 656 B row. Before 0.5.23 fp8 is the scaled row (0.5.5's
+    ``flashmla_kv``; ladder-01).
+
+    Args:
+        version: SGLang version.
+        gpu: GPU name or architecture (``None``: unknown).
+        kv_cache_dtype: ``--kv-cache-dtype``.
+        dcp: ``--dcp-size``.
+        prefill_backend, decode_backend: ``--dsa-prefill-backend`` / ``--dsa-decode-backend`` when given.
+
+    Returns:
+        ``(dtype, raw_layout)``: the resolved dtype (``auto`` when the GPU is unknown) and whether
+        the latent row is raw.
+    """
+    major = _sm_major(gpu)
+    dtype = "bfloat16" if kv_cache_dtype == "bf16" else kv_cache_dtype
+    if dtype == "auto" and major is not None:
+        dtype = "fp8_e4m3" if major >= 10 else "bfloat16"
+    if not at_least(version, "0.5.23") or dtype != "fp8_e4m3":
+        return dtype, False
+    prefill_backend, decode_backend = dsa_backends(gpu=gpu, kv_cache_dtype=dtype, dcp=dcp, prefill_backend=prefill_backend,
+                                                   decode_backend=decode_backend)
+    raw = "trtllm" in (prefill_backend, decode_backend) or prefill_backend == decode_backend == "tilelang"
+    return dtype, raw
+
+
+def dsa_backends(*, gpu: str | None, kv_cache_dtype: str, dcp: int = 1, prefill_backend: str | None = None,
+                 decode_backend: str | None = None) -> tuple[str | None, str | None]:
+    """0.5.23's DSA ``(prefill, decode)`` backends: the given ones, ``trtllm`` under ``--dcp-size > 1``
+    (``_dsa_dcp_overrides``), else fp8 → ``trtllm`` (SM ≥ 10) / ``flashmla_kv``, bf16 →
+    ``flashmla_sparse`` / ``trtllm`` (SM ≥ 10) or ``fa3`` (``_dsa_split_backend_resolution``); ``None``
+    where the GPU is unknown."""
+    if dcp > 1:
+        prefill_backend, decode_backend = prefill_backend or "trtllm", decode_backend or "trtllm"
+    major = _sm_major(gpu)
+    if major is None:
+        return prefill_backend, decode_backend
+    if kv_cache_dtype == "fp8_e4m3":
+        default = "trtllm" if major >= 10 else "flashmla_kv"
+        return prefill_backend or default, decode_backend or default
+    return prefill_backend or "flashmla_sparse", decode_backend or ("trtllm" if major >= 10 else "fa3")

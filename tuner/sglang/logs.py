@@ -150,12 +150,17 @@ class SchedulerInfo(BaseModel):
     """The scheduler line ``max_total_num_tokens=..., available_gpu_mem=...`` (§4.2 item 8).
 
     ``max_running_requests`` is the *effective* value (§2.3); ``available_gpu_mem_gib`` is the
-    free memory after graphs, the runtime headroom (§8).
+    free memory after graphs, the runtime headroom (§8). ``max_total_num_tokens`` is always one
+    rank's pool: since sglang#32730 a DCP server prints the logical count with the per-rank math,
+    ``max_total_num_tokens=26462720 (3307840 per rank * dcp_size 8)``; then ``max_total_num_tokens``
+    is 3,307,840, ``logical_tokens`` 26,462,720 and ``dcp_size`` 8 (``None`` on the older per-rank line).
     """
 
     model_config = _FROZEN
 
     max_total_num_tokens: int | None = None
+    logical_tokens: int | None = None
+    dcp_size: int | None = None
     chunked_prefill_size: int | None = None
     max_prefill_tokens: int | None = None
     max_running_requests: int | None = None
@@ -496,6 +501,9 @@ def clean_line(raw: str) -> tuple[str, str | None, str | None, str | None]:
 # Patterns
 # ---------------------------------------------------------------------------------------------
 
+_DCP_LOGICAL = re.compile(r"\s*\((\d+) per rank \* dcp_size (\d+)\)")
+"""The per-rank math after a logical ``max_total_num_tokens`` on a DCP server (sglang#32730)."""
+
 _P = {
     "dist_begin": re.compile(r"^Init torch distributed begin\."),
     "parallel_end": re.compile(r"^Init parallel ends\. elapsed=" + _NUM + " s"),
@@ -507,6 +515,7 @@ _P = {
     "kv_dtype": re.compile(r"Using KV cache dtype: (\S+)"),
     "kv_alloc": re.compile(
         r"KV Cache (?:is allocated|VA upper bound)\.\s*(?:dtype: (?P<dtype>[\w.]+), )?#tokens: (?P<tokens>-?\d+)"
+        r"(?: \((?P<per_rank>\d+) per rank \* dcp_size (?P<dcp>\d+)\))?"
         r"(?:, K size: (?P<k>" + _NUM[1:-1] + r") GB, V size: (?P<v>" + _NUM[1:-1] + r") GB"
         r"|, KV size: (?P<kv>" + _NUM[1:-1] + r") GB)?"
     ),
@@ -1046,7 +1055,7 @@ class LogWatcher:
         self._phase = "kv_pool"
         d = self._target_or_draft(rank, "kv_tokens")
         self._log(rank, "kv_cache_allocated", msg, self._role(rank, d))
-        d["kv_tokens"] = int(m.group("tokens"))
+        d["kv_tokens"] = int(m.group("per_rank") or m.group("tokens"))  # one rank's pool (sglang#32730 form)
         d["k_size_gib"] = _float(m.group("k"))
         d["v_size_gib"] = _float(m.group("v"))
         d["kv_size_gib"] = _float(m.group("kv"))
@@ -1258,6 +1267,8 @@ class LogWatcher:
 
     def _scheduler_line(self, tokens: int, rest: str) -> None:
         info: dict[str, Any] = {"max_total_num_tokens": tokens}
+        if m := _DCP_LOGICAL.match(rest):  # sglang#32730: "26462720 (3307840 per rank * dcp_size 8)"
+            info.update(max_total_num_tokens=int(m.group(1)), logical_tokens=tokens, dcp_size=int(m.group(2)))
         for key in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests", "context_len"):
             if m := re.search(key + r"=(-?\d+)", rest):
                 info[key] = int(m.group(1))

@@ -74,11 +74,11 @@ def kv_elem_bytes(model: ModelArch, kv_cache_dtype: str = "auto") -> float:
     return _DTYPE_BYTES[dtype]
 
 
-def _layer_cell(model: ModelArch, tp: int, elem: float) -> float:
+def _layer_cell(model: ModelArch, tp: int, elem: float, dsa_raw: bool = False) -> float:
     """KV bytes per token per layer on one GPU (§1.3)."""
     if model.attention == "mla":
         assert model.kv_lora_rank is not None and model.qk_rope_head_dim is not None
-        if model.index_head_dim and elem == 1.0:
+        if model.index_head_dim and elem == 1.0 and not dsa_raw:
             # NSA/flashmla fp8 row: fp8 latent + 4 B scale per 128 + bf16 rope (656 B for 512/64)
             return model.kv_lora_rank + model.kv_lora_rank / 128 * 4 + model.qk_rope_head_dim * 2
         return (model.kv_lora_rank + model.qk_rope_head_dim) * elem  # not divided by tp
@@ -96,6 +96,7 @@ def cell_size_bytes(
     draft: ModelArch | None = None,
     speculative_algorithm: str | None = None,
     dp_attention_size: int = 1,
+    dsa_raw: bool = False,
 ) -> int:
     """KV-cache bytes per token per GPU, as SGLang sizes the pool (§1.3, §1.5, §1.5b).
 
@@ -116,6 +117,10 @@ def cell_size_bytes(
         draft: The draft model, if a separate one.
         speculative_algorithm: ``--speculative-algorithm`` (``None`` = off).
         dp_attention_size: DP-attention size; ``attn_tp = tp / dp`` (§1.5b).
+        dsa_raw: A DSA model's latent row is the raw ``(kv_lora_rank + qk_rope_head_dim) × elem``
+            (0.5.23 with a ``trtllm`` or both-``tilelang`` DSA backend,
+            ``kv_cache_configurator.calculate_mla_kv_cache_dim``;
+            :func:`tuner.sglang.levers.dsa_kv_settings` decides it).
 
     Returns:
         Bytes per token (rounded to an integer).
@@ -125,7 +130,7 @@ def cell_size_bytes(
     """
     elem = kv_elem_bytes(model, kv_cache_dtype)
     attn_tp = max(1, tp // max(1, dp_attention_size))
-    cell = _layer_cell(model, attn_tp, elem) * model.num_layers
+    cell = _layer_cell(model, attn_tp, elem, dsa_raw) * model.kv_layers  # hybrid models: full-attention layers only
     if model.attention == "mla" and model.index_head_dim:
         cell += (model.index_head_dim + model.index_head_dim / 128 * 4) * model.num_layers
     algo = (speculative_algorithm or "").upper()
@@ -136,7 +141,7 @@ def cell_size_bytes(
             draft_layers = model.num_nextn_predict_layers
         else:
             draft_layers = 1
-        cell *= 1 + draft_layers / model.num_layers
+        cell *= 1 + draft_layers / model.kv_layers
     return int(round(cell))
 
 

@@ -46,6 +46,11 @@ class ModelArch(BaseModel):
         attn_weight_bytes: Bytes per attention-projection weight: 1 when the checkpoint quantizes
             them to fp8, the model dtype's bytes when it has no quantization or lists attention in
             its quantization ``ignore`` list (compressed-tensors), else ``None`` (not known here).
+        full_attention_layers: Hybrid linear-attention models (Qwen3-Next, Qwen3.5 GDN): the layers
+            with a KV cache, the others keep a Mamba/GDN state instead; from ``layer_types``
+            (``"full_attention"`` entries) or ``full_attention_interval`` (layer ``l`` is full when
+            ``(l + 1) % interval == 0``, 0.5.23 ``configs/qwen3_next.py`` ``layers_block_type``).
+            ``None`` for models whose every layer has KV.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -71,6 +76,23 @@ class ModelArch(BaseModel):
     q_lora_rank: int | None = None
     qk_nope_head_dim: int | None = None
     attn_weight_bytes: float | None = None
+    full_attention_layers: int | None = None
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a KV cache: the full-attention ones of a hybrid model, else all (§1.3)."""
+        return self.num_layers if self.full_attention_layers is None else self.full_attention_layers
+
+
+def _full_attention_layers(cfg: Mapping[str, Any], layers: int) -> int | None:
+    """Full-attention layers of a hybrid linear-attention config (see :class:`ModelArch`)."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and any(t in ("linear_attention", "mamba") for t in types):
+        return sum(1 for t in types if t in ("full_attention", "attention"))
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and not isinstance(interval, bool) and interval > 1:
+        return sum(1 for i in range(layers) if (i + 1) % interval == 0)
+    return None
 
 
 _DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
@@ -136,6 +158,7 @@ def model_arch_from_dict(cfg: Mapping[str, Any], *, source: str = "config.json",
         "hidden_size": cfg.get("hidden_size"),
         "vocab_size": cfg.get("vocab_size"),
         "attn_weight_bytes": _attn_weight_bytes(cfg, quant),
+        "full_attention_layers": _full_attention_layers(cfg, layers),
     }
     if cfg.get("kv_lora_rank") is not None:
         return ModelArch(

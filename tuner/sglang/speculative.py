@@ -34,7 +34,8 @@ from tuner.sglang.versions import at_least
 if TYPE_CHECKING:
     from tuner.sglang.logs import LogReport
 
-__all__ = ["SpecShape", "DraftMemory", "DRAFT_ALGORITHMS", "auto_shape", "resolve_shape", "shape_refusal", "tree_candidates"]
+__all__ = ["SpecShape", "DraftMemory", "DRAFT_ALGORITHMS", "auto_shape", "kv_elem_bytes", "resolve_shape", "shape_refusal",
+           "tree_candidates"]
 
 DRAFT_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 """``--speculative-algorithm`` values that run a draft model (NGRAM has none)."""
@@ -122,6 +123,8 @@ class DraftMemory(BaseModel):
         capture_sizes: Batch sizes captured (the graphs' count).
         in_budget: 0.5.16+: the draft's weights and KV are inside the profiled budget (else the
             reserve pays for them).
+        kv_dtype: The draft pool's dtype as given (``--speculative-draft-kv-cache-dtype``, else the
+            target's ``--kv-cache-dtype`` it follows; ``auto`` is the model's own), or None.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -134,11 +137,12 @@ class DraftMemory(BaseModel):
     num_draft_tokens: int = 1
     capture_sizes: int = 0
     in_budget: bool = False
+    kv_dtype: str | None = None
 
     @classmethod
-    def from_report(cls, report: LogReport, shape: SpecShape) -> DraftMemory | None:
+    def from_report(cls, report: LogReport, shape: SpecShape, kv_dtype: str | None = None) -> DraftMemory | None:
         """The draft's facts from a started server's log (the binding rank's lines), or None
-        without a draft."""
+        without a draft; ``kv_dtype`` the draft pool's dtype as launched."""
         prim = report.primary()
         draft = prim.draft if prim is not None else None
         if prim is None or draft is None:
@@ -148,18 +152,28 @@ class DraftMemory(BaseModel):
         return cls(weight_gib=draft.weight_gib, kv_gib=kv, kv_tokens=draft.kv_tokens, graph_gib=draft.graph_gib,
                    verify_graph_gib=prim.verify_graph_gib, num_draft_tokens=shape.num_draft_tokens,
                    capture_sizes=len(draft.graph_bs or prim.graph_bs or ()),
-                   in_budget=report.version_format in ("0.5.16", "0.5.23"))
+                   in_budget=report.version_format in ("0.5.16", "0.5.23"), kv_dtype=kv_dtype)
 
-    def predict(self, shape: SpecShape, *, tokens: int, capture_sizes: int | None = None) -> DraftMemory:
-        """The same draft at another shape, pool size and capture list: its weights stay, its KV
-        scales with the pool's tokens, its graphs with the captured sizes, and the target's verify
-        graphs with ``num_draft_tokens`` × captured sizes (each holds that many tokens a request,
-        §2.1)."""
+    def predict(self, shape: SpecShape, *, tokens: int, capture_sizes: int | None = None,
+                kv_dtype: str | None = None) -> DraftMemory:
+        """The same draft at another shape, pool size, capture list and pool dtype: its weights
+        stay, its KV scales with the pool's tokens and bytes per element (``kv_dtype``; None: this
+        one's), its graphs with the captured sizes, and the target's verify graphs with
+        ``num_draft_tokens`` × captured sizes (each holds that many tokens a request, §2.1)."""
         sizes = capture_sizes if capture_sizes is not None else self.capture_sizes
         size_ratio = sizes / self.capture_sizes if self.capture_sizes else 1.0
-        kv = self.kv_gib * tokens / self.kv_tokens if self.kv_gib is not None and self.kv_tokens else None
+        dtype = kv_dtype or self.kv_dtype
+        elem = kv_elem_bytes(dtype) / kv_elem_bytes(self.kv_dtype)
+        kv = self.kv_gib * tokens / self.kv_tokens * elem if self.kv_gib is not None and self.kv_tokens else None
         verify = (self.verify_graph_gib * shape.num_draft_tokens / max(self.num_draft_tokens, 1) * size_ratio
                   if self.verify_graph_gib is not None else None)
         graph = self.graph_gib * size_ratio if self.graph_gib is not None else None
         return self.model_copy(update={"kv_gib": kv, "kv_tokens": tokens, "graph_gib": graph, "verify_graph_gib": verify,
-                                       "num_draft_tokens": shape.num_draft_tokens, "capture_sizes": sizes})
+                                       "num_draft_tokens": shape.num_draft_tokens, "capture_sizes": sizes,
+                                       "kv_dtype": dtype})
+
+
+def kv_elem_bytes(dtype: str | None) -> float:
+    """Bytes per KV element of a ``--kv-cache-dtype`` / ``--speculative-draft-kv-cache-dtype``
+    value: 1 for the fp8 ones, else 2 (``auto`` or unknown: a 16-bit model's own dtype; §1.3)."""
+    return 1.0 if dtype is not None and dtype.startswith("fp8") else 2.0

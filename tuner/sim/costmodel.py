@@ -29,9 +29,23 @@ layer, plus launch and communication overheads:
   that TPOT also carries the larger eager batch (median 67 vs 23) and prefill interruptions, so
   the model takes 0.45 ms per layer (a 4x slower eager step for that model, 2x for an 8B one).
   This factor is not part of the aiconfigurator fit.
+- **DP attention** (``--enable-dp-attention --dp-size N``): each request lives on one DP rank
+  (``data_parallel_controller.py`` dispatch), which attends to it with ``N ×`` the heads of TP
+  attention; the ranks meet at every MoE layer, so a step's attention lasts as long as its busiest
+  rank, ``ceil(n / N)`` of the ``n`` sequences (:func:`dp_rank_share`): one long request gets no
+  help from the other ranks. The replicated attention weights are read every step (they are in the
+  per-GPU weight bytes).
+- **DCP** (``--dcp-size N``): each rank reads ``1/N`` of every request's KV, plus one gather of the
+  partial outputs per layer (sglang#14194): slower small-batch decode.
+- **DSA** (DeepSeek-V3.2): the latent KV is read for the ``index_topk`` selected keys only; the
+  indexer reads every key's 132 B row per layer and scores it in fp8, on every DCP rank (its K is
+  replicated, sglang#31821), so DCP does not split that part.
 - **Speculative decoding** (optional): a decode step runs ``num_steps`` draft passes of a
   one-layer draft at the batch size, then one target verify pass over ``batch ×
-  num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average.
+  num_draft_tokens`` tokens, and yields ``accept_length`` tokens per request on average. Past the
+  ridge the verify's compute grows with ``batch × num_draft_tokens``, which is where speculation
+  loses at high concurrency (sglang#22246, #6995; :mod:`tuner.sim.speculative` states the
+  sources, the step costs the engine uses and where the crossover lies).
 
 The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-step overhead were
 fitted once (log least squares) to aiconfigurator 0.12.0's offline SGLang (0.5.14 database)
@@ -64,6 +78,7 @@ high ``mem_fraction_static`` fail under load.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -71,12 +86,12 @@ from typing import Any
 
 __all__ = [
     "CostFactors", "CostInputs", "StepShape", "step_time_s", "decode_step_s", "activation_bytes", "load_back_s",
-    "NVLINK_GB_S",
+    "NVLINK_GB_S", "dp_rank_share",
 ]
 
-NVLINK_GB_S: Mapping[str, float] = MappingProxyType({"H100": 450.0, "H200": 450.0, "A100": 300.0})
+NVLINK_GB_S: Mapping[str, float] = MappingProxyType({"H100": 450.0, "H200": 450.0, "A100": 300.0, "B200": 900.0})
 """Effective NVLink all-reduce bandwidth per GPU, decimal GB/s, for GPU names starting with the
-key (half the datasheet's bidirectional 900/600 GB/s). Other GPUs use their PCIe bandwidth."""
+key (half the datasheet's bidirectional 900/600/1,800 GB/s). Other GPUs use their PCIe bandwidth."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,11 @@ class CostInputs:
         dcp_size: Decode context parallelism: each rank reads ``1/dcp`` of every request's KV, then
             the partial outputs are gathered once per layer (sglang#14194: an extra collective per
             layer; its latency is what makes small-batch decode slower).
+        index_cell_bytes: DeepSeek DSA: the indexer K bytes per token over all layers (132 × layers,
+            :mod:`tuner.sim.dsa`), 0 without an indexer. ``kv_cell_bytes`` then holds the latent
+            row plus this × dcp.
+        index_topk: DSA: keys each query attends to after the indexer's selection (``index_topk``).
+        index_n_heads, index_head_dim: DSA indexer heads and dim (its fp8 scores over every key).
     """
 
     num_layers: int
@@ -185,6 +205,10 @@ class CostInputs:
     factors: CostFactors = CostFactors()
     dp_size: int = 1
     dcp_size: int = 1
+    index_cell_bytes: int = 0
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
 
     @classmethod
     def from_specs(
@@ -251,6 +275,11 @@ class CostInputs:
         """A copy with DP-attention and DCP sizes."""
         return replace(self, dp_size=max(1, dp_size), dcp_size=max(1, dcp_size))
 
+    def with_dsa(self, *, index_cell_bytes: int, index_topk: int, index_n_heads: int, index_head_dim: int) -> CostInputs:
+        """A copy for a DeepSeek DSA model (its indexer and top-k sparse attention)."""
+        return replace(self, index_cell_bytes=index_cell_bytes, index_topk=index_topk, index_n_heads=index_n_heads,
+                       index_head_dim=index_head_dim)
+
     def with_factors(self, factors: CostFactors) -> CostInputs:
         """A copy with other efficiency factors (used by the calibration fit)."""
         return replace(self, factors=factors)
@@ -304,21 +333,43 @@ def _linear_s(c: CostInputs, num_tokens: int) -> float:
     return dense_s + expert_s / f.eff_moe + c.num_layers * f.moe_layer_overhead_s
 
 
-def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int) -> float:
+def dp_rank_share(dp_size: int, num_seqs: int) -> float:
+    """The share of a step's sequences the busiest DP-attention rank holds: ``ceil(n / dp) / n``.
+
+    Under DP attention each request is dispatched to one DP rank, which schedules, holds and
+    attends to it alone (``managers/data_parallel_controller.py``: round-robin or fewest requests,
+    0.5.23), and the ranks meet at every MoE layer's gather, so a step lasts as long as its busiest
+    rank: one request gets no help from the other ``dp − 1`` ranks (share 1, not ``1/dp``).
+    """
+    if dp_size <= 1 or num_seqs <= 0:
+        return 1.0 / max(1, dp_size)
+    return math.ceil(num_seqs / dp_size) / num_seqs
+
+
+def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int, num_seqs: int = 1, num_tokens: int = 1) -> float:
     f = c.factors
     heads = max(1, c.num_attention_heads // c.tp_size)
     if c.is_mla:
         d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
     else:
         d_qk = d_v = c.head_dim
-    flops = 2.0 * heads * (d_qk + d_v) * c.num_layers * attn_pairs
-    # DP attention: a rank attends over its 1/dp of the requests with dp× the heads; DCP: a rank
-    # holds and reads 1/dcp of each request's KV (flops split the same way).
-    share = 1.0 / (c.dp_size * c.dcp_size)
-    flops *= c.dp_size * share  # heads per rank grow with dp (attn_tp = tp / dp), the requests shrink by dp
-    read = float(c.kv_cell_bytes) * kv_read_tokens * share
+    # DP attention: the busiest rank attends over its requests with dp× the heads (attn_tp = tp / dp);
+    # DCP: a rank holds and reads 1/dcp of each request's KV (flops split the same way).
+    rank = dp_rank_share(c.dp_size, num_seqs)
+    share = rank / c.dcp_size
+    latent_cell, latent_tokens, pairs, index_s = float(c.kv_cell_bytes), float(kv_read_tokens), attn_pairs, 0.0
+    if c.index_topk:  # DSA: the latent is read for the top-k keys only; the indexer scores every key
+        latent_cell -= c.index_cell_bytes * c.dcp_size
+        latent_tokens = min(latent_tokens, num_seqs * c.index_topk)
+        pairs = min(attn_pairs, num_tokens * c.index_topk)
+        # the indexer K is replicated under DCP (sglang#31821): every rank scores all of its requests' keys
+        index_read = c.index_cell_bytes * kv_read_tokens * rank
+        index_flops = 2.0 * c.index_n_heads * c.index_head_dim * c.num_layers * attn_pairs * rank / 2  # fp8: twice the bf16 rate
+        index_s = max(index_read / (c.hbm_gb_s * 1e9 * f.eff_hbm), index_flops / (c.bf16_tflops * 1e12 * f.eff_attn))
+    flops = 2.0 * heads * (d_qk + d_v) * c.num_layers * pairs * c.dp_size * share
+    read = latent_cell * latent_tokens * share
     eff_read = f.eff_hbm * (f.eff_mla if c.is_mla else 1.0)
-    return max(read / (c.hbm_gb_s * 1e9 * eff_read), flops / (c.bf16_tflops * 1e12 * f.eff_attn))
+    return max(read / (c.hbm_gb_s * 1e9 * eff_read), flops / (c.bf16_tflops * 1e12 * f.eff_attn)) + index_s
 
 
 def _comm_s(c: CostInputs, num_tokens: int) -> float:
@@ -353,7 +404,8 @@ def step_time_s(c: CostInputs, shape: StepShape) -> float:
     if shape.num_tokens <= 0:
         return 0.0
     f = c.factors
-    gpu_s = _linear_s(c, shape.num_tokens) + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens) + _comm_s(c, shape.num_tokens)
+    gpu_s = (_linear_s(c, shape.num_tokens) + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens, shape.num_seqs, shape.num_tokens)
+             + _comm_s(c, shape.num_tokens))
     gpu_s += _dcp_comm_s(c, shape.num_seqs)
     if shape.eager:
         gpu_s = max(gpu_s, c.num_layers * f.eager_layer_overhead_s)

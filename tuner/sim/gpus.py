@@ -36,6 +36,9 @@ class GpuSpec:
         comm_buffers_mib: The part of ``context_mib`` that torch.distributed / NCCL /
             custom-all-reduce allocate; absent at tp 1 (reported by the
             ``Init torch distributed ends. mem usage=`` line, §4.2).
+        compute_capability: ``torch.cuda.get_device_capability()`` (``(9, 0)`` Hopper, ``(10, 0)``
+            B200, ``(12, 0)`` RTX PRO 6000): SGLang picks DeepSeek DSA's KV dtype and attention
+            backends by it (0.5.23 ``arg_groups/overrides.py``, :mod:`tuner.sim.dsa`).
     """
 
     name: str
@@ -45,6 +48,7 @@ class GpuSpec:
     pcie_gb_s: float
     context_mib: int = 1626
     comm_buffers_mib: int = 1024
+    compute_capability: tuple[int, int] = (9, 0)
 
     @property
     def memory_bytes(self) -> int:
@@ -67,12 +71,19 @@ GPUS: Mapping[str, GpuSpec] = MappingProxyType(
         for g in (
             GpuSpec("H100-80GB", memory_mib=81559, hbm_gb_s=3350.0, bf16_tflops=989.0, pcie_gb_s=64.0),
             GpuSpec("H200-141GB", memory_mib=143771, hbm_gb_s=4800.0, bf16_tflops=989.0, pcie_gb_s=64.0),
-            GpuSpec("A100-80GB", memory_mib=81920, hbm_gb_s=2039.0, bf16_tflops=312.0, pcie_gb_s=32.0),
-            GpuSpec("L40S-48GB", memory_mib=46068, hbm_gb_s=864.0, bf16_tflops=362.0, pcie_gb_s=32.0),
-            GpuSpec("L4-24GB", memory_mib=23034, hbm_gb_s=300.0, bf16_tflops=121.0, pcie_gb_s=32.0),
+            GpuSpec("A100-80GB", memory_mib=81920, hbm_gb_s=2039.0, bf16_tflops=312.0, pcie_gb_s=32.0,
+                    compute_capability=(8, 0)),
+            GpuSpec("L40S-48GB", memory_mib=46068, hbm_gb_s=864.0, bf16_tflops=362.0, pcie_gb_s=32.0,
+                    compute_capability=(8, 9)),
+            GpuSpec("L4-24GB", memory_mib=23034, hbm_gb_s=300.0, bf16_tflops=121.0, pcie_gb_s=32.0,
+                    compute_capability=(8, 9)),
             GpuSpec(
-                "RTX-PRO-6000-96GB", memory_mib=97887, hbm_gb_s=1792.0, bf16_tflops=503.8, pcie_gb_s=64.0
+                "RTX-PRO-6000-96GB", memory_mib=97887, hbm_gb_s=1792.0, bf16_tflops=503.8, pcie_gb_s=64.0,
+                compute_capability=(12, 0),
             ),
+            # HGX B200 datasheet: 180 GB HBM3e at 8 TB/s, 2.25 PFLOP/s dense bf16; nvidia-smi prints 183359 MiB.
+            GpuSpec("B200-180GB", memory_mib=183359, hbm_gb_s=8000.0, bf16_tflops=2250.0, pcie_gb_s=64.0,
+                    compute_capability=(10, 0)),
         )
     }
 )

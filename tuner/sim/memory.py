@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tuner.sim.args import ParsedArgs
+from tuner.sim.dsa import DsaConfig, resolve_dsa
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import MIB, GpuSpec
 from tuner.sim.models import GIB, ModelSpec, dp_attention_extra_bytes, load_model, weight_bytes_per_gpu
@@ -164,6 +165,8 @@ class ServerConfig:
             projections and embedding are split over ``tp / dp`` (§1.5b).
         dcp_size: Decode context parallelism (0.5.23 ``--dcp-size``): each request's KV is
             interleaved over ``dcp`` ranks, so the logical pool is ``dcp ×`` the per-rank one.
+        dsa: A DeepSeek DSA model's resolved KV dtype, backends and row layout
+            (:mod:`tuner.sim.dsa`), None for other models.
     """
 
     version: str
@@ -207,6 +210,14 @@ class ServerConfig:
     disable_cuda_graph_padding: bool = False
     dp_size: int = 1
     dcp_size: int = 1
+    dsa: DsaConfig | None = None
+
+    @property
+    def target_cell_bytes(self) -> float:
+        """The target pool's profile cell per rank (§1.3; DSA: latent row + indexer row × dcp)."""
+        if self.dsa is not None:
+            return self.dsa.cell_bytes(self.model.num_layers, self.dcp_size)
+        return cell_size_bytes(self.model, self.attn_tp_size, self.kv_elem_bytes, version=self.version)
 
     @property
     def attn_tp_size(self) -> int:
@@ -357,6 +368,23 @@ def _resolve_spec(v: dict[str, Any], model: ModelSpec) -> SpecConfig | None:
     return SpecConfig(algo, int(steps), int(topk), int(draft))
 
 
+def _draft_elem(v: dict[str, Any], model: ModelSpec, target_elem: float) -> float:
+    """Bytes per element of the draft's KV pool: ``--speculative-draft-kv-cache-dtype`` (0.5.23's
+    flag; ``auto`` is the draft's own dtype), else the target's (``kv_cache_dtype.py``
+    ``configure_kv_cache_dtype``: "Default follows --kv-cache-dtype"). The draft's pool is then
+    smaller than the share of the budget SGLang profiled for it (``cell × draft_layers /
+    target_layers``), and the saving is free memory (the flag's help: "raise
+    --mem-fraction-static to convert it into KV capacity")."""
+    dtype = v.get("speculative_draft_kv_cache_dtype")
+    if dtype is None:
+        return target_elem
+    dtype = model.torch_dtype if dtype == "auto" else str(dtype)
+    if dtype not in KV_DTYPE_BYTES:
+        raise SimError(f"--speculative-draft-kv-cache-dtype {dtype!r} is not simulated; use auto, bf16, fp8_e4m3 "
+                       "or fp8_e5m2.")
+    return KV_DTYPE_BYTES[dtype]
+
+
 def _resolve_draft(v: dict[str, Any], model: ModelSpec, spec: SpecConfig | None, tp: int,
                    elem: float, version: str, warnings: list[str]) -> DraftSpec | None:
     """The draft model: a config dir, the model's MTP layers, or a one-layer EAGLE head (simulator's)."""
@@ -442,11 +470,7 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         bs_list = capture_batch_sizes(max_bs, spec is not None and spec.algorithm != "NGRAM",
                                       bool(v.get("disable_cuda_graph_padding")), version)
 
-    kv_dtype = str(v.get("kv_cache_dtype") or "auto")
-    if kv_dtype == "auto":
-        kv_dtype = "fp8_e4m3" if model.kv_cache_fp8 else model.torch_dtype
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise SimError(f"--kv-cache-dtype {kv_dtype!r} is not simulated; use auto, bf16, fp8_e4m3 or fp8_e5m2.")
+    kv_dtype, dsa = _resolve_kv_dtype(v, model, gpu, version, dcp, warnings)
     elem = KV_DTYPE_BYTES[kv_dtype]
 
     hicache = bool(v.get("enable_hierarchical_cache"))
@@ -461,9 +485,9 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
             speculative_algorithm=spec.algorithm if spec else None, is_mla=model.is_mla,
             piecewise=piecewise,
         )
-    draft = _resolve_draft(v, model, spec, tp, elem, version, warnings)
+    draft = _resolve_draft(v, model, spec, tp, _draft_elem(v, model, elem), version, warnings)
     context_len = int(v.get("context_length") or model.max_position_embeddings)
-    page = int(v.get("page_size") or 1)
+    page = dsa.page_size if dsa is not None else int(v.get("page_size") or 1)
     hicache_ratio = v.get("hicache_ratio")
     ratio_auto = version == "0.5.23" and hicache_ratio is None and not v.get("hicache_size")
     hicache_ratio = 2.0 if hicache_ratio is None else float(hicache_ratio)
@@ -489,6 +513,9 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
                         speculative_num_draft_tokens=spec.num_draft_tokens)
     if hicache:
         resolved["hicache_ratio"] = hicache_ratio
+    if dsa is not None:
+        resolved.update(kv_cache_dtype=dsa.kv_cache_dtype, attention_backend=v.get("attention_backend") or "dsa",
+                        dsa_prefill_backend=dsa.prefill_backend, dsa_decode_backend=dsa.decode_backend)
     return ServerConfig(
         version=version, model=model, gpu=gpu, tp_size=tp, mem_fraction_static=float(mfs),
         chunked_prefill_size=chunk, max_prefill_tokens=max_prefill, max_running_requests=mrr,
@@ -512,8 +539,30 @@ def resolve_server_config(parsed: ParsedArgs, gpu: GpuSpec, model: ModelSpec) ->
         enable_metrics=bool(v.get("enable_metrics")),
         enable_cache_report=bool(v.get("enable_cache_report")),
         host=str(v.get("host") or "127.0.0.1"), port=30000 if v.get("port") is None else int(v["port"]),
-        server_args=resolved, warnings=tuple(warnings), dp_size=dp, dcp_size=dcp,
+        server_args=resolved, warnings=tuple(warnings), dp_size=dp, dcp_size=dcp, dsa=dsa,
     )
+
+
+def _resolve_kv_dtype(v: dict[str, Any], model: ModelSpec, gpu: GpuSpec, version: str, dcp: int,
+                      warnings: list[str]) -> tuple[str, DsaConfig | None]:
+    """The resolved KV dtype (§1.3) and, for a DSA model, its :class:`~tuner.sim.dsa.DsaConfig`.
+
+    Raises:
+        SimError: A dtype the simulator does not know, mxfp8 below SM100 (0.5.23
+            ``arg_groups/kv_cache_hook.py`` ``handle_mxfp8_kv_cache_compatibility``), or a DSA refusal.
+    """
+    dsa = resolve_dsa(v, model, gpu, version, dcp) if model.is_dsa else None
+    if dsa is not None:
+        warnings.extend(dsa.warnings)
+    kv_dtype = dsa.kv_cache_dtype if dsa is not None else str(v.get("kv_cache_dtype") or "auto")
+    if kv_dtype == "auto":
+        kv_dtype = "fp8_e4m3" if model.kv_cache_fp8 else model.torch_dtype
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise SimError(f"--kv-cache-dtype {kv_dtype!r} is not simulated; use auto, bf16, fp8_e4m3 or fp8_e5m2.")
+    if kv_dtype == "mxfp8" and gpu.compute_capability[0] < 10:
+        raise SimError("ValueError: --kv-cache-dtype mxfp8 requires an SM100+ (Blackwell) GPU for the block-scaled operands "
+                       "used by the FA4 MXFP8 attention path.")
+    return kv_dtype, dsa
 
 
 def _resolve_parallel(v: dict[str, Any], model: ModelSpec, tp: int) -> tuple[int, int]:
@@ -796,9 +845,11 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     # §1.2 / §1.3: profile.
     mfs = cfg.mem_fraction_static
     rest = post_load - baseline * (1 - mfs)
-    target_cell = cell_size_bytes(model, cfg.attn_tp_size, cfg.kv_elem_bytes, version=version)
+    target_cell = cfg.target_cell_bytes
     cell = target_cell
-    if draft and version == "0.5.23":  # the target's cell scaled by the draft's layers, not its geometry
+    if draft and version == "0.5.23" and cfg.dsa is not None:  # DSA: latent share + draft indexer, × dcp
+        cell = target_cell + cfg.dsa.draft_cell_bytes(model.num_layers, draft.num_layers, cfg.dcp_size)
+    elif draft and version == "0.5.23":  # the target's cell scaled by the draft's layers, not its geometry
         cell = profiled_cell(target_cell, draft.num_layers, model.num_layers)
     profiled = math.floor(rest / cell)
     plan = replace(plan, cell_bytes=cell, target_cell_bytes=target_cell, profiled_tokens=profiled)
@@ -843,7 +894,7 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
     effective_mrr = min(tokens // 2 if user is None else user, max_num_reqs)
 
     rows = tokens + cfg.page_size
-    kv = int(rows * target_cell)
+    kv = cfg.dsa.pool_bytes(tokens, model.num_layers, cfg.dcp_size) if cfg.dsa else int(rows * target_cell)
     if model.is_mla:
         k_b, v_b = kv, 0
     else:
@@ -946,4 +997,4 @@ def _plan_memory(cfg: ServerConfig, foreign_bytes: int, host_memory_bytes: int, 
 
 def _host_bytes_per_token(cfg: ServerConfig) -> float:
     """HiCache host bytes per token per rank (§7): the device cell of the target."""
-    return cell_size_bytes(cfg.model, cfg.attn_tp_size, cfg.kv_elem_bytes, version=cfg.version)
+    return cfg.target_cell_bytes

@@ -35,6 +35,9 @@ GIB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 """Bytes per element of a checkpoint ``torch_dtype``."""
 
+_DSA_ARCHS = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "MistralLarge3ForCausalLM")
+"""Architectures SGLang 0.5.23 treats as DSA when ``index_topk`` is set (``is_deepseek_dsa``, a subset)."""
+
 _DATA = resources.files("tuner.sim") / "data"
 _MODELS = resources.files("tuner.data") / "models"  # the one copy of the bundled model configs
 
@@ -71,6 +74,9 @@ class ModelSpec:
         attention_sharded_bytes: The tp-split part of the attention projections (MLA: q_b, kv_b,
             o; MHA: q, k, v, o), all layers: DP attention splits them over ``tp / dp`` instead.
         embedding_bytes: The input embedding (split over the attention TP group under DP attention).
+        index_head_dim, index_n_heads, index_topk: The DeepSeek DSA lightning indexer (V3.2), None
+            without one; its weights (``wq_b``, ``wk``, ``weights_proj``) are ``ReplicatedLinear``
+            on every rank (0.5.23 ``layers/attention/dsa/dsa_indexer.py``).
     """
 
     name: str
@@ -102,6 +108,15 @@ class ModelSpec:
     sharded_weight_bytes: int = 0
     attention_sharded_bytes: int = 0
     embedding_bytes: int = 0
+    index_head_dim: int | None = None
+    index_n_heads: int | None = None
+    index_topk: int | None = None
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek sparse attention: a DeepSeek-family MLA model whose config has ``index_topk``
+        (``is_deepseek_dsa``, 0.5.23 ``python/sglang/srt/configs/model_config.py``)."""
+        return self.is_mla and self.index_topk is not None and self.model_class in _DSA_ARCHS
 
     @property
     def is_mla(self) -> bool:
@@ -194,7 +209,8 @@ def load_model(path_or_preset: str) -> ModelSpec:
 
     Args:
         path_or_preset: ``--model-path``: a directory, a ``config.json`` file, or a preset
-            (``llama-3.1-8b``, ``llama-3.1-70b``, ``qwen3-32b``, ``deepseek-v3``, ``kimi-k2.5-int4``).
+            (``llama-3.1-8b``, ``llama-3.1-70b``, ``qwen3-32b``, ``deepseek-v3``, ``deepseek-v3.2`` (DSA),
+            ``kimi-k2.5-int4``).
 
     Returns:
         The model's facts with its parameter count and weight bytes split into replicated and
@@ -257,13 +273,20 @@ def load_model(path_or_preset: str) -> ModelSpec:
     shared_total = moe_layers * n_shared * expert
     router = moe_layers * hidden * int(n_experts or 0)
 
+    # ---- the DSA indexer per layer, replicated (wq_b, wk quantized; weights_proj bf16) ----
+    idx_dim, idx_heads = cfg.get("index_head_dim"), cfg.get("index_n_heads")
+    indexer_q = indexer_bf16 = 0
+    if kv_lora is not None and cfg.get("index_topk") is not None and idx_dim and idx_heads:
+        indexer_q = int(cfg.get("q_lora_rank") or hidden) * int(idx_heads) * int(idx_dim) + hidden * int(idx_dim)
+        indexer_bf16 = hidden * int(idx_heads) + 2 * int(idx_dim)  # weights_proj + k_norm
+
     embed = vocab * hidden
     lm_head = 0 if cfg.get("tie_word_embeddings") else vocab * hidden
     attention_total = layers * (attn_rep + attn_shard)
     dense_total = first_dense * dense_mlp
     params_total = (
         embed + lm_head + attention_total + dense_total + routed_total + shared_total + router
-        + layers * norm_rep + hidden
+        + layers * norm_rep + hidden + layers * (indexer_q + indexer_bf16)
     )
     params_active = params_total - routed_total + moe_layers * int(top_k or 0) * expert
 
@@ -280,6 +303,7 @@ def load_model(path_or_preset: str) -> ModelSpec:
         layers * attn_rep * (qbits / 8.0 if method and not _ignored("attention", ignore) else full)
         + (layers * norm_rep + hidden) * full
         + router * full
+        + layers * (indexer_q * (qbits / 8.0 if method and not _ignored("attention", ignore) else full) + indexer_bf16 * 2)
     )
     shard_bytes = (
         embed * full
@@ -321,6 +345,9 @@ def load_model(path_or_preset: str) -> ModelSpec:
         sharded_weight_bytes=int(shard_bytes),
         attention_sharded_bytes=int(linear_bytes(layers * attn_shard, "attention")),
         embedding_bytes=int(embed * full),
+        index_head_dim=int(idx_dim) if idx_dim else None,
+        index_n_heads=int(idx_heads) if idx_heads else None,
+        index_topk=int(cfg["index_topk"]) if cfg.get("index_topk") is not None else None,
     )
 
 

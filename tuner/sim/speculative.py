@@ -23,8 +23,21 @@ over ``bs × topk`` tokens, a draft-extend forward over ``bs × draft_tokens`` t
 verify forward over ``bs × draft_tokens`` tokens (:func:`tuner.sim.costmodel.step_time_s`), plus
 the tree build and acceptance sampling on the host, which SGLang does not overlap when the overlap
 scheduler is off for speculative decoding (§1.5), per step and per request. At low concurrency the
-verify forward is bound by weight reads, so accepted tokens come nearly free; at high concurrency
-it is bound by compute over ``draft_tokens`` times the tokens, so speculation loses.
+verify forward is bound by weight reads, so accepted tokens come nearly free; once the batch's
+``bs × draft_tokens`` verify tokens pass the roofline's ridge the forward is bound by compute
+over them, so each extra draft token costs what it is worth: the best chain gets shallower as the
+batch grows, then speculation loses. SGLang's own measurements: Qwen3-235B-A22B runs best at step
+4 at batch 1 but step 2 at batch 64, GLM-4.7-FP8 at step 7 vs 3 (sglang#22246, the AutoSpec PR on
+#21599's adaptive steps, whose per-batch tiers in #24055 default to steps 1/3/7 below 64 requests
+and 1/2/5-6 above); Llama-2-70B on H20 tp 2 at high throughput serves 0.62 req/s without
+speculation, 0.52 with EAGLE 2/4/4 and 0.56 with 1/2/2 (sglang#6995). The simulator reproduces
+the crossover where the compute bound falls within the batches memory allows (Llama-3.1-70B tp 8
+on H100: the best chain 4 steps at one request in flight, 3 at 64, off at 256;
+``tests/sim/test_speculative.py``). It does not on the reference twin (Kimi-K2.5 INT4, 384
+experts, 8 a token, on RTX PRO 6000): its INT4 experts stay bound by weight reads up to ~2.4k
+tokens a step (each expert sees ``tokens × 8 / 384`` of them; the ridge of 1.8 TB/s against
+504 TFLOP/s is ~50 tokens an INT4 expert), past what its KV pool can run at once, so there more
+draft tokens keep paying at 64 in flight and the draft costs capacity, not throughput.
 
 SGLang's refusals (``server_args.py`` ``_handle_speculative_decoding`` in 0.5.5; 0.5.23
 ``python/sglang/srt/arg_groups/speculative_hook.py`` ``_handle_eagle_family``) are in

@@ -557,6 +557,10 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         spec_num_steps=spec.num_steps if spec else 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
     ).with_parallel(dp_size=cfg.dp_size, dcp_size=cfg.dcp_size)
+    if cfg.dsa is not None:
+        cost = cost.with_dsa(index_cell_bytes=int(cfg.dsa.indexer_row_bytes * cfg.model.num_layers),
+                             index_topk=cfg.model.index_topk or 0, index_n_heads=cfg.model.index_n_heads or 0,
+                             index_head_dim=cfg.model.index_head_dim or 0)
     return EngineSpec(
         max_total_num_tokens=plan.logical_tokens,
         max_running_requests=plan.max_running_requests * cfg.dp_size,

@@ -182,5 +182,8 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
                             host=host, ranks=ranks)
     levers = study_levers(config, argv, environment.get("sglang_version"), environment.get("gpu_name"),
                           record.memory.ranks) if argv else None
+    version = environment.get("sglang_version")
+    draft_kv_dtype = bool(version) and FlagTable.for_version(str(version)).has("speculative_draft_kv_cache_dtype")
     return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
-                         capacity_hint=hint, slots_hint=slots, hicache=hicache, levers=levers)
+                         capacity_hint=hint, slots_hint=slots, hicache=hicache, levers=levers,
+                         draft_kv_dtype=draft_kv_dtype)

@@ -33,9 +33,10 @@ from tuner.records import TrialRecord
 from tuner.sglang.failures import RESERVE_FAILURES, FailureClass
 from tuner.sglang.graphs import GraphCoverage, GraphFacts
 from tuner.sglang.memory import KVCapacityModel
+from tuner.sglang.speculative import DraftMemory, SpecShape, resolve_shape
 from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, SLOPoint, family_of, slo_bounds, slo_points
-from tuner.study.space import Space
+from tuner.study.space import SPEC_SHAPE_KNOBS, Space
 
 __all__ = ["Family", "ModelSettings", "Point", "Calibration", "margin_for", "changed_knobs", "neighbours",
            "deployment_capacity"]
@@ -116,6 +117,8 @@ class Point(BaseModel):
         peak_gib: The activation peak measured under load (GiB), or ``None``.
         feasible: Whether the trial is feasible.
         capacity: Its context capacity (requests).
+        draft: Its draft model's memory (weights, KV, graphs, the target's verify graphs), or
+            ``None`` without a draft.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -129,6 +132,7 @@ class Point(BaseModel):
     peak_gib: float | None
     feasible: bool
     capacity: int
+    draft: DraftMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,9 @@ class Calibration:
         graphs: The unit's CUDA-graph facts (:class:`tuner.sglang.graphs.GraphFacts`), or ``None``.
         coverages: Per launched trial, the decode batches that replayed a CUDA graph: the log's
             captured list where it printed one, else predicted.
+        draft: The study's latest start's draft memory (:class:`DraftMemory`): what a draft
+            costs a candidate whose reference point ran without one; ``None`` when no start
+            ran a draft.
     """
 
     space: Space
@@ -164,6 +171,7 @@ class Calibration:
     bounds: Mapping[Family, SLOBound]
     graphs: GraphFacts | None = None
     coverages: Mapping[int, GraphCoverage] = field(default_factory=dict)
+    draft: DraftMemory | None = None
 
     @classmethod
     def of(cls, history: Sequence[tuple[int, TrialRecord]], space: Space, settings: ModelSettings) -> Calibration:
@@ -179,21 +187,23 @@ class Calibration:
                     oom_frees.append((params, record.free_gib_after_graphs))
                 ceilings.setdefault(family_of(params), []).append(
                     (params["mem_fraction_static"], params["max_running_requests"]))
-        low_mfs, low_mrr = space.mem_fraction_static[0], space.max_running_requests[0]
 
         def normalise(family: Family) -> Family:
-            return family_of(space.snap({**dict(family), "mem_fraction_static": low_mfs,
-                                         "max_running_requests": low_mrr}))
+            return bracket_key(space, family)
 
         graphs, coverages = _graph_facts(history, space, settings)
+        windows = [p.model_copy(update={"graphed": _graphed(coverages.get(p.number), p.running_requests)})
+                   for p in slo_points(history)]
+        draft = next((r.memory.draft for _, r in reversed(history) if r.memory.draft is not None), None)
+        drafts = _Drafts(graphs, draft, settings.sglang_version)
         return cls(
-            space=space, settings=settings, points=points, graphs=graphs, coverages=coverages,
+            space=space, settings=settings, points=points, graphs=graphs, coverages=coverages, draft=draft,
             model_points=(points or tuple(_oom_starts(history, space))) + settings.prior_points,
-            slot_cost_gib=_slot_cost(points, settings),
+            slot_cost_gib=_slot_cost(points, settings, drafts),
             margin_gib=margin_for(history, settings),
             oom_frees=tuple(oom_frees),
             ceilings={f: tuple(v) for f, v in ceilings.items()},
-            bounds=slo_bounds(slo_points(history), normalise=normalise),
+            bounds=slo_bounds(windows, normalise=normalise),
         )
 
     def with_margin(self, margin_gib: float) -> Calibration:
@@ -220,9 +230,29 @@ class Calibration:
 
         More request slots than the calibration point also cost what the memory model cannot
         see (CUDA graphs are captured up to the request count, §2.1): the per-slot cost learned
-        from measured pairs (:attr:`slot_cost_gib`) is charged for them.
+        from measured pairs (:attr:`slot_cost_gib`) is charged for them. A draft model's graphs
+        and the target's verify graphs are predicted from the reference start's draft memory
+        (:class:`tuner.sglang.speculative.DraftMemory`, else the study's latest) at the
+        candidate's draft shape and captured sizes, and charged beyond the reference's (§1.5, §2.1).
         """
-        return _predict(ref, mfs, mrr, family, self.slot_cost_gib)
+        return _predict(ref, mfs, mrr, family, self.slot_cost_gib, self._drafts)
+
+    def draft_gib(self, ref: Point, mrr: int, family: Family, tokens: int) -> float | None:
+        """GiB of the reserve the candidate's draft takes (its graphs and the target's verify
+        graphs; its KV pool too before 0.5.16), predicted from ``ref``'s start (else the study's
+        latest draft) at the candidate's shape, ``tokens`` pool and captured sizes; None without
+        a draft (§1.5, §2.1)."""
+        predicted = self.draft_memory(ref, mrr, family, tokens)
+        return None if predicted is None else _draft_gib(predicted)
+
+    def draft_memory(self, ref: Point, mrr: int, family: Family, tokens: int) -> DraftMemory | None:
+        """The candidate's draft memory (its pool at its dtype, its graphs, the target's verify
+        graphs), predicted from ``ref``'s start (else the study's latest draft); None without a draft."""
+        return self._drafts.predicted(ref, mrr, family, tokens)
+
+    @property
+    def _drafts(self) -> _Drafts:
+        return _Drafts(self.graphs, self.draft, self.settings.sglang_version)
 
     def effective_prefill(self, cps: Any) -> float:
         """Tokens of one prefill chunk for ``chunked_prefill_size`` ``cps`` (-1: the longest
@@ -326,15 +356,25 @@ class Calibration:
         return min(mrr, streams)
 
     def binding_family(self) -> Family:
-        """The family whose windows say most about where the SLO breaks (``()`` when none broke it)."""
+        """The bracket key (:func:`bracket_key`) whose windows say most about where the SLO breaks
+        (``()`` when none broke it)."""
         binding = [f for f, b in self.bounds.items() if b.binds]
         return max(binding, key=lambda f: (len(self.bounds[f].points), -(self.bounds[f].broken or 0)), default=())
+
+    def bracket_key(self, family: Family) -> Family:
+        """The key of ``family``'s SLO bracket in :attr:`bounds` (:func:`bracket_key`)."""
+        return bracket_key(self.space, family)
+
+    def bound_of(self, family: Family) -> SLOBound | None:
+        """``family``'s own SLO bracket (its windows and those of knobs that differ from it in
+        ``cuda_graph_max_bs`` only), or ``None`` when none of them measured a verdict."""
+        return self.bounds.get(self.bracket_key(family))
 
     def bound_for(self, family: Family) -> SLOBound | None:
         """The family's own SLO bound when a window of it broke the SLO; else the
         :meth:`binding_family`'s (an estimate for choosing a proposal, never a proof); else the
         family's own (not binding) or ``None``."""
-        own = self.bounds.get(family)
+        own = self.bound_of(family)
         if own is not None and own.binds:
             return own
         other = self.bounds.get(self.binding_family())
@@ -373,17 +413,16 @@ class Calibration:
         that differ in ``cuda_graph_max_bs`` only (coverage decides there).
         """
         mine = self.coverage(family, mrr)
-        for fam, bound in self.bounds.items():
-            if fam != family and _without_graphs(fam) != _without_graphs(family):
-                continue
+        bound = self.bound_of(family)
+        if bound is not None:
             for point in sorted(bound.points, key=lambda p: p.running_requests):
-                if point.slo <= 0 or running < point.running_requests:
+                if not bound.proves(point) or running < point.running_requests:
                     continue
                 if tokens is not None and not self._surely_runs(tokens, point):
                     continue
                 theirs = self.coverages.get(point.number)
                 if mine is None or theirs is None:
-                    if fam == family:
+                    if family_of(self.space.snap(dict(point.family))) == family_of(self.space.snap(dict(family))):
                         return point.number, point.running_requests
                     continue
                 if theirs.covers_as_well(mine, int(point.running_requests)):
@@ -402,22 +441,34 @@ class Calibration:
         """Where a request-slot proposal lands on the graphs: ``(family, note)``.
 
         Every batch up to ``mrr`` replays a graph when ``mrr`` is at most the largest captured
-        size (SGLang captures the request table's size itself below ``cuda_graph_max_bs``, §2.1):
-        ``(family, None)``. Above it, where the space searches ``cuda_graph_max_bs``, the graphs
-        move with the slots (the smallest choice that covers them, else the largest); otherwise the
-        note says which batches decode eagerly.
+        size (SGLang captures the request table's size itself below ``cuda_graph_max_bs``, §2.1).
+        Where the space searches ``cuda_graph_max_bs``, the proposal lands on the *smallest* choice
+        that captures what the best choice does at ``mrr`` slots: the graphs move with the slots
+        when ``mrr`` is above the family's largest captured size (the note says so), and a choice
+        above the slots lands on the smallest one with the same captured sizes (the same server:
+        every size above the request table is dropped, §2.1), so two launches never differ in an
+        unused ``cuda_graph_max_bs`` alone. Without that knob in the space, the note says which
+        batches decode eagerly.
         """
         cov = self.coverage(family, mrr)
-        if cov is None or cov.eager_above(mrr) is None:
+        if cov is None:
             return family, None
-        choices = [int(c) for c in self.space.grid("cuda_graph_max_bs")]
-        if choices:
-            current = dict(family).get("cuda_graph_max_bs")
-            best = min((c for c in choices if c >= mrr), default=max(choices))
-            if best != current:
+        eager = cov.eager_above(mrr) is not None
+        choices = sorted(int(c) for c in self.space.grid("cuda_graph_max_bs"))
+        if choices and self.graphs is not None:
+            current = dict(family).get("cuda_graph_max_bs") or self._default_graph_bs()
+            want = self.graphs.coverage(mrr, choices[-1]) if eager else cov
+            best = next((c for c in choices if want is not None
+                         and self.graphs.coverage(mrr, c) == want), None)
+            if best is None and eager:
+                best = min((c for c in choices if c >= mrr), default=choices[-1])
+            if best is not None and best != dict(family).get("cuda_graph_max_bs"):
                 moved = tuple(sorted({**dict(family), "cuda_graph_max_bs": best}.items()))
-                return moved, (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
-                               f"(captured up to {cov.largest} at {current or self._default_graph_bs()})")
+                note = (f"cuda_graph_max_bs {best} moves with max_running_requests {mrr} "
+                        f"(captured up to {cov.largest} at {current})") if eager else None
+                return moved, note
+        if not eager:
+            return family, None
         return family, (f"max_running_requests {mrr} is above the largest captured CUDA-graph batch {cov.largest}: "
                         f"batches of {cov.largest + 1}-{mrr} decode eagerly (slower steps)")
 
@@ -543,10 +594,12 @@ def _point(number: int, record: TrialRecord, space: Space, *, measured: bool) ->
         model=memory.capacity_model, context_len=memory.context_len, page_size=memory.page_size,
         peak_gib=memory.peak_activation_gib if measured else None, feasible=measured and record.feasible,
         capacity=(record.context_capacity or 0) if measured else 0,
+        draft=memory.draft,
     )
 
 
-def _predict(ref: Point, mfs: float, mrr: int, family: Family, slot_cost_gib: float) -> tuple[int, float]:
+def _predict(ref: Point, mfs: float, mrr: int, family: Family, slot_cost_gib: float,
+             drafts: _Drafts | None = None) -> tuple[int, float]:
     graph_bs = dict(family).get("cuda_graph_max_bs")
     tokens = ref.model.tokens(mfs, page_size=ref.page_size)
     free = ref.model.headroom_gib(mfs, max_running_requests=mrr, context_len=ref.context_len,
@@ -554,7 +607,91 @@ def _predict(ref: Point, mfs: float, mrr: int, family: Family, slot_cost_gib: fl
     extra = mrr - ref.slots
     if extra > 0:
         free -= extra * slot_cost_gib
+    if drafts is not None:
+        free -= drafts.extra_gib(ref, mrr, family, tokens)
     return tokens, free
+
+
+@dataclass(frozen=True)
+class _Drafts:
+    """The draft's memory for a candidate, predicted from a start's :class:`DraftMemory` (§1.5, §2.1).
+
+    The target's verify graphs hold ``num_draft_tokens`` tokens per request and the draft's own
+    graphs one, for every captured batch size, so both scale with the captured sizes' count, and
+    the verify graphs with the draft tokens too (:meth:`DraftMemory.predict`). Before 0.5.16 the
+    draft's KV pool also comes out of the reserve with as many tokens as the target's pool.
+    """
+
+    graphs: GraphFacts | None
+    latest: DraftMemory | None
+    version: str | None
+
+    def extra_gib(self, ref: Point, mrr: int, family: Family, tokens: int) -> float:
+        """GiB the candidate (``family`` at ``mrr`` slots, a pool of ``tokens``) needs beyond
+        what ``ref``'s start held for a draft: negative when it needs less (speculation off, a
+        smaller shape or fewer captured sizes)."""
+        have = ref.draft
+        if have is None and self.latest is None:
+            return 0.0
+        held = _draft_gib(have) if have is not None else 0.0
+        if self._shape(family, have) is None and have is not None:
+            # Off: the verify graphs become decode graphs of one token a request.
+            ratio = self._captured(mrr, family) / have.capture_sizes if have.capture_sizes else 1.0
+            return (have.verify_graph_gib or 0.0) / max(have.num_draft_tokens, 1) * ratio - held
+        predicted = self.predicted(ref, mrr, family, tokens)
+        if predicted is None:
+            return 0.0
+        known = have or self.latest
+        assert known is not None
+        extra = _draft_gib(predicted) - held
+        if known.in_budget and known.kv_gib is not None and known.kv_tokens and predicted.kv_gib is not None:
+            # 0.5.16+ budgets the draft's pool as a share of the cell by layers: a draft dtype
+            # smaller than the start's leaves part of that share free (the flag's help: "the saving
+            # shows up as free device memory"), a larger one takes the rest from the reserve.
+            extra += predicted.kv_gib - known.kv_gib * tokens / known.kv_tokens
+        return extra
+
+    def predicted(self, ref: Point, mrr: int, family: Family, tokens: int) -> DraftMemory | None:
+        """The candidate's draft memory (None: it runs no draft): ``ref``'s draft, else the
+        study's latest, at the candidate's shape, pool and captured sizes."""
+        known = ref.draft or self.latest
+        shape = self._shape(family, known)
+        if known is None or shape is None:
+            return None
+        dtype = dict(family).get("speculative_draft_kv_cache_dtype")
+        return known.predict(shape, tokens=tokens, capture_sizes=self._captured(mrr, family),
+                             kv_dtype=None if dtype is None else str(dtype))
+
+    def _shape(self, family: Family, have: DraftMemory | None) -> SpecShape | None:
+        """The candidate's draft shape (None: no draft), the reference's where the family
+        does not set it."""
+        knobs = dict(family)
+        if knobs.get("speculative_algorithm") is False:
+            return None
+        if all(knobs.get(k) is not None for k in SPEC_SHAPE_KNOBS):
+            return resolve_shape(*(int(knobs[k]) for k in SPEC_SHAPE_KNOBS))
+        known = have or self.latest
+        if known is None:
+            return None
+        return SpecShape(1, 1, known.num_draft_tokens)  # only num_draft_tokens sizes the graphs
+
+    def _captured(self, mrr: int, family: Family) -> int:
+        """How many batch sizes a speculative candidate captures: SGLang's speculative list cut at
+        ``cuda_graph_max_bs`` (the family's, else the unit's default) and the request slots (§2.1)."""
+        graph_bs = dict(family).get("cuda_graph_max_bs")
+        default = self.graphs.default_max_bs if self.graphs is not None else None
+        max_bs = int(graph_bs) if graph_bs else int(default or mrr)
+        cov = GraphCoverage.predict(max_bs=max_bs, max_running_requests=mrr, speculative=True,
+                                    disable_padding=self.graphs is not None and not self.graphs.padding,
+                                    version=self.version or "0.5.5", max_bs_is_default=graph_bs is None)
+        return len(cov.captured)
+
+
+def _draft_gib(draft: DraftMemory) -> float:
+    """What a draft takes from the reserve: its graphs and the target's verify graphs, and its
+    KV pool where SGLang does not count it inside the budget (before 0.5.16)."""
+    reserve = (draft.graph_gib or 0.0) + (draft.verify_graph_gib or 0.0)
+    return reserve if draft.in_budget else reserve + (draft.kv_gib or 0.0)
 
 
 def _effective_prefill(cps: Any, settings: ModelSettings) -> float:
@@ -563,7 +700,7 @@ def _effective_prefill(cps: Any, settings: ModelSettings) -> float:
     return float(cps) if cps > 0 else float(min(16384, max(longest, 1)))
 
 
-def _slot_cost(points: Sequence[Point], settings: ModelSettings) -> float:
+def _slot_cost(points: Sequence[Point], settings: ModelSettings, drafts: _Drafts | None = None) -> float:
     """GiB per extra request slot beyond the req_to_token table, from pairs of measured configs
     of one family (the largest seen; 0 without such pairs).
 
@@ -582,7 +719,7 @@ def _slot_cost(points: Sequence[Point], settings: ModelSettings) -> float:
             fb = b.model.observed_free_after_graphs_gib
             if fa is None or fb is None:
                 continue
-            _, predicted = _predict(a, b.params["mem_fraction_static"], mb, family_of(b.params), 0.0)
+            _, predicted = _predict(a, b.params["mem_fraction_static"], mb, family_of(b.params), 0.0, drafts)
             cost = max(cost, (predicted - fb - _LOG_RESOLUTION_GIB) / (mb - ma))
     return cost
 
@@ -591,6 +728,25 @@ def _slot_cost(points: Sequence[Point], settings: ModelSettings) -> float:
 def _without_graphs(family: Family) -> Family:
     """``family`` without ``cuda_graph_max_bs``."""
     return tuple((k, v) for k, v in family if k != "cuda_graph_max_bs")
+
+
+def bracket_key(space: Space, family: Family) -> Family:
+    """The SLO bracket ``family`` shares (:attr:`Calibration.bounds`): its knobs snapped to
+    ``space``, without ``cuda_graph_max_bs``. Configs that differ in the graphs only run the same
+    workload on the same scheduler; their windows are told apart by the batches that replayed a
+    graph (:attr:`tuner.study.slo_bound.SLOPoint.graphed`), not kept in separate brackets (§2.1)."""
+    snapped = space.snap({**dict(family), "mem_fraction_static": space.mem_fraction_static[0],
+                          "max_running_requests": space.max_running_requests[0]})
+    return _without_graphs(family_of(snapped))
+
+
+def _graphed(coverage: GraphCoverage | None, running: float) -> int | None:
+    """The batches of ``1..running`` that replayed a graph as one number: ``running`` itself when
+    every one did, else the largest captured size below the first eager batch; ``None``: unknown."""
+    if coverage is None:
+        return None
+    eager = coverage.eager_above(int(running))
+    return int(running) if eager is None else eager - 1
 
 
 def _graph_facts(history: Sequence[tuple[int, TrialRecord]], space: Space,

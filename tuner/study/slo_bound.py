@@ -22,7 +22,15 @@ knobs of one family only. It does **not** hold
   requests (retractions, §4.4): then the measured ``running_requests`` overstates the load and the
   rule is not applied to a config whose pool holds fewer requests than its slots;
 * within the measurement noise: a window close to the limit may land on either side (the planner
-  aims inside the boundary by :data:`AIM_MARGIN`).
+  aims inside the boundary by :data:`AIM_MARGIN`), and one window's p99 ITL flips between the
+  decode-only steps and those a prefill chunk joins by a handful of steps, so adjacent counts can
+  break and hold in turn; a break that a window of the bracket contradicts by meeting the SLO at
+  as many requests or more proves nothing (:meth:`SLOBound.proves`).
+* across CUDA-graph coverage: a window that decoded some batches eagerly is slower than one whose
+  graphs cover them (§2.1). The study keys its brackets without ``cuda_graph_max_bs``
+  (:func:`tuner.study.calibration.bracket_key`) and tells the windows apart by
+  :attr:`SLOPoint.graphed`; the proofs compare coverages
+  (:meth:`tuner.study.calibration.Calibration.slo_proof`).
 
 Between ``safe`` and ``broken`` the next count to try comes from the measured latencies: the
 latency ratio ``slo + 1`` is interpolated linearly in running requests (a closed loop's queueing
@@ -65,6 +73,9 @@ class SLOPoint(BaseModel):
         running_requests: Requests the server ran at once (closed loop, capped by its slots).
         slo: The ``slo`` constraint (≤ 0: met).
         token_capacity: The window's KV pool (``max_total_num_tokens``, tokens; ``None``: unknown).
+        graphed: The decode batches of ``1..running_requests`` that replayed a CUDA graph, as one
+            number (``running_requests`` itself: all of them; else the largest captured size below
+            the first eager batch, §2.1); ``None``: unknown.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -74,6 +85,17 @@ class SLOPoint(BaseModel):
     running_requests: float
     slo: float
     token_capacity: int | None = None
+    graphed: int | None = None
+
+    def same_graphs(self, other: SLOPoint) -> bool:
+        """Whether the two windows decoded on the same graph coverage of their batches: both on a
+        graph for every batch, or both eager above the same captured size (then one latency curve
+        joins them; across a captured size it does not, :mod:`tuner.sglang.graphs`). Unknown
+        coverage on both sides counts as the same (the rule before graphs were known)."""
+        if self.graphed is None or other.graphed is None:
+            return self.graphed is None and other.graphed is None
+        mine_full, theirs_full = self.graphed >= self.running_requests, other.graphed >= other.running_requests
+        return (mine_full and theirs_full) or (not mine_full and not theirs_full and self.graphed == other.graphed)
 
 
 class SLOBound(BaseModel):
@@ -104,6 +126,15 @@ class SLOBound(BaseModel):
     def converged(self) -> bool:
         """Whether the bracket is down to adjacent counts (or a safe point at 1 request)."""
         return self.broken is not None and self.broken - self.safe <= max(1.0, 0.02 * self.broken)
+
+    def proves(self, point: SLOPoint) -> bool:
+        """Whether ``point`` (one of :attr:`points`) is a break the monotone rule may prove from:
+        it broke the SLO and no window of the bracket met it running at least as many requests.
+        Such a pair cannot both be true of one curve: the p99 near the limit is noise there (a
+        window's p99 ITL lands in the prefill-joined steps or not by a handful of steps, so adjacent
+        counts flip), and a skip needs a launch instead."""
+        return point.slo > 0 and not any(p.slo <= 0 and p.running_requests >= point.running_requests
+                                         for p in self.points)
 
     def violates(self, running_requests: float) -> bool:
         """The monotone rule: at least as many running requests as a window that broke the SLO."""
@@ -151,11 +182,15 @@ class SLOBound(BaseModel):
         if below and above:
             a = max(below, key=lambda p: p.running_requests)
             b = min(above, key=lambda p: p.running_requests)
-        elif len(above) >= 2:
-            a, b = sorted(above, key=lambda p: p.running_requests)[:2]
-        elif above:  # one window: latency proportional to the requests in flight
-            p = above[0]
-            return p.running_requests * target / (p.slo + 1.0)
+        elif above:
+            # From the broken side only: a line through two broken windows on one graph coverage;
+            # a window that decoded part of its batches eagerly is on another curve (§2.1), so with
+            # none alike the nearest alone says latency is proportional to the requests in flight.
+            p, *rest = sorted(above, key=lambda q: q.running_requests)
+            alike = [q for q in rest if q.same_graphs(p)]
+            if not alike:
+                return p.running_requests * target / (p.slo + 1.0)
+            a, b = p, alike[0]
         else:
             return None
         dr = b.running_requests - a.running_requests

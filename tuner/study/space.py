@@ -134,6 +134,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="speculative_num_draft_tokens", kind="categorical", condition=_SPEC,
          help="Tokens verified per request per step, the root included (tokens; the verify CUDA graphs "
               "grow with it, §1.5, §2.1)."),
+    Knob(name="speculative_draft_kv_cache_dtype", kind="categorical", condition=_SPEC,
+         help="The draft's KV pool dtype (SGLang 0.5.23): fp8 halves the draft pool, and what the budget "
+              "profiled for it beyond that is left free (its help: raise the fraction to turn it into KV; "
+              "the target verifies every token, so the answers do not change, §1.5)."),
     Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
          help="How much KV the scheduler reserves for running requests' future tokens before admitting "
               "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
@@ -250,6 +254,8 @@ class Space(BaseModel):
         speculative: Whether speculative decoding is searched (on/off; the baseline runs a draft).
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices, the
             baseline's first (a candidate that leaves one out runs the baseline's), or ``None``.
+        speculative_draft_kv_cache_dtype: Choices (the baseline's first: its flag, else its
+            ``kv_cache_dtype``, which the draft follows), or ``None`` (the version lacks the flag).
         fixed: Knobs not searched, kept at the baseline's value.
     """
 
@@ -276,6 +282,7 @@ class Space(BaseModel):
     speculative_num_steps: tuple[int, ...] | None = None
     speculative_eagle_topk: tuple[int, ...] | None = None
     speculative_num_draft_tokens: tuple[int, ...] | None = None
+    speculative_draft_kv_cache_dtype: tuple[str, ...] | None = None
     fixed: dict[str, Any] = Field(default_factory=dict)
     _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
 
@@ -598,6 +605,7 @@ def resolve_space(
     slots_hint: int | None = None,
     hicache: HiCacheChoice | None = None,
     levers: LeverChoice | None = None,
+    draft_kv_dtype: bool = False,
 ) -> Space:
     """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
 
@@ -623,6 +631,7 @@ def resolve_space(
             ``[space] hierarchical_cache`` alone (unset = out, no reuse estimate).
         levers: The structural levers' decision (:func:`tuner.study.lever_space.derive_levers`);
             None = only the levers ``[space]`` lists.
+        draft_kv_dtype: The version has ``--speculative-draft-kv-cache-dtype`` (0.5.23).
 
     Returns:
         The space.
@@ -671,7 +680,7 @@ def resolve_space(
         conservativeness = (min(conservativeness[0], base_c), max(conservativeness[1], base_c))
     if hicache is None:
         hicache = decide_hicache(section, reuse=None)
-    spec = _speculative_space(section, baseline)
+    spec = _speculative_space(section, baseline, draft_kv_dtype=draft_kv_dtype)
     fixed = {}
     if not hicache.include and baseline.get("enable_hierarchical_cache"):
         fixed["enable_hierarchical_cache"] = True
@@ -709,12 +718,14 @@ def _levers_first(choices: Sequence[Any] | None, value: Any) -> tuple[Any, ...] 
     return out if len(out) > 1 else None
 
 
-def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any]) -> dict[str, Any]:
+def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any], *, draft_kv_dtype: bool = False
+                       ) -> dict[str, Any]:
     """The speculative knobs' domains (§1.5): searched only when the baseline runs a draft model
     (its ``speculative_algorithm`` and resolved shape in ``baseline``) and ``[space] speculative``
     is not false. Choices list the baseline's value first (a candidate without the knob runs it):
     steps 1-5, topk 1 and the baseline's, draft tokens the baseline's and, with a topk above 1, 4, 6
-    and 8; ``[space]`` lists replace the defaults. Invalid combinations are screened, not launched
+    and 8; the draft's KV dtype (where the version has its flag) the baseline's and ``fp8_e4m3``;
+    ``[space]`` lists replace the defaults. Invalid combinations are screened, not launched
     (:class:`tuner.study.decide.speculative.SpeculativeRules`)."""
     base = [baseline.get(name) for name in SPEC_SHAPE_KNOBS]
     if not baseline.get(_SPEC) or section.speculative is False or any(v is None for v in base):
@@ -727,8 +738,15 @@ def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any]) -> di
 
     topks = first(topk, section.speculative_eagle_topk, (1,))
     drafts = first(draft, section.speculative_num_draft_tokens, (4, 6, 8) if max(topks) > 1 else ())
-    return {"speculative": True, "speculative_num_steps": first(steps, section.speculative_num_steps, (1, 2, 3, 4, 5)),
-            "speculative_eagle_topk": topks, "speculative_num_draft_tokens": drafts}
+    out: dict[str, Any] = {
+        "speculative": True, "speculative_num_steps": first(steps, section.speculative_num_steps, (1, 2, 3, 4, 5)),
+        "speculative_eagle_topk": topks, "speculative_num_draft_tokens": drafts}
+    if draft_kv_dtype:
+        # Unset, the draft follows --kv-cache-dtype (0.5.23 kv_cache_dtype.py): that is the baseline's value.
+        own = str(baseline.get("speculative_draft_kv_cache_dtype") or baseline.get("kv_cache_dtype") or "auto")
+        out["speculative_draft_kv_cache_dtype"] = tuple(dict.fromkeys(
+            [own, *(section.speculative_draft_kv_cache_dtype or ("fp8_e4m3",))]))
+    return out
 
 
 def _with_baseline(choices: Sequence[int] | None, value: Any) -> tuple[int, ...] | None:

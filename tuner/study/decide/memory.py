@@ -171,7 +171,7 @@ def _slo_blocks(cal: Calibration, family: Family, bound: SLOBound | None, mrr: i
     if bound is None:
         return False
     running = cal.running_requests(mrr, tokens)
-    own = cal.bounds.get(family)
+    own = cal.bound_of(family)
     if own is not None and own.binds:
         return cal.slo_proof(family, mrr, running) is not None
     if not bound.violates(running):

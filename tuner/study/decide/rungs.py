@@ -75,7 +75,11 @@ class RungPrices:
     def _base(self, record: TrialRecord) -> LadderBase:
         memory, params = record.memory, record.params
         assert memory.capacity_model is not None
-        draft = getattr(memory, "draft", None) or {}
+        fact = getattr(memory, "draft", None)  # a DraftMemory (a dict in records stored before it was typed)
+
+        def draft(name: str) -> float | None:
+            value = fact.get(name) if isinstance(fact, dict) else getattr(fact, name, None)
+            return None if value is None else float(value)
         dp = int(params.get("dp_size") or 1)
         spec = self.spec if params.get("speculative_algorithm") is not False else None
         return LadderBase(
@@ -83,7 +87,7 @@ class RungPrices:
             mem_fraction_static=float(params.get("mem_fraction_static") or memory.capacity_model.observed_mem_fraction_static or 0.88),
             kv_cache_dtype=str(params.get("kv_cache_dtype") or "auto"), speculative_algorithm=spec,
             attention_backend=self.backend, context_len=memory.context_len, page_size=memory.page_size, gpu=self.gpu,
-            draft_weight_gib=draft.get("weight_gib"), draft_kv_gib=draft.get("kv_gib"), draft_graph_gib=draft.get("graph_gib"),
+            draft_weight_gib=draft("weight_gib"), draft_kv_gib=draft("kv_gib"), draft_graph_gib=draft("graph_gib"),
             graphs_captured=memory.graph_gib is not None,
             flags={k: v for k, v in (("kv_cache_dtype", params.get("kv_cache_dtype")),
                                      ("enable_dp_attention", True if dp > 1 else None)) if v is not None})

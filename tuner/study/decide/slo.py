@@ -40,12 +40,13 @@ class SLOBracket:
             return None
         feasible = [p for p in cal.points if p.feasible]
         if feasible:
-            family = family_of(max(feasible, key=lambda p: (p.capacity, -p.number)).params)
+            family = cal.bracket_key(family_of(max(feasible, key=lambda p: (p.capacity, -p.number)).params))
         else:
             family = max(binding, key=lambda f: (len(binding[f].points), -(binding[f].broken or 0)))
         own_base = cal.bounds.get(family)
         base = own_base if own_base is not None and own_base.binds else binding[cal.binding_family()]
-        families = [family, *(f for f in neighbours(view.space, dict(family)) if f != family)]
+        # One bracket per knob set but the graphs: cuda_graph_max_bs lands with the count (_at_count).
+        families = list(dict.fromkeys([family, *(cal.bracket_key(f) for f in neighbours(view.space, dict(family)))]))
         for rank, fam in enumerate(families):
             own = cal.bounds.get(fam)
             count: int | None
@@ -71,17 +72,26 @@ class SLOBracket:
         return None
 
 
-def _at_count(cal: Calibration, family: Family, count: int, tried: frozenset[ConfigKey], why: str,
+def _at_count(cal: Calibration, key: Family, count: int, tried: frozenset[ConfigKey], why: str,
               bound: SLOBound) -> Proposal | None:
-    """``family`` with ``count`` request slots at the smallest fraction whose pool holds them
+    """The bracket ``key``'s knobs with ``count`` request slots, on the graphs they land on
+    (:meth:`~tuner.study.calibration.Calibration.land`: the smallest ``cuda_graph_max_bs`` that
+    captures what the largest does at ``count``), at the smallest fraction whose pool holds them
     (the memory frontier at that count), or ``None`` (already tried, or memory forbids it)."""
+    family, moved = cal.land(key, count)
     ref = cal.reference(family, count, cal.points)
     need = cal.need_gib(family)
     found = cal.frontier(family, ref, count, need)
+    if found is None and family != key:  # the landed graphs leave too little free: the key's own
+        family, moved = key, None
+        ref = cal.reference(family, count, cal.points)
+        need = cal.need_gib(family)
+        found = cal.frontier(family, ref, count, need)
     if found is None:
         return None
     mfs, tokens, capacity, free, mrr = found
     params, free, graphs = cal.place(ref, family, mfs, mrr, need)
+    graphs = graphs or moved
     if config_key(params) in tried:
         return None
     if graphs is not None:
