@@ -82,7 +82,8 @@ def _config(name: str, levers: bool) -> TunerConfig:
         "study": {"name": "levers" if levers else "knobs", "seed": 0},
         "service": {"launcher": "process", "command": item["command"]},
         "model": {"config_json": str(MODELS / item["model"] / "config.json")},
-        "space": space, **_COMMON, "objective": {"context_tokens": item.get("context_tokens", 32768)},
+        "space": space, **_COMMON, "objective": {"context_tokens": item.get("context_tokens", 32768),
+                                             "capacity": "oom_safe"},  # the capacity the table reports
     })
 
 
@@ -117,7 +118,7 @@ def _rung_reference(cfg: TunerConfig, space: Space, baseline: TrialRecord) -> tu
     for combo in itertools.product(*([(k, v) for v in values] for k, values in levers.items())):
         flags = dict(combo)
         top = space.max_running_requests[1]  # the study's own slot cap (what its load can fill)
-        for mfs, mrr in itertools.product((0.9, 0.93, 0.95, 0.96), sorted({m for m in (16, 32, 64) if m < top} | {top})):
+        for mfs, mrr in itertools.product((0.9, 0.93, 0.96), sorted({m for m in (32,) if m < top} | {top})):
             n += 1
             rec = runner.run(TrialJob(number=n, kind="sampled", params={**baseline.params, **flags, "mem_fraction_static": mfs,
                                                                             "max_running_requests": mrr},
