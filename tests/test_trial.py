@@ -72,7 +72,7 @@ def test_a_startup_oom_is_a_failed_record_with_every_constraint_violated() -> No
     record, began, _ = _run(_job({"mem_fraction_static": 0.97}))
     assert began == ["render", "start"]
     assert record.outcome == "failed" and record.failure_class is FailureClass.CUDA_GRAPH_OOM
-    assert record.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": 1.0} and not record.feasible
+    assert record.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": 1.0, "context_fits": 1.0} and not record.feasible
     assert record.token_capacity is None and record.phases == []
     assert record.memory.ranks  # the startup's memory lines, for the memory model's bound
     evidence = record.failure_evidence or ""

@@ -54,6 +54,7 @@ from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 from tuner.sglang.numerics import numerics_changes
 from tuner.study.hosts import host_name
 from tuner.study.storage import check_storage, display_url, is_shared_url
+from tuner.trial import with_dp_attention_switch
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -502,7 +503,7 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
         if (value is None and now is None) or (value is not None and now is not None and _same(now, value)):
             continue
         changes[name] = value
-    return replace_flags(argv, changes, table) if changes else list(argv)
+    return replace_flags(argv, with_dp_attention_switch(changes), table) if changes else list(argv)
 
 
 def unprobed_numerics(stored: StoredStudy, view: TrialView) -> tuple[list[str], str] | None:

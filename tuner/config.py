@@ -235,8 +235,13 @@ class SpaceSection(_Section):
         kv_cache_dtype: Choices of ``--kv-cache-dtype`` (optional; a structural lever:
             ``["auto", "fp8_e4m3"]`` halves the bytes per token; fp8 changes numerics, so such a
             candidate must pass the ``[quality]`` gate).
-        dcp_size: Choices of ``--dcp-size`` (optional; decode context parallelism, SGLang 0.5.23;
-            a size the version lacks or that does not divide ``--tp-size`` is skipped, never launched).
+        dcp_size: Choices of ``--dcp-size`` (decode context parallelism, SGLang 0.5.23; a size the
+            version lacks or that does not divide ``--tp-size`` is skipped, never launched).
+        dp_size: DP-attention sizes (``--enable-dp-attention --dp-size N``; 1 = off).
+            The three structural levers (``kv_cache_dtype``, ``dcp_size``, ``dp_size``) left unset are
+            derived from the baseline, the version's flags and the feasibility table
+            (:mod:`tuner.study.lever_space`); a list names the values, the baseline's value alone pins it.
+        exclude_levers: Structural levers the study never derives: ``fp8_kv``, ``dcp``, ``dp_attention``.
         speculative: Search speculative decoding on/off and its draft shape when the baseline runs a
             draft model (§1.5): unset or ``true`` searches them, ``false`` leaves them as they are.
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices
@@ -263,6 +268,8 @@ class SpaceSection(_Section):
     schedule_conservativeness: FloatRange | None = None
     kv_cache_dtype: list[Literal["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]] | None = None
     dcp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
+    dp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
+    exclude_levers: list[Literal["fp8_kv", "dcp", "dp_attention"]] = Field(default_factory=list)
     speculative: bool | None = None
     speculative_num_steps: list[Annotated[int, Field(ge=1)]] | None = None
     speculative_eagle_topk: list[Annotated[int, Field(ge=1)]] | None = None

@@ -20,7 +20,7 @@ from tuner.load.workloads import for_speculation
 from tuner.preflight import check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
-from tuner.study.baseline import study_hicache
+from tuner.study.baseline import study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import run_study
@@ -221,7 +221,9 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     ranks = ranks_of(argv)
     host = read_host_memory(argv, url=config.service.url, unit=getattr(launcher, "unit", None))
     hicache = study_hicache(config, device_tokens=None, version=table.version, host=host, ranks=ranks)
-    space = resolve_space(config.space, baseline, hicache=hicache)
+    gpu_name = resolve_environment(config, argv, table, None).get("gpu_name")
+    levers = study_levers(config, argv, table.version, gpu_name)
+    space = resolve_space(config.space, baseline, hicache=hicache, levers=levers)
     workload = build_workload(config.workload, seed=config.study.seed)
     per_trial = prior_trial_cost_s(config)
     lines = [
@@ -244,6 +246,9 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     lines.append(f"hierarchical cache: {hicache.reason}"
                  + ("" if config.space.hierarchical_cache is not None else
                     " (decided again with the measured device pool once the baseline runs)"))
+    lines.append(f"structural levers (GPU {gpu_name or 'unknown until the baseline runs'}; decided again with the "
+                 "baseline's startup log):")
+    lines += [f"  {reason}" for reason in levers.reasons]
     if hicache.include:
         lines.append(f"host memory before each launch: {host.source}; a config whose pools (per rank × {ranks} "
                      "ranks) do not fit MemAvailable or the unit's MemoryMax is skipped without a restart")

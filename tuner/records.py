@@ -49,15 +49,18 @@ RECORD_ATTR = "tuner.record"
 """Optuna trial user attribute holding ``TrialRecord.model_dump(mode="json")``."""
 STUDY_ATTR = "tuner.study"
 """Optuna study user attribute holding ``StudyInfo.model_dump(mode="json")``."""
-CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress", "quality")
+CONSTRAINT_NAMES = ("oom_or_crash", "slo", "stress", "quality", "context_fits")
 """Order of the constraint values Optuna stores for a trial (``trial.set_constraint``):
 ``oom_or_crash`` is 1.0 on any startup/runtime failure else -1.0; ``slo`` is the largest relative
 SLO overshoot (``measured/target - 1``; ≤ 0 when met); ``stress`` is 1.0 when the stress phase
 failed (an OOM, errored requests, a cut load) else -1.0; ``quality`` is 1.0 when the candidate
 changes numerics and its answers failed the quality gate or could not be compared, else -1.0 (a
-record stored before the gate existed has none, and reads -1.0: :data:`BEFORE_GATE`)."""
+record stored before the gate existed has none, and reads -1.0: :data:`BEFORE_GATE`);
+``context_fits`` is 1.0 when the workload's longest request (input + output) is longer than one
+request's ceiling (``per_request_max_tokens``: one DP rank's pool under DP attention, the logical
+pool under DCP, ``context_len``; issue 23), else -1.0 (a record stored before it reads -1.0)."""
 
-BEFORE_GATE = {"quality": -1.0}
+BEFORE_GATE = {"quality": -1.0, "context_fits": -1.0}
 """The value of a constraint added after records were stored without it: a record from before the
 quality gate changed no numerics through the study (``tuner apply`` still refuses a numerics change
 never probed, from its flags and :class:`QualityFacts`)."""
@@ -76,6 +79,7 @@ class Constraints(BaseModel):
         slo: The largest relative SLO overshoot (``measured/target - 1``; ≤ 0 when met).
         stress: 1.0 when the stress phase failed (an OOM, errored requests, a cut load), else -1.0.
         quality: 1.0 when the quality gate failed or could not judge a numerics change, else -1.0.
+        context_fits: 1.0 when the workload's longest request does not fit one request's ceiling, else -1.0.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -84,6 +88,7 @@ class Constraints(BaseModel):
     slo: float = 1.0
     stress: float = 1.0
     quality: float = 1.0
+    context_fits: float = 1.0
 
     @classmethod
     def of(cls, values: Mapping[str, float]) -> Constraints:
@@ -496,6 +501,10 @@ class TrialRecord(BaseModel):
             ``sampled`` (the sampler), ``enqueued`` (re-run after a killed run).
         outcome: ``ok`` (measured), ``failed`` (startup or runtime failure), ``skipped``
             (proved infeasible without a restart), ``budget`` (not started: no time left).
+        per_request_max_tokens: The longest single request (input + output tokens) the started
+            server holds: ``min(context_len − 1, pool − 1)`` with one DP rank's pool under DP
+            attention and the logical pool under DCP (§1.4, issue 23); the ``context_fits``
+            constraint compares the workload's longest request with it.
         cache: The prefix cache's tiers in the measured window (§7): ``hit_rate``,
             ``device_hit_rate``, ``host_hit_rate`` (``storage_hit_rate`` with a storage backend),
             all 0-1 of prompt tokens, ``hit_rate_source`` (``cached_tokens_details`` or
@@ -524,6 +533,7 @@ class TrialRecord(BaseModel):
     context_tokens: int | None = None
     context_capacity: int | None = None
     token_capacity: int | None = None
+    per_request_max_tokens: int | None = None
     free_gib_after_graphs: float | None = None
     output_throughput_tok_s: float | None = None
     goodput_req_s: float | None = None

@@ -26,6 +26,7 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, capacity_label, choose_best, stored_policy
+from tuner.study.decide.rungs import rung_flags
 from tuner.study.hosts import REQUEUED_ATTR
 from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
 from tuner.study.storage import (
@@ -750,5 +751,68 @@ def present_best(stored: StoredStudy, choice: BestChoice, policy: ObjectiveSecti
         baseline=baseline,
         deltas=_deltas(chosen, baseline),
         cache=cache_effect(stored, chosen),
-        notes=best_notes(chosen, baseline, choice.basis),
+        notes=[*best_notes(chosen, baseline, choice.basis), *lever_lines(stored.trials, chosen, baseline)],
     )
+
+
+def _ratio(new: float | None, old: float | None) -> str:
+    return f" ({new / old:.2f}×)" if new is not None and old else ""
+
+
+def _lever_names(flags: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]:
+    """``kv_cache_dtype auto → fp8_e4m3`` for each lever ``flags`` moves from ``base`` (:func:`rung_flags`)."""
+    words = {"enable_dp_attention": None, "dp_size": "dp_size (DP attention)"}
+    out = []
+    for key in ("kv_cache_dtype", "dcp_size", "dp_size"):
+        old, new = base.get(key, 1 if key != "kv_cache_dtype" else "auto"), flags.get(key, 1 if key != "kv_cache_dtype" else "auto")
+        if old != new:
+            out.append(f"{words.get(key) or key} {old} → {new}")
+    return out
+
+
+def lever_lines(trials: Iterable[TrialView], chosen: TrialView, baseline: TrialView | None) -> list[str]:
+    """What a trial's structural levers (fp8 KV, DCP, DP attention; issue 23) bought over the
+    baseline and what they cost, for ``tuner show``, ``best`` and the report; ``[]`` when the trial
+    runs the baseline's rung.
+
+    Lines: the levers moved; the context capacity and tokens (per rank, across the deployment) vs
+    the baseline's; per lever, the study's best feasible trial that moved that lever alone; the
+    costs: output throughput and p99 ITL (decode speed) vs the baseline's, one request's ceiling
+    (``per_request_max_tokens``: one DP rank's pool under DP attention), and the numerics with the
+    quality gate's verdict.
+    """
+    if baseline is None or chosen.record is None or baseline.record is None:
+        return []
+    rec, base = chosen.record, baseline.record
+    mine, theirs = rung_flags(rec.params), rung_flags(base.params)
+    moved = _lever_names(mine, theirs)
+    if not moved:
+        return []
+    ranks = int(mine.get("dcp_size", 1)) * int(mine.get("dp_size", 1))
+    across = f", {rec.token_capacity * ranks:,} across {ranks} ranks" if rec.token_capacity and ranks > 1 else ""
+    lines = [f"structural levers of trial {chosen.number} over the baseline (trial {baseline.number}): {', '.join(moved)}",
+             f"  capacity: {cell_int(rec.context_capacity)} requests of {rec.context_tokens or '?'} tokens vs "
+             f"{cell_int(base.context_capacity)}{_ratio(rec.context_capacity, base.context_capacity)}; tokens per rank "
+             f"{cell_int(rec.token_capacity)} vs {cell_int(base.token_capacity)}{across}"]
+    alone = []
+    for name in moved:
+        key = name.split()[0]
+        single = [v for v in trials if v.feasible and v.record is not None
+                  and _lever_names(rung_flags(v.record.params), theirs) and all(
+                      n.split()[0] == key for n in _lever_names(rung_flags(v.record.params), theirs))]
+        top = max(single, key=lambda v: v.record.context_capacity or 0, default=None)  # type: ignore[union-attr]
+        if top is not None and top.record is not None:
+            alone.append(f"{key} alone {cell_int(top.record.context_capacity)} requests"
+                         f"{_ratio(top.record.context_capacity, base.context_capacity)} (trial {top.number})")
+        else:
+            alone.append(f"{key} alone: not measured feasible")
+    lines.append("  per lever: " + "; ".join(alone))
+    quality = rec.quality
+    numerics = (f"changes numerics ({', '.join(quality.changes)}): quality gate {quality.status}"
+                if quality.changes else "numerics unchanged")
+    lines.append(f"  costs: output throughput {_num(rec.output_throughput_tok_s)} vs {_num(base.output_throughput_tok_s)} "
+                 f"tok/s{_ratio(rec.output_throughput_tok_s, base.output_throughput_tok_s)}, p99 ITL "
+                 f"{_num(rec.p99_itl_ms)} vs {_num(base.p99_itl_ms)} ms{_ratio(rec.p99_itl_ms, base.p99_itl_ms)} "
+                 f"(decode speed); one request's ceiling {cell_int(rec.per_request_max_tokens)} vs "
+                 f"{cell_int(base.per_request_max_tokens)} tokens; {numerics}")
+    return lines

@@ -56,6 +56,7 @@ from tuner.sglang.client import GreedyAnswer, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, validate
 from tuner.sglang.hicache import HostMemory
+from tuner.sglang.ladder import per_request_max_tokens
 from tuner.sglang.logs import LogReport, log_error_line, parse_log
 from tuner.sglang.memory import KVCapacityModel
 from tuner.sglang.numerics import numerics_changes, numerics_key
@@ -270,9 +271,21 @@ def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[
     return out
 
 
+def with_dp_attention_switch(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with DP attention's switch set by its size (the ``dp_size`` knob, issue 23):
+    above 1, ``enable_dp_attention`` on; 1, both flags removed (``None``); no ``dp_size``, as is (§1.5b)."""
+    out = dict(params)
+    if "dp_size" in out:
+        dp = out.pop("dp_size")
+        on = dp is not None and int(dp) > 1
+        out.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
+    return out
+
+
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
     """The full server command for ``params``: only the tuned flags of the baseline replaced.
 
+    DP attention's size (``dp_size``; 1 = off) sets ``--enable-dp-attention`` with it, or removes both (§1.5b).
     A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
     policy, I/O backend, memory layout; §7). Speculative decoding switched off removes every
     ``--speculative-*`` flag; switched on (``True``) it keeps the baseline's algorithm and draft
@@ -286,12 +299,23 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     rendered = without_neutral_levers(params, table)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
+    rendered = with_dp_attention_switch(rendered)
     switch = rendered.pop("speculative_algorithm", None)
     if switch is False:
         rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))
     elif isinstance(switch, str):  # an algorithm named as such (the baseline's own params)
         rendered["speculative_algorithm"] = switch
     return replace_flags(baseline_argv, rendered, table)
+
+
+def context_fits(per_request_max_tokens: int | None, longest_tokens: int) -> float:
+    """The ``context_fits`` constraint (issue 23): -1.0 when the workload's longest request
+    (``longest_tokens``, input + output) fits one request's ceiling (``per_request_max_tokens``,
+    :func:`tuner.sglang.ladder.per_request_max_tokens`), 1.0 when it does not (SGLang would refuse
+    or truncate it: one DP rank's pool is the ceiling under DP attention); -1.0 when unknown."""
+    if per_request_max_tokens is None:
+        return -1.0
+    return -1.0 if longest_tokens <= per_request_max_tokens else 1.0
 
 
 def measure_gap(result: LoadResult | None, measure_s: float) -> str | None:
@@ -416,7 +440,10 @@ def resolve_facts(
     dcp = int(explicit.get("dcp_size") or 1)
     dp = int(explicit.get("dp_size") or explicit.get("data_parallel_size") or 1) if explicit.get("enable_dp_attention") else 1
     capacity = dp * context_capacity(mrr, tokens * dcp, context_tokens) if tokens else None
+    ceiling = per_request_max_tokens(tokens * dcp, context_len) if tokens else None
     params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
+    if dp == 1:  # the dp_size knob is DP attention's size: plain data parallelism is not searched
+        params.pop("dp_size", None)
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]
@@ -441,6 +468,7 @@ def resolve_facts(
         "chunked_prefill_size": cps,
         "context_len": context_len,
         "context_capacity": capacity,
+        "per_request_max_tokens": ceiling,
         "free_gib_after_graphs": free,
         "params": params,
     }
@@ -866,7 +894,8 @@ class TrialExecutor:
         lines = self.server.logs()
         record = self._record(record, probe, measured, stressed, lines)
         record = record.model_copy(update={"quality": quality, "constraints": {
-            **record.constraints, "quality": quality_constraint(quality, self.config.quality)}})
+            **record.constraints, "quality": quality_constraint(quality, self.config.quality),
+            "context_fits": context_fits(record.per_request_max_tokens, self._workload.context_tokens)}})
         return self._finish(record, lines, begun_s, files)
 
     def _asked(self, job: TrialJob) -> TrialRecord:
@@ -1106,6 +1135,7 @@ def _probed_record(record: TrialRecord, probe: _Probe, job: TrialJob) -> TrialRe
         "resolved": probe.resolved,
         "token_capacity": probe.facts["max_total_num_tokens"],
         "context_capacity": probe.capacity,
+        "per_request_max_tokens": probe.facts.get("per_request_max_tokens"),
         "free_gib_after_graphs": probe.facts["free_gib_after_graphs"],
     }
     if job.kind == "baseline":

@@ -28,7 +28,7 @@ def test_views_read_records_constraints_and_states(demo_study: str) -> None:
     assert [v.feasible for v in stored.trials] == [True, True, True, False, False, False]
     oom = stored.trial(3)
     assert oom.state == "COMPLETE" and oom.failure_class == "cuda_graph_oom" and oom.failed
-    assert oom.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": 1.0}  # a failed start: every one violated
+    assert oom.constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": 1.0, "context_fits": 1.0}  # a failed start: every one violated
     skip = stored.trial(4)
     assert skip.state == "PRUNED" and skip.outcome == "skipped" and skip.record.proved_by_trial == 3
     assert stored.trial(5).constraints["slo"] == pytest.approx(0.3)

@@ -27,13 +27,13 @@ def test_the_table_is_well_formed() -> None:
             assert knob.step is not None or knob.name == "mem_fraction_static", knob.name
         assert knob.help.strip(), knob.name
     # Every Space field but the reason and the fixed knobs holds one knob's range or choices.
-    assert set(Space.model_fields) - {"hicache_reason", "fixed"} == {knob.field for knob in KNOBS}
+    assert set(Space.model_fields) - {"hicache_reason", "lever_reasons", "fixed"} == {knob.field for knob in KNOBS}
 
 
 def test_the_config_space_section_has_one_key_per_knob() -> None:
     # tuner.config sits below tuner.study (the layers contract): it cannot import the table, so this
     # ties the two. [space] adds the grid step of mem_fraction_static.
-    assert set(SpaceSection.model_fields) == {knob.field for knob in KNOBS} | {"mem_fraction_step"}
+    assert set(SpaceSection.model_fields) == {knob.field for knob in KNOBS} | {"mem_fraction_step", "exclude_levers"}
 
 
 def test_the_names_derive_from_the_table() -> None:
@@ -43,7 +43,7 @@ def test_the_names_derive_from_the_table() -> None:
         "page_size", "cuda_graph_max_bs", "speculative_algorithm", "speculative_num_steps",
         "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_draft_kv_cache_dtype",
         "schedule_conservativeness", "kv_cache_dtype",
-        "dcp_size",
+        "dcp_size", "dp_size",
     )
     assert HICACHE_KNOBS == tuple(n for n in SEARCHED_FIELDS if n.startswith("hicache_"))
     assert MEMORY_KNOBS == ("mem_fraction_static", "max_running_requests")

@@ -48,8 +48,8 @@ def test_failed_start_is_complete_with_violated_constraint_and_skips_are_pruned(
     assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
     assert again.trials[0].values == [4.0, 900.0]
     assert again.trials[1].values == [0.0, 0.0]
-    # a record made without a quality value (as stored before the gate) is told it as holding
-    assert again.trials[1].constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": -1.0}
+    # a record made without a quality or context_fits value (as stored before them) is told them as holding
+    assert again.trials[1].constraints == {"oom_or_crash": 1.0, "slo": 1.0, "stress": 1.0, "quality": -1.0, "context_fits": -1.0}
     assert again.trials[0].constraints["slo"] == -0.2
     stored = records(again)
     assert [r.failure_class for _, r in stored] == [None, FailureClass.CUDA_GRAPH_OOM, None]

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tuner.load import LoadSummary, MaxLoadResult
-from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect
+from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect, lever_lines
 from tuner.study.best import max_running_requests_cut
 from tuner.study.space import KNOBS
 from tuner.study.storage import display_url
@@ -389,6 +389,7 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
     parts.append(_kv_table("results", metrics, "metric", "value"))
     if rec is not None and rec.slo_capacity.limits:
         parts.append(_capacity_text(rec))
+    parts.extend(Text(line) for line in lever_lines(stored.trials, view, stored.baseline()))
     if view.state == "FAIL":
         parts.append(_failed_note(stored, view))
     if rec is None:

@@ -45,7 +45,7 @@ from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.numerics import numerics_changes
 from tuner.sglang.versions import at_least
 
-__all__ = ["Rung", "LadderBase", "evaluate", "ladder", "fraction_ceiling"]
+__all__ = ["Rung", "LadderBase", "evaluate", "ladder", "fraction_ceiling", "per_request_max_tokens"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _FP8 = "fp8_e4m3"
@@ -349,7 +349,7 @@ def evaluate(base: LadderBase, flags: Mapping[str, Any], *, version: str | None 
                     why="; ".join(w for w in [*words, avail.why] if w))
     logical = tokens * s.dcp * s.dp
     one = logical if s.dcp > 1 else tokens
-    per_request = min(base.context_len - 1, one - 1) if base.context_len else one - 1
+    per_request = per_request_max_tokens(one, base.context_len)
     free = _free(base, s, tokens, cell)
     starts = None if free is None else free >= 0
     head = _headroom(base, s)
@@ -362,6 +362,13 @@ def evaluate(base: LadderBase, flags: Mapping[str, Any], *, version: str | None 
     return Rung(lever=dict(flags), tokens_per_rank=tokens, logical_tokens=logical, per_request_max_tokens=per_request,
                 free_after_graphs_gib=_round(free), starts=starts, available=avail.ok, changes_numerics=numerics,
                 why="; ".join(w for w in [*words, avail.why] if w))
+
+
+def per_request_max_tokens(pool_tokens: int, context_len: int | None) -> int:
+    """The longest single request (input + output tokens) a pool of ``pool_tokens`` holds:
+    ``min(context_len − 1, pool − 1)`` (§1.4). ``pool_tokens`` is one DP rank's pool under DP
+    attention (a request lives on one rank) and the logical pool (per rank × dcp) under DCP."""
+    return min(context_len - 1, pool_tokens - 1) if context_len else pool_tokens - 1
 
 
 def _round(x: float | None) -> float | None:

@@ -55,6 +55,7 @@ __all__ = [
     "dcp_per_rank_cell_bytes",
     "dcp_gain",
     "supporting_backend",
+    "default_backend",
     "table_for",
 ]
 
@@ -244,6 +245,26 @@ def supporting_backend(lever: str, *, gpu: str | None, version: str, attention: 
         if named:
             return str(named[0])
     return None
+
+
+def default_backend(gpu: str | None, attention: str) -> Verdict:
+    """SGLang's own ``--attention-backend`` when the command names none (``levers.json``
+    ``default_backend``: 0.5.5 ``server_args.py``, 0.5.23 ``get_default_attn_backend``).
+
+    Args:
+        gpu: GPU name or architecture.
+        attention: ``mha``, ``mla`` or ``dsa`` (:func:`attention_type`).
+
+    Returns:
+        A :class:`Verdict` whose ``why`` is the backend's name then its source after ``": "``
+        (``ok`` ``True``), or ``ok`` ``None`` where the choice depends on more than the GPU and the
+        attention type (SM100: the model class) or the GPU is not in the table.
+    """
+    arch = gpu_arch(gpu)
+    for row in _data()["default_backend"]:
+        if arch is not None and arch in row["gpu_arch"] and attention in row["attention"]:
+            return Verdict(ok=True, why=f"{row['backend']}: {row['source']}")
+    return Verdict(ok=None, why=f"SGLang's default attention backend for {attention} on {arch or gpu or 'an unknown GPU'} is not known here")
 
 
 def draft_budget(version: str) -> DraftBudget:

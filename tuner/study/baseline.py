@@ -21,15 +21,16 @@ from tuner.config import TunerConfig
 from tuner.load.workloads import build_workload, estimate_reuse
 from tuner.records import TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
-from tuner.sglang.flags import FlagTable
+from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.hicache import HostMemory
 from tuner.study.budget import reachable_slots
 from tuner.study.hosts import own, same_environment
+from tuner.study.lever_space import LeverChoice, attentions_of_log, derive_levers, study_model
 from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, records, set_baseline_params
 from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
 
 __all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "resolve_study_space",
-           "study_hicache"]
+           "study_hicache", "study_levers"]
 
 WAIT_POLL_S = 1.0
 """Seconds between looks at the study while another host measures the baseline."""
@@ -109,7 +110,7 @@ def claim_baseline(
 
 def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, config: TunerConfig,
               environment: Mapping[str, Any], context_tokens: int, *, host: HostMemory | None, ranks: int,
-              own_environment: bool) -> Space:
+              own_environment: bool, argv: Sequence[str] = ()) -> Space:
     """Resolve the study's space from the baseline's ``record``, store it (study attribute
     :data:`~tuner.study.optuna_io.SPACE_ATTR`) and record the baseline's knobs as its running
     ``trial``'s Optuna params.
@@ -120,7 +121,7 @@ def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, con
     Returns:
         The study's space.
     """
-    space = resolve_study_space(config, record, environment, context_tokens, host=host, ranks=ranks)
+    space = resolve_study_space(config, record, environment, context_tokens, host=host, ranks=ranks, argv=argv)
     stored = study.user_attrs.get(SPACE_ATTR)
     if stored is None or own_environment:
         study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
@@ -142,8 +143,20 @@ def study_hicache(config: TunerConfig, *, device_tokens: int | None, version: st
                           host=host, ranks=ranks)
 
 
+def study_levers(config: TunerConfig, argv: Sequence[str], version: str | None, gpu: str | None,
+                 ranks: Mapping[str, Mapping[str, Any]] | None = None) -> LeverChoice:
+    """The structural levers' place in this study's space (:func:`tuner.study.lever_space.derive_levers`)
+    from the service's command, its SGLang version and GPU, the model's ``config.json`` and (once
+    measured) the baseline's startup lines ``ranks``."""
+    version = version or FlagTable.bundled_versions()[0]
+    flags = parse_argv(list(argv), FlagTable.for_version(version))
+    return derive_levers(config.space, flags, version=version, gpu=gpu, model=study_model(config, flags),
+                         log_attentions=attentions_of_log(ranks or {}))
+
+
 def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: Mapping[str, Any],
-                        context_tokens: int, *, host: HostMemory | None = None, ranks: int = 1) -> Space:
+                        context_tokens: int, *, host: HostMemory | None = None, ranks: int = 1,
+                        argv: Sequence[str] = ()) -> Space:
     """The study's space from the baseline's resolved knobs, the predicted capacity ceiling and the
     workload's prefix reuse (whether the hierarchical cache's knobs enter it, :func:`study_hicache`).
 
@@ -154,6 +167,8 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
         context_tokens: The context length of context capacity (tokens).
         host: The host's memory reading (the ``hicache_size`` range), if known.
         ranks: Ranks on the host (``tp × pp``).
+        argv: The service's command (the structural levers, :func:`study_levers`); empty: only
+            the levers ``[space]`` lists.
     """
     hint = slots = None
     model = record.memory.capacity_model
@@ -165,7 +180,10 @@ def resolve_study_space(config: TunerConfig, record: TrialRecord, environment: M
                                 mean_request_tokens=workload.mean_request_tokens)
     hicache = study_hicache(config, device_tokens=record.token_capacity, version=environment.get("sglang_version"),
                             host=host, ranks=ranks)
+    levers = study_levers(config, argv, environment.get("sglang_version"), environment.get("gpu_name"),
+                          record.memory.ranks) if argv else None
     version = environment.get("sglang_version")
     draft_kv_dtype = bool(version) and FlagTable.for_version(str(version)).has("speculative_draft_kv_cache_dtype")
     return resolve_space(config.space, record.params, gpu_total_mib=environment.get("gpu_total_mib"),
-                         capacity_hint=hint, slots_hint=slots, hicache=hicache, draft_kv_dtype=draft_kv_dtype)
+                         capacity_hint=hint, slots_hint=slots, hicache=hicache, levers=levers,
+                         draft_kv_dtype=draft_kv_dtype)

@@ -38,7 +38,8 @@ from tuner.study.budget import load_concurrency, reachable_slots
 from tuner.study.slo_bound import SLOBound, SLOPoint, family_of, slo_bounds, slo_points
 from tuner.study.space import SPEC_SHAPE_KNOBS, Space
 
-__all__ = ["Family", "ModelSettings", "Point", "Calibration", "margin_for", "changed_knobs", "neighbours"]
+__all__ = ["Family", "ModelSettings", "Point", "Calibration", "margin_for", "changed_knobs", "neighbours",
+           "deployment_capacity"]
 
 Family = tuple[tuple[str, Any], ...]
 """A knob set without ``mem_fraction_static`` and ``max_running_requests`` (:func:`family_of`)."""
@@ -320,13 +321,13 @@ class Calibration:
         feasible = []
         for mfs in self.space.fractions():
             tokens, _ = self.predict(ref, mfs, high, family)
-            slots = mrr if mrr is not None else min(high, max(low, tokens // context))
+            slots = mrr if mrr is not None else min(high, max(low, deployment_capacity(family, high, tokens, context)))
             if mfs >= self.ceiling(family, slots) - 1e-9:
                 continue
             tokens, free = self.predict(ref, mfs, slots, family)
             if tokens <= 0 or free < need:
                 continue
-            feasible.append((mfs, tokens, min(slots, tokens // context), free, slots))
+            feasible.append((mfs, tokens, deployment_capacity(family, slots, tokens, context), free, slots))
         if not feasible:
             return None
         top = max(item[2] for item in feasible)
@@ -500,6 +501,23 @@ class Calibration:
     @property
     def _mean_request_tokens(self) -> int:
         return self.settings.mean_request_tokens or self.settings.context_tokens
+
+
+def deployment_capacity(family: Mapping[str, Any] | Family, mrr: int, tokens: int, context_tokens: int) -> int:
+    """Context capacity across the deployment for a per-rank pool of ``tokens`` (issue 23): DCP
+    interleaves one request over ``dcp_size`` ranks (the logical pool is ``dcp ×`` one rank's),
+    DP attention runs ``dp_size`` pools of their own with ``max_running_requests // dp`` slots each
+    (§1.5b): ``dp × min(mrr // dp, tokens × dcp // context)``; without either, :func:`tuner.records.context_capacity`.
+
+    Args:
+        family: The config's knobs (``dcp_size``, ``dp_size``; a :data:`Family` or a mapping).
+        mrr: ``max_running_requests`` as the command sets it (across the DP ranks).
+        tokens: One rank's ``max_total_num_tokens``.
+        context_tokens: The context length (tokens).
+    """
+    knobs = dict(family)
+    dp, dcp = int(knobs.get("dp_size") or 1), int(knobs.get("dcp_size") or 1)
+    return dp * min(max(0, mrr) // dp, max(0, tokens) * dcp // max(1, context_tokens))
 
 
 def margin_for(history: Sequence[tuple[int, TrialRecord]], settings: ModelSettings, *,

@@ -278,8 +278,10 @@ class StudyRun:
         record = self.run_trial(trial, job)
         space = fix_space(study, trial, record, self.config, environment, opened.context_tokens,
                           host=self.runner.host_memory(), ranks=ranks_of(self.runner.baseline_argv()),
-                          own_environment=self._own_environment())
+                          own_environment=self._own_environment(), argv=self.runner.baseline_argv())
         self.progress.note(trial.number, f"hierarchical cache {space.hicache_reason}")
+        for reason in space.lever_reasons:
+            self.progress.note(trial.number, f"structural lever {reason}")
         record = self.record(trial, job, record)
         if could_not_start(record):
             raise StudyError(
@@ -315,7 +317,8 @@ class StudyRun:
             mirror.add_prior(opened.prior.trials)
         return build_chain(self.config, mirror, read_host=self.runner.host_memory,
                            version=str(opened.environment.get("sglang_version") or "0.5.5"),
-                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw)
+                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw,
+                           gpu=opened.environment.get("gpu_name"))
 
     def warm_start(self) -> None:
         """Reuse another study's fingerprint of this deployment (:mod:`tuner.study.warm`): the

@@ -36,6 +36,7 @@ from tuner.sglang.hicache import (
     HostMemory,
     preferred_size_knob,
 )
+from tuner.study.lever_space import LeverChoice
 
 __all__ = ["Knob", "KNOBS", "SEARCHED_FIELDS", "SPEC_SHAPE_KNOBS", "HICACHE_KNOBS", "MEMORY_KNOBS", "Space", "HiCacheChoice",
            "decide_hicache", "resolve_space", "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key",
@@ -147,6 +148,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="dcp_size", kind="categorical",
          help="Decode context parallelism (ranks a request's KV is interleaved over; logical pool × dcp; SGLang "
               "0.5.23, MLA; tuner/sglang/levers.py)."),
+    Knob(name="dp_size", kind="categorical",
+         help="DP attention's size (--enable-dp-attention --dp-size N; 1 = off): N pools of their own, attention "
+              "weights replicated over N, max_running_requests and chunked_prefill_size divided by N, one request "
+              "≤ one rank's pool (§1.5b; tuner/sglang/levers.py)."),
 )
 """Every knob the study can change, in the order the sampler is asked for them."""
 
@@ -243,6 +248,9 @@ class Space(BaseModel):
         schedule_conservativeness: ``(low, high)``, or ``None``.
         kv_cache_dtype: Choices (the baseline's first), or ``None``.
         dcp_size: Choices (the baseline's first), or ``None``.
+        dp_size: DP-attention sizes (1 = off first), or ``None``.
+        lever_reasons: Per structural lever, whether it is searched and why
+            (:func:`tuner.study.lever_space.derive_levers`).
         speculative: Whether speculative decoding is searched (on/off; the baseline runs a draft).
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens: Choices, the
             baseline's first (a candidate that leaves one out runs the baseline's), or ``None``.
@@ -268,6 +276,8 @@ class Space(BaseModel):
     schedule_conservativeness: tuple[float, float] | None = None
     kv_cache_dtype: tuple[str, ...] | None = None
     dcp_size: tuple[int, ...] | None = None
+    dp_size: tuple[int, ...] | None = None
+    lever_reasons: tuple[str, ...] = ()
     speculative: bool = False
     speculative_num_steps: tuple[int, ...] | None = None
     speculative_eagle_topk: tuple[int, ...] | None = None
@@ -594,6 +604,7 @@ def resolve_space(
     capacity_hint: int | None = None,
     slots_hint: int | None = None,
     hicache: HiCacheChoice | None = None,
+    levers: LeverChoice | None = None,
     draft_kv_dtype: bool = False,
 ) -> Space:
     """Turn ``[space]`` into a :class:`Space`, deriving what it leaves out.
@@ -618,6 +629,8 @@ def resolve_space(
         slots_hint: The reachable request slots at the top of the fraction range.
         hicache: The hierarchical cache's decision (:func:`decide_hicache`); None = decided from
             ``[space] hierarchical_cache`` alone (unset = out, no reuse estimate).
+        levers: The structural levers' decision (:func:`tuner.study.lever_space.derive_levers`);
+            None = only the levers ``[space]`` lists.
         draft_kv_dtype: The version has ``--speculative-draft-kv-cache-dtype`` (0.5.23).
 
     Returns:
@@ -685,8 +698,11 @@ def resolve_space(
         page_size=page_size,
         cuda_graph_max_bs=graph_bs,
         schedule_conservativeness=conservativeness,
-        kv_cache_dtype=_levers_first(section.kv_cache_dtype, baseline.get("kv_cache_dtype") or "auto"),
-        dcp_size=_levers_first(section.dcp_size, int(baseline.get("dcp_size") or 1)),
+        kv_cache_dtype=levers.kv_cache_dtype if levers else _levers_first(section.kv_cache_dtype,
+                                                                          baseline.get("kv_cache_dtype") or "auto"),
+        dcp_size=levers.dcp_size if levers else _levers_first(section.dcp_size, int(baseline.get("dcp_size") or 1)),
+        dp_size=levers.dp_size if levers else _levers_first(section.dp_size, int(baseline.get("dp_size") or 1)),
+        lever_reasons=levers.reasons if levers else (),
         **spec,
         fixed=fixed,
     )
@@ -694,10 +710,12 @@ def resolve_space(
 
 def _levers_first(choices: Sequence[Any] | None, value: Any) -> tuple[Any, ...] | None:
     """A structural lever's choices with the baseline's value first (where a candidate that leaves
-    the knob out lands), or ``None`` when ``[space]`` does not name the lever."""
+    the knob out lands), or ``None`` when ``[space]`` does not name the lever or pins it (the
+    baseline's value alone)."""
     if not choices:
         return None
-    return tuple(dict.fromkeys([value, *choices]))
+    out = tuple(dict.fromkeys([value, *choices]))
+    return out if len(out) > 1 else None
 
 
 def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any], *, draft_kv_dtype: bool = False

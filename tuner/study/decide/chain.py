@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from tuner.config import TunerConfig
+from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.study.decide import Decider, Proposer, Screen
 from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
-from tuner.study.decide.rungs import RungCandidate
+from tuner.study.decide.rungs import RungCandidate, RungPrices
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
 from tuner.study.decide.screens import (
     HostMemory,
@@ -27,16 +28,18 @@ from tuner.study.decide.screens import (
     QualityFailed,
     RunningElsewhere,
     Unavailable,
+    WontStart,
 )
 from tuner.study.decide.slo import SLOBracket
 from tuner.study.decide.speculative import SpeculativeRules, SpeculativeShapes
+from tuner.study.lever_space import study_model
 
 __all__ = ["build_chain"]
 
 
 def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Callable[[], HostReading | None],
                 version: str, argv: Sequence[str], use_planner: bool,
-                on_skip: Callable[[Draw], bool]) -> tuple[Decider, Sampler]:
+                on_skip: Callable[[Draw], bool], gpu: str | None = None) -> tuple[Decider, Sampler]:
     """The decider and the sampler of one run.
 
     Args:
@@ -48,14 +51,16 @@ def build_chain(config: TunerConfig, mirror: ProposalMirror, *, read_host: Calla
         use_planner: Ask the planner's proposers and the predicted screen (off: the sampler
             alone, the search-quality benchmark's comparison).
         on_skip: Records a sampler's rejected draw; returns whether the run goes on.
+        gpu: The GPU's name (the structural rungs' feasibility cells and prices).
     """
     objective = config.objective
     host = HostMemory(read_host, version, argv)
     rules = SpeculativeRules(version, argv)
+    prices = RungPrices(version, argv, study_model(config, parse_argv(list(argv), FlagTable.for_version(version))), gpu)
     proofs: list[Screen] = [MeasuredAlready(reprobe=config.quality.enabled), MustFail(), Unavailable(version, argv),
-                            rules, QualityFailed()]
+                            WontStart(prices), rules, QualityFailed()]
     sampled: list[Screen] = [*proofs, *([Predicted()] if use_planner else []), host]
-    planned: list[Proposer] = [RungCandidate(objective), SLOBracket(), CacheCandidate(objective, host, early=True),
+    planned: list[Proposer] = [RungCandidate(objective, prices), SLOBracket(), CacheCandidate(objective, host, early=True),
                                MemoryFrontier(), SpeculativeShapes(rules), CacheCandidate(objective, host),
                                NoiseRepeat(objective)]
     decider = Decider(planned if use_planner else [], [*proofs, host], sampled, config.study.predicted_candidates)

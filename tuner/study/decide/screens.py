@@ -16,6 +16,8 @@ PRUNED with the reason and the proving trial:
 - :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
 - :class:`Unavailable` — a structural lever this SGLang version does not have (its flag table), or
   a ``--dcp-size`` that does not divide ``--tp-size`` (issue 23: never launched, the skip names the fact).
+- :class:`WontStart` — the ladder's arithmetic says the config's structural rung does not start
+  (issue 23: DP attention's replicated weights above the fraction's budget; the skip names the GiB).
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.levers import flag_available
 from tuner.sglang.memory import must_fail
 from tuner.sglang.numerics import numerics_key
-from tuner.study.calibration import Calibration
+from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
+from tuner.study.decide.rungs import RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable"]
+__all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable",
+           "WontStart"]
 
 _LEVER_DEFAULTS = {"kv_cache_dtype": "auto", "dcp_size": 1}
 """Structural levers the space can search, and SGLang's value that sets nothing."""
@@ -64,6 +68,32 @@ class Unavailable:
             if field == "dcp_size" and self._tp % int(value):
                 return Skip(f"unavailable: --dcp-size {value} must divide --tp-size {self._tp} (SGLang 0.5.23 attention_hook.py)", 0)
         return None
+
+
+class WontStart:
+    """A config whose structural rung (fp8 KV, DCP, DP attention over the baseline's) the ladder
+    says does not start: its static memory (the baseline's, plus DP attention's replicated
+    attention and embedding weights, :func:`tuner.sglang.levers.dp_attention_extra_weight_gib`)
+    leaves no KV pool at ``mem_fraction_static × B``, SGLang's ``Not enough memory`` (§4.3;
+    :func:`tuner.sglang.ladder.evaluate`, equal to the simulator's startup path,
+    ``tests/sglang/test_ladder_sim.py``). The proof is the baseline's start (the calibrated memory
+    model); never launched. The ladder's free memory after graphs is not used here: a rung's own
+    CUDA graphs (DP attention's per-rank batches) are not known from the baseline's start, so a
+    short reserve is left to the rung's boot probe and the memory screens calibrated on it.
+
+    Args:
+        prices: The rung pricer of this run.
+    """
+
+    def __init__(self, prices: RungPrices) -> None:
+        self.prices = prices
+
+    def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
+        priced = self.prices.price(params, view)
+        if priced is None or priced[1].tokens_per_rank is None or priced[1].tokens_per_rank > 0:
+            return None
+        number, rung = priced
+        return Skip(f"predicted not to start (the ladder's arithmetic on trial {number}'s start): {rung.why}", number)
 
 
 class MeasuredAlready:
@@ -156,6 +186,10 @@ class Predicted:
 
     The capacity band is the view's (:attr:`tuner.study.view.StudyView.band_floor`, the study's
     ``[objective]``).
+
+    A config whose structural rung (fp8 KV, DCP, DP attention) no started trial ran is not
+    predicted (another rung's KV cell and weights would mispredict it): its first launch is the
+    rung's boot probe, which calibrates the model for it (issue 23).
     """
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
@@ -163,11 +197,13 @@ class Predicted:
         if not cal.model_points:
             return None
         snapped = view.space.snap(params)
+        if not any(same_rung(p.params, snapped) for p in cal.model_points):
+            return None  # a structural rung's first launch is its boot probe: no other rung's cell predicts it
         family = family_of(snapped)
         mfs, mrr = snapped["mem_fraction_static"], snapped["max_running_requests"]
         ref = cal.reference(family, mrr)
         tokens, free = cal.predict(ref, mfs, mrr, family)
-        capacity = min(mrr, tokens // view.settings.context_tokens) if tokens > 0 else 0
+        capacity = deployment_capacity(family, mrr, tokens, view.settings.context_tokens) if tokens > 0 else 0
         floor = view.band_floor
         if floor and capacity < floor:
             return Skip(
