@@ -171,6 +171,9 @@ class ServiceSection(_Section):
             import sys
 
             # "{python}" is the interpreter running the tuner (the venv's, for the simulator).
+            unknown = [w for w in value if isinstance(w, str) and re.fullmatch(r"\{[A-Za-z_]+\}", w) and w != "{python}"]
+            if unknown:  # a mistyped placeholder ("{pyton}") would only fail at launch, as a missing program
+                raise ValueError(f"unknown placeholder {unknown[0]} (the only one is {{python}}, the tuner's interpreter)")
             value = [sys.executable if word == "{python}" else word for word in value]
         return value
 
@@ -347,7 +350,8 @@ class BudgetSection(_Section):
 
     Attributes:
         total: Default wall-clock budget when ``--budget`` is not given (``4h``, ``90m``).
-        trials: Default cap on the number of trials (``--trials`` overrides).
+        trials: Default cap on the number of trials launched in a run (``--trials`` overrides;
+            skipped proposals do not count).
         warmup_s: Warm-up phase length (not measured).
         measure_s: Measured window length.
         stress_s: Stress phase length (longest contexts at the highest admitted concurrency).

@@ -21,7 +21,7 @@ from tuner.preflight import check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.study.baseline import study_hicache, study_levers
-from tuner.study.budget import prior_trial_cost_s
+from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import run_study
 from tuner.study.outage import ResultJournal
@@ -228,7 +228,7 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     per_trial = prior_trial_cost_s(config)
     lines = [
         f"study {config.study.name!r} in {display_url(storage_url or study_storage_url(config))} "
-        f"(artifacts {study_artifacts_dir(config)})",
+        f"(artifacts {study_artifacts_dir(config, storage_url)})",
         f"service: {config.service.launcher} {config.service.unit or ''} at {config.service.url}, "
         f"SGLang flags of {table.version}",
         f"workload: {workload.describe()}",
@@ -236,6 +236,8 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
         f"output throughput; best = {config.objective.policy} (tolerance {config.objective.capacity_tolerance:.0%})",
         f"budget: {format_duration(budget_s) if budget_s else 'none'}, trials cap {max_trials or 'none'}, "
         f"first-trial estimate {format_duration(per_trial)}"
+        + (f" (with up to {config.budget.slo_capacity_steps} SLO bracketing loads of {config.budget.stress_s:g} s)"
+           if slo_bracket_cost_s(config) else "")
         + (f" → about {int(budget_s // per_trial)} trials" if budget_s else ""),
         "space (baseline-derived ranges are widened once the baseline is measured):",
     ]

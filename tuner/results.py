@@ -114,7 +114,7 @@ def _location_from_config(config_path: Path, study: str | None) -> StudyLocation
     return StudyLocation(
         storage_url=study_storage_url(cfg),
         study_name=study or cfg.study.name,
-        artifacts_dir=study_artifacts_dir(cfg),
+        artifacts_dir=study_artifacts_dir(cfg) if cfg.storage.artifacts_dir else None,
     )
 
 
@@ -410,15 +410,16 @@ class StoredStudy:
         """Where the study's ``FileSystemArtifactStore`` keeps files.
 
         The config's ``[storage] artifacts_dir`` when the study was located through a config;
-        else ``studies/<study>/artifacts`` (the writer's default, relative to the working
-        directory) or, when only that exists, ``<db dir>/<study>/artifacts`` next to an SQLite
-        file.
+        else, for an SQLite file, ``<db dir>/<study>/artifacts`` beside it (where the writer puts
+        them, :func:`tuner.study.storage.study_artifacts_dir`) when that exists; else
+        ``studies/<study>/artifacts`` of the working directory (a server database, and studies
+        whose runs wrote there before artifacts followed ``--storage``).
         """
         if self.location.artifacts_dir is not None:
             return self.location.artifacts_dir
         default = default_artifacts_dir(self.name)
         url = make_url(self.location.storage_url)
-        if url.get_backend_name() == "sqlite" and url.database and not default.is_dir():
+        if url.get_backend_name() == "sqlite" and url.database:
             beside = Path(url.database).parent / self.name / "artifacts"
             if beside.is_dir():
                 return beside

@@ -92,6 +92,9 @@ class UpgradeCheck(BaseModel):
         new_argv: The same flags rendered for the new version (renamed spellings replaced), or
             ``None`` when a removed flag leaves no command to start.
         fingerprint: The study's fingerprint (what a boot of the new version is compared with).
+        to_table: The bundled flag table the new version's flags were read from, when it is not
+            that version's own (``--version`` of a release with no bundled table: the nearest at
+            or below it, :meth:`tuner.sglang.flags.FlagTable.for_version`); ``None`` otherwise.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -104,10 +107,14 @@ class UpgradeCheck(BaseModel):
     argv: list[str] = Field(default_factory=list)
     new_argv: list[str] | None = None
     fingerprint: Fingerprint | None = None
+    to_table: str | None = None
 
     def lines(self) -> list[str]:
         """The report as text lines."""
         out = [f"study {self.study}, best trial {self.trial}: SGLang {self.from_version} → {self.to_version}"]
+        if self.to_table is not None:
+            out.append(f"  SGLang {self.to_version} has no bundled flag table: its flags are those of {self.to_table}, "
+                       "the nearest bundled one; pass --python of the new installation to read its own")
         out += [f"  {c.line()}" for c in self.changes] or ["  no flag of the best config changes"]
         if self.fingerprint is not None:
             f = self.fingerprint.figures()
@@ -211,7 +218,8 @@ def plan_upgrade(stored: StoredStudy, old: FlagTable, new: FlagTable, view: Tria
         if FINGERPRINT_ATTR in stored.study.user_attrs else None
     return UpgradeCheck(study=stored.name, trial=view.number, from_version=old.version, to_version=new.version,
                         changes=changes, argv=argv, new_argv=_renamed_argv(argv, changes, old, new),
-                        fingerprint=stored_fp.fingerprint if stored_fp is not None else None)
+                        fingerprint=stored_fp.fingerprint if stored_fp is not None else None,
+                        to_table=new.table_version if new.table_version != new.version else None)
 
 
 class BootResult(BaseModel):

@@ -125,6 +125,10 @@ def test_apply_checks_write_and_state_dir_before_anything_with_dry_run_too(tmp_p
     one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file" / "state"), *store),
                    "--state-dir", "cannot be written")
     one_error_line(tuner("apply", "best", "--dry-run", "--state-dir", str(tmp_path / "file"), *store), "not a folder")
+    # root passes the permission check on /proc, where no file can be created (the sweep of issue 28)
+    for args in (("apply", "best", "--dry-run", "--write", "/proc/tuner-cmd.sh", *store),
+                 ("report", "-o", "/proc/tuner-report.html", *store)):
+        one_error_line(tuner(*args), "/proc", "virtual file system")
 
 
 def test_init_output_folder_and_an_empty_copy_name_are_refused(tmp_path: Path) -> None:
@@ -150,3 +154,46 @@ def test_a_gpu_monitor_the_config_names_must_open_in_the_dry_run(tmp_path: Path)
     config = config_copy("demo-sim.toml", tmp_path, replace={'gpu_monitor = "sim"': 'gpu_monitor = "nvml"'})
     line = one_error_line(tuner("run", "--config", str(config), "--dry-run", "--trials", "1"), "gpu_monitor")
     assert '"none"' in line, line
+
+
+def test_a_mistyped_command_placeholder_is_a_config_error(tmp_path: Path) -> None:
+    """``"{pyton}"`` in ``[service] command`` passed the config check; the run failed 33 s later at
+    launch as "server command not found: '{pyton}'" after storing a failed baseline (review N11, #252)."""
+    config = config_copy("demo-sim.toml", tmp_path, replace={'"{python}"': '"{pyton}"'})
+    for args in (("--dry-run", "--trials", "1"), ("--budget", "2m")):
+        line = one_error_line(tuner("run", "--config", str(config), *args), "service.command", "{pyton}")
+        assert "unknown placeholder" in line and "{python}" in line, line
+    assert not (tmp_path / "studies").exists()
+    # a JSON argument in braces is not a placeholder
+    from tuner.config import ServiceSection
+
+    kept = ServiceSection(launcher="process", command=["sglang", "--json-model-override-args", '{"a": 1}'])
+    assert kept.command[-1] == '{"a": 1}'
+
+
+def test_restore_refuses_a_unit_that_is_not_the_configs(tmp_path: Path) -> None:
+    """``restore --config C --unit other.service`` silently restored ``other.service`` instead of the
+    config's service ("nothing to restore", exit 0; review #189); the config's own name is accepted."""
+    config = config_copy("demo-sim.toml", tmp_path)
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    port = config.read_text().split("http://127.0.0.1:", 1)[1].split('"', 1)[0]
+    line = one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(state), "--unit", "other.service"),
+                          "--unit other.service", f"process-{port}")
+    assert "--config alone" in line, line
+    same = tuner("restore", "--config", str(config), "--state-dir", str(state), "--unit", f"process-{port}")
+    assert same.returncode == 0 and f"process-{port}: nothing to restore" in same.stdout, same.stderr
+
+
+def test_load_window_and_timeout_errors_name_the_option() -> None:
+    """``load --duration -5`` said "warmup_s=0.0, duration_s=-5.0, cooldown_s=0.0 are invalid" and
+    ``--request-timeout -1`` "request_timeout_s=-1.0 / timeout_s=None are invalid" (the sweep of
+    issue 28): the line names the option the user gave and its value."""
+    base = ("load", "--url", "http://127.0.0.1:1", "--concurrency", "2")
+    for args, needle in ((("--duration", "-5"), "--duration -5 s is out of range"),
+                         (("--duration", "5", "--warmup", "-1"), "--warmup -1 s is out of range"),
+                         (("--duration", "5", "--cooldown", "-2"), "--cooldown -2 s is out of range"),
+                         (("--duration", "5", "--request-timeout", "-1"), "--request-timeout -1 s"),
+                         (("--duration", "5", "--timeout", "0"), "--timeout 0 s")):
+        line = one_error_line(tuner(*base, *args), needle)
+        assert "None" not in line and "=0.0" not in line, line

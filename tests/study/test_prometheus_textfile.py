@@ -84,3 +84,49 @@ def test_an_unwritable_textfile_is_refused_before_the_run(tmp_path: Path) -> Non
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "--prometheus-textfile" in done.stderr and "folder that does not exist" in done.stderr
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+def _dashboard_metrics() -> set[str]:
+    """Every ``sglang_tuner_*`` series a panel, an annotation or a template variable of the Grafana
+    dashboard in ``configs/`` asks for."""
+    dashboard = json.loads((ROOT / "configs" / "grafana-sglang-tuner.json").read_text(encoding="utf-8"))
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in dashboard["annotations"]["list"] if "expr" in a]
+    exprs += [json.dumps(v.get("query", "")) for v in dashboard.get("templating", {}).get("list", [])]
+    return {m for e in exprs for m in re.findall(r"sglang_tuner_[a-z_]+", e)}
+
+
+def test_every_metric_the_dashboard_names_is_exported(tmp_path: Path) -> None:
+    """The exporter's own exposition (a fresh run's file, before any trial), parsed by
+    ``prometheus_client``'s parser: every series the dashboard names is in it, the SLO-safe
+    capacity included; and a name the exporter does not write would fail the check."""
+    from tuner.report.prometheus import PrometheusTextfile
+
+    prom = tmp_path / "t.prom"
+    PrometheusTextfile(prom, study="s", host="h", storage="sqlite:///x.db")
+    exported = {k.split("{")[0] for k in _scrape(prom)}
+    asked = _dashboard_metrics()
+    assert {"sglang_tuner_best_slo_context_capacity", "sglang_tuner_restarts_total",
+            "sglang_tuner_last_restart_timestamp_seconds", "sglang_tuner_trials_total"} <= asked, asked
+    assert asked <= exported, asked - exported
+    assert "sglang_tuner_best_slo_capacity" not in exported  # a misspelt name would be caught
+
+
+@pytest.mark.parametrize(("basis", "best"), [("slo_safe", 0), ("oom_safe", 1)])
+def test_the_best_so_far_ranks_by_the_capacity_the_study_ranks_by(tmp_path: Path, basis: str, best: int) -> None:
+    """A real run of the reference twin: every trial SLO-safe at 3, the baseline (OOM-safe 4) the
+    fastest; ``tuner best`` (SLO-safe basis) chose the baseline while the exporter's "best so far"
+    ranked by the OOM-safe capacity named trial 1 (8): a Grafana panel contradicting the study."""
+    from tuner.report.prometheus import PrometheusTextfile
+    from tuner.study.progress import Progress
+
+    prom = tmp_path / "t.prom"
+    sink = PrometheusTextfile(prom, study="s", host="h", storage="sqlite:///x.db", basis=basis)
+    for number, (oom, slo, tput) in enumerate(((4, 3, 129.0), (8, 3, 118.0))):
+        sink(Progress(event="trial_end", number=number, result={
+            "outcome": "ok", "feasible": True, "context_capacity": oom, "slo_context_capacity": slo,
+            "output_throughput_tok_s": tput}))
+    seen = _scrape(prom)
+    assert seen["sglang_tuner_best_trial"] == best, seen
+    assert seen["sglang_tuner_best_context_capacity"] == (4, 8)[best]
+    assert seen["sglang_tuner_best_slo_context_capacity"] == 3

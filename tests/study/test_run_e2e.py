@@ -12,7 +12,7 @@ import pytest
 import requests
 from optuna.trial import TrialState
 
-from tests.support.cli import TUNER, run_tuner
+from tests.support.cli import TUNER, run_tuner, signal_when
 from tests.support.configs import DemoRun, config_copy, load_study, service_url, study_created
 from tuner.records import TrialRecord
 from tuner.sglang.memory import must_fail
@@ -123,16 +123,8 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
     config = config_copy("demo-sim.toml", workdir, phases=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
     proc = _start_run(config, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        found = _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240)
-        exited = f"; the run exited {proc.returncode}: {proc.communicate()[1][-2000:]}" if proc.poll() is not None else ""
-        assert found is not None, "never saw a completed trial and a running one under load" + exited
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    found, err = signal_when(proc, lambda: _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240),
+                             signal.SIGTERM)
     assert proc.returncode != 0 and "Traceback" not in err
     number, params = found
     assert f"interrupted: trial {number} recorded as failed (interrupted), service restored" in err, err[-1000:]
@@ -172,3 +164,30 @@ def test_reference_twin_reaches_145x_capacity_without_oom_or_proved_restarts(wor
             assert not must_fail(record.params, failures)[0], f"trial {number} restarted a config proved to fail"
         if record.outcome == "failed" and record.failure_class is not None:
             failures.append((record.params, record.failure_class))
+
+
+@pytest.mark.slow
+def test_a_storage_elsewhere_keeps_its_artifacts_beside_it_and_in_the_resume_hint(workdir: Path) -> None:
+    """``run --storage`` elsewhere (review N5): the trials' files go beside that SQLite file, not to
+    ``studies/<study>/artifacts`` of the working directory (the original study's folder), the
+    readers find them there, and the SIGTERM resume hint keeps ``--storage``."""
+    import json
+
+    config = config_copy("demo-sim.toml", workdir, phases=FAST)
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    db = elsewhere / "copy.db"
+    storage = f"sqlite:///{db}"
+    proc = subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "6", "--storage", storage],
+                            cwd=workdir, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _found, err = signal_when(proc, lambda: _wait_trial_under_load(proc, storage, db, 240), signal.SIGTERM)
+    assert proc.returncode == 130 and "Traceback" not in err  # the README's exit code for SIGTERM
+    assert f"resume with `tuner run --config {config} --storage {storage}`" in err, err[-1000:]
+    artifacts = elsewhere / "demo-sim" / "artifacts"
+    assert artifacts.is_dir() and any(artifacts.iterdir())
+    assert not (workdir / "studies").exists() or not any((workdir / "studies").rglob("*")), list(
+        (workdir / "studies").rglob("*"))
+    show = run_tuner("show", "0", "--storage", storage, "--json", cwd=workdir)
+    assert show.returncode == 0, show.stderr
+    paths = json.loads(show.stdout)["artifact_paths"]
+    assert paths and all(Path(p).is_file() and Path(p).is_relative_to(artifacts) for p in paths.values()), paths

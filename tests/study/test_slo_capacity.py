@@ -62,6 +62,29 @@ def test_a_stress_load_that_breaks_the_slo_is_bracketed_to_the_count_that_meets_
         assert "breaks the SLO" in slo.describe() and f"{slo.contexts} meets it" in slo.describe()
 
 
+def test_each_bracketing_step_sends_prompts_no_earlier_load_of_the_trial_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bracketing step drew the stress load's own prompts (same seed): on a real server the radix
+    cache then held every prompt of the smaller step, and its p99 TTFT measured a cache hit (a real
+    run of the reference twin: 15,685 ms at 4 × 32k, then 72 ms at 3, "meets the SLO")."""
+    config = load_config(ROOT / "configs" / "reference-sim.toml")
+    runner = OfflineExecutor(config)
+    loads: list[tuple[int, list[tuple[int, ...]]]] = []
+    real = runner.offline.load
+
+    def recording(plan, on_tick):  # noqa: ANN001, ANN202 - the server's own signature
+        if plan.name == "stress":
+            loads.append((plan.concurrency, [tuple(r.input_ids[:256]) for r in plan.workload.passes()]))
+        return real(plan, on_tick)
+
+    monkeypatch.setattr(runner.offline, "load", recording)
+    run_study(config, runner, max_trials=3, storage_url=":memory:")
+    bracketed = [r for _, r in runner.history if len(r.slo_capacity.steps) > 1]
+    assert bracketed and len(loads) > len(runner.history), "the reference twin's stress load breaks its SLO"
+    prefixes = [p for _, prompts in loads for p in prompts]
+    assert len(set(prefixes)) == len(prefixes), "a prompt was sent twice to one server"
+    assert [n for n, _ in loads] == [len(prompts) for _, prompts in loads]
+
+
 def test_with_an_slo_the_study_chooses_by_the_slo_safe_capacity(reference_study) -> None:
     runner, summary = reference_study
     done = [(n, r) for n, r in runner.history]

@@ -81,3 +81,24 @@ def in_process_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
         return CliResult(code, out.out, out.err)
 
     return invoke
+
+
+def signal_when(proc: subprocess.Popen[str], ready: Callable[[], object], sig: int, *,
+                timeout_s: float = 120.0) -> tuple[object, str]:
+    """Send ``sig`` to ``proc`` once ``ready()`` (which waits as it needs) returned something not
+    ``None``; return that and ``proc``'s stderr once it exited. ``proc`` is killed on any failure.
+
+    Raises:
+        AssertionError: ``ready()`` returned ``None`` (with the exit and stderr if ``proc`` ended).
+    """
+    try:
+        got = ready()
+        exited = f"; it exited {proc.returncode}: {proc.communicate()[1][-2000:]}" if proc.poll() is not None else ""
+        assert got is not None, "what the signal waited for never came" + exited
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    return got, err

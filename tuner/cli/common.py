@@ -83,7 +83,8 @@ def open_stored_study(study: str | None, storage: str | None, config: Path | Non
 
 def check_output_path(path: Path | None, flag: str) -> None:
     """Refuse, before any work, an output file that could not be written: a folder, a file in a
-    folder that does not exist (nothing is created), or no write permission.
+    folder that does not exist (nothing is created), no write permission, or a new file on a
+    virtual file system (``/proc``, ``/sys``: no blocks, where root's permission check passes).
 
     Raises:
         ConfigError: Naming ``flag``, the path and the problem.
@@ -101,6 +102,8 @@ def check_output_path(path: Path | None, flag: str) -> None:
         problem = f"is in a folder that does not exist ({folder})"
     elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         problem = "is not writable"
+    elif not path.exists() and os.statvfs(folder).f_blocks == 0:  # /proc, /sys: root's W_OK, yet no new file
+        problem = f"is on a virtual file system ({folder}) where no file can be created"
     else:
         return
     raise ConfigError(f"{flag} {path} {problem}", hint=f"pass a file path in an existing, writable folder to {flag}")

@@ -139,13 +139,16 @@ def _prometheus_textfile(path: Path | None, cfg, storage: str | None):  # noqa: 
     if path is None:
         return None
     from tuner.cli.common import check_output_path
+    from tuner.load.search import context_slo
     from tuner.report.prometheus import PrometheusTextfile
     from tuner.study.hosts import host_name
     from tuner.study.storage import display_url, study_storage_url
 
     check_output_path(path, "--prometheus-textfile")
+    basis = cfg.objective.capacity if cfg.objective.capacity != "auto" else (
+        "slo_safe" if context_slo(cfg.slo) is not None else "oom_safe")  # as the study's choice ranks
     return PrometheusTextfile(path, study=cfg.study.name, host=host_name(),
-                              storage=display_url(storage or study_storage_url(cfg)))
+                              storage=display_url(storage or study_storage_url(cfg)), basis=basis)
 
 
 class _RunProgress:
@@ -215,7 +218,7 @@ class _RunProgress:
 def run_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
     budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
-    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials in this run (launched or skipped), at least 1.", show_default="the config's [budget] trials, else none")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials launched in this run (restarts; skipped proposals do not count), at least 1.", show_default="the config's [budget] trials, else none")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
     storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
     allow_mixed_environment: Annotated[bool, typer.Option(

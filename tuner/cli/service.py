@@ -25,6 +25,24 @@ def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | No
     return settings or None
 
 
+def _check_unit_is_the_configs(config: Path, unit: str) -> None:
+    """``--unit`` beside ``--config`` must name the config's own service (``sglang.service``, or
+    the process launcher's ``process-<port>``); another one silently replaced it (review #189).
+
+    Raises:
+        ConfigError: ``unit`` names another service.
+    """
+    from tuner.config import load_config
+    from tuner.errors import ConfigError
+    from tuner.launch.factory import build_launcher
+
+    own = build_launcher(load_config(config).service.model_dump()).key
+    if own in (unit, f"{unit}.service") or unit == f"{own}.service":
+        return
+    raise ConfigError(f"--unit {unit} is not the service of --config {config} ({own})",
+                      hint=f"pass --config alone to restore {own}, or --unit alone for another service")
+
+
 @app.command("restore", short_help='Put the service back as it was before a tuning run.')
 def restore_cmd(
     unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
@@ -49,6 +67,8 @@ def restore_cmd(
     if unit is None and config is None:
         raise ConfigError("tuner restore needs the service", hint="pass --unit UNIT or --config FILE")
     check_state_dir(state_dir)
+    if config is not None and unit is not None:
+        _check_unit_is_the_configs(config, unit)
     settings = _launch_settings(config, unit, state_dir, systemctl, journalctl, dropin_dir, url, runtime_dropin_dir)
     launcher, state, source = restore_service(settings, unit=unit, state_dir=state_dir, timeout_s=timeout_s)
     shown = " ".join(launcher.current_argv())

@@ -92,9 +92,13 @@ class PhasePlan:
         cooldown_s: float = 0.0,
         min_measured: int = 0,
     ) -> None:
-        if warmup_s < 0 or cooldown_s < 0 or (duration_s is not None and duration_s <= 0):
+        bad = [f"--{name} {value:g}" for name, value, ok in (
+            ("warmup", warmup_s, warmup_s >= 0), ("duration", duration_s, duration_s is None or duration_s > 0),
+            ("cooldown", cooldown_s, cooldown_s >= 0)) if not ok and value is not None]
+        if bad:
             raise LoadError(
-                f"warmup_s={warmup_s}, duration_s={duration_s}, cooldown_s={cooldown_s} are invalid",
+                f"{', '.join(bad)} s {'is' if len(bad) == 1 else 'are'} out of range (the load window, "
+                "warmup_s / duration_s / cooldown_s)",
                 hint="use --warmup/--cooldown >= 0 and --duration > 0 seconds",
             )
         if max_requests is not None and max_requests < 1:

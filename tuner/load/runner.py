@@ -469,10 +469,11 @@ def _validate(
             f"the {workload.kind} workload is endless and no stop was given",
             hint="pass --duration S or --max-requests N (or set num_requests)",
         )
-    if not request_timeout_s > 0 or (timeout_s is not None and not timeout_s > 0):
-        raise LoadError(
-            f"request_timeout_s={request_timeout_s} / timeout_s={timeout_s} are invalid", hint="use timeouts > 0 seconds"
-        )
+    bad = [f"--{name} {value:g}" for name, value in (("request-timeout", request_timeout_s), ("timeout", timeout_s))
+           if value is not None and not value > 0]
+    if bad:
+        raise LoadError(f"{', '.join(bad)} s: a timeout must be more than 0 seconds "
+                        "(request_timeout_s / timeout_s)", hint="use timeouts > 0 seconds")
 
 
 async def run_load(

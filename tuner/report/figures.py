@@ -3,7 +3,8 @@
 One figure per question an operator asks:
 
 - :func:`memory_figure`: where the GPU memory went, per trial (a stacked bar of the memory
-  waterfall of :func:`tuner.sglang.explain.waterfall_steps`, GiB per GPU, tokens on hover).
+  waterfall of :func:`tuner.sglang.explain.waterfall_steps`, GiB per GPU; the part above the
+  weights zoomed beside it, every number printed on the bars and in a table below).
 - :func:`capacity_figure`: what another ``mem_fraction_static`` would hold (the calibrated
   :class:`tuner.sglang.memory.KVCapacityModel` of a measured start, the measured trials on it, and
   where starts fail: the startup boundaries and the runtime one, §1.2, §1.6, §8).
@@ -111,9 +112,74 @@ def memory_steps(view: TrialView) -> dict[str, Any]:
         return {}
 
 
+_ABOVE_WEIGHTS = tuple(k for k in MEMORY_ITEMS if k != "weights")
+"""The segments of the zoomed panel: everything above the weights."""
+
+
+def _memory_rows(rows: Sequence[tuple[TrialView, dict[str, Any]]]) -> list[dict[str, float | None]]:
+    """Per trial: each segment's GiB (``None``: not stored), ``weights`` (0 when not stored), the
+    static part ``mfs × B`` (weights + KV pool + other static; ``None`` without a reserve line) and
+    ``B`` (free at the baseline)."""
+    out = []
+    for _, steps in rows:
+        row: dict[str, float | None] = {
+            item: steps[item].gib if item in steps and steps[item].gib is not None else None for item in MEMORY_ITEMS}
+        static = sum(steps[k].gib or 0.0 for k in ("weights", "kv_pool", "other_static") if k in steps)
+        row["static"] = static if "reserve" in steps and steps["reserve"].gib is not None else None
+        row["B"] = steps["baseline_free"].gib if "baseline_free" in steps else None
+        out.append(row)
+    return out
+
+
+def _segment_hover(view: TrialView, steps: dict[str, Any], item: str, name: str, gib: float | None) -> str:
+    step = steps.get(item)
+    text = f"trial {view.number}: {name} {gib:.2f} GiB" if gib is not None else ""
+    if step is not None and step.tokens is not None:
+        text += f"<br>{step.tokens:,} tokens"
+    if step is not None:
+        text += f"<br>{html.escape(step.label)}<br>source: {html.escape(step.source)}"
+    return text
+
+
+def _memory_table(rows: Sequence[tuple[TrialView, dict[str, Any]]], labels: Sequence[str],
+                  values: Sequence[dict[str, float | None]]) -> go.Table:
+    """Every number of the bars printed (GiB per GPU; the KV pool's tokens beside it), one row per trial."""
+    items = [k for k in MEMORY_ITEMS if any(v[k] is not None for v in values)]
+
+    def gib(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    columns: list[list[str]] = [list(labels)]
+    heads = ["trial"]
+    for item in items:
+        columns.append([gib(v[item]) for v in values])
+        heads.append("req_to_token" if item == "req_to_token" else MEMORY_ITEMS[item][0])
+        if item == "kv_pool":
+            tokens = [steps["kv_pool"].tokens if "kv_pool" in steps else None for _, steps in rows]
+            columns.append([f"{t:,}" if t is not None else "-" for t in tokens])
+            heads.append("KV tokens")
+    columns += [[gib(v["static"]) for v in values], [gib(v["B"]) for v in values]]
+    heads += ["mfs × B", "B"]
+    return go.Table(
+        header={"values": [f"<b>{html.escape(h)}</b>" for h in heads], "fill_color": "#e9ecef", "align": "center",
+                "font": {"size": 11}},
+        cells={"values": columns, "align": ["left", *["right"] * (len(heads) - 1)], "font": {"size": 11},
+               "height": 22},
+        columnwidth=[1.4 if h == "trial" else 1.2 if h in ("KV tokens", "req_to_token") else 1.0 for h in heads],
+    )
+
+
 def memory_figure(trials: Sequence[TrialView], *, baseline: int | None = None, best: int | None = None,
                   title: str | None = None) -> go.Figure | str:
-    """The memory waterfall of every trial as one stacked bar each (GiB per GPU, min over ranks).
+    """The memory waterfall of every trial (GiB per GPU, min over ranks), in three parts:
+
+    - left, the whole GPU: one stacked bar per trial (weights at the bottom, their GiB printed);
+    - right, the part above the weights zoomed (KV pool, other static, req_to_token, CUDA graphs,
+      draft model, other reserve use, free after graphs; each segment's GiB printed on it where
+      it fits), with ``mfs × B`` (the reserve lies above it) and ``B`` (free at the baseline), both
+      less the trial's weights;
+    - below, a table printing every number of the bars (the KV pool with its tokens), so a
+      printed or screenshotted report keeps them (hover adds each line's source).
 
     Args:
         trials: The trials to draw (those without a stored memory report are left out).
@@ -122,48 +188,64 @@ def memory_figure(trials: Sequence[TrialView], *, baseline: int | None = None, b
         title: Figure title.
 
     Returns:
-        The figure, or a sentence saying why there is none.
+        The figure (height grows with the trials, in px), or a sentence saying why there is none.
     """
     rows = [(v, steps) for v in _ordered(trials, baseline, best) if (steps := memory_steps(v))]
     if not rows:
         return "No trial stored a memory report (no start got as far as SGLang's memory lines)."
     labels = [_label(v, baseline, best) for v, _ in rows]
-    fig = go.Figure()
+    values = _memory_rows(rows)
+    zoom_top = max(sum(max(v[k] or 0.0, 0.0) for k in _ABOVE_WEIGHTS) for v in values) or 1.0
+    bars_px, table_px = 400, 80 + 22 * min(len(rows), 12)  # the table scrolls beyond 12 trials
+    fig = make_subplots(
+        rows=2, cols=2, column_widths=[0.24, 0.76], row_heights=[bars_px, table_px], horizontal_spacing=0.08,
+        vertical_spacing=110 / (bars_px + table_px + 110), specs=[[{"type": "xy"}, {"type": "xy"}], [{"type": "table", "colspan": 2}, None]],
+        subplot_titles=("the whole GPU", "above the weights (zoomed)", ""),
+    )
     for item, (name, color) in MEMORY_ITEMS.items():
-        values = [steps[item].gib if item in steps and steps[item].gib is not None else None for _, steps in rows]
-        if all(x is None for x in values):
+        ys = [v[item] for v in values]
+        if all(y is None for y in ys):
             continue
-        hover = []
-        for (view, steps), x in zip(rows, values, strict=True):
-            step = steps.get(item)
-            text = f"trial {view.number}: {name} {x:.2f} GiB" if x is not None else ""
-            if step is not None and step.tokens is not None:
-                text += f"<br>{step.tokens:,} tokens"
-            if step is not None:
-                text += f"<br>{html.escape(step.label)}<br>source: {html.escape(step.source)}"
-            hover.append(text)
-        fig.add_trace(go.Bar(x=labels, y=values, name=name, marker_color=color, hovertext=hover, hoverinfo="text"))
+        hover = [_segment_hover(view, steps, item, name, y) for (view, steps), y in zip(rows, ys, strict=True)]
+        whole_text = [f"{y:.2f}" if item == "weights" and y is not None else "" for y in ys]
+        fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=color, hovertext=hover, hoverinfo="text",
+                             legendgroup=item, text=whole_text, textposition="inside", insidetextanchor="middle",
+                             textangle=-90, textfont={"size": 11}), row=1, col=1)
+        if item in _ABOVE_WEIGHTS:
+            fits = 0.045 * zoom_top  # a segment this tall (GiB) holds one line of 11 px text in the 400 px panel
+            fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=color, hovertext=hover, hoverinfo="text",
+                                 legendgroup=item, showlegend=False, textposition="inside", insidetextanchor="middle",
+                                 text=[f"{y:.2f}" if y is not None and abs(y) >= fits else "" for y in ys],
+                                 textangle=0, textfont={"size": 11}), row=1, col=2)
     # The reserve: everything above mfs × B (the static part) is (1 − mfs) × B.
-    tops, reserve_hover, totals = [], [], []
-    for view, steps in rows:
-        static = sum(steps[k].gib or 0.0 for k in ("weights", "kv_pool", "other_static") if k in steps)
-        reserve = steps["reserve"].gib if "reserve" in steps else None
-        tops.append(static if reserve is not None else None)
-        reserve_hover.append(f"trial {view.number}: reserve {reserve:.2f} GiB = {html.escape(steps['reserve'].label)}"
-                             if reserve is not None else "")
-        totals.append(steps["baseline_free"].gib if "baseline_free" in steps else None)
+    weights = [v["weights"] or 0.0 for v in values]
+    tops = [v["static"] for v in values]
     if any(t is not None for t in tops):
-        fig.add_trace(go.Scatter(x=labels, y=tops, mode="markers", name="mfs × B: the reserve lies above",
-                                 marker={"symbol": "line-ew-open", "size": 46, "line": {"width": 3, "color": "#111"}},
-                                 hovertext=reserve_hover, hoverinfo="text"))
+        reserve_hover = [f"trial {view.number}: reserve {steps['reserve'].gib:.2f} GiB = "
+                         f"{html.escape(steps['reserve'].label)}" if v["static"] is not None else ""
+                         for (view, steps), v in zip(rows, values, strict=True)]
+        for col, ys in ((1, tops), (2, [t - w if t is not None else None for t, w in zip(tops, weights, strict=True)])):
+            fig.add_trace(go.Scatter(x=labels, y=ys, mode="markers", name="mfs × B: the reserve lies above",
+                                     marker={"symbol": "line-ew-open", "size": 46 if col == 2 else 18,
+                                             "color": "#111", "line": {"width": 3, "color": "#111"}},
+                                     hovertext=reserve_hover, hoverinfo="text", legendgroup="static",
+                                     showlegend=col == 1), row=1, col=col)
+    totals = [v["B"] for v in values]
     if any(t is not None for t in totals):
-        fig.add_trace(go.Scatter(x=labels, y=totals, mode="markers", name="B: free at the baseline",
-                                 marker={"symbol": "triangle-down", "size": 11, "color": "#111"},
-                                 hovertext=[f"B = {t:.2f} GiB" if t is not None else "" for t in totals],
-                                 hoverinfo="text"))
-    fig.update_layout(barmode="stack", title=title or "Where the GPU memory went (per GPU; hover for tokens)",
-                      yaxis_title="GiB per GPU", xaxis_title="trial", legend={"traceorder": "normal"},
-                      xaxis={"type": "category"})
+        b_hover = [f"B = {t:.2f} GiB" if t is not None else "" for t in totals]
+        for col, ys in ((1, totals), (2, [t - w if t is not None else None for t, w in zip(totals, weights, strict=True)])):
+            fig.add_trace(go.Scatter(x=labels, y=ys, mode="markers", name="B: free at the baseline",
+                                     marker={"symbol": "triangle-down", "size": 11, "color": "#111"},
+                                     hovertext=b_hover, hoverinfo="text", legendgroup="B", showlegend=col == 1),
+                          row=1, col=col)
+    fig.add_trace(_memory_table(rows, labels, values), row=2, col=1)
+    fig.update_layout(barmode="stack", title=title or "Where the GPU memory went (GiB per GPU; hover for sources)",
+                      legend={"traceorder": "normal"},
+                      height=bars_px + table_px + 110 + 180)
+    fig.update_xaxes(type="category", row=1, col=1)
+    fig.update_xaxes(type="category", title_text="trial", row=1, col=2)
+    fig.update_yaxes(title_text="GiB per GPU", row=1, col=1)
+    fig.update_yaxes(title_text="GiB above the weights", rangemode="tozero", row=1, col=2)
     return fig
 
 

@@ -149,7 +149,7 @@ def _trial_details_html(stored: StoredStudy) -> str:
         out.append("</summary>")
         one = figures.memory_figure([view], title=f"Where the GPU memory went: trial {view.number}")
         if not isinstance(one, str):
-            one.update_layout(height=380, width=760, showlegend=True)
+            one.update_layout(width=1000, showlegend=True)
             out.append(_figure_html(one, f"memory-trial-{view.number}"))
         if rec.argv:
             out.append(f"<p><b>command</b></p><pre>{html.escape(' '.join(rec.argv))}</pre>")

@@ -14,7 +14,8 @@ these series). The metrics come from the run's :class:`tuner.study.progress.Prog
   ``sglang_tuner_phase{phase}`` (1 for the phase in flight);
 - ``sglang_tuner_best_context_capacity`` (requests), ``sglang_tuner_best_output_throughput_tok_s``
   and ``sglang_tuner_best_trial``: the best feasible trial of this run so far (highest context
-  capacity, then throughput; the study's own choice is ``tuner best``), and
+  capacity of the objective's kind, ``basis``: the SLO-safe one where the study ranks by it, then
+  throughput; the study's own choice, with its policy's tolerance band, is ``tuner best``), and
   ``sglang_tuner_best_slo_context_capacity``: that trial's SLO-safe context capacity (requests in
   flight at which the SLO's p99 still holds; -1 when not measured);
 - ``sglang_tuner_launches_expected`` and ``sglang_tuner_budget_remaining_seconds``;
@@ -48,13 +49,17 @@ class PrometheusTextfile:
         study: The study's name (``sglang_tuner_info``).
         host: This host's name.
         storage: The storage URL, already masked for display.
+        basis: Which context capacity ranks this run's best so far: ``oom_safe`` or ``slo_safe``
+            (:func:`tuner.study.best.capacity_basis`; a trial without an SLO-safe count falls
+            back to its OOM-safe one).
 
     Raises:
         ConfigError: ``path`` cannot be written (checked once, before the run starts).
     """
 
-    def __init__(self, path: Path, *, study: str, host: str, storage: str) -> None:
+    def __init__(self, path: Path, *, study: str, host: str, storage: str, basis: str = "oom_safe") -> None:
         self.path = Path(path)
+        self.basis = basis
         self._lock = threading.Lock()
         self._written = 0.0
         self.registry = CollectorRegistry()
@@ -88,6 +93,7 @@ class PrometheusTextfile:
         self.in_flight.set(-1)
         self.best_trial.set(-1)
         self.running.set(1)
+        self._set_phase(None)  # every phase series exists (0) from the first write on, not only once a trial ran
         self._best: tuple[float, float] = (-1.0, -1.0)
         self._write(first=True)
 
@@ -133,10 +139,13 @@ class PrometheusTextfile:
             self.trials.labels("infeasible").inc()
             return
         self.trials.labels("feasible").inc()
-        score = (float(result.get("context_capacity") or 0), float(result.get("output_throughput_tok_s") or 0.0))
+        ranked = result.get("slo_context_capacity") if self.basis == "slo_safe" else None
+        if ranked is None:
+            ranked = result.get("context_capacity")
+        score = (float(ranked or 0), float(result.get("output_throughput_tok_s") or 0.0))
         if score > self._best:
             self._best = score
-            self.best_capacity.set(score[0])
+            self.best_capacity.set(float(result.get("context_capacity") or 0))
             slo = result.get("slo_context_capacity")
             self.best_slo_capacity.set(float(slo) if slo is not None else -1.0)
             self.best_tput.set(score[1])

@@ -17,17 +17,37 @@ from pydantic import BaseModel, ConfigDict
 
 from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import ConfigError
+from tuner.load.search import context_slo
 from tuner.units import format_duration
 
-__all__ = ["prior_trial_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
-    ``[service] start_timeout_s`` (at most 10 min) plus the warm-up, measure and stress phases and
-    5 s for the record. The one estimate ``tuner run`` budgets with and ``--dry-run`` prints."""
+    ``[service] start_timeout_s`` (at most 10 min) plus the warm-up, measure and stress phases,
+    the SLO-safe capacity's bracketing loads and 5 s for the record. The one estimate ``tuner run``
+    budgets with and ``--dry-run`` prints.
+
+    The bracketing loads (``[budget] slo_capacity_steps``, each ``stress_s`` long) are counted
+    whenever a trial may run them: the SLO sets a TTFT, ITL or TPOT limit
+    (:func:`tuner.load.search.context_slo`) and there is a stress phase. They run only when the
+    stress load breaks the SLO, so the prior is the cost of a trial that brackets (an upper
+    estimate: a first trial cut by the budget is worse than one trial fewer); later trials are
+    estimated from the study's measured durations (:meth:`Budget.estimate`), which include them.
+    """
     budget = config.budget
     start = min(config.service.start_timeout_s / 3.0, 600.0)
-    return start + budget.warmup_s + budget.measure_s + budget.stress_s + 5.0
+    return start + budget.warmup_s + budget.measure_s + budget.stress_s + slo_bracket_cost_s(config) + 5.0
+
+
+def slo_bracket_cost_s(config: TunerConfig) -> float:
+    """Seconds a trial's SLO bracketing loads may add after its stress load (``[budget]
+    slo_capacity_steps × stress_s``), 0 when it runs none: no stress phase, or an SLO that sets no
+    TTFT, ITL or TPOT limit (:func:`tuner.load.search.context_slo`)."""
+    budget = config.budget
+    if budget.stress_s > 0 and context_slo(config.slo) is not None:
+        return budget.slo_capacity_steps * budget.stress_s
+    return 0.0
 
 
 def load_concurrency(

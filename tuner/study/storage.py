@@ -77,9 +77,21 @@ def study_storage_url(config: TunerConfig) -> str:
     return config.storage.url or default_storage_url(config.study.name)
 
 
-def study_artifacts_dir(config: TunerConfig) -> Path:
-    """The config's artifact folder: ``[storage] artifacts_dir``, else :func:`default_artifacts_dir`."""
-    return Path(config.storage.artifacts_dir) if config.storage.artifacts_dir else default_artifacts_dir(config.study.name)
+def study_artifacts_dir(config: TunerConfig, url: str | None = None) -> Path:
+    """The study's artifact folder: ``[storage] artifacts_dir`` when the config names one; else
+    beside an SQLite storage file (``<its folder>/<study>/artifacts``: ``studies/<study>/artifacts``
+    for the default ``studies/<study>.db``, and a ``--storage`` copy elsewhere keeps its own trials'
+    files beside it, not in the original's folder); else (a database server, ``:memory:``)
+    :func:`default_artifacts_dir`.
+
+    Args:
+        config: The tuner config.
+        url: The storage URL the run uses (``--storage``); default: the config's.
+    """
+    if config.storage.artifacts_dir:
+        return Path(config.storage.artifacts_dir)
+    db = _sqlite_file(url or study_storage_url(config))
+    return db.parent / config.study.name / "artifacts" if db is not None else default_artifacts_dir(config.study.name)
 
 
 def display_url(url: str) -> str:
@@ -257,11 +269,12 @@ def check_storage_folder(url: str, study_name: str) -> None:
         )
 
 
-def check_storage(storage_url: str) -> None:
+def check_storage(storage_url: str, *, flag: str = "--storage") -> None:
     """Check that ``storage_url`` names an existing Optuna storage, creating nothing.
 
     An SQLite URL must name an existing file; any other URL must connect and hold Optuna's
-    ``studies`` table (Optuna would otherwise create an empty schema on open).
+    ``studies`` table (Optuna would otherwise create an empty schema on open). ``flag`` is the
+    option that named the URL, for the hints (``--storage``; ``--from`` of ``copy-study``).
 
     Raises:
         StudyError: The URL is malformed, the file is missing, the database is unreachable, or it
@@ -272,14 +285,14 @@ def check_storage(storage_url: str) -> None:
     except ArgumentError as err:
         raise StudyError(
             f"storage URL {display_url(storage_url)!r} is not a SQLAlchemy URL",
-            hint="use e.g. --storage sqlite:///studies/demo.db",
+            hint=f"use e.g. {flag} sqlite:///studies/demo.db",
         ) from err
     if url.get_backend_name() == "sqlite":
         database = url.database or ""
         if database in ("", ":memory:") or not Path(database).is_file():
             raise StudyError(
                 f"storage {display_url(storage_url)} does not exist (no file {database or '(none)'})",
-                hint="check --storage/--study, or run `tuner run` first to create the study",
+                hint=f"check {flag}/--study, or run `tuner run` first to create the study",
             )
     engine = _engine(storage_url, url)
     try:
@@ -289,7 +302,7 @@ def check_storage(storage_url: str) -> None:
         if url.get_backend_name() == "sqlite":  # a file: no server, no credentials
             raise StudyError(
                 f"storage {display_url(storage_url)}: {url.database} is not an SQLite database or is corrupt ({first_line(err)})",
-                hint="point --storage at the .db file `tuner run` wrote, or restore that file from a backup",
+                hint=f"point {flag} at the .db file `tuner run` wrote, or restore that file from a backup",
             ) from err
         raise _connect_error(storage_url, err) from err
     finally:
@@ -297,7 +310,7 @@ def check_storage(storage_url: str) -> None:
     if not has_studies:
         raise StudyError(
             f"storage {display_url(storage_url)} holds no Optuna study",
-            hint="point --storage at the database `tuner run` wrote",
+            hint=f"point {flag} at the database `tuner run` wrote",
         )
 
 
@@ -319,13 +332,14 @@ def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
         raise _driver_error(storage_url, err) from err
 
 
-def read_storage(storage_url: str) -> optuna.storages.RDBStorage:
-    """Open an existing storage for reading (:func:`check_storage` first; no schema is created).
+def read_storage(storage_url: str, *, flag: str = "--storage") -> optuna.storages.RDBStorage:
+    """Open an existing storage for reading (:func:`check_storage` first, its hints naming ``flag``;
+    no schema is created).
 
     Raises:
         StudyError: See :func:`check_storage`, or Optuna cannot open it (an older schema).
     """
-    check_storage(storage_url)
+    check_storage(storage_url, flag=flag)
     try:
         return optuna.storages.RDBStorage(storage_url, skip_table_creation=True,
                                           engine_kwargs=_engine_kwargs(storage_url))
@@ -371,7 +385,7 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
             the study.
     """
     target_name = to_study_name or study_name
-    source = read_storage(from_url)
+    source = read_storage(from_url, flag="--from")
     names = [s.study_name for s in optuna.get_all_study_summaries(source, include_best_trial=False)]
     if study_name not in names:
         raise StudyError(f"storage {display_url(from_url)} holds no study {study_name!r} "
@@ -389,7 +403,7 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
 
 
 def open_artifact_store(config: TunerConfig, url: str) -> FileSystemArtifactStore | None:
-    """The study's artifact store (``studies/<study>/artifacts``, created), checked first; ``None``
+    """The study's artifact store (:func:`study_artifacts_dir` of ``url``, created), checked first; ``None``
     for the in-memory study (``:memory:``, the benchmarks: nothing is uploaded).
 
     Raises:
@@ -398,7 +412,7 @@ def open_artifact_store(config: TunerConfig, url: str) -> FileSystemArtifactStor
     if url == ":memory:":
         return None
     check_artifacts_folder(config)
-    folder = study_artifacts_dir(config)
+    folder = study_artifacts_dir(config, url)
     folder.mkdir(parents=True, exist_ok=True)
     return FileSystemArtifactStore(str(folder))
 
