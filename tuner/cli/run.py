@@ -218,7 +218,7 @@ class _RunProgress:
 def run_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
     budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
-    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials launched in this run (restarts; skipped proposals do not count), at least 1.", show_default="the config's [budget] trials, else none")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials in this run (launched or skipped), at least 1.", show_default="the config's [budget] trials, else none")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
     storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
     allow_mixed_environment: Annotated[bool, typer.Option(

@@ -138,8 +138,7 @@ class StudyRun:
         runner: Runs one trial (:class:`tuner.trial.TrialExecutor`, on a server or offline).
         budget_s: Wall-clock budget in seconds (``None``: unbounded, then ``max_trials`` must be
             given).
-        max_trials: Cap on trials launched in this run (restarts of the service; a skipped proposal
-            costs no restart and does not count, so a study's launches reach the cap).
+        max_trials: Cap on trials launched or skipped in this run.
         allow_mixed_environment: Add trials even if the environment differs from the study's.
         storage_url: Override of the config's storage URL (``:memory:`` for the benchmark).
         on_progress: Receives :class:`~tuner.study.progress.Progress` events.
@@ -473,10 +472,9 @@ class StudyRun:
     # ---- stopping ------------------------------------------------------------------------------
 
     def can_continue(self) -> bool:
-        """Whether the trial cap (launches) and the budget leave room for one more trial (else
-        :meth:`stop`)."""
+        """Whether the trial cap and the budget leave room for one more trial (else :meth:`stop`)."""
         max_trials = self.options.max_trials
-        if max_trials is not None and self.summary.trials_run >= max_trials:
+        if max_trials is not None and self.summary.handled >= max_trials:
             self.stop("trials")
             return False
         if not self.budget.fits(self.cost_s()):

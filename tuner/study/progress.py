@@ -114,7 +114,7 @@ class RunSummary(BaseModel):
 
     @property
     def handled(self) -> int:
-        """Trials this run launched or skipped (``--trials`` caps the launched ones: ``trials_run``)."""
+        """Trials this run launched or skipped (what ``--trials`` caps)."""
         return self.trials_run + self.trials_skipped
 
     def as_json(self) -> dict[str, Any]:
@@ -239,7 +239,7 @@ class RunProgress:
         A launch costs the larger of the study's estimate (``cost_s``) and this run's wall time
         per launch so far. At a trial's start the trial in flight counts as one and only what fits
         after it is added; at its end, what fits in the budget left. A trial cap (``--trials``,
-        which counts launches) bounds it. The result is never below the launches so far (the one
+        which counts skips too) bounds it. The result is never below the launches so far (the one
         in flight included).
 
         Returns:
@@ -261,7 +261,7 @@ class RunProgress:
             after = max(0, int((self._budget.remaining_s() - cost) // max(cost, 1e-9))) if in_flight else left
             total = launched + after
         if self._max_trials is not None:
-            cap = max(self._max_trials, launched)
+            cap = launched + max(0, self._max_trials - self._summary.handled - in_flight)
             total = cap if total is None else min(total, cap)
         self._expected = None if total is None else max(total, launched)
         return self._expected
