@@ -51,7 +51,9 @@ def test_boot_on_the_new_version_restores_the_unit_and_a_refusal_changes_nothing
     box.systemctl_run("start", unit)
     try:
         assert is_healthy(url, 60), "the unit did not come up"
-        common = {"study": {"name": "upgrade"}, "workload": {"kind": "random", "input_len": 1000, "output_len": 16},
+        # [space] speculative = false: the draft is kept (memory alone), so the best runs it on both versions
+        common = {"study": {"name": "upgrade"}, "space": {"speculative": False},
+                  "workload": {"kind": "random", "input_len": 1000, "output_len": 16},
                   "objective": {"context_tokens": 1024},
                   "budget": {"warmup_s": 1, "measure_s": 3, "stress_s": 1, "max_concurrency": 4},
                   "storage": {"url": f"sqlite:///{tmp_path}/upgrade.db", "artifacts_dir": str(tmp_path / "artifacts")}}
