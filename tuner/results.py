@@ -26,7 +26,7 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, capacity_label, choose_best, stored_policy
-from tuner.study.decide.rungs import rung_flags
+from tuner.study.decide.rungs import LEVER_NEUTRAL, rung_flags
 from tuner.study.hosts import REQUEUED_ATTR
 from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
 from tuner.study.storage import (
@@ -763,8 +763,8 @@ def _lever_names(flags: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]
     """``kv_cache_dtype auto → fp8_e4m3`` for each lever ``flags`` moves from ``base`` (:func:`rung_flags`)."""
     words = {"enable_dp_attention": None, "dp_size": "dp_size (DP attention)"}
     out = []
-    for key in ("kv_cache_dtype", "dcp_size", "dp_size"):
-        old, new = base.get(key, 1 if key != "kv_cache_dtype" else "auto"), flags.get(key, 1 if key != "kv_cache_dtype" else "auto")
+    for key, neutral in LEVER_NEUTRAL.items():
+        old, new = base.get(key, neutral), flags.get(key, neutral)
         if old != new:
             out.append(f"{words.get(key) or key} {old} → {new}")
     return out
@@ -794,12 +794,12 @@ def lever_lines(trials: Iterable[TrialView], chosen: TrialView, baseline: TrialV
              f"  capacity: {cell_int(rec.context_capacity)} requests of {rec.context_tokens or '?'} tokens vs "
              f"{cell_int(base.context_capacity)}{_ratio(rec.context_capacity, base.context_capacity)}; tokens per rank "
              f"{cell_int(rec.token_capacity)} vs {cell_int(base.token_capacity)}{across}"]
+    levers_of = {v.number: {n.split()[0] for n in _lever_names(rung_flags(v.record.params), theirs)}
+                 for v in trials if v.feasible and v.record is not None}
     alone = []
     for name in moved:
         key = name.split()[0]
-        single = [v for v in trials if v.feasible and v.record is not None
-                  and _lever_names(rung_flags(v.record.params), theirs) and all(
-                      n.split()[0] == key for n in _lever_names(rung_flags(v.record.params), theirs))]
+        single = [v for v in trials if levers_of.get(v.number) == {key}]
         top = max(single, key=lambda v: v.record.context_capacity or 0, default=None)  # type: ignore[union-attr]
         if top is not None and top.record is not None:
             alone.append(f"{key} alone {cell_int(top.record.context_capacity)} requests"

@@ -25,17 +25,20 @@ from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "same_rung"]
+__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "LEVER_NEUTRAL", "same_rung"]
 
 LEVER_GAIN = {
     "dcp_size": lambda value: float(value),
     "dp_size": lambda value: float(value),
     "kv_cache_dtype": lambda value: 2.0 if str(value).startswith("fp8") else 1.0,
 }
-LEVER_KNOBS = tuple(LEVER_GAIN)
-"""The structural levers' knobs (SGLang field names; ``dp_size`` is DP attention's size)."""
 """The most a lever's value can multiply the logical pool at an unchanged budget (plain MLA for
 DCP; ``tuner.sglang.levers.dcp_gain`` is smaller with a DSA indexer), for the order of the rungs."""
+LEVER_KNOBS = tuple(LEVER_GAIN)
+"""The structural levers' knobs (SGLang field names; ``dp_size`` is DP attention's size)."""
+LEVER_NEUTRAL: dict[str, Any] = {"kv_cache_dtype": "auto", "dcp_size": 1, "dp_size": 1}
+"""Each lever's value that sets nothing in SGLang (the KV cache at the model's dtype, no DCP, no
+DP attention): a config without the knob runs it."""
 
 
 class RungPrices:
@@ -75,10 +78,10 @@ class RungPrices:
     def _base(self, record: TrialRecord) -> LadderBase:
         memory, params = record.memory, record.params
         assert memory.capacity_model is not None
-        fact = getattr(memory, "draft", None)  # a DraftMemory (a dict in records stored before it was typed)
+        fact = memory.draft
 
         def draft(name: str) -> float | None:
-            value = fact.get(name) if isinstance(fact, dict) else getattr(fact, name, None)
+            value = getattr(fact, name, None)
             return None if value is None else float(value)
         dp = int(params.get("dp_size") or 1)
         spec = self.spec if params.get("speculative_algorithm") is not False else None
@@ -114,7 +117,7 @@ def same_rung(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 def rung_flags(params: Mapping[str, Any]) -> dict[str, Any]:
     """The ladder's flags of a candidate's levers (``dp_size`` > 1 is DP attention on)."""
-    flags: dict[str, Any] = {"kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
+    flags: dict[str, Any] = {"kv_cache_dtype": params.get("kv_cache_dtype") or LEVER_NEUTRAL["kv_cache_dtype"]}
     if int(params.get("dcp_size") or 1) > 1:
         flags["dcp_size"] = int(params["dcp_size"])
     dp = int(params.get("dp_size") or 1)

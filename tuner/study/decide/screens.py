@@ -33,7 +33,7 @@ from tuner.sglang.memory import must_fail
 from tuner.sglang.numerics import numerics_key
 from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
-from tuner.study.decide.rungs import RungPrices, same_rung
+from tuner.study.decide.rungs import LEVER_NEUTRAL, RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
@@ -43,8 +43,9 @@ from tuner.study.view import StudyView
 __all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable",
            "WontStart"]
 
-_LEVER_DEFAULTS = {"kv_cache_dtype": "auto", "dcp_size": 1}
-"""Structural levers the space can search, and SGLang's value that sets nothing."""
+_FLAG_LEVERS = ("kv_cache_dtype", "dcp_size")
+"""Structural levers whose values the flag tables answer for (DP attention's switch is checked
+where the levers are derived, :mod:`tuner.study.lever_space`)."""
 
 
 class Unavailable:
@@ -58,9 +59,9 @@ class Unavailable:
         self._tp = flag_int(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
-        for field, default in _LEVER_DEFAULTS.items():
+        for field in _FLAG_LEVERS:
             value = params.get(field)
-            if value is None or value == default:
+            if value is None or value == LEVER_NEUTRAL[field]:
                 continue
             verdict = flag_available(self._version, field, value if field == "kv_cache_dtype" else None)
             if verdict.ok is False:
