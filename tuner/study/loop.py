@@ -78,7 +78,7 @@ from tuner.study.space import Space
 from tuner.study.storage import (
     check_run_storage,
     check_storage_folder,
-    open_artifact_store,
+    open_artifacts_folder,
     open_storage,
     show_command,
     storage_errors,
@@ -240,8 +240,7 @@ class StudyRun:
                                    outage_s=config.storage.outage_s)
             study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
         shared = is_postgres(storage)
-        store = open_artifact_store(config, url)
-        recorder = Recorder(study, store, self.summary.host, environment, journal=self.options.journal)
+        recorder = Recorder(study, open_artifacts_folder(config, url), self.summary.host, environment, journal=self.options.journal)
         replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
         if replayed:
             self.progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "

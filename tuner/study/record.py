@@ -10,10 +10,12 @@ cannot take is logged in one line with its values, and the run stops.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -56,17 +58,19 @@ class Recorder:
 
     Args:
         study: The study the run opened.
-        artifact_store: Where trial artifacts go (``None``: not uploaded, the in-memory study).
+        artifacts_dir: The folder of the study's Optuna artifact store (``None``: nothing is
+            uploaded, the in-memory study).
         host: This host's name (:data:`~tuner.study.optuna_io.HOST_ATTR` of what it stores).
         environment: This run's environment (stored on a late result).
         journal: Where a launched trial's result is kept until the database has it (``None``:
             nowhere but memory, the offline benchmark).
     """
 
-    def __init__(self, study: optuna.Study, artifact_store: FileSystemArtifactStore | None, host: str,
+    def __init__(self, study: optuna.Study, artifacts_dir: Path | None, host: str,
                  environment: Mapping[str, Any], journal: ResultJournal | None = None) -> None:
         self.study = study
-        self.artifact_store = artifact_store
+        self.artifacts_dir = artifacts_dir
+        self.artifact_store = FileSystemArtifactStore(artifacts_dir) if artifacts_dir is not None else None
         self.host = host
         self.environment = dict(environment)
         self.journal = journal
@@ -146,8 +150,9 @@ class Recorder:
         """
         kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
         kept = False
+        full = False
         try:
-            record = _upload_artifacts(trial, record, self.artifact_store)  # Optuna stores each artifact's id
+            record, full = _upload_artifacts(trial, record, self.artifact_store)  # Optuna stores each artifact's id
             kept = self._keep(trial, kind, record)
             self._store(trial, trial.params, trial.distributions, kind, record)
         except StorageOutage as err:
@@ -174,6 +179,13 @@ class Recorder:
             ) from err
         if self.journal is not None:
             self.journal.stored(trial.number)
+        if full:  # the result is stored; the next trial's files would not be
+            raise StudyError(
+                f"the disk holding the artifact folder {str(self.artifacts_dir)!r} is full; every trial finished "
+                f"before is stored, trial {trial.number}'s result too (without its files), and the service was "
+                "restored",
+                hint=f"free space on it (df -h {self.artifacts_dir}) and run the same command again to resume",
+            )
         return record
 
     def _keep(self, trial: optuna.Trial, kind: str, record: TrialRecord) -> bool:
@@ -249,17 +261,30 @@ def server_reason(record: TrialRecord) -> str:
     return reason.rstrip(". ")
 
 
-def _upload_artifacts(trial: optuna.Trial, record: TrialRecord, store: FileSystemArtifactStore | None) -> TrialRecord:
-    """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id."""
+def _upload_artifacts(trial: optuna.Trial, record: TrialRecord,
+                      store: FileSystemArtifactStore | None) -> tuple[TrialRecord, bool]:
+    """Upload the runner's artifact files to Optuna's artifact store; keep name → artifact id.
+
+    A file that cannot be stored is left out (the others are kept), in one warning line per
+    trial; when the store's disk is full (``ENOSPC``/``EDQUOT``) the warning is left to the
+    caller, which stores the result first and then stops the run.
+
+    Returns:
+        The record with artifact ids, and whether the store's disk is full.
+    """
     if store is None or not record.artifacts:
-        return record
-    ids = {}
+        return record, False
+    ids, failed, full = {}, [], False
     for name, path in record.artifacts.items():
         try:
             ids[name] = upload_artifact(artifact_store=store, file_path=path, study_or_trial=trial)
         except (OSError, ValueError) as err:
-            _log.warning("artifact %s of trial %d not stored: %s", name, trial.number, err)
-    return record.model_copy(update={"artifacts": ids})
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                full = True
+            failed.append(f"{name} ({err})")
+    if failed and not full:
+        _log.warning("trial %d: artifacts not stored (the result is): %s", trial.number, "; ".join(failed))
+    return record.model_copy(update={"artifacts": ids}), full
 
 
 class SkipWriter:

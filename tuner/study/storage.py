@@ -17,7 +17,6 @@ from pathlib import Path
 
 import optuna
 import sqlalchemy
-from optuna.artifacts import FileSystemArtifactStore
 from optuna.storages import BaseStorage, RDBStorage
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
@@ -38,7 +37,7 @@ __all__ = [
     "is_shared_url",
     "open_storage",
     "show_command",
-    "open_artifact_store",
+    "open_artifacts_folder",
     "check_storage_folder",
     "check_artifacts_folder",
     "check_run_storage",
@@ -402,8 +401,8 @@ def copy_study(from_url: str, to_url: str, study_name: str, to_study_name: str |
     return len(optuna.load_study(study_name=target_name, storage=target).trials)
 
 
-def open_artifact_store(config: TunerConfig, url: str) -> FileSystemArtifactStore | None:
-    """The study's artifact store (:func:`study_artifacts_dir` of ``url``, created), checked first; ``None``
+def open_artifacts_folder(config: TunerConfig, url: str) -> Path | None:
+    """The study's artifact folder (:func:`study_artifacts_dir` of ``url``, created), checked first; ``None``
     for the in-memory study (``:memory:``, the benchmarks: nothing is uploaded).
 
     Raises:
@@ -414,7 +413,7 @@ def open_artifact_store(config: TunerConfig, url: str) -> FileSystemArtifactStor
     check_artifacts_folder(config)
     folder = study_artifacts_dir(config, url)
     folder.mkdir(parents=True, exist_ok=True)
-    return FileSystemArtifactStore(str(folder))
+    return folder
 
 
 def check_artifacts_folder(config: TunerConfig) -> None:
