@@ -350,3 +350,30 @@ def test_dcp_logical_count_is_read_per_rank(kv_tokens: str) -> None:
 def test_per_rank_scheduler_line_has_no_logical_count() -> None:
     r = parse_log("[2026-08-01 10:00:05 TP0] max_total_num_tokens=3307840, chunked_prefill_size=8192, available_gpu_mem=9.12 GB")
     assert r.scheduler is not None and (r.scheduler.max_total_num_tokens, r.scheduler.logical_tokens, r.scheduler.dcp_size) == (3307840, None, None)
+
+
+@pytest.mark.parametrize("server_args", [True, False])
+def test_a_plain_logical_count_of_a_dcp_server_is_read_per_rank(server_args: bool) -> None:
+    """From 0.5.21 a DCP server's scheduler line prints the logical count with no math (one rank's
+    KV-line rows × dcp_size: ``tp_worker.get_worker_info`` → ``logical_max_total_num_tokens``); the
+    report keeps one rank's pool, from the logged ``dcp_size`` or, in a cut log, the exact multiple."""
+    lines = ['[2026-08-01 09:59:00] server_args={"tp_size": 8, "dcp_size": 8, "model_path": "m"}'] if server_args else []
+    r = parse_log("\n".join([
+        *lines,
+        "[2026-08-01 10:00:00 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 3307840, KV size: 32.15 GB",
+        "[2026-08-01 10:00:05 TP0] max_total_num_tokens=26462720, chunked_prefill_size=8192, "
+        "max_prefill_tokens=16384, max_running_requests=64, context_len=1048576, available_gpu_mem=9.12 GB",
+    ]))
+    assert r.scheduler is not None
+    assert (r.scheduler.max_total_num_tokens, r.scheduler.logical_tokens, r.scheduler.dcp_size) == (3307840, 26462720, 8)
+    assert r.max_total_num_tokens == 3307840
+
+
+def test_a_scheduler_count_that_is_not_the_logged_dcp_multiple_is_kept() -> None:
+    """A server with ``dcp_size`` 1 (or a count that is not rows × dcp_size) reports one rank's pool as it is."""
+    r = parse_log("\n".join([
+        '[2026-08-01 09:59:00] server_args={"tp_size": 8, "dcp_size": 1}',
+        "[2026-08-01 10:00:00 TP0] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 3307840, KV size: 32.15 GB",
+        "[2026-08-01 10:00:05 TP0] max_total_num_tokens=6615680, chunked_prefill_size=8192, available_gpu_mem=9.12 GB",
+    ]))
+    assert r.scheduler is not None and (r.scheduler.max_total_num_tokens, r.scheduler.dcp_size) == (6615680, None)

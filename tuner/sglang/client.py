@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import QualityError, ServerError
 from tuner.sglang.failures import Failure, FailureClass
+from tuner.sglang.levers import rank_tokens
 
 __all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "GreedyAnswer", "url_problem"]
 
@@ -75,7 +76,10 @@ class ServerInfo(BaseModel):
 
     Attributes:
         version: SGLang's ``version``.
-        max_total_num_tokens: KV pool tokens (top level, else ``memory_usage.token_capacity``).
+        max_total_num_tokens: One rank's KV pool tokens (top level, else ``memory_usage.token_capacity``;
+            a DCP server of 0.5.21+ reports the logical count, divided here by ``dcp_size``:
+            :func:`~tuner.sglang.levers.rank_tokens`).
+        dcp_size: ``--dcp-size`` (``None`` where the version has no DCP).
         effective_max_running_requests: ``internal_states[0].effective_max_running_requests_per_dp``
             (0.5.10+); ``None` on 0.5.5, read it from the scheduler log line there (§2.3).
         max_running_requests: The *input* server arg (``None`` = auto).
@@ -108,6 +112,7 @@ class ServerInfo(BaseModel):
     cuda_graph_max_bs: int | None = None
     tp_size: int | None = None
     dp_size: int | None = None
+    dcp_size: int | None = None
     kv_cache_dtype: str | None = None
     speculative_algorithm: str | None = None
     enable_hierarchical_cache: bool | None = None
@@ -137,10 +142,12 @@ class ServerInfo(BaseModel):
                         return src[name]
             return None
 
+        version = str(data["version"]) if data.get("version") is not None else None
+        dcp = _int(arg("dcp_size"))
         tokens = _int(data.get("max_total_num_tokens")) or _int(mem.get("token_capacity"))
         return cls(
-            version=str(data["version"]) if data.get("version") is not None else None,
-            max_total_num_tokens=tokens,
+            version=version,
+            max_total_num_tokens=rank_tokens(tokens, dcp_size=dcp, version=version) if tokens else tokens,
             effective_max_running_requests=_int(state.get("effective_max_running_requests_per_dp")),
             max_running_requests=_int(arg("max_running_requests")),
             chunked_prefill_size=_int(arg("chunked_prefill_size")),
@@ -152,6 +159,7 @@ class ServerInfo(BaseModel):
             cuda_graph_max_bs=_int(arg("cuda_graph_max_bs", "cuda_graph_max_bs_decode")),
             tp_size=_int(arg("tp_size", "tensor_parallel_size")),
             dp_size=_int(arg("dp_size", "data_parallel_size")),
+            dcp_size=dcp,
             kv_cache_dtype=arg("kv_cache_dtype"),
             speculative_algorithm=arg("speculative_algorithm"),
             enable_hierarchical_cache=arg("enable_hierarchical_cache"),

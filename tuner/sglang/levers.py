@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from tuner.errors import FlagError
 from tuner.sglang.flags import FlagTable
 from tuner.sglang.memory import GIB
 from tuner.sglang.modelconfig import ModelArch
@@ -54,6 +55,8 @@ __all__ = [
     "dp_attention_extra_weight_gib",
     "dcp_per_rank_cell_bytes",
     "dcp_gain",
+    "DCP_LOGICAL_REPORT_SINCE",
+    "rank_tokens",
     "supporting_backend",
     "default_backend",
     "table_for",
@@ -350,6 +353,33 @@ def dcp_gain(cell_bytes: int, model: ModelArch, dcp: int) -> float:
     """Logical capacity under DCP over the capacity without, at the same budget:
     ``dcp × cell / per_rank_cell`` = ``N (kv + idx) / (kv + N idx)`` (3.68× at N = 8 for 656/132)."""
     return dcp * cell_bytes / dcp_per_rank_cell_bytes(cell_bytes, model, dcp)
+
+
+DCP_LOGICAL_REPORT_SINCE = "0.5.21"
+"""From this release SGLang reports ``max_total_num_tokens`` in logical tokens on a DCP server:
+one rank's rows × ``attn_dcp_size``, in the scheduler's startup line, ``/get_server_info`` and its
+``memory_usage.token_capacity`` (``tp_worker.get_worker_info`` → ``ModelRunner.logical_max_total_num_tokens``
+→ ``KVCacheConfigurator.logical_token_capacity``; read in 0.5.21, 0.5.22 and 0.5.23). 0.5.16-0.5.20
+report one rank's rows. The KV line's ``#tokens`` is one rank's rows in every version."""
+
+
+def rank_tokens(reported: int, *, dcp_size: int | None, version: str | None) -> int:
+    """One rank's KV rows from the ``max_total_num_tokens`` a server reports (see
+    :data:`DCP_LOGICAL_REPORT_SINCE`): ``reported // dcp_size`` on a DCP server of 0.5.21 or newer,
+    else ``reported``; an unknown version is taken as reporting one rank's rows.
+
+    Args:
+        reported: The reported count (tokens).
+        dcp_size: The server's ``--dcp-size`` (``None`` or 1: no DCP).
+        version: The server's SGLang version (``None``: unknown).
+    """
+    if not dcp_size or dcp_size <= 1 or version is None:
+        return reported
+    try:
+        logical = at_least(version, DCP_LOGICAL_REPORT_SINCE)
+    except FlagError:  # not a version number: as an unknown version
+        return reported
+    return reported // dcp_size if logical else reported
 
 
 def _sm_major(gpu: str | None) -> int | None:

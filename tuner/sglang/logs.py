@@ -19,7 +19,7 @@ import gzip
 import re
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -153,7 +153,10 @@ class SchedulerInfo(BaseModel):
     free memory after graphs, the runtime headroom (§8). ``max_total_num_tokens`` is always one
     rank's pool: since sglang#32730 a DCP server prints the logical count with the per-rank math,
     ``max_total_num_tokens=26462720 (3307840 per rank * dcp_size 8)``; then ``max_total_num_tokens``
-    is 3,307,840, ``logical_tokens`` 26,462,720 and ``dcp_size`` 8 (``None`` on the older per-rank line).
+    is 3,307,840, ``logical_tokens`` 26,462,720 and ``dcp_size`` 8. From 0.5.21 a DCP server prints
+    the logical count with no math (:data:`tuner.sglang.levers.DCP_LOGICAL_REPORT_SINCE`): it is read
+    as such where it is one rank's KV line × the logged ``dcp_size`` (:func:`_scheduler_info`).
+    ``None`` on a per-rank line.
     """
 
     model_config = _FROZEN
@@ -432,6 +435,24 @@ class LogReport(BaseModel):
             return self.scheduler.max_total_num_tokens
         prim = self.primary()
         return prim.kv_tokens if prim else None
+
+
+def _scheduler_info(line: dict[str, Any], ranks: Mapping[str, RankMemory], server_args: Mapping[str, str]) -> SchedulerInfo:
+    """The scheduler line's fields, its count as one rank's pool: a plain count that is one rank's
+    KV-line rows × ``dcp_size`` is the logical count a DCP server prints from 0.5.21
+    (``levers.DCP_LOGICAL_REPORT_SINCE``; the KV line's ``#tokens`` is one rank's rows in every
+    version). ``dcp_size`` comes from the logged server args; without them (a cut log) an exact
+    multiple of at least 2 of the KV line's rows is read the same way (a scheduler never reports
+    more tokens than its pool otherwise)."""
+    info = dict(line)
+    tokens = info.get("max_total_num_tokens")
+    rows = next((r.kv_tokens for r in ranks.values() if r.kv_tokens), None)
+    dcp = server_args.get("dcp_size")
+    dcp_size = int(dcp) if dcp is not None and str(dcp).isdigit() else None
+    if info.get("dcp_size") is None and tokens and rows and tokens > rows and tokens % rows == 0:
+        if (dcp_size is None and "dcp_size" not in server_args) or tokens == rows * (dcp_size or 1):
+            info.update(max_total_num_tokens=rows, logical_tokens=tokens, dcp_size=tokens // rows)
+    return SchedulerInfo(**info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -867,7 +888,7 @@ class LogWatcher:
         return LogReport(
             version_format=self._version,
             ranks=ranks,
-            scheduler=SchedulerInfo(**self._scheduler) if self._scheduler else None,
+            scheduler=_scheduler_info(self._scheduler, ranks, self._server_args) if self._scheduler else None,
             host_pool_gb=self._fields.get("host_pool_gb"),
             host_pool_tokens=self._fields.get("host_pool_tokens"),
             host_pool_ranks=list(self._fields.get("host_pool_ranks", [])),

@@ -728,6 +728,14 @@ class MemoryPlan:
         return self.max_total_num_tokens * self.config.dcp_size
 
     @property
+    def reported_tokens(self) -> int:
+        """``max_total_num_tokens`` as the scheduler line, ``/get_server_info`` and its
+        ``memory_usage.token_capacity`` print it: one DP rank's logical tokens (its rows × dcp) on
+        0.5.23 (``tp_worker.get_worker_info`` returns ``ModelRunner.logical_max_total_num_tokens``
+        since 0.5.21), one rank's rows before (the KV line's ``#tokens`` always)."""
+        return self.max_total_num_tokens * (self.config.dcp_size if self.config.version == "0.5.23" else 1)
+
+    @property
     def logical_tokens(self) -> int:
         """Tokens resident across the deployment: the per-rank pool × dp (DP attention) × dcp."""
         return self.max_total_num_tokens * self.config.dcp_size * self.config.dp_size

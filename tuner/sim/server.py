@@ -406,7 +406,7 @@ class SimServer:
         usage: dict[str, Any] = {
             "weight": round(plan.weight_bytes / GIB, 2),
             "kvcache": round((plan.kv_bytes + plan.draft_kv_bytes) / GIB, 2),
-            "token_capacity": plan.max_total_num_tokens,
+            "token_capacity": plan.reported_tokens,
             "graph": round(graph, 2),
         }
         if self.version == "0.5.23":
@@ -430,7 +430,7 @@ class SimServer:
         body = {
             **args,
             "status": "ready" if self.ready else "starting",
-            "max_total_num_tokens": self.plan.max_total_num_tokens,
+            "max_total_num_tokens": self.plan.reported_tokens,
             "max_req_input_len": max_req_len - 5,
             "internal_states": [state],
             "version": VERSIONS[self.version],
@@ -919,7 +919,7 @@ class _SchedulerCollector:
             yield gauge("sglang:engine_startup_time", "The time taken for the engine to start up.", srv.startup_s)
         if version != "0.5.5":
             yield gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.",
-                        plan.max_total_num_tokens)
+                        plan.reported_tokens)
             yield gauge("sglang:hicache_host_used_tokens", "HiCache host tokens in use.", s["hicache_host_used_tokens"])
             yield gauge("sglang:hicache_host_total_tokens", "HiCache host pool size.", s["hicache_host_total_tokens"])
             yield gauge("sglang:full_token_usage", "The full-attention token usage.", s["token_usage"])
@@ -932,10 +932,10 @@ class _SchedulerCollector:
             g.add_metric(sv + ["decode"], (plan.graph_bytes + plan.draft_graph_bytes) / GIB)
             yield g
             yield gauge("sglang:page_size", "KV page size.", srv.cfg.page_size)
-            yield gauge("sglang:num_pages", "KV pages.", plan.max_total_num_tokens // srv.cfg.page_size)
+            yield gauge("sglang:num_pages", "KV pages.", plan.reported_tokens // srv.cfg.page_size)
             yield gauge("sglang:context_len", "Context length.", srv.cfg.context_len)
             yield gauge("sglang:startup_available_gpu_memory_gb", "Free GPU memory after startup (GiB).",
                         plan.available_bytes / GIB)
             yield gauge("sglang:kv_used_tokens", "KV tokens used by running requests.", s["num_used_tokens"])
             yield gauge("sglang:kv_available_tokens", "KV tokens free.",
-                        plan.max_total_num_tokens - s["num_used_tokens"])
+                        plan.reported_tokens - s["num_used_tokens"])

@@ -435,7 +435,7 @@ def run_startup(  # noqa: C901 - over the complexity ceiling when it was set (15
     # 6. the scheduler line (§4.2 line 8, rank 0 only).
     chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size is not None else -1
     log.line(
-        f"max_total_num_tokens={plan.max_total_num_tokens}, chunked_prefill_size={chunk}, "
+        f"max_total_num_tokens={plan.reported_tokens}, chunked_prefill_size={chunk}, "
         f"max_prefill_tokens={cfg.max_prefill_tokens}, max_running_requests={plan.max_running_requests}, "
         f"context_len={cfg.context_len}, available_gpu_mem={_gb(_final_free(plan, 0))} GB",
         0,
