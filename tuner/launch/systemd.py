@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 import shlex
 import time
 from collections.abc import Sequence
@@ -50,6 +51,12 @@ TRIAL_DROPIN = "90-tuner-trial.conf"
 """File name of the per-trial drop-in (sorts after the operator's own and ``80-tuner.conf``)."""
 
 _DEAD_STATES = ("inactive", "failed")
+_EXITED = re.compile(r"Main process exited, code=\w+, status=(\d+)")
+"""systemd's line in the unit's journal when its main process ends (``status=3/NOTIMPLEMENTED``,
+``status=9/KILL``): the exit status of a process that a restart has already replaced, whose
+``ExecMainStatus`` the new process reset to 0."""
+_BETWEEN_RUNS = ("auto-restart", "failed", "dead", "exited")
+"""Sub-states in which ``ExecMainStatus`` is the ended process's status (else it is the running one's)."""
 _DERIVED: Final = object()
 """``start(argv)`` without ``dropin=``: the drop-in is derived from argv."""
 
@@ -105,6 +112,7 @@ class SystemdLauncher(GuardedLauncher):
         self._journald = ""  # journald's instance at the start ("" when not watched: the emulator)
         self._restarts0 = 0
         self._stopped_by_us = False
+        self._exit_seen: int | None = None
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -289,6 +297,7 @@ class SystemdLauncher(GuardedLauncher):
             self._cursor, self._journal_error = "", f"the journal of {self.unit.name} stopped answering: {err.message}"
         self._restarts0 = self.unit.properties().n_restarts or 0
         self._stopped_by_us = False
+        self._exit_seen = None
         self.unit.start()
 
     def stop(self) -> None:
@@ -310,19 +319,24 @@ class SystemdLauncher(GuardedLauncher):
         dead = props.active_state in _DEAD_STATES or looping
         if dead and not self._journal_error:
             lines += self._drain_journal()
+        for line in lines:
+            if m := _EXITED.search(line):
+                self._exit_seen = int(m.group(1))
+        exit_status = props.exec_main_status
+        if looping and props.sub_state not in _BETWEEN_RUNS and self._exit_seen is not None:
+            exit_status = self._exit_seen  # the restarted process runs: its ExecMainStatus is 0
         crash_loop = ""
         if looping:
             crash_loop = (
                 f"crash loop: {self.unit.name} is being restarted by systemd (Restart=; "
-                f"NRestarts +{restarts}, SubState={props.sub_state}, "
-                f"last ExecMainStatus={props.exec_main_status})"
+                f"NRestarts +{restarts}, SubState={props.sub_state}, last exit status {exit_status})"
             )
             log.warning("%s; stopping it", crash_loop)
         return ServerPoll(
             lines=lines,
             alive=not dead,
             pid=props.main_pid,
-            exit_status=props.exec_main_status if dead else None,
+            exit_status=exit_status if dead else None,
             restarts=restarts,
             crash_loop=crash_loop,
             stopped_by_us=dead and self._stopped_by_us and not looping,
