@@ -9,7 +9,8 @@ dimensions, each with its source. Four levers change capacity by more than the f
   the ranks, so the logical pool is ``N ×`` the per-rank one for plain MLA; a DSA indexer is
   replicated and priced ``× N`` in the per-rank cell, so the gain is ``N (kv + idx) / (kv + N idx)``
   (sglang#14194, #31514, #31821, ``pool_configurator._get_dsa_indexer_cache_token_multiplier``).
-  Since sglang#32730 the startup line prints the logical count
+  From 0.5.21 the scheduler line and ``/get_server_info`` report the logical count
+  (:data:`DCP_LOGICAL_REPORT_SINCE`), sglang#32730 with the math
   (``26462720 (3307840 per rank * dcp_size 8)``). ``--dcp-size`` must divide ``--tp-size``
   (0.5.23 ``arg_groups/attention_hook.py``).
 - **DP attention** (``--enable-dp-attention --dp-size N``): attention runs at ``attn_tp = tp / N``,
