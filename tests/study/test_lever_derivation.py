@@ -35,6 +35,19 @@ def test_the_twin_on_0523_derives_fp8_and_dp_attention_and_says_why_not_dcp():
     assert "derived" in dp and "deepseek_v2.py" in dp
 
 
+def test_fp8_kv_is_no_rung_where_sglang_resolves_a_dsa_models_auto_kv_to_fp8():
+    """DeepSeek-V3.2 (DSA) on SM100: SGLang's ``auto`` KV is fp8_e4m3 already (the ladder prices no
+    fp8 rung there), so the space does not search it; on SM90 ``auto`` is bf16, so fp8 would be a
+    rung (left out there for the table's unknown cell on fa3, not as a no-op)."""
+    dsa = load_model_config(KIMI.parent / "deepseek-v3.2")
+    b200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="B200-180GB", model=dsa)
+    assert b200.kv_cache_dtype is None
+    assert "resolves to fp8_e4m3 for DeepSeek DSA on sm100" in b200.reasons[0]
+    assert b200.dp_size == (1, 8, 4)  # the other levers are still derived
+    h200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="H200-141GB", model=dsa)
+    assert "resolves" not in h200.reasons[0] and "unknown" in h200.reasons[0]
+
+
 def test_the_twin_on_055_has_no_fp8_path_and_no_dcp_flag():
     choice = _derive("0.5.5")
     assert choice.kv_cache_dtype is None and choice.dcp_size is None

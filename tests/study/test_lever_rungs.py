@@ -15,7 +15,7 @@ from tuner.config import BudgetSection, TunerConfig
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.sglang.modelconfig import load_model_config
 from tuner.study.calibration import deployment_capacity
-from tuner.study.decide.rungs import RungPrices
+from tuner.study.decide.rungs import RungPrices, same_rung
 from tuner.study.decide.screens import WontStart
 from tuner.study.loop import run_study
 from tuner.study.optuna_io import SPACE_ATTR
@@ -25,7 +25,7 @@ KIMI = Path(__file__).resolve().parents[2] / "tuner" / "data" / "models" / "kimi
 TWIN = "RTX-PRO-6000-96GB"
 
 
-def _config(version: str, tmp_path: Path) -> TunerConfig:
+def _config(version: str, tmp_path: Path, capacity: str = "auto") -> TunerConfig:
     return TunerConfig.model_validate({
         "study": {"name": f"rungs-{version}", "seed": 0},
         "service": {"launcher": "process", "command": [
@@ -36,7 +36,7 @@ def _config(version: str, tmp_path: Path) -> TunerConfig:
         "space": {"mem_fraction_step": 0.01},
         "workload": {"kind": "random", "input_len": 6144, "output_len": 64, "range_ratio": 0.25},
         "slo": {"ttft_ms": {"p99": 30000}, "itl_ms": {"p99": 4000}},
-        "objective": {"context_tokens": 32768},
+        "objective": {"context_tokens": 32768, "capacity": capacity},
         "budget": {"warmup_s": 2, "measure_s": 20, "stress_s": 10, "max_concurrency": 64},
     })
 
@@ -57,13 +57,31 @@ def test_dp_attention_is_searched_at_a_fraction_where_it_starts(twin_study) -> N
     rungs = [(n, r) for n, r in history if int(r.params.get("dp_size") or 1) > 1]
     assert rungs, "DP attention was derived (the model's config is given) and launched"
     first = rungs[0][1]
-    assert "the largest fraction where the ladder leaves the headroom" in (first.prediction.why or "")
+    assert "the highest context capacity the ladder prices" in (first.prediction.why or "")
     assert first.params["mem_fraction_static"] > 0.88  # at 0.88 its replicated weights leave no pool
     for _, record in history:  # never a rung that cannot start
         assert record.failure_class not in STARTUP_MEMORY_FAILURES, record.params
     baseline = history[0][1]
     best = max(r.context_capacity or 0 for _, r in history if r.feasible)
     assert best >= 4 * (baseline.context_capacity or 0)  # a rung's capacity across the deployment
+
+
+def test_the_twin_reaches_its_best_rung_within_five_launches(tmp_path: Path) -> None:
+    """Issue 23's acceptance on the twin (0.5.23, 32k contexts, OOM-safe capacity): the launch
+    after the baseline is the rung the ladder prices highest, at its own predicted optimum; the
+    memory frontier then moves only on rungs a start calibrated; 48 contexts (the best rung's, the
+    load's cap: ``bench_levers``' grid) by launch 5, no launch that fails."""
+    config = _config("0.5.23", tmp_path, capacity="oom_safe")
+    runner = OfflineExecutor(config, world_seed=0)
+    run_study(config, runner, max_trials=20, storage_url=config.storage.url)
+    five = runner.history[:5]
+    assert len(five) == 5
+    assert "the highest context capacity the ladder prices" in (five[1][1].prediction.why or "")
+    for i, (_, record) in enumerate(five):
+        assert record.outcome != "failed" and record.failure_class not in STARTUP_MEMORY_FAILURES, record.params
+        if "memory frontier" in (record.prediction.why or ""):  # never a rung no earlier start ran
+            assert any(same_rung(record.params, r.params) for _, r in five[:i] if r.token_capacity), record.params
+    assert max(r.context_capacity or 0 for _, r in five if r.feasible) >= 48
 
 
 def test_a_rung_that_cannot_start_is_skipped_with_the_arithmetic(twin_study, tmp_path: Path) -> None:

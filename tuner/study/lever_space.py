@@ -11,7 +11,10 @@ its reason, as :func:`tuner.study.space.decide_hicache` does for the hierarchica
   where the version has the flag and the table's cell says *supported* for this GPU, the
   baseline's attention backend (SGLang's own default where the command names none,
   :func:`tuner.sglang.levers.default_backend`) and the model's attention type. An unknown cell is
-  not derived: the reason says what is unknown.
+  not derived: the reason says what is unknown. A lever the baseline runs already is not derived,
+  SGLang's resolution of ``auto`` included: a DeepSeek DSA model's ``auto`` KV is ``fp8_e4m3`` on
+  SM ≥ 10 (:func:`tuner.sglang.levers.dsa_kv_settings`), so ``--kv-cache-dtype fp8_e4m3`` there
+  starts the same server (no rung).
 - ``[space]`` overrides: a list names the lever's values (one value, the baseline's, pins it),
   ``exclude_levers`` leaves levers out.
 
@@ -30,7 +33,15 @@ from pydantic import BaseModel, ConfigDict
 
 from tuner.config import SpaceSection, TunerConfig
 from tuner.errors import TunerError
-from tuner.sglang.levers import Verdict, attention_type, default_backend, feasibility, flag_available
+from tuner.sglang.levers import (
+    Verdict,
+    attention_type,
+    default_backend,
+    dsa_kv_settings,
+    feasibility,
+    flag_available,
+    gpu_arch,
+)
 from tuner.sglang.modelconfig import ModelArch, load_model_config
 
 __all__ = ["LeverChoice", "LEVER_FIELDS", "derive_levers", "study_model", "attentions_of_log"]
@@ -131,6 +142,11 @@ def _one(lever: str, section: SpaceSection, flags: Mapping[str, Any], *, version
     in_use = str(base).startswith("fp8") if lever == "fp8_kv" else (dp_on if lever == "dp_attention" else int(base) > 1)
     if in_use:
         return None, f"the baseline runs it already ({field} = {base})"
+    if lever == "fp8_kv" and set(attentions) == {"dsa"}:
+        resolved, _ = dsa_kv_settings(version=version, gpu=gpu, kv_cache_dtype=str(base))
+        if resolved.startswith("fp8"):  # --kv-cache-dtype fp8_e4m3 would start the same server
+            return None, (f"the baseline runs it already ({field} = {base} resolves to {resolved} for DeepSeek DSA on "
+                          f"{gpu_arch(gpu)}: 0.5.5 server_args.py, 0.5.23 arg_groups/overrides.py _dsa_kv_cache_dtype_default)")
     flag = "enable_dp_attention" if lever == "dp_attention" else field
     has = flag_available(version, flag, _FP8 if lever == "fp8_kv" else None)
     if has.ok is not True:

@@ -22,6 +22,7 @@ from typing import Any
 
 from tuner.study.calibration import Calibration, Family, Point, changed_knobs, margin_for, neighbours
 from tuner.study.decide import Proposal
+from tuner.study.decide.rungs import rung_points
 from tuner.study.slo_bound import SLOBound, family_of
 from tuner.study.space import config_key
 from tuner.study.view import ConfigKey, StudyView
@@ -98,13 +99,18 @@ def _believed(cal: Calibration, pending: Sequence[tuple[Mapping[str, Any], Mappi
 def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: frozenset[ConfigKey]) -> Proposal | None:
     """The memory plan's best proposal against ``best_capacity`` (measured, or believed): the
     incumbent's knobs first (raise capacity; or the band with more request slots), then each
-    neighbour's family in the band."""
+    neighbour's family in the band. Each family is predicted from a start of its own structural
+    rung (fp8 KV, DCP, DP attention: :func:`~tuner.study.decide.rungs.rung_points`); a rung no
+    start ran is left to the rung proposer, which prices it with the ladder (another rung's KV cell
+    and weights mispredict its pool: DP attention 8 from DP attention 4's start, 48 predicted, 8 ran)."""
     space, settings = cal.space, cal.settings
     proposals: list[tuple[tuple[int, int, int, int], Proposal]] = []
     base_family = family_of(incumbent.params)
     base_mrr = int(incumbent.params["max_running_requests"])
-    for rank, family in enumerate([base_family, *neighbours(space, incumbent.params)]):
-        ref = cal.reference(family, base_mrr)
+    # A neighbour on a structural rung no start ran is the rung proposer's (priced by the ladder).
+    calibrated = [f for f in neighbours(space, incumbent.params) if rung_points(cal.model_points, f)]
+    for rank, family in enumerate([base_family, *calibrated]):
+        ref = cal.reference(family, base_mrr, rung_points(cal.model_points, family) or None)
         need = cal.need_gib(family)
         # Tight: just enough request slots for the capacity; or the incumbent's own count; or
         # more slots than the capacity (shorter requests run alongside: throughput), same band.

@@ -1,16 +1,20 @@
-"""The structural levers' rungs, launched early on the best flags: what fp8 KV or DCP buys, on equal terms.
+"""The structural levers' rungs, launched early on the best flags: what fp8 KV, DCP or DP attention buys.
 
-When ``[space]`` names a structural lever (``kv_cache_dtype``, ``dcp_size``; issue 23), each of its
-values the baseline does not use is launched once, as soon as a config is measured, on the best
-flags so far, largest expected gain first (DCP ``dcp×`` the logical pool, fp8 KV ``2×`` the tokens
-per rank: ``tuner/sglang/levers.py``), before the memory frontier moves the fraction: a rung can
-change capacity by more than the fraction can, so it is measured first, and the frontier then
-works on the best rung's flags. A rung the version cannot take is skipped by the screens with the
-fact (:class:`tuner.study.decide.screens.Unavailable`), never launched.
+When the space searches a structural lever (``kv_cache_dtype``, ``dcp_size``, ``dp_size``; issue
+23), the rungs (combinations of their values) are priced with SGLang's rules on the baseline's
+start (:class:`RungPrices`, the ladder of :mod:`tuner.sglang.ladder`), placed at each rung's own
+predicted optimum (fraction and request slots), and the one predicted to hold the most contexts
+is launched first, as soon as the baseline is measured and before the memory frontier moves the
+fraction: a rung can change capacity by more than the fraction can. That first launch of a rung
+is its boot probe: the memory model is then calibrated on the rung's own KV cell, weights and
+graphs (:func:`rung_points`), and the frontier takes it to its measured optimum. A rung the
+version cannot take is skipped by the screens with the fact
+(:class:`tuner.study.decide.screens.Unavailable`), never launched.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,12 +24,13 @@ from tuner.sglang.flags import flag_int, flag_value
 from tuner.sglang.ladder import LadderBase, Rung, evaluate
 from tuner.sglang.modelconfig import ModelArch
 from tuner.study.best import best_by
+from tuner.study.calibration import Family, Point, deployment_capacity
 from tuner.study.decide import Proposal
 from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "LEVER_NEUTRAL", "same_rung"]
+__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "LEVER_NEUTRAL", "same_rung", "rung_points"]
 
 LEVER_GAIN = {
     "dcp_size": lambda value: float(value),
@@ -128,68 +133,160 @@ def rung_flags(params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class RungCandidate:
-    """Each structural lever value once, on the best flags so far (a :class:`~tuner.study.decide.Proposer`).
+    """The structural rung with the highest priced capacity, at its own predicted optimum (a
+    :class:`~tuner.study.decide.Proposer`).
 
-    A rung the ladder predicts does not start at the best flags' fraction (DP attention's
-    replicated weights) is proposed at the largest fraction of the space's grid where the ladder
-    leaves the headroom the stress load needs after the baseline's graphs
-    (:meth:`~tuner.study.calibration.Calibration.need_gib`) and one request of the study's context
-    fits; where none does, it is proposed as is, and the screens skip it with the arithmetic.
+    Every combination of the searched levers' values (fp8 KV × DCP × DP attention) that no trial
+    ran or skipped is priced with the ladder on the baseline's start (:class:`RungPrices`) on the
+    best flags so far, at each fraction of the space's grid; a fraction counts where the rung
+    starts, one request of the study's context fits the one request's ceiling, and the ladder leaves
+    the headroom the stress load needs after the baseline's graphs
+    (:meth:`~tuner.study.calibration.Calibration.need_gib`). Each rung is placed at the smallest
+    such fraction that reaches its highest capacity across the deployment
+    (:func:`~tuner.study.calibration.deployment_capacity`: DP ranks, DCP's interleave), with the
+    request slots that capacity needs (up to the space's top). The rung predicted to hold the most
+    contexts is launched first (ties: fewer levers moved from the best, then more memory free).
+    A rung is worth a launch when its predicted capacity is above the best trial's OOM-safe one, or
+    when it lies in the best feasible trial's capacity band
+    (:attr:`~tuner.study.view.StudyView.band_floor`) one lever from the best's rung, at a lever value
+    no launch ran (it may win on throughput there); a rung below the band cannot win on the
+    policy, and the band's other combinations are left to the sampler. That launch is the rung's boot probe: it calibrates the memory model on the rung's own cell
+    and weights, and the memory frontier takes the rung from there (issue 23).
+
+    Where a fresh rung has no price (no baseline memory model yet, or no model ``config.json``:
+    the ladder cannot size the KV cell or DP attention's weights), each lever value is launched once on the best flags, largest
+    :data:`LEVER_GAIN` first. A rung the version cannot take is skipped by the screens with the
+    fact (:class:`tuner.study.decide.screens.Unavailable`), never launched.
 
     Args:
         objective: ``[objective]`` (what "best" means).
-        prices: The rung pricer (``None``: rungs at the best flags' fraction, unpriced).
+        prices: The rung pricer (``None``: unpriced rungs at the best flags' fraction).
     """
 
     def __init__(self, objective: ObjectiveSection, prices: RungPrices | None = None) -> None:
         self.objective = objective
         self.prices = prices
 
-    def _lift(self, params: dict[str, Any], view: StudyView) -> tuple[dict[str, Any], str]:
-        """``params`` at the largest grid fraction where the rung starts with the headroom and one context fits."""
-        if self.prices is None:
-            return params, ""
-        priced = self.prices.price(params, view)
-        if priced is None or priced[1].starts is not False:
-            return params, ""
-        need = view.settings.context_tokens
-        fits = []
-        for mfs in view.space.fractions():
-            if mfs <= float(params["mem_fraction_static"]):
-                continue
-            lifted = view.space.snap({**params, "mem_fraction_static": mfs})
-            rung = self.prices.price(lifted, view)
-            if rung is None or not rung[1].starts or (rung[1].per_request_max_tokens or 0) < need:
-                continue
-            headroom = view.calibration.need_gib(family_of(lifted)) if view.calibration.model_points else 0.0
-            if (rung[1].free_after_graphs_gib or 0.0) >= headroom:
-                fits.append((lifted, mfs, rung[1]))
-        if not fits:
-            return params, ""
-        lifted, mfs, top = fits[-1]
-        return lifted, (f"; at {mfs:g}, the largest fraction where the ladder leaves the headroom the stress load "
-                        f"needs after the baseline's graphs ({top.free_after_graphs_gib} GiB free) and one "
-                        f"{need:,}-token context fits ({top.tokens_per_rank:,} tokens per rank)")
-
     def propose(self, view: StudyView) -> Proposal | None:
-        """``None`` when the space names no lever, nothing is measured yet, or every rung was tried."""
+        """``None`` when the space names no lever, nothing is measured yet, or every rung that can
+        win was tried."""
         space = view.space
-        levers = [(name, value) for name in LEVER_GAIN if space.searches(name) for value in space.grid(name)[1:]]
+        levers = {name: space.grid(name) for name in LEVER_GAIN if space.searches(name)}
         if not levers:
             return None
-        objective = self.objective
-        choice = best_by([(n, r) for n, r in view.finished if r.params], objective)
+        choice = best_by([(n, r) for n, r in view.finished if r.params], self.objective)
         if choice is None:
             return None
         best: dict[str, Any] = dict(choice.record.params)
-        for name, value in sorted(levers, key=lambda lv: -LEVER_GAIN[lv[0]](lv[1])):
+        ran = [rung_flags(r.params) for _, r in view.finished if r.params]
+        combos = [space.snap({**best, **dict(zip(levers, values, strict=True))}) for values in itertools.product(*levers.values())]
+        fresh = [params for params in combos if rung_flags(params) not in ran]
+        if not fresh:
+            return None  # every rung was launched (or skipped) once: the frontier takes them from there
+        if view.calibration.model_points and all(self._priceable(params, view) for params in fresh):
+            return self._priced(fresh, best, (choice.number, choice.record.context_capacity or 0), view)
+        return self._unpriced(levers, best, choice.number, view)
+
+    def _priced(self, fresh: Sequence[dict[str, Any]], best: Mapping[str, Any], incumbent: tuple[int, int],
+                view: StudyView) -> Proposal | None:
+        """The fresh rung with the highest priced capacity at its predicted optimum, or ``None``
+        when no fresh rung is worth a launch (or none could be priced and placed).
+
+        ``incumbent`` is the best trial's number and OOM-safe context capacity (what the ladder
+        prices: a rung's SLO-safe capacity is only measured)."""
+        best_number, mine = incumbent
+        placed = [found for params in fresh if (found := self._place(params, view)) is not None]
+        floor = view.band_floor
+        run_values = {(k, v) for _, r in view.finished if r.params for k, v in rung_flags(r.params).items()}
+
+        def worth(item: tuple[dict[str, Any], int, Rung]) -> bool:
+            # Above the best's measured capacity; or in its band, one lever from the best's rung
+            # to a value no launch ran (the band's throughput): never every combination in the band.
+            if item[1] > mine:
+                return True
+            moved = _moved(rung_flags(item[0]), rung_flags(best))
+            return item[1] >= floor and len(moved) == 1 and not set(moved.items()) <= run_values
+        ranked = sorted(filter(worth, placed), key=lambda p: (-p[1], len(_moved(rung_flags(p[0]), rung_flags(best))),
+                                                              -(p[2].free_after_graphs_gib or 0.0)))
+        for params, capacity, rung in ranked:
+            if config_key(params) in view.tried:
+                continue
+            levers = ", ".join(f"{k}={v}" for k, v in _moved(rung_flags(params), rung_flags(best)).items())
+            return Proposal(params=params, prediction={
+                "token_capacity": rung.tokens_per_rank, "context_capacity": capacity,
+                "free_gib_after_graphs": rung.free_after_graphs_gib,
+                "why": f"rung {levers} on the best flags so far (trial {best_number}), the highest context capacity "
+                       f"the ladder prices on the baseline's start: {capacity} at {params['mem_fraction_static']:g} "
+                       f"with {params['max_running_requests']} request slots ({rung.tokens_per_rank:,} tokens per rank, "
+                       f"{rung.free_after_graphs_gib} GiB free after the baseline's graphs; issue 23); its boot "
+                       "probe calibrates the memory model for this rung",
+                "compare_with_trial": best_number})
+        return None
+
+    def _priceable(self, params: Mapping[str, Any], view: StudyView) -> bool:
+        """Whether the ladder prices ``params``' rung (a baseline memory model, and the model's
+        ``config.json`` where the rung needs it: the KV cell, DP attention's weights)."""
+        priced = None if self.prices is None else self.prices.price(params, view)
+        return priced is not None and priced[1].tokens_per_rank is not None
+
+    def _place(self, params: dict[str, Any], view: StudyView) -> tuple[dict[str, Any], int, Rung] | None:
+        """``(params, predicted context capacity, rung)`` of ``params``' rung at the smallest grid
+        fraction reaching its highest capacity where it starts with the headroom and one context
+        fits, with the slots that capacity needs; ``None`` where no fraction does."""
+        assert self.prices is not None
+        space, context = view.space, view.settings.context_tokens
+        low, high = space.max_running_requests
+        slots = int(params.get("max_running_requests") or high)
+        cal = view.calibration
+        options: list[tuple[int, float, dict[str, Any], Rung]] = []
+        for mfs in space.fractions():
+            at = space.snap({**params, "mem_fraction_static": mfs})
+            priced = self.prices.price(at, view)
+            if priced is None:
+                return None
+            rung = priced[1]
+            tokens = rung.tokens_per_rank or 0
+            if not rung.starts or tokens <= 0 or (rung.per_request_max_tokens or 0) < context:
+                continue
+            if (rung.free_after_graphs_gib or 0.0) < cal.need_gib(family_of(at)):
+                continue
+            family = family_of(at)
+            # The slots the rung's pool can fill (never fewer than the best's own count).
+            mrr = max(slots, min(high, deployment_capacity(family, high, tokens, context)))
+            at = space.snap({**at, "max_running_requests": max(low, mrr)})
+            capacity = deployment_capacity(family, int(at["max_running_requests"]), tokens, context)
+            options.append((capacity, mfs, at, rung))
+        if not options:
+            return None
+        top = max(o[0] for o in options)
+        capacity, _mfs, at, rung = min((o for o in options if o[0] == top), key=lambda o: o[1])
+        return at, capacity, rung
+
+    def _unpriced(self, levers: Mapping[str, Sequence[Any]], best: Mapping[str, Any], best_number: int,
+                  view: StudyView) -> Proposal | None:
+        """Each lever value once on the best flags, largest :data:`LEVER_GAIN` first."""
+        space = view.space
+        for name, value in sorted(((n, v) for n, grid in levers.items() for v in grid[1:]),
+                                  key=lambda lv: -LEVER_GAIN[lv[0]](lv[1])):
             if any(r.params.get(name) == value for _, r in view.finished if r.params):
                 continue  # this rung was launched (or skipped) once: the frontier takes it from there
-            params, lifted = self._lift(space.snap({**best, name: value}), view)
+            params = space.snap({**best, name: value})
             if config_key(params) in view.tried:
                 continue
             return Proposal(params=params, prediction={
-                "why": f"rung {name}={value} on the best flags so far (trial {choice.number}): up to "
-                       f"{LEVER_GAIN[name](value):g}× the logical KV pool at the same budget (issue 23){lifted}",
-                "compare_with_trial": choice.number})
+                "why": f"rung {name}={value} on the best flags so far (trial {best_number}): up to "
+                       f"{LEVER_GAIN[name](value):g}× the logical KV pool at the same budget (issue 23)",
+                "compare_with_trial": best_number})
         return None
+
+
+def rung_points(points: Sequence[Point], family: Mapping[str, Any] | Family) -> list[Point]:
+    """The calibration points that ran ``family``'s structural rung (:func:`same_rung`): the only
+    ones whose KV cell, weights and graphs predict it (another rung's would mispredict its pool)."""
+    knobs = dict(family)
+    return [p for p in points if same_rung(p.params, knobs)]
+
+
+def _moved(flags: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """The rung flags ``flags`` sets differently from ``base`` (``enable_dp_attention`` said by ``dp_size``)."""
+    return {k: v for k, v in flags.items() if base.get(k, LEVER_NEUTRAL.get(k)) != v and k != "enable_dp_attention"}

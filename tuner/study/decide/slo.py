@@ -14,6 +14,7 @@ import math
 
 from tuner.study.calibration import Calibration, Family, changed_knobs, neighbours
 from tuner.study.decide import Proposal
+from tuner.study.decide.rungs import rung_points
 from tuner.study.slo_bound import SLOBound, family_of
 from tuner.study.space import config_key
 from tuner.study.view import ConfigKey, StudyView
@@ -46,7 +47,9 @@ class SLOBracket:
         own_base = cal.bounds.get(family)
         base = own_base if own_base is not None and own_base.binds else binding[cal.binding_family()]
         # One bracket per knob set but the graphs: cuda_graph_max_bs lands with the count (_at_count).
-        families = list(dict.fromkeys([family, *(cal.bracket_key(f) for f in neighbours(view.space, dict(family)))]))
+        # A neighbour on a structural rung no start ran is the rung proposer's (its own cell and weights).
+        families = list(dict.fromkeys([family, *(cal.bracket_key(f) for f in neighbours(view.space, dict(family))
+                                                 if rung_points(cal.model_points, f))]))
         for rank, fam in enumerate(families):
             own = cal.bounds.get(fam)
             count: int | None
@@ -79,12 +82,12 @@ def _at_count(cal: Calibration, key: Family, count: int, tried: frozenset[Config
     captures what the largest does at ``count``), at the smallest fraction whose pool holds them
     (the memory frontier at that count), or ``None`` (already tried, or memory forbids it)."""
     family, moved = cal.land(key, count)
-    ref = cal.reference(family, count, cal.points)
+    ref = cal.reference(family, count, rung_points(cal.points, family) or cal.points)
     need = cal.need_gib(family)
     found = cal.frontier(family, ref, count, need)
     if found is None and family != key:  # the landed graphs leave too little free: the key's own
         family, moved = key, None
-        ref = cal.reference(family, count, cal.points)
+        ref = cal.reference(family, count, rung_points(cal.points, family) or cal.points)
         need = cal.need_gib(family)
         found = cal.frontier(family, ref, count, need)
     if found is None:
