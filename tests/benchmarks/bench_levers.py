@@ -104,7 +104,7 @@ def _study(cfg: TunerConfig) -> tuple[list[tuple[int, TrialRecord]], int, Space]
 
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{tmp}/study.db"
-        run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=url, on_progress=on_progress)  # trials include skips
+        run_study(cfg, runner, max_trials=LAUNCHES, storage_url=url, on_progress=on_progress)  # --trials caps launches
         space = Space.model_validate(optuna.load_study(study_name=cfg.study.name, storage=url).user_attrs[SPACE_ATTR])
     return runner.history[:LAUNCHES], len(skips), space
 
