@@ -350,7 +350,8 @@ class BudgetSection(_Section):
 
     Attributes:
         total: Default wall-clock budget when ``--budget`` is not given (``4h``, ``90m``).
-        trials: Default cap on the number of trials (``--trials`` overrides).
+        trials: Default cap on the number of trials launched in a run (``--trials`` overrides;
+            skipped proposals do not count).
         warmup_s: Warm-up phase length (not measured).
         measure_s: Measured window length.
         stress_s: Stress phase length (longest contexts at the highest admitted concurrency).

@@ -56,7 +56,7 @@ def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _launches(cfg: TunerConfig, url: str, n: int = LAUNCHES) -> list[tuple[int, TrialRecord]]:
     """The first ``n`` launches of ``cfg``'s study in ``url`` (skips are no launches)."""
     runner = OfflineExecutor(cfg, world_seed=0)
-    run_study(cfg, runner, max_trials=n * 4, storage_url=url)
+    run_study(cfg, runner, max_trials=n, storage_url=url)
     return runner.history[:n]
 
 

@@ -33,7 +33,7 @@ LAUNCHES = 10
 
 def _study(cfg: TunerConfig) -> tuple[OfflineExecutor, list[tuple[int, TrialRecord]], object]:
     runner = OfflineExecutor(cfg, pool_requests=256)
-    summary = run_study(cfg, runner, max_trials=4 * LAUNCHES, storage_url=":memory:")
+    summary = run_study(cfg, runner, max_trials=LAUNCHES, storage_url=":memory:")
     return runner, runner.history[:LAUNCHES], summary
 
 

@@ -200,8 +200,7 @@ def _study(cfg: TunerConfig, seed: int, *, planner: bool, noise: float,
         if skips is not None and event.event == "skip" and event.flags:
             skips.append((dict(event.flags), event.message))
 
-    # Trials include skips (no launch): allow enough trials for LAUNCHES launches.
-    run_study(cfg, runner, max_trials=LAUNCHES * 4, storage_url=":memory:", use_planner=planner,
+    run_study(cfg, runner, max_trials=LAUNCHES, storage_url=":memory:", use_planner=planner,
               on_progress=on_progress)
     return runner.history[:LAUNCHES]
 

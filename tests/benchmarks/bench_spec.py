@@ -43,7 +43,7 @@ LAUNCHES = 10
 
 def _study(cfg: TunerConfig) -> OfflineExecutor:
     runner = OfflineExecutor(cfg, pool_requests=256)
-    run_study(cfg, runner, max_trials=4 * LAUNCHES, storage_url=":memory:")
+    run_study(cfg, runner, max_trials=LAUNCHES, storage_url=":memory:")
     return runner
 
 

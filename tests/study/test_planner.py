@@ -34,9 +34,10 @@ BUDGET = BudgetSection(max_concurrency=256)
 
 def _record(params: dict, *, running: float | None, slo: float | None, tput: float = 500.0,
             outcome: str = "ok", failure: FailureClass | None = None, base: list[str] = BASE,
-            context: int = CONTEXT) -> TrialRecord:
+            context: int = CONTEXT, limited: str | None = None) -> TrialRecord:
     """A trial of ``params`` as the product records it: the startup's memory facts, and a
-    measured window of ``running`` requests with SLO overshoot ``slo``."""
+    measured window of ``running`` requests with SLO overshoot ``slo`` (of the p99 ``limited``:
+    ``"ttft"`` or ``"itl"`` against limits of 3 s and 1 s, the other p99 at half its limit)."""
     argv = render_argv(base, params, TABLE)
     resolved, facts, memory = simulated_start(argv, context, TABLE)
     constraints = {"oom_or_crash": 1.0 if failure else -1.0, "slo": slo if slo is not None else 1.0,
@@ -47,8 +48,17 @@ def _record(params: dict, *, running: float | None, slo: float | None, tput: flo
         free_gib_after_graphs=facts["free_gib_after_graphs"], memory=memory,
         output_throughput_tok_s=tput, constraints=constraints, feasible=all(v <= 0 for v in constraints.values()),
         measured_load={"streams": running, "running_requests": running, "chunk_tokens": 8192.0} if running else {},
-        failure_class=failure,
+        failure_class=failure, **_latencies(limited, slo),
     )
+
+
+def _latencies(limited: str | None, slo: float | None) -> dict:
+    """The p99s and the SLO's limits of a window whose worst overshoot ``slo`` is on ``limited``."""
+    if limited is None or slo is None:
+        return {}
+    limits = {"p99_ttft_ms": 3000.0, "p99_itl_ms": 1000.0}
+    p99 = {key: limit * (1 + slo if key == f"p99_{limited}_ms" else 0.5) for key, limit in limits.items()}
+    return {**p99, "slo_capacity": {"limits": limits}}
 
 
 def _params(mfs: float, mrr: int, cps: int = 8192) -> dict:
@@ -161,6 +171,35 @@ def test_inside_the_feasible_region_the_planner_narrows_the_bracket_then_stops_b
     later = plan(_view(space, history))
     # the 8192 bracket is closed (34 safe, 35 broken): never 35 or more with these knobs again
     assert later is None or later.params["chunked_prefill_size"] != 8192 or later.params["max_running_requests"] <= 34
+
+
+@pytest.mark.parametrize(("limited", "chunk"), [("ttft", 16384), ("itl", 4096)])
+def test_a_closed_bracket_tries_the_chunk_size_that_eases_its_limit_at_the_break_first(space, limited, chunk) -> None:
+    """The 8192-token bracket is closed (34 requests hold the SLO, 35 break it by 0.2 %): only a
+    hold at 35 can beat the incumbent, so the other chunk sizes are measured there first (not at
+    the safe 34, which at best ties), the one that eases the binding limit first: a larger chunk
+    prefills a prompt in fewer steps (TTFT), a smaller one lengthens the decode steps it joins
+    less (ITL). Before, 4096 at 34 came first whichever limit bound. A chunk size that then breaks
+    at the incumbent's safe load too is not bracketed further down (fewer requests cannot win)."""
+    low = space.mem_fraction_static[0]
+
+    def measured(params: dict, running: int, slo: float) -> TrialRecord:  # with the GPU monitor's activation peak
+        record = _record(params, running=running, slo=slo, limited=limited)
+        return record.model_copy(update={"memory": record.memory.model_copy(update={"peak_activation_gib": 2.0})})
+
+    history = [(0, measured(_params(0.85, 4096), 256, 5.9)), (1, measured(_params(low, 35), 35, 0.002)),
+               (2, measured(_params(low, 34), 34, -0.01))]
+    candidate = plan(_view(space, history))
+    assert candidate is not None
+    assert (candidate.params["chunked_prefill_size"], candidate.params["max_running_requests"]) == (chunk, 35)
+    assert "at the load that broke the SLO on trial 1" in candidate.prediction["why"]
+    history.append((3, measured(_params(low, 35, chunk), 35, 0.01)))
+    then = plan(_view(space, history))  # it broke at 35 too: its safe load is the incumbent's
+    assert then is not None
+    assert (then.params["chunked_prefill_size"], then.params["max_running_requests"]) == (chunk, 34)
+    history.append((4, measured(_params(low, 34, chunk), 34, 0.01)))
+    later = plan(_view(space, history))  # it breaks at 34 as well: no count below is tried
+    assert later is None or later.params["chunked_prefill_size"] != chunk
 
 
 # ---- every skip reason -----------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     keys = [tuple(sorted(run.space().snap(r.params).items())) for r in stored]
     assert len(keys) == len(set(keys))  # each config's skip stored once
     assert summary.trials_skipped == len(stored)  # a skip is counted and shown once, as stored
-    assert run.repeats_in_a_row >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
+    assert run.streaks.repeats >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
     measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
 
@@ -240,3 +240,37 @@ def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path, monkeypatch) -> 
     keys = [tuple(sorted(second.space().snap(r.params).items())) for r in skips]
     assert len(keys) == len(set(keys))  # each config's skip stored once, study-wide
     assert len(trials) - before < summary.trials_skipped  # the held ones were not stored again
+
+
+def test_the_trial_cap_counts_launches_not_skips() -> None:
+    """``--trials N`` caps the run's launches (restarts of the service): a skipped proposal costs no
+    restart, so a study that skips configs between its launches still gets its N launches (before,
+    skips counted, and on this space 8 trials were 4 launches and 4 skips)."""
+    from tuner.study.loop import StudyRun
+
+    config = _spent_config()
+    run = StudyRun(config, OfflineExecutor(config), max_trials=8, storage_url=":memory:")
+    summary = run.run()
+    assert summary.stop_reason == "trials"
+    assert summary.trials_run == 8
+    assert summary.trials_skipped > 0  # the skips it made between launches did not spend the cap
+
+
+def test_new_skips_in_a_row_stop_a_spent_study_as_exhausted_and_say_why() -> None:
+    """The trial cap counts launches, so skips need their own bound: on the 70B tp 4 H100 (a
+    memory-bound space of ~4,000 configs that the planner spends in a few launches), every config
+    the sampler draws afterwards is skipped as below the capacity band, beyond the reachable slots
+    or predicted to OOM; after MAX_SKIPS_IN_A_ROW new skips with no launch between them the run
+    stops as exhausted, long before the 1000-launch cap, and says why (before, it drew new skips
+    until the 200-repeat stop: thousands of them)."""
+    from tests.support.scenarios import scenarios, with_seed
+    from tuner.study.loop import MAX_SKIPS_IN_A_ROW, StudyRun
+
+    config = with_seed(scenarios()["70B tp4 on H100, 8k contexts"]["config"], 0)
+    run = StudyRun(config, OfflineExecutor(config, world_seed=0), max_trials=1000, storage_url=":memory:")
+    summary = run.run()
+    assert summary.stop_reason == "exhausted" and summary.trials_run < 20
+    assert run.streaks.skips == MAX_SKIPS_IN_A_ROW and run.streaks.repeats < 200
+    assert summary.trials_skipped < 10 * MAX_SKIPS_IN_A_ROW
+    assert f"{MAX_SKIPS_IN_A_ROW} new configs in a row were skipped without a restart" in summary.stop_detail
+    assert summary.as_json()["stop_detail"] == summary.stop_detail

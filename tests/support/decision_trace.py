@@ -2,7 +2,7 @@
 
 For each scenario of ``tests/benchmarks/search_scenarios.toml`` at seeds 0-2, the study runs as
 the search-quality benchmark runs it (the product's loop and trial on the simulator's offline
-evaluation, virtual time, an in-memory study, ``4 × 20`` trials at most), and so do the three HiCache
+evaluation, virtual time, an in-memory study, 20 launches at most), and so do the three HiCache
 studies of ``tests/benchmarks/bench_hicache.py`` (the cache candidate, the host-memory check); every progress event that is a
 decision is written down in order: a launch's kind, params and outcome; a skip's kind, params and
 reason; a note; the stop. Optuna trial numbers are left out (skips are stored by a background
@@ -29,10 +29,10 @@ from tuner.study.progress import Progress
 
 GOLDEN = Path(__file__).resolve().parents[1] / "study" / "golden" / "decision-trace.txt"
 SEEDS = (0, 1, 2)
-MAX_TRIALS = 80
-"""The benchmark's trial cap (``4 × 20`` launches: skips count as trials)."""
-HICACHE_MAX_TRIALS = 40
-"""The HiCache benchmark's trial cap (``4 × 10``)."""
+MAX_TRIALS = 20
+"""The benchmark's trial cap (20 launches: skips do not count; ``MAX_SKIPS_IN_A_ROW`` bounds them)."""
+HICACHE_MAX_TRIALS = 10
+"""The HiCache benchmark's trial cap (10 launches)."""
 
 _TRIAL = re.compile(r"\btrials? (\d+)\b")
 _NUMBERED = re.compile(r"^(?:trial \d+|a \w+ config)(?: skipped)?: ")
@@ -85,7 +85,7 @@ def trace(name: str, seed: int) -> list[str]:
 
 
 def hicache_trace(name: str) -> list[str]:
-    """The decisions of the HiCache benchmark's study ``name`` (its config's seed, 40 trials at
+    """The decisions of the HiCache benchmark's study ``name`` (its config's seed, 10 launches at
     most, as ``bench_hicache.py`` runs it): the cache candidate and the host-memory check."""
     cfg = hicache_scenarios()[name]
     recorder = _Recorder()

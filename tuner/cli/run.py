@@ -25,6 +25,7 @@ def _print_best_vs_baseline(summary, chosen, console=console) -> None:  # noqa: 
         + (f" on host {summary.host}" if is_shared_url(summary.storage_url) and summary.host else "")
         + f": {summary.trials_run} trial(s) launched, "
         f"{summary.trials_skipped} skipped without a restart, stopped by {summary.stop_reason}"
+        + (f" ({summary.stop_detail})" if summary.stop_detail else "")
         + (f"; re-enqueued interrupted trial(s) {summary.recovered}" if summary.recovered else ""),
         highlight=False, soft_wrap=True,  # one line in a pipe or the journal, not wrapped at 80 columns
     )
@@ -218,7 +219,7 @@ class _RunProgress:
 def run_cmd(
     config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
     budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
-    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials in this run (launched or skipped), at least 1.", show_default="the config's [budget] trials, else none")] = None,
+    trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials launched in this run (restarts; skipped proposals do not count), at least 1.", show_default="the config's [budget] trials, else none")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
     storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
     allow_mixed_environment: Annotated[bool, typer.Option(

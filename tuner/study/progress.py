@@ -77,6 +77,8 @@ class RunSummary(BaseModel):
         host: The host name this run recorded on its trials (:func:`tuner.study.hosts.host_name`).
         stop_reason: ``budget``, ``trials``, ``interrupted``, ``exhausted`` or ``window`` (outside
             ``[service] window``, no wait possible or wanted).
+        stop_detail: Why, in words, where the reason alone does not say (``exhausted``: which
+            streak of the loop stopped it); empty otherwise.
         baseline: The baseline's record (trial number, record).
         best: The chosen best and why (:func:`tuner.study.best.choose_best` under the config's
             ``[objective]``, over every trial of the study).
@@ -93,6 +95,7 @@ class RunSummary(BaseModel):
     recovered: list[int] = Field(default_factory=list)
     host: str = ""
     stop_reason: str = "exhausted"
+    stop_detail: str = ""
     baseline: tuple[int, TrialRecord] | None = None
     best: BestChoice | None = None
     elapsed_s: float = 0.0
@@ -114,13 +117,13 @@ class RunSummary(BaseModel):
 
     @property
     def handled(self) -> int:
-        """Trials this run launched or skipped (what ``--trials`` caps)."""
+        """Trials this run launched or skipped (``--trials`` caps the launched ones: ``trials_run``)."""
         return self.trials_run + self.trials_skipped
 
     def as_json(self) -> dict[str, Any]:
         """The run's summary for machines (``tuner run --json-progress``'s last object, ``event``
         ``summary``): study, storage (password masked), host, trials_run, trials_skipped,
-        recovered, stop_reason, elapsed_s, skip_reasons (reason → count), and the baseline and the best as ``{"number": n,
+        recovered, stop_reason, stop_detail, elapsed_s, skip_reasons (reason → count), and the baseline and the best as ``{"number": n,
         **result_fields}`` (the best with ``reason`` and ``tied``), ``None`` when there is none."""
         from tuner.study.storage import display_url
 
@@ -129,7 +132,7 @@ class RunSummary(BaseModel):
                  **result_fields(self.best.record)} if self.best is not None else None)
         return {"study": self.study_name, "storage": display_url(self.storage_url), "host": self.host,
                 "trials_run": self.trials_run, "trials_skipped": self.trials_skipped, "recovered": self.recovered,
-                "stop_reason": self.stop_reason, "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
+                "stop_reason": self.stop_reason, "stop_detail": self.stop_detail, "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
                 "best": best, "skip_reasons": dict(self.skip_reasons)}
 
 
@@ -222,9 +225,9 @@ class RunProgress:
         self._event("phase" if phase else "note", number, phase=phase, message=message,
                     index=self._summary.handled + 1 if in_trial else None)
 
-    def stop(self, reason: str) -> None:
-        """The run stops (``budget``, ``trials``, ``exhausted``)."""
-        self._event("stop", None, message=f"stopped: {reason}")
+    def stop(self, reason: str, detail: str = "") -> None:
+        """The run stops (``budget``, ``trials``, ``exhausted``; ``detail``: why, in words)."""
+        self._event("stop", None, message=f"stopped: {reason}" + (f" ({detail})" if detail else ""))
 
     # ---- the launch estimate ---------------------------------------------------------------------
 
@@ -239,7 +242,7 @@ class RunProgress:
         A launch costs the larger of the study's estimate (``cost_s``) and this run's wall time
         per launch so far. At a trial's start the trial in flight counts as one and only what fits
         after it is added; at its end, what fits in the budget left. A trial cap (``--trials``,
-        which counts skips too) bounds it. The result is never below the launches so far (the one
+        which counts launches) bounds it. The result is never below the launches so far (the one
         in flight included).
 
         Returns:
@@ -261,7 +264,7 @@ class RunProgress:
             after = max(0, int((self._budget.remaining_s() - cost) // max(cost, 1e-9))) if in_flight else left
             total = launched + after
         if self._max_trials is not None:
-            cap = launched + max(0, self._max_trials - self._summary.handled - in_flight)
+            cap = max(self._max_trials, launched)
             total = cap if total is None else min(total, cap)
         self._expected = None if total is None else max(total, launched)
         return self._expected

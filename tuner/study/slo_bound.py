@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict
 from tuner.records import TrialRecord
 from tuner.study.space import MEMORY_KNOBS
 
-__all__ = ["AIM_MARGIN", "SLOPoint", "SLOBound", "slo_points", "slo_bounds", "family_of"]
+__all__ = ["AIM_MARGIN", "SLOPoint", "SLOBound", "slo_points", "slo_bounds", "family_of", "limited_by"]
 
 AIM_MARGIN = 0.05
 """Relative latency margin the planner aims inside the SLO (so a noisy window still meets it)."""
@@ -76,6 +76,9 @@ class SLOPoint(BaseModel):
         graphed: The decode batches of ``1..running_requests`` that replayed a CUDA graph, as one
             number (``running_requests`` itself: all of them; else the largest captured size below
             the first eager batch, §2.1); ``None``: unknown.
+        limited_by: The latency limit the window came nearest to (or broke most): ``"ttft"`` or
+            ``"itl"`` (the largest ``measured / limit`` of its p99s against the SLO's limits,
+            :attr:`tuner.records.SloCapacity.limits`); ``None``: not known.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -86,6 +89,7 @@ class SLOPoint(BaseModel):
     slo: float
     token_capacity: int | None = None
     graphed: int | None = None
+    limited_by: str | None = None
 
     def same_graphs(self, other: SLOPoint) -> bool:
         """Whether the two windows decoded on the same graph coverage of their batches: both on a
@@ -219,8 +223,19 @@ def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
             continue
         out.append(SLOPoint(number=number, family=family_of(record.params),
                             running_requests=float(load.running_requests or 0), slo=float(value),
-                            token_capacity=record.token_capacity))
+                            token_capacity=record.token_capacity, limited_by=limited_by(record)))
     return out
+
+
+def limited_by(record: TrialRecord) -> str | None:
+    """The latency limit ``record``'s measured window came nearest to: ``"ttft"`` or ``"itl"``
+    (the larger of its p99 over the SLO's p99 limit), ``None`` when neither was measured
+    against a limit (the limits are the record's :attr:`~tuner.records.SloCapacity.limits`)."""
+    limits = record.slo_capacity.limits
+    ratios = {name: measured / limits[f"p99_{name}_ms"]
+              for name, measured in (("ttft", record.p99_ttft_ms), ("itl", record.p99_itl_ms))
+              if measured is not None and limits.get(f"p99_{name}_ms")}
+    return max(ratios, key=lambda name: ratios[name]) if ratios else None
 
 
 def slo_bounds(points: Sequence[SLOPoint], *, normalise: Any = None) -> dict[tuple[tuple[str, Any], ...], SLOBound]:

@@ -48,12 +48,18 @@ class SLOBracket:
         base = own_base if own_base is not None and own_base.binds else binding[cal.binding_family()]
         # One bracket per knob set but the graphs: cuda_graph_max_bs lands with the count (_at_count).
         # A neighbour on a structural rung no start ran is the rung proposer's (its own cell and weights).
-        families = list(dict.fromkeys([family, *(cal.bracket_key(f) for f in neighbours(view.space, dict(family))
-                                                 if rung_points(cal.model_points, f))]))
+        others = [cal.bracket_key(f) for f in neighbours(view.space, dict(family)) if rung_points(cal.model_points, f)]
+        families = list(dict.fromkeys([family, *_by_chunk_direction(others, family, _limit_of(base))]))
         for rank, fam in enumerate(families):
             own = cal.bounds.get(fam)
             count: int | None
-            if own is not None and own.points:
+            if rank and own is not None and own.binds and not own.safe and base.safe:
+                if (own.broken or 0) <= base.safe:
+                    continue  # it breaks at the incumbent's safe load: fewer requests cannot beat it
+                # It broke where the base family did (tried there first): its safe load now.
+                count = int(base.safe)
+                why = f"another {changed_knobs(family, fam)} at the SLO-safe load of trial {base.safe_trial}"
+            elif own is not None and own.points:
                 count = own.next_count()
                 if count is None and not own.binds and base.broken is not None:
                     # It held so far: try where the base family broke, then step up by a quarter
@@ -63,6 +69,13 @@ class SLOBracket:
                 why = ("bisect running requests between the largest SLO-safe and the smallest SLO-breaking "
                        "window of these knobs" if rank == 0 else
                        f"another {changed_knobs(family, fam)} within the SLO bracket")
+            elif base.converged and base.broken is not None and base.safe:
+                # The base bracket is closed: only a hold at its break can beat the incumbent's
+                # capacity, so the other knobs are measured there first (at the safe load after,
+                # if they break there too).
+                count = int(base.broken)
+                why = (f"another {changed_knobs(family, fam)} at the load that broke the SLO on trial "
+                       f"{base.broken_trial} (the SLO-safe load {int(base.safe)} is closed there)")
             else:
                 count = int(base.safe) if base.safe else base.next_count()
                 why = f"another {changed_knobs(family, fam)} at the SLO-safe load of trial {base.safe_trial}"
@@ -107,3 +120,38 @@ def _at_count(cal: Calibration, key: Family, count: int, tried: frozenset[Config
         "slo_broken_running_requests": bound.broken, "slo_broken_trial": bound.broken_trial,
         "why": why,
     })
+
+
+def _limit_of(bound: SLOBound) -> str | None:
+    """The latency limit that binds ``bound``: the one its smallest breaking window broke most
+    (:attr:`~tuner.study.slo_bound.SLOPoint.limited_by`), ``None`` when not known."""
+    return next((p.limited_by for p in bound.points if p.number == bound.broken_trial), None)
+
+
+def _by_chunk_direction(others: list[Family], family: Family, limit: str | None) -> list[Family]:
+    """``others`` with the chunked prefill sizes that move the binding latency limit the right way
+    first: a larger chunk prefills a prompt in fewer scheduler steps (a lower TTFT), a smaller one
+    adds less prefill work to the decode steps it joins (a lower ITL; §2.1's
+    ``chunked_prefill_size``, SGLang's mixed prefill/decode batches). Families that differ in other
+    knobs keep their order after those; with the limit not known, the order is kept."""
+    chunk = _chunk(family)
+    if limit not in ("ttft", "itl") or chunk is None:
+        return others
+
+    def rank(fam: Family) -> tuple[int, float]:
+        other = _chunk(fam)
+        if other is None or other == chunk:
+            return (1, 0.0)
+        toward = other > chunk if limit == "ttft" else other < chunk
+        return (0 if toward else 1, abs(other - chunk) if toward else 0.0)
+
+    return sorted(others, key=rank)
+
+
+def _chunk(family: Family) -> float | None:
+    """``family``'s chunked prefill size in tokens (chunking off, ``-1``: unbounded), ``None``
+    when it does not set one."""
+    value = dict(family).get("chunked_prefill_size")
+    if not isinstance(value, int | float):
+        return None
+    return math.inf if value <= 0 else float(value)
