@@ -7,25 +7,22 @@ product reads one rank's pool from each source, and ``explain --url`` and ``--lo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import requests
 
+from tests.support.cli import run_tuner
 from tests.support.sim import spawn, wait_ready
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.levers import rank_tokens
 from tuner.sglang.logs import parse_log
 
-TUNER = str(Path(sys.executable).with_name("tuner"))
 ARGV = ["--model-path", "kimi-k2.5-int4", "--tp-size", "8", "--mem-fraction-static", "0.88",
         "--sim-gpu", "RTX-PRO-6000-96GB", "--sim-version", "0.5.23", "--dcp-size", "8"]
 
 
 def _explain(*args: str) -> dict:
-    proc = subprocess.run([TUNER, "explain", *args, "--json"], capture_output=True, text=True, timeout=120,
-                          check=False, env={"PATH": "/usr/bin:/bin", "COLUMNS": "120", "NO_COLOR": "1"})
+    proc = run_tuner("explain", *args, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

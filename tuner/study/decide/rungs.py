@@ -71,6 +71,7 @@ class RungPrices:
         self.tp = flag_int(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1
         self.backend = flag_value(argv, "--attention-backend")
         self.spec = flag_value(argv, "--speculative-algorithm")
+        self._bases: dict[int, LadderBase] = {}  # by the baseline's trial number: its record never changes
 
     def base(self, view: StudyView) -> tuple[int, TrialRecord, LadderBase] | None:
         """The baseline's trial number, record and ladder base, or ``None`` before a baseline with a memory model."""
@@ -78,7 +79,9 @@ class RungPrices:
         if found is None:
             return None
         number, record = found
-        return number, record, self._base(record)
+        if number not in self._bases:  # priced per fraction of every rung on each decision: built once
+            self._bases[number] = self._base(record)
+        return number, record, self._bases[number]
 
     def _base(self, record: TrialRecord) -> LadderBase:
         memory, params = record.memory, record.params
@@ -248,9 +251,9 @@ class RungCandidate:
             tokens = rung.tokens_per_rank or 0
             if not rung.starts or tokens <= 0 or (rung.per_request_max_tokens or 0) < context:
                 continue
-            if (rung.free_after_graphs_gib or 0.0) < cal.need_gib(family_of(at)):
-                continue
             family = family_of(at)
+            if (rung.free_after_graphs_gib or 0.0) < cal.need_gib(family):
+                continue
             # The slots the rung's pool can fill (never fewer than the best's own count).
             mrr = max(slots, min(high, deployment_capacity(family, high, tokens, context)))
             at = space.snap({**at, "max_running_requests": max(low, mrr)})
