@@ -510,6 +510,10 @@ class TrialRecord(BaseModel):
             all 0-1 of prompt tokens, ``hit_rate_source`` (``cached_tokens_details`` or
             ``/metrics``), and with the hierarchical cache ``host_pool_gb_per_rank``,
             ``host_pool_ranks``, ``host_pool_gb`` (decimal GB pinned on the host).
+        itl_exceedance: The measured window's share of token gaps above the SLO's ITL limit over
+            the share its percentile allows (≤ 1 holds; :func:`tuner.load.metrics.itl_exceedance`),
+            ``None`` without a percentile ITL limit. ``itl_exceedance_low``: its 95 % lower bound over
+            the window's decode steps (:func:`tuner.load.metrics.itl_exceedance_low`).
         measured_load: The load the server ran in the measured window (:class:`MeasuredLoad`).
         repeat_of: The trial this one re-measures (same config, to measure the noise), or ``None``.
         constraints: Constraint values by name (:data:`CONSTRAINT_NAMES`; a missing one was not
@@ -539,6 +543,8 @@ class TrialRecord(BaseModel):
     goodput_req_s: float | None = None
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
+    itl_exceedance: float | None = None
+    itl_exceedance_low: float | None = None
     measured_load: MeasuredLoad = Field(default_factory=MeasuredLoad)
     repeat_of: int | None = None
     constraints: dict[str, float] = Field(default_factory=dict)

@@ -644,6 +644,8 @@ def _assemble_record(
         "goodput_req_s": summary.goodput if summary else None,
         "p99_ttft_ms": summary.p99_ttft_ms if summary else None,
         "p99_itl_ms": summary.p99_itl_ms if summary else None,
+        "itl_exceedance": summary.itl_exceedance if summary else None,
+        "itl_exceedance_low": summary.itl_exceedance_low if summary else None,
         "measured_load": load or MeasuredLoad(),
     }
     if runtime_failure is not None:

@@ -129,3 +129,36 @@ def test_top_errors_group_texts_that_differ_in_numbers_and_failure_names_the_cau
     assert cut.startswith("no request completed (0 errored, 1 incomplete)") and "--duration" in cut
     assert mixed.failure(0.5) is None and summarize([A], 1.0).failure(0.0) is None
     assert "top_errors" not in mixed.metrics()
+
+
+def test_itl_exceedance_is_the_share_of_gaps_over_the_limit_per_allowed_share() -> None:
+    import numpy as np
+
+    from tuner.load.metrics import itl_exceedance
+
+    gaps = np.array([10.0] * 985 + [50.0] * 15)  # 1.5 % of the gaps above 35 ms
+    assert itl_exceedance(SLO(itl_ms={"p99": 35}), gaps) == pytest.approx(1.5)
+    assert itl_exceedance(SLO(itl_ms={"p90": 35}), gaps) == pytest.approx(0.15)
+    # The binding limit counts: p99 at 35 ms (1.5) over p90 at 5 ms (every gap: 10).
+    assert itl_exceedance(SLO(itl_ms={"p99": 35, "p90": 5}), gaps) == pytest.approx(10.0)
+    assert itl_exceedance(SLO(itl_ms={"mean": 35}), gaps) is None  # not a share of the gaps
+    assert itl_exceedance(SLO(ttft_ms={"p99": 35}), gaps) is None
+    assert itl_exceedance(SLO(itl_ms={"p99": 35}), np.empty(0)) is None
+    # In a window: A's gaps are 20, 20, 20, 10 ms and B's 50 ms: 1 of 5 above 25 ms, p50 allows half.
+    assert summarize([A, B], 2.0, slo=SLO(itl_ms={"p50": 25})).itl_exceedance == pytest.approx(0.4)
+    assert summarize([A, B], 2.0).itl_exceedance is None
+
+
+def test_itl_exceedance_low_counts_decode_steps_not_gaps() -> None:
+    import numpy as np
+
+    from tuner.load.metrics import itl_exceedance_low
+
+    slo = SLO(itl_ms={"p99": 35})
+    gaps = np.array([10.0] * 9_700 + [50.0] * 300)  # 3 % slow: exceedance 3
+    # At 1 request in flight the 10,000 gaps are 10,000 steps: 300 slow, bound (300 − 1.645·√300) / 100.
+    assert itl_exceedance_low(slo, gaps, 1.0) == pytest.approx((300 - 1.645 * 300 ** 0.5) / 100)
+    # At 100 in flight they are 100 steps, 3 slow: no more than the 1 allowed by the noise.
+    low = itl_exceedance_low(slo, gaps, 100.0)
+    assert low is not None and low == pytest.approx(max(0.0, 3 - 1.645 * 3 ** 0.5)) and low <= 1.0
+    assert itl_exceedance_low(SLO(itl_ms={"mean": 35}), gaps, 1.0) is None

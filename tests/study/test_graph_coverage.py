@@ -138,3 +138,58 @@ def test_an_unused_wider_cuda_graph_max_bs_lands_on_the_smallest_with_the_same_c
     assert dict(landed)["cuda_graph_max_bs"] == 24 and note is None
     landed, note = cal.land((("chunked_prefill_size", 4096), ("cuda_graph_max_bs", 24)), 40)
     assert dict(landed)["cuda_graph_max_bs"] == 48 and note is not None and "moves with" in note
+
+
+def test_an_itl_bracket_interpolates_the_share_of_slow_gaps_not_the_p99() -> None:
+    """Two ITL breaks (38 and 64 requests, one graph coverage): their p99s put the line's 0.95 at
+    18 requests, while the share of gaps over the limit (1.31 and 4.79 of the allowed 1 %) rises as
+    a power of the requests in flight and reaches 0.95 of the allowed share at 33."""
+    from tuner.study.slo_bound import SLOPoint, slo_bounds
+
+    key = (("chunked_prefill_size", 8192),)
+    at_38 = SLOPoint(number=2, family=key, running_requests=38, slo=0.2185, graphed=38, limited_by="itl")
+    at_64 = SLOPoint(number=1, family=key, running_requests=64, slo=0.5711, graphed=64, limited_by="itl")
+    assert slo_bounds([at_38, at_64])[key].next_count() == 18  # the p99 line
+    shares = [at_38.model_copy(update={"itl_exceedance": 1.308}), at_64.model_copy(update={"itl_exceedance": 4.792})]
+    assert slo_bounds(shares)[key].next_count() == 33  # 38 · (0.95 / 1.308) ** (1 / 2.49)
+    # A TTFT-bound break keeps the p99 line (one sample per request: its share is coarse).
+    ttft = [p.model_copy(update={"limited_by": "ttft"}) for p in shares]
+    assert slo_bounds(ttft)[key].next_count() == 18
+
+
+def test_the_itl_boundary_where_the_p99_is_flat_below_it_is_reached_by_launch_five() -> None:
+    """Issue 30's ITL 35 ms scenario with ``cuda_graph_max_bs`` searched, on the product's own
+    study loop and trial against the simulator: the p99 ITL is flat at 33-34 ms from 18 to 33
+    requests and breaks the limit from 34, so a line through the p99s of the first breaks lands at
+    18 and creeps up. The exceedance of the limit lands on the grid's optimum (33 requests) by the
+    fifth launch, with no failed launch."""
+    from tests.support.offline_server import OfflineExecutor
+    from tests.support.scenarios import scenarios
+    from tuner.study.loop import run_study
+
+    config = scenarios()["8B on H100, cuda_graph_max_bs searched, p99 ITL 35 ms"]["config"]
+    runner = OfflineExecutor(config, world_seed=0)
+    run_study(config, runner, max_trials=5, storage_url=":memory:")
+    five = [record for _, record in runner.history[:5]]
+    assert len(five) == 5 and not any(r.outcome == "failed" for r in five)
+    assert max(r.context_capacity or 0 for r in five if r.feasible) == 33
+
+
+def test_an_itl_break_within_its_noise_proves_only_loads_it_grows_past_the_limit_at() -> None:
+    """32 requests broke the ITL limit with 36 % more slow gaps than allowed, but its ~690 decode
+    steps bound that from below at 0.67 of the allowance: 33 requests are launched, not proved to
+    break; from 48 on, the bound grown with the requests in flight passes the allowance."""
+    from tuner.study.slo_bound import SLOPoint, slo_bounds
+
+    key = (("chunked_prefill_size", 8192),)
+    safe = SLOPoint(number=4, family=key, running_requests=31, slo=-0.04, limited_by="itl",
+                    itl_exceedance=0.53, itl_exceedance_low=0.10)
+    noisy = SLOPoint(number=3, family=key, running_requests=32, slo=0.40, limited_by="itl",
+                     itl_exceedance=1.36, itl_exceedance_low=0.67)
+    bound = slo_bounds([safe, noisy])[key]
+    assert not bound.proves(noisy, 33) and not bound.proves(noisy, 47)
+    assert bound.proves(noisy, 48)
+    clear = noisy.model_copy(update={"itl_exceedance_low": 1.2})
+    assert slo_bounds([safe, clear])[key].proves(clear, 33)
+    ttft = noisy.model_copy(update={"limited_by": "ttft"})  # the ITL bound says nothing of a TTFT break
+    assert slo_bounds([safe, ttft])[key].proves(ttft, 33)

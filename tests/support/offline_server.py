@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from array import array
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from tuner.config import TunerConfig
 from tuner.errors import ServerError
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload
-from tuner.load.metrics import LoadSummary, slo_violations
+from tuner.load.metrics import LoadSummary, itl_exceedance, itl_exceedance_low, slo_violations
 from tuner.records import TrialRecord
 from tuner.sglang.client import GreedyAnswer, ServerInfo
 from tuner.sglang.failures import Failure, FailureClass
@@ -94,6 +97,7 @@ def _noisy(result: EvalResult, factor: float) -> EvalResult:
         result, output_throughput=result.output_throughput * factor,
         request_throughput=result.request_throughput * factor,
         p99_ttft_ms=scale(result.p99_ttft_ms), p99_itl_ms=scale(result.p99_itl_ms),
+        itls_ms=array("f", (v / factor for v in result.itls_ms)),
         mean_ttft_ms=scale(result.mean_ttft_ms), p50_ttft_ms=scale(result.p50_ttft_ms),
         p99_tpot_ms=scale(result.p99_tpot_ms), mean_e2e_latency_ms=scale(result.mean_e2e_latency_ms),
     )
@@ -113,7 +117,7 @@ def _sim_requests(workload: Workload, limit: int, after: dict[str, str] | None =
 
 def _summary(result: EvalResult, slo: SLO | None) -> LoadSummary:
     """The simulator's window as the load generator's summary (the metrics it has; SLO by the
-    product's :func:`tuner.load.metrics.slo_violations`; the hit rate as ``/generate`` reports
+    product's :func:`tuner.load.metrics.slo_violations` and :func:`~tuner.load.metrics.itl_exceedance`; the hit rate as ``/generate`` reports
     ``cached_tokens``)."""
     duration = max(result.duration_s, 1e-9)
     fields: dict[str, Any] = {
@@ -123,18 +127,28 @@ def _summary(result: EvalResult, slo: SLO | None) -> LoadSummary:
     }
     errored = result.rejected + (1 if result.error else 0)
     done = result.completed
+    concurrency = (result.mean_e2e_latency_ms or 0.0) / 1000 * done / duration
     return LoadSummary(
         duration=result.duration_s, completed=done, errored=errored, incomplete=0, total_input_tokens=0,
         total_output_tokens=result.total_output_tokens, request_throughput=result.request_throughput,
         input_throughput=0.0, output_throughput=result.output_throughput,
         total_throughput=result.output_throughput,
-        concurrency=(result.mean_e2e_latency_ms or 0.0) / 1000 * done / duration,
+        concurrency=concurrency,
         error_rate=errored / (done + errored) if done or errored else 0.0,
         cache_hit_rate=result.cache_hit_rate if done else None,
         accept_length=(result.counters["spec_accepted_total"] / result.counters["spec_forward_total"]
                        if result.counters.get("spec_forward_total") else None),
-        slo_violations=slo_violations(slo, fields) if slo is not None else {}, **fields,
+        slo_violations=slo_violations(slo, fields) if slo is not None else {},
+        **_exceedance(slo, np.asarray(result.itls_ms), concurrency), **fields,
     )
+
+
+def _exceedance(slo: SLO | None, itls_ms: np.ndarray, concurrency: float) -> dict[str, float | None]:
+    """The window's ITL exceedance and its lower bound (the product's functions)."""
+    if slo is None:
+        return {}
+    return {"itl_exceedance": itl_exceedance(slo, itls_ms),
+            "itl_exceedance_low": itl_exceedance_low(slo, itls_ms, concurrency)}
 
 
 class OfflineServer:

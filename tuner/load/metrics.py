@@ -42,6 +42,8 @@ __all__ = [
     "summarize",
     "quantile_interval",
     "slo_violations",
+    "itl_exceedance",
+    "itl_exceedance_low",
     "top_errors",
     "request_itls_s",
     "TIERS",
@@ -271,6 +273,9 @@ class LoadSummary(BaseModel):
 over fewer than ~370 requests is close to their maximum); ``itl_count`` is the token gaps the ITL
 figures are over (TTFT's count is ``completed``).
 ``top_errors`` holds the most common errors of the window (empty when none errored).
+``itl_exceedance`` is the share of the window's token gaps above the SLO's ITL limit over the share
+its percentile allows (:func:`itl_exceedance`; ≤ 1 holds), ``None`` without a percentile ITL limit;
+``itl_exceedance_low`` its 95 % lower bound over the window's decode steps (:func:`itl_exceedance_low`).
     ``device_hit_rate`` / ``host_hit_rate`` / ``storage_hit_rate`` split ``cache_hit_rate`` by the
     tier that served the hit (shares of prompt tokens, 0-1) when the server reported
     ``cached_tokens_details`` (§5.3, 0.5.10+); :func:`tier_hits_from_metrics` gives the same split
@@ -340,6 +345,8 @@ figures are over (TTFT's count is ``completed``).
     slo_attainment: float | None = None
     slo_met: bool | None = None
     slo_violations: dict[str, float | None] = Field(default_factory=dict)
+    itl_exceedance: float | None = None
+    itl_exceedance_low: float | None = None
     top_errors: list[ErrorCount] = Field(default_factory=list)
 
     def failure(self, max_error_rate: float) -> str | None:
@@ -522,6 +529,67 @@ def slo_violations(slo: SLO, measured: Mapping[str, float | None]) -> dict[str, 
     return out
 
 
+def itl_exceedance(slo: SLO, itls_ms: np.ndarray) -> float | None:
+    """How far the window's token gaps exceed the SLO's ITL limits, as a smooth measure of load.
+
+    A ``pXX`` limit ``L`` holds when at most ``1 − XX/100`` of the gaps are above ``L`` (the p99:
+    1 %). The exceedance of that limit is the share of gaps above ``L`` over that allowed share:
+    ≤ 1 holds, 2 means twice the allowed slow gaps. Unlike the p99 itself, it moves smoothly with
+    the load: the p99 ITL of a chunked-prefill server is a quantile of a mixture of decode-only
+    steps and steps a prefill chunk joins, so it jumps from one population to the next as the
+    requests in flight grow, while the share of slow gaps grows with the prefills' rate (every
+    request in flight adds one prompt per its output length). ITL windows hold tens of thousands
+    of gaps, so the share is measured finely (a TTFT window holds one sample per request).
+
+    Args:
+        slo: The limits; its percentile ITL limits count (``median`` as p50; ``mean``/``max`` do not).
+        itls_ms: The window's token gaps, ms.
+
+    Returns:
+        The largest exceedance over the percentile ITL limits, ``None`` when there is none or
+        no gap was measured.
+    """
+    values = np.asarray(itls_ms, dtype=float)
+    shares = [float(np.count_nonzero(values > limit)) / values.size / (1.0 - _level(key))
+              for key, limit in slo.itl_ms.items() if key not in ("mean", "max") and values.size]
+    return max(shares, default=None)
+
+
+def itl_exceedance_low(slo: SLO, itls_ms: np.ndarray, concurrency: float) -> float | None:
+    """A 95 % lower bound of :func:`itl_exceedance`: the exceedance the window's slow decode
+    steps still support.
+
+    The gaps of one decode step are one observation, not ``concurrency`` of them: every request in
+    the batch gets its next token from the same step. So a window of ``n`` gaps at ``c`` requests in
+    flight holds about ``n / c`` steps, and a p99 limit allows 1 % of them to be slow; ``k`` slow
+    steps are a Poisson count, bounded below by ``k − 1.645 √k`` (one-sided 95 %, normal
+    approximation). A window whose bound is ≤ 1 broke the limit by no more than its sampling noise
+    (a few slow steps more or less), so it proves nothing of larger loads.
+
+    Args:
+        slo: The limits (as :func:`itl_exceedance`).
+        itls_ms: The window's token gaps, ms.
+        concurrency: Mean requests in flight over the window (≥ the decode batch: the bound errs low).
+
+    Returns:
+        The largest lower bound over the percentile ITL limits, ``None`` as :func:`itl_exceedance`.
+    """
+    values = np.asarray(itls_ms, dtype=float)
+    steps = values.size / max(1.0, concurrency)
+    bounds = []
+    for key, limit in slo.itl_ms.items():
+        if key in ("mean", "max") or not values.size:
+            continue
+        slow = float(np.count_nonzero(values > limit)) / values.size * steps
+        bounds.append(max(0.0, slow - 1.645 * math.sqrt(slow)) / ((1.0 - _level(key)) * steps))
+    return max(bounds, default=None)
+
+
+def _level(key: str) -> float:
+    """The quantile level of a percentile key (``median``: 0.5, ``p99``: 0.99)."""
+    return 0.5 if key == "median" else int(key[1:]) / 100
+
+
 def _acceptance(done: Sequence[RequestRecord]) -> dict[str, Any]:
     """``accept_length`` and ``accept_length_by_class`` of finished requests (see :class:`LoadSummary`)."""
     spec = [r for r in done if r.spec_verify_ct and r.completion_tokens]
@@ -610,5 +678,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO | No
             slo_attainment=good / judged if judged else None,
             slo_met=bool(done) and all(v is not None and v <= 0 for v in violations.values()),
             slo_violations=violations,
+            itl_exceedance=itl_exceedance(slo, itl),
+            itl_exceedance_low=itl_exceedance_low(slo, itl, fields["concurrency"]),
         )
     return LoadSummary(**fields)

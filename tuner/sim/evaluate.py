@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -105,6 +106,8 @@ class EvalResult:
         request_throughput: ``completed / duration_s``, requests/s.
         mean_ttft_ms, p50_ttft_ms, p99_ttft_ms: Time to first token, ms.
         p99_itl_ms: Inter-token latency, ms.
+        itls_ms: Every inter-token gap of the window, ms (single precision: the share over an
+            SLO's ITL limit is computed from them, :func:`tuner.load.metrics.itl_exceedance`).
         p99_tpot_ms: Time per output token after the first, ms.
         mean_e2e_latency_ms: End-to-end latency of completed requests, ms.
         cache_hit_rate: Σ cached / Σ prompt tokens of finished requests.
@@ -136,6 +139,7 @@ class EvalResult:
     p50_ttft_ms: float | None = None
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
+    itls_ms: array = field(default_factory=lambda: array("f"))
     p99_tpot_ms: float | None = None
     mean_e2e_latency_ms: float | None = None
     cache_hit_rate: float = 0.0
@@ -332,6 +336,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
         p50_ttft_ms=_scale(_percentile(ttfts, 50), ms),
         p99_ttft_ms=_scale(_percentile(ttfts, 99), ms),
         p99_itl_ms=_scale(_percentile(itls, 99), ms),
+        itls_ms=array("f", (v * ms for v in itls)),
         p99_tpot_ms=_scale(_percentile(tpots, 99), ms),
         mean_e2e_latency_ms=sum(e2es) / len(e2es) * ms if e2es else None,
         cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,

@@ -416,7 +416,7 @@ class Calibration:
         bound = self.bound_of(family)
         if bound is not None:
             for point in sorted(bound.points, key=lambda p: p.running_requests):
-                if not bound.proves(point) or running < point.running_requests:
+                if running < point.running_requests or not bound.proves(point, running):
                     continue
                 if tokens is not None and not self._surely_runs(tokens, point):
                     continue

@@ -25,7 +25,8 @@ knobs of one family only. It does **not** hold
   aims inside the boundary by :data:`AIM_MARGIN`), and one window's p99 ITL flips between the
   decode-only steps and those a prefill chunk joins by a handful of steps, so adjacent counts can
   break and hold in turn; a break that a window of the bracket contradicts by meeting the SLO at
-  as many requests or more proves nothing (:meth:`SLOBound.proves`).
+  as many requests or more proves nothing (:meth:`SLOBound.proves`), and neither does an ITL
+  break by no more than its slow decode steps' sampling noise (:attr:`SLOPoint.itl_exceedance_low`).
 * across CUDA-graph coverage: a window that decoded some batches eagerly is slower than one whose
   graphs cover them (§2.1). The study keys its brackets without ``cuda_graph_max_bs``
   (:func:`tuner.study.calibration.bracket_key`) and tells the windows apart by
@@ -35,7 +36,8 @@ knobs of one family only. It does **not** hold
 Between ``safe`` and ``broken`` the next count to try comes from the measured latencies: the
 latency ratio ``slo + 1`` is interpolated linearly in running requests (a closed loop's queueing
 latency grows about linearly with requests in flight) and solved for ``1 − AIM_MARGIN`` (for the
-limit itself once a safe window is within that margin); when the
+limit itself once a safe window is within that margin; for an ITL break, the share of slow token
+gaps instead, :func:`_exceedance_count`); when the
 fit says nothing useful (fewer than two points, a flat or falling slope, an estimate outside the
 bracket) the step is a bisection (geometric without a safe point, since latencies fall at least to
 one running request's). Once two safe windows show the curve bending up toward the broken one
@@ -79,6 +81,11 @@ class SLOPoint(BaseModel):
         limited_by: The latency limit the window came nearest to (or broke most): ``"ttft"`` or
             ``"itl"`` (the largest ``measured / limit`` of its p99s against the SLO's limits,
             :attr:`tuner.records.SloCapacity.limits`); ``None``: not known.
+        itl_exceedance: The window's share of token gaps above the ITL limit over the share its
+            percentile allows (:attr:`tuner.records.TrialRecord.itl_exceedance`; ≤ 1 holds);
+            ``None``: not measured.
+        itl_exceedance_low: Its 95 % lower bound over the window's decode steps
+            (:func:`tuner.load.metrics.itl_exceedance_low`); ``None``: not measured.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -90,6 +97,8 @@ class SLOPoint(BaseModel):
     token_capacity: int | None = None
     graphed: int | None = None
     limited_by: str | None = None
+    itl_exceedance: float | None = None
+    itl_exceedance_low: float | None = None
 
     def same_graphs(self, other: SLOPoint) -> bool:
         """Whether the two windows decoded on the same graph coverage of their batches: both on a
@@ -131,14 +140,25 @@ class SLOBound(BaseModel):
         """Whether the bracket is down to adjacent counts (or a safe point at 1 request)."""
         return self.broken is not None and self.broken - self.safe <= max(1.0, 0.02 * self.broken)
 
-    def proves(self, point: SLOPoint) -> bool:
-        """Whether ``point`` (one of :attr:`points`) is a break the monotone rule may prove from:
-        it broke the SLO and no window of the bracket met it running at least as many requests.
+    def proves(self, point: SLOPoint, running: float | None = None) -> bool:
+        """Whether ``point`` (one of :attr:`points`) is a break the monotone rule may prove from
+        for a config running ``running`` requests at once (``None``: at the break's own load): it
+        broke the SLO and no window of the bracket met it running at least as many requests.
         Such a pair cannot both be true of one curve: the p99 near the limit is noise there (a
         window's p99 ITL lands in the prefill-joined steps or not by a handful of steps, so adjacent
-        counts flip), and a skip needs a launch instead."""
-        return point.slo > 0 and not any(p.slo <= 0 and p.running_requests >= point.running_requests
-                                         for p in self.points)
+        counts flip), and a skip needs a launch instead.
+
+        An ITL break by no more than its slow decode steps' sampling noise
+        (:attr:`SLOPoint.itl_exceedance_low` ≤ 1) proves only loads where that lower bound, grown
+        in proportion to the requests in flight, passes the limit's allowance: the share of slow
+        gaps grows at least as the prefills' rate does (each request in flight adds one prompt per
+        its output length; steps several prompts join grow faster)."""
+        if point.slo <= 0 or any(p.slo <= 0 and p.running_requests >= point.running_requests for p in self.points):
+            return False
+        low = point.itl_exceedance_low
+        if point.limited_by == "itl" and low is not None and low <= 1.0:
+            return running is not None and running * low > point.running_requests
+        return True
 
     def violates(self, running_requests: float) -> bool:
         """The monotone rule: at least as many running requests as a window that broke the SLO."""
@@ -200,10 +220,35 @@ class SLOBound(BaseModel):
         dr = b.running_requests - a.running_requests
         if dr <= 0:
             return None
+        if b.limited_by == "itl" and (a.itl_exceedance or 0) > 0 and (b.itl_exceedance or 0) > 0:
+            return _exceedance_count(a, b, below)
         slope = (b.slo - a.slo) / dr
         if slope <= 0:
             return None
         return a.running_requests + (target - (a.slo + 1.0)) / slope
+
+
+def _exceedance_count(a: SLOPoint, b: SLOPoint, below: Sequence[SLOPoint]) -> float | None:
+    """Running requests where the ITL limit's exceedance reaches ``1 − AIM_MARGIN`` (the limit
+    itself once a safe window is within that margin), on the power law through ``a`` and ``b``
+    (``b`` ITL-bound, more requests).
+
+    The p99 ITL of a chunked-prefill server is a quantile of a mixture (decode-only steps, steps one
+    prefill chunk joins, steps two join, ...): it stays flat while the slow steps stay under 1 % of
+    the gaps and jumps when they pass it, so a line through two p99s lands far from the boundary.
+    The share of gaps above the limit grows smoothly instead, about as a power of the requests in
+    flight (each adds one prompt per output length, and steps several prompts join grow as its
+    square), so it is interpolated as a line in log-log. Extrapolated down from two breaks, the
+    local power is the smallest the curve has (it steepens as the share falls toward none), so the
+    estimate errs to fewer requests. ``None`` when the share does not rise between them.
+    """
+    exceed = [p.itl_exceedance for p in below if p.itl_exceedance is not None]
+    target = 1.0 if exceed and max(exceed) > 1.0 - AIM_MARGIN else 1.0 - AIM_MARGIN
+    ea, eb = float(a.itl_exceedance or 0.0), float(b.itl_exceedance or 0.0)
+    power = math.log(eb / ea) / math.log(b.running_requests / a.running_requests)
+    if not power > 0:
+        return None
+    return a.running_requests * math.exp(math.log(target / ea) / power)
 
 
 def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
@@ -223,7 +268,8 @@ def slo_points(history: Sequence[tuple[int, TrialRecord]]) -> list[SLOPoint]:
             continue
         out.append(SLOPoint(number=number, family=family_of(record.params),
                             running_requests=float(load.running_requests or 0), slo=float(value),
-                            token_capacity=record.token_capacity, limited_by=limited_by(record)))
+                            token_capacity=record.token_capacity, limited_by=limited_by(record),
+                            itl_exceedance=record.itl_exceedance, itl_exceedance_low=record.itl_exceedance_low))
     return out
 
 
