@@ -61,3 +61,18 @@ def test_cli_option_errors_are_one_line(sse_url: str) -> None:
         done = _cli("--url", sse_url, *args)
         assert done.returncode == 1, (args, done.stdout)
         assert needle in done.stderr and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)
+
+
+def test_a_window_reports_its_slow_itl_gaps_against_the_limit(start_server, tmp_path: Path) -> None:
+    """An ITL limit far below the server's ~2 ms gaps: (nearly) every gap is slow, up to 100× the
+    1 % a p99 allows (a chunk of several tokens splits its gap, and two chunks read at once have
+    none), in the table and the JSON; one far above them: none is."""
+    server = start_server("--ttft-ms", "3", "--itl-ms", "2")
+    for limit, low, high in (("0.001", 50.0, 100.0), ("1000", 0.0, 0.0)):
+        out = tmp_path / f"window-{limit}.json"
+        done = _cli("--url", server.url, "--input-len", "16", "--output-len", "20", "--concurrency", "2",
+                    "--duration", "1", "--warmup", "0.2", "--slo", f"p99_itl_ms={limit}", "--json", str(out))
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(out.read_text())["summary"]
+        assert low <= summary["itl_exceedance"] <= high and summary["itl_count"] > 0
+        assert f"{summary['itl_exceedance']:.2f}×" in done.stdout and "slow ITL gaps" in done.stdout

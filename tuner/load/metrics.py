@@ -549,10 +549,7 @@ def itl_exceedance(slo: SLO, itls_ms: np.ndarray) -> float | None:
         The largest exceedance over the percentile ITL limits, ``None`` when there is none or
         no gap was measured.
     """
-    values = np.asarray(itls_ms, dtype=float)
-    shares = [float(np.count_nonzero(values > limit)) / values.size / (1.0 - _level(key))
-              for key, limit in slo.itl_ms.items() if key not in ("mean", "max") and values.size]
-    return max(shares, default=None)
+    return max((share / allowed for share, allowed in _slow_shares(slo, itls_ms)), default=None)
 
 
 def itl_exceedance_low(slo: SLO, itls_ms: np.ndarray, concurrency: float) -> float | None:
@@ -574,20 +571,22 @@ def itl_exceedance_low(slo: SLO, itls_ms: np.ndarray, concurrency: float) -> flo
     Returns:
         The largest lower bound over the percentile ITL limits, ``None`` as :func:`itl_exceedance`.
     """
-    values = np.asarray(itls_ms, dtype=float)
-    steps = values.size / max(1.0, concurrency)
+    steps = np.asarray(itls_ms).size / max(1.0, concurrency)
     bounds = []
-    for key, limit in slo.itl_ms.items():
-        if key in ("mean", "max") or not values.size:
-            continue
-        slow = float(np.count_nonzero(values > limit)) / values.size * steps
-        bounds.append(max(0.0, slow - 1.645 * math.sqrt(slow)) / ((1.0 - _level(key)) * steps))
+    for share, allowed in _slow_shares(slo, itls_ms):
+        slow = share * steps
+        bounds.append(max(0.0, slow - 1.645 * math.sqrt(slow)) / (allowed * steps))
     return max(bounds, default=None)
 
 
-def _level(key: str) -> float:
-    """The quantile level of a percentile key (``median``: 0.5, ``p99``: 0.99)."""
-    return 0.5 if key == "median" else int(key[1:]) / 100
+def _slow_shares(slo: SLO, itls_ms: np.ndarray) -> list[tuple[float, float]]:
+    """Per percentile ITL limit of ``slo`` (``median`` as p50), ``(share of the gaps above it,
+    share it allows)``; empty without such a limit or without gaps."""
+    values = np.asarray(itls_ms, dtype=float)
+    if not values.size:
+        return []
+    return [(float(np.count_nonzero(values > limit)) / values.size, 0.5 if key == "median" else 1.0 - int(key[1:]) / 100)
+            for key, limit in slo.itl_ms.items() if key not in ("mean", "max")]
 
 
 def _acceptance(done: Sequence[RequestRecord]) -> dict[str, Any]:

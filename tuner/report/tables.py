@@ -653,7 +653,9 @@ def load_number(value: object, pct: bool = False) -> str:
 
 
 def load_summary_table(summary: LoadSummary, title: str) -> Table:
-    """``tuner load``'s summary: one row per :data:`LOAD_SUMMARY_ROWS` entry, then the SLO verdict."""
+    """``tuner load``'s summary: one row per :data:`LOAD_SUMMARY_ROWS` entry, then the SLO verdict
+    and, with a percentile ITL limit, the gaps above it over the share it allows
+    (:func:`tuner.load.metrics.itl_exceedance`: ≤ 1× holds)."""
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -671,6 +673,9 @@ def load_summary_table(summary: LoadSummary, title: str) -> Table:
             f"{k} {'n/a' if v is None else f'{v:+.0%}'}" for k, v in summary.slo_violations.items()
         )
         table.add_row("SLO", f"{verdict} ({worst})")
+    if summary.itl_exceedance is not None:
+        low = "" if summary.itl_exceedance_low is None else f", ≥ {summary.itl_exceedance_low:.2f}× at 95 %"
+        table.add_row("slow ITL gaps (× the limit's allowance)", f"{summary.itl_exceedance:.2f}×{low}")
     return table
 
 
