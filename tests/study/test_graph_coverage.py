@@ -177,8 +177,9 @@ def test_the_itl_boundary_where_the_p99_is_flat_below_it_is_reached_by_launch_fi
 
 def test_an_itl_break_within_its_noise_proves_only_loads_it_grows_past_the_limit_at() -> None:
     """32 requests broke the ITL limit with 36 % more slow gaps than allowed, but its ~690 decode
-    steps bound that from below at 0.67 of the allowance: 33 requests are launched, not proved to
-    break; from 48 on, the bound grown with the requests in flight passes the allowance."""
+    steps bound that from below at 0.67 of the allowance: as the bracket's lowest break, it proves
+    nothing of 33 requests (launched, not skipped); from 48 on, the bound grown with the requests
+    in flight passes the allowance."""
     from tuner.study.slo_bound import SLOPoint, slo_bounds
 
     key = (("chunked_prefill_size", 8192),)
@@ -193,3 +194,7 @@ def test_an_itl_break_within_its_noise_proves_only_loads_it_grows_past_the_limit
     assert slo_bounds([safe, clear])[key].proves(clear, 33)
     ttft = noisy.model_copy(update={"limited_by": "ttft"})  # the ITL bound says nothing of a TTFT break
     assert slo_bounds([safe, ttft])[key].proves(ttft, 33)
+    # A second break above it confirms the trend: that one proves from its own load, within noise or not.
+    above = noisy.model_copy(update={"number": 5, "running_requests": 35, "itl_exceedance": 1.62, "itl_exceedance_low": 0.85})
+    bound = slo_bounds([safe, noisy, above])[key]
+    assert bound.proves(above, 35) and not bound.proves(noisy, 34)

@@ -88,7 +88,7 @@ def test_a_healthy_fp8_kv_cache_passes_with_the_default_thresholds(tmp_path: Pat
 
 
 def test_apply_refuses_a_numerics_change_that_was_never_probed(tmp_path: Path, tuner_cli: Any) -> None:
-    runner, _summary, url = _study(tmp_path, fault=True, quality="enabled = false", trials=12)
+    runner, _summary, url = _study(tmp_path, fault=True, quality="enabled = false", trials=14)
     fp8 = [(n, r) for n, r in _fp8(runner.history) if r.feasible]
     assert fp8, "no feasible fp8 KV candidate with the gate off"
     number, record = fp8[0]

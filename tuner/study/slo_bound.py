@@ -26,7 +26,7 @@ knobs of one family only. It does **not** hold
   decode-only steps and those a prefill chunk joins by a handful of steps, so adjacent counts can
   break and hold in turn; a break that a window of the bracket contradicts by meeting the SLO at
   as many requests or more proves nothing (:meth:`SLOBound.proves`), and neither does an ITL
-  break by no more than its slow decode steps' sampling noise (:attr:`SLOPoint.itl_exceedance_low`).
+  break at the bracket's edge by no more than its slow decode steps' sampling noise (:attr:`SLOPoint.itl_exceedance_low`).
 * across CUDA-graph coverage: a window that decoded some batches eagerly is slower than one whose
   graphs cover them (§2.1). The study keys its brackets without ``cuda_graph_max_bs``
   (:func:`tuner.study.calibration.bracket_key`) and tells the windows apart by
@@ -148,15 +148,18 @@ class SLOBound(BaseModel):
         window's p99 ITL lands in the prefill-joined steps or not by a handful of steps, so adjacent
         counts flip), and a skip needs a launch instead.
 
-        An ITL break by no more than its slow decode steps' sampling noise
-        (:attr:`SLOPoint.itl_exceedance_low` ≤ 1) proves only loads where that lower bound, grown
-        in proportion to the requests in flight, passes the limit's allowance: the share of slow
-        gaps grows at least as the prefills' rate does (each request in flight adds one prompt per
-        its output length; steps several prompts join grow faster)."""
+        The bracket's lowest break, if it is an ITL break by no more than its slow decode steps'
+        sampling noise (:attr:`SLOPoint.itl_exceedance_low` ≤ 1), proves only loads where that
+        lower bound, grown in proportion to the requests in flight, passes the limit's allowance:
+        the share of slow gaps grows at least as the prefills' rate does (each request in flight
+        adds one prompt per its output length; steps several prompts join grow faster). A break
+        above another break is confirmed by it (two windows that broke in a row are not both
+        noise by chance) and proves as before."""
         if point.slo <= 0 or any(p.slo <= 0 and p.running_requests >= point.running_requests for p in self.points):
             return False
         low = point.itl_exceedance_low
-        if point.limited_by == "itl" and low is not None and low <= 1.0:
+        lowest = not any(p.slo > 0 and p.running_requests < point.running_requests for p in self.points)
+        if point.limited_by == "itl" and low is not None and low <= 1.0 and lowest:
             return running is not None and running * low > point.running_requests
         return True
 
