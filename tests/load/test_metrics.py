@@ -101,7 +101,8 @@ def test_slo_parse_and_errors() -> None:
     slo = SLO.parse("p99_ttft_ms=2000, p50_itl_ms=100,mean_tpot_ms=40,max_e2e_latency_ms=9000")
     assert slo.ttft_ms == {"p99": 2000} and slo.itl_ms == {"median": 100}
     assert slo.tpot_ms == {"mean": 40} and slo.e2e_latency_ms == {"max": 9000}
-    for bad in ("p99_ttft=2000", "p99_ttft_ms", "p42_ttft_ms=1", "p99_foo_ms=1", "p99_ttft_ms=-5", "p99_ttft_ms=abc"):
+    for bad in ("p99_ttft=2000", "p99_ttft_ms", "p42_ttft_ms=1", "p99_foo_ms=1", "p99_ttft_ms=-5", "p99_ttft_ms=abc",
+                "p99_itl_ms=inf", "p99_itl_ms=nan", "p99_itl_ms=10,p99_itl_ms=20", "p50_itl_ms=10,median_itl_ms=20"):
         with pytest.raises(ConfigError) as info:
             SLO.parse(bad)
         message = str(info.value)

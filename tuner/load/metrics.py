@@ -88,8 +88,8 @@ class SLO(BaseModel):
         for key, limit in value.items():
             if key not in PERCENTILE_KEYS:
                 raise ValueError(f"percentile {key!r} is not one of {', '.join(PERCENTILE_KEYS)}")
-            if not limit > 0:
-                raise ValueError(f"limit {limit} for {key!r} must be > 0 ms")
+            if not 0 < limit < math.inf:
+                raise ValueError(f"limit {limit} for {key!r} must be a finite number > 0 ms")
             out[_canonical(key)] = float(limit)
         return out
 
@@ -98,7 +98,8 @@ class SLO(BaseModel):
         """Parse ``"p99_ttft_ms=2000,p99_itl_ms=100"`` (keys: ``<percentile>_<metric>_ms``).
 
         Raises:
-            ConfigError: A malformed item, an unknown percentile or metric, or a limit ≤ 0.
+            ConfigError: A malformed item, an unknown percentile or metric, a limit given twice, or a
+                limit that is not a finite number > 0.
         """
         limits: dict[str, dict[str, float]] = {m: {} for m in SLO_METRICS}
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -108,6 +109,9 @@ class SLO(BaseModel):
             try:
                 if not sep or not rest.endswith("_ms") or metric not in SLO_METRICS:
                     raise ValueError(item)
+                if _canonical(pct) in map(_canonical, limits[metric]):
+                    raise ConfigError(f"SLO limit {name.strip()!r} is given twice in {text!r}",
+                                      hint="give each <percentile>_<metric>_ms once in --slo")
                 limits[metric][pct] = float(raw)
             except ValueError as err:
                 raise ConfigError(
@@ -120,7 +124,7 @@ class SLO(BaseModel):
             reason = err.errors()[0]["msg"].removeprefix("Value error, ")
             raise ConfigError(
                 f"SLO {text!r} is invalid: {reason}",
-                hint="fix --slo: percentiles mean, p50, p90, p95, p99, max; limits > 0 ms",
+                hint="fix --slo: percentiles mean, p50, p90, p95, p99, max; limits finite and > 0 ms",
             ) from err
 
     def items(self) -> list[tuple[str, str, float]]:
