@@ -76,3 +76,31 @@ def test_a_window_reports_its_slow_itl_gaps_against_the_limit(start_server, tmp_
         summary = json.loads(out.read_text())["summary"]
         assert low <= summary["itl_exceedance"] <= high and summary["itl_count"] > 0
         assert f"{summary['itl_exceedance']:.2f}×" in done.stdout and "ITL gaps over the limit" in done.stdout
+
+
+def test_a_second_run_of_the_same_random_prompts_is_told_it_measured_the_prefix_cache(tmp_path: Path) -> None:
+    """The simulator as a real server: the same --seed sends the same random prompts again, the
+    radix cache serves them, and ``tuner load`` says so (TTFT reads low); another seed does not."""
+    import os
+    import signal
+
+    from tests.support.net import free_port
+    from tests.support.sim import sim_command, wait_healthy
+
+    port = free_port()
+    with (tmp_path / "sim.log").open("w") as log:
+        proc = subprocess.Popen(sim_command(port, time_scale="0"), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, exited=lambda: None if proc.poll() is None else f"exit {proc.returncode}")
+        args = ("--url", url, "--input-len", "256", "--output-len", "8", "--num-requests", "16",
+                "--concurrency", "4", "--duration", "3", "--warmup", "0")
+        first, again = _cli(*args), _cli(*args)
+        other = _cli(*args, "--seed", "7")
+        assert first.returncode == again.returncode == other.returncode == 0, (first.stderr, again.stderr)
+        assert "prefix cache served" not in first.stderr and "prefix cache served" not in other.stderr
+        assert "prefix cache served" in again.stderr and "--seed 0" in again.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

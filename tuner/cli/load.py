@@ -28,6 +28,15 @@ def _load_live_line(stats) -> str:  # noqa: ANN001 - LiveStats
     )
 
 
+def _note_repeated_prompts(summary, workload: str, seed: int) -> None:  # noqa: ANN001 - LoadSummary
+    """A note when a random workload's prompts hit the prefix cache: they repeat an earlier run's
+    (same ``--seed``), and a radix-cache hit skips their prefill (§5.3; ``POST /flush_cache`` empties it, §5.4), so TTFT reads far too low."""
+    if workload == "random" and (summary.cache_hit_rate or 0.0) >= 0.5:
+        err_console.print(f"[yellow]note:[/] the prefix cache served {summary.cache_hit_rate:.0%} of the prompt tokens: "
+                          f"these random prompts repeat an earlier run's (--seed {seed}), so TTFT reads low; pass "
+                          "another --seed, or flush the server's cache (POST /flush_cache)", highlight=False)
+
+
 def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - LoadSummary
     """Speculative decoding's accept length of the window, by prompt class, beside the server's own
     ``avg_spec_accept_length`` (``/get_server_info``, since start); returns the server's figure."""
@@ -180,6 +189,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         pace = f"concurrency {concurrency}" if mode == "closed" else (f"rate {rate:g} req/s" if rate else "trace times")
         console.print(tables.load_summary_table(result.summary, f"tuner load — {workload}, {pace}, {api}"))
         _load_print_errors(result.summary)
+        _note_repeated_prompts(result.summary, workload, seed)
         payload = result.to_json_dict()
         server_accept = _print_acceptance(result.summary, url)
         if server_accept is not None:
