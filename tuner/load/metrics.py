@@ -443,7 +443,12 @@ def _stat_of(values_ms: np.ndarray, key: str) -> float:
         return float(arr.mean())
     if key == "max":
         return float(arr.max())
-    return float(np.percentile(arr, 50 if key == "median" else int(key[1:])))
+    return float(np.percentile(arr, _percent(key)))
+
+
+def _percent(key: str) -> int:
+    """The percentile of a percentile key, 0-100 (``median``: 50, ``p99``: 99)."""
+    return 50 if key == "median" else int(key[1:])
 
 
 def _meets(record: RequestRecord, slo: SLO, itls_ms: np.ndarray) -> bool:
@@ -589,7 +594,7 @@ def _slow_shares(slo: SLO, itls_ms: np.ndarray) -> list[tuple[float, float]]:
     values = np.asarray(itls_ms, dtype=float)
     if not values.size:
         return []
-    return [(float(np.count_nonzero(values > limit)) / values.size, 0.5 if key == "median" else 1.0 - int(key[1:]) / 100)
+    return [(float(np.count_nonzero(values > limit)) / values.size, 1.0 - _percent(key) / 100)
             for key, limit in slo.itl_ms.items() if key not in ("mean", "max")]
 
 

@@ -48,7 +48,7 @@ side would land short every time; the step is a bisection there too (``SLOBound.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -202,10 +202,7 @@ class SLOBound(BaseModel):
         the two windows nearest the boundary (one on each side when both exist)."""
         below = [p for p in self.points if p.slo <= 0]
         above = [p for p in self.points if p.slo > 0]
-        # Aim inside by the margin, unless a safe window is already inside it (then at the limit).
-        target = 1.0 - AIM_MARGIN
-        if below and max(p.slo for p in below) + 1.0 > target:
-            target = 1.0
+        target = _aim(p.slo + 1.0 for p in below)
         if below and above:
             a = max(below, key=lambda p: p.running_requests)
             b = min(above, key=lambda p: p.running_requests)
@@ -231,6 +228,13 @@ class SLOBound(BaseModel):
         return a.running_requests + (target - (a.slo + 1.0)) / slope
 
 
+def _aim(safe: Iterable[float]) -> float:
+    """The ratio to the limit a bracket aims at (latency over its limit, or slow gaps over their
+    allowance), from the safe windows' ratios: ``1 − AIM_MARGIN`` (inside by the margin, so a noisy
+    window still meets it), or the limit itself once a safe window is already within the margin."""
+    return 1.0 if max(safe, default=0.0) > 1.0 - AIM_MARGIN else 1.0 - AIM_MARGIN
+
+
 def _exceedance_count(a: SLOPoint, b: SLOPoint, below: Sequence[SLOPoint]) -> float | None:
     """Running requests where the ITL limit's exceedance reaches ``1 − AIM_MARGIN`` (the limit
     itself once a safe window is within that margin), on the power law through ``a`` and ``b``
@@ -245,8 +249,7 @@ def _exceedance_count(a: SLOPoint, b: SLOPoint, below: Sequence[SLOPoint]) -> fl
     local power is the smallest the curve has (it steepens as the share falls toward none), so the
     estimate errs to fewer requests. ``None`` when the share does not rise between them.
     """
-    exceed = [p.itl_exceedance for p in below if p.itl_exceedance is not None]
-    target = 1.0 if exceed and max(exceed) > 1.0 - AIM_MARGIN else 1.0 - AIM_MARGIN
+    target = _aim(p.itl_exceedance for p in below if p.itl_exceedance is not None)
     ea, eb = float(a.itl_exceedance or 0.0), float(b.itl_exceedance or 0.0)
     power = math.log(eb / ea) / math.log(b.running_requests / a.running_requests)
     if not power > 0:
