@@ -24,12 +24,12 @@ from optuna.trial import TrialState
 
 from tests.support.cli import TUNER, run_tuner
 from tests.support.configs import config_copy, service_url
-from tests.support.postgres import PASSWORD, PostgresCluster, boot_postgres, missing_reason
+from tests.support.postgres import PASSWORD, USER, PostgresCluster, boot_postgres, missing_reason
 from tests.support.study_factory import stored_trials
 from tuner.errors import StudyError
 from tuner.records import RECORD_ATTR, TrialRecord
-from tuner.study.hosts import ClaimLock
-from tuner.study.optuna_io import LATE_ATTR, PHASE_ATTR
+from tuner.study.hosts import ClaimLock, claim_trial, trial_id
+from tuner.study.optuna_io import HOST_ATTR, LATE_ATTR, PHASE_ATTR
 from tuner.study.outage import StorageOutage
 from tuner.study.storage import open_storage
 
@@ -100,6 +100,46 @@ def test_the_claim_lock_waits_out_a_server_restart(cluster: PostgresCluster) -> 
     back.join()
     with lock.held():  # the pool's connections of before the restart are not reused dead
         pass
+
+
+def test_a_claim_whose_lock_the_server_dropped_yields_to_the_host_that_claimed_meanwhile(
+    cluster: PostgresCluster,
+) -> None:
+    """Host A reads the study under the claim lock, finds its config free, and its lock's session
+    is cut before its claim is written; host B takes the free lock, claims the same config and
+    launches it. A must not launch it too (the CI run of stop 36 stored one config twice)."""
+    import psycopg
+
+    url = cluster.create_database()
+    a = optuna.create_study(study_name="s", storage=open_storage(url, outage_s=30), directions=["maximize"])
+    b = optuna.load_study(study_name="s", storage=open_storage(url, outage_s=30))
+    a.enqueue_trial({"x": 1})
+    a.enqueue_trial({"x": 1})
+    trial_a, trial_b = a.ask(), b.ask()
+    assert trial_a.suggest_int("x", 0, 3) == trial_b.suggest_int("x", 0, 3) == 1
+    connect = {"host": "127.0.0.1", "port": cluster.port, "user": USER, "password": PASSWORD,
+               "dbname": url.rsplit("/", 1)[1]}
+    found: dict[str, tuple[str, int] | None] = {}
+    with psycopg.connect(**connect) as blocker, psycopg.connect(**connect, autocommit=True) as admin:
+        # An uncommitted row of A's claim: A's own write of it waits for this transaction.
+        blocker.execute("INSERT INTO trial_user_attributes (trial_id, key, value_json) VALUES (%s, %s, %s)",
+                        (trial_id(a, trial_a.number), HOST_ATTR, json.dumps("blocker")))
+        host_a = threading.Thread(target=lambda: found.update(
+            a=claim_trial(a, trial_a, "host-a", {}, hold=ClaimLock.of(a).held)))
+        host_a.start()
+        deadline = time.monotonic() + 30
+        while not admin.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:  # type: ignore[index]
+            assert time.monotonic() < deadline, "host A's claim never waited"
+            time.sleep(0.05)
+        cut = admin.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                            "AND objid = %s", (a._study_id,)).fetchall()  # noqa: SLF001
+        assert cut == [(True,)], cut  # A's hold of the lock, and nothing else
+        found["b"] = claim_trial(b, trial_b, "host-b", {}, hold=ClaimLock.of(b).held)
+        blocker.rollback()
+        host_a.join(timeout=60)
+    assert not host_a.is_alive()
+    assert found["b"] is None  # B took the free lock and launches the config
+    assert found["a"] is not None and "running on host host-b" in found["a"][0], found
 
 
 def test_a_server_error_that_waiting_cannot_mend_is_not_waited_for(cluster: PostgresCluster) -> None:

@@ -60,7 +60,7 @@ def latest_baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, Trial
 
 def claim_baseline(
     study: optuna.Study, environment: Mapping[str, Any], host: str, *,
-    claim: Callable[[], AbstractContextManager[None]], can_continue: Callable[[], bool],
+    claim: Callable[[], AbstractContextManager[object]], can_continue: Callable[[], bool],
     own_environment: Callable[[], bool], on_wait: Callable[[str], None],
 ) -> tuple[optuna.Trial | None, tuple[int, TrialRecord] | None]:
     """The study's baseline of ``environment``, or the trial this host measures it in.

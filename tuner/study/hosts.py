@@ -11,7 +11,9 @@ one Optuna study in a PostgreSQL ``RDBStorage`` (SQLite is single-host: Optuna's
   released, so no config is launched twice. Why a lock and not only "ask, re-read, back off": the
   section takes milliseconds against trials of minutes, it adds nothing to Optuna's schema,
   PostgreSQL drops it with the connection of a host that dies (a dead host never holds it), and the
-  first claim wins deterministically.
+  first claim wins deterministically. A section whose lock's session the server dropped inside it
+  (a restart between the read and the claim) is run again (:func:`claim_trial`): another host may
+  have held the lock in that gap, and its claim wins.
 * **Heartbeats.** Optuna 5 beats only inside ``study.optimize``; the tuner drives trials with
   ask/tell, so :class:`TrialHeartbeat` records the storage's heartbeat for the running trial in a
   thread (``heartbeat_interval``) and, on each beat, runs Optuna's ``fail_stale_trials`` for the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -72,6 +75,8 @@ __all__ = [
     "RequeueOnce",
     "study_heartbeat",
     "ClaimLock",
+    "Section",
+    "claim_trial",
     "schema_lock",
     "TrialHeartbeat",
     "storage_of",
@@ -255,6 +260,19 @@ def recover_own(study: optuna.Study, host: str, *, shared: bool) -> list[int]:
     return recovered
 
 
+@dataclasses.dataclass
+class Section:
+    """One hold of the claim lock (:meth:`ClaimLock.held`).
+
+    Attributes:
+        lost: Set when the hold ends: the lock's database session ended inside it (the server
+            restarted, failed over or cut the connection), so the lock was free for a while and
+            another host may have held it at the same time. Never set off PostgreSQL.
+    """
+
+    lost: bool = False
+
+
 class ClaimLock:
     """The study's claim lock: one host at a time chooses and creates its next trial.
 
@@ -284,15 +302,17 @@ class ClaimLock:
         return cls(storage_of(study), study._study_id, **options)  # noqa: SLF001 - see "Optuna's private attributes"
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold the lock for a ``with`` block.
+    def held(self) -> Iterator[Section]:
+        """Hold the lock for a ``with`` block; the :class:`Section` it yields says, once the block
+        ends, whether the lock was lost inside it.
 
         Raises:
             StudyError: The lock was not free within ``timeout_s`` (names the holder), or the
                 database failed.
         """
+        section = Section()
         if self._engine is None:
-            yield
+            yield section
             return
         keys = {"a": _LOCK_CLASS, "b": self._study_id}
         try:
@@ -301,14 +321,15 @@ class ClaimLock:
             raise StudyError(f"the study's claim lock cannot be taken: {first_line(err)}",
                              hint="check that the database server is up") from err
         try:
-            yield
+            yield section
         finally:
             try:  # a server that restarted meanwhile ended the session, and the lock with it
-                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys)
+                section.lost = not conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:a, :b)"), keys).scalar()
             except SQLAlchemyError as err:
                 if not is_transient(err):
                     raise StudyError(f"the study's claim lock failed: {first_line(err)}",
                                      hint="check that the database server is up") from err
+                section.lost = True
             finally:
                 conn.close()
 
@@ -513,3 +534,41 @@ def claimed_reason(trial: optuna.Trial, others: Sequence[FrozenTrial]) -> tuple[
         if host is not None:
             return f"the same config is running on host {host} (trial {other.number})", other.number
     return None
+
+
+def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment: Mapping[str, Any], *,
+                hold: Callable[[], contextlib.AbstractContextManager[Section]], check: bool = True) -> tuple[str, int] | None:
+    """Claim ``trial`` for ``host`` (:func:`own`) under the claim lock, unless another trial has its
+    config (:func:`claimed_reason`, when ``check``; a deliberate noise repeat is not checked).
+
+    When the database dropped the lock's session inside the hold (:attr:`Section.lost`: a server
+    restart between the read and the claim), another host may have read the study in that gap,
+    not seen this claim, and claimed the same config: the hold is made again, and a claim of the
+    same config by another host wins (this trial is then not launched). Of two hosts that both
+    lost their holds, each yields to the other: the config is left to a later proposal, never
+    launched twice.
+
+    Args:
+        study: The study.
+        trial: This host's asked trial, params suggested.
+        host: This host's name.
+        environment: This run's environment (stored with the claim).
+        hold: The claim lock's context (:meth:`ClaimLock.held`, or the run's wrapper of it).
+        check: Whether to look for another trial of the same config.
+
+    Returns:
+        ``None`` (claimed: launch it), or ``(reason, trial number)`` of why not.
+
+    Raises:
+        StudyError: The lock or the database failed (see :meth:`ClaimLock.held`).
+    """
+    while True:
+        with hold() as section:
+            found = claimed_reason(trial, study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
+                                                                                   TrialState.RUNNING))) if check else None
+            if found is None:
+                own(study, trial, host, environment)
+        if found is not None or not section.lost or not check:
+            return found
+        _log.warning("trial %d: the database dropped the claim lock during its claim; checking the claim again",
+                     trial.number)

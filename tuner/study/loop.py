@@ -29,7 +29,6 @@ from datetime import datetime
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig, check_url_matches_port
@@ -48,11 +47,11 @@ from tuner.study.fingerprint import DeploymentKey, deployment_key, fingerprint_o
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
     ClaimLock,
+    Section,
     TrialHeartbeat,
-    claimed_reason,
+    claim_trial,
     host_name,
     is_postgres,
-    own,
     reap_stale,
     recover_own,
     same_environment,
@@ -394,13 +393,10 @@ class StudyRun:
                                                                         self.config.objective.capacity),
                        repeat_of=None if repeat_of is None else int(repeat_of), **quality_context(view.finished))
         skip = None if repeat_of is not None else decider.screen(params, kind, view)
-        if skip is None:
-            with self.claim():
-                found = None if repeat_of is not None else claimed_reason(
-                    trial, opened.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
-                skip = Skip(*found) if found is not None else None
-                if skip is None:  # RUNNING with its params, host and heartbeat before the lock goes
-                    own(opened.study, trial, self.summary.host, opened.environment)
+        if skip is None:  # RUNNING with its params, host and heartbeat before the lock goes
+            found = claim_trial(opened.study, trial, self.summary.host, opened.environment, hold=self.claim,
+                                check=repeat_of is None)
+            skip = Skip(*found) if found is not None else None
         if skip is not None:
             opened.recorder.skip(trial, params, kind, prediction, skip)
             self.count_skip(trial.number, params, kind, skip.reason)
@@ -600,19 +596,20 @@ class StudyRun:
         return Budget.estimate(durations, self.runner.prior_cost_s()).seconds
 
     @contextlib.contextmanager
-    def claim(self, *, reap: bool = True) -> Iterator[None]:
-        """The study's claim lock for one ``with`` block (a no-op off PostgreSQL).
+    def claim(self, *, reap: bool = True) -> Iterator[Section]:
+        """The study's claim lock for one ``with`` block (a no-op off PostgreSQL); yields its
+        :class:`~tuner.study.hosts.Section`.
 
         Other hosts' dead trials are reaped first (unless ``reap`` is false), so their params are
         queued before this host chooses."""
         opened = self._opened()
-        with opened.claims.held():
+        with opened.claims.held() as section:
             reaped = reap_stale(opened.study) if reap else []
             if reaped:
                 self.view = None
                 self.summary.recovered.extend(reaped)
                 self.progress.note(None, self._reaped_text(reaped), phase="reaped")
-            yield
+            yield section
 
     def _reaped_text(self, numbers: list[int]) -> str:
         return (f"trial(s) {numbers} of another host had no heartbeat for {self.config.storage.grace_period_s} s: "
