@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +260,56 @@ def test_corrupt_sqlite_file_names_the_file_not_a_server(tmp_path: Path) -> None
     line = one_error_line(tuner("trials", "--storage", f"sqlite:///{db}"))
     assert "database server" not in line and "credentials" not in line, line
     assert "not an SQLite database" in line or "corrupt" in line, line
+
+
+def _damaged_midway(db: Path) -> None:
+    """4 KiB of random bytes over the file's third page on: still an SQLite file, its pages broken."""
+    with open(db, "r+b") as handle:
+        handle.seek(8192)
+        handle.write(os.urandom(4096))
+
+
+def _trials_table_dropped(db: Path) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA foreign_keys = OFF")
+        conn.execute("DROP TABLE trials")
+
+
+def _garbled_value(db: Path) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE trial_user_attributes SET value_json = '{not json'")
+
+
+DAMAGES = {"damaged-midway": (_damaged_midway, "corrupt"), "trials-table-dropped": (_trials_table_dropped, "trials"),
+           "garbled-value": (_garbled_value, "cannot be read")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("command", [["trials"], ["show", "1"], ["best"], ["apply", "best", "--dry-run"]])
+def test_a_damaged_study_file_is_one_line_for_every_reader(study: tuple[Path, str, Path], tmp_path: Path,
+                                                            damage: str, command: list[str]) -> None:
+    """A study file that opens but is damaged inside (found by a new user's sweep: a traceback
+    through Optuna's "invalid data in the commit", or a JSONDecodeError)."""
+    folder, url, _ = study
+    db = tmp_path / "demo.db"
+    shutil.copyfile(url.removeprefix("sqlite:///"), db)
+    harm, words = DAMAGES[damage]
+    harm(db)
+    line = one_error_line(tuner(*command, "--storage", f"sqlite:///{db}", cwd=folder))
+    assert str(db) in line and words in line and ".recover" in line, line
+
+
+def test_a_run_refuses_a_study_with_a_garbled_value_in_one_line(study: tuple[Path, str, Path], tmp_path: Path) -> None:
+    folder, url, _ = study
+    db = tmp_path / "demo.db"
+    shutil.copyfile(url.removeprefix("sqlite:///"), db)
+    _garbled_value(db)
+    config = _demo_config(tmp_path, name="demo")  # the stored study's name
+    proc = tuner("run", "--config", str(config), "--dry-run", "--storage", f"sqlite:///{db}",
+                 "--allow-mixed-environment", cwd=tmp_path)  # its environment is another GPU's: said, then allowed
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and "cannot be read" in line and str(db) in line and ".recover" in line, line
 
 
 def test_invalid_config_value_names_its_fix(tmp_path: Path) -> None:

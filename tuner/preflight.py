@@ -35,7 +35,13 @@ from tuner.errors import ConfigError, StudyError
 from tuner.load.quality import read_tasks
 from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
 from tuner.study.optuna_io import check_environment, records, study_info
-from tuner.study.storage import check_artifacts_folder, check_run_storage, read_storage, study_storage_url
+from tuner.study.storage import (
+    check_artifacts_folder,
+    check_run_storage,
+    read_storage,
+    stored_values,
+    study_storage_url,
+)
 
 __all__ = ["check_run", "check_service"]
 
@@ -123,11 +129,12 @@ def _check_stored_study(name: str, url: str, environment: Mapping[str, Any], all
     """Check a stored study's environment; return its finished trials' durations in seconds."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = read_storage(url)
-    try:
-        study = optuna.load_study(study_name=name, storage=storage)
-    except KeyError:
-        return []  # a storage without this study: the run creates it there
-    info = study_info(study)
-    if info is not None:
-        check_environment(info.environment, dict(environment), allow_mixed=allow_mixed)
-    return [r.duration_s or 0.0 for _, r in records(study) if r.outcome in ("ok", "failed")]
+    with stored_values(url):
+        try:
+            study = optuna.load_study(study_name=name, storage=storage)
+        except KeyError:
+            return []  # a storage without this study: the run creates it there
+        info = study_info(study)
+        if info is not None:
+            check_environment(info.environment, dict(environment), allow_mixed=allow_mixed)
+        return [r.duration_s or 0.0 for _, r in records(study) if r.outcome in ("ok", "failed")]

@@ -35,6 +35,7 @@ from tuner.study.storage import (
     default_storage_url,
     display_url,
     read_storage,
+    stored_values,
     study_artifacts_dir,
     study_storage_url,
 )
@@ -437,10 +438,15 @@ def open_study(location: StudyLocation) -> StoredStudy:
     """Load a study and all its trials, read-only.
 
     Raises:
-        StudyError: The storage does not exist or cannot be read; the study name is unknown; no
+        StudyError: The storage does not exist, cannot be read or holds a value that cannot be
+            parsed (:func:`~tuner.study.storage.stored_values`); the study name is unknown; no
             name was given and the storage holds zero or several studies.
     """
-    storage = read_storage(location.storage_url)
+    with stored_values(location.storage_url):
+        return _load_study(location, read_storage(location.storage_url))
+
+
+def _load_study(location: StudyLocation, storage: optuna.storages.BaseStorage) -> StoredStudy:
     names = [s.study_name for s in optuna.get_all_study_summaries(storage, False)]
     name = location.study_name
     if name is None:

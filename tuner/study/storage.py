@@ -9,6 +9,7 @@ SQLite path must name an existing folder.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import sqlite3
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
+import pydantic
 import sqlalchemy
 from optuna.storages import BaseStorage, RDBStorage
 from sqlalchemy.engine import make_url
@@ -293,6 +295,13 @@ def check_storage(storage_url: str, *, flag: str = "--storage") -> None:
                 f"storage {display_url(storage_url)} does not exist (no file {database or '(none)'})",
                 hint=f"check {flag}/--study, or run `tuner run` first to create the study",
             )
+        tables, problem = _inspect_sqlite(Path(database))
+        if problem:
+            raise _corrupt(f"storage {display_url(storage_url)}: the file {database!r}", Path(database), problem, flag)
+        missing = sorted(_OPTUNA_TABLES - tables)
+        if "studies" in tables and missing:
+            raise _corrupt(f"storage {display_url(storage_url)}: the file {database!r}", Path(database),
+                           f"Optuna's table(s) {', '.join(missing)} are missing", flag)
     engine = _engine(storage_url, url)
     try:
         with engine.connect() as conn:
@@ -500,11 +509,7 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
                          hint=f"point {flag} at the study's .db file, or at a new file name")
     tables, problem = _inspect_sqlite(path)
     if problem:
-        raise StudyError(
-            f"{where} is corrupt ({problem})",
-            hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
-            f"and use {flag} sqlite:///recovered.db",
-        )
+        raise _corrupt(where, path, problem, flag)
     if not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)):
         raise StudyError(f"{where} is read-only (the file or its folder)",
                          hint="run as the user that owns it, or copy it to a writable folder")
@@ -515,7 +520,8 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
 
 
 def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
-    """``(table names, "")``, or ``(…, what is wrong)`` for a damaged file; read-only connection."""
+    """``(table names, "")``, or ``(…, what is wrong)`` on one line for a damaged file (SQLite's
+    ``PRAGMA quick_check``); read-only connection."""
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
     except sqlite3.Error as err:
@@ -527,7 +533,41 @@ def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
         return frozenset(), str(err)
     finally:
         conn.close()
-    return tables, "" if rows == ["ok"] else "; ".join(rows)[:200]
+    return tables, "" if rows == ["ok"] else " ".join("; ".join(rows).split())[:200]
+
+
+def _corrupt(where: str, path: Path, problem: str, flag: str) -> StudyError:
+    """The one line for a damaged SQLite study file: what SQLite found, and how to salvage it."""
+    return StudyError(f"{where} is corrupt ({problem})",
+                      hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
+                      f"and use {flag} sqlite:///recovered.db")
+
+
+@contextlib.contextmanager
+def stored_values(url: str, *, flag: str = "--storage") -> Iterator[None]:
+    """Turn a stored value Optuna or the tuner cannot parse, met while reading a study, into one
+    line naming the storage and the fix.
+
+    A trial's attribute that is not JSON (``json.JSONDecodeError`` from Optuna's reader) or a
+    record that does not validate (``pydantic.ValidationError``) means the database was edited or
+    damaged outside Optuna; Optuna reports a failed read of a damaged file as
+    ``StorageInternalError``.
+
+    Raises:
+        StudyError: For those errors (chained to the cause); others pass through unchanged.
+    """
+    try:
+        yield
+    except (json.JSONDecodeError, pydantic.ValidationError, optuna.exceptions.StorageInternalError,
+            sqlite3.DatabaseError) as err:
+        path = _sqlite_file(url)
+        reason = " ".join(first_line(err).split())[:160]
+        raise StudyError(
+            f"storage {display_url(url)}: a stored value cannot be read ({type(err).__name__}: {reason})",
+            hint=(f"restore the file from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
+                  f"and use {flag} sqlite:///recovered.db") if path else
+            "restore the database from a backup; a value was written outside Optuna",
+        ) from err
 
 
 
@@ -542,8 +582,9 @@ def storage_errors(url: str) -> Iterator[None]:
     committed (one transaction per tell), so nothing finished is lost.
 
     Raises:
-        StudyError: For a full disk or a storage that became read-only (chained to the cause);
-            other errors pass through unchanged.
+        StudyError: For a full disk, a storage that became read-only, or a disk I/O error on a disk
+            that is not full (an immutable file, a failing disk) (chained to the cause); other
+            errors pass through unchanged.
     """
     try:
         yield
@@ -551,15 +592,17 @@ def storage_errors(url: str) -> Iterator[None]:
         text = chain_text(err)
         path = _sqlite_file(url)
         where = f"the file {str(path)!r}" if path else url
-        if any(k in text for k in DISK_FULL):
-            folder = path.parent if path else None
+        kept = "every trial finished before is stored (a result in flight is kept on this host and stored first next time)"
+        folder = path.parent if path else None
+        if any(k in text for k in DISK_FULL) and not (folder is not None and "disk i/o error" in text
+                                                        and not disk_full(folder)):
             raise StudyError(
-                f"storage {display_url(url)!r}: the disk holding {where} is full; every trial finished before is stored",
+                f"storage {display_url(url)!r}: the disk holding {where} is full; {kept}",
                 hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
                 + "and run the same command again to resume",
             ) from err
-        if any(k in text for k in READ_ONLY):
-            raise StudyError(f"storage {display_url(url)!r}: {where} became read-only during the run; "
-                             "every trial finished before is stored",
-                             hint="make it writable again and run the same command to resume") from err
+        if any(k in text for k in (*READ_ONLY, "disk i/o error")):
+            cause = "became read-only" if any(k in text for k in READ_ONLY) else "could not be written (disk I/O error)"
+            raise StudyError(f"storage {display_url(url)!r}: {where} {cause} during the run; {kept}",
+                             hint="make it writable again (ls -l, lsattr, dmesg) and run the same command to resume") from err
         raise
