@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,8 +53,8 @@ def _wait_trial_under_load(proc: subprocess.Popen, storage: str, db: Path, timeo
     return None
 
 
-def _start_run(config: Path, workdir: Path, **pipes: int) -> subprocess.Popen:
-    return subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "6"], cwd=workdir, text=True,
+def _start_run(config: Path, workdir: Path, *extra: str, **pipes: int) -> subprocess.Popen:
+    return subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "6", *extra], cwd=workdir, text=True,
                             **pipes)
 
 
@@ -122,13 +123,17 @@ def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
 def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> None:
     config = config_copy("demo-sim.toml", workdir, phases=FAST)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
-    proc = _start_run(config, workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    events = workdir / "events.jsonl"
+    proc = _start_run(config, workdir, "--json-progress", str(events), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     found, err = signal_when(proc, lambda: _wait_trial_under_load(proc, storage, workdir / "studies" / "demo-sim.db", 240),
                              signal.SIGTERM)
     assert proc.returncode != 0 and "Traceback" not in err
     number, params = found
     assert f"interrupted: trial {number} recorded as failed (interrupted), service restored" in err, err[-1000:]
     assert f"resume with `tuner run --config {config}" in err
+    last = json.loads(events.read_text(encoding="utf-8").splitlines()[-1])  # the stream still ends in its summary
+    assert last["event"] == "summary" and last["stop_reason"] == "interrupted", last
+    assert f"trial {number} recorded as failed" in last["stop_detail"], last
     trials = load_study(storage, "demo-sim").trials
     interrupted = trials[number]
     assert interrupted.state == TrialState.FAIL

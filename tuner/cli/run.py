@@ -120,6 +120,11 @@ class JsonProgress:
         """The run's last object: ``{"event": "summary", ...}`` (:meth:`RunSummary.as_json`)."""
         self._write({"event": "summary", **summary.as_json()})
 
+    def ended(self, stop_reason: str, stop_detail: str) -> None:
+        """The last object of a run that ended without its summary (Ctrl-C, SIGTERM, an error):
+        ``{"event": "summary", "stop_reason": "interrupted" | "error", "stop_detail": the line said}``."""
+        self._write({"event": "summary", "stop_reason": stop_reason, "stop_detail": stop_detail})
+
     def _write(self, data: dict) -> None:
         import json
         from datetime import datetime
@@ -282,11 +287,17 @@ def run_cmd(
                 else "no trial was in flight")
         again = (f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
                  + (f" --storage {display_url(storage)}" if storage else ""))
-        err_console.print(f"interrupted: {what}, service restored to its original flags; resume with `{again}`",
-                          highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(130) from None
-    except BaseException:
+        said = f"interrupted: {what}, service restored to its original flags; resume with `{again}`"
+        err_console.print(said, highlight=False, markup=False, soft_wrap=True)
         if sink is not None:
+            sink.ended("interrupted", said)
+            sink.close()
+        if metrics is not None:
+            metrics.close()
+        raise typer.Exit(130) from None
+    except BaseException as err:
+        if sink is not None:
+            sink.ended("error", " ".join(str(err).split()) or type(err).__name__)
             sink.close()
         if metrics is not None:
             metrics.close()
