@@ -312,6 +312,21 @@ def test_a_run_refuses_a_study_with_a_garbled_value_in_one_line(study: tuple[Pat
     assert line.startswith("error: ") and "cannot be read" in line and str(db) in line and ".recover" in line, line
 
 
+def test_the_dry_run_of_a_resumed_study_does_not_promise_the_baseline(study: tuple[Path, str, Path],
+                                                                       tmp_path: Path) -> None:
+    """A study with a measured baseline resumes with the planner's pick (a new user's sweep saw the
+    dry run promise the baseline, and the run launch trial 4)."""
+    _, url, _ = study
+    config = _demo_config(tmp_path, name="demo")  # the stored study's name
+    proc = tuner("run", "--config", str(config), "--dry-run", "--storage", url, "--allow-mixed-environment", cwd=tmp_path)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "first candidate: chosen from the study's 3 measured trial(s)" in proc.stdout, proc.stdout
+    assert "the baseline is trial 0" in proc.stdout and "first candidate: the baseline" not in proc.stdout
+    fresh = tuner("run", "--config", str(config), "--dry-run", "--storage", f"sqlite:///{tmp_path / 'new.db'}",
+                  cwd=tmp_path)
+    assert "first candidate: the baseline (the service's current flags)" in fresh.stdout, fresh.stdout
+
+
 def test_invalid_config_value_names_its_fix(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[study]\nname = 3\n', encoding="utf-8")

@@ -11,6 +11,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import optuna
+from sqlalchemy.exc import SQLAlchemyError
+
 from tuner.config import TunerConfig
 from tuner.errors import ConfigError, ServiceControlError, TunerError
 from tuner.launch.base import Launcher
@@ -20,14 +23,15 @@ from tuner.load.workloads import for_speculation
 from tuner.preflight import check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
-from tuner.study.baseline import study_hicache, study_levers
+from tuner.study.baseline import latest_baseline, study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import run_study
+from tuner.study.optuna_io import records
 from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunSummary
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
-from tuner.study.storage import display_url, study_artifacts_dir, study_storage_url
+from tuner.study.storage import display_url, read_storage, stored_values, study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor
 from tuner.units import format_duration
 
@@ -252,9 +256,28 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     if hicache.include:
         lines.append(f"host memory before each launch: {host.source}; a config whose pools (per rank × {ranks} "
                      "ranks) do not fit MemAvailable or the unit's MemoryMax is skipped without a restart")
-    lines.append("first candidate: the baseline (the service's current flags), launched as:")
+    stored = _stored_progress(config, storage_url)
+    if stored is None or stored[1] is None:
+        lines.append("first candidate: the baseline (the service's current flags), launched as:")
+    else:
+        lines.append(f"first candidate: chosen from the study's {stored[0]} measured trial(s) (a re-queued one first; "
+                     f"the baseline is trial {stored[1]}); the service's current flags, as the launcher starts them:")
     lines.append(launcher.dry_run(argv))
     return "\n".join(lines)
+
+
+def _stored_progress(config: TunerConfig, storage_url: str | None) -> tuple[int, int | None] | None:
+    """``(measured trials, the latest baseline's number or None)`` of the study a run would resume,
+    or ``None`` when there is none yet or it cannot be read (the checks after the plan say why)."""
+    url = storage_url or study_storage_url(config)
+    try:
+        with stored_values(url):
+            study = optuna.load_study(study_name=config.study.name, storage=read_storage(url))
+            done = records(study)
+    except (TunerError, KeyError, SQLAlchemyError):
+        return None
+    found = latest_baseline([(t.number, r) for t, r in done])
+    return sum(1 for _, r in done if r.outcome in ("ok", "failed")), (found[0] if found is not None else None)
 
 
 def dry_run_checks(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,

@@ -83,6 +83,14 @@ def test_explicit_storage_in_a_missing_folder_is_refused_and_not_created(workdir
     assert not (workdir / "no").exists()
 
 
+def test_a_folder_given_as_the_storage_file_is_named_as_a_folder(workdir: Path) -> None:
+    config = config_copy("demo-sim.toml", workdir)
+    proc = run_tuner("run", "--config", str(config), "--budget", "5m", "--storage", f"sqlite:///{workdir}",
+                     cwd=workdir, timeout_s=120)
+    line = one_error_line(proc, "is a folder, not a study file")
+    assert f"sqlite:///{workdir / 'study.db'}" in line and "owns it" not in line, line
+
+
 def test_init_into_a_missing_folder_is_one_line_and_its_suggested_dry_run_works(workdir: Path) -> None:
     proc = run_tuner("init", "--sim", "-o", str(workdir / "missing" / "x.toml"), cwd=workdir, timeout_s=60)
     one_error_line(proc, f"folder {workdir / 'missing'} does not exist")

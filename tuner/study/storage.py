@@ -496,6 +496,9 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
                              hint=f"point {flag} at a writable folder")
         return False
     where = f"storage {display_url(url)!r}: the file {str(path)!r}"
+    if path.is_dir():
+        raise StudyError(f"storage {display_url(url)!r}: {str(path)!r} is a folder, not a study file",
+                         hint=f"name a .db file in it, e.g. {flag} sqlite:///{path / 'study.db'}")
     if path.stat().st_size == 0:
         raise StudyError(f"{where} is empty (0 bytes), not a study database",
                          hint=f"delete the empty file to start a new study there, or point {flag} at the study's file")
