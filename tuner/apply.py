@@ -48,7 +48,7 @@ from tuner.errors import ApplyError, TunerError
 from tuner.launch.systemd import SystemdLauncher
 from tuner.launch.unit import SystemdUnit, atomic_write_text
 from tuner.records import now_iso
-from tuner.results import StoredStudy, TrialView
+from tuner.results import StoredStudy, TrialView, status_text
 from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 from tuner.sglang.numerics import numerics_changes
@@ -572,8 +572,7 @@ def plan_apply(
             hint="pick a trial that `tuner trials` lists with params",
         )
     if not view.feasible:
-        violated = ",".join(k for k, v in view.constraints.items() if v > 0)
-        why = view.failure_class or ("skipped" if view.outcome == "skipped" else violated or "infeasible")
+        why = status_text(view) or "infeasible"
         raise ApplyError(
             f"trial {view.number} is not feasible ({why}); applying it would not be safe",
             hint="apply a feasible trial: see `tuner best` or `tuner trials --feasible`",

@@ -41,6 +41,7 @@ from tuner.study.storage import (
 )
 
 __all__ = [
+    "status_text",
     "METRICS",
     "SORT_KEYS",
     "StudyLocation",
@@ -432,6 +433,27 @@ class StoredStudy:
             return {}
         base = self.artifacts_dir()
         return {name: base / artifact_id for name, artifact_id in view.record.artifacts.items()}
+
+
+def status_text(view: TrialView) -> str:
+    """Why a trial is not feasible, in words: its failure class, ``interrupted``, running, queued,
+    stopped without a result, ``skipped``, or the violated constraints; ``""`` for a feasible one."""
+    if view.failure_class:
+        return view.failure_class
+    if view.record is not None and (view.record.failure_evidence or "").startswith("interrupted"):
+        return "interrupted"
+    if view.state == "RUNNING":
+        return "running, or killed (`tuner run` resumes it)"
+    if view.state == "WAITING":
+        return "queued (the next `tuner run` measures it)"
+    if view.state == "FAIL" and view.record is None:
+        return "stopped without a result (its run was killed or its host went silent; its params queued again)"
+    if view.outcome == "skipped" or view.state == "PRUNED":
+        reason = view.record.skipped_reason if view.record is not None else None
+        return f"skipped: {reason}" if reason else "skipped"
+    if view.feasible or view.state != "COMPLETE":
+        return ""
+    return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
 
 
 def open_study(location: StudyLocation) -> StoredStudy:

@@ -88,7 +88,7 @@ def test_process_plan_replaces_the_tuned_flags_and_keeps_the_operators(tmp_path:
     assert _tree(tmp_path) == before  # a plan changes nothing
 
 
-@pytest.mark.parametrize(("number", "why"), [(2, "not feasible (cuda_graph_oom)"), (3, "not feasible (skipped)")])
+@pytest.mark.parametrize(("number", "why"), [(2, "not feasible (cuda_graph_oom)"), (3, "not feasible (skipped: mem_fraction_static 0.98")])
 def test_plan_refuses_a_trial_that_is_not_feasible(tmp_path: Path, number: int, why: str) -> None:
     config = _config({"launcher": "process", "command": SIM, "url": "http://127.0.0.1:39999"})
     stored, url = _study(tmp_path)

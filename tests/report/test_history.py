@@ -115,7 +115,7 @@ def test_stored_policy_defaults_when_missing(tmp_path: Path) -> None:
 
 def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
     from tuner.records import RECORD_ATTR, TrialRecord
-    from tuner.report.tables import status_text
+    from tuner.results import status_text
 
     url = make_study(tmp_path / "i.db", "i", [ok_trial(0.8, 64, 10, 900.0, kind="baseline")])
     study = optuna.load_study(study_name="i", storage=url)
@@ -125,7 +125,12 @@ def test_interrupted_and_running_trials_say_so(tmp_path: Path) -> None:
     interrupted.set_user_attr(RECORD_ATTR, record.model_dump(mode="json"))
     study.tell(interrupted, state=optuna.trial.TrialState.FAIL)
     study.ask()  # left RUNNING, as after kill -9
+    killed = study.ask()  # a killed run's trial, failed by the next run (tuner.study.hosts.recover_own)
+    study.tell(killed, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial({"mem_fraction_static": 0.85})  # its params queued again
     views = {v.number: v for v in open_study(StudyLocation(storage_url=url)).trials}
     assert status_text(views[1]) == "interrupted"
     assert status_text(views[2]).startswith("running, or killed")
+    assert status_text(views[3]).startswith("stopped without a result")
+    assert status_text(views[4]).startswith("queued")
     assert status_text(views[0]) == ""

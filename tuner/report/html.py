@@ -20,8 +20,8 @@ import plotly.offline
 from tuner.errors import StudyError
 from tuner.report import figures
 from tuner.report.figures import CATEGORY_COLORS, category
-from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, quality_text, status_text
-from tuner.results import METRICS, BestTrial, StoredStudy, best_trial, cache_effect
+from tuner.report.tables import TABLE_METRICS, cell, delta_text, key_params, quality_text
+from tuner.results import METRICS, BestTrial, StoredStudy, best_trial, cache_effect, status_text
 from tuner.study.storage import STUDIES_DIR, display_url
 
 __all__ = ['FIGURE_IDS', 'build_html_report', 'write_html_report', 'write_study_report']

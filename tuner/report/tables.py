@@ -25,13 +25,22 @@ from rich.table import Table
 from rich.text import Text
 
 from tuner.load import LoadSummary, MaxLoadResult
-from tuner.results import METRICS, BestTrial, CacheEffect, StoredStudy, TrialView, cache_effect, lever_lines
+from tuner.results import (
+    METRICS,
+    BestTrial,
+    CacheEffect,
+    StoredStudy,
+    TrialView,
+    cache_effect,
+    lever_lines,
+    status_text,
+)
 from tuner.study.best import max_running_requests_cut
 from tuner.study.space import KNOBS
 from tuner.study.storage import display_url
 from tuner.study.warm import WARM_ATTR
 
-__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'status_text', 'quality_text', 'quality_rows', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'warm_text', 'applies_table', 'apply_result']
+__all__ = ["KEY_PARAMS", "TABLE_METRICS", 'key_params', 'print_fitted', 'cell', 'quality_text', 'quality_rows', 'delta_text', 'trials_table', 'trials_json', 'trials_csv', 'trial_detail', 'terminal_safe', 'trial_json', 'json_text', 'best_panel', 'studies_rows', 'studies_table', 'warm_text', 'applies_table', 'apply_result']
 
 logger = logging.getLogger(__name__)
 
@@ -109,22 +118,6 @@ def cell(value: Any) -> str:
 def _text(value: Any) -> Text:
     """A table cell as plain :class:`Text`: log and server strings are never read as rich markup."""
     return Text(value if isinstance(value, str) else cell(value))
-
-
-def status_text(view: TrialView) -> str:
-    """Why a trial is not feasible: its failure class, ``skipped``, or the violated constraints."""
-    if view.failure_class:
-        return view.failure_class
-    if view.record is not None and (view.record.failure_evidence or "").startswith("interrupted"):
-        return "interrupted"
-    if view.state == "RUNNING":
-        return "running, or killed (`tuner run` resumes it)"
-    if view.outcome == "skipped" or view.state == "PRUNED":
-        reason = view.record.skipped_reason if view.record is not None else None
-        return f"skipped: {reason}" if reason else "skipped"
-    if view.feasible or view.state != "COMPLETE":
-        return ""
-    return ",".join(k for k, v in view.constraints.items() if v > 0) or "infeasible"
 
 
 def quality_text(view: TrialView) -> str:
