@@ -339,6 +339,25 @@ class ApplyLog:
         """Release the database connections."""
         self._engine.dispose()
 
+    def check_writable(self) -> None:
+        """Refuse, before the service changes, a storage the apply could not be recorded in: a write
+        that changes nothing (the table made on first use, a DELETE of no row), rolled back.
+
+        Raises:
+            ApplyError: The database refused it (a read-only file, folder or mount, no privilege).
+        """
+        try:
+            _METADATA.create_all(self._engine, tables=[_APPLIES])
+            with self._engine.connect() as conn, conn.begin() as txn:
+                conn.execute(_APPLIES.delete().where(sa.false()))
+                txn.rollback()
+        except SQLAlchemyError as err:
+            raise ApplyError(
+                f"the apply could not be recorded in {display_url(self.storage_url)}: "
+                f"{' '.join(str(getattr(err, 'orig', err)).split())}; nothing was changed",
+                hint="make the study database writable (ls -l, lsattr, mount) and run again",
+            ) from err
+
     def add(self, record: ApplyRecord) -> ApplyRecord:
         """Store a record (creating the table on first use); returns it with its id.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -84,6 +85,23 @@ def test_bad_input_changes_nothing(study: tuple[str, Path], tmp_path: Path, tune
     _one_line(tuner_cli("apply", "best", "--storage", url, "--config", str(broken), "--yes"), "/nonexistent/systemctl")
     assert not (tmp_path / "units").exists()
     assert db.read_bytes() == before
+
+
+def test_an_apply_that_could_not_be_recorded_changes_nothing(study: tuple[str, Path], tmp_path: Path,
+                                                              tuner_cli) -> None:
+    """A study file turned immutable (``chattr +i``: refused even to root) is found before the
+    apply writes or restarts anything (a new user's sweep saw it fail only after the work)."""
+    url, db = study
+    if subprocess.run(["chattr", "+i", str(db)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("chattr +i is refused here (no CAP_LINUX_IMMUTABLE or no such flag on this file system)")
+    out = tmp_path / "cmd.txt"
+    try:
+        _one_line(tuner_cli("apply", "1", "--storage", url, "--write", str(out)), "the apply could not be recorded")
+        assert tuner_cli("apply", "1", "--storage", url, "--dry-run").returncode == 0  # a preview writes nothing
+    finally:
+        subprocess.run(["chattr", "-i", str(db)], check=True)
+    assert not out.exists()
+    assert json.loads(tuner_cli("applies", "--storage", url, "--json").stdout) == []
 
 
 def test_no_feasible_trial_and_no_config(tmp_path: Path, tuner_cli) -> None:

@@ -71,6 +71,7 @@ def apply_cmd(
         console.print(cut, markup=False, highlight=False, soft_wrap=True)
     if dry_run:
         return
+    log.check_writable()  # before the confirmation and any change: an apply is never left unrecorded
     if plan.launcher == "systemd" and not yes:
         if not sys.stdin.isatty():
             raise ConfigError("tuner apply restarts the service and needs a confirmation", hint="pass --yes")
