@@ -128,7 +128,7 @@ def check_hooks(config: TunerConfig) -> None:
 def _check_stored_study(name: str, url: str, environment: Mapping[str, Any], allow_mixed: bool) -> list[float]:
     """Check a stored study's environment; return its finished trials' durations in seconds."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = read_storage(url)
+    storage = read_storage(url, checked=True)  # check_run_storage read the file just before
     with stored_values(url):
         try:
             study = optuna.load_study(study_name=name, storage=storage)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.immutable import immutable
 from tests.support.study_factory import failed_trial, make_study, ok_trial
 
 SIM = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
@@ -92,14 +92,10 @@ def test_an_apply_that_could_not_be_recorded_changes_nothing(study: tuple[str, P
     """A study file turned immutable (``chattr +i``: refused even to root) is found before the
     apply writes or restarts anything (a new user's sweep saw it fail only after the work)."""
     url, db = study
-    if subprocess.run(["chattr", "+i", str(db)], capture_output=True, check=False).returncode != 0:
-        pytest.skip("chattr +i is refused here (no CAP_LINUX_IMMUTABLE or no such flag on this file system)")
     out = tmp_path / "cmd.txt"
-    try:
+    with immutable(db):
         _one_line(tuner_cli("apply", "1", "--storage", url, "--write", str(out)), "the apply could not be recorded")
         assert tuner_cli("apply", "1", "--storage", url, "--dry-run").returncode == 0  # a preview writes nothing
-    finally:
-        subprocess.run(["chattr", "-i", str(db)], check=True)
     assert not out.exists()
     assert json.loads(tuner_cli("applies", "--storage", url, "--json").stdout) == []
 

@@ -340,14 +340,15 @@ def _engine(storage_url: str, url: sqlalchemy.URL) -> sqlalchemy.Engine:
         raise _driver_error(storage_url, err) from err
 
 
-def read_storage(storage_url: str, *, flag: str = "--storage") -> optuna.storages.RDBStorage:
-    """Open an existing storage for reading (:func:`check_storage` first, its hints naming ``flag``;
-    no schema is created).
+def read_storage(storage_url: str, *, flag: str = "--storage", checked: bool = False) -> optuna.storages.RDBStorage:
+    """Open an existing storage for reading (:func:`check_storage` first, its hints naming ``flag``,
+    unless the caller ``checked`` it already with :func:`check_run_storage`; no schema is created).
 
     Raises:
         StudyError: See :func:`check_storage`, or Optuna cannot open it (an older schema).
     """
-    check_storage(storage_url, flag=flag)
+    if not checked:
+        check_storage(storage_url, flag=flag)
     try:
         return optuna.storages.RDBStorage(storage_url, skip_table_creation=True,
                                           engine_kwargs=_engine_kwargs(storage_url))
@@ -539,11 +540,15 @@ def _inspect_sqlite(path: Path) -> tuple[frozenset[str], str]:
     return tables, "" if rows == ["ok"] else " ".join("; ".join(rows).split())[:200]
 
 
+def _salvage(path: Path, flag: str) -> str:
+    """The fix for a damaged SQLite study file: a backup, or SQLite's own salvage."""
+    return (f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
+            f"and use {flag} sqlite:///recovered.db")
+
+
 def _corrupt(where: str, path: Path, problem: str, flag: str) -> StudyError:
     """The one line for a damaged SQLite study file: what SQLite found, and how to salvage it."""
-    return StudyError(f"{where} is corrupt ({problem})",
-                      hint=f"restore it from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
-                      f"and use {flag} sqlite:///recovered.db")
+    return StudyError(f"{where} is corrupt ({problem})", hint=_salvage(path, flag))
 
 
 @contextlib.contextmanager
@@ -567,9 +572,7 @@ def stored_values(url: str, *, flag: str = "--storage") -> Iterator[None]:
         reason = " ".join(first_line(err).split())[:160]
         raise StudyError(
             f"storage {display_url(url)}: a stored value cannot be read ({type(err).__name__}: {reason})",
-            hint=(f"restore the file from a backup, or salvage it (sqlite3 {path} .recover | sqlite3 recovered.db) "
-                  f"and use {flag} sqlite:///recovered.db") if path else
-            "restore the database from a backup; a value was written outside Optuna",
+            hint=_salvage(path, flag) if path else "restore the database from a backup; a value was written outside Optuna",
         ) from err
 
 
@@ -597,14 +600,15 @@ def storage_errors(url: str) -> Iterator[None]:
         where = f"the file {str(path)!r}" if path else url
         kept = "every trial finished before is stored (a result in flight is kept on this host and stored first next time)"
         folder = path.parent if path else None
-        if any(k in text for k in DISK_FULL) and not (folder is not None and "disk i/o error" in text
-                                                        and not disk_full(folder)):
+        # SQLite says "disk I/O error" of a full disk and of a file it may not write (chattr +i, a failing disk)
+        unwritable = "disk i/o error" in text and folder is not None and not disk_full(folder)
+        if any(k in text for k in DISK_FULL) and not unwritable:
             raise StudyError(
                 f"storage {display_url(url)!r}: the disk holding {where} is full; {kept}",
                 hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
                 + "and run the same command again to resume",
             ) from err
-        if any(k in text for k in (*READ_ONLY, "disk i/o error")):
+        if unwritable or any(k in text for k in READ_ONLY):
             cause = "became read-only" if any(k in text for k in READ_ONLY) else "could not be written (disk I/O error)"
             raise StudyError(f"storage {display_url(url)!r}: {where} {cause} during the run; {kept}",
                              hint="make it writable again (ls -l, lsattr, dmesg) and run the same command to resume") from err
