@@ -10,6 +10,9 @@
   entries cannot be told from ours).
 - Parallel runs (``-n 4 --dist loadgroup``, as ``.ci/run``): a test runs on the worker of its
   module, of the systemd sandbox's tests, or of the demo study's readers (:func:`_xdist_group`).
+- Every test runs in its own ``tmp_path`` as the working directory (:func:`_private_cwd`), so a
+  relative default (``studies/``, a config's storage) never reads or writes the checkout; the run
+  FAILS if ``git status`` of the checkout (ignored files included) differs at the end from the start.
 - Fixtures shared by several folders: ``tuner_cli`` (the CLI in-process), ``workdir``,
   ``systemd_sandbox`` (module-scoped), ``postgres_cluster`` (session) and ``postgres_url`` (a
   fresh database per test) on a real PostgreSQL server, ``demo_run`` (one real ``tuner run`` of
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,7 +42,19 @@ CHECKOUT_STUDIES = Path(__file__).resolve().parents[1] / "studies"
 """The checkout's own ``studies/`` (the default storage of a run started in the checkout): no test
 may leave a study or an artifacts folder there."""
 
+CHECKOUT = CHECKOUT_STUDIES.parent
 _hygiene: dict[str, object] = {}
+_CACHES = (".venv/", "__pycache__/", ".pytest_cache/", ".mypy_cache/", ".ruff_cache/", ".egg-info/", ".import_linter_cache/")
+
+
+def _checkout_state() -> set[str] | None:
+    """``git status --porcelain --ignored`` of the checkout less caches and the venv (None: no git)."""
+    try:
+        out = subprocess.run(["git", "-C", str(CHECKOUT), "status", "--porcelain", "--ignored", "-uall"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {line for line in out.splitlines() if not any(cache in line for cache in _CACHES)}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -79,7 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["SGLANG_TUNER_STATE_DIR"] = str(private / "state")
     os.environ["SGLANG_TUNER_LOCK_DIR"] = str(private / "locks")  # not the host's /run/lock/sglang-tuner
     _hygiene.update(private=private, state_before=_entries(REAL_STATE_DIR), others=_other_test_runs(), reports=0,
-                    studies_before=_entries(CHECKOUT_STUDIES))
+                    studies_before=_entries(CHECKOUT_STUDIES), checkout_before=_checkout_state())
 
 
 _WORKER_PREFIX = "xdist-"
@@ -123,6 +139,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     studies = sorted(_entries(CHECKOUT_STUDIES) - _hygiene["studies_before"])  # type: ignore[operator]
     if studies:
         problems.append(f"left in the checkout's {CHECKOUT_STUDIES}: {', '.join(studies)} (run the test in tmp_path)")
+    before, after = _hygiene["checkout_before"], _checkout_state()
+    if isinstance(before, set) and after is not None and after != before:
+        changed = sorted(after ^ before)
+        problems.append(f"the checkout changed ({len(changed)} path(s), git status): {'; '.join(changed[:5])}")
     gained = sorted(_entries(REAL_STATE_DIR) - _hygiene["state_before"])  # type: ignore[operator]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     others: dict[int, str] = {**_hygiene["others"], **_other_test_runs()}  # type: ignore[dict-item]
@@ -179,6 +199,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "benchmarks" in item.path.parts:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _private_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every test in its own ``tmp_path``: a default relative path (a config's ``studies/``
+    storage, the demo's database) then never reads what a README run left in the checkout."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture()

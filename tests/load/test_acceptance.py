@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import run_tuner
+from tests.support.configs import ROOT
 from tests.support.sim import spawn, wait_ready
 from tuner.load.metrics import RequestRecord, summarize
 from tuner.load.workloads import SHIPPED_PROMPTS, TextSpec, build_workload, read_prompts
@@ -68,8 +69,8 @@ def test_tuner_load_reports_acceptance_beside_latency_and_agrees_with_the_server
 
 
 def test_a_speculative_service_is_planned_on_text_prompts_of_the_same_lengths() -> None:
-    done = run_tuner("run", "--config", "configs/reference-sim.toml", "--dry-run", timeout_s=120)
+    done = run_tuner("run", "--config", str(ROOT / "configs" / "reference-sim.toml"), "--dry-run", timeout_s=120)
     workload = next(line for line in done.stdout.splitlines() if line.startswith("workload: "))
     assert workload.startswith("workload: text(") and "prompt_tokens=6144, output_len=64" in workload
-    done = run_tuner("run", "--config", "configs/demo-sim.toml", "--dry-run", timeout_s=120)
+    done = run_tuner("run", "--config", str(ROOT / "configs" / "demo-sim.toml"), "--dry-run", timeout_s=120)
     assert "workload: random(" in done.stdout  # no draft model: the configured random ids stay
