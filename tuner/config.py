@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from tuner.errors import ConfigError, StudyError
 from tuner.load.metrics import SLO
@@ -134,7 +134,7 @@ class ServiceSection(_Section):
     stop_timeout_s: float = Field(default=120.0, gt=0)
     workdir: str | None = None
     gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
-    allow_foreign: bool = False
+    allow_foreign: StrictBool = False
     state_dir: str | None = None
     pre_restart: list[str] | None = None
     post_ready: list[str] | None = None
@@ -256,7 +256,7 @@ class SpaceSection(_Section):
     mem_fraction_step: float = Field(default=0.005, gt=0, le=0.05)
     max_running_requests: IntRange | None = None
     chunked_prefill_size: list[int] | None = None
-    hierarchical_cache: bool | None = None
+    hierarchical_cache: StrictBool | None = None
     hicache_ratio: FloatRange | None = None
     hicache_size: FloatRange | None = None
     hicache_write_policy: list[Literal["write_through", "write_through_selective", "write_back"]] | None = None
@@ -270,7 +270,7 @@ class SpaceSection(_Section):
     dcp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
     dp_size: list[Annotated[int, Field(ge=1, le=64)]] | None = None
     exclude_levers: list[Literal["fp8_kv", "dcp", "dp_attention"]] = Field(default_factory=list)
-    speculative: bool | None = None
+    speculative: StrictBool | None = None
     speculative_num_steps: list[Annotated[int, Field(ge=1)]] | None = None
     speculative_eagle_topk: list[Annotated[int, Field(ge=1)]] | None = None
     speculative_num_draft_tokens: list[Annotated[int, Field(ge=2)]] | None = None
@@ -378,7 +378,7 @@ class BudgetSection(_Section):
     concurrency: int | None = Field(default=None, ge=1)
     request_rate: float | None = Field(default=None, gt=0)
     max_concurrency: int = Field(default=256, ge=1)
-    early_stop: bool = True
+    early_stop: StrictBool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
     restore_reserve_s: float = Field(default=0.0, ge=0)
     slo_capacity_steps: int = Field(default=2, ge=0, le=8)

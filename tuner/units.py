@@ -90,10 +90,11 @@ class MaintenanceWindow:
 
     @classmethod
     def parse(cls, text: str) -> MaintenanceWindow:
-        """``"HH:MM-HH:MM"``.
+        """``"HH:MM-HH:MM"``; ``"00:00-24:00"`` is the whole day.
 
         Raises:
-            ValueError: Not two times of day joined by ``-`` (the config names the key).
+            ValueError: Not two times of day joined by ``-``, or the same time twice (an empty
+                window; the config names the key).
         """
         m = _SPAN.match(text)
         if m is None:
@@ -101,6 +102,9 @@ class MaintenanceWindow:
         h1, m1, h2, m2 = (int(g) for g in m.groups())
         if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59 or (h2 == 24 and m2 != 0):
             raise ValueError(f"{text!r} holds a time that is not a time of day (00:00-24:00)")
+        if (h1, m1) == (h2 % 24, m2) and (h1, m1, h2) != (0, 0, 24):  # "00:00-24:00" is the whole day
+            raise ValueError(f"{text!r} opens and closes at the same time: an empty window (write \"00:00-24:00\" "
+                             "for the whole day, or leave window out)")
         return cls(start_min=h1 * 60 + m1, end_min=(h2 * 60 + m2) % 1440, text=text.strip())
 
     def contains(self, when: datetime) -> bool:

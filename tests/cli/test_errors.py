@@ -78,10 +78,10 @@ def test_restore_refuses_a_state_folder_that_does_not_exist(tmp_path: Path) -> N
     one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "nope")), "--state-dir", "does not exist")
     (tmp_path / "file").write_text("")
     one_error_line(tuner("restore", "--config", str(config), "--state-dir", str(tmp_path / "file")), "--state-dir", "not a folder")
-    # under a virtual file system (no blocks at all) the folder is missing, not on a full disk:
+    # under a virtual file system (no blocks at all) no folder can be made, and the disk is not full:
     # the review sweep of issue 28 saw "the disk holding the state folder /proc is full (0 KiB free)"
     line = one_error_line(tuner("restore", "--config", str(config), "--state-dir", "/proc/nope"), "--state-dir")
-    assert "full" not in line and "does not exist" in line
+    assert "full" not in line and "cannot be written (/proc is not a writable folder)" in line
 
 
 def test_hints_name_what_the_user_can_do(tmp_path: Path) -> None:

@@ -62,6 +62,30 @@ def _device_free_gib(url: str) -> tuple[float, str] | None:
     return tightest.free_mib / 1024, f"NVML, GPU {tightest.index}"
 
 
+def _check_options(*, trial: int | None, mem_fraction_static: float | None, gpu: str | None,
+                   model_config: str | None) -> None:
+    """Refuse, before any reading, an option ``explain`` would ignore or could not use: the start's
+    own options beside ``--trial`` (a stored trial states its fraction, GPU and model), and a
+    ``--gpu`` the ladder's table does not know (its cells would all read "unknown").
+
+    Raises:
+        ConfigError: Naming the option and the fix.
+    """
+    from tuner.errors import ConfigError
+    from tuner.sglang.levers import gpu_arch
+
+    if trial is not None:
+        given = [flag for flag, value in (("--mem-fraction-static", mem_fraction_static), ("--gpu", gpu),
+                                          ("--model-config", model_config)) if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} is for --log, --unit or --url; --trial {trial} reads its "
+                              "fraction, GPU and model from its study", hint=f"drop {', '.join(given)}, or explain the log instead")
+    if gpu is not None and gpu_arch(gpu) is None:
+        raise ConfigError(f"--gpu {gpu!r} is not a GPU the ladder's table knows",
+                          hint="give its architecture (sm80, sm90, sm100, sm120) or a name such as H100, H200, "
+                               "B200, L4 or 'RTX PRO 6000'")
+
+
 @app.command("explain", short_help="Where a server's GPU memory went and what limits capacity.")
 def explain_cmd(
     log: Annotated[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
@@ -82,6 +106,7 @@ def explain_cmd(
     from tuner.report.explain import bound_by_study, renderables
     from tuner.sglang.explain import explain_from
 
+    _check_options(trial=trial, mem_fraction_static=mem_fraction_static, gpu=gpu, model_config=model_config)
     if trial is not None:
         result = _explain_trial(trial, study, storage, config, given=[f for f, v in (("--log", log), ("--unit", unit), ("--url", url)) if v])
         result = bound_by_study(result[0], result[1], trial)

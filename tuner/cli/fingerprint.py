@@ -39,6 +39,25 @@ def fingerprints_cmd(
             print(line)
 
 
+def _check_bundled_series(version: str) -> None:
+    """Refuse a ``--version`` outside the release series of the bundled flag tables (``9.9``,
+    ``0.6.0``): nothing bundled says what its flags or defaults are. A newer patch release of a
+    bundled series (``0.5.24``) is read with the series' newest table, as the help says.
+
+    Raises:
+        ConfigError: Naming the version, the bundled tables and the fix.
+        FlagError: ``version`` is not a version number.
+    """
+    from tuner.errors import ConfigError
+    from tuner.sglang.flags import FlagTable
+    from tuner.sglang.versions import release
+
+    bundled = FlagTable.bundled_versions()
+    if release(version)[:2] not in {release(v)[:2] for v in bundled}:
+        raise ConfigError(f"--version {version} is outside the bundled flag tables' series ({', '.join(bundled)})",
+                          hint="pass --python with that version's interpreter, whose SGLang parser is read instead")
+
+
 @app.command("upgrade-check", short_help="What another SGLang installation changes of the best config's flags.")
 def upgrade_check_cmd(
     config: ConfigOpt = None,
@@ -65,6 +84,8 @@ def upgrade_check_cmd(
     if (python is None) == (version is None):
         raise ConfigError("upgrade-check needs exactly one of --python and --version",
                           hint="pass --python /opt/sglang-new/bin/python (or --version 0.5.23 for a bundled table)")
+    if version is not None:
+        _check_bundled_series(version)
     if (window is not None or load) and not boot:
         raise ConfigError("--window and --load only apply with --boot", hint="add --boot to start the new version once")
     if boot and config is None:

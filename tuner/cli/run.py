@@ -140,6 +140,23 @@ class JsonProgress:
             self._stream.close()
 
 
+def _check_sinks(json_progress: str | None, prometheus_textfile: Path | None) -> None:
+    """Refuse, before the dry run and the run alike, an output the run could not write: an empty
+    ``--json-progress``, or either file in a folder that does not exist (nothing is created).
+
+    Raises:
+        ConfigError: Naming the option, the path and the fix.
+    """
+    from tuner.cli.common import check_output_path
+    from tuner.errors import ConfigError
+
+    if json_progress is not None and json_progress != "-":
+        if not json_progress.strip():
+            raise ConfigError("--json-progress is empty", hint="pass a file path, or - for standard output")
+        check_output_path(Path(json_progress), "--json-progress")
+    check_output_path(prometheus_textfile, "--prometheus-textfile")
+
+
 def _prometheus_textfile(path: Path | None, cfg, storage: str | None):  # noqa: ANN001, ANN202 - TunerConfig, PrometheusTextfile
     """The ``--prometheus-textfile`` sink (written once now: a bad path is refused before the run)."""
     if path is None:
@@ -255,6 +272,7 @@ def run_cmd(
 
     if trials is not None and trials < 1:
         raise ConfigError(f"--trials {trials} is not a number of trials", hint="pass --trials 1 or more, or leave it out")
+    _check_sinks(json_progress, prometheus_textfile)
     cfg = load_config(config)
     text = budget or cfg.budget.total
     budget_s = parse_duration_s(text) if text else None

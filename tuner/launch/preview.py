@@ -36,6 +36,8 @@ def _typed(opt: FlagOption, flag: str, raw: str) -> Any:
         if raw.lower() in _TRUE + _FALSE:
             return raw.lower() in _TRUE
         raise FlagError(f"{flag} is a switch, not {raw!r}", hint=f"write {flag.lstrip('-')}=true or =false")
+    if not raw:  # `--set host=` would render `--host ''`, which SGLang takes as a value
+        raise FlagError(f"{flag} is given no value", hint=f"write {flag.lstrip('-')}=VALUE, or leave the flag out")
     readers: dict[str, tuple[Callable[[str], Any], str]] = {"int": (int, "an integer"), "float": (float, "a number"),
                "human_readable_int": (parse_human_int, "an integer such as 4096 or 128k"),
                "loads": (json.loads, "JSON"), "json_list_type": (json.loads, "a JSON list")}

@@ -116,11 +116,21 @@ def _own_command() -> str:
 
 def writable_folder(folder: Path) -> Path | None:
     """``None`` when files can be created under ``folder`` (it, or its nearest existing ancestor, is
-    a writable folder), else the folder that blocks it. Changes nothing."""
+    a writable folder on a file system with blocks), else the folder that blocks it. A virtual file
+    system (``/proc``, ``/sys``: no blocks) blocks: root's permission check passes there, yet no file
+    or folder can be created. Changes nothing."""
     probe = _nearest_existing(folder)
-    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK):
+    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) and not _virtual(probe):
         return None
     return probe
+
+
+def _virtual(folder: Path) -> bool:
+    """Whether ``folder`` is on a file system without blocks (procfs, sysfs)."""
+    try:
+        return os.statvfs(folder).f_blocks == 0
+    except OSError:
+        return False
 
 
 def full_folder(folder: Path) -> tuple[Path, str] | None:

@@ -36,7 +36,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from tuner.errors import QualityError, ServerError
 from tuner.records import QualityFacts
@@ -91,7 +91,7 @@ class QualityConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
+    enabled: StrictBool = True
     max_new_tokens: int = Field(default=48, ge=8, le=512)
     min_exact_match: float = Field(default=0.5, ge=0.0, le=1.0)
     min_first_divergence: int = Field(default=4, ge=0, le=512)

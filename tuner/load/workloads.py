@@ -62,7 +62,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from tuner.errors import ConfigError, LoadError
 
@@ -170,7 +170,7 @@ class TraceSpec(_Spec):
     trace_format: Literal["auto", "jsonl", "sharegpt", "openai"] = "auto"
     bytes_per_token: float = Field(BYTES_PER_TOKEN, gt=0.0)
     max_requests: int | None = Field(None, ge=1)
-    send_text: bool = False
+    send_text: StrictBool = False
 
 
 class TextSpec(_Spec):
@@ -947,13 +947,16 @@ def read_prompts(path: Path) -> list[tuple[str, str]]:
     """``(class, text)`` of every line of a prompts JSONL file (see :class:`TextSpec`).
 
     Raises:
-        LoadError: A missing or unreadable file, a line that is not JSON or has no ``prompt``.
+        LoadError: A missing or unreadable file, one that is not UTF-8 text, a line that is not JSON
+            or has no ``prompt``.
     """
+    hint = "point --prompts (or [workload] prompts) at a JSONL file of {\"prompt\": text}"
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as err:
-        raise LoadError(f"prompts file {path} cannot be read: {err.strerror}",
-                        hint="point --prompts (or [workload] prompts) at a JSONL file of {\"prompt\": text}") from None
+        raise LoadError(f"prompts file {path} cannot be read: {err.strerror}", hint=hint) from None
+    except UnicodeDecodeError as err:
+        raise LoadError(f"prompts file {path} is not UTF-8 text (byte {err.start})", hint=hint) from None
     out: list[tuple[str, str]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
