@@ -172,6 +172,25 @@ def test_failed_baseline_hint_works_with_two_studies(tmp_path: Path) -> None:
     assert "no-such-sglang-flag" in shown.stdout
 
 
+def test_following_a_failed_baseline_s_hint_leads_to_a_run_not_a_second_refusal(tmp_path: Path) -> None:
+    """Operator review 2, R3: a typo in the model path stored a failed baseline with that
+    environment; after fixing the typo as told, ``run`` refused a "mixed environment". A study
+    whose trials never started a server adopts the fixed run's environment, and the best is
+    compared with the baseline that measured (the closing table crashed on the failed one)."""
+    config = _demo_config(tmp_path, name="typo")
+    good = config.read_text()
+    config.write_text(good.replace('"llama-3.1-8b"', '"llama-3.1-8B"', 1))
+    assert config.read_text() != good
+    failed = tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=300)
+    assert failed.returncode == 1 and "could not start" in failed.stderr, failed.stderr[-2000:]
+    config.write_text(good)
+    dry = tuner("run", "--config", str(config), "--dry-run", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    fixed = tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=300)
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+    assert "Traceback" not in fixed.stderr and "vs baseline (trial 1)" in fixed.stdout, fixed.stdout[-2000:]
+
+
 # ---- 11: tables fit a narrow terminal; no raw floats ---------------------------------------------
 
 

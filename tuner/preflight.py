@@ -34,7 +34,7 @@ from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import ConfigError, StudyError
 from tuner.load.quality import read_tasks
 from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
-from tuner.study.optuna_io import check_environment, records, study_info
+from tuner.study.optuna_io import check_environment, environment_binds, records, study_info
 from tuner.study.storage import (
     check_artifacts_folder,
     check_run_storage,
@@ -135,6 +135,6 @@ def _check_stored_study(name: str, url: str, environment: Mapping[str, Any], all
         except KeyError:
             return []  # a storage without this study: the run creates it there
         info = study_info(study)
-        if info is not None:
+        if info is not None and environment_binds(study):
             check_environment(info.environment, dict(environment), allow_mixed=allow_mixed)
         return [r.duration_s or 0.0 for _, r in records(study) if r.outcome in ("ok", "failed")]

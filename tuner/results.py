@@ -264,7 +264,7 @@ class TrialView(BaseModel):
         value = getattr(self.record, name, None) if self.record is not None else None
         if value is None and self.values is not None and self.state == "COMPLETE":
             if name == "context_capacity":
-                value = self.values[0]
+                value = round(self.values[0])  # Optuna stores the objective's count as a float
             elif name == "output_throughput_tok_s" and len(self.values) > 1:
                 value = self.values[1]
         return value
@@ -395,8 +395,13 @@ class StoredStudy:
         )
 
     def baseline(self) -> TrialView | None:
-        """The first trial of kind ``baseline`` (the unit's flags before the study), if any."""
-        return next((v for v in self.trials if v.kind == "baseline"), None)
+        """The trial of kind ``baseline`` (the unit's flags before the study) the study compares
+        with: the newest one that measured, else the first one; ``None`` without any. A baseline
+        that failed (a typo in the model path, fixed before the next run) is then not what the
+        best is compared with once a later run measured the service's flags."""
+        baselines = [v for v in self.trials if v.kind == "baseline"]
+        measured = [v for v in baselines if v.outcome == "ok"]
+        return measured[-1] if measured else (baselines[0] if baselines else None)
 
     def pareto_front(self) -> list[TrialView]:
         """Feasible trials on the Pareto front of (context capacity, throughput).

@@ -48,6 +48,7 @@ __all__ = [
     "save_study_info",
     "ensure_study_info",
     "check_environment",
+    "environment_binds",
     "records",
     "tell_record",
     "fail_trial",
@@ -181,8 +182,22 @@ def ensure_study_info(study: optuna.Study, new: StudyInfo, *, allow_mixed: bool)
     if info is None:
         save_study_info(study, new)
         return new
+    if not environment_binds(study):
+        if info.environment != new.environment:
+            _log.info("the study's trials never started a server: its environment is now this run's")
+            info = info.model_copy(update={"environment": new.environment})
+            save_study_info(study, info)
+        return info
     check_environment(info.environment, new.environment, allow_mixed=allow_mixed)
     return info
+
+
+def environment_binds(study: optuna.Study) -> bool:
+    """Whether the study's stored environment binds later runs: a trial measured a server, or
+    read what a started server resolved (its pool). A study whose trials all failed before a
+    server reported anything (a typo in the model path) measured nothing in that environment, so
+    the run that fixes the typo adopts its own (operator review 2, R3)."""
+    return any(record.outcome == "ok" or record.resolved for _, record in records(study))
 
 
 def check_environment(
