@@ -510,16 +510,23 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
     Every field the study tuned (the params of its non-baseline trials; the baseline's record
     also lists flags it merely resolved) is set to this trial's value, or removed (``None``) when
     it is a conditional field this trial lacks, e.g. ``hicache_ratio`` with the hierarchical cache
-    off. A flag whose current value already equals the trial's is left as written.
+    off. A flag whose current value already equals the trial's is left as written, and so is a
+    flag the command leaves unset whose value SGLang resolved to the trial's for the baseline (a
+    default: pinning it would change nothing now and freeze today's default across an upgrade;
+    operator review 2, R9).
     """
     tuned = [v for v in stored.trials if v.kind != "baseline"] or list(stored.trials)
     names = sorted({name for v in tuned for name in v.params})
     current = parse_argv(argv, table)
+    baseline = stored.baseline()
+    defaults = baseline.params if baseline is not None else {}
     changes = {}
     for name in names:
         value = view.params.get(name)
         now = current.get(table.canonical(table.option(name).dest))
         if (value is None and now is None) or (value is not None and now is not None and _same(now, value)):
+            continue
+        if now is None and value is not None and name in defaults and _same(defaults[name], value):
             continue
         changes[name] = value
     return replace_flags(argv, with_dp_attention_switch(changes), table) if changes else list(argv)

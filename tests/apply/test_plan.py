@@ -88,6 +88,18 @@ def test_process_plan_replaces_the_tuned_flags_and_keeps_the_operators(tmp_path:
     assert _tree(tmp_path) == before  # a plan changes nothing
 
 
+def test_a_plan_for_the_baseline_pins_none_of_the_defaults_it_resolved(tmp_path: Path) -> None:
+    """Operator review 2, R9: with the baseline as best, ``apply best --dry-run`` added the flags
+    the baseline's command leaves unset at the values SGLang resolved for them (its defaults),
+    right after "flags changed: none"."""
+    config = _config({"launcher": "process", "command": SIM, "url": "http://127.0.0.1:39999"})
+    stored, url = _study(tmp_path)
+    plan = plan_apply(stored, stored.trial(0), config, state_dir=tmp_path / "state")
+    assert plan.new_argv == SIM, plan.command_diff()
+    tuned = plan_apply(stored, stored.trial(1), config, state_dir=tmp_path / "state").new_argv
+    assert tuned[tuned.index("--max-running-requests") + 1] == "128"  # a value other than the default is set
+
+
 @pytest.mark.parametrize(("number", "why"), [(2, "not feasible (cuda_graph_oom)"), (3, "not feasible (skipped: mem_fraction_static 0.98")])
 def test_plan_refuses_a_trial_that_is_not_feasible(tmp_path: Path, number: int, why: str) -> None:
     config = _config({"launcher": "process", "command": SIM, "url": "http://127.0.0.1:39999"})
