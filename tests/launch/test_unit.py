@@ -133,3 +133,23 @@ def test_a_killed_holders_state_file_must_be_restored_first(tmp_path: Path) -> N
     assert f"--state-dir {left.parent}" in str(err.value) and not other.held
     with UnitLock("sglang.service", lock_dir=tmp_path / "locks", state_file=left):  # its own restore may
         pass
+
+
+def test_the_shipped_configs_and_unit_name_the_folders_the_launcher_writes() -> None:
+    """Operator review 2, D5: ``configs/reference.toml`` and ``systemd/sglang.service`` put the trial
+    drop-in under /etc/systemd/system, where an operator auditing the box would not find it."""
+    import re
+
+    from tuner.launch.systemd import TRIAL_DROPIN
+    from tuner.launch.unit import DEFAULT_DROPIN_DIR, DEFAULT_RUNTIME_DROPIN_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    named = 0
+    for path in [*sorted((root / "configs").glob("*.toml")), *sorted((root / "systemd").iterdir())]:
+        text = path.read_text()
+        for folder in re.findall(rf"(/[\w/]+)/[\w.@-]+\.d/{re.escape(TRIAL_DROPIN)}", text):
+            assert folder == str(DEFAULT_RUNTIME_DROPIN_DIR), (path.name, folder)
+            named += 1
+        for folder in re.findall(r"(/[\w/]+)/[\w.@-]+\.d/80-tuner\.conf", text):
+            assert folder == str(DEFAULT_DROPIN_DIR), (path.name, folder)
+    assert named >= 2
