@@ -106,3 +106,21 @@ def test_readme_demo_progress_line_in_a_terminal(workdir: Path) -> None:
     assert summary["stop_reason"] in ("budget", "exhausted") and summary["baseline"]["number"] == 0, summary
     assert summary["best"]["context_capacity"] == max(e["result"]["context_capacity"] or 0 for e in ends
                                                       if e["number"] == summary["best"]["number"])
+
+
+def test_the_live_line_never_shows_a_count_past_its_floor_or_a_clock_past_its_window() -> None:
+    """Operator review 2, R13: "16 of ≥8 requests done"; "16/12 s"."""
+    from types import SimpleNamespace
+
+    from tuner.cli.run import progress_line
+    from tuner.study.job import PhaseProgress
+
+    def line(done: int, elapsed: float) -> str:
+        detail = PhaseProgress(requests_done=done, requests_expected=8, elapsed_s=elapsed, duration_s=12.0)
+        event = SimpleNamespace(expected=3, flags={}, kind="sampled", phase="measure", number=2, launch=2,
+                                detail=detail)
+        return progress_line(event)
+
+    assert "5 of ≥8 requests done, 6/12 s" in line(5, 6.0)
+    late = line(16, 16.0)
+    assert "16 requests done" in late and "≥8" not in late and "16/12" not in late and "window over" in late

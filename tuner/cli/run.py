@@ -61,11 +61,15 @@ def _detail_text(detail) -> str:  # noqa: ANN001 - tuner.study.loop.PhaseProgres
         line = detail.line if len(detail.line) <= 90 else detail.line[:89] + "…"
         return f" · {line}"
     parts = []
-    if detail.requests_done is not None:
-        of = f" of ≥{detail.requests_expected}" if detail.requests_expected else ""
+    if detail.requests_done is not None:  # the expected count is a floor: past it, the count alone
+        expected = detail.requests_expected
+        of = f" of ≥{expected}" if expected and detail.requests_done < expected else ""
         parts.append(f"{detail.requests_done}{of} requests done")
     if detail.elapsed_s is not None and detail.duration_s:
-        parts.append(f"{detail.elapsed_s:.0f}/{detail.duration_s:.0f} s")
+        if detail.elapsed_s <= detail.duration_s:
+            parts.append(f"{detail.elapsed_s:.0f}/{detail.duration_s:.0f} s")
+        else:  # the window is over; the requests in flight finish before the phase ends
+            parts.append(f"{detail.duration_s:.0f} s window over, finishing the requests in flight")
     return (" · " + ", ".join(parts)) if parts else ""
 
 

@@ -306,8 +306,13 @@ class StudyRun:
                           host=self.runner.host_memory(), ranks=ranks_of(self.runner.baseline_argv()),
                           own_environment=self._own_environment(), argv=self.runner.baseline_argv())
         self.progress.note(trial.number, f"hierarchical cache {space.hicache_reason}")
+        left_out = [reason.split(":", 1)[0] for reason in space.lever_reasons if ": not derived:" in reason]
         for reason in space.lever_reasons:
-            self.progress.note(trial.number, f"structural lever {reason}")
+            if ": not derived:" not in reason:
+                self.progress.note(trial.number, f"structural lever {reason}")
+        if left_out:  # one short line; `tuner run --dry-run` prints each reason with its source
+            self.progress.note(trial.number, f"structural levers not derived: {', '.join(left_out)} "
+                                             "(`tuner run --dry-run` says why)")
         record = self.record(trial, job, record)
         if could_not_start(record):
             raise StudyError(
