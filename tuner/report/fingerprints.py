@@ -53,6 +53,25 @@ def error_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"{row['storage']}: {row['error']}" for row in rows if "error" in row]
 
 
+def _graphs(row: Mapping[str, Any]) -> str:
+    return ", ".join(f"{v}@{k}" for k, v in row["figures"]["graph_gib_per_bs"].items()) or "-"
+
+
+_FIGURES: tuple[tuple[str, Any], ...] = (
+    ("launches", lambda r: f"{r['figures']['launches']} ({r['figures']['failed']} failed)"),
+    ("baseline B (GiB)", lambda r: _num(r["figures"]["baseline_gib"])),
+    ("weights (GiB)", lambda r: _num(r["figures"]["weight_gib"])),
+    ("KV bytes/token", lambda r: _num(r["figures"]["cell_bytes"], "{:.0f}")),
+    ("tokens per +0.01 fraction", lambda r: _num(r["figures"]["tokens_per_hundredth"], "{:,}")),
+    ("CUDA graphs (GiB @ bs)", _graphs),
+    ("draft (GiB)", lambda r: _num(r["figures"]["draft_gib"])),
+    ("host pool (GB/rank)", lambda r: _num(r["figures"]["host_pool_gb_per_rank"])),
+    ("memory model error (GiB)", lambda r: _num(r["figures"]["model_error_gib"])),
+    ("warm start", lambda r: Text(warm_text(r.get("warm_start")))),
+)
+"""The rows of :func:`fingerprints_view`: label → the cell of one study's row."""
+
+
 def fingerprints_view(rows: Sequence[Mapping[str, Any]]) -> RenderableType:
     """The terminal view of :func:`fingerprint_rows`: a table per deployment (the unreadable
     fingerprints are :func:`error_lines`)."""
@@ -62,18 +81,14 @@ def fingerprints_view(rows: Sequence[Mapping[str, Any]]) -> RenderableType:
         if "error" in row:
             continue
         by_key.setdefault(str(row["deployment"]), []).append(row)
-    for deployment, items in by_key.items():
-        table = Table(title=deployment, header_style="bold", box=box.SIMPLE_HEAD, title_justify="left")
-        for header in ("study", "launches", "B GiB", "weights GiB", "KV B/token", "tok/+0.01", "graphs GiB @bs",
-                       "draft GiB", "host GB/rank", "model error GiB", "warm start"):
-            table.add_column(header, overflow="fold")
+    for deployment, items in by_key.items():  # a row per figure, a column per study: fits 80 columns
+        parts.append(Text(deployment, style="bold"))  # a title would wrap at the table's width
+        table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+        table.add_column("", no_wrap=True)
         for row in items:
-            f = row["figures"]
-            graphs = ", ".join(f"{v}@{k}" for k, v in f["graph_gib_per_bs"].items()) or "-"
-            table.add_row(Text(str(row["study"])), f"{f['launches']} ({f['failed']} failed)", _num(f["baseline_gib"]),
-                          _num(f["weight_gib"]), _num(f["cell_bytes"], "{:.0f}"), _num(f["tokens_per_hundredth"], "{:,}"),
-                          graphs, _num(f["draft_gib"]), _num(f["host_pool_gb_per_rank"]), _num(f["model_error_gib"]),
-                          Text(warm_text(row.get("warm_start"))))
+            table.add_column(Text(str(row["study"])), overflow="fold", justify="right")
+        for label, cell in _FIGURES:
+            table.add_row(label, *(cell(row) for row in items))
         parts.append(table)
     if not parts and not error_lines(rows):
         parts.append(Text("no fingerprints: no study in these storages has launched a trial yet"))
