@@ -53,8 +53,8 @@ from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 from tuner.sglang.numerics import numerics_changes
 from tuner.study.hosts import host_name
+from tuner.study.launch import launch_changes
 from tuner.study.storage import check_storage, display_url, is_shared_url
-from tuner.trial import with_dp_attention_switch
 
 __all__ = [
     "PERSISTENT_DROPIN",
@@ -529,7 +529,7 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
         if now is None and value is not None and name in defaults and _same(defaults[name], value):
             continue
         changes[name] = value
-    return replace_flags(argv, with_dp_attention_switch(changes), table) if changes else list(argv)
+    return replace_flags(argv, launch_changes(changes, current), table) if changes else list(argv)
 
 
 def unprobed_numerics(stored: StoredStudy, view: TrialView) -> tuple[list[str], str] | None:

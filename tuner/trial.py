@@ -64,7 +64,8 @@ from tuner.sglang.speculative import DRAFT_ALGORITHMS, DraftMemory, SpecShape, a
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
-from tuner.study.space import HICACHE_KNOBS, SEARCHED_FIELDS, SPEC_SHAPE_KNOBS
+from tuner.study.launch import launch_changes
+from tuner.study.space import SEARCHED_FIELDS, SPEC_SHAPE_KNOBS
 
 __all__ = [
     "ServerUnderTest",
@@ -271,19 +272,9 @@ def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[
     return out
 
 
-def with_dp_attention_switch(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with DP attention's switch set by its size (the ``dp_size`` knob, issue 23):
-    above 1, ``enable_dp_attention`` on; 1, both flags removed (``None``); no ``dp_size``, as is (§1.5b)."""
-    out = dict(params)
-    if "dp_size" in out:
-        dp = out.pop("dp_size")
-        on = dp is not None and int(dp) > 1
-        out.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
-    return out
-
-
 def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: FlagTable) -> list[str]:
-    """The full server command for ``params``: only the tuned flags of the baseline replaced.
+    """The full server command for ``params``: only the tuned flags of the baseline replaced
+    (:func:`tuner.study.launch.launch_changes` says which).
 
     DP attention's size (``dp_size``; 1 = off) sets ``--enable-dp-attention`` with it, or removes both (§1.5b).
     A disabled hierarchical cache removes its flag and its conditional knobs (size, ratio, write
@@ -296,16 +287,8 @@ def render_argv(baseline_argv: list[str], params: Mapping[str, Any], table: Flag
     """
     if not params:
         return list(baseline_argv)
-    rendered = without_neutral_levers(params, table)
-    if rendered.get("enable_hierarchical_cache") is False:
-        rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
-    rendered = with_dp_attention_switch(rendered)
-    switch = rendered.pop("speculative_algorithm", None)
-    if switch is False:
-        rendered.update(dict.fromkeys(k for k in parse_argv(baseline_argv, table) if k.startswith("speculative_")))
-    elif isinstance(switch, str):  # an algorithm named as such (the baseline's own params)
-        rendered["speculative_algorithm"] = switch
-    return replace_flags(baseline_argv, rendered, table)
+    changes = launch_changes(without_neutral_levers(params, table), parse_argv(baseline_argv, table))
+    return replace_flags(baseline_argv, changes, table)
 
 
 def context_fits(per_request_max_tokens: int | None, longest_tokens: int) -> float:

@@ -16,8 +16,10 @@ Sources, per flag (SGLang ``python/sglang/srt/server_args.py`` for the names):
   ``mm_attention_backend``: other kernels, other accumulation order and precision.
 - ``dcp_size``: decode context parallelism splits each request's KV across ranks and merges partial
   softmaxes (sglang#14194, #31821 gates itself on GSM8K).
-- ``enable_dp_attention`` / ``dp_size`` with it: attention runs at another tensor-parallel degree,
-  so other reductions (``shared/sglang-reference.md`` §1.5b).
+- ``enable_dp_attention`` / ``dp_size`` with it: attention runs at another tensor-parallel degree
+  (``tp_size / dp_size``), so other reductions (``shared/sglang-reference.md`` §1.5b); two DP sizes
+  are two numerics. ``dp_size`` without DP attention is plain data parallelism: replicas that each
+  compute what one server computes, so it is no numerics change.
 - ``quantization``, ``dtype``, ``moe_runner_backend``, ``enable_fp32_lm_head``,
   ``triton_attention_reduce_in_fp32``: the weights' or the kernels' precision.
 - ``speculative_*``: under greedy decoding, speculative decoding is lossless (the target verifies
@@ -39,6 +41,7 @@ NUMERICS_FLAGS: tuple[str, ...] = (
     "mm_attention_backend",
     "dcp_size",
     "enable_dp_attention",
+    "dp_size",
     "quantization",
     "dtype",
     "moe_runner_backend",
@@ -62,12 +65,19 @@ _NEUTRAL = {None, "auto", False, "none", ""}
 
 def _normal(name: str, value: Any) -> Any:
     """A value as the key compares it: ``auto``/``None``/``False`` (SGLang's defaults) are one value;
-    ``dcp_size`` 1 is no DCP."""
+    ``dcp_size`` and ``dp_size`` 1 are none."""
     if isinstance(value, str):
         value = value.strip().lower()
-    if value in _NEUTRAL or (name == "dcp_size" and value in (1, "1")):
+    if value in _NEUTRAL or (name in ("dcp_size", "dp_size") and value in (1, "1")):
         return None
     return value
+
+
+def _launched(flags: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``flags`` less ``dp_size`` when DP attention is off (plain data parallelism)."""
+    if _normal("enable_dp_attention", flags.get("enable_dp_attention")) is None and "dp_size" in flags:
+        return {name: value for name, value in flags.items() if name != "dp_size"}
+    return flags
 
 
 def numerics_key(flags: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -81,6 +91,7 @@ def numerics_key(flags: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
         ``((name, value), ...)`` sorted by name, only flags set to a non-default value; two launches
         with equal keys need one quality probe between them.
     """
+    flags = _launched(flags)
     items = ((name, _normal(name, flags.get(name))) for name in NUMERICS_FLAGS)
     return tuple(sorted((name, value) for name, value in items if value is not None))
 
@@ -94,5 +105,6 @@ def numerics_changes(candidate: Mapping[str, Any], baseline: Mapping[str, Any]) 
     Returns:
         Sorted field names; empty when the candidate computes what the baseline computes.
     """
+    candidate, baseline = _launched(candidate), _launched(baseline)
     return sorted(name for name in NUMERICS_FLAGS
                   if _normal(name, candidate.get(name)) != _normal(name, baseline.get(name)))

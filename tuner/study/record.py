@@ -31,6 +31,7 @@ from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
 from tuner.study.hosts import add_record, trial_id
 from tuner.study.job import TrialJob
+from tuner.study.launch import launch_fields
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     HOST_ATTR,
@@ -40,6 +41,7 @@ from tuner.study.optuna_io import (
     REPEAT_ATTR,
     SPACE_ATTR,
     fail_trial,
+    record_of,
     tell_record,
 )
 from tuner.study.outage import ResultJournal, StorageOutage, storage_refuses
@@ -73,6 +75,7 @@ class Recorder:
         self.artifact_store = FileSystemArtifactStore(artifacts_dir) if artifacts_dir is not None else None
         self.host = host
         self.environment = dict(environment)
+        self._base_numerics: dict[str, Any] | None = None
         self.journal = journal
         self.writer = SkipWriter(study)
 
@@ -93,13 +96,29 @@ class Recorder:
         return self.study.ask()
 
     def numerics_changes(self, params: Mapping[str, Any]) -> list[str]:
-        """The numerics flags (:func:`tuner.sglang.numerics.numerics_changes`) on which ``params``
-        differ from the baseline: a structural lever's baseline value is its first choice in the
-        study's space (:func:`tuner.study.space.resolve_space` puts it there). Stored as the trial's
-        ``tuner.changes_numerics`` attribute: the quality gate's scope (issue 23, 24)."""
-        space = self.study.user_attrs.get(SPACE_ATTR) or {}
-        baseline = {name: choices[0] for name in ("kv_cache_dtype", "dcp_size") if (choices := space.get(name))}
-        return numerics_changes({k: v for k, v in params.items() if k in baseline}, baseline)
+        """The numerics flags (:func:`tuner.sglang.numerics.numerics_changes`) on which the launch
+        of ``params`` (:func:`tuner.study.launch.launch_fields`: DP attention's and speculative
+        decoding's switches rendered as the trial renders them) differs from the baseline's
+        launch: its measured numerics, or before it is measured the structural levers' first
+        choices in the study's space (:func:`tuner.study.space.resolve_space` puts the baseline's
+        value there). Stored as the trial's ``tuner.changes_numerics`` attribute: the quality
+        gate's scope (issues 23, 24, 38: ``dp_size`` 4 over 1 read as no change)."""
+        baseline = self._baseline_numerics()
+        if baseline is None:
+            space = self.study.user_attrs.get(SPACE_ATTR) or {}
+            baseline = {name: choices[0] for name in ("kv_cache_dtype", "dcp_size", "dp_size")
+                        if (choices := space.get(name))}
+        return numerics_changes(launch_fields(params, baseline), launch_fields({}, baseline))
+
+    def _baseline_numerics(self) -> dict[str, Any] | None:
+        """The measured baseline's numerics key, read once (a finished record never changes)."""
+        if self._base_numerics is None:
+            for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+                record = record_of(trial)
+                if record is not None and record.kind == "baseline" and record.outcome == "ok":
+                    self._base_numerics = dict(record.quality.numerics)
+                    break
+        return self._base_numerics
 
     def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any],
              skip: Skip) -> None:

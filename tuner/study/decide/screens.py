@@ -30,11 +30,11 @@ from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
 from tuner.sglang.levers import flag_available
 from tuner.sglang.memory import must_fail
-from tuner.sglang.numerics import numerics_key
 from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
 from tuner.study.decide.rungs import LEVER_NEUTRAL, RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
+from tuner.study.launch import launch_numerics
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
@@ -142,15 +142,17 @@ class MustFail:
 
 
 class QualityFailed:
-    """A trial with the same numerics (the baseline's numerics-relevant flags with the config's
-    over them) failed the quality gate: its answers would be the same."""
+    """A trial with the same numerics failed the quality gate: its answers would be the same. The
+    config's numerics are those of its launch (:func:`tuner.study.launch.launch_numerics`: the
+    switches rendered as the trial renders them, over the baseline's numerics), the key its record
+    would store."""
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         failed = [(n, r) for n, r in view.finished if r.quality.status == "failed"]
         base = next((r.quality.numerics for _, r in view.finished if r.kind == "baseline"), None)
         if not failed or base is None:
             return None
-        numerics = dict(numerics_key({**base, **params}))
+        numerics = launch_numerics(params, base)
         for number, record in failed:
             if record.quality.numerics == numerics:
                 return Skip(f"fails the quality gate: trial {number} with the same numerics "

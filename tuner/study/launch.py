@@ -1,0 +1,74 @@
+"""What a trial's params launch: the SGLang fields its command sets on the baseline's.
+
+One rule for the render (:func:`tuner.trial.render_argv` replaces these fields in the baseline's
+command), the record and the screens, so that a proposal, a stored record and the quality gate
+key the same launch the same way (issue 38: the "failed the gate already" screen keyed
+``dp_size: 4`` / ``speculative_algorithm: True`` where the record keyed the launched
+``enable_dp_attention`` / ``'eagle3'``, and never matched).
+
+The params are the study's knobs (``tuner.study.space.KNOBS``); three are switches that stand for
+several flags:
+
+- ``dp_size`` (DP attention's size; 1 = off): ``--enable-dp-attention --dp-size N`` above 1, both
+  removed at 1 (``shared/sglang-reference.md`` §1.5b);
+- ``enable_hierarchical_cache`` off removes its conditional knobs too (§7);
+- ``speculative_algorithm``: ``False`` removes every ``--speculative-*`` flag; ``True`` keeps the
+  baseline's algorithm and draft model (§1.5); a string names the algorithm as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tuner.sglang.numerics import numerics_key
+from tuner.study.space import HICACHE_KNOBS
+
+__all__ = ["launch_changes", "launch_fields", "launch_numerics"]
+
+
+def _with_dp_attention_switch(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with DP attention's switch set by its size (the ``dp_size`` knob, issue 23):
+    above 1, ``enable_dp_attention`` on; 1, both flags removed (``None``); no ``dp_size``, as is (§1.5b)."""
+    out = dict(params)
+    if "dp_size" in out:
+        dp = out.pop("dp_size")
+        on = dp is not None and int(dp) > 1
+        out.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
+    return out
+
+
+def launch_changes(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """The SGLang fields ``params`` set on the baseline's command (``None``: the flag is removed).
+
+    Args:
+        params: A trial's params (the study's knobs; see the module docstring for the switches).
+        baseline: The baseline command's fields (``tuner.sglang.flags.parse_argv``), or at least
+            its ``speculative_*`` ones.
+
+    Returns:
+        Field → value to set, e.g. ``{"enable_dp_attention": True, "dp_size": 4}`` for ``{"dp_size": 4}``.
+    """
+    rendered = dict(params)
+    if rendered.get("enable_hierarchical_cache") is False:
+        rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
+    rendered = _with_dp_attention_switch(rendered)
+    switch = rendered.pop("speculative_algorithm", None)
+    if switch is False:
+        rendered.update(dict.fromkeys(k for k in baseline if k.startswith("speculative_")))
+    elif isinstance(switch, str):  # an algorithm named as such (the baseline's own params)
+        rendered["speculative_algorithm"] = switch
+    return rendered
+
+
+def launch_fields(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields the launch of ``params`` runs with: the baseline's, :func:`launch_changes` over
+    them (removed flags dropped)."""
+    merged = {**baseline, **launch_changes(params, baseline)}
+    return {name: value for name, value in merged.items() if value is not None}
+
+
+def launch_numerics(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """The numerics key (:func:`tuner.sglang.numerics.numerics_key`, as a mapping) of the launch
+    of ``params`` on the baseline's fields: the key a trial's record stores for the same launch."""
+    return dict(numerics_key(launch_fields(params, baseline)))
