@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -225,6 +226,66 @@ def test_no_class_of_the_study_holds_more_than_a_dozen_mutable_attributes(tmp_pa
     planted = tmp_path / "loop.py"
     planted.write_text("class Run:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(13)))
     assert _wide_classes(planted) == ["loop.py:1 Run (13)"]
+
+
+WIDE_CLASSES = {
+    "tuner/launch/base.py GuardedLauncher": 24, "tuner/load/client.py _Stream": 13,
+    "tuner/load/client.py _Connection": 15, "tuner/load/client.py StreamClient": 14, "tuner/load/runner.py _Run": 31,
+    "tuner/report/prometheus.py PrometheusTextfile": 18, "tuner/sglang/logs.py LogWatcher": 29,
+    "tuner/sim/cache.py PrefixCache": 14, "tuner/sim/engine.py _Req": 25, "tuner/sim/engine.py Engine": 37,
+    "tuner/sim/server.py SimServer": 18,
+}
+"""The classes of ``tuner/`` over :data:`MAX_MUTABLE_ATTRIBUTES` when the check was widened from
+``tuner/study`` to the whole package (issue 39), with their counts: each may only shrink, and no
+other may join them. Lower a count (or drop the entry) when a class sheds state."""
+
+
+def _wide_counts(root: Path) -> dict[str, int]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        for found in _wide_classes(path):
+            name, count = found.split(" ", 1)[1].rsplit(" (", 1)
+            out[f"{path.relative_to(root.parent)} {name}"] = int(count.rstrip(")"))
+    return out
+
+
+def test_no_class_of_the_package_grows_its_mutable_state(tmp_path: Path) -> None:
+    grown = {name: count for name, count in _wide_counts(ROOT / "tuner").items()
+             if count > WIDE_CLASSES.get(name, MAX_MUTABLE_ATTRIBUTES)}
+    assert grown == {}, f"over {MAX_MUTABLE_ATTRIBUTES} mutable attributes, or grown past the frozen count: {grown}"
+    planted = tmp_path / "tuner" / "launch" / "base.py"  # a frozen class that grew by one
+    planted.parent.mkdir(parents=True)
+    planted.write_text("class GuardedLauncher:\n    def __init__(self):\n"
+                       + "".join(f"        self.a{i} = {i}\n" for i in range(25)))
+    assert _wide_counts(tmp_path / "tuner") == {"tuner/launch/base.py GuardedLauncher": 25}
+
+
+COMPLEX_FUNCTIONS = frozenset({
+    "tuner/cli/load.py load_cmd", "tuner/load/search.py find_max_under_slo_async",
+    "tuner/report/explain.py renderables", "tuner/report/tables.py trial_detail",
+    "tuner/sim/engine.py _get_new_prefill_batch", "tuner/sim/evaluate.py _run", "tuner/sim/memory.py _plan_memory",
+    "tuner/sim/server.py generate", "tuner/sim/startup.py run_startup",
+})
+"""The functions allowed over the complexity ceiling (a ``# noqa: C901`` on their ``def`` line),
+frozen (issue 39): the list only shrinks; a new complex function is split, not excused."""
+
+
+def _excused(root: Path) -> set[str]:
+    out = set()
+    for path in sorted(root.rglob("*.py")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if "noqa: C901" in line:
+                match = re.search(r"def (\w+)", line)
+                out.add(f"{path.relative_to(root.parent)} {match.group(1) if match else line.strip()}")
+    return out
+
+
+def test_no_new_function_is_excused_from_the_complexity_ceiling(tmp_path: Path) -> None:
+    assert _excused(ROOT / "tuner") - COMPLEX_FUNCTIONS == set()
+    planted = tmp_path / "tuner" / "study" / "loop.py"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("def run(x: int) -> int:  # noqa: C901 - planted\n    return x\n")
+    assert _excused(tmp_path / "tuner") - COMPLEX_FUNCTIONS == {"tuner/study/loop.py run"}
 
 
 def _ruff(path: Path) -> subprocess.CompletedProcess[str]:
