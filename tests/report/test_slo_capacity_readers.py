@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.chromium import drawn_boxes, needs_chromium
 from tuner.report import figures
 from tuner.results import StudyLocation, open_study
 
@@ -75,3 +76,43 @@ def test_report_figures_draw_the_objective_capacity_and_the_bracketing_steps(ref
     assert html.returncode == 0, html.stderr
     page = (study.folder / "r.html").read_text(encoding="utf-8")
     assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (requests)" in page
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] - 1 and b[0] < a[2] - 1 and a[1] < b[3] - 1 and b[1] < a[3] - 1
+
+
+@needs_chromium
+def test_the_latency_figure_s_labels_are_whole_apart_and_true_to_their_panel(reference_offline_study, tmp_path: Path) -> None:
+    """R8 (operator review 2): the latency figure's labels were clipped at both edges of a panel, the
+    best's label overprinted the SLO line's label, and the TTFT panel labelled a stress point below
+    its TTFT limit "stress breaks the SLO" (the ITL broke it). Rendered by headless Chromium at the
+    report's width: every label lies whole inside its panel's plot area, none overlaps another label
+    or an annotation, and a panel's label says "breaks" only above that panel's limit."""
+    study = reference_offline_study
+    stored = open_study(StudyLocation(storage_url=study.url))
+    limits = {"ttft": 30000.0, "itl": 4000.0}
+    baseline = stored.baseline()
+    figure = figures.latency_figure(stored.trials, slo_ms=limits, best=study.best,
+                                    baseline=baseline.number if baseline else None)
+    assert not isinstance(figure, str)
+    labelled = 0
+    for trace in figure.data:
+        if trace.mode != "markers+text":
+            continue
+        limit = limits["ttft" if trace.xaxis in (None, "x") else "itl"]
+        for text, y in zip(trace.text, trace.y, strict=True):
+            if "stress" in text:
+                labelled += 1
+                assert ("breaks" in text) == (y > limit), (text, y, limit)
+    assert labelled >= 2, "the baseline's and the best's stress points carry their verdict"
+    page = tmp_path / "latency.html"
+    page.write_text(figure.to_html(include_plotlyjs=True, div_id="latency"), encoding="utf-8")
+    drawn = drawn_boxes(page, tmp_path / "profile")["latency"]
+    labels, notes, plots = drawn["labels"], drawn["annotations"], drawn["plots"]
+    assert len(labels) >= 4 and len(plots) == 2, drawn
+    for label in labels:
+        box = label["box"]
+        assert any(p[0] - 1 <= box[0] and box[2] <= p[2] + 1 for p in plots), f"clipped at a panel's edge: {label}"
+        for other in labels + notes:
+            assert other is label or not _overlap(box, other["box"]), f"{label['text']!r} overprints {other['text']!r}"

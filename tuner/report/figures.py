@@ -71,8 +71,9 @@ def category(view: TrialView) -> str:
 
 
 def _label(view: TrialView, baseline: int | None, best: int | None) -> str:
-    tag = " baseline" if view.number == baseline else (" best" if view.number == best else "")
-    return f"#{view.number}{tag}"
+    """``#3 best``, ``#0 baseline``, or ``#0 baseline = best`` when the baseline is the best."""
+    roles = [name for name, number in (("baseline", baseline), ("best", best)) if number == view.number]
+    return " ".join([f"#{view.number}", " = ".join(roles)]) if roles else f"#{view.number}"
 
 
 def hover(view: TrialView) -> str:
@@ -90,8 +91,9 @@ def hover(view: TrialView) -> str:
 
 
 def _ordered(trials: Sequence[TrialView], baseline: int | None, best: int | None) -> list[TrialView]:
-    """Baseline first, then the best, then every other trial in trial order."""
-    first = [v for n in (baseline, best) for v in trials if n is not None and v.number == n]
+    """Baseline first, then the best, then every other trial in trial order; each trial once (a
+    baseline that is the best is one bar, not two stacked under one label)."""
+    first = [v for n in dict.fromkeys((baseline, best)) for v in trials if n is not None and v.number == n]
     seen = {v.number for v in first}
     return first + [v for v in trials if v.number not in seen]
 
@@ -312,7 +314,9 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
             hovertext=[f"mfs {x:.3f}: {max(0, t):,} tokens → {max(0, t) // context} × {context:,}" for x, t in zip(grid, tokens, strict=True)],
             hoverinfo="text"))
         title += f" — model calibrated on trial {source.number}"
-        _model_boundaries(fig, model, source)
+        hidden = _model_boundaries(fig, model, source, views)
+        if hidden:
+            title += "<br><sup>" + html.escape("; ".join(hidden), quote=False) + "</sup>"
     for cat, color in CATEGORY_COLORS.items():
         group = [v for v in views if category(v) == cat]
         if cat == "skipped":
@@ -353,38 +357,64 @@ def _skipped_trace(fig: go.Figure, skipped: Sequence[TrialView], context: int) -
                    for v, _ in points], hoverinfo="text"))
 
 
-def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView) -> None:
-    """Dotted lines where the model predicts a failed start (below and above) and a runtime OOM."""
+def _contradicting(views: Sequence[TrialView], fails: str, at: float) -> list[int]:
+    """Trials whose measurement contradicts a predicted boundary at ``at``: trials that started
+    (``fails="startup"``) or ran their load without a runtime OOM (``fails="runtime"``) on the side
+    of it where the model says they fail (above it; ``"below"``: started below it)."""
+    def beyond(view: TrialView) -> bool:
+        mfs = float(view.params["mem_fraction_static"])
+        return mfs < at if fails == "below" else mfs > at
+    return [v.number for v in views
+            if category(v) in ("feasible", "infeasible") and not v.failure_class and beyond(v)]
+
+
+def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView,
+                      views: Sequence[TrialView]) -> list[str]:
+    """Dotted lines where the model predicts a failed start (below and above) and a runtime OOM,
+    each for the calibrating trial's own knobs (its ``max_running_requests`` and context length:
+    another trial's knobs move them). A boundary a measured trial contradicts (a trial that started,
+    or ran its load, where the line says it cannot) is not drawn: a picture must not put measured
+    feasible trials inside a region labelled as failing. Returns one sentence per boundary left out."""
+    hidden: list[str] = []
+
+    def draw(at: float, fails: str, text: str, color: str, position: str) -> None:
+        against = _contradicting(views, fails, at)
+        if against:
+            hidden.append(f"the model's {text.split(':')[0]} boundary at {at:.3f} (for trial {source.number}'s knobs) "
+                          f"is not drawn: trial{'s' if len(against) > 1 else ''} "
+                          f"{', '.join(map(str, against))} ran beyond it")
+            return
+        fig.add_vline(x=at, line={"color": color, "dash": "dot"}, annotation_text=text, annotation_position=position)
+
     start = model.min_fraction()
     if 0 < start < 1:
-        fig.add_vline(x=start, line={"color": "#6c757d", "dash": "dot"},
-                      annotation_text=f"startup: no KV budget below {start:.3f}", annotation_position="top right")
+        draw(start, "below", f"startup: no KV budget below {start:.3f}", "#6c757d", "top right")
     record = source.record
     mrr, ctx = _resolved(source, "max_running_requests"), record.memory.context_len if record is not None else None
     if not mrr or not ctx:
-        return
+        return hidden
     try:
         at = [model.headroom_gib(x, max_running_requests=int(mrr), context_len=int(ctx)) for x in (0.5, 0.9)]
     except (TypeError, ValueError):
-        return
+        return hidden
     slope = (at[1] - at[0]) / 0.4  # the headroom falls linearly with the fraction: −B per unit
     if slope >= 0:
-        return
+        return hidden
 
     def where(level: float) -> float:
         return 0.5 + (level - at[0]) / slope
 
+    knobs = f"trial {source.number}'s {int(mrr)} request slots"
     graphs = where(0.0)
     if 0 < graphs < 1:
-        fig.add_vline(x=graphs, line={"color": "#6c757d", "dash": "dot"},
-                      annotation_text=f"startup: graphs do not fit above {graphs:.3f}", annotation_position="top left")
+        draw(graphs, "above", f"startup: graphs do not fit above {graphs:.3f} ({knobs})", "#6c757d", "top left")
     need = (record.memory.peak_activation_gib or record.prediction.need_gib) if record is not None else None
     if need:
         runtime = where(float(need))
         if 0 < runtime < 1:
-            fig.add_vline(x=runtime, line={"color": BEST_COLOR, "dash": "dot"},
-                          annotation_text=f"runtime: headroom < {float(need):.2f} GiB activations above {runtime:.3f}",
-                          annotation_position="bottom left")
+            draw(runtime, "above", f"runtime: headroom < {float(need):.2f} GiB activations above {runtime:.3f} ({knobs})",
+                 BEST_COLOR, "bottom left")
+    return hidden
 
 
 def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, str]]:
@@ -417,7 +447,14 @@ def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, 
 def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | None] | None = None,
                    baseline: int | None = None, best: int | None = None) -> go.Figure | str:
     """p99 TTFT and p99 ITL (ms) of each trial's load phases against the load they ran (mean
-    requests in flight), with the SLO's p99 limits as horizontal lines.
+    requests in flight), with the SLO's p99 limits as dashed lines named in the legend (not
+    printed on the plot, where a trial's label would overprint them).
+
+    The baseline's and the best's points carry a short label; a stress point's label gives that
+    panel's own verdict (a TTFT within its limit is not labelled as breaking the SLO because the
+    ITL broke it), and the subtitle their SLO-safe capacities. Labels are never clipped: the x axis
+    runs from 0 to past the largest load, a label in the outer quarters of the axis leans inwards,
+    and the legend sits below the panels.
 
     Args:
         trials: The study's trials (those with a measured phase are drawn).
@@ -433,44 +470,63 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
     if not points:
         return "No trial measured a load phase."
     fig = make_subplots(rows=1, cols=2, subplot_titles=("p99 TTFT", "p99 ITL"), horizontal_spacing=0.1)
+    steps = [s for v in trials if v.record is not None for s in v.record.slo_capacity.steps[1:]]
     for col, metric in ((1, "p99_ttft_ms"), (2, "p99_itl_ms")):
+        limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
+        drawn = [p.metrics["concurrency"] or 0.0 for _, p in points if p.metrics.get(metric) is not None]
+        drawn += [float(s.contexts) for s in steps if getattr(s, metric) is not None]
+        x_max = max(drawn, default=1.0) * 1.15 + 1.0
         for phase, symbol in (("measure", "circle"), ("stress", "diamond-open")):
             group = [(v, p) for v, p in points if p.name == phase and p.metrics.get(metric) is not None]
             if not group:
                 continue
             colors = [BASELINE_COLOR if v.number == baseline else BEST_COLOR if v.number == best
                       else CATEGORY_COLORS[category(v)] for v, _ in group]
+            xs = [p.metrics["concurrency"] or 0.0 for _, p in group]
             fig.add_trace(go.Scatter(
-                x=[p.metrics["concurrency"] for _, p in group], y=[p.metrics[metric] for _, p in group],
+                x=xs, y=[p.metrics[metric] for _, p in group],
                 mode="markers+text", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
-                text=[_label(v, baseline, best) + _stress_verdict(v, phase) if v.number in (baseline, best) else ""
-                      for v, _ in group],
-                textposition="top center",
+                text=[_label(v, baseline, best) + _stress_verdict(v, phase, p.metrics[metric] or 0.0, limit, col)
+                      if v.number in (baseline, best) else "" for v, p in group],
+                textposition=["top right" if x < 0.25 * x_max else "top left" if x > 0.75 * x_max
+                              else "top center" for x in xs],
+                cliponaxis=False,
                 marker={"symbol": symbol, "size": 11, "color": colors, "line": {"width": 1, "color": "#222"}},
                 hovertext=[f"trial {v.number} {phase}: {p.metrics[metric]:,.0f} ms at {p.metrics['concurrency']:.1f} "
                            f"in flight, {p.metrics.get('output_throughput') or 0:,.1f} tok/s" for v, p in group],
                 hoverinfo="text"), row=1, col=col)
         _bracket_trace(fig, trials, metric, col, best)
-        limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
         if limit:
-            fig.add_hline(y=limit, line={"color": BEST_COLOR, "dash": "dash"}, row=1, col=col,
-                          annotation_text=f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms")
-        fig.update_xaxes(title_text="load: mean requests in flight", row=1, col=col)
-        fig.update_yaxes(title_text="ms", row=1, col=col)
+            name = f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms"
+            fig.add_trace(go.Scatter(x=[0, x_max], y=[limit, limit], mode="lines", name=name, legendgroup=name,
+                                     line={"color": BEST_COLOR, "dash": "dash"}, hoverinfo="name"), row=1, col=col)
+        fig.update_xaxes(title_text="load: mean requests in flight", range=[0, x_max], row=1, col=col)
+        fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=col)
     known = "SLO dashed" if slo_ms and any(slo_ms.values()) else "SLO unknown: pass --config to draw it"
-    fig.update_layout(title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
-                            "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: "
-                            "the longest contexts at fewer requests, the SLO-safe capacity the largest that meets it</sup>")
+    safe = [f"{_label(v, baseline, best)}: SLO-safe {v.record.slo_capacity.contexts}"
+            for n in dict.fromkeys((baseline, best)) for v in trials
+            if n is not None and v.number == n and v.record is not None and v.record.slo_capacity.contexts is not None]
+    fig.update_layout(
+        title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
+              "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: the longest "
+              "contexts at fewer requests, the SLO-safe capacity the largest that meets it"
+              + (f"<br>{html.escape('; '.join(safe))}" if safe else "") + "</sup>",
+        height=560, margin={"t": 130}, legend={"orientation": "h", "y": -0.22, "x": 0})
     return fig
 
 
-def _stress_verdict(view: TrialView, phase: str) -> str:
-    """`` (stress breaks the SLO; SLO-safe 5)`` beside a labelled stress point, else ``""``."""
+def _stress_verdict(view: TrialView, phase: str, value_ms: float, limit_ms: float | None, col: int) -> str:
+    """``, stress: ITL breaks`` beside a labelled stress point, else ``""``.
+
+    The verdict is this panel's own (``value_ms`` against ``limit_ms``, both p99 in ms) where the
+    limit is known; without one, the stress load's overall verdict (all of the SLO's limits)."""
     stress = view.record.slo_capacity.stress if view.record is not None else None
     if phase != "stress" or stress is None:
         return ""
-    verdict = "meets" if stress.met else "breaks"
-    return f" (stress {verdict} the SLO; SLO-safe {view.record.slo_capacity.contexts})"  # type: ignore[union-attr]
+    if limit_ms:
+        metric = "TTFT" if col == 1 else "ITL"
+        return f", stress: {metric} {'meets' if value_ms <= limit_ms else 'breaks'}"
+    return f", stress: SLO {'met' if stress.met else 'broken'}"
 
 
 def _bracket_trace(fig: go.Figure, trials: Sequence[TrialView], metric: str, col: int, best: int | None) -> None:
@@ -531,14 +587,19 @@ def pareto_figure(stored: StoredStudy, *, baseline: int | None = None, best: int
             x=[capacity(v) for v in front], y=[v.metric("output_throughput_tok_s") or 0 for v in front],
             mode="lines", line={"color": "#264653", "shape": "vh", "dash": "dot"}, name="Pareto front (feasible)",
             hoverinfo="skip"))
-    for number, name, color, symbol in ((baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")):
+    marks = [(baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")]
+    if baseline is not None and baseline == best:  # one marker, one label: the baseline is the best
+        marks = [(best, "baseline = best", BEST_COLOR, "star")]
+    for number, name, color, symbol in marks:
         view = next((v for v in started if v.number == number), None)
         if view is None:
             continue
+        at_right = (capacity(view) or 0) >= max((capacity(v) or 0) for v in started)  # lean the label inwards
         fig.add_trace(go.Scatter(
             x=[capacity(view)], y=[view.metric("output_throughput_tok_s") or 0],
             mode="markers+text", name=f"{name} (trial {view.number})", text=[f"{name} #{view.number}"],
-            textposition="bottom center" if name == "baseline" else "top center",
+            textposition=("bottom" if name == "baseline" else "top") + (" left" if at_right else " center"),
+            cliponaxis=False,
             textfont={"size": 14, "color": color},
             marker={"color": color, "size": 20, "symbol": symbol, "line": {"width": 2, "color": "#fff"}},
             hovertext=[hover(view)], hoverinfo="text"))
