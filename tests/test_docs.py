@@ -15,10 +15,13 @@ import ast
 import dataclasses
 import importlib
 import re
+import tomllib
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from tuner.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,3 +153,22 @@ def test_the_check_names_a_stale_module_and_passes_what_exists(text: str, stale:
 def test_the_readme_is_a_front_page() -> None:
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail into docs/"
+
+
+def toml_examples() -> list[tuple[str, str]]:
+    """``(where, text)`` of every ```toml block in the README and the manual."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    return [(str(page.relative_to(ROOT)), block) for page in pages
+            for block in re.findall(r"```toml\n(.*?)```", page.read_text(), re.S)]
+
+
+def test_every_toml_example_of_the_readme_and_the_manual_is_a_valid_config_table() -> None:
+    """A config example an operator copies (the hooks and window of the real-box quick start) is
+    accepted by the config's own validation: each of its tables laid over ``configs/reference.toml``."""
+    examples = toml_examples()
+    assert len(examples) >= 2
+    for where, block in examples:
+        config = tomllib.loads((ROOT / "configs" / "reference.toml").read_text())
+        for table, keys in tomllib.loads(block).items():
+            config.setdefault(table, {}).update(keys)
+        parse_config(config, source=where)
