@@ -150,6 +150,15 @@ def test_the_check_names_a_stale_module_and_passes_what_exists(text: str, stale:
     assert sorted(stale_names({"page.md": text})) == stale
 
 
+def test_the_readme_s_links_into_the_checkout_exist() -> None:
+    """The README is not part of the strict site build: its relative links (``docs/real-box.md``,
+    ``docs/benchmarks.md#...``) are checked here, each to a file of the checkout."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative, "the README links into the manual"
+    assert [link for link in relative if not (ROOT / link).exists()] == []
+
+
 def test_the_readme_is_a_front_page() -> None:
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES}): move the detail into docs/"
