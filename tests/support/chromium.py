@@ -41,6 +41,8 @@ window.addEventListener('load', () => setTimeout(() => {
         .filter(t => t.textContent.trim()).map(t => ({text: t.textContent, box: box(t)})),
       annotations: [...div.querySelectorAll('.infolayer .annotation')]
         .filter(a => a.textContent.trim()).map(a => ({text: a.textContent, box: box(a)})),
+      titles: [...div.querySelectorAll('.infolayer .gtitle')]
+        .filter(t => t.textContent.trim()).map(t => ({text: t.textContent, box: box(t)})),
     };
   }
   const pre = document.createElement('pre'); pre.id = 'drawn-boxes'; pre.textContent = JSON.stringify(out);
@@ -50,9 +52,10 @@ window.addEventListener('load', () => setTimeout(() => {
 
 
 def drawn_boxes(page: Path, profile: Path, *, width: int = 1300) -> dict[str, Any]:
-    """``{figure div id: {"svg", "plots", "labels", "annotations"}}`` as Chromium laid them out at
-    ``width`` px: each box ``[left, top, right, bottom]`` in px; ``plots`` the subplots' plot areas,
-    ``labels`` the points' printed texts, ``annotations`` plotly's annotations (titles, line labels)."""
+    """``{figure div id: {"svg", "plots", "labels", "annotations", "titles"}}`` as Chromium laid them
+    out at ``width`` px: each box ``[left, top, right, bottom]`` in px; ``plots`` the subplots' plot
+    areas, ``labels`` the points' printed texts, ``annotations`` plotly's annotations (subplot
+    titles, line labels), ``titles`` the figure's title with its subtitle."""
     measured = page.with_name(page.stem + "-measured.html")
     measured.write_text(page.read_text(encoding="utf-8").replace("</body>", _MEASURE + "</body>", 1), encoding="utf-8")
     proc = chromium(measured, profile, f"--window-size={width},1000", "--dump-dom")

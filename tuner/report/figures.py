@@ -447,19 +447,20 @@ def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, 
 def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | None] | None = None,
                    baseline: int | None = None, best: int | None = None) -> go.Figure | str:
     """p99 TTFT and p99 ITL (ms) of each trial's load phases against the load they ran (mean
-    requests in flight), with the SLO's p99 limits as dashed lines named in the legend (not
-    printed on the plot, where a trial's label would overprint them).
+    requests in flight), with the SLO's p99 limits as dashed lines.
 
-    The baseline's and the best's points carry a short label; a stress point's label gives that
-    panel's own verdict (a TTFT within its limit is not labelled as breaking the SLO because the
-    ITL broke it), and the subtitle their SLO-safe capacities. Labels are never clipped: the x axis
-    runs from 0 to past the largest load, a label in the outer quarters of the axis leans inwards,
-    and the legend sits below the panels.
+    Nothing is printed on the plot, where text was clipped at a panel's edges and overprinted
+    other text: the baseline's and the best's points are ringed in their colour and named in the
+    legend (below the panels, with the SLO lines), and the subtitle states each one's stress
+    verdict per limit (a TTFT within its limit is not called broken because the ITL broke) and its
+    SLO-safe capacity. A panel whose latencies span more than a factor of 20 (a stress load far
+    past the SLO beside windows within it) has a log axis, so the points near the SLO are not
+    squashed against zero.
 
     Args:
         trials: The study's trials (those with a measured phase are drawn).
         slo_ms: ``{"ttft": limit, "itl": limit}`` in ms (p99), ``None`` values or no mapping when unknown.
-        baseline, best: Trial numbers to label.
+        baseline, best: Trial numbers to mark.
 
     Returns:
         The figure, or a sentence saying why there is none.
@@ -471,62 +472,79 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
         return "No trial measured a load phase."
     fig = make_subplots(rows=1, cols=2, subplot_titles=("p99 TTFT", "p99 ITL"), horizontal_spacing=0.1)
     steps = [s for v in trials if v.record is not None for s in v.record.slo_capacity.steps[1:]]
+    marked = [(n, role) for n, role in ((baseline, "baseline"), (best, "best")) if n is not None]
+    if baseline is not None and baseline == best:
+        marked = [(best, "baseline = best")]
     for col, metric in ((1, "p99_ttft_ms"), (2, "p99_itl_ms")):
-        limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
         drawn = [p.metrics["concurrency"] or 0.0 for _, p in points if p.metrics.get(metric) is not None]
         drawn += [float(s.contexts) for s in steps if getattr(s, metric) is not None]
-        x_max = max(drawn, default=1.0) * 1.15 + 1.0
+        x_max = max(drawn, default=1.0) * 1.1 + 1.0
         for phase, symbol in (("measure", "circle"), ("stress", "diamond-open")):
             group = [(v, p) for v, p in points if p.name == phase and p.metrics.get(metric) is not None]
             if not group:
                 continue
-            colors = [BASELINE_COLOR if v.number == baseline else BEST_COLOR if v.number == best
-                      else CATEGORY_COLORS[category(v)] for v, _ in group]
-            xs = [p.metrics["concurrency"] or 0.0 for _, p in group]
             fig.add_trace(go.Scatter(
-                x=xs, y=[p.metrics[metric] for _, p in group],
-                mode="markers+text", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
-                text=[_label(v, baseline, best) + _stress_verdict(v, phase, p.metrics[metric] or 0.0, limit, col)
-                      if v.number in (baseline, best) else "" for v, p in group],
-                textposition=["top right" if x < 0.25 * x_max else "top left" if x > 0.75 * x_max
-                              else "top center" for x in xs],
-                cliponaxis=False,
-                marker={"symbol": symbol, "size": 11, "color": colors, "line": {"width": 1, "color": "#222"}},
+                x=[p.metrics["concurrency"] for _, p in group], y=[p.metrics[metric] for _, p in group],
+                mode="markers", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
+                marker={"symbol": symbol, "size": 11, "color": [CATEGORY_COLORS[category(v)] for v, _ in group],
+                        "line": {"width": 1, "color": "#222"}},
                 hovertext=[f"trial {v.number} {phase}: {p.metrics[metric]:,.0f} ms at {p.metrics['concurrency']:.1f} "
                            f"in flight, {p.metrics.get('output_throughput') or 0:,.1f} tok/s" for v, p in group],
                 hoverinfo="text"), row=1, col=col)
+        for number, role in marked:
+            mine = [p for v, p in points if v.number == number and p.metrics.get(metric) is not None]
+            if mine:
+                color = BASELINE_COLOR if role == "baseline" else BEST_COLOR
+                fig.add_trace(go.Scatter(
+                    x=[p.metrics["concurrency"] for p in mine], y=[p.metrics[metric] for p in mine],
+                    mode="markers", name=f"{role} #{number}", legendgroup=role, showlegend=col == 1,
+                    marker={"symbol": "circle-open", "size": 21, "color": color, "line": {"width": 3, "color": color}},
+                    hoverinfo="skip"), row=1, col=col)
         _bracket_trace(fig, trials, metric, col, best)
+        limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
         if limit:
             name = f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms"
             fig.add_trace(go.Scatter(x=[0, x_max], y=[limit, limit], mode="lines", name=name, legendgroup=name,
                                      line={"color": BEST_COLOR, "dash": "dash"}, hoverinfo="name"), row=1, col=col)
         fig.update_xaxes(title_text="load: mean requests in flight", range=[0, x_max], row=1, col=col)
-        fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=col)
+        values = [float(v) for v in [p.metrics.get(metric) for _, p in points]
+                  + [getattr(s, metric) for s in steps] if v is not None]
+        if values and min(values) > 0 and max(values) > 20 * min(values):  # orders of magnitude apart: log
+            fig.update_yaxes(title_text="ms (log scale)", type="log", dtick=1, row=1, col=col)
+        else:
+            fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=col)
     known = "SLO dashed" if slo_ms and any(slo_ms.values()) else "SLO unknown: pass --config to draw it"
-    safe = [f"{_label(v, baseline, best)}: SLO-safe {v.record.slo_capacity.contexts}"
-            for n in dict.fromkeys((baseline, best)) for v in trials
-            if n is not None and v.number == n and v.record is not None and v.record.slo_capacity.contexts is not None]
+    verdicts = [line for number, role in marked for v in trials if v.number == number
+                if (line := _stress_verdict(v, role, slo_ms))]
     fig.update_layout(
         title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
               "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: the longest "
               "contexts at fewer requests, the SLO-safe capacity the largest that meets it"
-              + (f"<br>{html.escape('; '.join(safe))}" if safe else "") + "</sup>",
-        height=560, margin={"t": 130}, legend={"orientation": "h", "y": -0.22, "x": 0})
+              + "".join(f"<br>{html.escape(line, quote=False)}" for line in verdicts) + "</sup>",
+        title_y=0.98, title_yanchor="top",  # the subtitle's lines above the panels' own titles
+        height=540 + 24 * len(verdicts), margin={"t": 130 + 24 * len(verdicts)},
+        legend={"orientation": "h", "y": -0.22, "x": 0})
     return fig
 
 
-def _stress_verdict(view: TrialView, phase: str, value_ms: float, limit_ms: float | None, col: int) -> str:
-    """``, stress: ITL breaks`` beside a labelled stress point, else ``""``.
-
-    The verdict is this panel's own (``value_ms`` against ``limit_ms``, both p99 in ms) where the
-    limit is known; without one, the stress load's overall verdict (all of the SLO's limits)."""
-    stress = view.record.slo_capacity.stress if view.record is not None else None
-    if phase != "stress" or stress is None:
+def _stress_verdict(view: TrialView, role: str, slo_ms: Mapping[str, float | None] | None) -> str:
+    """``best #3: stress load TTFT 27,412 ms meets 30,000; ITL 10,210 ms breaks 4,000; SLO-safe 3``,
+    each limit judged on its own (p99, ms); ``""`` when the trial ran no stress load. Without known
+    limits, the stress load's overall verdict."""
+    record = view.record
+    stress = next((p for p in record.phases if p.name == "stress"), None) if record is not None else None
+    if record is None or stress is None:
         return ""
-    if limit_ms:
-        metric = "TTFT" if col == 1 else "ITL"
-        return f", stress: {metric} {'meets' if value_ms <= limit_ms else 'breaks'}"
-    return f", stress: SLO {'met' if stress.met else 'broken'}"
+    parts = []
+    for key, metric, name in (("ttft", "p99_ttft_ms", "TTFT"), ("itl", "p99_itl_ms", "ITL")):
+        value, limit = stress.metrics.get(metric), (slo_ms or {}).get(key)
+        if value is not None and limit:
+            parts.append(f"{name} {value:,.0f} ms {'meets' if value <= limit else 'breaks'} {limit:,.0f}")
+    if not parts and record.slo_capacity.stress is not None:
+        parts.append(f"SLO {'met' if record.slo_capacity.stress.met else 'broken'}")
+    safe = record.slo_capacity.contexts
+    return (f"{role} #{view.number}: stress load " + "; ".join(parts)
+            + (f"; SLO-safe {safe}" if safe is not None else "")) if parts else ""
 
 
 def _bracket_trace(fig: go.Figure, trials: Sequence[TrialView], metric: str, col: int, best: int | None) -> None:
