@@ -126,3 +126,24 @@ def test_importance_is_hidden_on_a_small_study_and_never_ranks_a_parameter_that_
     ranked = _ticks(part, "y")
     assert sorted(ranked) == ["max_running_requests", "mem_fraction_static"], ranked
     assert "never varied: chunked_prefill_size" in part and "12 completed trials" in part
+
+
+@needs_chromium
+def test_trials_on_other_structural_levers_are_drawn_apart_from_the_curve(tmp_path: Path) -> None:
+    """The capacity curve is one rung's (the calibrating trial's KV dtype and DP attention): a
+    trial on another rung holds another pool at each fraction, so it is drawn open, apart, and named
+    in the title, not read against the curve or its boundaries (the lever study's baseline sat on
+    the fp8 + DP-attention rung's curve as if it had missed it)."""
+    rung = ok_trial(0.92, 64, 30, 1300.0)
+    rung["params"].update({"dp_size": 4, "kv_cache_dtype": "fp8_e4m3"})
+    url = make_study(tmp_path / "rungs.db", "rungs", [ok_trial(0.80, 64, 10, 1000.0, kind="baseline"), rung])
+    stored = open_study(StudyLocation(storage_url=url))
+    figure = figures.capacity_figure(stored, baseline=0, best=1)
+    assert not isinstance(figure, str)
+    traces = {trace.name: list(trace.x) for trace in figure.data}
+    assert traces.get("measured on other structural levers (not this curve)") == [0.80], traces
+    assert traces.get("measured: feasible") == [0.92], traces
+    assert "trial 0 ran other structural levers than trial 1: drawn open, off this curve" in figure.layout.title.text
+    page = tmp_path / "capacity.html"
+    page.write_text(figure.to_html(include_plotlyjs=True), encoding="utf-8")
+    assert "measured on other structural levers (not this curve)" in _rendered(page, tmp_path)

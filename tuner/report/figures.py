@@ -31,6 +31,7 @@ from tuner.results import METRICS, StoredStudy, TrialView
 from tuner.sglang.explain import waterfall_steps
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.sglang.memory import KVCapacityModel
+from tuner.study.decide.rungs import same_rung
 
 __all__ = [
     "CATEGORY_COLORS", "MEMORY_ITEMS", "memory_figure", "capacity_figure", "latency_figure", "pareto_figure",
@@ -287,7 +288,10 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
     budget, below), where the reserve no longer holds req_to_token, CUDA graphs and the rest
     (graph capture fails, above), and where the headroom left after graphs falls below the
     activation peak a trial measured under load (runtime OOM, above). Measured failures are drawn
-    at zero with their class.
+    at zero with their class. Trials that ran other structural levers than the calibrating trial
+    (:func:`tuner.study.decide.rungs.same_rung`: another KV dtype, DP attention, DCP) hold another
+    pool at each fraction: they are drawn open, apart from the curve, and neither its boundaries
+    nor the measured ones are read from them.
 
     Returns:
         The figure, or a sentence saying why there is none.
@@ -303,8 +307,13 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
     fractions = [float(v.params["mem_fraction_static"]) for v in views]
     calibrated = _calibration(views, (best, baseline))
     title = "Context capacity vs mem_fraction_static"
+    on_curve, elsewhere = list(views), []
     if calibrated is not None:
         source, model = calibrated
+        # Another structural rung (fp8 KV, DP attention, DCP) has another KV pool per fraction: its
+        # trials are drawn apart, never read against this curve or its boundaries.
+        on_curve = [v for v in views if same_rung(v.params, source.params)]
+        elsewhere = [v for v in views if not same_rung(v.params, source.params) and category(v) != "skipped"]
         lo = max(0.3, min(min(fractions) - 0.08, model.min_fraction()))
         grid = [round(lo + i * 0.0025, 4) for i in range(int((0.995 - lo) / 0.0025) + 1)]
         tokens = [model.tokens(x) for x in grid]
@@ -314,11 +323,14 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
             hovertext=[f"mfs {x:.3f}: {max(0, t):,} tokens → {max(0, t) // context} × {context:,}" for x, t in zip(grid, tokens, strict=True)],
             hoverinfo="text"))
         title += f" — model calibrated on trial {source.number}"
-        hidden = _model_boundaries(fig, model, source, views)
+        hidden = _model_boundaries(fig, model, source, on_curve)
+        if elsewhere:
+            hidden.append(f"trial{'s' if len(elsewhere) > 1 else ''} {', '.join(str(v.number) for v in elsewhere)} "
+                          f"ran other structural levers than trial {source.number}: drawn open, off this curve")
         if hidden:
             title += "<br><sup>" + html.escape("; ".join(hidden), quote=False) + "</sup>"
     for cat, color in CATEGORY_COLORS.items():
-        group = [v for v in views if category(v) == cat]
+        group = [v for v in on_curve if category(v) == cat]
         if cat == "skipped":
             _skipped_trace(fig, group, context)
             continue
@@ -332,7 +344,16 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
                     "line": {"width": 1, "color": "#222"}},
             hovertext=[hover(v) + f"<br>context capacity {v.metric('context_capacity')}" for v in group],
             hoverinfo="text"))
-    for low, high, label in measured_boundaries(views):
+    if elsewhere:
+        fig.add_trace(go.Scatter(
+            x=[float(v.params["mem_fraction_static"]) for v in elsewhere],
+            y=[(v.metric("token_capacity") or 0) // context for v in elsewhere],
+            mode="markers", name="measured on other structural levers (not this curve)",
+            marker={"color": [CATEGORY_COLORS[category(v)] for v in elsewhere], "size": 11, "symbol": "circle-open",
+                    "line": {"width": 2}},
+            hovertext=[hover(v) + f"<br>context capacity {v.metric('context_capacity')}" for v in elsewhere],
+            hoverinfo="text"))
+    for low, high, label in measured_boundaries(on_curve):
         fig.add_vline(x=(low + high) / 2, line={"color": CATEGORY_COLORS["failed"], "dash": "dash"},
                       annotation_text=html.escape(f"failure boundary ({label})"), annotation_position="bottom left")
     lowest = min(fractions + ([model.min_fraction()] if calibrated is not None and 0 < model.min_fraction() < 1 else []))
