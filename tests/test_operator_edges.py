@@ -262,11 +262,11 @@ def test_help_says_repeats_and_defaults(args: tuple[str, ...], needle: str) -> N
     assert "<int range>" not in proc.stdout and "x>=1" not in proc.stdout
 
 
-# ---- 16: the README says how tuner load's ITL differs from bench_serving's -----------------------
+# ---- 16: the manual says how tuner load's ITL differs from bench_serving's -----------------------
 
 
-def test_readme_says_itl_is_per_token_unlike_bench_serving_per_chunk() -> None:
-    text = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+def test_the_manual_says_itl_is_per_token_unlike_bench_serving_per_chunk() -> None:
+    text = " ".join((REPO / "docs" / "load-generator.md").read_text(encoding="utf-8").split())
     assert "ITL is per token" in text and "per streamed *chunk*" in text and "avg_spec_accept_length" in text
 
 

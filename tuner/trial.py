@@ -20,7 +20,7 @@ What a trial needs from a server is :class:`ServerUnderTest`, defined here by it
 GPU monitor; the tests' offline server (``tests/support/offline_server.py``) with the simulator's
 offline evaluation. This module never imports :mod:`tuner.launch`.
 
-Nothing here decides which config to try (:mod:`tuner.study.planner`), tells Optuna (:mod:`tuner.study.loop`) or
+Nothing here decides which config to try (:mod:`tuner.study.decide`), tells Optuna (:mod:`tuner.study.loop`) or
 chooses the server, flag table and GPU monitor (:mod:`tuner.entrypoints`, the composition root).
 """
 

@@ -21,7 +21,7 @@ predicted token capacity must be within 1 % of the measured one; beside it, the 
 version measured for the same flags (what a full transfer would have predicted).
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_fingerprint.py --run-benchmarks -s``
-(figures in README § Fingerprint). ``BENCH_FINGERPRINT_JSON=path`` also writes them as JSON.
+(figures in docs/fingerprint.md). ``BENCH_FINGERPRINT_JSON=path`` also writes them as JSON.
 """
 
 from __future__ import annotations

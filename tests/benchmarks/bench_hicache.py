@@ -11,7 +11,7 @@ hit rates by tier, against the same flags with the cache off and against the bes
 same study run with ``[space] hierarchical_cache = false`` (a study that could not use it).
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hicache.py --run-benchmarks -s``
-(figures in README § HiCache).
+(figures in docs/hicache.md).
 """
 
 from __future__ import annotations

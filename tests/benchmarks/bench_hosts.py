@@ -22,7 +22,7 @@ each k of :data:`K_LAUNCHES`, at the rate runs' seed and at :data:`QUALITY_SEEDS
 workload and sampler seed) with launches of :data:`QUALITY_TRIAL_S` seconds.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_hosts.py --run-benchmarks -s`` (about 24
-minutes: the rate 19, the quality seeds 4; figures in README § Many hosts).
+minutes: the rate 19, the quality seeds 4; figures in docs/many-hosts.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark: how fast the launchers see a server come up or die (figures for README § Service control).
+"""Benchmark: how fast the launchers see a server come up or die (figures in docs/real-box.md, Service control).
 
 For each outcome — ready (``--mem-fraction-static 0.85``), startup OOM (``0.1``), invalid flag —
 the simulator is first run bare (a subprocess; time until ``/health`` answers and the ready line

@@ -13,7 +13,7 @@ the top of the fraction range up to the study's own slot cap (a small grid: the 
 feasible rung"). Asserted: no failed launch with the levers (a rung that cannot start is screened).
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_levers.py --run-benchmarks -s``
-(figures in README § tuner explain, structural levers).
+(figures in docs/tuner-explain.md, structural levers).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark: the load generator is not the bottleneck (figures for README § Load generator).
+"""Benchmark: the load generator is not the bottleneck (figures in docs/load-generator.md).
 
 From one core (``os.sched_setaffinity``) the generator drives 1,000 concurrent streams against
 ``tests/support/sse_server.py`` (its own processes, on other cores; a 1 ms timing wheel sends each

@@ -13,7 +13,7 @@ probe (16 prompts, 48 greedy tokens each, one batch ``/generate`` with ``return_
 32-question arithmetic task set) per distinct numerics, wall seconds, and its size in tokens.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_quality.py --run-benchmarks -s``
-(figures in README § Quality gate). ``BENCH_QUALITY_JSON=path`` also writes them as JSON.
+(figures in docs/quality-gate.md). ``BENCH_QUALITY_JSON=path`` also writes them as JSON.
 """
 
 from __future__ import annotations

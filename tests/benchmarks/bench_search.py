@@ -13,7 +13,7 @@ failed (startup or runtime OOM), the first launch where both shares reach 98 %, 
 launched config, and launches with more request slots than the workload can ever run at once.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_search.py --run-benchmarks -s``
-(figures in README § Tuning run). ``BENCH_SEARCH_JSON=path`` also writes the figures as JSON.
+(figures in docs/benchmarks.md). ``BENCH_SEARCH_JSON=path`` also writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def test_search_quality(name: str) -> None:
 
 
 def _check_targets(item: dict[str, Any], figures: dict[str, Any], rows: list[str]) -> None:
-    """The issue's acceptance targets (README § Tuning run states which hold)."""
+    """The issue's acceptance targets (docs/benchmarks.md states which hold)."""
     tuner, rand = figures["strategies"]["tuner"], figures["strategies"]["random"]
     problems = []
     if any(tuner["repeats"]) or any(tuner["above_reachable"]):

@@ -1,8 +1,8 @@
 """Benchmark: the simulator's offline evaluation of 1,000 requests must take under 5 s of CPU.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_sim_offline.py --run-benchmarks -s``
-(or ``.venv/bin/python tests/benchmarks/bench_sim_offline.py``). The figure goes in the README's
-"Engine and cost model" section.
+(or ``.venv/bin/python tests/benchmarks/bench_sim_offline.py``). The figure goes in docs/simulator.md,
+"Engine and cost model".
 """
 
 from __future__ import annotations

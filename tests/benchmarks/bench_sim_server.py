@@ -3,7 +3,7 @@ with realised step times within 10% of the cost model.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_sim_server.py --run-benchmarks -s``.
 The server process is pinned to CPU 0 (``os.sched_setaffinity``), the load client to the other
-CPUs. Figures are printed and go into README.md (## Simulator).
+CPUs. Figures are printed and go into docs/simulator.md.
 """
 
 from __future__ import annotations

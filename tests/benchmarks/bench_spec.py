@@ -19,7 +19,7 @@ where a latency SLO is set; the tables show the OOM-safe one), failed launches (
 length it measured.
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_spec.py --run-benchmarks -s``
-(figures in README § Speculative decoding).
+(figures in docs/speculative.md).
 """
 
 from __future__ import annotations

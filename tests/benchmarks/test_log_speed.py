@@ -1,4 +1,4 @@
-"""Log parser throughput on a long journal (figure in README, `## tuner explain`)."""
+"""Log parser throughput on a long journal (figure in docs/tuner-explain.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exit codes the README documents per outcome ("Exit codes"), one real command each: 0 done,
+"""The exit codes the manual documents per outcome (docs/reviewing-and-applying.md, "Exit codes"), one real command each: 0 done,
 1 one error line (bad input, a refused check), 2 a usage error, 130 an interrupted command."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from tests.support.study_factory import make_study, ok_trial
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_documents_each_code() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("**Exit codes**"):]
-    section = section[:section.index("\n\n")]
+def test_the_manual_documents_each_code() -> None:
+    text = (ROOT / "docs" / "reviewing-and-applying.md").read_text(encoding="utf-8")
+    section = text[text.index("## Exit codes"):]
+    section = section[:section.index("\n## ", 1)]
     for code in ("**0**", "**1**", "**2**", "**130**"):
         assert code in section, code
 

@@ -35,15 +35,16 @@ def test_report_escapes_logs_and_inlines_plotly(demo_study: str, tmp_path: Path,
     assert plotly.offline.get_plotlyjs() in text  # plotly.js inlined, once
     own = text.replace(plotly.offline.get_plotlyjs(), "")
     assert "<script src" not in own and "<link" not in own and "https://" not in own
-    for div in ("pareto-front", "history", "importance", "capacity-vs-mfs"):
+    for div in ("pareto-front", "history", "capacity-vs-mfs"):
         assert f'id="{div}"' in text, div
+    assert "Parameter importance is not drawn" in text  # 5 completed trials: too few to rank parameters
     assert "failure boundary (fails above: cuda_graph_oom)" in text
 
 
 def test_importance_is_guarded_on_a_small_study(tmp_path: Path) -> None:
     url = make_study(tmp_path / "small.db", "small", [ok_trial(0.8, 64, 10, 1000.0, kind="baseline")])
     text = build_html_report(open_study(StudyLocation(storage_url=url)), None, "no best")
-    assert "Parameter importance needs at least 4 completed trials" in text
+    assert "Parameter importance is not drawn: it needs at least 10 completed trials" in text
     assert 'id="importance"' not in text
 
 
@@ -61,7 +62,7 @@ def test_report_renders_in_headless_chromium_offline(demo_study: str, tmp_path: 
     assert proc.returncode == 0, proc.stderr[-2000:]
     dom = proc.stdout
     # plotly drew every figure: each plot div holds rendered <svg class="main-svg"> elements
-    for div in ("pareto-front", "history", "importance", "capacity-vs-mfs"):
+    for div in ("pareto-front", "history", "capacity-vs-mfs"):
         start = dom.index(f'id="{div}"')
         assert 'class="main-svg"' in dom[start : start + 20000], div
     assert dom.count('class="main-svg"') >= 8

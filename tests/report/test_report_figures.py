@@ -11,33 +11,22 @@ missing, replaced by a note, or drawn empty fails the test.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.chromium import chromium as _chromium
+from tests.support.chromium import needs_chromium
 from tests.support.cli import run_tuner
 from tests.support.configs import DemoRun
 from tests.support.study_factory import make_study, ok_trial
 from tuner.report import figures
 
 REPO = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 STUDY_FIGURES = ("pareto-front", "memory", "capacity-vs-mfs", "latency", "history")
-"""The figures a study with a measured baseline and a better trial must show (importance needs 4
-completed trials with varying params and is a note otherwise)."""
-
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
-
-
-def _chromium(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
-            "--host-resolver-rules=MAP * ~NOTFOUND", "--virtual-time-budget=10000", "--hide-scrollbars",
-            *extra, page.as_uri()]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+"""The figures a study with a measured baseline and a better trial must show (importance needs 10
+completed trials and two parameters that varied, and is a note otherwise)."""
 
 
 def _section(dom: str, div: str) -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.chromium import drawn_boxes, needs_chromium
 from tuner.report import figures
 from tuner.results import StudyLocation, open_study
 
@@ -75,3 +76,44 @@ def test_report_figures_draw_the_objective_capacity_and_the_bracketing_steps(ref
     assert html.returncode == 0, html.stderr
     page = (study.folder / "r.html").read_text(encoding="utf-8")
     assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (requests)" in page
+
+
+def _overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] - 1 and b[0] < a[2] - 1 and a[1] < b[3] - 1 and b[1] < a[3] - 1
+
+
+@needs_chromium
+def test_the_latency_figure_prints_nothing_on_its_panels_and_judges_each_limit_apart(
+        reference_offline_study, tmp_path: Path) -> None:
+    """R8 (operator review 2): the latency figure's point labels were clipped at both edges of a
+    panel, the best's label overprinted the SLO line's label, and the TTFT panel labelled a stress
+    point below its TTFT limit "stress breaks the SLO" (the ITL broke it). Now the baseline and the
+    best are ringed and named in the legend, and the subtitle judges each limit on its own: rendered
+    by headless Chromium, no text is printed on a panel, no title overlaps another, and each
+    verdict agrees with the stress load's own p99 against that limit."""
+    study = reference_offline_study
+    stored = open_study(StudyLocation(storage_url=study.url))
+    limits = {"ttft": 30000.0, "itl": 4000.0}
+    baseline = stored.baseline()
+    assert baseline is not None and baseline.number != study.best
+    figure = figures.latency_figure(stored.trials, slo_ms=limits, best=study.best, baseline=baseline.number)
+    assert not isinstance(figure, str)
+    names = {trace.name for trace in figure.data}
+    assert {f"baseline #{baseline.number}", f"best #{study.best}"} <= names, names
+    title = figure.layout.title.text
+    for role, number in (("baseline", baseline.number), ("best", study.best)):
+        stress = next(p for p in dict(study.history)[number].phases if p.name == "stress")
+        for name, metric, key in (("TTFT", "p99_ttft_ms", "ttft"), ("ITL", "p99_itl_ms", "itl")):
+            value = stress.metrics[metric]
+            verdict = "meets" if value <= limits[key] else "breaks"
+            assert f"{name} {value:,.0f} ms {verdict} {limits[key]:,.0f}" in title.split(f"{role} #{number}:")[1].split("<br>")[0], title
+    page = tmp_path / "latency.html"
+    page.write_text(figure.to_html(include_plotlyjs=True, div_id="latency"), encoding="utf-8")
+    drawn = drawn_boxes(page, tmp_path / "profile")["latency"]
+    assert len(drawn["plots"]) == 2 and drawn["titles"], drawn
+    assert drawn["labels"] == [], f"text printed on a panel: {drawn['labels']}"
+    texts = drawn["annotations"] + drawn["titles"]
+    for one in texts:
+        assert drawn["svg"][0] - 1 <= one["box"][0] and one["box"][2] <= drawn["svg"][2] + 1, f"clipped: {one}"
+        for other in texts:
+            assert other is one or not _overlap(one["box"], other["box"]), f"{one['text']!r} overprints {other['text']!r}"

@@ -10,5 +10,6 @@
 - :mod:`tests.support.study_factory`: SQLite studies written the way ``tuner run`` stores them.
 - :mod:`tests.support.offline_server`: the simulator's offline evaluation as a ``ServerUnderTest``; the product's ``TrialExecutor`` on it.
 - :mod:`tests.support.sglang_http`: canned SGLang HTTP answers on a loopback port.
+- :mod:`tests.support.chromium`: headless Chromium on a report page: its DOM, a screenshot, its drawn labels' boxes.
 - :mod:`tests.support.sse_server`: a small SGLang-shaped SSE server (run as a subprocess).
 """

@@ -33,6 +33,9 @@ DISTRIBUTIONS = {
     "mem_fraction_static": optuna.distributions.FloatDistribution(0.5, 0.98),
     "max_running_requests": optuna.distributions.IntDistribution(8, 512),
     "chunked_prefill_size": optuna.distributions.IntDistribution(-1, 16384),
+    # structural levers (tuner/study/decide/rungs.py), for a trial that moves one
+    "dp_size": optuna.distributions.IntDistribution(1, 8),
+    "kv_cache_dtype": optuna.distributions.CategoricalDistribution(["auto", "fp8_e4m3"]),
 }
 SIM_ARGV = ["python", "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB"]
 """The simulated deployment the factory's studies describe (the study's environment says the same)."""

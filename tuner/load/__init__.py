@@ -1,6 +1,6 @@
 """Load generator: workloads, arrivals, an async streaming client, and bench_serving-compatible metrics.
 
-The public API is :data:`__all__`; see ``README.md`` § Load generator for ``tuner load``.
+The public API is :data:`__all__`; see ``docs/load-generator.md`` for ``tuner load``.
 """
 
 from tuner.load.arrivals import PhasePlan, arrival_offsets_s

@@ -17,8 +17,7 @@ accuracy may not fall more than ``max_task_accuracy_drop`` below the reference's
 
 The prompts are shipped in ``tuner/data/quality-prompts.json`` (chat, code, arithmetic and
 long-context prompts; nothing is downloaded). The thresholds are ``[quality]``
-(:class:`QualityConfig`); their defaults come from the simulator's fp8 KV drift (README § Quality
-gate). A study pays one probe per distinct numerics: a later trial with the same numerics reuses
+(:class:`QualityConfig`); their defaults come from the simulator's fp8 KV drift (``docs/quality-gate.md``). A study pays one probe per distinct numerics: a later trial with the same numerics reuses
 the figures (judged again against the current thresholds).
 """
 

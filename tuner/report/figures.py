@@ -31,6 +31,7 @@ from tuner.results import METRICS, StoredStudy, TrialView
 from tuner.sglang.explain import waterfall_steps
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.sglang.memory import KVCapacityModel
+from tuner.study.decide.rungs import same_rung
 
 __all__ = [
     "CATEGORY_COLORS", "MEMORY_ITEMS", "memory_figure", "capacity_figure", "latency_figure", "pareto_figure",
@@ -71,8 +72,9 @@ def category(view: TrialView) -> str:
 
 
 def _label(view: TrialView, baseline: int | None, best: int | None) -> str:
-    tag = " baseline" if view.number == baseline else (" best" if view.number == best else "")
-    return f"#{view.number}{tag}"
+    """``#3 best``, ``#0 baseline``, or ``#0 baseline = best`` when the baseline is the best."""
+    roles = [name for name, number in (("baseline", baseline), ("best", best)) if number == view.number]
+    return " ".join([f"#{view.number}", " = ".join(roles)]) if roles else f"#{view.number}"
 
 
 def hover(view: TrialView) -> str:
@@ -90,8 +92,9 @@ def hover(view: TrialView) -> str:
 
 
 def _ordered(trials: Sequence[TrialView], baseline: int | None, best: int | None) -> list[TrialView]:
-    """Baseline first, then the best, then every other trial in trial order."""
-    first = [v for n in (baseline, best) for v in trials if n is not None and v.number == n]
+    """Baseline first, then the best, then every other trial in trial order; each trial once (a
+    baseline that is the best is one bar, not two stacked under one label)."""
+    first = [v for n in dict.fromkeys((baseline, best)) for v in trials if n is not None and v.number == n]
     seen = {v.number for v in first}
     return first + [v for v in trials if v.number not in seen]
 
@@ -285,7 +288,10 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
     budget, below), where the reserve no longer holds req_to_token, CUDA graphs and the rest
     (graph capture fails, above), and where the headroom left after graphs falls below the
     activation peak a trial measured under load (runtime OOM, above). Measured failures are drawn
-    at zero with their class.
+    at zero with their class. Trials that ran other structural levers than the calibrating trial
+    (:func:`tuner.study.decide.rungs.same_rung`: another KV dtype, DP attention, DCP) hold another
+    pool at each fraction: they are drawn open, apart from the curve, and neither its boundaries
+    nor the measured ones are read from them.
 
     Returns:
         The figure, or a sentence saying why there is none.
@@ -301,8 +307,13 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
     fractions = [float(v.params["mem_fraction_static"]) for v in views]
     calibrated = _calibration(views, (best, baseline))
     title = "Context capacity vs mem_fraction_static"
+    on_curve, elsewhere = list(views), []
     if calibrated is not None:
         source, model = calibrated
+        # Another structural rung (fp8 KV, DP attention, DCP) has another KV pool per fraction: its
+        # trials are drawn apart, never read against this curve or its boundaries.
+        on_curve = [v for v in views if same_rung(v.params, source.params)]
+        elsewhere = [v for v in views if not same_rung(v.params, source.params) and category(v) != "skipped"]
         lo = max(0.3, min(min(fractions) - 0.08, model.min_fraction()))
         grid = [round(lo + i * 0.0025, 4) for i in range(int((0.995 - lo) / 0.0025) + 1)]
         tokens = [model.tokens(x) for x in grid]
@@ -312,9 +323,14 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
             hovertext=[f"mfs {x:.3f}: {max(0, t):,} tokens → {max(0, t) // context} × {context:,}" for x, t in zip(grid, tokens, strict=True)],
             hoverinfo="text"))
         title += f" — model calibrated on trial {source.number}"
-        _model_boundaries(fig, model, source)
+        hidden = _model_boundaries(fig, model, source, on_curve)
+        if elsewhere:
+            hidden.append(f"trial{'s' if len(elsewhere) > 1 else ''} {', '.join(str(v.number) for v in elsewhere)} "
+                          f"ran other structural levers than trial {source.number}: drawn open, off this curve")
+        if hidden:
+            title += "<br><sup>" + html.escape("; ".join(hidden), quote=False) + "</sup>"
     for cat, color in CATEGORY_COLORS.items():
-        group = [v for v in views if category(v) == cat]
+        group = [v for v in on_curve if category(v) == cat]
         if cat == "skipped":
             _skipped_trace(fig, group, context)
             continue
@@ -328,7 +344,16 @@ def capacity_figure(stored: StoredStudy, *, baseline: int | None = None, best: i
                     "line": {"width": 1, "color": "#222"}},
             hovertext=[hover(v) + f"<br>context capacity {v.metric('context_capacity')}" for v in group],
             hoverinfo="text"))
-    for low, high, label in measured_boundaries(views):
+    if elsewhere:
+        fig.add_trace(go.Scatter(
+            x=[float(v.params["mem_fraction_static"]) for v in elsewhere],
+            y=[(v.metric("token_capacity") or 0) // context for v in elsewhere],
+            mode="markers", name="measured on other structural levers (not this curve)",
+            marker={"color": [CATEGORY_COLORS[category(v)] for v in elsewhere], "size": 11, "symbol": "circle-open",
+                    "line": {"width": 2}},
+            hovertext=[hover(v) + f"<br>context capacity {v.metric('context_capacity')}" for v in elsewhere],
+            hoverinfo="text"))
+    for low, high, label in measured_boundaries(on_curve):
         fig.add_vline(x=(low + high) / 2, line={"color": CATEGORY_COLORS["failed"], "dash": "dash"},
                       annotation_text=html.escape(f"failure boundary ({label})"), annotation_position="bottom left")
     lowest = min(fractions + ([model.min_fraction()] if calibrated is not None and 0 < model.min_fraction() < 1 else []))
@@ -353,38 +378,64 @@ def _skipped_trace(fig: go.Figure, skipped: Sequence[TrialView], context: int) -
                    for v, _ in points], hoverinfo="text"))
 
 
-def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView) -> None:
-    """Dotted lines where the model predicts a failed start (below and above) and a runtime OOM."""
+def _contradicting(views: Sequence[TrialView], fails: str, at: float) -> list[int]:
+    """Trials whose measurement contradicts a predicted boundary at ``at``: trials that started
+    (``fails="startup"``) or ran their load without a runtime OOM (``fails="runtime"``) on the side
+    of it where the model says they fail (above it; ``"below"``: started below it)."""
+    def beyond(view: TrialView) -> bool:
+        mfs = float(view.params["mem_fraction_static"])
+        return mfs < at if fails == "below" else mfs > at
+    return [v.number for v in views
+            if category(v) in ("feasible", "infeasible") and not v.failure_class and beyond(v)]
+
+
+def _model_boundaries(fig: go.Figure, model: KVCapacityModel, source: TrialView,
+                      views: Sequence[TrialView]) -> list[str]:
+    """Dotted lines where the model predicts a failed start (below and above) and a runtime OOM,
+    each for the calibrating trial's own knobs (its ``max_running_requests`` and context length:
+    another trial's knobs move them). A boundary a measured trial contradicts (a trial that started,
+    or ran its load, where the line says it cannot) is not drawn: a picture must not put measured
+    feasible trials inside a region labelled as failing. Returns one sentence per boundary left out."""
+    hidden: list[str] = []
+
+    def draw(at: float, fails: str, text: str, color: str, position: str) -> None:
+        against = _contradicting(views, fails, at)
+        if against:
+            hidden.append(f"the model's {text.split(':')[0]} boundary at {at:.3f} (for trial {source.number}'s knobs) "
+                          f"is not drawn: trial{'s' if len(against) > 1 else ''} "
+                          f"{', '.join(map(str, against))} ran beyond it")
+            return
+        fig.add_vline(x=at, line={"color": color, "dash": "dot"}, annotation_text=text, annotation_position=position)
+
     start = model.min_fraction()
     if 0 < start < 1:
-        fig.add_vline(x=start, line={"color": "#6c757d", "dash": "dot"},
-                      annotation_text=f"startup: no KV budget below {start:.3f}", annotation_position="top right")
+        draw(start, "below", f"startup: no KV budget below {start:.3f}", "#6c757d", "top right")
     record = source.record
     mrr, ctx = _resolved(source, "max_running_requests"), record.memory.context_len if record is not None else None
     if not mrr or not ctx:
-        return
+        return hidden
     try:
         at = [model.headroom_gib(x, max_running_requests=int(mrr), context_len=int(ctx)) for x in (0.5, 0.9)]
     except (TypeError, ValueError):
-        return
+        return hidden
     slope = (at[1] - at[0]) / 0.4  # the headroom falls linearly with the fraction: −B per unit
     if slope >= 0:
-        return
+        return hidden
 
     def where(level: float) -> float:
         return 0.5 + (level - at[0]) / slope
 
+    knobs = f"trial {source.number}'s {int(mrr)} request slots"
     graphs = where(0.0)
     if 0 < graphs < 1:
-        fig.add_vline(x=graphs, line={"color": "#6c757d", "dash": "dot"},
-                      annotation_text=f"startup: graphs do not fit above {graphs:.3f}", annotation_position="top left")
+        draw(graphs, "above", f"startup: graphs do not fit above {graphs:.3f} ({knobs})", "#6c757d", "top left")
     need = (record.memory.peak_activation_gib or record.prediction.need_gib) if record is not None else None
     if need:
         runtime = where(float(need))
         if 0 < runtime < 1:
-            fig.add_vline(x=runtime, line={"color": BEST_COLOR, "dash": "dot"},
-                          annotation_text=f"runtime: headroom < {float(need):.2f} GiB activations above {runtime:.3f}",
-                          annotation_position="bottom left")
+            draw(runtime, "above", f"runtime: headroom < {float(need):.2f} GiB activations above {runtime:.3f} ({knobs})",
+                 BEST_COLOR, "bottom left")
+    return hidden
 
 
 def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, str]]:
@@ -417,12 +468,20 @@ def measured_boundaries(views: Sequence[TrialView]) -> list[tuple[float, float, 
 def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | None] | None = None,
                    baseline: int | None = None, best: int | None = None) -> go.Figure | str:
     """p99 TTFT and p99 ITL (ms) of each trial's load phases against the load they ran (mean
-    requests in flight), with the SLO's p99 limits as horizontal lines.
+    requests in flight), with the SLO's p99 limits as dashed lines.
+
+    Nothing is printed on the plot, where text was clipped at a panel's edges and overprinted
+    other text: the baseline's and the best's points are ringed in their colour and named in the
+    legend (below the panels, with the SLO lines), and the subtitle states each one's stress
+    verdict per limit (a TTFT within its limit is not called broken because the ITL broke) and its
+    SLO-safe capacity. A panel whose latencies span more than a factor of 20 (a stress load far
+    past the SLO beside windows within it) has a log axis, so the points near the SLO are not
+    squashed against zero.
 
     Args:
         trials: The study's trials (those with a measured phase are drawn).
         slo_ms: ``{"ttft": limit, "itl": limit}`` in ms (p99), ``None`` values or no mapping when unknown.
-        baseline, best: Trial numbers to label.
+        baseline, best: Trial numbers to mark.
 
     Returns:
         The figure, or a sentence saying why there is none.
@@ -433,44 +492,80 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
     if not points:
         return "No trial measured a load phase."
     fig = make_subplots(rows=1, cols=2, subplot_titles=("p99 TTFT", "p99 ITL"), horizontal_spacing=0.1)
+    steps = [s for v in trials if v.record is not None for s in v.record.slo_capacity.steps[1:]]
+    marked = [(n, role) for n, role in ((baseline, "baseline"), (best, "best")) if n is not None]
+    if baseline is not None and baseline == best:
+        marked = [(best, "baseline = best")]
     for col, metric in ((1, "p99_ttft_ms"), (2, "p99_itl_ms")):
+        drawn = [p.metrics["concurrency"] or 0.0 for _, p in points if p.metrics.get(metric) is not None]
+        drawn += [float(s.contexts) for s in steps if getattr(s, metric) is not None]
+        x_max = max(drawn, default=1.0) * 1.1 + 1.0
         for phase, symbol in (("measure", "circle"), ("stress", "diamond-open")):
             group = [(v, p) for v, p in points if p.name == phase and p.metrics.get(metric) is not None]
             if not group:
                 continue
-            colors = [BASELINE_COLOR if v.number == baseline else BEST_COLOR if v.number == best
-                      else CATEGORY_COLORS[category(v)] for v, _ in group]
             fig.add_trace(go.Scatter(
                 x=[p.metrics["concurrency"] for _, p in group], y=[p.metrics[metric] for _, p in group],
-                mode="markers+text", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
-                text=[_label(v, baseline, best) + _stress_verdict(v, phase) if v.number in (baseline, best) else ""
-                      for v, _ in group],
-                textposition="top center",
-                marker={"symbol": symbol, "size": 11, "color": colors, "line": {"width": 1, "color": "#222"}},
+                mode="markers", name=f"{phase} phase", legendgroup=phase, showlegend=col == 1,
+                marker={"symbol": symbol, "size": 11, "color": [CATEGORY_COLORS[category(v)] for v, _ in group],
+                        "line": {"width": 1, "color": "#222"}},
                 hovertext=[f"trial {v.number} {phase}: {p.metrics[metric]:,.0f} ms at {p.metrics['concurrency']:.1f} "
                            f"in flight, {p.metrics.get('output_throughput') or 0:,.1f} tok/s" for v, p in group],
                 hoverinfo="text"), row=1, col=col)
+        for number, role in marked:
+            mine = [p for v, p in points if v.number == number and p.metrics.get(metric) is not None]
+            if mine:
+                color = BASELINE_COLOR if role == "baseline" else BEST_COLOR
+                fig.add_trace(go.Scatter(
+                    x=[p.metrics["concurrency"] for p in mine], y=[p.metrics[metric] for p in mine],
+                    mode="markers", name=f"{role} #{number}", legendgroup=role, showlegend=col == 1,
+                    marker={"symbol": "circle-open", "size": 21, "color": color, "line": {"width": 3, "color": color}},
+                    hoverinfo="skip"), row=1, col=col)
         _bracket_trace(fig, trials, metric, col, best)
         limit = (slo_ms or {}).get("ttft" if col == 1 else "itl")
         if limit:
-            fig.add_hline(y=limit, line={"color": BEST_COLOR, "dash": "dash"}, row=1, col=col,
-                          annotation_text=f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms")
-        fig.update_xaxes(title_text="load: mean requests in flight", row=1, col=col)
-        fig.update_yaxes(title_text="ms", row=1, col=col)
+            name = f"SLO p99 {'TTFT' if col == 1 else 'ITL'} {limit:,.0f} ms"
+            fig.add_trace(go.Scatter(x=[0, x_max], y=[limit, limit], mode="lines", name=name, legendgroup=name,
+                                     line={"color": BEST_COLOR, "dash": "dash"}, hoverinfo="name"), row=1, col=col)
+        fig.update_xaxes(title_text="load: mean requests in flight", range=[0, x_max], row=1, col=col)
+        values = [float(v) for v in [p.metrics.get(metric) for _, p in points]
+                  + [getattr(s, metric) for s in steps] if v is not None]
+        if values and min(values) > 0 and max(values) > 20 * min(values):  # orders of magnitude apart: log
+            fig.update_yaxes(title_text="ms (log scale)", type="log", dtick=1, row=1, col=col)
+        else:
+            fig.update_yaxes(title_text="ms", rangemode="tozero", row=1, col=col)
     known = "SLO dashed" if slo_ms and any(slo_ms.values()) else "SLO unknown: pass --config to draw it"
-    fig.update_layout(title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
-                            "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: "
-                            "the longest contexts at fewer requests, the SLO-safe capacity the largest that meets it</sup>")
+    verdicts = [line for number, role in marked for v in trials if v.number == number
+                if (line := _stress_verdict(v, role, slo_ms))]
+    fig.update_layout(
+        title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
+              "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: the longest "
+              "contexts at fewer requests, the SLO-safe capacity the largest that meets it"
+              + "".join(f"<br>{html.escape(line, quote=False)}" for line in verdicts) + "</sup>",
+        title_y=0.98, title_yanchor="top",  # the subtitle's lines above the panels' own titles
+        height=540 + 24 * len(verdicts), margin={"t": 130 + 24 * len(verdicts)},
+        legend={"orientation": "h", "y": -0.22, "x": 0})
     return fig
 
 
-def _stress_verdict(view: TrialView, phase: str) -> str:
-    """`` (stress breaks the SLO; SLO-safe 5)`` beside a labelled stress point, else ``""``."""
-    stress = view.record.slo_capacity.stress if view.record is not None else None
-    if phase != "stress" or stress is None:
+def _stress_verdict(view: TrialView, role: str, slo_ms: Mapping[str, float | None] | None) -> str:
+    """``best #3: stress load TTFT 27,412 ms meets 30,000; ITL 10,210 ms breaks 4,000; SLO-safe 3``,
+    each limit judged on its own (p99, ms); ``""`` when the trial ran no stress load. Without known
+    limits, the stress load's overall verdict."""
+    record = view.record
+    stress = next((p for p in record.phases if p.name == "stress"), None) if record is not None else None
+    if record is None or stress is None:
         return ""
-    verdict = "meets" if stress.met else "breaks"
-    return f" (stress {verdict} the SLO; SLO-safe {view.record.slo_capacity.contexts})"  # type: ignore[union-attr]
+    parts = []
+    for key, metric, name in (("ttft", "p99_ttft_ms", "TTFT"), ("itl", "p99_itl_ms", "ITL")):
+        value, limit = stress.metrics.get(metric), (slo_ms or {}).get(key)
+        if value is not None and limit:
+            parts.append(f"{name} {value:,.0f} ms {'meets' if value <= limit else 'breaks'} {limit:,.0f}")
+    if not parts and record.slo_capacity.stress is not None:
+        parts.append(f"SLO {'met' if record.slo_capacity.stress.met else 'broken'}")
+    safe = record.slo_capacity.contexts
+    return (f"{role} #{view.number}: stress load " + "; ".join(parts)
+            + (f"; SLO-safe {safe}" if safe is not None else "")) if parts else ""
 
 
 def _bracket_trace(fig: go.Figure, trials: Sequence[TrialView], metric: str, col: int, best: int | None) -> None:
@@ -531,14 +626,19 @@ def pareto_figure(stored: StoredStudy, *, baseline: int | None = None, best: int
             x=[capacity(v) for v in front], y=[v.metric("output_throughput_tok_s") or 0 for v in front],
             mode="lines", line={"color": "#264653", "shape": "vh", "dash": "dot"}, name="Pareto front (feasible)",
             hoverinfo="skip"))
-    for number, name, color, symbol in ((baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")):
+    marks = [(baseline, "baseline", BASELINE_COLOR, "diamond"), (best, "best", BEST_COLOR, "star")]
+    if baseline is not None and baseline == best:  # one marker, one label: the baseline is the best
+        marks = [(best, "baseline = best", BEST_COLOR, "star")]
+    for number, name, color, symbol in marks:
         view = next((v for v in started if v.number == number), None)
         if view is None:
             continue
+        at_right = (capacity(view) or 0) >= max((capacity(v) or 0) for v in started)  # lean the label inwards
         fig.add_trace(go.Scatter(
             x=[capacity(view)], y=[view.metric("output_throughput_tok_s") or 0],
             mode="markers+text", name=f"{name} (trial {view.number})", text=[f"{name} #{view.number}"],
-            textposition="bottom center" if name == "baseline" else "top center",
+            textposition=("bottom" if name == "baseline" else "top") + (" left" if at_right else " center"),
+            cliponaxis=False,
             textfont={"size": 14, "color": color},
             marker={"color": color, "size": 20, "symbol": symbol, "line": {"width": 2, "color": "#fff"}},
             hovertext=[hover(view)], hoverinfo="text"))

@@ -83,30 +83,52 @@ def _history_figure(stored: StoredStudy) -> go.Figure:
     return fig
 
 
+IMPORTANCE_MIN_TRIALS = 10
+"""Completed trials below which parameter importance is not drawn: fANOVA's forest on a handful of
+points gives every parameter about the same share (0.33 / 0.33 / 0.33 on the demo's few trials, one of them a parameter that never varied), a
+picture of the sample size, not a finding."""
+
+
 def _importance_figure(stored: StoredStudy) -> go.Figure | str:
-    """Optuna's parameter importance for context capacity, or why it cannot be computed."""
+    """Optuna's parameter importance (fANOVA) for the capacity the study ranked (``values[0]``),
+    over the parameters that varied among the completed trials only, or a sentence saying why it
+    is not drawn: fewer than :data:`IMPORTANCE_MIN_TRIALS` completed trials, or fewer than two
+    parameters that varied (one has importance 1 by construction). Parameters that never varied,
+    or that not every completed trial has, are named under the title, never given a share.
+    """
     complete = [t for t in stored.study.get_trials(deepcopy=False) if t.values is not None]
-    varying = {
-        name
-        for name in {p for t in complete for p in t.params}
-        if len({repr(t.params.get(name)) for t in complete}) > 1
-    }
-    if len(complete) < 4 or not varying:
+    names = sorted({p for t in complete for p in t.params})
+    in_all = [n for n in names if all(n in t.params for t in complete)]
+    varying = [n for n in in_all if len({repr(t.params[n]) for t in complete}) > 1]
+    constant = [n for n in in_all if n not in varying]
+    partial = [n for n in names if n not in in_all]
+    if len(complete) < IMPORTANCE_MIN_TRIALS or len(varying) < 2:
         return (
-            f"Parameter importance needs at least 4 completed trials with varying parameters "
-            f"(this study has {len(complete)} completed, {len(varying)} varying parameter(s))."
+            f"Parameter importance is not drawn: it needs at least {IMPORTANCE_MIN_TRIALS} completed trials "
+            f"and two parameters that varied (this study has {len(complete)} completed, varying: "
+            f"{', '.join(varying) or 'none'}; never varied: {', '.join(constant) or 'none'}"
+            + (f"; not in every trial: {', '.join(partial)}" if partial else "") + "). "
+            "On fewer trials every parameter gets about the same share, whatever it did."
         )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fig = optuna.visualization.plot_param_importances(
-                stored.study,
-                target=lambda t: t.values[0],
-                target_name=METRICS["context_capacity"][0],
-            )
+            shares = optuna.importance.get_param_importances(
+                stored.study, params=varying, target=lambda t: t.values[0])
     except (ValueError, RuntimeError, ZeroDivisionError, IndexError) as err:
         return f"Parameter importance could not be computed for this study: {err}"
-    fig.update_layout(title="Parameter importance (for context capacity)")
+    order = sorted(shares, key=lambda n: shares[n])
+    fig = go.Figure(go.Bar(
+        x=[shares[n] for n in order], y=order, orientation="h", marker_color=CATEGORY_COLORS["feasible"],
+        text=[f"{shares[n]:.2f}" for n in order], textposition="outside", cliponaxis=False,
+        hovertext=[html.escape(f"{n}: {shares[n]:.3f} of the variance of {METRICS['context_capacity'][0]}")
+                   for n in order], hoverinfo="text"))
+    unranked = [f"never varied: {', '.join(constant)}"] if constant else []
+    unranked += [f"not in every trial: {', '.join(partial)}"] if partial else []
+    fig.update_layout(
+        title=f"Parameter importance (fANOVA, for context capacity; {len(complete)} completed trials)"
+              + (f"<br><sup>not ranked: {html.escape('; '.join(unranked))}</sup>" if unranked else ""),
+        xaxis_title="share of the capacity's variance", xaxis_range=[0, 1.1], yaxis_title="parameter")
     return fig
 
 

@@ -6,7 +6,7 @@ distributions, what the sampler is asked for, the grid a candidate is snapped on
 hierarchical cache's conditional knobs and the planner's one-step neighbours are derived from that
 table and a resolved :class:`Space`, whose fields hold each knob's range or choices. Ranges the
 config leaves out are derived from the baseline the unit runs now, its GPU and its SGLang version.
-Which candidate to try next is :mod:`tuner.study.planner`.
+Which candidate to try next is :mod:`tuner.study.decide`.
 """
 
 from __future__ import annotations
