@@ -24,28 +24,30 @@ def _derive(version: str, section: SpaceSection | None = None, **flags):
                          model=load_model_config(KIMI))
 
 
-def test_the_twin_on_0523_derives_fp8_and_dp_attention_and_says_why_not_dcp():
+def test_the_twin_on_0523_derives_fp8_dcp_and_dp_attention():
     choice = _derive("0.5.23")
     assert choice.kv_cache_dtype == ("auto", "fp8_e4m3")
     assert choice.dp_size == (1, 8, 4)
-    assert choice.dcp_size is None
+    assert choice.dcp_size == (1, 8, 4)
     fp8, dcp, dp = choice.reasons
     assert fp8.startswith("fp8 KV") and "derived" in fp8 and "sglang#20479" in fp8 and "default backend here is triton" in fp8
-    assert "not derived" in dcp and "unknown" in dcp  # no cell for DCP on the triton MLA backend: never guessed yes
+    # the Triton MLA backend's DCP path, read in 0.5.23's triton_backend.py (issue 44); unknown before that cell
+    assert "derived" in dcp and "_dcp_kv_indices" in dcp and "default backend here is triton" in dcp
     assert "derived" in dp and "deepseek_v2.py" in dp
 
 
 def test_fp8_kv_is_no_rung_where_sglang_resolves_a_dsa_models_auto_kv_to_fp8():
     """DeepSeek-V3.2 (DSA) on SM100: SGLang's ``auto`` KV is fp8_e4m3 already (the ladder prices no
-    fp8 rung there), so the space does not search it; on SM90 ``auto`` is bf16, so fp8 would be a
-    rung (left out there for the table's unknown cell on fa3, not as a no-op)."""
+    fp8 rung there), so the space does not search it; on SM90 ``auto`` is bf16, so fp8 is a rung
+    (the DSA cell read from SGLang's source: fp8_e4m3 decodes with flashmla_kv below SM100)."""
     dsa = load_model_config(KIMI.parent / "deepseek-v3.2")
     b200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="B200-180GB", model=dsa)
     assert b200.kv_cache_dtype is None
     assert "resolves to fp8_e4m3 for DeepSeek DSA on sm100" in b200.reasons[0]
     assert b200.dp_size == (1, 8, 4)  # the other levers are still derived
     h200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="H200-141GB", model=dsa)
-    assert "resolves" not in h200.reasons[0] and "unknown" in h200.reasons[0]
+    assert "resolves" not in h200.reasons[0] and h200.kv_cache_dtype == ("auto", "fp8_e4m3")
+    assert "flashmla_kv" in h200.reasons[0]
 
 
 def test_the_twin_on_055_has_no_fp8_path_and_no_dcp_flag():
@@ -79,7 +81,8 @@ def test_a_lever_the_baseline_runs_or_an_unknown_model_is_not_derived():
 
 def test_derived_levers_are_dimensions_and_dp_attention_renders_its_switch():
     space = resolve_space(SpaceSection(), {"mem_fraction_static": 0.88}, levers=_derive("0.5.23"))
-    assert {"kv_cache_dtype", "dp_size"} <= set(space.distributions()) and "dcp_size" not in space.distributions()
+    assert {"kv_cache_dtype", "dp_size", "dcp_size"} <= set(space.distributions())
+    assert "dcp_size" not in resolve_space(SpaceSection(), {"mem_fraction_static": 0.88}, levers=_derive("0.5.5")).distributions()
     assert len(space.lever_reasons) == 3
     argv = ["python", "-m", "sglang.launch_server", "--tp-size", "8", "--mem-fraction-static", "0.88"]
     table = FlagTable.for_version("0.5.23")
@@ -100,5 +103,5 @@ def test_the_dry_run_says_which_rungs_were_derived_and_why_not(tmp_path: Path):
     text = dry_run(config, budget_s=None, max_trials=None)
     assert f"structural levers (GPU {TWIN}" in text
     assert "  fp8 KV (kv_cache_dtype): derived: auto, fp8_e4m3" in text
-    assert "  DCP (dcp_size): not derived" in text
+    assert "  DCP (dcp_size): derived: 1, 8, 4" in text
     assert "kv_cache_dtype: one of auto, fp8_e4m3" in text and "dp_size: one of 1, 8, 4" in text

@@ -193,6 +193,10 @@ def _matches(cell_value: Any, value: Any) -> bool:
 
 
 def _in_range(cell: dict[str, Any], version: str) -> bool:
+    """A cell's versions: ``versions`` (the releases its source was read at, exactly; a release
+    between them is not covered), else ``min_version`` / ``max_version`` (either open)."""
+    if "versions" in cell:
+        return release(version) in {release(v) for v in cell["versions"]}
     lo, hi = cell.get("min_version"), cell.get("max_version")
     return (lo is None or at_least(version, lo)) and (hi is None or release(version) <= release(hi))
 
@@ -202,6 +206,9 @@ def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | Non
 
     The most specific matching cell wins (one naming the value first, then fewest ``"*"``); no
     cell, or an unknown GPU, is unknown. ``backend`` ``None`` is SGLang's default choice for the GPU and model.
+    A cell naming a ``value`` answers only for that value: an ``fp8_kv`` cell without one is the
+    ``fp8_e4m3`` rung's (the dtype the study and the ladder add), a ``dcp`` cell without one holds
+    whatever the KV dtype unless a cell for that dtype says otherwise.
 
     Args:
         lever: ``fp8_kv``, ``dcp`` or ``dp_attention``.
@@ -209,7 +216,8 @@ def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | Non
         version: SGLang version.
         backend: ``--attention-backend`` (``None``: SGLang's default).
         attention: ``mha``, ``mla`` or ``dsa`` (:func:`attention_type`).
-        value: The lever's value where cells depend on it (a KV dtype).
+        value: The lever's value where cells depend on it (a KV dtype; for ``dcp`` the rung's
+            ``--kv-cache-dtype``); ``None`` matches only the cells that name none.
 
     Returns:
         The :class:`Verdict` with the cell's source.
@@ -221,7 +229,7 @@ def feasibility(lever: str, *, gpu: str | None, version: str, backend: str | Non
             continue
         if not (_matches(cell["attention"], attention) and _matches(cell["backend"], backend)):
             continue
-        if "value" in cell and value is not None and cell["value"] != value:
+        if "value" in cell and cell["value"] != value:
             continue
         if cell["gpu_arch"] != "*" and (arch is None or not _matches(cell["gpu_arch"], arch)):
             continue
