@@ -1335,7 +1335,7 @@ def _tight_headroom_rule(c: _TrapInput) -> Trap | None:
     need = peak if peak is not None else FALLBACK_GIB
     if gib >= need:
         return None
-    basis = (f"SGLang reserves {need:.2f} GiB for a {int(chunk):,}-token prefill chunk's activations (512 MB + max(chunk, 2048) × 1.5 MB, "
+    basis = (f"SGLang reserves {need:.2f} GiB for a {int(chunk):,}-token prefill chunk's activations (max(chunk, 2048) × 1.5 MB, "
              "server_args.py)" if peak is not None and chunk is not None else
              f"the chunk size is not in the log, so the threshold is {FALLBACK_GIB:g} GiB (a scheduler line or --chunked-prefill-size would set it)")
     per = f"; each −0.01 of fraction adds {c.m.baseline_gib / 100:.2f} GiB" if c.m is not None else ""

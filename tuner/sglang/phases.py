@@ -24,7 +24,7 @@ SERVING = "serving"
 """The phase of a failure after a ready line, a batch line, a request line or a benchmark client."""
 
 FORWARD_FRAMES = (r"^(?:forward_extend|forward_decode|forward_idle|forward_split_prefill|_forward_raw|forward_batch_generation|run_batch"
-                  r"|init_forward_metadata|update_single_wrapper|call_begin_forward|begin_forward|plan)$")
+                  r"|init_forward_metadata|update_single_wrapper|call_begin_forward|begin_forward|(?:\w+_)?plan(?:_\w+)?)$")
 """Traceback functions that run a forward pass of a batch (the model's ``forward_extend`` /
 ``forward_decode``, an attention backend's ``init_forward_metadata`` and its prefill/decode
 ``call_begin_forward`` / ``plan``, e.g. flashinfer's ``BatchPrefillWithPagedKVCacheWrapper.plan``; ``model_runner.py`` and
