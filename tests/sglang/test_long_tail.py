@@ -96,6 +96,7 @@ ALLOCATOR_THEN_EXCEPTION = "\n".join([
 def test_allocator_oom_warning_is_joined_to_the_scheduler_exception() -> None:
     report = parse_log(ALLOCATOR_THEN_EXCEPTION)
     assert report.failure is not None and outcome_of(report.failure) == "startup_oom"
+    assert report.failure.phase == "startup"  # Scheduler.__init__ → init_model_worker: starting, the step not logged
     assert "memory allocation failed with OOM on device 0" in report.failure.evidence
     assert report.oom is not None and report.oom.tried_to_allocate_mib == 2048 and report.oom.free_mib == 1536
     e = explain(report)

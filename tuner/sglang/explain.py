@@ -39,7 +39,7 @@ from tuner.sglang.memory import (
     req_to_token_gib,
 )
 from tuner.sglang.modelconfig import ModelArch
-from tuner.sglang.phases import UNKNOWN, settling_line
+from tuner.sglang.phases import STARTUP, UNKNOWN, settling_line
 from tuner.sglang.speculative import speculative_max_running_requests
 from tuner.sglang.structural import structural_lever
 from tuner.sglang.wrapped import CAPTURE_FAILED, capture_cause
@@ -1545,8 +1545,9 @@ def _reserve_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: fl
                                     why=f"one allocation of {tried_gib:.2f} GiB at startup, outside graph capture, is a buffer sized from the "
                                         "context (an attention workspace or the req_to_token table, §1.6): a shorter --context-length "
                                         "shrinks it; or " + fix), also=[lower, cap], fix=fix)
-    if tried_gib is not None and not site and failed is not None and failed.phase == UNKNOWN:
-        lower = lower.model_copy(update={"why": f"the log does not place this {tried_gib:.2f} GiB allocation ({settling_line()}); whatever "
+    if tried_gib is not None and not site and failed is not None and failed.phase in (UNKNOWN, STARTUP):
+        settle = settling_line() if failed.phase == UNKNOWN else settling_line("step")
+        lower = lower.model_copy(update={"why": f"the log does not place this {tried_gib:.2f} GiB allocation ({settle}); whatever "
                                                 "it was, it came from the reserve: " + fix})
     return _Refined(lever=lower, also=[cap, shorter], fix=fix)
 
@@ -1701,6 +1702,11 @@ def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport
     if failure.phase == UNKNOWN:
         where = "phase unknown: no startup or serving line in the log"
         detail += f" The phase is unknown: {settling_line()}."
+    elif failure.phase == STARTUP and report is not None and report.failure_site:
+        where = "during startup, per the traceback's frames"
+    elif failure.phase == STARTUP:
+        where = "during startup (the traceback's frames); the step is not in the log"
+        detail += f" The traceback runs through the server's construction; {settling_line('step')}."
     site = report.failure_site if report else None
     title = f"the server failed: {cls.value}" + (f" (raised in {site})" if site else "") + (f" [{where}]" if where else "")
     return Trap(id="failure", severity="error", title=title, detail=detail, evidence=[failure.evidence],

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LogError
 from tuner.sglang.failures import Failure, FailureClass
-from tuner.sglang.phases import FORWARD_FRAMES, SERVING, failure_phase
+from tuner.sglang.phases import FORWARD_FRAMES, SERVING, UNKNOWN, failure_phase, startup_frame
 from tuner.sglang.wrapped import CAPTURE_FAILED, capture_cause
 
 __all__ = [
@@ -872,6 +872,8 @@ class LogWatcher:
         if failure is None and status not in (None, 0):
             failure = self._failure_from_exit(status)
         failure, oom = self._joined_allocator_oom(failure)
+        if failure is not None and failure.phase == UNKNOWN:  # the traceback's frames follow the line that raised it
+            failure = failure.model_copy(update={"phase": self._failure_phase()})
         ranks = {key: self._freeze_rank(key, d) for key, d in self._ranks.items()}
         warnings = list(self._warnings)
         if ranks and not self._scheduler and self._sglang_lines:
@@ -1436,7 +1438,8 @@ class LogWatcher:
 
     def _failure_phase(self) -> str:
         """The phase a failure now is stated in: only what the log shows (:func:`~tuner.sglang.phases.failure_phase`)."""
-        return failure_phase(self._phase, startup_seen=self._launch_seen or self._phase != "init", serving=self._serving)
+        return failure_phase(self._phase, startup_seen=self._launch_seen or self._phase != "init", serving=self._serving,
+                             in_construction=any(startup_frame(file, func) for file, func in self._frames))
 
     def _oom_site(self) -> tuple[str, str] | None:
         """Where the current traceback was raised: ``(site, frame)`` of the innermost frame that
