@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import ConfigError, LogError, ServerError
+from tuner.sglang.activation import FALLBACK_GIB, prefill_peak_gib
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
 from tuner.sglang.ladder import LadderBase, Rung, ladder
@@ -38,6 +39,10 @@ from tuner.sglang.memory import (
     req_to_token_gib,
 )
 from tuner.sglang.modelconfig import ModelArch
+from tuner.sglang.phases import STARTUP, UNKNOWN, settling_line
+from tuner.sglang.speculative import speculative_max_running_requests
+from tuner.sglang.structural import structural_lever
+from tuner.sglang.wrapped import CAPTURE_FAILED, capture_cause
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -445,9 +450,11 @@ def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch 
     headroom = 0
     if spec and draft_budget(str(version)).headroom and str(spec).upper() != "NGRAM":
         pool = _arg(report, info, "max_running_requests")
-        ctx = _val(settings, "context_len")
-        if pool is None and ctx and kv_model.observed_tokens:
-            pool = min(4096, max(2048, int(kv_model.observed_tokens / ctx * 512)))  # §2.3 estimate
+        logged = report.scheduler.max_running_requests if report is not None and report.scheduler is not None else None
+        if pool is None and logged:  # the scheduler line: max_running_requests // dp per DP rank (tp_worker.py)
+            pool = logged * (int(_val(settings, "dp_size") or 1) if dp_on else 1)
+        if pool is None:  # SGLang's own default under speculative decoding (48), never the non-speculative estimate
+            pool = speculative_max_running_requests(str(spec))
         steps, topk = _arg(report, info, "speculative_num_steps"), _arg(report, info, "speculative_eagle_topk")
         draft_tokens = _arg(report, info, "speculative_num_draft_tokens")
         if None not in (pool, steps, topk, draft_tokens):
@@ -1299,30 +1306,47 @@ def _mrr_reduced_rule(c: _TrapInput) -> Trap | None:
     return None
 
 
-TIGHT_HEADROOM_GIB = 1.0
-"""Runtime headroom below which a long prefill chunk's activations are likely to run out (the
-predictions' "under 1 GiB headroom" note; §1.6: activations grow with chunked_prefill_size)."""
+def _runtime_free(c: _TrapInput) -> tuple[float, str] | None:
+    """What is free once the server started, and the line that says it: the scheduler line's
+    ``available_gpu_mem`` (the waterfall's headroom step), else, on a log without it, the lowest
+    ``avail mem`` of a ``Capture cuda graph end`` line (graphs are the last startup allocation, §4.2)."""
+    report = c.report
+    if report is None:
+        return None
+    if report.scheduler is not None and report.scheduler.available_gpu_mem_gib is not None:
+        step = next((s for s in _waterfall(report, c.info, c.m, c.tokens, c.mrr, c.ctx, c.mfs) if s.item in HEADROOM_ITEMS), None)
+        return (step.gib, f"available_gpu_mem={step.gib:.2f} GB") if step is not None and step.gib is not None else None
+    ends = [d.graph_end_avail_gib for r in report.ranks.values() for d in (r, r.draft) if d is not None and d.graph_end_avail_gib is not None]
+    return (min(ends), f"Capture cuda graph end ... avail mem={min(ends):.2f} GB") if ends else None
 
 
 def _tight_headroom_rule(c: _TrapInput) -> Trap | None:
-    """Headroom after startup below :data:`TIGHT_HEADROOM_GIB` on a server that started: the next
-    long prefill is likely a runtime OOM (§1.6, §4.4). Not raised once a failure explains the start."""
+    """Headroom after startup below the activation peak of the deployment's prefill chunk
+    (:func:`~tuner.sglang.activation.prefill_peak_gib`, SGLang's own reserve rule; 1 GiB where the
+    chunk is not known) on a server that started: the next long prefill is likely a runtime OOM
+    (§1.6, §4.4). Not raised once a failure explains the start."""
     report = c.report
-    if report is None or report.failure is not None or report.scheduler is None or report.scheduler.available_gpu_mem_gib is None:
+    free = _runtime_free(c) if report is not None and report.failure is None else None
+    if free is None:
         return None
-    step = next((s for s in _waterfall(report, c.info, c.m, c.tokens, c.mrr, c.ctx, c.mfs) if s.item in HEADROOM_ITEMS), None)
-    if step is None or step.gib is None or step.gib >= TIGHT_HEADROOM_GIB:
-        return None
+    gib, line = free
     chunk = _val(c.settings, "chunked_prefill_size")
+    peak = prefill_peak_gib(int(chunk) if chunk is not None else None)
+    need = peak if peak is not None else FALLBACK_GIB
+    if gib >= need:
+        return None
+    basis = (f"SGLang reserves {need:.2f} GiB for a {int(chunk):,}-token prefill chunk's activations (max(chunk, 2048) × 1.5 MB, "
+             "server_args.py)" if peak is not None and chunk is not None else
+             f"the chunk size is not in the log, so the threshold is {FALLBACK_GIB:g} GiB (a scheduler line or --chunked-prefill-size would set it)")
     per = f"; each −0.01 of fraction adds {c.m.baseline_gib / 100:.2f} GiB" if c.m is not None else ""
     return Trap(
         id="tight_headroom", severity="warning",
-        title=f"only {step.gib:.2f} GiB is free for activations once started",
-        detail=(f"{step.gib:.2f} GiB is left for the activations of a prefill chunk" + (f" of {chunk:,} tokens" if chunk else "")
-                + " and of the running batch; a long prefill is likely to run out of CUDA memory while serving (§1.6, §4.4)."),
-        evidence=[f"available_gpu_mem={step.gib:.2f} GB"],
+        title=f"only {gib:.2f} GiB is free for activations once started",
+        detail=(f"{gib:.2f} GiB is left for the activations of a prefill chunk" + (f" of {int(chunk):,} tokens" if chunk else "")
+                + f" and of the running batch; {basis}. A long prefill is likely to run out of CUDA memory while serving (§1.6, §4.4)."),
+        evidence=[line],
         fix="lower --mem-fraction-static for more headroom, or a smaller --chunked-prefill-size",
-        lever=Lever(knob="mem_fraction_static", direction="lower", why=f"{step.gib:.2f} GiB of headroom is under {TIGHT_HEADROOM_GIB:g} GiB{per}"),
+        lever=Lever(knob="mem_fraction_static", direction="lower", why=f"{gib:.2f} GiB of headroom is under the {need:.2f} GiB a prefill chunk needs{per}"),
         also=[Lever(knob="chunked_prefill_size", direction="lower", why="a smaller prefill chunk needs fewer activations at once")],
     )
 
@@ -1475,9 +1499,28 @@ class _Refined(BaseModel):
 
 
 WORKSPACE_ALLOCATION_GIB = 1.0
-"""One startup allocation at least this large outside graph capture is a buffer sized from the
-context: the req_to_token table (max_running_requests × (context_len + 4) × 4 B, §1.6) or an
-attention backend's workspace (AITER sizes it from the context length, case-32)."""
+"""One startup allocation at least this large outside graph capture, where the log places it on a
+context-sized buffer (:data:`CONTEXT_SIZED_SITE`, or ROCm's AITER default, see
+:func:`_context_sized`): the req_to_token table (max_running_requests × (context_len + 4) × 4 B,
+§1.6) or an attention backend's workspace (AITER sizes it from the context length, case-32)."""
+
+CONTEXT_SIZED_SITE = re.compile(r"ReqToTokenPool|req_to_token|AttnBackend|attn_backend|attention_backend|workspace", re.I)
+"""Traceback frames of buffers sized from the context length: the req_to_token table
+(``memory_pool.py`` ``ReqToTokenPool``) and attention backends' workspaces (``layers/attention/*``)."""
+
+
+def _context_sized(report: LogReport | None) -> bool:
+    """Whether the log places a failed startup allocation on a context-sized buffer: a traceback
+    frame names one (:data:`CONTEXT_SIZED_SITE`), or, with no frame at all, the OOM is ROCm's (HIP),
+    where SGLang's default attention backend is AITER (sglang#20392), whose workspace is sized from
+    the model's context length at ``AiterAttnBackend.__init__`` (sglang#20890, case-32). Any other
+    unplaced allocation (a round 4.00 GiB one, a draft pool's) is not read as context-sized."""
+    if report is None:
+        return False
+    site = report.failure_site or ""
+    if site:
+        return bool(CONTEXT_SIZED_SITE.search(site))
+    return report.oom is not None and report.oom.vendor == "hip"
 
 
 def _reserve_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: float | None) -> _Refined:
@@ -1497,11 +1540,15 @@ def _reserve_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: fl
                                     f"{oom.total_capacity_gib:.2f} GiB: more GPUs or a smaller model, not a fraction"), also=[lower], fix=fix)
     failed = report.failure if report else None
     in_capture = "graph" in site or "capture" in site or (failed is not None and (failed.phase == "capture" or "capture" in failed.evidence.lower()))
-    if tried_gib is not None and tried_gib >= WORKSPACE_ALLOCATION_GIB and not in_capture:
+    if tried_gib is not None and tried_gib >= WORKSPACE_ALLOCATION_GIB and not in_capture and _context_sized(report):
         return _Refined(lever=Lever(knob="context_length", direction="lower",
                                     why=f"one allocation of {tried_gib:.2f} GiB at startup, outside graph capture, is a buffer sized from the "
                                         "context (an attention workspace or the req_to_token table, §1.6): a shorter --context-length "
                                         "shrinks it; or " + fix), also=[lower, cap], fix=fix)
+    if tried_gib is not None and not site and failed is not None and failed.phase in (UNKNOWN, STARTUP):
+        settle = settling_line() if failed.phase == UNKNOWN else settling_line("step")
+        lower = lower.model_copy(update={"why": f"the log does not place this {tried_gib:.2f} GiB allocation ({settle}); whatever "
+                                                "it was, it came from the reserve: " + fix})
     return _Refined(lever=lower, also=[cap, shorter], fix=fix)
 
 
@@ -1529,7 +1576,11 @@ def _runtime_oom_levers(report: LogReport | None, m: KVCapacityModel | None, mfs
     """``runtime_oom``: activations of the running batch outgrew the headroom after graphs (§4.4): a
     smaller prefill chunk, fewer running requests (case-11: a batch of thousands), more headroom."""
     detail = None
-    if report is not None and not report.ready and not report.batch_summary.prefill_lines:
+    phase = report.failure.phase if report is not None and report.failure is not None else None
+    if phase == UNKNOWN:
+        detail = ("CUDA ran out of memory running a batch (the traceback's forward frames): activations outgrew the headroom (§4.4); "
+                  "whether it was the warm-up request or a served one, the log does not show.")
+    elif report is not None and not report.ready and not report.batch_summary.prefill_lines:
         detail = "CUDA ran out of memory running a batch before the server was ready (the warm-up request): activations outgrew the headroom (§4.4)."
     peak = report.batch_summary.max_running_req if report is not None else None
     return _Refined(lever=LEVERS[FailureClass.RUNTIME_OOM], detail=detail, also=[
@@ -1572,6 +1623,10 @@ def _crash_levers(report: LogReport | None, m: KVCapacityModel | None, mfs: floa
     """``crash``: no knob, and when the evidence is a fatal line that is not memory, why not."""
     evidence = report.failure.evidence if report is not None and report.failure is not None else ""
     why = next((w for key, w in _NOT_MEMORY if key in evidence), None)
+    if why is None and CAPTURE_FAILED.search(evidence):
+        why = ("SGLang wraps every CUDA-graph capture exception in 'Capture cuda graph failed' with advice about memory; "
+               + ("the cause is unknown: " + settling_line("cause") if capture_cause(evidence) == "unknown"
+                  else "the wrapped error is not memory, so no memory knob helps: fix what it names"))
     return _Refined(lever=Lever(knob=None, direction="none", why=why) if why else LEVERS[FailureClass.CRASH], fix=why)
 
 
@@ -1640,10 +1695,18 @@ def _failure_trap(failure: Failure, m: KVCapacityModel | None, report: LogReport
     cls = failure.failure_class
     rule = _CLASS_RULES.get(cls)
     refined = rule(report, m, mfs) if rule else _Refined(lever=LEVERS[cls])
+    if report is not None and (cause := structural_lever(cls, report.server_args)) is not None:
+        refined = refined.model_copy(update={"lever": cause, "also": [refined.lever, *refined.also]})
     detail = (refined.detail or _MEANING.get(cls, cls.value) + ".") + _oom_words(report.oom if report else None)
-    where = f"phase {failure.phase}" if failure.phase and failure.phase != "init" else None
-    if failure.phase == "init" and cls in (FailureClass.STARTUP_OOM, FailureClass.RUNTIME_OOM, FailureClass.CRASH):
-        where = "no startup phase line in the log"
+    where = f"phase {failure.phase}" if failure.phase and failure.phase != UNKNOWN else None
+    if failure.phase == UNKNOWN:
+        where = "phase unknown: no startup or serving line in the log"
+        detail += f" The phase is unknown: {settling_line()}."
+    elif failure.phase == STARTUP and report is not None and report.failure_site:
+        where = "during startup, per the traceback's frames"
+    elif failure.phase == STARTUP:
+        where = "during startup (the traceback's frames); the step is not in the log"
+        detail += f" The traceback runs through the server's construction; {settling_line('step')}."
     site = report.failure_site if report else None
     title = f"the server failed: {cls.value}" + (f" (raised in {site})" if site else "") + (f" [{where}]" if where else "")
     return Trap(id="failure", severity="error", title=title, detail=detail, evidence=[failure.evidence],

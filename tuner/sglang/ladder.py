@@ -152,7 +152,7 @@ def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _
     dp = int(flags.get("dp_size") or base.dp) if flags.get("enable_dp_attention", base.dp > 1) else 1
     dtype, dcp = str(flags.get("kv_cache_dtype", base.kv_cache_dtype)), int(flags.get("dcp_size") or 1)
     backends = (flags.get("dsa_prefill_backend"), flags.get("dsa_decode_backend"))
-    if backends == (None, None) and dtype == base.kv_cache_dtype and dcp == 1:  # SGLang re-resolves them with the dtype or dcp
+    if backends == (None, None) and dtype == base.kv_cache_dtype:  # SGLang re-resolves them with the dtype (see _kv for DCP)
         backends = (base.flags.get("dsa_prefill_backend"), base.flags.get("dsa_decode_backend"))
     return _Shape(
         version=version or base.version, mfs=float(flags.get("mem_fraction_static", base.mem_fraction_static)), dtype=dtype,
@@ -164,8 +164,12 @@ def _shape(base: LadderBase, flags: Mapping[str, Any], version: str | None) -> _
 def _kv(base: LadderBase, s: _Shape) -> tuple[str, bool]:
     """The rung's resolved KV dtype and, for a DSA model, whether its latent row is raw
     (:func:`~tuner.sglang.levers.dsa_kv_settings`). The deployment's logged DSA backends hold while
-    the rung keeps its KV dtype and runs without DCP; otherwise SGLang's defaults for the rung (a
-    log prints resolved backends, so whether they were chosen or defaulted is not known)."""
+    the rung keeps its KV dtype, DCP included: 0.5.23's ``_dsa_dcp_overrides``
+    (``arg_groups/model_overrides/deepseek_v2.py``) puts ``trtllm`` only where a backend is unset, and
+    a logged ``flashmla_kv`` is either the operator's choice (kept) or the Hopper fp8 default
+    (``_dsa_split_backend_resolution``: "flashmla_kv on Hopper, trtllm on Blackwell"), where DCP
+    runs only with it named; so the rung keeps the baseline's 656 B scaled row, not trtllm's raw
+    576 B. With no logged backend, SGLang's defaults for the rung."""
     if base.model is None or attention_type(base.model) != "dsa":
         return s.dtype, False
     return dsa_kv_settings(version=s.version, gpu=base.gpu, kv_cache_dtype=s.dtype, dcp=s.dcp,

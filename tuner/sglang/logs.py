@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.errors import LogError
 from tuner.sglang.failures import Failure, FailureClass
+from tuner.sglang.phases import FORWARD_FRAMES, SERVING, UNKNOWN, failure_phase, startup_frame
+from tuner.sglang.wrapped import CAPTURE_FAILED, capture_cause
 
 __all__ = [
     "log_error_line",
@@ -614,6 +616,7 @@ _VERSION_MARKERS: list[tuple[str, re.Pattern[str]]] = [
 _OOM_SITES: list[tuple[str, re.Pattern[str]]] = [
     ("graphs", re.compile(r"capture|cuda_graph|graph_runner|init_device_graphs")),
     ("batch", re.compile(r"^(?:event_loop_\w+|run_batch|forward_batch_generation|forward_thread_func_?|process_batch_result\w*)$")),
+    ("forward", re.compile(FORWARD_FRAMES)),
     ("pool", re.compile(r"init_memory_pool|profile_max_num_token|_profile_available_bytes|memory_pool|kv_cache_configurator"
                         r"|pool_configurator|ReqToTokenPool|TokenToKVPool|_create_buffers")),
     ("weights", re.compile(r"^(?:load_model|load_weights\w*|get_model|load_weight\w*|weight_loader)$|model_loader")),
@@ -630,7 +633,6 @@ _FAILURES: list[tuple[int, FailureClass | None, re.Pattern[str]]] = [
     (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static")),
     (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Loaded weights leave no GPU memory for the KV cache")),
     (90, FailureClass.STARTUP_KV_OOM, re.compile(r"Memory pool size is too small")),
-    (90, FailureClass.CUDA_GRAPH_OOM, re.compile(r"Capture cuda graph failed", re.I)),
     (90, FailureClass.HOST_MEMORY, re.compile(r"Not enough host memory available")),
     (90, FailureClass.HOST_MEMORY, re.compile(r"The host memory should be larger than the device memory")),
     (90, FailureClass.UNBALANCED_MEMORY, re.compile(r"The memory capacity is unbalanced")),
@@ -788,6 +790,8 @@ class LogWatcher:
         self._committed = False
         self._soft: Failure | None = None
         self._prefixed = False
+        self._launch_seen = False
+        self._capture_cause_pending = False
 
     def _log(self, rank: str | None, line: str, msg: str, role: str | None = None) -> None:
         """Keep every number of a recognised line for the ``logged`` block (bounded per rank)."""
@@ -867,6 +871,9 @@ class LogWatcher:
             failure = failure.model_copy(update={"exit_status": status})
         if failure is None and status not in (None, 0):
             failure = self._failure_from_exit(status)
+        failure, oom = self._joined_allocator_oom(failure)
+        if failure is not None and failure.phase == UNKNOWN:  # the traceback's frames follow the line that raised it
+            failure = failure.model_copy(update={"phase": self._failure_phase()})
         ranks = {key: self._freeze_rank(key, d) for key, d in self._ranks.items()}
         warnings = list(self._warnings)
         if ranks and not self._scheduler and self._sglang_lines:
@@ -906,7 +913,7 @@ class LogWatcher:
             max_running_requests_requested=self._fields.get("mrr_requested"),
             max_running_requests_reduced_to=self._fields.get("mrr_reduced"),
             input_rejections=list(self._rejections),
-            oom=self._oom,
+            oom=oom,
             req_slots_available=self._fields.get("req_slots_available"),
             req_slots_requested=self._fields.get("req_slots_requested"),
             server_args=dict(self._server_args),
@@ -918,7 +925,8 @@ class LogWatcher:
             capture_progress_avail_gib=self._progress_avail,
             weights_committed_after_capture=self._committed,
             last_phase=self._phase,
-            allocator_retry=AllocatorRetry(**self._fields["allocator_retry"]) if self._fields.get("allocator_retry") else None,
+            allocator_retry=AllocatorRetry(**{k: v for k, v in self._fields["allocator_retry"].items() if k not in ("line", "rank")})
+            if self._fields.get("allocator_retry") else None,
             transformers_fallback=self._fields.get("transformers_fallback"),
         )
 
@@ -1009,6 +1017,7 @@ class LogWatcher:
 
     def _on_server_args(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         self._new_start("*")
+        self._launch_seen = True
         if m.group("dict") is not None:  # 0.5.23: server_args={...} from resolved_dict()
             pairs = re.findall(r"['\"](\w+)['\"]:\s*('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,{}]+)", m.group("dict"))
         else:
@@ -1018,12 +1027,15 @@ class LogWatcher:
 
     def _on_dist_begin(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         """Nothing to read; a startup line all the same."""
+        self._launch_seen = True
 
     def _on_parallel_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._launch_seen = True
         self._log(rank, "init_parallel_end", msg)  # 0.5.23: the baseline line follows
 
     def _on_dist_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         self._new_start(rank)
+        self._launch_seen = True
         d = self._target_or_draft(rank, "baseline_gib")
         d["baseline_gib"] = float(m.groups()[-1])
         self._log(rank, "distributed_init", msg, self._role(rank, d))
@@ -1210,7 +1222,26 @@ class LogWatcher:
         self._fields["transformers_fallback"] = msg[:300]
 
     def _on_command(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        self._launch_seen = True
         self._command_flags(msg)
+
+    def _on_capture_failed(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
+        """``Capture cuda graph failed: {e}``: SGLang wraps every capture exception in this line with
+        memory advice (:mod:`tuner.sglang.wrapped`), so ``e`` decides: memory → ``cuda_graph_oom``;
+        a readable other text → the failure table's row for it (no kernel image, NCCL, ...) or a
+        ``crash``; no readable ``e`` → a ``crash`` whose cause is unknown, taken over by an OOM line
+        that follows (torch's own message on the next line)."""
+        cause = capture_cause(msg)
+        if cause == "memory":
+            self._oom_numbers(msg)
+            self._log(rank, "oom", msg)
+            self._raise(90, FailureClass.CUDA_GRAPH_OOM, msg, rank)
+        elif cause == "other" and not self._parse_failure(m.group("cause"), rank):
+            self._log(rank, "fatal", msg)
+            self._raise(88, FailureClass.CRASH, msg, rank)
+        elif cause == "unknown":
+            self._capture_cause_pending = True  # the wrapped text may follow on the next line
+            self._raise(65, FailureClass.CRASH, msg, rank)
 
     def _on_flag_line(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> bool:
         self._command_flags(msg)  # a continuation line of a multi-line launch command
@@ -1249,7 +1280,7 @@ class LogWatcher:
         prev = self._fields.get("allocator_retry") or {"count": 0}
         self._fields["allocator_retry"] = {
             "count": prev["count"] + 1, "device": int(m.group(1)), "tried_bytes": int(m.group(2)),
-            "free_bytes": _int(m.group(3)), "total_bytes": _int(m.group(4)),
+            "free_bytes": _int(m.group(3)), "total_bytes": _int(m.group(4)), "line": msg, "rank": rank,
         }
         self._log(rank, "allocator_retry", msg)
 
@@ -1401,9 +1432,14 @@ class LogWatcher:
         if prio <= self._failure_prio:
             return
         self._failure_prio = prio
-        self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._phase)
+        self.failure = Failure(failure_class=cls, evidence=msg[:500], rank=rank, phase=self._failure_phase())
         site = self._oom_site()
         self._failure_site = site[1] if site else None
+
+    def _failure_phase(self) -> str:
+        """The phase a failure now is stated in: only what the log shows (:func:`~tuner.sglang.phases.failure_phase`)."""
+        return failure_phase(self._phase, startup_seen=self._launch_seen or self._phase != "init", serving=self._serving,
+                             in_construction=any(startup_frame(file, func) for file, func in self._frames))
 
     def _oom_site(self) -> tuple[str, str] | None:
         """Where the current traceback was raised: ``(site, frame)`` of the innermost frame that
@@ -1441,12 +1477,12 @@ class LogWatcher:
         ``startup_oom``: before ready, phase unknown.
         """
         site = self._oom_site()
-        if "capture" in msg.lower() or "cuda_graph" in msg:
+        if "capture" in msg.lower() or "cuda_graph" in msg or self._capture_cause_pending:
             return FailureClass.CUDA_GRAPH_OOM
         if self._serving:
             return FailureClass.RUNTIME_OOM
         kind = site[0] if site else None
-        if kind != "graphs" and self._frames_hold("batch"):
+        if kind != "graphs" and not self._frames_hold("graphs") and (self._frames_hold("batch") or self._frames_hold("forward")):
             # A scheduler frame anywhere in the stack (event_loop, run_batch, the worker thread's
             # forward): the OOM was raised running a batch, whatever kernel (attention, indexer,
             # KV-buffer write in memory_pool) is innermost.
@@ -1488,6 +1524,29 @@ class LogWatcher:
         self._oom = OOMDetail(**merged)
         return True
 
+    def _joined_allocator_oom(self, failure: Failure | None) -> tuple[Failure | None, OOMDetail | None]:
+        """A generic exception (``Scheduler hit an exception``, an exit) after torch's allocator warning
+        ``CUDACachingAllocator.cpp: memory allocation failed with OOM on device D while trying to
+        allocate N bytes (free: F, total: T)`` with no more specific evidence between them is that
+        allocation failing: an OOM, classed like torch's own OOM line (by the traceback's frames and
+        the phase, :meth:`_oom_class`) with the allocator's numbers (case-39: the draft pool in
+        ``Scheduler.__init__ → init_model_worker``). The allocator line is the evidence.
+
+        Returns:
+            ``(failure, oom)``: the failure (joined or as it was) and the OOM numbers to report."""
+        retry = self._fields.get("allocator_retry")
+        if failure is None or retry is None or failure.failure_class is not FailureClass.CRASH or self._failure_prio > 20:
+            return failure, self._oom
+        oom = self._oom
+        if oom is None or oom.tried_to_allocate_mib is None:
+            mib = float(2**20)
+            oom = OOMDetail(vendor="cuda", tried_to_allocate_mib=retry["tried_bytes"] / mib,
+                            free_mib=retry["free_bytes"] / mib if retry["free_bytes"] is not None else None,
+                            total_capacity_gib=retry["total_bytes"] / mib / 1024 if retry["total_bytes"] is not None else None,
+                            gpu_index=retry["device"])
+        joined = failure.model_copy(update={"failure_class": self._oom_class(retry["line"]), "evidence": retry["line"][:500], "rank": retry["rank"]})
+        return joined, oom
+
     def _failure_from_exit(self, status: int) -> Failure:
         last = self._last_sglang_line or "no SGLang line before the exit"
         if status == 2 and not self._ranks:
@@ -1498,7 +1557,8 @@ class LogWatcher:
                 evidence=f"exited with status {status} right after allocating the hierarchical-cache host pool: {last}",
                 exit_status=status,
             )
-        where = "while serving" if self._serving else f"during startup (phase {self._phase})"
+        phase = self._failure_phase()
+        where = "while serving" if phase == SERVING else f"during startup (phase {phase})"
         return Failure(failure_class=FailureClass.CRASH, evidence=f"exited with status {status} {where}; {self._last_line_evidence()}", exit_status=status)
 
     def _last_line_evidence(self) -> str:
@@ -1581,6 +1641,8 @@ LINE_FORMATS: tuple[LineFormat, ...] = (
     LineFormat("bench_client", "bench_serving", _P["serving"], W._on_http_request, "§6 sglang.bench_serving (serving)"),
     LineFormat("worker_exception_04", "TpModelWorkerClient hit an exception", re.compile(r"TpModelWorkerClient hit an exception"), W._on_worker_exception,
                "0.4.x managers/tp_worker_overlap_thread.py forward_thread_func", evidence=False),
+    LineFormat("capture_failed", "Capture cuda graph failed", CAPTURE_FAILED, W._on_capture_failed,
+               "0.5.5.post3 model_executor/cuda_graph_runner.py:396 (wraps any capture exception)", evidence=False),
     LineFormat("alloc_retry", "memory allocation failed with OOM on device", _P["alloc_retry"], W._on_alloc_retry,
                "torch CUDACachingAllocator.cpp warning (flush and retry)"),
     LineFormat("transformers_fallback", "Transformers implementation", _P["transformers_fallback"], W._on_transformers_fallback,

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tuner.errors import LogError
 from tuner.sglang.failures import FailureClass
-from tuner.sglang.logs import LogReport
+from tuner.sglang.logs import LogReport, RankMemory
 from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.versions import at_least
 
@@ -217,6 +217,11 @@ def tokens_from_pool_drop(drop_gib: float, cell_bytes: int, *, max_running_reque
     return int(kv_gib * GIB / cell_bytes) - page_size
 
 
+def _after_pool_free(rank: RankMemory) -> float | None:
+    """Free GiB right after the KV pool: ``Memory pool end. avail mem``, else ``Capture cuda graph begin ... avail mem``."""
+    return rank.memory_pool_end_avail_gib if rank.memory_pool_end_avail_gib is not None else rank.graph_begin_avail_gib
+
+
 class KVCapacityModel(BaseModel):
     """``max_total_num_tokens`` and runtime headroom as functions of ``mem_fraction_static``.
 
@@ -294,6 +299,8 @@ class KVCapacityModel(BaseModel):
         ranks = [r for r in report.ranks.values() if r.weight_gib is not None or r.load_begin_avail_gib is not None]
         prim = report.primary()
         tokens = report.max_total_num_tokens
+        if not ranks and prim is not None and _after_pool_free(prim) is not None and tokens and tokens > 0:
+            return cls._from_pool_end(report, cell_bytes, mem_fraction_static, max_total_tokens=max_total_tokens)
         if not ranks or prim is None:
             raise LogError("the log has no 'Load weight' lines, so the memory model cannot be calibrated", hint="pass the log of a whole server start (from 'Load weight begin')")
         begins = [r.load_begin_avail_gib for r in ranks if r.load_begin_avail_gib is not None]
@@ -335,6 +342,46 @@ class KVCapacityModel(BaseModel):
             observed_free_after_graphs_gib=free, observed_graph_gib=graph, observed_graph_max_bs=prim.cuda_graph_max_bs,
             observed_req_to_token_gib=r2t, other_reserve_gib=other, max_total_tokens=cap,
         )
+
+    @classmethod
+    def _from_pool_end(cls, report: LogReport, cell_bytes: int | None, mem_fraction_static: float, *,
+                       max_total_tokens: int | None = None) -> KVCapacityModel:
+        """Calibrate a log without weight lines from its KV line and ``Memory pool end`` (else the
+        ``avail mem`` of ``Capture cuda graph begin``, the next free-memory reading).
+
+        SGLang sizes the pool as ``rest = post − pre × (1 − mfs)`` (§1.2) and then allocates the
+        req_to_token table and the pool before printing ``Memory pool end. avail mem=F``
+        (0.5.5.post3 ``model_runner.py`` ``init_memory_pool``), so ``F = post − r2t − (tokens + page) × cell``
+        and ``pre = (F + r2t + ½ cell) / (1 − mfs)``; ``S = mfs × pre − (tokens + ½) × cell``. The
+        req_to_token table comes from the scheduler line (``max_running_requests``, ``context_len``).
+
+        Raises:
+            LogError: No cell size, or the numbers leave no room for weights (``S ≤ 0``: memory
+                outside SGLang's accounting; ``Load weight begin`` would settle the baseline).
+        """
+        prim = report.primary()
+        tokens = report.max_total_num_tokens
+        free = _after_pool_free(prim) if prim is not None else None
+        assert prim is not None and free is not None and tokens
+        kv_gib = prim.kv_pool_gib
+        if cell_bytes is None:
+            if kv_gib is None:
+                raise LogError("the log has no 'Load weight' lines and no KV size, so the memory model cannot be calibrated",
+                               hint="pass --model-config with the model's config.json, or the log from 'Load weight begin'")
+            cell_bytes = int(round(kv_gib * GIB / (tokens + 1)))
+        sched = report.scheduler
+        r2t = req_to_token_gib(sched.max_running_requests, sched.context_len) if sched and sched.max_running_requests and sched.context_len else 0.0
+        baseline = (free + r2t + 0.5 * cell_bytes / GIB) / (1 - mem_fraction_static)
+        static = mem_fraction_static * baseline - (tokens + 0.5) * cell_bytes / GIB
+        if static <= 0:
+            raise LogError(f"'Memory pool end. avail mem={free:.2f} GB' leaves less than the (1 − {mem_fraction_static:g}) reserve SGLang keeps "
+                           "for this pool: memory outside SGLang's accounting, so the baseline cannot be back-solved",
+                           hint="the log's 'Load weight begin. avail mem' line would settle the baseline")
+        sched_free = sched.available_gpu_mem_gib if sched and sched.available_gpu_mem_gib is not None else prim.graph_end_avail_gib
+        return cls(baseline_gib=baseline, static_gib=static, cell_bytes=cell_bytes, source="log (back-solved from the free memory after the KV pool, no weight lines)",
+                   observed_mem_fraction_static=mem_fraction_static, observed_tokens=tokens, observed_free_after_graphs_gib=sched_free,
+                   observed_graph_gib=prim.graph_gib, observed_graph_max_bs=prim.cuda_graph_max_bs, observed_req_to_token_gib=r2t or None,
+                   max_total_tokens=max_total_tokens or report.max_total_tokens_requested)
 
     # -- predictions --------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from tuner.sglang.versions import at_least
 if TYPE_CHECKING:
     from tuner.sglang.logs import LogReport
 
-__all__ = ["SpecShape", "DraftMemory", "DRAFT_ALGORITHMS", "auto_shape", "kv_elem_bytes", "resolve_shape", "shape_refusal",
+__all__ = ["SpecShape", "DraftMemory", "DRAFT_ALGORITHMS", "SPEC_MAX_RUNNING_REQUESTS", "speculative_max_running_requests", "auto_shape", "kv_elem_bytes", "resolve_shape", "shape_refusal",
            "tree_candidates"]
 
 DRAFT_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -50,6 +50,26 @@ class SpecShape(NamedTuple):
     num_steps: int
     eagle_topk: int
     num_draft_tokens: int
+
+
+SPEC_MAX_RUNNING_REQUESTS = 48
+"""``max_running_requests`` SGLang sets when it is unset and a draft algorithm (EAGLE, EAGLE3,
+STANDALONE; NEXTN is EAGLE) is on: 0.5.5.post3 ``srt/server_args.py`` ``_handle_speculative_decoding``
+line 1550 (``self.max_running_requests = 48`` with the warning "Max running requests is reset to
+48 for speculative decoding"), 0.5.23 ``arg_groups/speculative_hook.py`` ``_handle_eagle_family``."""
+
+
+def speculative_max_running_requests(algorithm: str | None) -> int | None:
+    """The ``max_running_requests`` a speculative server runs with when the arguments omit it.
+
+    Args:
+        algorithm: ``--speculative-algorithm`` (``None``: off).
+
+    Returns:
+        :data:`SPEC_MAX_RUNNING_REQUESTS` for a draft algorithm of :data:`DRAFT_ALGORITHMS`, else
+        ``None`` (NGRAM and no speculation keep SGLang's non-speculative default).
+    """
+    return SPEC_MAX_RUNNING_REQUESTS if algorithm is not None and str(algorithm).upper() in DRAFT_ALGORITHMS else None
 
 
 def auto_shape(architecture: str | None, algorithm: str) -> SpecShape:
