@@ -20,6 +20,7 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -746,6 +747,24 @@ def _int(x: str | None) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Marks:
+    """What the stream has shown so far, for the reading of later lines (one object, so that the
+    watcher's own state does not grow a flag per mark).
+
+    Attributes:
+        prefixed: The current line carried a journal/rank/timestamp prefix (SGLang's own line).
+        launch_seen: A startup line was read (server args, the command, a distributed-init line):
+            a failure after it happened while the server was being built.
+        capture_cause_pending: ``Capture cuda graph failed`` was read without its wrapped cause;
+            the next lines may carry it.
+    """
+
+    prefixed: bool = False
+    launch_seen: bool = False
+    capture_cause_pending: bool = False
+
+
 class LogWatcher:
     """Incremental SGLang log parser, for a launcher watching a live server or a whole file.
 
@@ -789,9 +808,7 @@ class LogWatcher:
         self._progress_avail: float | None = None
         self._committed = False
         self._soft: Failure | None = None
-        self._prefixed = False
-        self._launch_seen = False
-        self._capture_cause_pending = False
+        self._marks = _Marks()
 
     def _log(self, rank: str | None, line: str, msg: str, role: str | None = None) -> None:
         """Keep every number of a recognised line for the ``logged`` block (bounded per rank)."""
@@ -821,7 +838,7 @@ class LogWatcher:
                     status = int(m.group("status"))
                     self._exit_status = 128 + status if m.group("code") in ("killed", "dumped") else status
                 return
-            self._prefixed = bool(rank or ts or ident)
+            self._marks.prefixed = bool(rank or ts or ident)
             if self._parse(msg, rank, ts):
                 self._sglang_lines += 1
                 self._last_sglang_line = msg
@@ -1017,7 +1034,7 @@ class LogWatcher:
 
     def _on_server_args(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         self._new_start("*")
-        self._launch_seen = True
+        self._marks.launch_seen = True
         if m.group("dict") is not None:  # 0.5.23: server_args={...} from resolved_dict()
             pairs = re.findall(r"['\"](\w+)['\"]:\s*('[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|[^,{}]+)", m.group("dict"))
         else:
@@ -1027,15 +1044,15 @@ class LogWatcher:
 
     def _on_dist_begin(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         """Nothing to read; a startup line all the same."""
-        self._launch_seen = True
+        self._marks.launch_seen = True
 
     def _on_parallel_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
-        self._launch_seen = True
+        self._marks.launch_seen = True
         self._log(rank, "init_parallel_end", msg)  # 0.5.23: the baseline line follows
 
     def _on_dist_end(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
         self._new_start(rank)
-        self._launch_seen = True
+        self._marks.launch_seen = True
         d = self._target_or_draft(rank, "baseline_gib")
         d["baseline_gib"] = float(m.groups()[-1])
         self._log(rank, "distributed_init", msg, self._role(rank, d))
@@ -1222,7 +1239,7 @@ class LogWatcher:
         self._fields["transformers_fallback"] = msg[:300]
 
     def _on_command(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
-        self._launch_seen = True
+        self._marks.launch_seen = True
         self._command_flags(msg)
 
     def _on_capture_failed(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> None:
@@ -1240,7 +1257,7 @@ class LogWatcher:
             self._log(rank, "fatal", msg)
             self._raise(88, FailureClass.CRASH, msg, rank)
         elif cause == "unknown":
-            self._capture_cause_pending = True  # the wrapped text may follow on the next line
+            self._marks.capture_cause_pending = True  # the wrapped text may follow on the next line
             self._raise(65, FailureClass.CRASH, msg, rank)
 
     def _on_flag_line(self, m: re.Match[str], msg: str, rank: str | None, ts: str | None) -> bool:
@@ -1401,7 +1418,7 @@ class LogWatcher:
         for prio, cls, pat in _FAILURES:
             if not pat.search(msg):
                 continue
-            if prio in _GENERIC_PRIORITIES and not self._prefixed and not _PROGRAM_OUTPUT.match(msg):
+            if prio in _GENERIC_PRIORITIES and not self._marks.prefixed and not _PROGRAM_OUTPUT.match(msg):
                 return False  # a sentence that names the error ("it crashes with CUDA out of memory"), not the error
             if cls is None:
                 cls = self._oom_class(msg)
@@ -1438,7 +1455,7 @@ class LogWatcher:
 
     def _failure_phase(self) -> str:
         """The phase a failure now is stated in: only what the log shows (:func:`~tuner.sglang.phases.failure_phase`)."""
-        return failure_phase(self._phase, startup_seen=self._launch_seen or self._phase != "init", serving=self._serving,
+        return failure_phase(self._phase, startup_seen=self._marks.launch_seen or self._phase != "init", serving=self._serving,
                              in_construction=any(startup_frame(file, func) for file, func in self._frames))
 
     def _oom_site(self) -> tuple[str, str] | None:
@@ -1477,7 +1494,7 @@ class LogWatcher:
         ``startup_oom``: before ready, phase unknown.
         """
         site = self._oom_site()
-        if "capture" in msg.lower() or "cuda_graph" in msg or self._capture_cause_pending:
+        if "capture" in msg.lower() or "cuda_graph" in msg or self._marks.capture_cause_pending:
             return FailureClass.CUDA_GRAPH_OOM
         if self._serving:
             return FailureClass.RUNTIME_OOM
