@@ -46,7 +46,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """A TOML table: unknown keys refused, values frozen, no ``inf``/``nan`` (``stress_s = inf`` ran
+    into the dry run's duration formatting as a traceback: operator review 2's sweep)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 FloatRange = Annotated[tuple[float, float], Field(description="[low, high]")]
@@ -66,7 +69,7 @@ class StudySection(_Section):
     """
 
     name: str = "tuner"
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # numpy's and Optuna's seed range
     sampler: Literal["tpe", "nsga2", "random"] = "tpe"
     predicted_candidates: int = Field(default=20, ge=0, le=200)
 

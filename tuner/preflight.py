@@ -101,7 +101,34 @@ def check_run(
         require_one_trial(budget_s, Budget.estimate(durations, prior_trial_cost_s(config)).seconds,
                           reserve_s=config.budget.restore_reserve_s)
     check_hooks(config)
+    check_paths(config)
     check_service(launcher)
+
+
+def check_paths(config: TunerConfig) -> None:
+    """The config's other paths hold what the run will read: ``[service] workdir`` is a folder (a
+    missing one read as "server command not found" after the study was created), ``[model]
+    config_json`` a readable model config (a missing one was ignored, and the levers said "set
+    [model] config_json" while it was set).
+
+    Raises:
+        ConfigError: Naming the key, the path and the fix.
+    """
+    from pathlib import Path
+
+    from tuner.errors import ModelConfigError
+    from tuner.sglang.modelconfig import load_model_config
+
+    workdir = config.service.workdir
+    if workdir is not None and not Path(workdir).is_dir():
+        raise ConfigError(f"[service] workdir {workdir!r} is not a folder",
+                          hint="point workdir at the folder the server runs in, or leave it out")
+    if config.model.config_json is not None:
+        try:
+            load_model_config(config.model.config_json)
+        except ModelConfigError as err:
+            raise ConfigError(f"[model] config_json: {err.message}", hint="point it at the model's config.json (or its "
+                              "folder), or leave it out to read --model-path's") from None
 
 
 def check_hooks(config: TunerConfig) -> None:

@@ -90,3 +90,57 @@ def test_the_whole_day_window_is_still_accepted(tmp_path: Path) -> None:
     config = config_copy("demo-sim.toml", tmp_path, extra_service='window = "00:00-24:00"\n')
     proc = run_tuner("run", "--config", str(config), "--dry-run")
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- a new user's sweep of stop 38 (about 565 inputs): the tracebacks and the dry runs that passed a failing run
+
+
+def _with(tmp_path: Path, section: str, line: str) -> Path:
+    """The demo config with ``line`` set in ``[section]`` (replacing the key where it is set)."""
+    import re
+
+    config = config_copy("demo-sim.toml", tmp_path)
+    text = config.read_text()
+    key = line.split("=", 1)[0].strip()
+    start = text.index(f"[{section}]") if f"[{section}]" in text else -1
+    if start < 0:
+        text += f"\n[{section}]\n{line}\n"
+    else:
+        end = text.find("\n[", start + 1)
+        end = len(text) if end < 0 else end
+        body = text[start:end]
+        body = re.sub(rf"(?m)^{key} = .*$", line, body) if re.search(rf"(?m)^{key} = ", body) else body.rstrip() + f"\n{line}\n"
+        text = text[:start] + body + text[end:]
+    config.write_text(text)
+    return config
+
+
+@pytest.mark.parametrize(("section", "line", "needle"), [
+    ("study", "seed = -1", "study.seed"),  # numpy: expected non-negative integer (a traceback)
+    ("study", "seed = 1000000000000000000000000000000", "study.seed"),  # Optuna's seed range, at the first trial
+    ("workload", "input_len = 1000000000000000000000000000000", "workload"),  # int64 overflow in the sampler
+    ("budget", "stress_s = inf", "budget.stress_s"),  # OverflowError formatting the estimate
+    ("storage", 'url = "sqlite://"', "keeps the study in memory"),  # three chained tracebacks
+    ("storage", 'url = "sqlite:///:memory:"', "keeps the study in memory"),
+    ("storage", 'artifacts_dir = "/etc/passwd"', "is a file, not a folder"),  # FileExistsError after the study
+    ("service", 'workdir = "/nonexistent/dir"', "[service] workdir"),  # read as "server command not found"
+    ("model", 'config_json = "/nonexistent/config.json"', "[model] config_json"),  # ignored
+])
+def test_a_config_the_run_would_trip_on_is_refused_by_the_dry_run(tmp_path: Path, section: str, line: str,
+                                                                   needle: str) -> None:
+    config = _with(tmp_path, section, line)
+    assert line in config.read_text()
+    one_error_line(run_tuner("run", "--config", str(config), "--dry-run"), needle)
+    assert not (tmp_path / "studies").exists()
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("--rate", "inf"), "--rate inf"),  # an unbounded arrival loop: 22 GB, then the OOM killer
+    (("--concurrency", "100000000"), "--concurrency 100000000"),  # MemoryError
+    (("--concurrency", "1", "--seed", "-1"), "--seed -1"),  # read as "no request completed"
+    (("--rate", "1", "--burstiness", "0"), "--burstiness 0"),
+])
+def test_load_refuses_a_pace_it_cannot_keep_before_any_request(args: tuple[str, ...], needle: str) -> None:
+    proc = run_tuner("load", "--url", "http://127.0.0.1:9", "--input-len", "64", "--output-len", "4",
+                     "--duration", "3", *args)
+    one_error_line(proc, needle)

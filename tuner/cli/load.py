@@ -59,6 +59,38 @@ def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - Load
     return server
 
 
+MAX_CONCURRENCY = 100_000
+"""The most requests in flight ``tuner load`` opens (each is a connection and a task: 10⁸ exhausted
+memory before the first request)."""
+
+
+def _check_pace(*, concurrency: int | None, rate: float | None, burstiness: float, seed: int,
+                time_budget: float | None) -> None:
+    """Refuse, before any request, a pace the load cannot keep: ``--rate inf`` (an unbounded
+    arrival loop grew to 22 GB), a concurrency past :data:`MAX_CONCURRENCY`, a burstiness that is
+    not a positive number, a seed outside numpy's range, a ``--time-budget`` of no time.
+
+    Raises:
+        ConfigError: Naming the option and the fix.
+    """
+    import math
+
+    from tuner.errors import ConfigError
+
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"--rate {rate:g} is not a positive number of requests/s",
+                          hint="give e.g. --rate 4, or --concurrency N for a closed loop")
+    if concurrency is not None and not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise ConfigError(f"--concurrency {concurrency} is outside 1-{MAX_CONCURRENCY:,}", hint="give e.g. --concurrency 64")
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        raise ConfigError(f"--burstiness {burstiness:g} is not a positive number",
+                          hint="1 is Poisson arrivals, below 1 burstier, e.g. --burstiness 0.5")
+    if not 0 <= seed <= 2**32 - 1:
+        raise ConfigError(f"--seed {seed} is outside 0-{2**32 - 1}", hint="give e.g. --seed 0")
+    if time_budget is not None and not (math.isfinite(time_budget) and time_budget > 0):
+        raise ConfigError(f"--time-budget {time_budget:g} is no time", hint="give seconds, e.g. --time-budget 300")
+
+
 @app.command("load", short_help='Load a server with a streaming workload; bench_serving metrics.')
 def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     url: Annotated[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
@@ -136,6 +168,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         raise ConfigError("--csv writes per-request rows of one run", hint="drop --csv with --max-under-slo")
     if not 0 <= max_error_rate <= 1:
         raise ConfigError(f"--max-error-rate {max_error_rate:g} is not a share", hint="use a value in [0, 1], e.g. 0.1")
+    _check_pace(concurrency=concurrency, rate=rate, burstiness=burstiness, seed=seed, time_budget=time_budget)
     check_output_path(json_out, "--json")
     check_output_path(csv_out, "--csv")
     spec = spec_from_options(workload, {

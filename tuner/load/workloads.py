@@ -98,8 +98,13 @@ BYTES_PER_TOKEN = 4.0
 vocabularies; CJK text, 3 bytes a character, comes out near 0.75 tokens a character)."""
 
 
+MAX_TOKENS = 2**21
+"""The longest prompt or output a workload may ask for, in tokens (2,097,152: past every served
+context; larger values overflowed numpy's sampler or exhausted memory before the first request)."""
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class RandomSpec(_Spec):
@@ -113,8 +118,8 @@ class RandomSpec(_Spec):
     """
 
     kind: Literal["random"] = "random"
-    input_len: int = Field(1024, ge=1)
-    output_len: int = Field(256, ge=1)
+    input_len: int = Field(1024, ge=1, le=MAX_TOKENS)
+    output_len: int = Field(256, ge=1, le=MAX_TOKENS)
     range_ratio: float = Field(1.0, ge=0.0, le=1.0)
     num_requests: int | None = Field(None, ge=1)
 
@@ -125,9 +130,9 @@ class SharedPrefixSpec(_Spec):
     kind: Literal["shared_prefix"] = "shared_prefix"
     num_groups: int = Field(64, ge=1)
     prompts_per_group: int = Field(16, ge=1)
-    system_prompt_len: int = Field(2048, ge=1)
-    question_len: int = Field(128, ge=1)
-    output_len: int = Field(256, ge=1)
+    system_prompt_len: int = Field(2048, ge=1, le=MAX_TOKENS)
+    question_len: int = Field(128, ge=1, le=MAX_TOKENS)
+    output_len: int = Field(256, ge=1, le=MAX_TOKENS)
 
 
 class MultiTurnSpec(_Spec):
@@ -141,10 +146,10 @@ class MultiTurnSpec(_Spec):
     kind: Literal["multi_turn"] = "multi_turn"
     num_sessions: int = Field(32, ge=1)
     turns: int = Field(4, ge=1)
-    first_input_len: int = Field(1024, ge=1)
-    turn_input_len: int = Field(128, ge=1)
-    output_len: int = Field(256, ge=1)
-    system_prompt_len: int = Field(0, ge=0)
+    first_input_len: int = Field(1024, ge=1, le=MAX_TOKENS)
+    turn_input_len: int = Field(128, ge=1, le=MAX_TOKENS)
+    output_len: int = Field(256, ge=1, le=MAX_TOKENS)
+    system_prompt_len: int = Field(0, ge=0, le=MAX_TOKENS)
 
 
 class TraceSpec(_Spec):
@@ -194,8 +199,8 @@ class TextSpec(_Spec):
 
     kind: Literal["text"] = "text"
     prompts: Path | None = None
-    prompt_tokens: int | None = Field(None, ge=1)
-    output_len: int = Field(256, ge=1)
+    prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    output_len: int = Field(256, ge=1, le=MAX_TOKENS)
     num_requests: int | None = Field(None, ge=1)
 
 
@@ -462,10 +467,10 @@ class _TraceRow(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     timestamp_s: float = Field(ge=0.0)
-    input_len: int = Field(ge=1)
-    output_len: int = Field(ge=1)
+    input_len: int = Field(ge=1, le=MAX_TOKENS)
+    output_len: int = Field(ge=1, le=MAX_TOKENS)
     prefix_group: str | int | None = None
-    prefix_len: int | None = Field(None, ge=1)
+    prefix_len: int | None = Field(None, ge=1, le=MAX_TOKENS)
     session: str | int | None = None
 
     @model_validator(mode="after")

@@ -427,17 +427,28 @@ def open_artifacts_folder(config: TunerConfig, url: str) -> Path | None:
 
 
 def check_artifacts_folder(config: TunerConfig) -> None:
-    """Refuse an explicit ``[storage] artifacts_dir`` whose parent folder does not exist.
+    """Refuse an artifacts folder the run could not create or write: an explicit ``[storage]
+    artifacts_dir`` whose parent folder does not exist, a path that is a file (``/etc/passwd``: the
+    run failed creating it, after its study was created), or one under a folder that is not
+    writable (or on ``/proc``). Creates nothing.
 
     Raises:
-        StudyError: The parent of the explicit artifacts folder is missing.
+        StudyError: Naming the folder and the fix.
     """
+    from tuner.launch.session import writable_folder
+
     folder = study_artifacts_dir(config)
+    hint = "create it, or point artifacts_dir at an existing folder"
     if config.storage.artifacts_dir and not folder.parent.is_dir():
         raise StudyError(
-            f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist",
-            hint="create it, or point artifacts_dir at an existing folder",
-        )
+            f"[storage] artifacts_dir {str(folder)!r}: its folder {str(folder.parent)!r} does not exist", hint=hint)
+    if folder.exists() and not folder.is_dir():
+        raise StudyError(f"the artifacts folder {str(folder)!r} is a file, not a folder",
+                         hint="point [storage] artifacts_dir at a folder (the run keeps each trial's server log there)")
+    blocked = writable_folder(folder)
+    if blocked is not None:
+        raise StudyError(f"the artifacts folder {str(folder)!r} cannot be created or written "
+                         f"({str(blocked)!r} is not a writable folder)", hint=hint)
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -478,6 +489,9 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
         StudyError: One line naming the file (or the server: unreachable, wrong credentials, missing
             database or driver, someone else's tables) and the fix.
     """
+    if url.startswith("sqlite:") and _sqlite_file(url) is None:  # sqlite://, sqlite:///:memory:
+        raise StudyError(f"storage {url!r} keeps the study in memory: every trial would be lost when the run ends",
+                         hint=f"point {flag} at a file, e.g. sqlite:///studies/{study_name}.db")
     check_storage_folder(url, study_name)
     if is_shared_url(url):
         return _check_server_storage(url)
