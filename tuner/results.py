@@ -63,7 +63,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 METRICS: Mapping[str, tuple[str, Literal["max", "min"]]] = MappingProxyType({
     "context_capacity": ("OOM-safe context capacity (requests)", "max"),
-    "slo_context_capacity": ("SLO-safe context capacity (requests)", "max"),
+    "slo_context_capacity": ("SLO-safe context capacity (sessions)", "max"),
     "token_capacity": ("token capacity (tokens)", "max"),
     "output_throughput_tok_s": ("output throughput (tok/s)", "max"),
     "goodput_req_s": ("goodput (req/s)", "max"),

@@ -29,7 +29,7 @@ def test_show_states_both_capacities_and_the_stress_verdict(reference_offline_st
     assert f"burst admission (the OOM stress): {record.context_capacity} longest contexts at once break the SLO" in text
     assert "admission: admits " in text
     assert "the study's objective used the SLO-safe capacity" in text
-    assert "SLO-safe context capacity (requests)" in text
+    assert "SLO-safe context capacity (sessions)" in text
 
 
 def test_best_says_which_capacity_ranked_and_holds_the_chosen_trial(reference_offline_study) -> None:
@@ -64,7 +64,7 @@ def test_report_figures_draw_the_objective_capacity_and_the_bracketing_steps(ref
     stored = open_study(StudyLocation(storage_url=study.url))
     pareto = figures.pareto_figure(stored, best=study.best)
     assert not isinstance(pareto, str)
-    assert pareto.layout.xaxis.title.text == "SLO-safe context capacity (requests)"
+    assert pareto.layout.xaxis.title.text == "SLO-safe context capacity (sessions)"
     front = next(t for t in pareto.data if t.name == "Pareto front (feasible)")
     # both objectives maximized: drop first, then run right, so every corner lies below an attained point
     assert front.line.shape == "vh"
@@ -76,4 +76,4 @@ def test_report_figures_draw_the_objective_capacity_and_the_bracketing_steps(ref
     html = _tuner("report", "--storage", study.url, "-o", str(study.folder / "r.html"), cwd=study.folder)
     assert html.returncode == 0, html.stderr
     page = (study.folder / "r.html").read_text(encoding="utf-8")
-    assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (requests)" in page
+    assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (sessions)" in page

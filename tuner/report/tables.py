@@ -708,7 +708,7 @@ def best_vs_baseline_table(chosen: BestTrial) -> Table:
         table.add_column(column, justify="right" if column else "left")
     rows = [
         ("OOM-safe context capacity (requests)", "context_capacity", "d"),
-        ("SLO-safe context capacity (requests)", "slo_context_capacity", "d"),
+        ("SLO-safe context capacity (sessions)", "slo_context_capacity", "d"),
         ("token capacity (tokens)", "token_capacity", "d"),
         ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
         ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),
