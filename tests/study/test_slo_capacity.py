@@ -195,6 +195,11 @@ def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() ->
     assert choice.number == 0
     assert ("trial 1 admits 48 longest contexts (vs 8) but holds the SLO at 6 sessions: bound by decode step "
             "time (p99 ITL 5,200 ms > 4,000 ms at 8 sessions") in choice.reason
+    # a count capped by [budget] max_concurrency that held the SLO proves no bound: not named
+    capped = _record(18, 6, 90.0).model_copy(update={"slo_capacity": SloCapacity(
+        limits={"p99_ttft_ms": 30000.0}, contexts=6, at_least=True, basis="slo_safe", measure="steady",
+        steps=[SloStep(contexts=6, completed=6, met=True)])})
+    assert "admits 18" not in choose_best([(0, base), (2, capped)]).reason
 
 
 def test_capacity_beyond_the_concurrency_the_deployment_needs_does_not_outrank_throughput() -> None:

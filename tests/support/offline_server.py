@@ -31,9 +31,10 @@ How the offline server stands in for the real one:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ _COUNTERS = ("prompt_tokens_total", "cached_tokens_total", "load_back_tokens_tot
 """The engine counters ``/metrics`` exports that the trial reads (hit rates by tier)."""
 
 
-def _evaluate(argv: list[str], requests: Callable[[], list[SimRequest]], key: str, *, startup_lines: int = 0,
+def _evaluate(argv: list[str], requests: Callable[[], Iterable[SimRequest]], key: str, *, startup_lines: int = 0,
               **kwargs: Any) -> EvalResult:
     """:func:`evaluate`, memoized; ``requests`` is built only when the result is not known yet. A
     load keeps, of its engine lines (after the ``startup_lines`` of the start), every retraction
@@ -307,7 +308,15 @@ class OfflineServer:
         n = self.pool_requests or max(64, 6 * plan.concurrency)
         after: dict[str, str] = {}
         key = f"steady|{plan.workload.describe()}|{n}"
-        return _noisy(_evaluate(self._argv, lambda: _sim_requests(plan.workload, n, after), key,
+
+        def pool() -> Iterable[SimRequest]:
+            if plan.workload.has_dependencies:  # turns wait for turns: the whole pool, with their order
+                return _sim_requests(plan.workload, n, after)
+            return (SimRequest(rid=r.rid, input_ids=r.input_ids, max_new_tokens=r.max_new_tokens,
+                               prompt_class=r.prompt_class)
+                    for r in itertools.islice(plan.workload.passes(), n))  # drawn as the window sends them
+
+        return _noisy(_evaluate(self._argv, pool, key,
                                 startup_lines=startup_lines, concurrency=plan.concurrency,
                                 send_until_s=plan.warmup_s + plan.duration_s, min_measured=plan.concurrency,
                                 after=after, ramp_s=plan.ramp_s, measure_from_s=plan.warmup_s), self._factor)

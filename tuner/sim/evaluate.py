@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import math
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tuner.sim.clock import VirtualClock
@@ -164,7 +164,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def evaluate(
     argv: list[str],
-    requests: Sequence[SimRequest],
+    requests: Iterable[SimRequest],
     *,
     concurrency: int | None = None,
     duration_s: float | None = None,
@@ -182,7 +182,7 @@ def evaluate(
         requests: The workload. Open loop (``concurrency`` None): each request arrives at its
             ``arrival_s`` (seconds from the start). Closed loop: ``concurrency`` requests are in
             flight at once, in order, each next one sent when one finishes; ``arrival_s`` is
-            ignored.
+            ignored; without ``after`` it may be an iterator, drawn as requests are sent.
         concurrency: Closed-loop concurrency, or None for open loop.
         duration_s: Stop after this much simulated time (a measured window); None runs to the end.
         max_steps: Safety bound on engine steps.
@@ -224,7 +224,7 @@ def evaluate(
 
 def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     spec: EngineSpec,
-    requests: Sequence[SimRequest],
+    requests: Iterable[SimRequest],
     logs: list[str],
     base: dict,
     concurrency: int | None,
@@ -241,7 +241,10 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     engine = Engine(spec, logs.append)
     clock = VirtualClock()
     closed = concurrency is not None
-    pending = list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s)
+    # A closed loop without turns draws its requests as it sends them (a steady window's pool may
+    # be an iterator: only what the window sends is built).
+    source = iter(requests) if closed and not after else None
+    pending = [] if source is not None else (list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s))
     n = len(pending)
     nxt = 0
     # rid -> [arrival_s, first_token_s, last_token_s, output tokens]
@@ -296,7 +299,12 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
                     break  # every waiting turn waits for a turn in flight
                 in_flight += submit(queue.pop(ready), now)
         elif closed:
-            while in_flight < active and nxt < n:
+            while in_flight < active:
+                if nxt >= n and source is not None and (drawn := next(source, None)) is not None:
+                    pending.append(drawn)
+                    n += 1
+                if nxt >= n:
+                    break
                 in_flight += submit(pending[nxt], now)
                 nxt += 1
         else:
@@ -320,7 +328,8 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             if not closed and nxt < n:
                 clock.advance_to(pending[nxt].arrival_s)
                 continue
-            if closed and 0 < active < (concurrency or 0) and (queue or nxt < n):  # the next stream's start
+            more = bool(queue) or nxt < n or source is not None  # an iterator's end shows at the next draw
+            if closed and 0 < active < (concurrency or 0) and more:  # the next stream's start
                 clock.advance_to(active * ramp_s / (concurrency or 1))
                 continue
             break

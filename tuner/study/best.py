@@ -188,6 +188,7 @@ def choose_best(
     basis = capacity_basis(capacity, [r for _, r in measured])
     cap = lambda r: _needed(r.capacity(basis), concurrency)  # noqa: E731
     label = capacity_label(basis)
+    unit = "sessions" if basis == "slo_safe" else "requests"
     noise_measured = measured_noise(measured)
     if noise_measured is not None:  # the measured spread, never tighter than the configured margin
         throughput_noise = max(throughput_noise, noise_measured)
@@ -199,7 +200,7 @@ def choose_best(
         reason = f"highest output throughput ({tput(record):.1f} tok/s) among feasible trials"
     elif policy == "max_capacity":
         number, record = max(pool, key=lambda p: (cap(p[1]) or 0, tput(p[1]), -p[0]))
-        reason = f"highest {label} ({cap(record)} requests) among feasible trials"
+        reason = f"highest {label} ({cap(record)} {unit}) among feasible trials"
     else:
         floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
         band = [p for p in pool if (cap(p[1]) or 0) >= floor]
@@ -208,7 +209,7 @@ def choose_best(
         (number, record), decided = _tie_break(ties, cap)
         among = (
             f"among the {len(band)} feasible trial(s) within {capacity_tolerance:.0%} of the best "
-            f"{label} ({top_capacity} requests)"
+            f"{label} ({top_capacity} {unit})"
         )
         if number == fastest_number:
             reason = f"highest output throughput ({tput(record):.1f} tok/s) {among}"
@@ -219,7 +220,7 @@ def choose_best(
                 )
         elif decided is None:
             reason = (
-                f"highest {label} ({cap(record)} requests) of the {len(ties)} "
+                f"highest {label} ({cap(record)} {unit}) of the {len(ties)} "
                 f"trial(s) whose output throughput is within the {throughput_noise:.0%} noise margin "
                 f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
                 f"{tput(record):.1f} tok/s), {among}"
@@ -273,10 +274,12 @@ def _needed(capacity: int | None, concurrency: int | None) -> int | None:
 def _unused_memory(pool: Sequence[tuple[int, TrialRecord]], number: int, record: TrialRecord,
                    basis: CapacityBasis) -> str | None:
     """Where another trial admits more longest contexts (OOM-safe) than the chosen one but holds
-    the SLO at no more sessions: ``"trial 4 admits 48 longest contexts (vs 8) but holds the SLO
-    at 8 sessions: bound by decode step time (...)"``; ``None`` otherwise."""
+    the SLO at no more sessions (a steady window of it broke the SLO; a count capped by ``[budget]
+    max_concurrency`` proves nothing): ``"trial 4 admits 48 longest contexts (vs 8) but holds the
+    SLO at 8 sessions: bound by decode step time (...)"``; ``None`` otherwise."""
     wider = [(n, r) for n, r in pool if n != number and (r.context_capacity or 0) > (record.context_capacity or 0)
-             and r.slo_capacity.measure == "steady" and (r.capacity(basis) or 0) <= (record.capacity(basis) or 0)]
+             and r.slo_capacity.measure == "steady" and r.slo_capacity.broken_at is not None
+             and (r.capacity(basis) or 0) <= (record.capacity(basis) or 0)]
     if not wider:
         return None
     n, r = max(wider, key=lambda p: (p[1].context_capacity or 0, -p[0]))
