@@ -110,7 +110,7 @@ def test_a_start_killed_while_pinning_host_pools_is_a_host_memory_failure() -> N
     twin = load_config(ROOT / "configs" / "reference-multiturn-sim.toml")
     command = [*(twin.service.command or []), "--sim-memory-max", "100"]  # 3 of 8 ranks' 33.6 GB pools fit
     config = twin.model_copy(update={"service": twin.service.model_copy(update={"command": command})})
-    record, began, _ = _run(TrialJob(number=1, kind="sampled", context_tokens=16384, params={
+    record, began, _ = _run(TrialJob(number=1, kind="sampled", context_tokens=14848, params={
         "mem_fraction_static": 0.88, "enable_hierarchical_cache": True, "hicache_ratio": 3.0}), config)
     assert began == ["render", "start"]
     assert record.failure_class is FailureClass.HOST_MEMORY

@@ -20,10 +20,11 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from tuner.errors import ConfigError, StudyError
+from tuner.errors import ConfigError, StudyError, TunerError
 from tuner.load.metrics import SLO
 from tuner.load.quality import QualityConfig
-from tuner.load.workloads import WorkloadSpec
+from tuner.load.steady import SteadyWindow, sessions_reach
+from tuner.load.workloads import MultiTurnSpec, WorkloadSpec, build_workload
 from tuner.sglang.client import url_problem
 from tuner.sglang.flags import flag_value
 from tuner.units import MaintenanceWindow, parse_duration_s
@@ -334,9 +335,17 @@ class ObjectiveSection(_Section):
         context_tokens: The context length a "context" means for context capacity (default:
             the workload's longest request, input plus output).
         capacity: Which context capacity the objective and the best rule use: ``slo_safe`` (the
-            longest-context requests in flight at which the ``[slo]``'s p99 TTFT/ITL still hold,
-            measured by the stress phase and its bracketing steps), ``oom_safe`` (those that fit
-            without OOM), or ``auto`` (default: ``slo_safe`` where an SLO is set, else ``oom_safe``).
+            closed-loop sessions at which the ``[slo]``'s p99 TTFT/ITL still hold in a steady
+            window, :mod:`tuner.load.steady`), ``oom_safe`` (longest contexts that fit without
+            OOM), or ``auto`` (default: ``slo_safe`` where an SLO is set, else ``oom_safe``).
+        longest_share: Share of the steady sessions' requests at the longest context
+            (``context_tokens``; the rest keep the workload's own lengths, 0-1; default 1.0: every
+            request is a longest context, so the SLO-safe count is in longest contexts as the
+            OOM-safe one is). A multi-turn workload's sessions reach it at their last turn instead.
+        concurrency: The concurrent sessions the deployment must serve (the operator's figure;
+            default: what the config implies: ``[budget] concurrency``, else a multi-turn
+            workload's ``num_sessions``, else none). Capacity beyond it does not outrank
+            throughput in the best rule (:func:`tuner.study.best.choose_best`).
     """
 
     policy: Literal["throughput_within_capacity", "max_capacity", "max_throughput"] = (
@@ -346,6 +355,8 @@ class ObjectiveSection(_Section):
     throughput_noise: float = Field(default=0.03, ge=0.0, lt=1.0)
     context_tokens: int | None = Field(default=None, gt=0)
     capacity: Literal["auto", "slo_safe", "oom_safe"] = "auto"
+    longest_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    concurrency: int | None = Field(default=None, ge=1)
 
 
 class BudgetSection(_Section):
@@ -367,9 +378,12 @@ class BudgetSection(_Section):
         probe_only_below: Capacity-first fidelity: a candidate whose context capacity is below
             this share of the best feasible capacity gets no full load (0 disables).
         restore_reserve_s: Seconds kept at the end for restoring the service.
-        slo_capacity_steps: Bracketing loads (each ``stress_s`` long) a trial may add when its
-            stress load breaks the SLO, to measure how many longest contexts still meet it (0:
-            the stress load's verdict only).
+        slo_capacity_steps: Bracketing windows a trial may add when its first steady window (at
+            the OOM-safe capacity) breaks the SLO, to measure how many sessions still meet it (0:
+            the first window's verdict only). Each is a steady window (:mod:`tuner.load.steady`):
+            sessions started over ``ramp_s``, ``warmup_s`` more of warm-up, ``stress_s`` measured.
+        ramp_s: The steady window's ramp: its sessions start staggered over this many seconds
+            (default: ``min(10, stress_s / 2)``); at most ``stress_s``.
     """
 
     total: str | None = None
@@ -385,6 +399,26 @@ class BudgetSection(_Section):
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
     restore_reserve_s: float = Field(default=0.0, ge=0)
     slo_capacity_steps: int = Field(default=2, ge=0, le=8)
+    ramp_s: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _ramp_inside_window(self) -> BudgetSection:
+        if self.ramp_s is not None and self.stress_s > 0:
+            try:
+                self.steady_window()
+            except TunerError as err:
+                raise ValueError(str(err)) from None
+        return self
+
+    def steady_window(self) -> SteadyWindow:
+        """The trial's steady window (:class:`tuner.load.steady.SteadyWindow`): ``stress_s``
+        measured after a ramp of ``ramp_s`` and ``warmup_s`` of settling.
+
+        Raises:
+            LoadError: The ramp is longer than the window.
+        """
+        return SteadyWindow(duration_s=self.stress_s, ramp_s=self.ramp_s, settle_s=self.warmup_s).check(
+            ramp_flag="[budget] ramp_s", window_flag="[budget] stress_s")
 
     @field_validator("total")
     @classmethod
@@ -447,6 +481,38 @@ class TunerConfig(_Section):
     quality: QualityConfig = Field(default_factory=QualityConfig)
     path: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_concurrency(cls, data: Any) -> Any:
+        """``[objective] concurrency`` left unset takes what the config implies: ``[budget]
+        concurrency`` (the load the operator measures at), else a multi-turn workload's sessions."""
+        if not isinstance(data, dict):
+            return data
+        objective: dict[str, Any] = data["objective"] if isinstance(data.get("objective"), dict) else {}
+        if objective.get("concurrency") is not None:
+            return data
+        budget: dict[str, Any] = data["budget"] if isinstance(data.get("budget"), dict) else {}
+        workload: dict[str, Any] = data["workload"] if isinstance(data.get("workload"), dict) else {}
+        implied = budget.get("concurrency") or (
+            workload.get("num_sessions", MultiTurnSpec.model_fields["num_sessions"].default)
+            if workload.get("kind") == "multi_turn" else None)
+        if implied is None:
+            return data
+        return {**data, "objective": {**objective, "concurrency": implied}}
+
+    @model_validator(mode="after")
+    def _sessions_reach_the_context(self) -> TunerConfig:
+        """A study judged on steady sessions (an SLO, capacity not ``oom_safe``) needs sessions
+        that reach ``[objective] context_tokens`` (:func:`tuner.load.steady.sessions_reach`)."""
+        if self.slo.is_empty() or self.objective.capacity == "oom_safe" or not self.objective.context_tokens:
+            return self
+        if isinstance(self.workload, MultiTurnSpec):
+            try:
+                sessions_reach(build_workload(self.workload, seed=self.study.seed), self.objective.context_tokens)
+            except TunerError as err:
+                raise ValueError(str(err)) from None
+        return self
+
 
 
 def _location(loc: tuple[Any, ...]) -> str:
@@ -489,6 +555,10 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig
         value = first.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
         message = first["msg"].removeprefix("Value error, ")
+        if " — " in message:  # a check that names its own fix (a TunerError's message — hint)
+            message, fix = message.split(" — ", 1)
+            raise ConfigError(f"{source}: {message}" if where == "(top level)" else
+                              f"{source}: {where} is invalid: {message}", hint=fix) from None
         raise ConfigError(f"{source}: {where}{shown} is invalid: {message}",
                           hint=f"fix {where} in {source} (configs/demo-sim.toml shows a valid one)") from None
 

@@ -240,8 +240,8 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
         f"output throughput; best = {config.objective.policy} (tolerance {config.objective.capacity_tolerance:.0%})",
         f"budget: {format_duration(budget_s) if budget_s else 'none'}, trials cap {max_trials or 'none'}, "
         f"first-trial estimate {format_duration(per_trial)}"
-        + (f" (with up to {config.budget.slo_capacity_steps} SLO bracketing loads of {config.budget.stress_s:g} s)"
-           if slo_bracket_cost_s(config) else "")
+        + (f" (with up to {1 + config.budget.slo_capacity_steps} steady windows of the SLO-safe capacity, "
+           f"{_steady_text(config)} each)" if slo_bracket_cost_s(config) else "")
         + (f" → about {int(budget_s // per_trial)} trials" if budget_s else ""),
         "space (baseline-derived ranges are widened once the baseline is measured):",
     ]
@@ -309,3 +309,9 @@ def _range_text(dist: Any) -> str:
     if step not in (None, 1):
         text += f" step {step:g}"
     return text + (" (log scale)" if getattr(dist, "log", False) else "")
+
+
+def _steady_text(config: TunerConfig) -> str:
+    """``ramp 5 s + warm-up 2 s + window 10 s``: one steady window's time (:mod:`tuner.load.steady`)."""
+    window = config.budget.steady_window()
+    return f"ramp {window.ramp:g} s + warm-up {window.settle_s:g} s + window {window.duration_s:g} s"

@@ -39,6 +39,7 @@ __all__ = [
     "SloStep",
     "SloCapacity",
     "CapacityBasis",
+    "CapacityMeasure",
     "TrialRecord",
     "StudyInfo",
     "context_capacity",
@@ -384,21 +385,30 @@ class QualityFacts(BaseModel):
 
 CapacityBasis = Literal["slo_safe", "oom_safe"]
 """Which context capacity a figure is: ``oom_safe`` (longest contexts that fit without OOM:
-:attr:`TrialRecord.context_capacity`) or ``slo_safe`` (longest contexts in flight at which the
-latency SLO still holds, measured: :attr:`SloCapacity.contexts`)."""
+:attr:`TrialRecord.context_capacity`) or ``slo_safe`` (sessions at which the latency SLO still
+holds in a steady window, measured: :attr:`SloCapacity.contexts`)."""
+
+CapacityMeasure = Literal["steady", "burst"]
+"""How an SLO-safe figure was measured: ``steady`` (closed-loop sessions started over a ramp,
+judged on a steady window after the warm-up, :mod:`tuner.load.steady`; issue 36) or ``burst``
+(every longest prompt sent at the same instant with a few output tokens: what studies stored
+before issue 36 called SLO-safe; now the *burst admission* figure beside it)."""
 
 
 class SloStep(BaseModel):
-    """One load of longest-context requests judged against the SLO's TTFT/ITL/TPOT limits: the
-    stress phase itself, or a bracketing step at fewer requests.
+    """One load judged against the SLO's p99 TTFT/ITL/TPOT limits: a steady window of closed-loop
+    sessions (a bracketing step of the SLO-safe capacity) or the burst of longest prompts.
 
     Attributes:
-        contexts: Longest-context requests sent at once (closed loop of that many streams).
+        contexts: Closed-loop sessions of the steady window (or longest prompts sent at once,
+            for the burst).
         completed: Requests whose latencies the percentiles are over.
-        p99_ttft_ms, p99_itl_ms: Their p99 (ms), ``None`` when not measured.
-        p99_ttft_low_ms, p99_ttft_high_ms: A 95 % order-statistic interval of the p99 TTFT (ms;
-            ``high`` ``None``: too few requests to bound it from above,
+        p99_ttft_ms, p99_itl_ms, p99_tpot_ms: Their p99 (ms), ``None`` when not measured.
+        p99_ttft_low_ms, p99_ttft_high_ms, p99_itl_low_ms, p99_itl_high_ms: 95 % order-statistic
+            intervals of the p99s (ms; ``high`` ``None``: too few samples to bound it from above,
             :func:`tuner.load.metrics.quantile_interval`).
+        attainment: The share of requests meeting every limit (0-1), with its 95 % Wilson
+            interval ``attainment_low``-``attainment_high``; ``None`` where not judged.
         violations: Each limit's relative overshoot (``measured / limit − 1``; ≤ 0 holds).
         met: Every limit held and no request errored.
     """
@@ -409,28 +419,40 @@ class SloStep(BaseModel):
     completed: int = 0
     p99_ttft_ms: float | None = None
     p99_itl_ms: float | None = None
+    p99_tpot_ms: float | None = None
     p99_ttft_low_ms: float | None = None
     p99_ttft_high_ms: float | None = None
+    p99_itl_low_ms: float | None = None
+    p99_itl_high_ms: float | None = None
+    attainment: float | None = None
+    attainment_low: float | None = None
+    attainment_high: float | None = None
     violations: dict[str, float | None] = Field(default_factory=dict)
     met: bool = False
 
 
 class SloCapacity(BaseModel):
-    """The SLO-safe context capacity: how many longest-context requests in flight still meet the
-    SLO's p99 TTFT/ITL (and TPOT) limits, measured by the stress phase and, when the stress load
-    broke them, bracketing steps at fewer requests (the next count interpolated from the measured
-    overshoot, :func:`tuner.load.search.bracket_level`).
+    """The SLO-safe capacity: how many closed-loop sessions of the workload (a share of their
+    requests at the longest context) the server serves within the SLO's p99 TTFT/ITL (and TPOT)
+    limits in a steady window (:mod:`tuner.load.steady`), bracketed downwards from the OOM-safe
+    capacity (the next count interpolated from the measured overshoot,
+    :func:`tuner.load.search.bracket_level`); and beside it the *burst admission*: every longest
+    prompt sent at once, judged by the same limits (the OOM stress, never the SLO-safe figure).
 
     Attributes:
         limits: The limits judged (``{"p99_ttft_ms": 30000.0, ...}``); empty: no SLO, nothing judged.
-        contexts: The largest count measured to meet them (0: none measured did; ``None``: not
-            measured: no SLO, no stress phase, or the stress load failed).
+        contexts: The largest session count measured to meet them (0: none measured did; ``None``:
+            not measured: no SLO, no capacity phase, or the burst failed).
         broken_at: The smallest count measured to break them (the bracket's upper end), or ``None``.
-        at_least: The stress load was capped by ``[budget] max_concurrency`` below the OOM-safe
+        at_least: The first window was capped by ``[budget] max_concurrency`` below the OOM-safe
             capacity and met the SLO: more may meet it.
-        steps: Every load judged, in order; ``steps[0]`` is the stress phase.
+        steps: Every window judged, in order (``measure`` ``burst``: ``steps[0]`` is the burst).
         basis: The capacity the study's objective used for this trial (:data:`CapacityBasis`,
             from ``[objective] capacity``).
+        measure: How :attr:`contexts` was measured (:data:`CapacityMeasure`); a record stored
+            before issue 36 reads ``burst``.
+        burst: The burst admission: the longest prompts at once (the OOM stress) judged by the
+            limits, or ``None`` when not judged.
     """
 
     model_config = _FACTS
@@ -441,38 +463,68 @@ class SloCapacity(BaseModel):
     at_least: bool = False
     steps: list[SloStep] = Field(default_factory=list)
     basis: CapacityBasis = "oom_safe"
+    measure: CapacityMeasure = "steady"
+    burst: SloStep | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored(cls, data: Any) -> Any:
+        """A record stored before issue 36 has no ``measure``: its figure came from the burst
+        (its ``steps[0]`` is the burst), so it reads ``measure="burst"`` with that burst beside it."""
+        if not isinstance(data, dict) or "measure" in data or not data.get("steps"):
+            return data
+        return {**data, "measure": "burst", "burst": data.get("burst") or data["steps"][0]}
 
     @property
     def stress(self) -> SloStep | None:
-        """The stress phase's own verdict (the first step), or ``None`` when it was not judged."""
-        return self.steps[0] if self.steps else None
+        """The burst's own verdict, or ``None`` when it was not judged."""
+        return self.burst if self.burst is not None else (self.steps[0] if self.steps else None)
 
     def describe(self) -> str:
-        """One line: the SLO-safe count with its evidence, or why there is none.
+        """One line: the SLO-safe count with its evidence, the burst admission beside it, or why
+        there is none.
 
-        ``"5 (stress at 8: p99 TTFT 31,285 ms, ITL 6,154 ms breaks the SLO; 5 meets it: p99 TTFT
-        19,550 ms over 5 requests)"``.
+        ``"6 sessions (steady window: 6 meet the SLO: p99 TTFT 19,550 ms, ITL 2,015 ms over 40
+        requests; 8 break the SLO: ...); burst admission: 4 longest prompts at once break the SLO
+        (p99 TTFT 15,662 ms, ITL 4,905 ms over 4 requests)"``; a record stored before issue 36 says
+        its figure is the burst's.
         """
         if not self.limits:
             return "no SLO set"
+        burst = self.stress
+        burst_text = (f"burst admission: {burst.contexts} longest prompts at once "
+                      f"{'meet' if burst.met else 'break'} the SLO ({_latencies(burst)})") if burst is not None else None
         if self.contexts is None or not self.steps:
-            return "not measured (no stress phase judged)"
-        stress = self.steps[0]
-        verdict = "meets" if stress.met else "breaks"
-        text = f"{'≥ ' if self.at_least else ''}{self.contexts}"
-        parts = [f"stress at {stress.contexts}: {_latencies(stress)} {verdict} the SLO"]
+            return "not measured (no steady window judged)" + (f"; {burst_text}" if burst_text else "")
+        if self.measure == "burst":
+            return f"{'≥ ' if self.at_least else ''}{self.contexts} by burst admission " \
+                   f"(stored before steady windows: {_burst_steps(self)})"
+        text = f"{'≥ ' if self.at_least else ''}{self.contexts} sessions"
+        parts = []
         met = next((s for s in self.steps if s.met and s.contexts == self.contexts), None)
-        if met is not None and met is not stress:
-            parts.append(f"{met.contexts} meets it: {_latencies(met)}")
+        if met is not None:
+            parts.append(f"{met.contexts} meet the SLO: {_latencies(met)}")
         elif self.contexts == 0:
-            parts.append(f"no count measured meets it (below {self.broken_at})")
-        if self.broken_at is not None and self.broken_at != stress.contexts and self.contexts:
-            parts.append(f"{self.broken_at} breaks it")
-        return f"{text} ({'; '.join(parts)})"
+            parts.append(f"no session count measured meets the SLO (below {self.broken_at})")
+        broken = next((s for s in self.steps if not s.met and s.contexts == self.broken_at), None)
+        if broken is not None:
+            parts.append(f"{broken.contexts} break the SLO: {_latencies(broken)}")
+        line = f"{text} (steady window: {'; '.join(parts)})"
+        return f"{line}; {burst_text}" if burst_text else line
+
+
+def _burst_steps(capacity: SloCapacity) -> str:
+    """A stored burst-based figure's steps: ``burst at 8 breaks the SLO (...); 5 meets it (...)``."""
+    first = capacity.steps[0]
+    parts = [f"burst at {first.contexts}: {_latencies(first)} {'meets' if first.met else 'breaks'} the SLO"]
+    met = next((s for s in capacity.steps if s.met and s.contexts == capacity.contexts), None)
+    if met is not None and met is not first:
+        parts.append(f"{met.contexts} meets it: {_latencies(met)}")
+    return "; ".join(parts)
 
 
 def _latencies(step: SloStep) -> str:
-    """``p99 TTFT 31,285 ms [29,000-∞], ITL 6,154 ms over 8 requests``."""
+    """``p99 TTFT 31,285 ms [95 %: 29,000-∞], ITL 6,154 ms over 8 requests, SLO attainment 88 % [..]``."""
     parts = []
     if step.p99_ttft_ms is not None:
         interval = ""
@@ -482,7 +534,14 @@ def _latencies(step: SloStep) -> str:
         parts.append(f"p99 TTFT {step.p99_ttft_ms:,.0f} ms{interval}")
     if step.p99_itl_ms is not None:
         parts.append(f"ITL {step.p99_itl_ms:,.0f} ms")
-    return f"{', '.join(parts) or 'no latency'} over {step.completed} requests"
+    if step.p99_tpot_ms is not None:
+        parts.append(f"TPOT {step.p99_tpot_ms:,.0f} ms")
+    text = f"{', '.join(parts) or 'no latency'} over {step.completed} requests"
+    if step.attainment is not None:
+        text += f", SLO attainment {step.attainment:.0%}"
+        if step.attainment_low is not None and step.attainment_high is not None:
+            text += f" [95 %: {step.attainment_low:.0%}-{step.attainment_high:.0%}]"
+    return text
 
 
 class TrialRecord(BaseModel):

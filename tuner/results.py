@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
-from tuner.study.best import BestChoice, MetricDelta, capacity_label, choose_best, stored_policy
+from tuner.study.best import BestChoice, MetricDelta, admission_line, capacity_label, choose_best, stored_policy
 from tuner.study.decide.rungs import LEVER_NEUTRAL, rung_flags
 from tuner.study.hosts import REQUEUED_ATTR
 from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
@@ -63,7 +63,7 @@ _M = TypeVar("_M", bound=BaseModel)
 
 METRICS: Mapping[str, tuple[str, Literal["max", "min"]]] = MappingProxyType({
     "context_capacity": ("OOM-safe context capacity (requests)", "max"),
-    "slo_context_capacity": ("SLO-safe context capacity (requests)", "max"),
+    "slo_context_capacity": ("SLO-safe context capacity (sessions)", "max"),
     "token_capacity": ("token capacity (tokens)", "max"),
     "output_throughput_tok_s": ("output throughput (tok/s)", "max"),
     "goodput_req_s": ("goodput (req/s)", "max"),
@@ -745,6 +745,9 @@ def best_notes(chosen: TrialView, baseline: TrialView | None, basis: str) -> lis
     if rec is not None and rec.slo_capacity.limits:
         notes.append(f"trial {chosen.number}: OOM-safe context capacity {cell_int(rec.context_capacity)}, "
                      f"SLO-safe {rec.slo_capacity.describe()}")
+        admits = admission_line(rec)
+        if admits is not None:
+            notes.append(admits)
     base = baseline.record if baseline is not None else None
     if rec is not None and base is not None:
         old, new = base.measured_load.streams, rec.measured_load.streams

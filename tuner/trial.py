@@ -8,8 +8,10 @@ The ordered phases of a trial (one list, like SGLang's own pipeline), one method
              → token capacity, context capacity, headroom after graphs
     measure  warm-up and measured window of the configured workload (early stop when the SLO is
              clearly lost); skipped when the probe shows the candidate cannot matter
-    stress   the workload's worst case: the longest contexts at the highest concurrency the config
-             admits; a runtime OOM here makes the config infeasible
+    stress   the OOM stress: every longest context the config admits sent at once (a runtime OOM
+             here makes the config infeasible), judged by the SLO as the *burst admission*; then
+             the SLO-safe capacity: steady windows of closed-loop sessions started over a ramp
+             (:mod:`tuner.load.steady`), bracketed down from the OOM-safe capacity
     quality  a candidate whose numerics differ from the baseline's answers a fixed prompt set
              greedily, compared with the baseline's answers (:mod:`tuner.load.quality`; one probe per
              distinct numerics per study); the first start of the baseline's numerics records them
@@ -35,11 +37,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tuner.config import BudgetSection, TunerConfig
-from tuner.errors import ServerError, TunerError
+from tuner.errors import LoadError, ServerError, TunerError
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
 from tuner.load.metrics import LoadSummary, tier_hits_from_metrics
 from tuner.load.quality import ProbeAnswers, gate, probe_digest, quality_constraint, read_tasks, run_probe
 from tuner.load.search import bracket_level, context_slo, judge_contexts, slo_capacity
+from tuner.load.steady import session_workload
 from tuner.records import (
     CacheFacts,
     Constraints,
@@ -49,6 +52,7 @@ from tuner.records import (
     Prediction,
     QualityFacts,
     SloCapacity,
+    SloStep,
     TrialRecord,
     context_capacity,
 )
@@ -111,8 +115,9 @@ class LoadPlan:
     """One load phase as the trial asks for it (the measured window, or the stress load).
 
     Attributes:
-        name: ``measure`` or ``stress``.
-        workload: What to send (the configured workload, or a capacity probe for ``stress``).
+        name: ``measure``, ``stress`` (the burst) or ``steady`` (a steady window of sessions).
+        workload: What to send (the configured workload, a capacity probe for ``stress``, the
+            sessions' requests for ``steady``: :func:`tuner.load.steady.session_workload`).
         concurrency: Closed-loop streams, or the in-flight cap of an open loop.
         duration_s: Length of the measured window, seconds (after the warm-up).
         seed: Seed of the arrival process.
@@ -122,6 +127,8 @@ class LoadPlan:
         rate: Mean arrival rate, requests/s (open loop), or ``None`` (closed loop).
         max_requests: Measured requests to send at most, or ``None``.
         slo: The limits the summary's goodput and violations are judged by, or ``None``.
+        ramp_s: Closed-loop streams start staggered over this many seconds, inside ``warmup_s``
+            (:func:`tuner.load.run_load`'s ``ramp_s``); 0: together.
     """
 
     name: str
@@ -135,6 +142,7 @@ class LoadPlan:
     rate: float | None = None
     max_requests: int | None = None
     slo: SLO | None = None
+    ramp_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -972,9 +980,16 @@ class TrialExecutor:
         return _Measured(outcome=outcome, concurrency=concurrency, cache=cache, failure=failure, unmeasured=unmeasured)
 
     def _stress(self, job: TrialJob, probe: _Probe, measured: _Measured, on_phase: Callable[..., None]) -> _Stressed:
-        """Stress: the longest contexts at the highest admitted concurrency for ``stress_s``
-        seconds; failed when any request errored, the load was cut, or the server died. Not run
-        after a death under the measured load, without ``stress_s`` or without a capacity."""
+        """Stress, then the SLO-safe capacity.
+
+        The stress load (the OOM stress) sends every longest context the config admits at once for
+        ``stress_s``; it failed when any request errored, the load was cut, or the server died. Its
+        SLO verdict is the *burst admission*, reported beside the SLO-safe capacity, never as it.
+        The SLO-safe capacity is then bracketed on steady windows (:mod:`tuner.load.steady`): the
+        first at the stress load's count of sessions, each next one below the smallest count that
+        broke the SLO (:func:`tuner.load.search.bracket_level`), at most ``slo_capacity_steps``
+        more. Not run after a death under the measured load, without ``stress_s`` or without a
+        capacity."""
         budget = self.config.budget
         if measured.failure is not None or budget.stress_s <= 0 or not probe.capacity:
             return _Stressed()
@@ -985,35 +1000,33 @@ class TrialExecutor:
         failure = outcome.failure or _could_not_run("stress load", outcome)
         result = outcome.result
         failed = failure is not None or (result is not None and (result.summary.errored > 0 or result.partial))
-        steps = [] if failed or slo is None or result is None else [judge_contexts(result.summary, n, slo)]
-        while steps and failure is None and len(steps) <= budget.slo_capacity_steps:
-            # The stress load broke the SLO: bracket the count that still meets it (one load each).
+        burst = None if failed or slo is None or result is None else judge_contexts(result.summary, n, slo)
+        steps: list[SloStep] = []
+        k: int | None = n if burst is not None else None
+        while k is not None and failure is None and len(steps) <= budget.slo_capacity_steps:
+            assert slo is not None
+            step = self._steady_load(job, k, slo, on_phase, step=len(steps) + 1)
+            failure = step.failure  # a window that could not run leaves the capacity unmeasured, the config unjudged
+            if failure is not None or step.result is None or step.result.partial:
+                break
+            steps.append(judge_contexts(step.result.summary, k, slo))
+            # The window broke the SLO: bracket the count that still meets it (one window each).
             met = max((s.contexts for s in steps if s.met), default=None)
             broken = min((s.contexts for s in steps if not s.met), default=None)
             worst = max((v for s in steps if s.contexts == broken for v in s.violations.values()
                          if v is not None), default=None)
             k = bracket_level(met, broken, worst) if broken is not None else None
-            if k is None:
-                break
-            step = self._stress_load(job, k, slo, on_phase, step=len(steps))
-            failure = step.failure or _could_not_run("stress load", step)
-            if failure is not None or step.result is None or step.result.partial:
-                break
-            steps.append(judge_contexts(step.result.summary, k, slo or SLO()))
         basis = self.config.objective.capacity
         capacity = None if slo is None else slo_capacity(
-            steps, slo, capped=n < probe.capacity,
+            steps, slo, capped=n < probe.capacity, burst=burst,
             basis="oom_safe" if basis == "oom_safe" else "slo_safe")
         return _Stressed(outcome=outcome, failure=failure, failed=failed or failure is not None,
                          slo_capacity=capacity)
 
     def _stress_load(self, job: TrialJob, n: int, slo: SLO | None, on_phase: Callable[..., None], *,
                      step: int) -> LoadOutcome:
-        """``n`` requests of the longest context at once for ``stress_s`` (``step`` 0: the stress
-        load; 1, 2, ...: a bracketing step of the SLO-safe capacity), judged by ``slo``. Each step
-        draws its own prompts: with the stress load's, the server's radix cache would hold every
-        prompt of a smaller step already and its TTFT would measure a cache hit (a real run of the
-        reference twin saw p99 TTFT 72 ms at 3 × 32k after 15.7 s at 4)."""
+        """The burst: ``n`` requests of the longest context at once for ``stress_s``, judged by
+        ``slo`` (the OOM stress and the burst admission figure)."""
         budget = self.config.budget
         workload = capacity_probe(n, job.context_tokens, output_len=_stress_output_tokens(job.context_tokens),
                                   seed=self.config.study.seed + job.number + _STEP_SEED * step)
@@ -1021,6 +1034,29 @@ class TrialExecutor:
             name="stress", workload=workload, concurrency=n, duration_s=budget.stress_s, seed=self.config.study.seed,
             slo=slo, timeout_s=budget.stress_s * 4 + 120.0, request_timeout_s=max(60.0, budget.stress_s * 4),
         ), _load_ticks(on_phase, "stress", expected=n, duration_s=budget.stress_s))
+
+    def _steady_load(self, job: TrialJob, sessions: int, slo: SLO, on_phase: Callable[..., None], *,
+                     step: int) -> LoadOutcome:
+        """One steady window of ``sessions`` closed-loop sessions (:mod:`tuner.load.steady`): the
+        workload with ``[objective] longest_share`` of its requests at the longest context, started
+        over the ramp, ``warmup_s`` more of warm-up, ``stress_s`` measured. Each window draws its
+        own prompts (``step`` seeds them): with an earlier load's, the server's radix cache would
+        hold them already and its TTFT would measure a cache hit (a real run of the reference twin
+        saw p99 TTFT 72 ms at 3 × 32k after 15.7 s at 4)."""
+        budget = self.config.budget
+        window = budget.steady_window()
+        seed = self.config.study.seed + job.number + _STEP_SEED * step
+        base = build_workload(self.config.workload, seed=seed) if self._workload.spec is not None else self._workload
+        try:
+            workload = session_workload(base, job.context_tokens, self.config.objective.longest_share, sessions=sessions)
+        except LoadError as err:  # a resumed study's stored context its sessions never reach
+            return LoadOutcome(result=None, load_error=str(err))
+        limit_s = window.warmup_s + window.duration_s
+        return self.server.load(LoadPlan(
+            name="steady", workload=workload, concurrency=sessions, duration_s=window.duration_s,
+            warmup_s=window.warmup_s, ramp_s=window.ramp, seed=seed, slo=slo,
+            timeout_s=limit_s * 4 + 120.0, request_timeout_s=max(60.0, limit_s * 4),
+        ), _load_ticks(on_phase, "stress", expected=None, duration_s=limit_s))
 
     def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None]) -> QualityFacts:
         """Quality: the launch's numerics against the baseline's; a change is probed (after the

@@ -27,6 +27,7 @@ import optuna
 import pytest
 
 from tests.support.offline_server import OfflineExecutor
+from tests.support.scenarios import bench_capacity
 from tuner.config import TunerConfig
 from tuner.records import TrialRecord
 from tuner.study.job import TrialJob
@@ -83,7 +84,8 @@ def _config(name: str, levers: bool) -> TunerConfig:
         "service": {"launcher": "process", "command": item["command"]},
         "model": {"config_json": str(MODELS / item["model"] / "config.json")},
         "space": space, **_COMMON, "objective": {"context_tokens": item.get("context_tokens", 32768),
-                                             "capacity": "oom_safe"},  # the capacity the table reports
+                                             # the capacity the table reports (BENCH_CAPACITY=auto: the default objective)
+                                             "capacity": bench_capacity()},
     })
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import pytest
 
 from tests.support.offline_server import OfflineExecutor
-from tests.support.scenarios import scenarios, with_seed
+from tests.support.scenarios import bench_capacity, with_seed
+from tests.support.scenarios import scenarios as _all_scenarios
 from tuner.config import TunerConfig
 from tuner.load import build_workload
 from tuner.records import TrialRecord
@@ -39,6 +40,13 @@ from tuner.study.budget import reachable_slots
 from tuner.study.job import TrialJob
 from tuner.study.loop import run_study
 from tuner.study.space import Space
+
+
+def scenarios() -> dict[str, dict[str, Any]]:
+    """The search scenarios under the objective ``BENCH_CAPACITY`` names (default ``oom_safe``;
+    ``BENCH_CAPACITY=auto`` runs them under the default objective)."""
+    return _all_scenarios(bench_capacity())
+
 
 CHECKPOINTS = (5, 10, 20)
 LAUNCHES = max(CHECKPOINTS)

@@ -26,10 +26,11 @@ def test_show_states_both_capacities_and_the_stress_verdict(reference_offline_st
     broken = next(n for n, r in study.history if r.slo_capacity.stress is not None and not r.slo_capacity.stress.met)
     record = dict(study.history)[broken]
     text = _tuner("show", str(broken), "--storage", study.url, cwd=study.folder).stdout
-    assert f"OOM-safe {record.context_capacity}; SLO-safe {record.slo_capacity.contexts}" in text
-    assert f"stress load: {record.context_capacity} longest contexts at once break the SLO" in text
+    assert f"OOM-safe {record.context_capacity}; SLO-safe {record.slo_capacity.contexts} sessions" in text
+    assert f"burst admission (the OOM stress): {record.context_capacity} longest contexts at once break the SLO" in text
+    assert "admission: admits " in text
     assert "the study's objective used the SLO-safe capacity" in text
-    assert "SLO-safe context capacity (requests)" in text
+    assert "SLO-safe context capacity (sessions)" in text
 
 
 def test_best_says_which_capacity_ranked_and_holds_the_chosen_trial(reference_offline_study) -> None:
@@ -53,7 +54,8 @@ def test_trials_json_carries_the_slo_capacity_and_its_verdict(reference_offline_
     for row in launched:
         slo = row["slo_capacity"]
         assert row["slo_context_capacity"] == slo["contexts"] <= row["context_capacity"]
-        assert slo["stress_slo_met"] == slo["steps"][0]["met"] and row["objective_capacity"] == slo["contexts"]
+        assert slo["stress_slo_met"] == slo["burst"]["met"] and row["objective_capacity"] == slo["contexts"]
+        assert slo["measure"] == "steady"
         assert slo["limits"] == {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
     assert any(r["slo_capacity"]["stress_slo_met"] is False for r in launched)
 
@@ -63,19 +65,19 @@ def test_report_figures_draw_the_objective_capacity_and_the_bracketing_steps(ref
     stored = open_study(StudyLocation(storage_url=study.url))
     pareto = figures.pareto_figure(stored, best=study.best)
     assert not isinstance(pareto, str)
-    assert pareto.layout.xaxis.title.text == "SLO-safe context capacity (requests)"
+    assert pareto.layout.xaxis.title.text == "SLO-safe context capacity (sessions)"
     front = next(t for t in pareto.data if t.name == "Pareto front (feasible)")
     # both objectives maximized: drop first, then run right, so every corner lies below an attained point
     assert front.line.shape == "vh"
     assert list(front.x) == sorted(front.x) and list(front.y) == sorted(front.y, reverse=True)
     latency = figures.latency_figure(stored.trials, slo_ms={"ttft": 30000.0, "itl": 4000.0}, best=study.best)
     assert not isinstance(latency, str)
-    steps = [t for t in latency.data if t.name == "bracketing step (longest contexts)"]
+    steps = [t for t in latency.data if t.name == "steady window (sessions)"]
     assert steps and all(len(t.x) > 0 for t in steps)
     html = _tuner("report", "--storage", study.url, "-o", str(study.folder / "r.html"), cwd=study.folder)
     assert html.returncode == 0, html.stderr
     page = (study.folder / "r.html").read_text(encoding="utf-8")
-    assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (requests)" in page
+    assert "ranked by the SLO-safe context capacity" in page and "SLO-safe context capacity (sessions)" in page
 
 
 def _overlap(a: list[float], b: list[float]) -> bool:

@@ -1,9 +1,10 @@
-"""The SLO-safe context capacity beside the OOM-safe one (issue 28): measured by the stress phase and
-its bracketing steps on the simulator, told to Optuna and used by the best rule when an SLO is set;
+"""The SLO-safe context capacity beside the OOM-safe one (issue 28), measured on steady windows of
+closed-loop sessions with the burst admission beside it (issue 36) on the simulator, told to Optuna and used by the best rule when an SLO is set;
 and the choice among throughput ties (lower p99 latency, then fewer request slots, loads said)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tuner.config import load_config
 from tuner.load.metrics import quantile_interval
 from tuner.load.search import bracket_level
 from tuner.records import MeasuredLoad, PhaseResult, SloCapacity, SloStep, TrialRecord
-from tuner.study.best import choose_best
+from tuner.study.best import admission_line, binding_phase, choose_best
 from tuner.study.loop import run_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,22 +45,37 @@ def reference_study() -> tuple[OfflineExecutor, object]:
     return runner, summary
 
 
-def test_a_stress_load_that_breaks_the_slo_is_bracketed_to_the_count_that_meets_it(reference_study) -> None:
+def test_the_burst_breaks_the_slo_where_steady_sessions_of_the_same_count_hold_it(reference_study) -> None:
+    """Issue 36: the twin's burst of its OOM-safe capacity in 32k prompts at once breaks p99 ITL,
+    while as many closed-loop sessions started over a ramp hold the SLO in their steady window: the
+    SLO-safe capacity is the sessions' count, the burst admission reported beside it."""
     runner, _ = reference_study
-    broken = [(n, r) for n, r in runner.history if r.outcome == "ok" and r.slo_capacity.stress is not None
-              and not r.slo_capacity.stress.met]
-    assert broken, "the reference twin's stress load (the longest contexts at the capacity) breaks p99 ITL"
-    for _, record in broken:
+    records = [r for _, r in runner.history if r.outcome == "ok" and r.slo_capacity.burst is not None]
+    assert records
+    for record in records:
         slo = record.slo_capacity
-        assert slo.limits == {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
-        assert slo.stress.contexts == record.context_capacity
-        assert slo.contexts is not None and 0 < slo.contexts < record.context_capacity
+        assert slo.measure == "steady" and slo.limits == {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
+        assert slo.burst.contexts == record.context_capacity and not slo.burst.met
+        assert slo.steps[0].contexts == record.context_capacity  # the first window: the OOM-safe count
+        assert slo.contexts is not None and slo.contexts > 0
         met = next(s for s in slo.steps if s.contexts == slo.contexts)
-        assert met.met and met.completed == slo.contexts
+        assert met.met and met.completed >= slo.contexts
         assert all(v <= 0 for v in met.violations.values() if v is not None)
-        assert slo.broken_at is not None and slo.contexts < slo.broken_at <= record.context_capacity
         assert record.objective_capacity == slo.contexts and slo.basis == "slo_safe"
-        assert "breaks the SLO" in slo.describe() and f"{slo.contexts} meets it" in slo.describe()
+        assert "sessions (steady window:" in slo.describe() and "burst admission:" in slo.describe()
+    held = [r for r in records if r.slo_capacity.contexts == r.context_capacity]
+    assert held, "sessions of the burst's own count hold the SLO on some config"
+
+
+def test_a_record_stored_before_steady_windows_reads_as_burst_admission() -> None:
+    stored = {"limits": {"p99_ttft_ms": 30000.0}, "contexts": 3, "broken_at": 4, "basis": "slo_safe",
+              "steps": [{"contexts": 4, "completed": 4, "met": False, "p99_itl_ms": 4970.0},
+                        {"contexts": 3, "completed": 3, "met": True, "p99_itl_ms": 3100.0}]}
+    old = SloCapacity.model_validate(stored)
+    assert old.measure == "burst" and old.burst is not None and old.burst.contexts == 4
+    assert old.describe().startswith("3 by burst admission (stored before steady windows: burst at 4")
+    new = SloCapacity.model_validate(old.model_dump(mode="json"))
+    assert new.measure == "burst" and new == old
 
 
 def test_each_bracketing_step_sends_prompts_no_earlier_load_of_the_trial_sent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,17 +88,16 @@ def test_each_bracketing_step_sends_prompts_no_earlier_load_of_the_trial_sent(mo
     real = runner.offline.load
 
     def recording(plan, on_tick):  # noqa: ANN001, ANN202 - the server's own signature
-        if plan.name == "stress":
-            loads.append((plan.concurrency, [tuple(r.input_ids[:256]) for r in plan.workload.passes()]))
+        if plan.name in ("stress", "steady"):
+            sent = itertools.islice(plan.workload.passes(), max(64, 6 * plan.concurrency))
+            loads.append((plan.concurrency, [tuple(r.input_ids[:256]) for r in sent]))
         return real(plan, on_tick)
 
     monkeypatch.setattr(runner.offline, "load", recording)
     run_study(config, runner, max_trials=3, storage_url=":memory:")
-    bracketed = [r for _, r in runner.history if len(r.slo_capacity.steps) > 1]
-    assert bracketed and len(loads) > len(runner.history), "the reference twin's stress load breaks its SLO"
+    assert len(loads) >= 2 * len([r for _, r in runner.history if r.outcome == "ok"]), "a burst and a steady window each"
     prefixes = [p for _, prompts in loads for p in prompts]
     assert len(set(prefixes)) == len(prefixes), "a prompt was sent twice to one server"
-    assert [n for n, _ in loads] == [len(prompts) for _, prompts in loads]
 
 
 def test_with_an_slo_the_study_chooses_by_the_slo_safe_capacity(reference_study) -> None:
@@ -92,11 +107,9 @@ def test_with_an_slo_the_study_chooses_by_the_slo_safe_capacity(reference_study)
     feasible = [r for _, r in done if r.feasible and r.outcome == "ok"]
     assert summary.best.record.capacity("slo_safe") == max(r.capacity("slo_safe") or 0 for r in feasible)
     assert "SLO-safe context capacity" in summary.best.reason
-    # chosen by the OOM-safe capacity, the study would recommend a config whose stress load breaks the SLO
     by_oom = choose_best(done, capacity="oom_safe")
     assert by_oom is not None and by_oom.basis == "oom_safe"
-    assert by_oom.record.context_capacity > (by_oom.record.slo_capacity.contexts or 0)
-    assert not by_oom.record.slo_capacity.stress.met
+    assert not by_oom.record.slo_capacity.stress.met  # its burst breaks the SLO: never the SLO-safe figure
 
 
 def _record(cap: int, slo_cap: int | None, tput: float, *, ttft: float = 1000.0, mrr: int | None = None,
@@ -108,7 +121,7 @@ def _record(cap: int, slo_cap: int | None, tput: float, *, ttft: float = 1000.0,
         context_capacity=cap, output_throughput_tok_s=tput, p99_ttft_ms=ttft, p99_itl_ms=ttft / 10,
         constraints={**OK, "slo": slo}, measured_load=MeasuredLoad(streams=streams),
         phases=[PhaseResult(name="measure", duration_s=20.0, completed=completed)],
-        slo_capacity=SloCapacity(limits=limits, contexts=slo_cap, steps=steps, basis="slo_safe"),
+        slo_capacity=SloCapacity(limits=limits, contexts=slo_cap, steps=steps, basis="slo_safe", measure="steady"),
     )
 
 
@@ -141,3 +154,70 @@ def test_throughputs_measured_at_different_loads_are_said_so() -> None:
     assert "not at equal load" in choice.reason and "trial 1: 13" in choice.reason
     same = choose_best([(1, _record(23, 23, 53.7)), (2, _record(23, 23, 53.2, mrr=24))])
     assert "equal load" not in same.reason
+
+
+def _bound(cap: int, held: int, tput: float, *, broke: dict[str, float], measured: dict[str, float],
+           graphs: int | None = None) -> TrialRecord:
+    """A trial whose steady windows held the SLO at ``held`` sessions and broke it at ``held + 2``."""
+    limits = {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
+    steps = [SloStep(contexts=held + 2, completed=held + 2, violations=broke, met=False, **measured),
+             SloStep(contexts=held, completed=held, violations={k: -0.2 for k in limits}, met=True)]
+    record = _record(cap, held, tput)
+    resolved = {"cuda_graph_max_bs": {"value": graphs, "source": "server_info"}} if graphs else {}
+    return record.model_copy(update={"resolved": resolved, "slo_capacity": SloCapacity(
+        limits=limits, contexts=held, broken_at=held + 2, steps=steps, basis="slo_safe", measure="steady")})
+
+
+def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase() -> None:
+    queued = _bound(8, 6, 100.0, broke={"p99_ttft_ms": 0.59, "p99_itl_ms": -0.5}, measured={"p99_ttft_ms": 47600.0})
+    assert admission_line(queued) == (
+        "admits 8 longest contexts at once, holds the SLO up to 6 sessions (bound by prefill queueing (p99 TTFT "
+        "47,600 ms > 30,000 ms at 8 sessions: new prompts wait behind the others' prefills)): set "
+        "--max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT grows with the wait, "
+        "the 6 running keep the SLO)")
+    decode = _bound(8, 6, 100.0, broke={"p99_ttft_ms": -0.3, "p99_itl_ms": 0.24}, measured={"p99_itl_ms": 4970.0})
+    assert binding_phase(decode).startswith("decode step time (p99 ITL 4,970 ms > 4,000 ms at 8 sessions")
+    edge = _bound(48, 6, 100.0, broke={"p99_itl_ms": 0.1}, measured={"p99_itl_ms": 4400.0}, graphs=4)
+    assert binding_phase(edge).startswith("a graph-size edge (8 sessions exceed cuda_graph_max_bs 4")
+    held = _record(8, 8, 100.0)
+    assert admission_line(held).endswith("holds the SLO at 8 sessions: no admission limit needed")
+    none = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"contexts": 0})})
+    assert "holds the SLO at no session count measured (below 8)" in admission_line(none)
+    assert "loosen the SLO or choose another config" in admission_line(none)
+
+
+def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() -> None:
+    """fp8 KV + DP attention + the frontier give 8 → 48 longest contexts on the twin; where the SLO
+    holds no more sessions with them, the choice says which phase binds."""
+    base = _bound(8, 6, 100.0, broke={"p99_ttft_ms": -0.3, "p99_itl_ms": 0.24}, measured={"p99_itl_ms": 4970.0})
+    wide = _bound(48, 6, 90.0, broke={"p99_ttft_ms": -0.3, "p99_itl_ms": 0.3}, measured={"p99_itl_ms": 5200.0})
+    choice = choose_best([(0, base), (1, wide)])
+    assert choice.number == 0
+    assert ("trial 1 admits 48 longest contexts (vs 8) but holds the SLO at 6 sessions: bound by decode step "
+            "time (p99 ITL 5,200 ms > 4,000 ms at 8 sessions") in choice.reason
+    # a count capped by [budget] max_concurrency that held the SLO proves no bound: not named
+    capped = _record(18, 6, 90.0).model_copy(update={"slo_capacity": SloCapacity(
+        limits={"p99_ttft_ms": 30000.0}, contexts=6, at_least=True, basis="slo_safe", measure="steady",
+        steps=[SloStep(contexts=6, completed=6, met=True)])})
+    assert "admits 18" not in choose_best([(0, base), (2, capped)]).reason
+
+
+def test_capacity_beyond_the_concurrency_the_deployment_needs_does_not_outrank_throughput() -> None:
+    """A batch workload at 96 in flight: speculation off held 133 contexts, on 104 (both hold the 96
+    streams) at 39 % more throughput; capacity above 96 is capacity the traffic cannot use."""
+    spec_off = _record(133, 133, 61.0)
+    spec_on = _record(104, 104, 100.0)
+    assert choose_best([(1, spec_off), (2, spec_on)]).number == 1  # no concurrency named: capacity first
+    choice = choose_best([(1, spec_off), (2, spec_on)], concurrency=96)
+    assert choice is not None and choice.number == 2 and choice.concurrency == 96
+    assert ("capacities above the 96 concurrent sessions the deployment needs ([objective] concurrency) count as 96 "
+            "(trial(s) 1, 2): capacity the traffic cannot use does not outrank throughput") in choice.reason
+
+
+def test_the_concurrency_a_config_implies_is_the_objective_s(tmp_path: Path) -> None:
+    from tests.support.configs import config_copy
+
+    assert load_config(ROOT / "configs" / "reference-multiturn-sim.toml").objective.concurrency == 64  # num_sessions
+    assert load_config(ROOT / "configs" / "reference-sim.toml").objective.concurrency is None
+    batch = config_copy("reference-sim.toml", tmp_path, replace={"max_concurrency = 16": "max_concurrency = 16\nconcurrency = 96"})
+    assert load_config(batch).objective.concurrency == 96

@@ -123,9 +123,10 @@ def test_budget_estimate_and_fit() -> None:
     assert budget.trials_left(50.0) == 2
 
 
-def test_first_trial_estimate_counts_the_slo_bracketing_loads(tmp_path: Path) -> None:
-    """With an SLO (TTFT/ITL limits) a trial may add ``slo_capacity_steps`` bracketing loads of
-    ``stress_s`` each after a stress load that breaks it; the prior counts them, and only then."""
+def test_first_trial_estimate_counts_the_steady_windows(tmp_path: Path) -> None:
+    """With an SLO (TTFT/ITL limits) a trial measures its SLO-safe capacity on a steady window and
+    up to ``slo_capacity_steps`` bracketing ones, each a ramp, the warm-up and ``stress_s``
+    (issue 36); the prior counts them, and only then."""
     from tuner.config import load_config
     from tuner.load import SLO
     from tuner.study.budget import prior_trial_cost_s
@@ -133,18 +134,21 @@ def test_first_trial_estimate_counts_the_slo_bracketing_loads(tmp_path: Path) ->
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "reference-sim.toml")
     budget = config.budget
     assert config.slo.ttft_ms and budget.stress_s > 0 and budget.slo_capacity_steps == 2
+    window = budget.steady_window()
+    assert window.ramp == min(10.0, budget.stress_s / 2) and window.settle_s == budget.warmup_s
+    each = window.ramp + budget.warmup_s + budget.stress_s
     no_slo = config.model_copy(update={"slo": SLO()})
     base = min(config.service.start_timeout_s / 3, 600) + budget.warmup_s + budget.measure_s + budget.stress_s + 5
     assert prior_trial_cost_s(no_slo) == pytest.approx(base)
-    assert prior_trial_cost_s(config) == pytest.approx(base + 2 * budget.stress_s)
-    # the capacity basis does not matter: the trial brackets whenever the SLO sets a TTFT/ITL limit
+    assert prior_trial_cost_s(config) == pytest.approx(base + 3 * each)
+    # the capacity basis does not matter: the trial measures whenever the SLO sets a TTFT/ITL limit
     slo_safe = config.model_copy(update={"objective": config.objective.model_copy(update={"capacity": "slo_safe"})})
     assert prior_trial_cost_s(slo_safe) == prior_trial_cost_s(config)
     more = config.model_copy(update={"budget": budget.model_copy(update={"slo_capacity_steps": 5})})
-    assert prior_trial_cost_s(more) == pytest.approx(base + 5 * budget.stress_s)
+    assert prior_trial_cost_s(more) == pytest.approx(base + 6 * each)
     none = config.model_copy(update={"budget": budget.model_copy(update={"slo_capacity_steps": 0})})
-    assert prior_trial_cost_s(none) == pytest.approx(base)
-    # an E2E-only SLO is not judged on the stress load (short outputs), so nothing is bracketed
+    assert prior_trial_cost_s(none) == pytest.approx(base + each)
+    # an E2E-only SLO is not judged on the capacity windows, so none runs
     e2e = config.model_copy(update={"slo": SLO(e2e_latency_ms={"p99": 60000})})
     assert prior_trial_cost_s(e2e) == pytest.approx(base)
     # `run --dry-run` says so beside the estimate
@@ -153,7 +157,8 @@ def test_first_trial_estimate_counts_the_slo_bracketing_loads(tmp_path: Path) ->
 
     dry = run_tuner("run", "--config", str(config_copy("reference-sim.toml", tmp_path)), "--budget", "10m", "--dry-run",
                     cwd=tmp_path)
-    assert f"(with up to 2 SLO bracketing loads of {budget.stress_s:g} s)" in dry.stdout, dry.stdout + dry.stderr
+    assert (f"(with up to 3 steady windows of the SLO-safe capacity, ramp {window.ramp:g} s + warm-up "
+            f"{budget.warmup_s:g} s + window {budget.stress_s:g} s each)") in dry.stdout, dry.stdout + dry.stderr
 
 
 def test_slo_clearly_lost_only_after_enough_evidence() -> None:

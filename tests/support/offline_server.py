@@ -31,9 +31,10 @@ How the offline server stands in for the real one:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,7 @@ _COUNTERS = ("prompt_tokens_total", "cached_tokens_total", "load_back_tokens_tot
 """The engine counters ``/metrics`` exports that the trial reads (hit rates by tier)."""
 
 
-def _evaluate(argv: list[str], requests: Callable[[], list[SimRequest]], key: str, *, startup_lines: int = 0,
+def _evaluate(argv: list[str], requests: Callable[[], Iterable[SimRequest]], key: str, *, startup_lines: int = 0,
               **kwargs: Any) -> EvalResult:
     """:func:`evaluate`, memoized; ``requests`` is built only when the result is not known yet. A
     load keeps, of its engine lines (after the ``startup_lines`` of the start), every retraction
@@ -273,7 +274,8 @@ class OfflineServer:
         if self._startup is None:
             return LoadOutcome(result=None, load_error="the server is not running")
         startup_lines = len(self._startup.log_lines)
-        result = self._stress(plan, startup_lines) if plan.name == "stress" else self._window(plan, startup_lines)
+        result = (self._stress(plan, startup_lines) if plan.name == "stress" else
+                  self._steady(plan, startup_lines) if plan.name == "steady" else self._window(plan, startup_lines))
         self._lines.extend(result.log_lines)
         if self._counters is not None:
             for name in _COUNTERS:
@@ -296,6 +298,28 @@ class OfflineServer:
         return _noisy(_evaluate(self._argv, lambda: pool, key, startup_lines=startup_lines,
                                 concurrency=plan.concurrency, duration_s=plan.warmup_s + plan.duration_s,
                                 after=self._after), self._factor)
+
+    def _steady(self, plan: LoadPlan, startup_lines: int) -> EvalResult:
+        """A steady window of sessions: the closed loop started over the plan's ramp, its warm-up
+        excluded, cut at ``warmup_s + duration_s``. Its requests are drawn per call (a window's
+        prompts are its own, and longest prompts would fill memory if every window's were kept).
+        As the load generator's window, it holds at least ``concurrency`` sends and its requests
+        run to their end."""
+        n = self.pool_requests or max(64, 6 * plan.concurrency)
+        after: dict[str, str] = {}
+        key = f"steady|{plan.workload.describe()}|{n}"
+
+        def pool() -> Iterable[SimRequest]:
+            if plan.workload.has_dependencies:  # turns wait for turns: the whole pool, with their order
+                return _sim_requests(plan.workload, n, after)
+            return (SimRequest(rid=r.rid, input_ids=r.input_ids, max_new_tokens=r.max_new_tokens,
+                               prompt_class=r.prompt_class)
+                    for r in itertools.islice(plan.workload.passes(), n))  # drawn as the window sends them
+
+        return _noisy(_evaluate(self._argv, pool, key,
+                                startup_lines=startup_lines, concurrency=plan.concurrency,
+                                send_until_s=plan.warmup_s + plan.duration_s, min_measured=plan.concurrency,
+                                after=after, ramp_s=plan.ramp_s, measure_from_s=plan.warmup_s), self._factor)
 
     def _stress(self, plan: LoadPlan, startup_lines: int) -> EvalResult:
         """The stress load, every request to its end. The trial's stress workload is a capacity

@@ -42,7 +42,7 @@ def apply_cmd(
     from tuner import results
     from tuner.errors import ConfigError
     from tuner.report import tables
-    from tuner.study.best import max_running_requests_cut
+    from tuner.study.best import admission_line, max_running_requests_cut
 
     check_seconds(timeout_s, "--timeout-s")
     check_seconds(verify_s, "--verify-s", allow_zero=True, example="20")
@@ -69,6 +69,9 @@ def apply_cmd(
     cut = max_running_requests_cut(view.record, baseline.record if (baseline := stored.baseline()) else None) if view is not None else None
     if cut is not None:
         console.print(cut, markup=False, highlight=False, soft_wrap=True)
+    admits = admission_line(view.record) if view is not None else None
+    if admits is not None:
+        console.print(admits, markup=False, highlight=False, soft_wrap=True)
     if dry_run:
         return
     log.check_writable()  # before the confirmation and any change: an apply is never left unrecorded

@@ -128,7 +128,10 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     target_attainment: Annotated[float, typer.Option("--target-attainment", help="--max-under-slo: share of requests that must meet the SLO.")] = 0.9,
     slo: Annotated[str | None, typer.Option("--slo", help='limits, e.g. "p99_ttft_ms=2000,p99_itl_ms=100".')] = None,
     duration: Annotated[float | None, typer.Option("--duration", help="measured window, s (per level with --max-under-slo).")] = None,
-    warmup: Annotated[float | None, typer.Option("--warmup", help="unmeasured warm-up, s.")] = None,
+    warmup: Annotated[float | None, typer.Option("--warmup", help="unmeasured warm-up, s (after --ramp).")] = None,
+    ramp: Annotated[float | None, typer.Option("--ramp", help="closed loop: start the sessions staggered over this many s (warm-up, at most --duration): the steady window of the trial's SLO-safe capacity.")] = None,
+    longest_context: Annotated[int | None, typer.Option("--longest-context", help="replace a share of the requests by prompts of this context (input + output tokens), as the trial's steady window does.")] = None,
+    longest_share: Annotated[float, typer.Option("--longest-share", help="--longest-context: share of requests at it (0-1).")] = 1.0,
     cooldown: Annotated[float, typer.Option("--cooldown", help="unmeasured load while measured requests finish, s.")] = 0.0,
     max_requests: Annotated[int | None, typer.Option("--max-requests", help="measured requests to send.")] = None,
     request_timeout: Annotated[float, typer.Option("--request-timeout", help="limit per request, s.")] = 600.0,
@@ -143,7 +146,10 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
 
     Examples: `tuner load --url http://127.0.0.1:30000 --concurrency 64 --duration 60`;
     `tuner load --url URL --workload shared-prefix --rate 8 --duration 120 --json out.json`;
-    `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=2000" --duration 30`.
+    `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=2000" --duration 30`;
+    the SLO-safe sessions of a long-context deployment, as the trial measures them:
+    `tuner load --url URL --max-under-slo --slo "p99_ttft_ms=30000,p99_itl_ms=4000" --ramp 10
+    --duration 30 --longest-context 32768`.
     """
     import json
 
@@ -152,6 +158,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     from tuner.errors import ConfigError, LoadError
     from tuner.load import SLO, build_workload, find_max_under_slo_async, run_load
     from tuner.load.runner import run_sync
+    from tuner.load.steady import SteadyWindow, session_workload
     from tuner.load.workloads import spec_from_options
 
     if api not in ("generate", "completions"):
@@ -180,7 +187,15 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         "prompt_tokens": prompt_tokens, "send_text": send_text or None,
     })
     limits = SLO.parse(slo) if slo else None
+    if ramp is not None and (rate is not None or (max_under_slo and knob != "concurrency")):
+        raise ConfigError("--ramp staggers closed-loop sessions", hint="drop --ramp with --rate / --knob rate")
+    if ramp is not None and not max_under_slo and duration is None:
+        raise ConfigError("--ramp needs a measured window to keep the ramp out of", hint="add --duration S (>= --ramp)")
+    steady = None if ramp is None else SteadyWindow(
+        duration_s=duration or 30.0, ramp_s=ramp, settle_s=warmup or 0.0).check()
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
+    if longest_context is not None:
+        wl = session_workload(wl, longest_context, longest_share, where="--longest-context", sessions=concurrency)
 
     with Live(console=err_console, transient=True, refresh_per_second=4) as live:
         def tick(stats) -> None:  # noqa: ANN001 - LiveStats
@@ -201,11 +216,12 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
                 step_duration_s=duration or 30.0, warmup_s=warmup, time_budget_s=time_budget,
                 target_attainment=target_attainment, api=api, seed=seed,  # type: ignore[arg-type]
                 request_timeout_s=request_timeout, on_step=step_done, on_tick=tick,
-                transport=transport,  # type: ignore[arg-type]
+                transport=transport, ramp_s=ramp or 0.0,  # type: ignore[arg-type]
             ))
         else:
             result = run_sync(run_load(
-                url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness, warmup_s=warmup or 0.0,
+                url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness,
+                warmup_s=steady.warmup_s if steady is not None else warmup or 0.0, ramp_s=steady.ramp if steady else 0.0,
                 duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
                 slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
                 transport=transport,  # type: ignore[arg-type]
@@ -241,7 +257,17 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     if partial:
         raise typer.Exit(1)
     if max_under_slo and not found.answered:
-        raise LoadError(f"--max-under-slo reached no answer ({found.status}): {found.message}")
+        raise LoadError(f"--max-under-slo reached no answer ({found.status}): {found.message}",
+                        hint=_no_answer_hint(found.status))
     failure = None if max_under_slo else result.summary.failure(max_error_rate)
     if failure is not None:
         raise LoadError(failure)
+
+
+def _no_answer_hint(status: str) -> str | None:
+    """The fix for a search with no answer: an SLO no level meets names the SLO and the load per
+    session; the other statuses' messages name their own (``--duration``, ``--time-budget``)."""
+    if status != "none_pass":
+        return None
+    return ("no session count meets --slo: loosen it (a larger p99 limit), or send less per session "
+            "(a lower --longest-share or --longest-context, a shorter --output-len)")

@@ -186,8 +186,10 @@ class _Run:
         on_tick: Callable[[LiveStats], bool | None] | None,
         tick_s: float,
         timeout_s: float | None,
+        ramp_s: float = 0.0,
     ) -> None:
         self.client = client
+        self.ramp_s = ramp_s
         self.workload = workload
         self.plan = plan
         self.concurrency = concurrency
@@ -300,8 +302,11 @@ class _Run:
             task.add_done_callback(self.measured_tasks.discard)
         return task
 
-    async def _worker(self) -> None:
-        """Closed loop: send, wait for the answer, send the next."""
+    async def _worker(self, index: int = 0) -> None:
+        """Closed loop: send, wait for the answer, send the next; worker ``index`` of ``concurrency``
+        starts ``index / concurrency`` of the ramp after the run's start (staggered sessions)."""
+        if self.ramp_s > 0 and index:
+            await asyncio.sleep(self.ramp_s * index / max(1, self.concurrency or 1))
         while not self.plan.sending_stopped and self.fatal is None:
             request = self._next_request()
             if request is None:
@@ -383,7 +388,7 @@ class _Run:
         self.t0 = time.monotonic()
         closed = self.rate is None and not self.workload.has_arrivals
         drivers = (
-            [asyncio.get_running_loop().create_task(self._worker()) for _ in range(self.concurrency or 1)]
+            [asyncio.get_running_loop().create_task(self._worker(i)) for i in range(self.concurrency or 1)]
             if closed
             else [asyncio.get_running_loop().create_task(self._dispatcher(stop))]
         )
@@ -498,6 +503,7 @@ async def run_load(
     tick_s: float = 1.0,
     check_timeout_s: float = 30.0,
     transport: Transport = "raw",
+    ramp_s: float = 0.0,
 ) -> LoadResult:
     """Send ``workload`` to the server at ``url`` and measure it.
 
@@ -535,6 +541,10 @@ async def run_load(
         check_timeout_s: Limit for the 1-token server check before the run.
         transport: ``raw`` (the client's own HTTP/1.1 connections, least CPU per token) or
             ``aiohttp``; ``https://`` URLs always use aiohttp (:class:`StreamClient`).
+        ramp_s: Closed loop: the workers start staggered over this many seconds (worker ``i`` of
+            ``concurrency`` at ``i × ramp_s / concurrency``), as sessions arrive one after another;
+            0 starts them together. Put the ramp inside ``warmup_s`` to keep it out of the window
+            (:mod:`tuner.load.steady` does).
 
     Returns:
         The :class:`LoadResult`; its ``summary`` covers the measured window only.
@@ -544,6 +554,8 @@ async def run_load(
             (a crash during the run returns a ``partial`` result instead).
     """
     _validate(workload, concurrency, rate, duration_s, max_requests, request_timeout_s, timeout_s)
+    if not ramp_s >= 0:
+        raise LoadError(f"--ramp {ramp_s:g} s is out of range", hint="use --ramp >= 0 seconds")
     if min_measured is None:
         closed = rate is None and not workload.has_arrivals
         min_measured = (max(1, concurrency or 1) if closed else 1) if duration_s is not None else 0
@@ -557,7 +569,7 @@ async def run_load(
         await client.check(timeout_s=check_timeout_s)
         run = _Run(
             client, workload, plan, concurrency=concurrency, rate=rate, burstiness=burstiness, seed=seed,
-            one_pass=one_pass, on_tick=on_tick, tick_s=tick_s, timeout_s=timeout_s,
+            one_pass=one_pass, on_tick=on_tick, tick_s=tick_s, timeout_s=timeout_s, ramp_s=ramp_s,
         )
         stopped_early, reason, partial = await run.execute()
     records = sorted(run.records, key=lambda r: r.send_time_s)
@@ -573,7 +585,7 @@ async def run_load(
         workload=workload.describe(),
         settings={
             "url": client.base_url, "api": api, "concurrency": concurrency, "rate": rate, "burstiness": burstiness,
-            "warmup_s": warmup_s, "duration_s": duration_s, "max_requests": max_requests, "cooldown_s": cooldown_s,
+            "warmup_s": warmup_s, "ramp_s": ramp_s, "duration_s": duration_s, "max_requests": max_requests, "cooldown_s": cooldown_s,
             "min_measured": min_measured,
             "mode": "open" if rate else ("trace" if workload.has_arrivals else "closed"),
             "transport": client.transport,

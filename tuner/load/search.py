@@ -37,6 +37,7 @@ from tuner.errors import LoadError
 from tuner.load.client import Api, Transport
 from tuner.load.metrics import SLO, LoadSummary, slo_violations
 from tuner.load.runner import LiveStats, LoadResult, run_load, run_sync
+from tuner.load.steady import SteadyWindow
 from tuner.load.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, TraceSpec, Workload, build_workload
 from tuner.records import CapacityBasis, SloCapacity, SloStep
 
@@ -144,39 +145,51 @@ def context_slo(slo: SLO) -> SLO | None:
 
 
 def judge_contexts(summary: LoadSummary, contexts: int, slo: SLO) -> SloStep:
-    """One load of ``contexts`` longest-context requests judged against ``slo``
-    (:func:`context_slo`): met when every limit holds (:func:`tuner.load.metrics.slo_violations`),
-    something completed and nothing errored."""
+    """One load judged against ``slo`` (:func:`context_slo`): a steady window of ``contexts``
+    closed-loop sessions (:mod:`tuner.load.steady`) or a burst of ``contexts`` longest prompts.
+
+    Met when every limit holds (:func:`tuner.load.metrics.slo_violations`), something completed and
+    nothing errored. The step carries the p99 TTFT / ITL / TPOT, their 95 % intervals where the
+    window bounds them, and the SLO attainment with its Wilson interval (:func:`wilson_interval`).
+    """
     fields = summary.model_dump()
     violations = slo_violations(slo, fields)
     met = (summary.completed > 0 and summary.errored == 0
            and all(v is not None and v <= 0 for v in violations.values()))
+    judged = summary.completed + summary.errored
+    low, high = ((None, None) if not judged or summary.slo_attainment is None
+                 else wilson_interval(round(summary.slo_attainment * judged), judged))
     return SloStep(contexts=contexts, completed=summary.completed, p99_ttft_ms=summary.p99_ttft_ms,
                    p99_itl_ms=summary.p99_itl_ms, p99_ttft_low_ms=summary.p99_ttft_low_ms,
-                   p99_ttft_high_ms=summary.p99_ttft_high_ms, violations=violations, met=met)
+                   p99_ttft_high_ms=summary.p99_ttft_high_ms, p99_itl_low_ms=summary.p99_itl_low_ms,
+                   p99_itl_high_ms=summary.p99_itl_high_ms, p99_tpot_ms=summary.p99_tpot_ms,
+                   attainment=summary.slo_attainment, attainment_low=low, attainment_high=high,
+                   violations=violations, met=met)
 
 
-def slo_capacity(steps: list[SloStep], slo: SLO, *, capped: bool, basis: CapacityBasis) -> SloCapacity:
-    """The SLO-safe context capacity from the judged loads (the stress phase first).
+def slo_capacity(steps: list[SloStep], slo: SLO, *, capped: bool, basis: CapacityBasis,
+                 burst: SloStep | None = None) -> SloCapacity:
+    """The SLO-safe capacity from the judged steady windows (the first at the OOM-safe capacity).
 
     Args:
-        steps: Every judged load, in order (empty: none judged).
+        steps: Every judged steady window, in order (empty: none judged).
         slo: The limits judged (:func:`context_slo`).
-        capped: The stress load ran fewer contexts than the OOM-safe capacity (``[budget]
+        capped: The first window ran fewer sessions than the OOM-safe capacity (``[budget]
             max_concurrency``).
         basis: The capacity the study's objective uses (:data:`tuner.records.CapacityBasis`).
+        burst: The burst admission (the stress load judged by ``slo``), reported beside.
 
     Returns:
-        ``contexts``: the largest count that met the limits (0 when none did, ``None`` with no
-        step); ``broken_at``: the smallest that broke them.
+        ``contexts``: the largest session count that met the limits (0 when none did, ``None``
+        with no window); ``broken_at``: the smallest that broke them.
     """
     limits = {f"{key}_{metric}_ms": limit for metric, key, limit in slo.items()}
     if not steps:
-        return SloCapacity(limits=limits, basis=basis)
+        return SloCapacity(limits=limits, basis=basis, burst=burst, measure="steady")
     met = [s.contexts for s in steps if s.met]
     broken = [s.contexts for s in steps if not s.met]
     return SloCapacity(limits=limits, contexts=max(met) if met else 0, broken_at=min(broken) if broken else None,
-                       at_least=capped and steps[0].met, steps=steps, basis=basis)
+                       at_least=capped and steps[0].met, steps=steps, basis=basis, burst=burst, measure="steady")
 
 
 class SearchStep(BaseModel):
@@ -351,6 +364,7 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
     on_step: Callable[[SearchStep], None] | None = None,
     on_tick: Callable[[LiveStats], bool | None] | None = None,
     transport: Transport = "raw",
+    ramp_s: float = 0.0,
 ) -> MaxLoadResult:
     """Find the highest concurrency (or rate) whose SLO attainment meets ``target_attainment``.
 
@@ -373,6 +387,9 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
         on_step: Called after every level with its :class:`SearchStep`.
         on_tick: Passed to every level's run (live statistics; returning True stops that level).
         transport: The client transport (``raw`` or ``aiohttp``, see :class:`tuner.load.client.StreamClient`).
+        ramp_s: ``concurrency``: each level's sessions start staggered over this many seconds
+            before its warm-up, the steady window's ramp (:class:`tuner.load.steady.SteadyWindow`;
+            at most ``step_duration_s``).
 
     Returns:
         The :class:`MaxLoadResult`.
@@ -392,8 +409,12 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
             f"start={start}, max_value={max_value}, step_duration_s={step_duration_s} are invalid",
             hint="use 0 < start <= max_value and positive durations",
         )
+    if ramp_s and knob != "concurrency":
+        raise LoadError("--ramp staggers closed-loop sessions", hint="drop --ramp with --knob rate")
+    window = SteadyWindow(duration_s=step_duration_s, ramp_s=ramp_s,
+                          settle_s=min(5.0, step_duration_s / 5) if warmup_s is None else warmup_s).check()
     wl = workload if isinstance(workload, Workload) else build_workload(workload, seed=seed)
-    warm = min(5.0, step_duration_s / 5) if warmup_s is None else warmup_s
+    warm = window.warmup_s
     integer = knob == "concurrency"
     began = time.monotonic()
     steps: list[SearchStep] = []
@@ -409,7 +430,7 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
             url, wl,
             concurrency=int(value) if integer else None,
             rate=None if integer else value,
-            warmup_s=warm, duration_s=window_s, api=api, slo=slo, seed=seed,
+            warmup_s=warm, ramp_s=window.ramp, duration_s=window_s, api=api, slo=slo, seed=seed,
             on_tick=watch if watch is not None else on_tick,
             request_timeout_s=request_timeout_s, timeout_s=max(left(), 1.0),
             tick_s=min(1.0, max(0.2, window_s / 10)), transport=transport,

@@ -539,8 +539,8 @@ def latency_figure(trials: Sequence[TrialView], *, slo_ms: Mapping[str, float | 
                 if (line := _stress_verdict(v, role, slo_ms))]
     fig.update_layout(
         title=f"Latency against load (each trial's measure and stress phases; {known})<br>"
-              "<sup>a stress point above the SLO: its OOM-safe capacity breaks the SLO; triangles: the longest "
-              "contexts at fewer requests, the SLO-safe capacity the largest that meets it"
+              "<sup>a stress point above the SLO: the burst of its OOM-safe capacity breaks the SLO; triangles: "
+              "steady windows of sessions, the SLO-safe capacity the largest that meets it"
               + "".join(f"<br>{html.escape(line, quote=False)}" for line in verdicts) + "</sup>",
         title_y=0.98, title_yanchor="top",  # the subtitle's lines above the panels' own titles
         height=540 + 24 * len(verdicts), margin={"t": 130 + 24 * len(verdicts)},
@@ -564,23 +564,28 @@ def _stress_verdict(view: TrialView, role: str, slo_ms: Mapping[str, float | Non
     if not parts and record.slo_capacity.stress is not None:
         parts.append(f"SLO {'met' if record.slo_capacity.stress.met else 'broken'}")
     safe = record.slo_capacity.contexts
-    return (f"{role} #{view.number}: stress load " + "; ".join(parts)
+    return (f"{role} #{view.number}: burst admission " + "; ".join(parts)
             + (f"; SLO-safe {safe}" if safe is not None else "")) if parts else ""
 
 
+def _windows(capacity: Any) -> list[Any]:
+    """The SLO-safe capacity's judged windows: every steady one, or a burst-based figure's steps after its burst."""
+    return list(capacity.steps) if capacity.measure == "steady" else list(capacity.steps[1:])
+
+
 def _bracket_trace(fig: go.Figure, trials: Sequence[TrialView], metric: str, col: int, best: int | None) -> None:
-    """The SLO-safe capacity's bracketing loads (the longest contexts at fewer requests than the
-    stress load) of each trial, at the count sent at once, met (filled) or broken (open)."""
-    steps = [(v, s) for v in trials if v.record is not None for s in v.record.slo_capacity.steps[1:]
+    """The SLO-safe capacity's steady windows of each trial (a stored burst-based figure's
+    bracketing loads), at their session count, met (filled) or broken (open)."""
+    steps = [(v, s) for v in trials if v.record is not None for s in _windows(v.record.slo_capacity)
              if getattr(s, metric) is not None]
     if not steps:
         return
     fig.add_trace(go.Scatter(
         x=[s.contexts for _, s in steps], y=[getattr(s, metric) for _, s in steps],
-        mode="markers", name="bracketing step (longest contexts)", legendgroup="bracket", showlegend=col == 1,
+        mode="markers", name="steady window (sessions)", legendgroup="bracket", showlegend=col == 1,
         marker={"symbol": ["triangle-down" if s.met else "triangle-down-open" for _, s in steps], "size": 11,
                 "color": [BEST_COLOR if v.number == best else "#6c757d" for v, _ in steps]},
-        hovertext=[html.escape(f"trial {v.number}: {s.contexts} longest contexts at once, {getattr(s, metric):,.0f} ms "
+        hovertext=[html.escape(f"trial {v.number}: {s.contexts} sessions, {getattr(s, metric):,.0f} ms "
                                f"over {s.completed} requests: {'meets' if s.met else 'breaks'} the SLO")
                    for v, s in steps], hoverinfo="text"), row=1, col=col)
 

@@ -79,7 +79,7 @@ class PrometheusTextfile:
                                    "Context capacity (requests) of this run's best feasible trial so far.",
                                    registry=reg)
         self.best_slo_capacity = Gauge("sglang_tuner_best_slo_context_capacity",
-                                       "SLO-safe context capacity (requests) of that trial (-1: not measured).",
+                                       "SLO-safe context capacity (sessions) of that trial (-1: not measured).",
                                        registry=reg)
         self.best_slo_capacity.set(-1)
         self.best_tput = Gauge("sglang_tuner_best_output_throughput_tok_s",

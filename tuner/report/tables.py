@@ -35,7 +35,7 @@ from tuner.results import (
     lever_lines,
     status_text,
 )
-from tuner.study.best import max_running_requests_cut
+from tuner.study.best import admission_line, max_running_requests_cut
 from tuner.study.space import KNOBS
 from tuner.study.storage import display_url
 from tuner.study.warm import WARM_ATTR
@@ -191,7 +191,7 @@ def trials_table(trials: Sequence[TrialView], *, title: str | None = None) -> Ta
     table = Table(
         title=title,
         caption=f"{legend}; latencies in ms; ctx cap: longest contexts that fit without OOM, SLO cap: "
-                "those in flight at which the SLO's p99 still holds (measured), both in requests",
+                "closed-loop sessions at which the SLO's p99 still holds in a steady window (measured)",
         header_style="bold",
         box=box.SIMPLE_HEAD,
         padding=(0, 0),  # the box's column separator is the one space between columns: fits 80 columns
@@ -427,16 +427,21 @@ def trial_detail(stored: StoredStudy, view: TrialView) -> Group:  # noqa: C901 -
 
 
 def _capacity_text(rec: Any) -> Text:
-    """Both context capacities, the stress load's SLO verdict and which one the objective used."""
+    """Both context capacities, the burst admission's SLO verdict, what the config admits against
+    what holds the SLO, and which capacity the objective used."""
     slo = rec.slo_capacity
     text = Text("context capacity: ", style="bold")
     text.append(f"OOM-safe {cell(rec.context_capacity)}; SLO-safe {slo.describe()}")
     stress = slo.stress
     if stress is not None:
-        text.append("\nstress load: ", style="bold")
+        text.append("\nburst admission (the OOM stress): ", style="bold")
         text.append(f"{stress.contexts} longest contexts at once "
                     + ("meet the SLO" if stress.met else "break the SLO"),
                     "green" if stress.met else "yellow")
+    admits = admission_line(rec)
+    if admits is not None:
+        text.append("\nadmission: ", style="bold")
+        text.append(admits)
     label = "SLO-safe" if slo.basis == "slo_safe" else "OOM-safe"
     text.append(f"\nthe study's objective used the {label} capacity ({cell(rec.objective_capacity)})")
     return text
@@ -703,7 +708,7 @@ def best_vs_baseline_table(chosen: BestTrial) -> Table:
         table.add_column(column, justify="right" if column else "left")
     rows = [
         ("OOM-safe context capacity (requests)", "context_capacity", "d"),
-        ("SLO-safe context capacity (requests)", "slo_context_capacity", "d"),
+        ("SLO-safe context capacity (sessions)", "slo_context_capacity", "d"),
         ("token capacity (tokens)", "token_capacity", "d"),
         ("output throughput (tok/s)", "output_throughput_tok_s", ".0f"),
         ("p99 TTFT (ms)", "p99_ttft_ms", ".0f"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import math
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tuner.sim.clock import VirtualClock
@@ -164,12 +164,16 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def evaluate(
     argv: list[str],
-    requests: Sequence[SimRequest],
+    requests: Iterable[SimRequest],
     *,
     concurrency: int | None = None,
     duration_s: float | None = None,
     max_steps: int = 5_000_000,
     after: Mapping[str, str] | None = None,
+    ramp_s: float = 0.0,
+    measure_from_s: float = 0.0,
+    send_until_s: float | None = None,
+    min_measured: int = 0,
 ) -> EvalResult:
     """Start a simulated server from ``argv`` and run ``requests`` through it on virtual time.
 
@@ -178,12 +182,19 @@ def evaluate(
         requests: The workload. Open loop (``concurrency`` None): each request arrives at its
             ``arrival_s`` (seconds from the start). Closed loop: ``concurrency`` requests are in
             flight at once, in order, each next one sent when one finishes; ``arrival_s`` is
-            ignored.
+            ignored; without ``after`` it may be an iterator, drawn as requests are sent.
         concurrency: Closed-loop concurrency, or None for open loop.
         duration_s: Stop after this much simulated time (a measured window); None runs to the end.
         max_steps: Safety bound on engine steps.
         after: rid → rid of a request that must finish first (the previous turn of a
             conversation); closed loop only: a request waits, and the next one that may go is sent.
+        ramp_s: Closed loop: the ``concurrency`` streams start staggered over this many seconds
+            (stream ``i`` at ``i × ramp_s / concurrency``), as the load generator's ramp does.
+        measure_from_s: Latencies, throughputs and counts cover only the requests sent at or after
+            this time (the warm-up before it is excluded, bench_serving's definition, §6.1).
+        send_until_s: Closed loop: no request is sent after this time (once ``min_measured``
+            were sent at or after ``measure_from_s``); the requests in flight run to their end,
+            as the load generator's measured window does (:class:`tuner.load.arrivals.PhasePlan`).
 
     Returns:
         The startup outcome and the workload metrics.
@@ -207,24 +218,33 @@ def evaluate(
     if sized.engine_spec is None:
         return EvalResult(started=False, startup_failure=sized.failure, runtime_oom=False, log_lines=logs, **base)
     base["host_pool_bytes_per_rank"] = sized.hicache_host_bytes
-    return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps, dict(after or {}))
+    return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps, dict(after or {}),
+                ramp_s=ramp_s, measure_from_s=measure_from_s, send_until_s=send_until_s, min_measured=min_measured)
 
 
 def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
     spec: EngineSpec,
-    requests: Sequence[SimRequest],
+    requests: Iterable[SimRequest],
     logs: list[str],
     base: dict,
     concurrency: int | None,
     duration_s: float | None,
     max_steps: int,
     after: dict[str, str] | None = None,
+    *,
+    ramp_s: float = 0.0,
+    measure_from_s: float = 0.0,
+    send_until_s: float | None = None,
+    min_measured: int = 0,
 ) -> EvalResult:
     """Drive an engine over the workload on a virtual clock and summarise it."""
     engine = Engine(spec, logs.append)
     clock = VirtualClock()
     closed = concurrency is not None
-    pending = list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s)
+    # A closed loop without turns draws its requests as it sends them (a steady window's pool may
+    # be an iterator: only what the window sends is built).
+    source = iter(requests) if closed and not after else None
+    pending = [] if source is not None else (list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s))
     n = len(pending)
     nxt = 0
     # rid -> [arrival_s, first_token_s, last_token_s, output tokens]
@@ -242,8 +262,10 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     queue = list(pending) if closed and after else []
     finished_rids: set[str] = set()
 
+    measured_sent = 0
+
     def submit(req: SimRequest, at_s: float) -> bool:
-        nonlocal rejected
+        nonlocal rejected, measured_sent
         try:
             engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s,
                                           req.prompt_class))
@@ -252,21 +274,37 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
             return False
         timing[req.rid] = [at_s, -1.0, at_s, 0]
+        if at_s >= measure_from_s:
+            measured_sent += 1
         return True
+
+    def streams(at_s: float) -> int:
+        """Closed-loop streams started by ``at_s`` (all of them without a ramp)."""
+        if ramp_s <= 0:
+            return concurrency or 0
+        return min(concurrency or 0, math.floor(at_s * (concurrency or 0) / ramp_s + 1e-9) + 1)
 
     steps = 0
     while steps < max_steps:
         now = clock.now_s()
         if duration_s is not None and now >= duration_s:
             break
+        active = streams(now) if closed else 0
+        if send_until_s is not None and now >= send_until_s and measured_sent >= min_measured:
+            active = 0  # the window is over: no more sends, the requests in flight finish
         if closed and after:
-            while in_flight < concurrency and queue:  # type: ignore[operator]
+            while in_flight < active and queue:
                 ready = next((i for i, q in enumerate(queue) if after.get(q.rid) in (None, *finished_rids)), None)
                 if ready is None:
                     break  # every waiting turn waits for a turn in flight
                 in_flight += submit(queue.pop(ready), now)
         elif closed:
-            while in_flight < concurrency and nxt < n:  # type: ignore[operator]
+            while in_flight < active:
+                if nxt >= n and source is not None and (drawn := next(source, None)) is not None:
+                    pending.append(drawn)
+                    n += 1
+                if nxt >= n:
+                    break
                 in_flight += submit(pending[nxt], now)
                 nxt += 1
         else:
@@ -285,10 +323,14 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             break
         steps += 1
         if dur == 0.0 and not token_reqs and not finished:  # idle: the engine never stalls (it aborts)
-            if closed and after and queue and any(after.get(q.rid) in (None, *finished_rids) for q in queue):
+            if closed and after and active and queue and any(after.get(q.rid) in (None, *finished_rids) for q in queue):
                 continue
             if not closed and nxt < n:
                 clock.advance_to(pending[nxt].arrival_s)
+                continue
+            more = bool(queue) or nxt < n or source is not None  # an iterator's end shows at the next draw
+            if closed and 0 < active < (concurrency or 0) and more:  # the next stream's start
+                clock.advance_to(active * ramp_s / (concurrency or 1))
                 continue
             break
         clock.sleep(dur)
@@ -299,14 +341,16 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             if not k:
                 continue
             rec = timing[r.rid]
+            measured = rec[0] >= measure_from_s
             if rec[1] < 0:
                 rec[1] = t
-                ttfts.append(t - rec[0])
-            else:
+                if measured:
+                    ttfts.append(t - rec[0])
+            elif measured:
                 itls.append((t - rec[2]) / k)
             rec[2] = t
             rec[3] += k
-            total_out += k
+            total_out += k if measured else 0
         for r in finished:
             in_flight -= 1
             finished_rids.add(r.rid)
@@ -314,11 +358,13 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             if r.finish_reason["type"] == "abort":  # the pool can never admit it (§1.4)
                 rejected += 1
                 continue
+            if rec[0] < measure_from_s:
+                continue
             e2es.append(t - rec[0])
             if rec[3] > 1 and rec[1] >= 0:
                 tpots.append((t - rec[1]) / (rec[3] - 1))
     end_s = clock.now_s() if duration_s is None else min(duration_s, max(clock.now_s(), last_event_s))
-    span = max(end_s, 1e-9)
+    span = max(end_s - min(measure_from_s, end_s), 1e-9)
     stats = engine.stats()
     ms = 1e3
     return EvalResult(

@@ -30,6 +30,8 @@ __all__ = [
     "override_policy",
     "MRR_CUT_RATIO",
     "max_running_requests_cut",
+    "admission_line",
+    "binding_phase",
     "band_floor",
     "probe_floor",
 ]
@@ -48,6 +50,8 @@ class BestChoice(BaseModel):
         noise_measured: Whether :attr:`noise` was measured from re-measured configs
             (:func:`measured_noise`) rather than ``[objective] throughput_noise``.
         basis: Which context capacity the choice ranked by (:func:`capacity_basis`).
+        concurrency: The concurrent sessions the deployment needs (``[objective] concurrency``):
+            capacities above it counted as it, or ``None``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -59,6 +63,7 @@ class BestChoice(BaseModel):
     noise: float | None = None
     noise_measured: bool = False
     basis: CapacityBasis = "oom_safe"
+    concurrency: int | None = None
 
 
 LATENCY_TIE = 0.05
@@ -140,6 +145,7 @@ def choose_best(
     capacity_tolerance: float = 0.05,
     throughput_noise: float = 0.03,
     capacity: str = "auto",
+    concurrency: int | None = None,
 ) -> BestChoice | None:
     """Pick "best" among feasible, fully measured trials by the configured policy.
 
@@ -163,6 +169,10 @@ def choose_best(
         capacity_tolerance: Relative capacity band of ``throughput_within_capacity`` (0.05 = 5 %).
         throughput_noise: Relative throughput margin of ``throughput_within_capacity`` treated as
             a tie (0.03 = 3 %), or the measured spread when larger.
+        capacity: ``[objective] capacity``: ``auto``, ``slo_safe`` or ``oom_safe``.
+        concurrency: The concurrent sessions the deployment needs (``[objective] concurrency``):
+            a capacity above it counts as it, so capacity the traffic cannot use does not outrank
+            throughput (the reason says so when it decided); ``None``: no cap.
 
     Returns:
         The choice, or ``None`` when no trial is feasible.
@@ -176,8 +186,9 @@ def choose_best(
         return None
     pool = _by_config(measured)
     basis = capacity_basis(capacity, [r for _, r in measured])
-    cap = lambda r: r.capacity(basis)  # noqa: E731
+    cap = lambda r: _needed(r.capacity(basis), concurrency)  # noqa: E731
     label = capacity_label(basis)
+    unit = "sessions" if basis == "slo_safe" else "requests"
     noise_measured = measured_noise(measured)
     if noise_measured is not None:  # the measured spread, never tighter than the configured margin
         throughput_noise = max(throughput_noise, noise_measured)
@@ -189,7 +200,7 @@ def choose_best(
         reason = f"highest output throughput ({tput(record):.1f} tok/s) among feasible trials"
     elif policy == "max_capacity":
         number, record = max(pool, key=lambda p: (cap(p[1]) or 0, tput(p[1]), -p[0]))
-        reason = f"highest {label} ({cap(record)} requests) among feasible trials"
+        reason = f"highest {label} ({cap(record)} {unit}) among feasible trials"
     else:
         floor = math.ceil(top_capacity * (1.0 - capacity_tolerance) - 1e-9)
         band = [p for p in pool if (cap(p[1]) or 0) >= floor]
@@ -198,7 +209,7 @@ def choose_best(
         (number, record), decided = _tie_break(ties, cap)
         among = (
             f"among the {len(band)} feasible trial(s) within {capacity_tolerance:.0%} of the best "
-            f"{label} ({top_capacity} requests)"
+            f"{label} ({top_capacity} {unit})"
         )
         if number == fastest_number:
             reason = f"highest output throughput ({tput(record):.1f} tok/s) {among}"
@@ -209,7 +220,7 @@ def choose_best(
                 )
         elif decided is None:
             reason = (
-                f"highest {label} ({cap(record)} requests) of the {len(ties)} "
+                f"highest {label} ({cap(record)} {unit}) of the {len(ties)} "
                 f"trial(s) whose output throughput is within the {throughput_noise:.0%} noise margin "
                 f"of the highest ({tput(fastest):.1f} tok/s, trial {fastest_number}; this one "
                 f"{tput(record):.1f} tok/s), {among}"
@@ -233,8 +244,48 @@ def choose_best(
                        f"±{throughput_noise:.1%}, the spread measured on re-measured configs)")
     if record.windows > 1:
         reason += f"; its throughput is the mean of {record.windows} measured windows"
+    reason += _capacity_notes(pool, number, record, basis, None if policy == "max_throughput" else concurrency)
     return BestChoice(number=number, record=record, reason=reason, tied=tied, noise=throughput_noise,
-                      noise_measured=noise_measured is not None, basis=basis)
+                      noise_measured=noise_measured is not None, basis=basis, concurrency=concurrency)
+
+
+def _capacity_notes(pool: Sequence[tuple[int, TrialRecord]], number: int, record: TrialRecord,
+                    basis: CapacityBasis, concurrency: int | None) -> str:
+    """What the capacity rules decided, for the reason (``""`` when nothing): capacities above the
+    sessions the deployment needs counted as those, and memory capacity that holds no more
+    sessions within the SLO (:func:`_unused_memory`)."""
+    text = ""
+    capped = sorted(n for n, r in pool if concurrency is not None and (r.capacity(basis) or 0) > concurrency)
+    if capped:
+        text += (f"; capacities above the {concurrency} concurrent sessions the deployment needs "
+                 f"([objective] concurrency) count as {concurrency} (trial(s) {', '.join(map(str, capped[:6]))}): "
+                 "capacity the traffic cannot use does not outrank throughput")
+    unused = _unused_memory(pool, number, record, basis) if basis == "slo_safe" else None
+    return text + (f"; {unused}" if unused is not None else "")
+
+
+def _needed(capacity: int | None, concurrency: int | None) -> int | None:
+    """``capacity`` counted up to ``concurrency`` (the sessions the deployment needs), as ranked."""
+    if capacity is None or concurrency is None:
+        return capacity
+    return min(capacity, concurrency)
+
+
+def _unused_memory(pool: Sequence[tuple[int, TrialRecord]], number: int, record: TrialRecord,
+                   basis: CapacityBasis) -> str | None:
+    """Where another trial admits more longest contexts (OOM-safe) than the chosen one but holds
+    the SLO at no more sessions (a steady window of it broke the SLO; a count capped by ``[budget]
+    max_concurrency`` proves nothing): ``"trial 4 admits 48 longest contexts (vs 8) but holds the
+    SLO at 8 sessions: bound by decode step time (...)"``; ``None`` otherwise."""
+    wider = [(n, r) for n, r in pool if n != number and (r.context_capacity or 0) > (record.context_capacity or 0)
+             and r.slo_capacity.measure == "steady" and r.slo_capacity.broken_at is not None
+             and (r.capacity(basis) or 0) <= (record.capacity(basis) or 0)]
+    if not wider:
+        return None
+    n, r = max(wider, key=lambda p: (p[1].context_capacity or 0, -p[0]))
+    phase = binding_phase(r)
+    return (f"trial {n} admits {r.context_capacity} longest contexts (vs {record.context_capacity}) but holds the "
+            f"SLO at {r.capacity(basis)} sessions" + (f": bound by {phase}" if phase else ""))
 
 
 def best_by(
@@ -244,7 +295,8 @@ def best_by(
     """:func:`choose_best` by the config's ``[objective]`` (policy, capacity tolerance, throughput
     noise, capacity basis): the one call every decision and reader of a running study makes."""
     return choose_best(finished, policy=objective.policy, capacity_tolerance=objective.capacity_tolerance,
-                       throughput_noise=objective.throughput_noise, capacity=objective.capacity)
+                       throughput_noise=objective.throughput_noise, capacity=objective.capacity,
+                       concurrency=objective.concurrency)
 
 
 def _config_key(record: TrialRecord, number: int) -> tuple[Any, ...]:
@@ -274,10 +326,11 @@ def band_floor(finished: Sequence[tuple[int, TrialRecord]], objective: Objective
     band (``[objective] capacity_tolerance``) for ``throughput_within_capacity`` and
     ``max_capacity``; 0 for ``max_throughput`` (any capacity may win there) or with nothing
     feasible yet."""
-    best = choose_best(finished, policy="max_capacity", capacity=objective.capacity)
+    best = choose_best(finished, policy="max_capacity", capacity=objective.capacity, concurrency=objective.concurrency)
     if best is None or objective.policy == "max_throughput":
         return 0
-    return math.ceil((best.record.capacity(best.basis) or 0) * (1.0 - objective.capacity_tolerance) - 1e-9)
+    top = _needed(best.record.capacity(best.basis), objective.concurrency) or 0
+    return math.ceil(top * (1.0 - objective.capacity_tolerance) - 1e-9)
 
 
 def probe_floor(finished: Sequence[tuple[int, TrialRecord]], probe_only_below: float, capacity: str = "auto") -> int:
@@ -410,3 +463,73 @@ def max_running_requests_cut(record: TrialRecord | None, baseline: TrialRecord |
     if old is None or new is None or new > old * MRR_CUT_RATIO:
         return None
     return f"max_running_requests {old} → {new}: at most {new} requests of any length run at once"
+
+
+def admission_line(record: TrialRecord | None) -> str | None:
+    """One line saying what a config admits against what holds the SLO, and the admission limit
+    to set where they differ: ``"admits 8 longest contexts at once, holds the SLO up to 6
+    sessions: set --max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT
+    grows with the wait, the 6 running keep the SLO)"``.
+
+    What it admits is the smaller of the OOM-safe context capacity and the effective
+    ``max_running_requests`` (§2.3); what holds the SLO is the steady SLO-safe capacity
+    (:attr:`tuner.records.SloCapacity.contexts`, sessions of :mod:`tuner.load.steady`). A burst-based
+    figure of a study stored before steady windows is named as such, never advised on.
+
+    Returns:
+        The line, or ``None`` without an SLO-safe figure.
+    """
+    if record is None or not record.slo_capacity.limits:
+        return None
+    slo, capacity, held = record.slo_capacity, record.context_capacity, record.slo_capacity.contexts
+    if capacity is None or held is None:
+        return None
+    mrr = _max_running_requests(record)
+    admits = min(capacity, mrr) if mrr is not None else capacity
+    text = f"admits {admits} longest contexts at once"
+    if slo.measure == "burst":
+        return f"{text}; {held} met the SLO in a burst of longest prompts (stored before steady windows: rerun for sessions)"
+    if slo.at_least or held >= admits:
+        return f"{text}, holds the SLO at {'≥ ' if slo.at_least else ''}{held} sessions: no admission limit needed"
+    if held == 0:
+        return (f"{text}, holds the SLO at no session count measured (below {slo.broken_at}): "
+                "no admission limit makes it hold; loosen the SLO or choose another config")
+    phase = binding_phase(record)
+    return (f"{text}, holds the SLO up to {held} sessions" + (f" (bound by {phase})" if phase else "")
+            + f": set --max-running-requests {held} (requests beyond {held} wait in SGLang's queue: their TTFT "
+            f"grows with the wait, the {held} running keep the SLO)")
+
+
+def binding_phase(record: TrialRecord) -> str | None:
+    """What bounds a trial's SLO-safe sessions below what its memory admits, in a few words with
+    the evidence: ``"prefill queueing (p99 TTFT 47,600 ms > 30,000 ms at 8 sessions: new prompts
+    wait behind the others' prefills)"``, ``"decode step time (p99 ITL 4,970 ms > 4,000 ms at 8
+    sessions: ...)"``, or ``"a graph-size edge (...)"`` when the breaking count exceeds the largest
+    captured CUDA-graph batch (``cuda_graph_max_bs``, §2.1: decode past it runs without graphs).
+
+    The phase is read from the smallest steady window that broke the SLO
+    (:attr:`tuner.records.SloCapacity.broken_at`): the limit it overshot most, TTFT (prefill
+    queueing) or ITL/TPOT (decode step time). ``None`` when no window broke it (the memory binds).
+    """
+    slo = record.slo_capacity
+    broken = next((s for s in slo.steps if not s.met and s.contexts == slo.broken_at), None)
+    if slo.measure != "steady" or broken is None:
+        return None
+    graphs = (record.resolved.get("cuda_graph_max_bs") or {}).get("value") if isinstance(
+        record.resolved.get("cuda_graph_max_bs"), dict) else None
+    if isinstance(graphs, (int, float)) and 0 < graphs < broken.contexts:
+        return (f"a graph-size edge ({broken.contexts} sessions exceed cuda_graph_max_bs {int(graphs)}: "
+                "their decode steps run without CUDA graphs)")
+    over = {k: v for k, v in broken.violations.items() if v is not None and v > 0}
+    if not over:
+        return None
+    worst = max(over, key=lambda k: over[k])
+    measured = {"p99_ttft_ms": ("p99 TTFT", broken.p99_ttft_ms), "p99_itl_ms": ("p99 ITL", broken.p99_itl_ms),
+                "p99_tpot_ms": ("p99 TPOT", broken.p99_tpot_ms)}
+    name, value = measured.get(worst, (worst, None))
+    limit = slo.limits.get(worst)
+    evidence = (f"{name} {value:,.0f} ms > {limit:,.0f} ms at {broken.contexts} sessions"
+                if value is not None and limit else f"{name} over its limit at {broken.contexts} sessions")
+    if "ttft" in worst:
+        return f"prefill queueing ({evidence}: new prompts wait behind the others' prefills)"
+    return f"decode step time ({evidence}: every step carries the sessions' tokens and the prefill chunks joining it)"

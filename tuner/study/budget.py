@@ -28,10 +28,11 @@ def prior_trial_cost_s(config: TunerConfig) -> float:
     the SLO-safe capacity's bracketing loads and 5 s for the record. The one estimate ``tuner run``
     budgets with and ``--dry-run`` prints.
 
-    The bracketing loads (``[budget] slo_capacity_steps``, each ``stress_s`` long) are counted
-    whenever a trial may run them: the SLO sets a TTFT, ITL or TPOT limit
-    (:func:`tuner.load.search.context_slo`) and there is a stress phase. They run only when the
-    stress load breaks the SLO, so the prior is the cost of a trial that brackets (an upper
+    The steady windows of the SLO-safe capacity (one, plus up to ``[budget] slo_capacity_steps``
+    bracketing ones, each a ramp, ``warmup_s`` and ``stress_s``: :mod:`tuner.load.steady`) are
+    counted whenever a trial may run them: the SLO sets a TTFT, ITL or TPOT limit
+    (:func:`tuner.load.search.context_slo`) and there is a stress phase. The bracketing ones run
+    only when a window breaks the SLO, so the prior is the cost of a trial that brackets (an upper
     estimate: a first trial cut by the budget is worse than one trial fewer); later trials are
     estimated from the study's measured durations (:meth:`Budget.estimate`), which include them.
     """
@@ -41,12 +42,14 @@ def prior_trial_cost_s(config: TunerConfig) -> float:
 
 
 def slo_bracket_cost_s(config: TunerConfig) -> float:
-    """Seconds a trial's SLO bracketing loads may add after its stress load (``[budget]
-    slo_capacity_steps × stress_s``), 0 when it runs none: no stress phase, or an SLO that sets no
-    TTFT, ITL or TPOT limit (:func:`tuner.load.search.context_slo`)."""
+    """Seconds a trial's steady windows may add after its stress load (``(1 + [budget]
+    slo_capacity_steps) ×`` (ramp + ``warmup_s`` + ``stress_s``), :meth:`tuner.config.BudgetSection.steady_window`),
+    0 when it runs none: no stress phase, or an SLO that sets no TTFT, ITL or TPOT limit
+    (:func:`tuner.load.search.context_slo`)."""
     budget = config.budget
     if budget.stress_s > 0 and context_slo(config.slo) is not None:
-        return budget.slo_capacity_steps * budget.stress_s
+        window = budget.steady_window()
+        return (1 + budget.slo_capacity_steps) * (window.warmup_s + window.duration_s)
     return 0.0
 
 
