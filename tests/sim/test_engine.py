@@ -539,3 +539,43 @@ def test_decode_replays_the_next_captured_size_and_runs_eagerly_above_the_larges
 
     assert all("cuda graph: True" in line for line in itl((1, 2, 4, 8, 12, 16, 24, 31), 31))
     assert any("cuda graph: False" in line for line in itl((1, 2, 4, 8, 12, 16, 24), 31))
+
+
+def test_request_path_delays_the_first_token_by_its_fixed_cost_and_tokenization():
+    base = make_spec()
+    f = replace(base.cost.factors, request_path_s=0.05, tokenize_s_per_token=1e-5)
+    slow = make_spec(cost=base.cost.with_factors(f))
+    firsts = []
+    for spec in (base, slow):
+        engine = Engine(spec)
+        engine.add_request(SimRequest("a", ids(1000, random.Random(3)), 4, arrival_s=0.0))
+        events = run(engine)
+        firsts.append(next(t for t, ev in events if isinstance(ev, TokenEvent)))
+    # the request reaches the scheduler 50 ms + 1,000 x 10 us later; the GPU steps are the same
+    assert firsts[1] - firsts[0] == pytest.approx(0.06, abs=1e-9)
+
+
+def test_scheduler_recv_interval_takes_new_requests_in_every_n_decode_steps():
+    """SGLang's SchedulerRecvSkipper (0.5.5): during decode, requests are received when the count of
+    decode steps since the last intake reaches --scheduler-recv-interval."""
+    def admitted_after(interval: int) -> int:
+        engine = Engine(make_spec(scheduler_recv_interval=interval))
+        rng = random.Random(5)
+        engine.add_request(SimRequest("long", ids(64, rng), 200, arrival_s=0.0))
+        clock = VirtualClock()
+        steps = 0  # step 0 prefills "long", then it decodes
+        while True:
+            now = clock.now_s()
+            if steps == 2:  # a request arrives while the first one decodes
+                engine.add_request(SimRequest("new", ids(64, rng), 4, arrival_s=now))
+            before = engine.stats()["num_running_reqs"]
+            result = engine.step(now)
+            clock.sleep(result.duration_s)
+            if engine.stats()["num_running_reqs"] > before and steps >= 2:
+                return steps - 2
+            steps += 1
+    assert admitted_after(1) == 0  # the next step takes it in (the default)
+    # the prefill (weight 1000) makes step 1 take requests in and reset the counter; steps 1.. are
+    # decode steps (weight 1 each), so the next intake is step 9: the request that arrived before
+    # step 2 waits 7 steps
+    assert admitted_after(8) == 7

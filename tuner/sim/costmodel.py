@@ -86,7 +86,7 @@ from typing import Any
 
 __all__ = [
     "CostFactors", "CostInputs", "StepShape", "step_time_s", "decode_step_s", "activation_bytes", "load_back_s",
-    "NVLINK_GB_S", "dp_rank_share",
+    "NVLINK_GB_S", "dp_rank_share", "request_path_s",
 ]
 
 NVLINK_GB_S: Mapping[str, float] = MappingProxyType({"H100": 450.0, "H200": 450.0, "A100": 300.0, "B200": 900.0})
@@ -102,8 +102,10 @@ class CostFactors:
         eff_hbm: Achieved fraction of HBM bandwidth for weight and KV reads.
         eff_gemm: Achieved fraction of dense bf16 peak for linear layers.
         eff_attn: Achieved fraction of dense bf16 peak for attention.
-        eff_moe: Extra efficiency of MoE expert layers (grouped GEMMs over few tokens per
+        eff_moe: Extra efficiency of MoE expert GEMMs (grouped GEMMs over few tokens per
             expert) relative to dense linear layers.
+        eff_moe_read: Extra efficiency of reading the touched experts' weights (a decode step),
+            relative to ``eff_hbm``.
         eff_mla: Extra efficiency of MLA decode attention's KV reads relative to MHA's.
         moe_layer_overhead_s: Fixed cost per MoE layer per step (routing, token permutation).
         graph_step_overhead_s: Fixed cost of a CUDA-graph decode step (replay, sampling), seconds.
@@ -111,12 +113,17 @@ class CostFactors:
         step_overhead_s: Scheduler cost of every step, seconds.
         per_seq_overhead_s: Scheduler cost per sequence in a step, seconds.
         allreduce_latency_s: Fixed latency of one tp all-reduce, seconds.
+        request_path_s: Fixed time a request spends outside the GPU steps before it can be
+            scheduled: HTTP, the tokenizer manager, the hop to the scheduler and the first
+            token's way back (:func:`request_path_s`), seconds.
+        tokenize_s_per_token: Tokenizer time per prompt token on that path, seconds.
     """
 
     eff_hbm: float = 0.88
     eff_gemm: float = 0.64
     eff_attn: float = 0.90
     eff_moe: float = 0.67
+    eff_moe_read: float = 0.67
     eff_mla: float = 0.17
     moe_layer_overhead_s: float = 45e-6
     graph_step_overhead_s: float = 0.7e-3
@@ -124,6 +131,8 @@ class CostFactors:
     step_overhead_s: float = 0.3e-3
     per_seq_overhead_s: float = 2e-6
     allreduce_latency_s: float = 20e-6
+    request_path_s: float = 0.0
+    tokenize_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -329,8 +338,8 @@ def _linear_s(c: CostInputs, num_tokens: int) -> float:
     expert_active = min(0.98 * c.params_active, c.num_layers * c.experts_per_token * 3 * c.hidden_size * c.moe_intermediate_size)
     touched = 1.0 - (1.0 - c.experts_per_token / c.num_experts) ** num_tokens
     dense_s = max(dense_b / bw, 2.0 * (c.params_active - expert_active) / c.tp_size * num_tokens / peak)
-    expert_s = max(expert_b * touched / bw, 2.0 * expert_active / c.tp_size * num_tokens / peak)
-    return dense_s + expert_s / f.eff_moe + c.num_layers * f.moe_layer_overhead_s
+    expert_s = max(expert_b * touched / (bw * f.eff_moe_read), 2.0 * expert_active / c.tp_size * num_tokens / (peak * f.eff_moe))
+    return dense_s + expert_s + c.num_layers * f.moe_layer_overhead_s
 
 
 def dp_rank_share(dp_size: int, num_seqs: int) -> float:
@@ -439,6 +448,24 @@ def decode_step_s(c: CostInputs, batch_size: int, kv_tokens: int, *, eager: bool
     draft_one = c.weight_bytes_per_gpu / max(1, c.num_layers) / (c.hbm_gb_s * 1e9 * c.factors.eff_hbm)
     draft = c.spec_num_steps * (draft_one + c.factors.graph_step_overhead_s)
     return verify + draft
+
+
+def request_path_s(c: CostInputs, input_tokens: int) -> float:
+    """Time from a request's arrival until the scheduler can see it, seconds.
+
+    ``request_path_s + tokenize_s_per_token × input_tokens``: SGLang's HTTP server hands the prompt
+    to the tokenizer manager, which tokenizes it and sends it over ZMQ to the scheduler; the first
+    token then goes back through the detokenizer and the HTTP stream. All of it is CPU time outside
+    the GPU steps, so it adds to TTFT at any load, and in a closed loop it leaves the request's slot
+    empty for that long. The whole path is charged before scheduling (for TTFT and the closed loop
+    only the sum matters).
+
+    Args:
+        c: Cost inputs (its factors).
+        input_tokens: Prompt length, tokens.
+    """
+    f = c.factors
+    return f.request_path_s + f.tokenize_s_per_token * input_tokens
 
 
 def load_back_s(c: CostInputs, num_tokens: int) -> float:

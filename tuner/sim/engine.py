@@ -85,6 +85,9 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 """``min_new_token_ratio = init × 0.14`` (§2.4)."""
 RETRACT_DECODE_STEPS = 20
 """Decode steps of headroom a retraction aims for per remaining request."""
+RECV_WEIGHT_OTHER = 1000
+"""``SchedulerRecvSkipper``'s weight of a non-decode step (``_DEFAULT_WEIGHT``, 0.5.5): it always
+lets the scheduler take in requests before the next step."""
 LPM_FALLBACK_QUEUE_LEN = 128
 """``lpm`` falls back to fcfs above this many waiting requests (§2.4)."""
 
@@ -238,6 +241,8 @@ class EngineSpec:
         seed: Seed of the generated output token ids.
         speculative: The draft shape and model (per-request acceptance and step cost,
             :mod:`tuner.sim.speculative`); None: ``cost``'s mean accept length and step cost.
+        scheduler_recv_interval: ``--scheduler-recv-interval``: during decode the scheduler takes
+            in new requests every this many steps (see :meth:`Engine.step`).
     """
 
     max_total_num_tokens: int
@@ -262,6 +267,7 @@ class EngineSpec:
     eos_token_id: int = 2
     seed: int = 0
     speculative: SpecModel | None = None
+    scheduler_recv_interval: int = 1
 
 
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
@@ -357,6 +363,10 @@ class Engine:
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self._ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
+        self._intake: list[tuple[float, int, _Req]] = []  # (ready_s, order, req): on the request path
+        self._intake_order = 0
+        self._recv_counter = 0  # SchedulerRecvSkipper's counter
+        self.idle_wait = False  # the last step only waited for a request on the request path
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._chunked: _Req | None = None
@@ -386,6 +396,10 @@ class Engine:
     def add_request(self, req: SimRequest) -> None:
         """Queue a request.
 
+        The request reaches the scheduler's waiting queue ``request_path_s`` after its
+        ``arrival_s`` (:func:`tuner.sim.costmodel.request_path_s`: HTTP, tokenization and the hop
+        to the scheduler), at the first step that takes in requests (``scheduler_recv_interval``).
+
         Raises:
             RequestRejected: Empty input, a duplicate rid, or an input longer than SGLang's
                 ``max_req_input_len`` (§1.4), with SGLang's message.
@@ -406,7 +420,9 @@ class Engine:
             r.accept = self.spec.speculative.request_accept_length(
                 req.prompt_class or classify_ids(req.input_ids), req.rid)
         self._rids.add(r.rid)
-        self._waiting.append(r)
+        ready = req.arrival_s + costmodel.request_path_s(self.spec.cost, n)
+        self._intake_order += 1
+        bisect.insort(self._intake, (ready, self._intake_order, r))
 
     def abort(self, rid: str) -> bool:
         """Drop a request wherever it is, freeing its KV cells.
@@ -414,6 +430,12 @@ class Engine:
         Returns:
             True if the request was found.
         """
+        for i, (_, _, r) in enumerate(self._intake):
+            if r.rid == rid:
+                del self._intake[i]
+                self._rids.discard(rid)
+                self.num_aborted_requests_total += 1
+                return True
         for queue in (self._waiting, self._running):
             for i, r in enumerate(queue):
                 if r.rid == rid:
@@ -445,7 +467,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether any request is waiting, prefilling or decoding."""
-        return bool(self._waiting or self._running or self._chunked is not None)
+        return bool(self._intake or self._waiting or self._running or self._chunked is not None)
 
     def stats(self) -> dict:
         """Scheduler gauges and counters (E1 exposes them under the §5.5 names).
@@ -496,7 +518,14 @@ class Engine:
             be admitted) and its events, which happen at ``now_s + duration_s``: a
             :class:`TokenEvent` per request that got tokens, then a :class:`FinishEvent` per
             finished or aborted request. While :meth:`has_work` is true, every step has a
-            duration or an event.
+            duration or an event; when the only work is requests still on the request path, the
+            step is a wait until the first of them reaches the scheduler (no events,
+            :attr:`idle_wait` true).
+
+        Intake follows SGLang's ``SchedulerRecvSkipper`` (``managers/scheduler_recv_skipper.py``,
+        0.5.5): with ``--scheduler-recv-interval N > 1`` a decode step adds 1 to a counter, any
+        other step 1000, and the scheduler takes in new requests only when the counter reaches
+        ``N`` (then resets it); an idle scheduler loops in microseconds, so it takes them in at once.
 
         Raises:
             SimRuntimeOOM: The step's activations exceed the free memory; the engine is then dead.
@@ -648,18 +677,38 @@ class Engine:
         Returns:
             ``(duration_s, requests that got tokens (``new_tokens`` each), finished requests)``.
         """
+        self.idle_wait = False
+        self._receive(now_s)
         batch = self._get_new_prefill_batch()
         if batch is not None:
             result = self._run_prefill(now_s, *batch)
+            self._recv_counter += RECV_WEIGHT_OTHER
         elif self._running:
             result = self._run_decode(now_s)
+            self._recv_counter += 1
         elif self._waiting or self._chunked is not None:  # stalled: nothing runs, nothing fits
             result = (0.0, [], [self._abort_stalled()])
+        elif self._intake:  # idle until the next request reaches the scheduler
+            self.idle_wait = True
+            result = (max(0.0, self._intake[0][0] - now_s), [], [])
         else:
             result = (0.0, [], [])
         if not self._running and self._chunked is None and not self._waiting:
             self.new_token_ratio = self.init_new_token_ratio  # the scheduler's idle self-check
         return result
+
+    def _receive(self, now_s: float) -> None:
+        """Move the requests whose request path has ended into the waiting queue, when the
+        scheduler takes in requests this step (``SchedulerRecvSkipper.handle``)."""
+        if self.spec.scheduler_recv_interval > 1:
+            if self._recv_counter < self.spec.scheduler_recv_interval and self._running:
+                return  # an idle scheduler loops in microseconds: it takes requests in at once
+            self._recv_counter = 0
+        if not self._intake or self._intake[0][0] > now_s:
+            return
+        i = bisect.bisect_right(self._intake, (now_s, float("inf")))
+        self._waiting.extend(r for _, _, r in self._intake[:i])
+        del self._intake[:i]
 
     def _abort_stalled(self) -> _Req:
         """Abort the request that blocks an idle scheduler (see the module docstring, §1.4).
