@@ -18,6 +18,7 @@ minute of CPU for the offline part, plus ~40 s of real time for the HTTP one).
 ``.venv/bin/python -m tests.benchmarks.bench_fidelity --record`` rewrites ``fidelity/stored.json``,
 the figures the fast regression alarm (``tests/sim/test_fidelity_alarm.py``) holds the cost model to:
 run it after a deliberate change of the cost model, and say why in the commit.
+``--gains`` prints the fp8-KV and DP-attention throughput gains on the fidelity deployment.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tests.support.fidelity import (
     summarise,
     workload,
 )
+from tuner.sim.evaluate import evaluate
 
 HTTP_POINT = "imax-h200-dsr1-fp8-tp8-1k1k-c8"
 HTTP_REQUESTS = 16
@@ -80,23 +82,23 @@ def report(errs: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, f
 def http_replay(point: Point, tmp_path: Path, n: int = HTTP_REQUESTS) -> tuple[dict, dict[str, float]]:
     """Serve the simulator for ``point`` in real time, load it with ``tuner load`` (closed loop,
     ``n`` requests), and return ``(tuner load's summary, the offline evaluation of the same n)``."""
+    from tests.support.cli import TUNER
     from tests.support.fidelity import METRICS
     from tests.support.sim import start_healthy
-    from tuner.sim.evaluate import evaluate
 
     w = dict(point.workload, num_requests=n)
     sim = start_healthy(point.argv, tmp_path)
     try:
         out = tmp_path / "load.json"
-        cmd = [sys.executable, "-m", "tuner", "load", "--url", sim.url, "--workload", "random",
+        cmd = [TUNER, "load", "--url", sim.url, "--workload", "random",
                "--input-len", str(w["input_len"]), "--output-len", str(w["output_len"]),
                "--range-ratio", str(w["range_ratio"]), "--num-requests", str(n),
                "--concurrency", str(w["concurrency"]), "--vocab-size", "120000", "--json", str(out)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-        http = json.loads(out.read_text())
+        http = json.loads(out.read_text())["summary"]
     finally:
         sim.stop()
-    res = evaluate(point.argv, workload(w), concurrency=w["concurrency"])
+    res = evaluate(point.argv, workload(w, text=False), concurrency=w["concurrency"])  # tuner load sends ids
     offline = {m: float(getattr(res, a)) for m, a in METRICS.items() if getattr(res, a) is not None}
     return http, offline
 
@@ -156,8 +158,30 @@ def record() -> None:
     print(f"\nwrote {STORED}")
 
 
+GAIN_WORKLOADS = {"1k/1k, 64 in flight": (1024, 1024, 64), "8k/1k, 32 in flight": (8192, 1024, 32),
+                  "1k/1k, 256 in flight": (1024, 1024, 256)}
+GAIN_VARIANTS = {"fp8 KV": ["--kv-cache-dtype", "fp8_e4m3"], "DP attention 8": ["--enable-dp-attention", "--dp-size", "8"]}
+
+
+def lever_gains() -> dict[str, dict[str, float]]:
+    """Output throughput of the fidelity deployment (the points' flags, 4 x concurrency requests)
+    and of its fp8-KV and DP-attention variants: the MLA gains issue 37 put at risk."""
+    point = load_points()[0]
+    out: dict[str, dict[str, float]] = {}
+    for name, (n_in, n_out, conc) in GAIN_WORKLOADS.items():
+        w = {"input_len": n_in, "output_len": n_out, "range_ratio": 0.8, "num_requests": 4 * conc, "concurrency": conc}
+        row = {}
+        for variant, extra in {"base": [], **GAIN_VARIANTS}.items():
+            row[variant] = evaluate(point.argv + extra, workload(w), concurrency=conc).output_throughput
+        out[name] = row
+        print(name, "  ".join(f"{v}: {t:,.0f} tok/s ({t / row['base'] - 1:+.1%})" for v, t in row.items()))
+    return out
+
+
 if __name__ == "__main__":
     if "--record" in sys.argv:
         record()
+    elif "--gains" in sys.argv:
+        lever_gains()
     else:
         report(run_all()[1])

@@ -109,17 +109,19 @@ def split(points: Iterable[Point]) -> dict[str, list[Point]]:
     return {name: [by_id[i] for i in sets[name] if i in by_id] for name in ("train", "validation")}
 
 
-def workload(w: dict[str, Any], seed: int = 0) -> list[SimRequest]:
+def workload(w: dict[str, Any], seed: int = 0, *, text: bool = True) -> list[SimRequest]:
     """The client's requests: vLLM's ``benchmark_serving.py`` random dataset with ``--ignore-eos``:
     input and output lengths uniform in ``[range_ratio × L, L]``, random token ids (no shared
-    prefixes), ``num_requests`` of them."""
+    prefixes), ``num_requests`` of them, sent as text (the server tokenizes them) unless ``text``
+    is False."""
     rng = random.Random(seed)
     ratio = float(w.get("range_ratio", 1.0))
     reqs = []
     for i in range(int(w["num_requests"])):
         n_in = rng.randint(int(w["input_len"] * ratio), int(w["input_len"]))
         n_out = rng.randint(int(w["output_len"] * ratio), int(w["output_len"]))
-        reqs.append(SimRequest(f"f{i}", [rng.randrange(100, 120_000) for _ in range(n_in)], n_out, ignore_eos=True))
+        reqs.append(SimRequest(f"f{i}", [rng.randrange(100, 120_000) for _ in range(n_in)], n_out, ignore_eos=True,
+                               text=text))
     return reqs
 
 

@@ -50,6 +50,7 @@ SIMULATED_DESTS = frozenset(
         "incremental_streaming_output", "disable_piecewise_cuda_graph", "disable_prefill_cuda_graph",
         "hicache_host_memory_fraction", "enable_dp_attention", "dp_size", "dcp_size",
         "dsa_prefill_backend", "dsa_decode_backend", "scheduler_recv_interval",
+        "disable_overlap_schedule",
     }
 )
 """ServerArgs fields the simulator models (issue 2 §1); any other flag is accepted and ignored."""

@@ -154,6 +154,8 @@ class SimRequest:
         arrival_s: When the request arrived, on the driver's clock (seconds).
         prompt_class: ``chat`` / ``code`` for a text prompt (:mod:`tuner.sim.speculative`); None:
             classified from the ids (``raw`` or ``chat``).
+        text: The prompt came as text, so the server's tokenizer manager tokenizes it (token ids
+            skip that, :meth:`Engine.add_request`).
     """
 
     rid: str
@@ -162,6 +164,7 @@ class SimRequest:
     ignore_eos: bool = True
     arrival_s: float = 0.0
     prompt_class: str | None = None
+    text: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,10 @@ class EngineSpec:
             :mod:`tuner.sim.speculative`); None: ``cost``'s mean accept length and step cost.
         scheduler_recv_interval: ``--scheduler-recv-interval``: during decode the scheduler takes
             in new requests every this many steps (see :meth:`Engine.step`).
+        overlap_schedule: SGLang's overlap scheduler (on unless ``--disable-overlap-schedule`` or
+            speculative decoding, 0.5.5 ``server_args.py``): while the GPU runs one batch the CPU
+            has already chosen the next, so a request taken in while the GPU is busy joins the
+            batch after next (see :meth:`Engine.step`). ``False`` in a spec built by hand.
     """
 
     max_total_num_tokens: int
@@ -268,6 +275,7 @@ class EngineSpec:
     seed: int = 0
     speculative: SpecModel | None = None
     scheduler_recv_interval: int = 1
+    overlap_schedule: bool = False
 
 
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
@@ -365,7 +373,9 @@ class Engine:
         self.new_token_ratio = self.init_new_token_ratio
         self._intake: list[tuple[float, int, _Req]] = []  # (ready_s, order, req): on the request path
         self._intake_order = 0
+        self._received: list[_Req] = []  # taken in during a busy step (overlap): queued at the next one
         self._recv_counter = 0  # SchedulerRecvSkipper's counter
+        self._tokenizer_free_s = 0.0  # when the tokenizer manager finishes its queue
         self.idle_wait = False  # the last step only waited for a request on the request path
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
@@ -396,9 +406,14 @@ class Engine:
     def add_request(self, req: SimRequest) -> None:
         """Queue a request.
 
-        The request reaches the scheduler's waiting queue ``request_path_s`` after its
-        ``arrival_s`` (:func:`tuner.sim.costmodel.request_path_s`: HTTP, tokenization and the hop
-        to the scheduler), at the first step that takes in requests (``scheduler_recv_interval``).
+        The request reaches the scheduler's waiting queue after the request path, at the first
+        step that takes requests in (``scheduler_recv_interval``, see :meth:`step`). A text prompt
+        first waits for the tokenizer manager, one process that tokenizes one request at a time
+        (``tokenizer_worker_num`` 1, ``managers/tokenizer_manager.py`` ``_tokenize_texts`` calls the
+        tokenizer synchronously, 0.5.5): ``tokenize_s_per_token`` per prompt token, in arrival
+        order. Then the fixed ``request_path_s`` (HTTP, the ZMQ hop, the first token's way back
+        through the detokenizer: for TTFT and a closed loop only the sum matters, so all of it is
+        charged before scheduling). Factors: :class:`tuner.sim.costmodel.CostFactors`.
 
         Raises:
             RequestRejected: Empty input, a duplicate rid, or an input longer than SGLang's
@@ -420,7 +435,12 @@ class Engine:
             r.accept = self.spec.speculative.request_accept_length(
                 req.prompt_class or classify_ids(req.input_ids), req.rid)
         self._rids.add(r.rid)
-        ready = req.arrival_s + costmodel.request_path_s(self.spec.cost, n)
+        f = self.spec.cost.factors
+        if req.text:  # the tokenizer manager is one queue (arrival order = call order)
+            self._tokenizer_free_s = max(req.arrival_s, self._tokenizer_free_s) + f.tokenize_s_per_token * n
+            ready = self._tokenizer_free_s + f.request_path_s
+        else:
+            ready = req.arrival_s + f.request_path_s
         self._intake_order += 1
         bisect.insort(self._intake, (ready, self._intake_order, r))
 
@@ -436,7 +456,7 @@ class Engine:
                 self._rids.discard(rid)
                 self.num_aborted_requests_total += 1
                 return True
-        for queue in (self._waiting, self._running):
+        for queue in (self._received, self._waiting, self._running):
             for i, r in enumerate(queue):
                 if r.rid == rid:
                     del queue[i]
@@ -467,7 +487,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether any request is waiting, prefilling or decoding."""
-        return bool(self._intake or self._waiting or self._running or self._chunked is not None)
+        return bool(self._intake or self._received or self._waiting or self._running or self._chunked is not None)
 
     def stats(self) -> dict:
         """Scheduler gauges and counters (E1 exposes them under the §5.5 names).
@@ -486,7 +506,7 @@ class Engine:
         used = self._used_tokens()
         return {
             "num_running_reqs": len(self._running) + (1 if self._chunked is not None else 0),
-            "num_queue_reqs": len(self._waiting),
+            "num_queue_reqs": len(self._waiting) + len(self._received),
             "num_used_tokens": used,
             "token_usage": used / self._total if self._total else 0.0,
             "gen_throughput": self.gen_throughput,
@@ -526,6 +546,9 @@ class Engine:
         0.5.5): with ``--scheduler-recv-interval N > 1`` a decode step adds 1 to a counter, any
         other step 1000, and the scheduler takes in new requests only when the counter reaches
         ``N`` (then resets it); an idle scheduler loops in microseconds, so it takes them in at once.
+        With the overlap scheduler (``event_loop_overlap``: each loop takes requests in, launches the
+        next batch, then waits for the previous one), a request taken in while a batch runs is
+        scheduled one batch later: it waits for the running step and the next one.
 
         Raises:
             SimRuntimeOOM: The step's activations exceed the free memory; the engine is then dead.
@@ -699,7 +722,11 @@ class Engine:
 
     def _receive(self, now_s: float) -> None:
         """Move the requests whose request path has ended into the waiting queue, when the
-        scheduler takes in requests this step (``SchedulerRecvSkipper.handle``)."""
+        scheduler takes in requests this step (``SchedulerRecvSkipper.handle``); with the overlap
+        scheduler and a busy GPU, into the queue of the next step."""
+        if self._received:
+            self._waiting.extend(self._received)
+            self._received = []
         if self.spec.scheduler_recv_interval > 1:
             if self._recv_counter < self.spec.scheduler_recv_interval and self._running:
                 return  # an idle scheduler loops in microseconds: it takes requests in at once
@@ -707,7 +734,8 @@ class Engine:
         if not self._intake or self._intake[0][0] > now_s:
             return
         i = bisect.bisect_right(self._intake, (now_s, float("inf")))
-        self._waiting.extend(r for _, _, r in self._intake[:i])
+        busy = self._running or self._chunked is not None
+        (self._received if self.spec.overlap_schedule and busy else self._waiting).extend(r for _, _, r in self._intake[:i])
         del self._intake[:i]
 
     def _abort_stalled(self) -> _Req:
@@ -901,7 +929,7 @@ class Engine:
             pairs += self._running_kv
             kv_read += self._running_kv
         self._check_activations(tokens, seqs)
-        duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True))
+        duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True, extend=True))
         if load_back:
             duration = max(duration, costmodel.load_back_s(spec.cost, load_back))
         self._last_input_throughput = new_tokens / duration if duration > 0 else 0.0

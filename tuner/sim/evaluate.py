@@ -18,7 +18,7 @@ import io
 import math
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
@@ -248,8 +248,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     def submit(req: SimRequest, at_s: float) -> bool:
         nonlocal rejected
         try:
-            engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s,
-                                          req.prompt_class))
+            engine.add_request(replace(req, arrival_s=at_s))
         except RequestRejected:
             rejected += 1
             finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
