@@ -49,10 +49,10 @@ def test_reproduces_aiconfigurator_sglang_estimates():
     # dense Llama points: RMS 6.3%, every point within 25%
     assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.08
     assert max(abs(e) for e in errors) < math.log(1.25)
-    # DeepSeek-V3 (MoE + MLA): RMS 14%, every point within a factor 1.6
+    # DeepSeek-V3 (MoE + MLA): its factors are fitted to real SGLang measurements now (issue 37;
+    # held to them by tests/sim/test_fidelity_alarm.py), no longer to aiconfigurator's low-fidelity
+    # MLA estimates, so those 14 points are kept as a record (the predictions above), not a target.
     assert len(moe_errors) == 14
-    assert math.sqrt(sum(e * e for e in moe_errors) / len(moe_errors)) < 0.16
-    assert max(abs(e) for e in moe_errors) < math.log(1.6)
 
 
 def test_decode_time_grows_with_batch_and_context():

@@ -33,6 +33,9 @@ def make_spec(**overrides) -> EngineSpec:
     cost = CostInputs.from_specs(
         model, get_gpu("H100-80GB"), tp_size=1, kv_cell_bytes=cell, weight_bytes_per_gpu=weight_bytes_per_gpu(model, 1)
     )
+    # these tests drive the scheduler with hand-picked clock readings: a request reaches it at once
+    # (the request path has its own tests below)
+    cost = cost.with_factors(replace(cost.factors, request_path_s=0.0, tokenize_s_per_token=0.0))
     base = dict(
         max_total_num_tokens=50_000, max_running_requests=64, chunked_prefill_size=8192, max_prefill_tokens=16384,
         page_size=1, schedule_policy="fcfs", schedule_conservativeness=1.0, enable_mixed_chunk=False,
@@ -539,3 +542,86 @@ def test_decode_replays_the_next_captured_size_and_runs_eagerly_above_the_larges
 
     assert all("cuda graph: True" in line for line in itl((1, 2, 4, 8, 12, 16, 24, 31), 31))
     assert any("cuda graph: False" in line for line in itl((1, 2, 4, 8, 12, 16, 24), 31))
+
+
+def test_request_path_delays_the_first_token_by_its_fixed_cost_and_tokenization():
+    base = make_spec()
+    f = replace(base.cost.factors, request_path_s=0.05, tokenize_s_per_token=1e-5)
+    slow = make_spec(cost=base.cost.with_factors(f))
+    firsts = []
+    for spec in (base, slow):
+        engine = Engine(spec)
+        engine.add_request(SimRequest("a", ids(1000, random.Random(3)), 4, arrival_s=0.0, text=True))
+        events = run(engine)
+        firsts.append(next(t for t, ev in events if isinstance(ev, TokenEvent)))
+    # the text request reaches the scheduler 50 ms + 1,000 x 10 us later; the GPU steps are the same
+    assert firsts[1] - firsts[0] == pytest.approx(0.06, abs=1e-9)
+
+
+def test_the_tokenizer_manager_tokenizes_one_text_request_at_a_time_and_skips_token_ids():
+    base = make_spec()
+    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, tokenize_s_per_token=1e-4)))
+    rng = random.Random(4)
+    engine = Engine(spec)
+    engine.add_request(SimRequest("t1", ids(1000, rng), 2, arrival_s=0.0, text=True))
+    engine.add_request(SimRequest("t2", ids(1000, rng), 2, arrival_s=0.0, text=True))
+    engine.add_request(SimRequest("ids", ids(1000, rng), 2, arrival_s=0.0))
+    clock = VirtualClock()
+    admitted: dict[str, float] = {}
+    while engine.has_work():
+        now = clock.now_s()
+        result = engine.step(now)
+        for ev in result.events:
+            if isinstance(ev, TokenEvent) and ev.rid not in admitted:
+                admitted[ev.rid] = now  # the prefill step that gave its first token started here
+        clock.sleep(result.duration_s)
+    assert admitted["ids"] == 0.0  # token ids go straight to the scheduler
+    assert admitted["t1"] == pytest.approx(0.1)  # 1,000 tokens x 100 us
+    assert admitted["t2"] >= 0.2 - 1e-9  # behind t1 in the tokenizer
+
+
+def test_scheduler_recv_interval_takes_new_requests_in_every_n_decode_steps():
+    """SGLang's SchedulerRecvSkipper (0.5.5): during decode, requests are received when the count of
+    decode steps since the last intake reaches --scheduler-recv-interval."""
+    def admitted_after(interval: int) -> int:
+        engine = Engine(make_spec(scheduler_recv_interval=interval))
+        rng = random.Random(5)
+        engine.add_request(SimRequest("long", ids(64, rng), 200, arrival_s=0.0))
+        clock = VirtualClock()
+        steps = 0  # step 0 prefills "long", then it decodes
+        while True:
+            now = clock.now_s()
+            if steps == 2:  # a request arrives while the first one decodes
+                engine.add_request(SimRequest("new", ids(64, rng), 4, arrival_s=now))
+            before = engine.stats()["num_running_reqs"]
+            result = engine.step(now)
+            clock.sleep(result.duration_s)
+            if engine.stats()["num_running_reqs"] > before and steps >= 2:
+                return steps - 2
+            steps += 1
+    assert admitted_after(1) == 0  # the next step takes it in (the default)
+    # the prefill (weight 1000) makes step 1 take requests in and reset the counter; steps 1.. are
+    # decode steps (weight 1 each), so the next intake is step 9: the request that arrived before
+    # step 2 waits 7 steps
+    assert admitted_after(8) == 7
+
+
+def test_the_overlap_scheduler_schedules_a_request_that_arrives_mid_step_one_batch_later():
+    """SGLang's event_loop_overlap chooses the next batch while the GPU runs the current one: a
+    request arriving during a decode step misses the next batch too (0.5.5 scheduler.py)."""
+    def prefill_step(overlap: bool) -> int:
+        engine = Engine(make_spec(overlap_schedule=overlap))
+        rng = random.Random(7)
+        engine.add_request(SimRequest("long", ids(64, rng), 50, arrival_s=0.0))
+        clock = VirtualClock()
+        for step in range(20):
+            now = clock.now_s()
+            if step == 3:  # while "long" decodes (steps 1..)
+                engine.add_request(SimRequest("new", ids(64, rng), 4, arrival_s=now))
+            before = engine.stats()["num_running_reqs"]
+            clock.sleep(engine.step(now).duration_s)
+            if step >= 3 and engine.stats()["num_running_reqs"] > before:
+                return step
+        raise AssertionError("never admitted")
+    assert prefill_step(False) == 3
+    assert prefill_step(True) == 4

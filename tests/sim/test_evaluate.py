@@ -145,4 +145,6 @@ def test_requests_the_engine_aborts_count_as_rejected_and_the_run_ends():
     reqs = [SimRequest(f"r{i}", ids(100, rng), 4) for i in range(3)]
     r = _run(spec, reqs, [], {"max_total_num_tokens": 0, "max_running_requests": 0, "free_gib_after_graphs": 0.0},
              concurrency=2, duration_s=None, max_steps=100)
-    assert r.rejected == 3 and r.completed == 0 and r.error is None and r.duration_s == 0.0
+    # no GPU time: only the request path of the first two, then of the third (sent when they ended)
+    path_s = spec.cost.factors.request_path_s
+    assert r.rejected == 3 and r.completed == 0 and r.error is None and r.duration_s == pytest.approx(2 * path_s)

@@ -49,7 +49,8 @@ SIMULATED_DESTS = frozenset(
         "served_model_name", "decode_log_interval", "trust_remote_code", "skip_server_warmup", "stream_output",
         "incremental_streaming_output", "disable_piecewise_cuda_graph", "disable_prefill_cuda_graph",
         "hicache_host_memory_fraction", "enable_dp_attention", "dp_size", "dcp_size",
-        "dsa_prefill_backend", "dsa_decode_backend",
+        "dsa_prefill_backend", "dsa_decode_backend", "scheduler_recv_interval",
+        "disable_overlap_schedule",
     }
 )
 """ServerArgs fields the simulator models (issue 2 §1); any other flag is accepted and ignored."""

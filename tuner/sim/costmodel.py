@@ -14,7 +14,12 @@ layer, plus launch and communication overheads:
   sequence of the step attends to. FLOPs per (query, key) pair = ``2 × heads per rank × (d_qk +
   d_v) × layers`` (MHA/GQA: ``d_qk = d_v = head_dim``; MLA in its absorbed form: ``d_qk =
   kv_lora_rank + qk_rope_head_dim``, ``d_v = kv_lora_rank``). MLA's KV reads run at ``eff_mla``
-  of the MHA read efficiency.
+  of the MHA read efficiency. A prefill (extend) step runs MLA in its MHA form instead (``d_qk =
+  qk_nope_head_dim + qk_rope_head_dim``, ``d_v = v_head_dim``: 3.4x fewer FLOPs per pair for
+  DeepSeek-V3): SGLang's CUDA backends (flashinfer, fa3, flashmla, cutlass_mla) dispatch an extend
+  without a cached prefix, or with one at least ``chunked_prefix_cache_threshold`` long, to
+  ``MHA_CHUNKED_KV`` / ``MHA_ONE_SHOT`` (0.5.5 ``models/deepseek_v2.py``
+  ``_handle_attention_backend``); the model takes the MHA form for every extend.
 - **Tensor parallelism**: two all-reduces of ``tokens × hidden × 2 B`` per layer, ring cost
   ``2 (tp − 1)/tp × bytes / link B/W`` plus a fixed latency each. Link B/W is NVLink for the SXM
   parts (H100, H200, A100) and PCIe for the others (L40S, L4, RTX PRO 6000).
@@ -51,11 +56,18 @@ The efficiency factors (``eff_hbm``, ``eff_gemm``, ``eff_attn``) and the graph-s
 fitted once (log least squares) to aiconfigurator 0.12.0's offline SGLang (0.5.14 database)
 estimates for Llama-3.1-8B (tp 1) and Llama-3.1-70B (tp 4, 8) on H100-SXM and H200-SXM: decode
 TPOT at batch 1-256 with 1k and 4k inputs, and prefill TTFT of 512-16k tokens (96 points, RMS
-error 6.3%); then ``eff_moe``, ``eff_mla`` and ``moe_layer_overhead_s`` to its DeepSeek-V3 (FP8,
-tp 8, H200) estimates (14 points, RMS 14%; aiconfigurator used low-fidelity fallback tables for
-MLA, so ``eff_mla`` is the least certain factor). ``tuner/sim/data/calibration.json`` keeps those
-figures, the commands, the fit and each point's prediction; the constants below are the fitted
-values (dense efficiencies capped at 0.9), so nothing is read at run time.
+error 6.3%). The MoE and MLA factors (``eff_moe``, ``eff_moe_read``, ``eff_mla``,
+``moe_layer_overhead_s``) and the request path (``request_path_s``, ``tokenize_s_per_token``) are
+fitted to real SGLang measurements instead (issue 37): the training points of
+``tests/benchmarks/fidelity/`` (DeepSeek-R1 FP8 tp 8 on H200, SGLang 0.5.6, InferenceMAX),
+replayed through the offline evaluation, by coordinate search on the log error of output
+throughput, median TTFT, median / mean TPOT and (weight 1/4) p99 TTFT; the validation points
+measure the result (``tests/benchmarks/bench_fidelity.py``; figures and the factor table in
+``docs/simulator-fidelity.md``). aiconfigurator's DeepSeek-V3 estimates had priced the latent KV
+read at 15 % of HBM bandwidth (``eff_mla`` 0.17), which made decode at 16-64 in flight 21-95 %
+too slow. ``tuner/sim/data/calibration.json`` keeps the aiconfigurator figures, the commands and
+each point's prediction; the constants below are the fitted values (dense efficiencies capped at
+0.9), so nothing is read at run time.
 
 Activation memory (for the runtime OOM of §1.6 / §4.4) is a stated model, not an SGLang fact:
 the peak transient bytes of one layer's forward over ``n`` tokens, since a layer's temporaries are
@@ -102,8 +114,10 @@ class CostFactors:
         eff_hbm: Achieved fraction of HBM bandwidth for weight and KV reads.
         eff_gemm: Achieved fraction of dense bf16 peak for linear layers.
         eff_attn: Achieved fraction of dense bf16 peak for attention.
-        eff_moe: Extra efficiency of MoE expert layers (grouped GEMMs over few tokens per
+        eff_moe: Extra efficiency of MoE expert GEMMs (grouped GEMMs over few tokens per
             expert) relative to dense linear layers.
+        eff_moe_read: Extra efficiency of reading the touched experts' weights (a decode step),
+            relative to ``eff_hbm``.
         eff_mla: Extra efficiency of MLA decode attention's KV reads relative to MHA's.
         moe_layer_overhead_s: Fixed cost per MoE layer per step (routing, token permutation).
         graph_step_overhead_s: Fixed cost of a CUDA-graph decode step (replay, sampling), seconds.
@@ -111,19 +125,27 @@ class CostFactors:
         step_overhead_s: Scheduler cost of every step, seconds.
         per_seq_overhead_s: Scheduler cost per sequence in a step, seconds.
         allreduce_latency_s: Fixed latency of one tp all-reduce, seconds.
+        request_path_s: Fixed time a request spends outside the GPU steps: HTTP, the hop to the
+            scheduler and the first token's way back (:meth:`tuner.sim.engine.Engine.add_request`),
+            seconds.
+        tokenize_s_per_token: Tokenizer-manager time per prompt token of a text prompt, seconds
+            (one request at a time).
     """
 
     eff_hbm: float = 0.88
     eff_gemm: float = 0.64
     eff_attn: float = 0.90
-    eff_moe: float = 0.67
-    eff_mla: float = 0.17
-    moe_layer_overhead_s: float = 45e-6
+    eff_moe: float = 0.477
+    eff_moe_read: float = 0.9
+    eff_mla: float = 0.85
+    moe_layer_overhead_s: float = 80e-6
     graph_step_overhead_s: float = 0.7e-3
     eager_layer_overhead_s: float = 0.45e-3
     step_overhead_s: float = 0.3e-3
     per_seq_overhead_s: float = 2e-6
     allreduce_latency_s: float = 20e-6
+    request_path_s: float = 0.06
+    tokenize_s_per_token: float = 3e-6
 
 
 @dataclass(frozen=True)
@@ -138,7 +160,8 @@ class CostInputs:
         intermediate_size: Dense MLP width (0 for all-MoE models).
         num_attention_heads: Query heads.
         num_kv_heads: KV heads (1 latent head for MLA).
-        head_dim: Per-head dim.
+        head_dim: Per-head dim (MLA: ``qk_nope_head_dim + qk_rope_head_dim``).
+        v_head_dim: Value head dim (0: ``head_dim``).
         vocab_size: Vocabulary size.
         params_total: Parameters of the whole model.
         params_active: Parameters used per token (MoE: dense + topk experts).
@@ -203,6 +226,7 @@ class CostInputs:
     spec_num_draft_tokens: int = 0
     spec_accept_length: float = 1.0
     factors: CostFactors = CostFactors()
+    v_head_dim: int = 0
     dp_size: int = 1
     dcp_size: int = 1
     index_cell_bytes: int = 0
@@ -269,6 +293,7 @@ class CostInputs:
             spec_num_steps=int(spec_num_steps),
             spec_num_draft_tokens=int(spec_num_draft_tokens),
             spec_accept_length=float(spec_accept_length),
+            v_head_dim=int(getattr(model, "v_head_dim", 0) or 0),
         )
 
     def with_parallel(self, *, dp_size: int = 1, dcp_size: int = 1) -> CostInputs:
@@ -301,6 +326,8 @@ class StepShape:
             pairs per layer per head).
         kv_read_tokens: Σ over sequences of the KV tokens read from the pool.
         eager: Whether the step runs without a CUDA graph.
+        extend: A prefill (extend) step: MLA attention then runs in its MHA form (see
+            :func:`step_time_s`).
     """
 
     num_tokens: int
@@ -308,6 +335,7 @@ class StepShape:
     attn_pairs: float
     kv_read_tokens: int
     eager: bool
+    extend: bool = False
 
 
 def _moe_split(c: CostInputs) -> tuple[float, float]:
@@ -329,8 +357,8 @@ def _linear_s(c: CostInputs, num_tokens: int) -> float:
     expert_active = min(0.98 * c.params_active, c.num_layers * c.experts_per_token * 3 * c.hidden_size * c.moe_intermediate_size)
     touched = 1.0 - (1.0 - c.experts_per_token / c.num_experts) ** num_tokens
     dense_s = max(dense_b / bw, 2.0 * (c.params_active - expert_active) / c.tp_size * num_tokens / peak)
-    expert_s = max(expert_b * touched / bw, 2.0 * expert_active / c.tp_size * num_tokens / peak)
-    return dense_s + expert_s / f.eff_moe + c.num_layers * f.moe_layer_overhead_s
+    expert_s = max(expert_b * touched / (bw * f.eff_moe_read), 2.0 * expert_active / c.tp_size * num_tokens / (peak * f.eff_moe))
+    return dense_s + expert_s + c.num_layers * f.moe_layer_overhead_s
 
 
 def dp_rank_share(dp_size: int, num_seqs: int) -> float:
@@ -346,10 +374,13 @@ def dp_rank_share(dp_size: int, num_seqs: int) -> float:
     return math.ceil(num_seqs / dp_size) / num_seqs
 
 
-def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int, num_seqs: int = 1, num_tokens: int = 1) -> float:
+def _attn_s(c: CostInputs, attn_pairs: float, kv_read_tokens: int, num_seqs: int = 1, num_tokens: int = 1,
+            extend: bool = False) -> float:
     f = c.factors
     heads = max(1, c.num_attention_heads // c.tp_size)
-    if c.is_mla:
+    if c.is_mla and extend and not c.index_topk:  # prefill: MHA over the decompressed K/V
+        d_qk, d_v = c.head_dim, c.v_head_dim or c.head_dim
+    elif c.is_mla:
         d_qk, d_v = c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank
     else:
         d_qk = d_v = c.head_dim
@@ -404,7 +435,8 @@ def step_time_s(c: CostInputs, shape: StepShape) -> float:
     if shape.num_tokens <= 0:
         return 0.0
     f = c.factors
-    gpu_s = (_linear_s(c, shape.num_tokens) + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens, shape.num_seqs, shape.num_tokens)
+    gpu_s = (_linear_s(c, shape.num_tokens)
+             + _attn_s(c, shape.attn_pairs, shape.kv_read_tokens, shape.num_seqs, shape.num_tokens, shape.extend)
              + _comm_s(c, shape.num_tokens))
     gpu_s += _dcp_comm_s(c, shape.num_seqs)
     if shape.eager:

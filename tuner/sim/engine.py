@@ -85,6 +85,9 @@ MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 """``min_new_token_ratio = init × 0.14`` (§2.4)."""
 RETRACT_DECODE_STEPS = 20
 """Decode steps of headroom a retraction aims for per remaining request."""
+RECV_WEIGHT_OTHER = 1000
+"""``SchedulerRecvSkipper``'s weight of a non-decode step (``_DEFAULT_WEIGHT``, 0.5.5): it always
+lets the scheduler take in requests before the next step."""
 LPM_FALLBACK_QUEUE_LEN = 128
 """``lpm`` falls back to fcfs above this many waiting requests (§2.4)."""
 
@@ -151,6 +154,8 @@ class SimRequest:
         arrival_s: When the request arrived, on the driver's clock (seconds).
         prompt_class: ``chat`` / ``code`` for a text prompt (:mod:`tuner.sim.speculative`); None:
             classified from the ids (``raw`` or ``chat``).
+        text: The prompt came as text, so the server's tokenizer manager tokenizes it (token ids
+            skip that, :meth:`Engine.add_request`).
     """
 
     rid: str
@@ -159,6 +164,7 @@ class SimRequest:
     ignore_eos: bool = True
     arrival_s: float = 0.0
     prompt_class: str | None = None
+    text: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +244,12 @@ class EngineSpec:
         seed: Seed of the generated output token ids.
         speculative: The draft shape and model (per-request acceptance and step cost,
             :mod:`tuner.sim.speculative`); None: ``cost``'s mean accept length and step cost.
+        scheduler_recv_interval: ``--scheduler-recv-interval``: during decode the scheduler takes
+            in new requests every this many steps (see :meth:`Engine.step`).
+        overlap_schedule: SGLang's overlap scheduler (on unless ``--disable-overlap-schedule`` or
+            speculative decoding, 0.5.5 ``server_args.py``): while the GPU runs one batch the CPU
+            has already chosen the next, so a request taken in while the GPU is busy joins the
+            batch after next (see :meth:`Engine.step`). ``False`` in a spec built by hand.
     """
 
     max_total_num_tokens: int
@@ -262,6 +274,8 @@ class EngineSpec:
     eos_token_id: int = 2
     seed: int = 0
     speculative: SpecModel | None = None
+    scheduler_recv_interval: int = 1
+    overlap_schedule: bool = False
 
 
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
@@ -357,6 +371,12 @@ class Engine:
         self.min_new_token_ratio = self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR
         self._ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
+        self._intake: list[tuple[float, int, _Req]] = []  # (ready_s, order, req): on the request path
+        self._intake_order = 0
+        self._received: list[_Req] = []  # taken in during a busy step (overlap): queued at the next one
+        self._recv_counter = 0  # SchedulerRecvSkipper's counter
+        self._tokenizer_free_s = 0.0  # when the tokenizer manager finishes its queue
+        self.idle_wait = False  # the last step only waited for a request on the request path
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._chunked: _Req | None = None
@@ -386,6 +406,15 @@ class Engine:
     def add_request(self, req: SimRequest) -> None:
         """Queue a request.
 
+        The request reaches the scheduler's waiting queue after the request path, at the first
+        step that takes requests in (``scheduler_recv_interval``, see :meth:`step`). A text prompt
+        first waits for the tokenizer manager, one process that tokenizes one request at a time
+        (``tokenizer_worker_num`` 1, ``managers/tokenizer_manager.py`` ``_tokenize_texts`` calls the
+        tokenizer synchronously, 0.5.5): ``tokenize_s_per_token`` per prompt token, in arrival
+        order. Then the fixed ``request_path_s`` (HTTP, the ZMQ hop, the first token's way back
+        through the detokenizer: for TTFT and a closed loop only the sum matters, so all of it is
+        charged before scheduling). Factors: :class:`tuner.sim.costmodel.CostFactors`.
+
         Raises:
             RequestRejected: Empty input, a duplicate rid, or an input longer than SGLang's
                 ``max_req_input_len`` (§1.4), with SGLang's message.
@@ -406,7 +435,14 @@ class Engine:
             r.accept = self.spec.speculative.request_accept_length(
                 req.prompt_class or classify_ids(req.input_ids), req.rid)
         self._rids.add(r.rid)
-        self._waiting.append(r)
+        f = self.spec.cost.factors
+        if req.text:  # the tokenizer manager is one queue (arrival order = call order)
+            self._tokenizer_free_s = max(req.arrival_s, self._tokenizer_free_s) + f.tokenize_s_per_token * n
+            ready = self._tokenizer_free_s + f.request_path_s
+        else:
+            ready = req.arrival_s + f.request_path_s
+        self._intake_order += 1
+        bisect.insort(self._intake, (ready, self._intake_order, r))
 
     def abort(self, rid: str) -> bool:
         """Drop a request wherever it is, freeing its KV cells.
@@ -414,7 +450,13 @@ class Engine:
         Returns:
             True if the request was found.
         """
-        for queue in (self._waiting, self._running):
+        for i, (_, _, r) in enumerate(self._intake):
+            if r.rid == rid:
+                del self._intake[i]
+                self._rids.discard(rid)
+                self.num_aborted_requests_total += 1
+                return True
+        for queue in (self._received, self._waiting, self._running):
             for i, r in enumerate(queue):
                 if r.rid == rid:
                     del queue[i]
@@ -445,7 +487,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether any request is waiting, prefilling or decoding."""
-        return bool(self._waiting or self._running or self._chunked is not None)
+        return bool(self._intake or self._received or self._waiting or self._running or self._chunked is not None)
 
     def stats(self) -> dict:
         """Scheduler gauges and counters (E1 exposes them under the §5.5 names).
@@ -464,7 +506,7 @@ class Engine:
         used = self._used_tokens()
         return {
             "num_running_reqs": len(self._running) + (1 if self._chunked is not None else 0),
-            "num_queue_reqs": len(self._waiting),
+            "num_queue_reqs": len(self._waiting) + len(self._received),
             "num_used_tokens": used,
             "token_usage": used / self._total if self._total else 0.0,
             "gen_throughput": self.gen_throughput,
@@ -496,7 +538,17 @@ class Engine:
             be admitted) and its events, which happen at ``now_s + duration_s``: a
             :class:`TokenEvent` per request that got tokens, then a :class:`FinishEvent` per
             finished or aborted request. While :meth:`has_work` is true, every step has a
-            duration or an event.
+            duration or an event; when the only work is requests still on the request path, the
+            step is a wait until the first of them reaches the scheduler (no events,
+            :attr:`idle_wait` true).
+
+        Intake follows SGLang's ``SchedulerRecvSkipper`` (``managers/scheduler_recv_skipper.py``,
+        0.5.5): with ``--scheduler-recv-interval N > 1`` a decode step adds 1 to a counter, any
+        other step 1000, and the scheduler takes in new requests only when the counter reaches
+        ``N`` (then resets it); an idle scheduler loops in microseconds, so it takes them in at once.
+        With the overlap scheduler (``event_loop_overlap``: each loop takes requests in, launches the
+        next batch, then waits for the previous one), a request taken in while a batch runs is
+        scheduled one batch later: it waits for the running step and the next one.
 
         Raises:
             SimRuntimeOOM: The step's activations exceed the free memory; the engine is then dead.
@@ -648,18 +700,43 @@ class Engine:
         Returns:
             ``(duration_s, requests that got tokens (``new_tokens`` each), finished requests)``.
         """
+        self.idle_wait = False
+        self._receive(now_s)
         batch = self._get_new_prefill_batch()
         if batch is not None:
             result = self._run_prefill(now_s, *batch)
+            self._recv_counter += RECV_WEIGHT_OTHER
         elif self._running:
             result = self._run_decode(now_s)
+            self._recv_counter += 1
         elif self._waiting or self._chunked is not None:  # stalled: nothing runs, nothing fits
             result = (0.0, [], [self._abort_stalled()])
+        elif self._intake:  # idle until the next request reaches the scheduler
+            self.idle_wait = True
+            result = (max(0.0, self._intake[0][0] - now_s), [], [])
         else:
             result = (0.0, [], [])
         if not self._running and self._chunked is None and not self._waiting:
             self.new_token_ratio = self.init_new_token_ratio  # the scheduler's idle self-check
         return result
+
+    def _receive(self, now_s: float) -> None:
+        """Move the requests whose request path has ended into the waiting queue, when the
+        scheduler takes in requests this step (``SchedulerRecvSkipper.handle``); with the overlap
+        scheduler and a busy GPU, into the queue of the next step."""
+        if self._received:
+            self._waiting.extend(self._received)
+            self._received = []
+        if self.spec.scheduler_recv_interval > 1:
+            if self._recv_counter < self.spec.scheduler_recv_interval and self._running:
+                return  # an idle scheduler loops in microseconds: it takes requests in at once
+            self._recv_counter = 0
+        if not self._intake or self._intake[0][0] > now_s:
+            return
+        i = bisect.bisect_right(self._intake, (now_s, float("inf")))
+        busy = self._running or self._chunked is not None
+        (self._received if self.spec.overlap_schedule and busy else self._waiting).extend(r for _, _, r in self._intake[:i])
+        del self._intake[:i]
 
     def _abort_stalled(self) -> _Req:
         """Abort the request that blocks an idle scheduler (see the module docstring, §1.4).
@@ -852,7 +929,7 @@ class Engine:
             pairs += self._running_kv
             kv_read += self._running_kv
         self._check_activations(tokens, seqs)
-        duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True))
+        duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True, extend=True))
         if load_back:
             duration = max(duration, costmodel.load_back_s(spec.cost, load_back))
         self._last_input_throughput = new_tokens / duration if duration > 0 else 0.0

@@ -18,7 +18,7 @@ import io
 import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tuner.sim.clock import VirtualClock
 from tuner.sim.engine import Engine, EngineSpec, RequestRejected, SimRequest, SimRuntimeOOM
@@ -108,7 +108,8 @@ class EvalResult:
         p99_itl_ms: Inter-token latency, ms.
         itls_ms: Every inter-token gap of the window, ms (single precision: the share over an
             SLO's ITL limit is computed from them, :func:`tuner.load.metrics.itl_exceedance`).
-        p99_tpot_ms: Time per output token after the first, ms.
+        p99_tpot_ms: Time per output token after the first, ms (``mean_tpot_ms`` and
+            ``p50_tpot_ms`` likewise: bench_serving's mean and median TPOT).
         mean_e2e_latency_ms: End-to-end latency of completed requests, ms.
         cache_hit_rate: Σ cached / Σ prompt tokens of finished requests.
         host_hit_rate: The part of it loaded back from the HiCache host tier (load-back tokens /
@@ -141,6 +142,8 @@ class EvalResult:
     p99_itl_ms: float | None = None
     itls_ms: array = field(default_factory=lambda: array("f"))
     p99_tpot_ms: float | None = None
+    mean_tpot_ms: float | None = None
+    p50_tpot_ms: float | None = None
     mean_e2e_latency_ms: float | None = None
     cache_hit_rate: float = 0.0
     host_hit_rate: float = 0.0
@@ -267,8 +270,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     def submit(req: SimRequest, at_s: float) -> bool:
         nonlocal rejected, measured_sent
         try:
-            engine.add_request(SimRequest(req.rid, req.input_ids, req.max_new_tokens, req.ignore_eos, at_s,
-                                          req.prompt_class))
+            engine.add_request(replace(req, arrival_s=at_s))
         except RequestRejected:
             rejected += 1
             finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
@@ -322,6 +324,10 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             error = str(exc).splitlines()[0]
             break
         steps += 1
+        if engine.idle_wait and not closed and nxt < n:  # waiting for the request path; an arrival may come first
+            dur = min(dur, max(0.0, pending[nxt].arrival_s - now))
+            if dur == 0.0:
+                continue
         if dur == 0.0 and not token_reqs and not finished:  # idle: the engine never stalls (it aborts)
             if closed and after and active and queue and any(after.get(q.rid) in (None, *finished_rids) for q in queue):
                 continue
@@ -384,6 +390,8 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
         p99_itl_ms=_scale(_percentile(itls, 99), ms),
         itls_ms=array("f", (v * ms for v in itls)),
         p99_tpot_ms=_scale(_percentile(tpots, 99), ms),
+        mean_tpot_ms=sum(tpots) / len(tpots) * ms if tpots else None,
+        p50_tpot_ms=_scale(_percentile(tpots, 50), ms),
         mean_e2e_latency_ms=sum(e2es) / len(e2es) * ms if e2es else None,
         cache_hit_rate=stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,
         host_hit_rate=stats["load_back_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0,

@@ -349,7 +349,7 @@ class SimServer:
         now = self.now_s()
         pending = _Pending(rid, len(input_ids), now)
         self.engine.add_request(SimRequest(rid, list(input_ids), int(max_new_tokens), bool(ignore_eos), now,
-                                           getattr(input_ids, "prompt_class", None)))
+                                           getattr(input_ids, "prompt_class", None), isinstance(input_ids, TextIds)))
         self._pending[rid] = pending
         if self._wake is not None:
             self._wake.set()

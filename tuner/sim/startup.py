@@ -583,4 +583,7 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         decode_log_interval=cfg.decode_log_interval,
         seed=seed,
         speculative=speculative.spec_model(plan),
+        scheduler_recv_interval=int(cfg.server_args.get("scheduler_recv_interval") or 1),
+        # 0.5.5 server_args.py: speculative decoding turns the overlap scheduler off
+        overlap_schedule=not cfg.server_args.get("disable_overlap_schedule") and cfg.speculative is None,
     )
