@@ -33,6 +33,8 @@ SKIPPED = {
                "simulator model (≈1.4 GiB for 52 sizes × 48 MoE layers against the logged 6.19 GB, which "
                "the report itself calls an anomaly)",
     "case-21": "the model is not named, so the 2,980,168-token pool cannot be sized",
+    "case-22": "Gemma 3 (a sliding-window model, not simulated) on an unnamed consumer GPU under WSL; read by "
+               "tests/sglang/test_cases.py (free memory after graphs 0.00 GB)",
     "case-24": "a hybrid GDN/Mamba model (not simulated) on 0.5.14",
     "case-26": "the GPU is not stated; the ~59,868-token pool is inferred, not logged",
     "case-27": "a hybrid SWA model (DeepSeek-V4) under load; no startup inputs",
@@ -45,6 +47,8 @@ SKIPPED = {
     "case-34": "a hybrid GDN model with a draft on RTX 5090 (not simulated); the model is not named",
     "case-37": "a runtime KV page shortfall under load (engine behaviour); the model and GPU are not stated",
     "case-38": "a runtime retraction of two long generations (engine behaviour); the GPU is not stated",
+    "case-39": "Kimi-K3 with a DFLASH/DSPARK draft on an unnamed 268 GiB device, SGLang main (no preset, no "
+               "version); an allocator OOM read by tests/sglang/test_cases.py",
     "case-41": "Qwen3-Omni (multimodal, not simulated) on 4 unnamed GPUs",
     "case-45": "DeepSeek-V3.2 on B300 (no preset; DSA is simulated with 0.5.23 rules, this is a dsv32 image); a 'no kernel image' crash at "
                "capture, not a memory figure",
@@ -52,6 +56,8 @@ SKIPPED = {
     "case-49": "a runtime pool exhaustion under load on 0.5.18 (engine behaviour); RTX 4090 has no preset",
     "case-52": "a draft host pool of an unnamed model (a code fix); the GPU is not stated",
     "case-54": "ROCm MI300 with a Triton shared-memory limit (not simulated; not a memory figure)",
+    "case-66": "a closed gloo connection at CUDA-graph capture (not a memory figure); the model and GPU are "
+               "not stated",
 }
 
 
