@@ -307,7 +307,7 @@ def run_cmd(
         sink.close()
     if metrics is not None:
         metrics.close()
-    out.print("service restored to its original flags", highlight=False)
+    out.print(f"service {summary.service}", highlight=False, soft_wrap=True)
     from tuner import results
 
     stored = results.open_study(results.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))
