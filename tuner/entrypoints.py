@@ -164,10 +164,13 @@ def tune(
         TunerError: Bad config, unit, storage, budget or environment, found by
             :func:`tuner.preflight.check_run` before the lock or any change (nothing was changed
             then); or a failure during the run, after the service was restored.
-        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored.
+        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored (when the run had
+            changed it); its ``service`` attribute says which, as :attr:`RunSummary.service` does.
 
     .. note:: Restarts the production service for every trial and restores it at the end, on
-       Ctrl-C, on SIGTERM and on any error.
+       Ctrl-C, on SIGTERM and on any error; a run that started no trial restarts nothing, and a
+       ``pre_restart`` drain that fails stops the run without a restart (the message says what the
+       service runs and what to do).
     """
     gpu = resolve_gpu_monitor(config)
     launcher = resolve_launcher(config, gpu=gpu)
@@ -198,12 +201,21 @@ def tune(
                 restored = launcher.needs_restore
                 if restored and server is not None:
                     _drain_before_restore(server, launcher)  # the session's exit restarts the original next
+    except KeyboardInterrupt as err:  # the CLI's line says what became of the service
+        setattr(err, "service", _service_text(config, restored))  # noqa: B010 - an exception's attribute
+        raise
     finally:
         if restored and server is not None and not launcher.needs_restore:  # put back (and checked healthy)
             _restore_hook(server, "post_ready")
-    summary.service = (restored_text(config, datetime.now()) if restored else
-                       "not restarted: the run changed nothing, the service runs its own flags as before")
+    summary.service = _service_text(config, restored)
     return summary
+
+
+def _service_text(config: TunerConfig, restored: bool) -> str:
+    """What the run's end did to the service (:attr:`RunSummary.service`)."""
+    if restored:
+        return restored_text(config, datetime.now())
+    return "not restarted: the run changed nothing, the service runs its own flags as before"
 
 
 def _drain_before_restore(server: LaunchedServer, launcher: Launcher) -> None:
