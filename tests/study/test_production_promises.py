@@ -25,50 +25,21 @@ import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import optuna
 import psutil
 import pytest
 
 from tests.support.cli import one_error_line, run_tuner
 from tests.support.configs import load_study
 from tests.support.immutable import immutable
-from tests.support.served_unit import Served, wait_for
+from tests.support.postgres import PASSWORD
+from tests.support.served_unit import Calls, Served, wait_for
 from tests.support.sim import is_healthy
 from tuner.config import load_config
 from tuner.records import TrialRecord
 from tuner.study.budget import prior_trial_cost_s
 
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
-
-CHANGING = {"start", "stop", "restart", "try-restart", "reload", "daemon-reload", "reset-failed", "kill",
-            "enable", "disable", "mask", "unmask", "isolate"}
-"""``systemctl`` verbs that change a unit (``show``, ``cat``, ``is-active`` only read)."""
-
-
-class Calls:
-    """Every ``systemctl`` call of the tuner, through a wrapper script that logs it and runs it, and
-    the hooks' calls in the same log (so their order is visible)."""
-
-    def __init__(self, tmp: Path, served: Served) -> None:
-        self.wrapper = tmp / "systemctl-logged"
-        self.wrapper.write_text('#!/bin/sh\necho "systemctl $*" >> "$0.log"\nexec "$@"\n')
-        self.wrapper.chmod(0o755)
-        self.log = Path(f"{self.wrapper}.log")
-        self.systemctl = [str(self.wrapper), *served.box.systemctl]
-
-    def lines(self) -> list[str]:
-        return self.log.read_text().splitlines() if self.log.exists() else []
-
-    def changing(self, after: int = 0) -> list[str]:
-        """The calls (from line ``after`` on) whose verb changes the unit."""
-        return [line for line in self.lines()[after:] if line.startswith("systemctl ") and CHANGING & set(line.split())]
-
-    def hook(self, tmp: Path, body: str, name: str = "hook") -> str:
-        """A hook script that logs ``HOOK <name> <reason>`` into the call log, then runs ``body``."""
-        script = tmp / f"{name}.sh"
-        script.write_text(f'#!/bin/sh\necho "HOOK $SGLANG_TUNER_HOOK $SGLANG_TUNER_REASON" >> {self.log}\n{body}\n')
-        script.chmod(0o755)
-        return str(script)
-
 
 def _left_over(tmp: Path, served: Served) -> list[str]:
     """What a run that changed nothing must not leave: a state file, a lock file, a tuner drop-in."""
@@ -294,3 +265,48 @@ def test_a_failing_post_ready_is_stored_as_such_and_the_service_restored(served:
     assert evidence.startswith("not measured: [service] post_ready hook") and "could not be changed" not in evidence
     assert served.tuner_dropins() == [] and is_healthy(served.url, 60)  # restored
     assert [x for x in calls.lines() if x.startswith("HOOK")] == ["HOOK post_ready trial", "HOOK post_ready restore"]
+
+
+def test_no_file_the_run_writes_and_no_refusal_holds_the_storage_password(
+        served: Served, tmp_path: Path, locks: Path, postgres_url: str) -> None:
+    """A run on the fleet's PostgreSQL storage, its password in ``--storage`` as the README tells
+    every host: while it holds the unit, its lock file (0600) and state file, and the "being tuned
+    by another tuner" refusals of ``run``, ``restore`` and ``apply``, hold no password; after it,
+    no file it wrote (state folder, lock folder, artifacts, its output) does."""
+    assert f":{PASSWORD}@" in postgres_url
+    served.ensure_serving()
+    config = served.config(tmp_path, measure_s=15)
+    proc, out = _background(config, tmp_path, "--storage", postgres_url, "--trials", "2")
+    try:
+        wait_for(lambda: _finished(postgres_url) >= 1, 240, "the baseline to be stored", proc)
+        lock = next(locks.glob("*.lock"))
+        assert oct(lock.stat().st_mode & 0o777) == "0o600"
+        held = {"lock file": lock.read_text(), "state file": next((tmp_path / "state").glob("*.state.json")).read_text()}
+        assert "***@" in held["lock file"] and "***@" in held["state file"], held
+        for name, argv in {"run": ("run", "--config", str(config), "--storage", postgres_url, "--trials", "1"),
+                           "restore": ("restore", "--config", str(config)),
+                           "apply": ("apply", "0", "--config", str(config), "--study", "sd", "--storage", postgres_url,
+                                     "--yes")}.items():
+            refused = run_tuner(*argv, cwd=tmp_path, timeout_s=120)
+            held[name] = refused.stdout + refused.stderr
+            assert refused.returncode == 1 and "is being tuned by another tuner" in held[name], (name, held[name])
+        for name, text in held.items():
+            assert PASSWORD not in text, (name, text)
+        assert proc.wait(300) == 0, out.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any("artifacts" in p.parts for p in written) and (tmp_path / "run.out") in written  # what the run wrote
+    leaks = [str(p) for p in written if PASSWORD.encode() in p.read_bytes()]
+    assert leaks == [], leaks
+    assert list(locks.glob("*.lock")) == []  # released by its owner: removed
+
+
+def _finished(url: str) -> int:
+    try:
+        study = optuna.load_study(study_name="sd", storage=url)
+    except KeyError:
+        return 0
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished())

@@ -29,7 +29,7 @@ from tests.support.configs import load_study as load
 from tests.support.configs import study_created
 from tests.support.net import free_port
 from tests.support.sandbox import SystemdSandbox
-from tests.support.served_unit import Served, background_run, running, wait_for
+from tests.support.served_unit import Calls, Served, background_run, running, wait_for
 from tests.support.sim import is_healthy
 from tuner.records import TrialRecord
 
@@ -338,8 +338,8 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
     """The tuner is killed (SIGKILL) while a trial serves, or after the trial's drop-in was written
     and before its server started (the unit held in ExecStartPre); the host reboots: the unit comes
     up at boot on its own command with no `tuner restore`, because the trial's drop-in lived in
-    systemd's runtime folder (/run), which a boot empties. `tuner restore` afterwards is a clean no-op
-    restart on the original."""
+    systemd's runtime folder (/run), which a boot empties. `tuner restore` afterwards sees the unit
+    on its own command and only removes the killed run's state file: no restart."""
     box = served.box
     unit = Served(box)
     gate = tmp_path / "hold-start"
@@ -375,10 +375,14 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
         assert requests.get(f"{unit.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80
         assert unit.tuner_dropins() == ["10-site.conf"]
         # the killed run's state file is still there: restore (a fresh config: the reboot changed the
-        # nsenter target) puts the same original back and clears it
-        proc = run_tuner("restore", "--config", str(unit.config(tmp_path, name="after")), "--unit", unit.unit,
-                         "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout_s=200)
+        # nsenter target) sees the unit already on its own command, healthy, and only clears the file
+        calls = Calls(tmp_path, unit)
+        up = unit.pid_state()
+        proc = run_tuner("restore", "--config", str(unit.config(tmp_path, name="after", systemctl=calls.systemctl)),
+                         "--unit", unit.unit, "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout_s=200)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "already runs its own command" in proc.stdout and "restarted nothing" in proc.stdout, proc.stdout
+        assert calls.changing() == [] and unit.pid_state() == up, calls.lines()
         assert not list((tmp_path / "state").glob("*.state.json"))
         assert unit.tuner_dropins() == ["10-site.conf"] and is_healthy(unit.url, 60)
     finally:

@@ -1,5 +1,6 @@
 """The systemd fault suites' unit under test: the simulator as a real unit of the sandbox's systemd
-(:class:`Served`), its config, and ``tuner run`` in the background (:func:`running`)."""
+(:class:`Served`), its config, ``tuner run`` in the background (:func:`running`), and the tuner's
+``systemctl`` calls, logged (:class:`Calls`)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,34 @@ def running(config: Path, cwd: Path, *args: str) -> Iterator[subprocess.Popen[st
         if run.poll() is None:
             run.kill()
             run.wait(30)
+
+
+CHANGING = {"start", "stop", "restart", "try-restart", "reload", "daemon-reload", "reset-failed", "kill",
+            "enable", "disable", "mask", "unmask", "isolate"}
+"""``systemctl`` verbs that change a unit (``show``, ``cat``, ``is-active`` only read)."""
+
+
+class Calls:
+    """Every ``systemctl`` call of the tuner, through a wrapper script that logs it and runs it, and
+    the hooks' calls in the same log (so their order is visible)."""
+
+    def __init__(self, tmp: Path, served: Served) -> None:
+        self.wrapper = tmp / "systemctl-logged"
+        self.wrapper.write_text('#!/bin/sh\necho "systemctl $*" >> "$0.log"\nexec "$@"\n')
+        self.wrapper.chmod(0o755)
+        self.log = Path(f"{self.wrapper}.log")
+        self.systemctl = [str(self.wrapper), *served.box.systemctl]
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def changing(self, after: int = 0) -> list[str]:
+        """The calls (from line ``after`` on) whose verb changes the unit."""
+        return [line for line in self.lines()[after:] if line.startswith("systemctl ") and CHANGING & set(line.split())]
+
+    def hook(self, tmp: Path, body: str, name: str = "hook") -> str:
+        """A hook script that logs ``HOOK <name> <reason>`` into the call log, then runs ``body``."""
+        script = tmp / f"{name}.sh"
+        script.write_text(f'#!/bin/sh\necho "HOOK $SGLANG_TUNER_HOOK $SGLANG_TUNER_REASON" >> {self.log}\n{body}\n')
+        script.chmod(0o755)
+        return str(script)

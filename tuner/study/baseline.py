@@ -83,7 +83,8 @@ def claim_baseline(
         environment: This run's environment.
         host: This host's name.
         claim: The claim lock's context (:meth:`tuner.study.loop.StudyRun.claim`).
-        can_continue: Whether the budget and the trial cap leave room for one more trial.
+        can_continue: Whether the budget and the trial cap leave room for one more trial (asked
+            outside the claim lock: it may wait for the maintenance window).
         own_environment: Whether this run's environment is the study's own.
         on_wait: Told once, with one line, when this host starts waiting for another's.
 
@@ -93,9 +94,10 @@ def claim_baseline(
     """
     waited_s = 0.0  # since no host measures it (the stored space's trial may not be visible yet)
     while True:
+        go_on = can_continue()  # never inside the claim lock: it may wait for [service] window to open
         with claim() as section:
             found, measuring, done_elsewhere = _baseline_state(study, environment, own_environment)
-            if found is not None or not can_continue():
+            if found is not None or not go_on:
                 return None, found
             trial = None
             if not measuring and not (done_elsewhere and waited_s < BASELINE_VISIBLE_S):
