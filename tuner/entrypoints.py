@@ -183,12 +183,12 @@ def tune(
     url = storage_url or study_storage_url(config)
     journal = ResultJournal(launcher.store.journal_path, config.study.name, url)
     server: LaunchedServer | None = None
-    restored = False
     try:
         with launcher.session():
             # Per-trial files live in the unit's work folder until run_study uploads them to the
             # artifact store; a killed run's folder is emptied by the next run or `tuner restore`.
             work_dir = launcher.store.fresh_work_dir()
+            stopped: BaseException | None = None
             try:
                 server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
                 executor = TrialExecutor(config, server, table, work_dir=work_dir)
@@ -196,18 +196,20 @@ def tune(
                     config, executor, budget_s=budget_s, max_trials=max_trials, journal=journal,
                     allow_mixed_environment=allow_mixed_environment, storage_url=url, on_progress=on_progress,
                 )
+            except BaseException as err:
+                stopped = err
+                raise
             finally:
                 launcher.store.drop_work_dir()
-                restored = launcher.needs_restore
-                if restored and server is not None:
-                    _drain_before_restore(server, launcher)  # the session's exit restarts the original next
+                if launcher.needs_restore and server is not None:
+                    _drain_before_restore(server, launcher, stopped)  # the session's exit restarts the original next
     except KeyboardInterrupt as err:  # the CLI's line says what became of the service
-        setattr(err, "service", _service_text(config, restored))  # noqa: B010 - an exception's attribute
+        setattr(err, "service", _service_text(config, launcher.restored_on_exit))  # noqa: B010 - an exception's attribute
         raise
     finally:
-        if restored and server is not None and not launcher.needs_restore:  # put back (and checked healthy)
+        if launcher.restored_on_exit and server is not None:  # put back, and checked healthy
             _restore_hook(server, "post_ready")
-    summary.service = _service_text(config, restored)
+    summary.service = _service_text(config, launcher.restored_on_exit)
     return summary
 
 
@@ -218,10 +220,11 @@ def _service_text(config: TunerConfig, restored: bool) -> str:
     return "not restarted: the run changed nothing, the service runs its own flags as before"
 
 
-def _drain_before_restore(server: LaunchedServer, launcher: Launcher) -> None:
+def _drain_before_restore(server: LaunchedServer, launcher: Launcher, stopped: BaseException | None) -> None:
     """``[service] pre_restart`` before the final restore. A drain that fails means no restart:
     the service is held as it is (:meth:`~tuner.launch.base.GuardedLauncher.hold`, the state file
-    kept for ``tuner restore``) and the run stops in one line saying so.
+    kept for ``tuner restore``) and the run stops in one line saying so, and why the run had
+    stopped when it was an error or an interrupt (``stopped``).
 
     Raises:
         HookError: The hook failed (the message says what the service runs and what to do).
@@ -229,8 +232,13 @@ def _drain_before_restore(server: LaunchedServer, launcher: Launcher) -> None:
     try:
         server.hook("pre_restart", "restore")
     except HookError as err:
-        raise HookError(f"{err.message} before the final restore; {launcher.hold()}", hook=err.hook,
-                        hint=err.hint) from None
+        why = ""
+        if isinstance(stopped, TunerError):
+            why = f" (the run had stopped: {stopped.message})"
+        elif isinstance(stopped, KeyboardInterrupt):
+            why = " (the run was interrupted)"
+        raise HookError(f"{err.message} before the final restore; {launcher.hold()}{why}", hook=err.hook,
+                        hint=err.hint) from stopped
 
 
 def _restore_hook(server: LaunchedServer, name: str) -> None:

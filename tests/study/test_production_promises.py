@@ -234,6 +234,26 @@ def test_a_drain_failing_at_a_later_trial_restarts_nothing_and_restore_takes_it_
     assert served.tuner_dropins() == [] and is_healthy(served.url, 60) and served.pid_state()[0] != serving[0]
 
 
+def test_a_drain_failing_before_the_final_restore_restarts_nothing(served: Served, tmp_path: Path, locks: Path) -> None:
+    """The run ends (its trial cap) and the drain before the final restore fails: the unit is not
+    restarted (it was restarted undrained, with the failure a warning), it keeps the trial's flags
+    and the state file for `tuner restore`, and the run exits 1 saying so."""
+    served.ensure_serving()
+    calls = Calls(tmp_path, served)
+    hook = calls.hook(tmp_path, '[ "$SGLANG_TUNER_REASON" = restore ] && { echo "balancer down" >&2; exit 3; }\nexit 0')
+    config = served.config(tmp_path, systemctl=calls.systemctl, service=f'pre_restart = ["{hook}"]\n')
+    proc = run_tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=300)
+    one_error_line(proc, "exited 3: balancer down before the final restore",
+                   "was not restarted and still runs a trial's flags", "tuner restore --unit")
+    lines = calls.lines()
+    drain = lines.index("HOOK pre_restart restore")
+    assert calls.changing(after=drain) == [], lines[drain:]
+    assert "90-tuner-trial.conf" in served.tuner_dropins() and served.pid_state()[1] == "active"
+    assert list((tmp_path / "state").glob("*.state.json"))
+    proc = run_tuner("restore", "--config", str(config), cwd=tmp_path, timeout_s=200)
+    assert proc.returncode == 0 and served.tuner_dropins() == [] and is_healthy(served.url, 60), proc.stderr[-2000:]
+
+
 def test_a_hanging_drain_is_killed_with_its_children_and_restarts_nothing(
         served: Served, tmp_path: Path, locks: Path) -> None:
     before = served.ensure_serving()

@@ -112,6 +112,9 @@ class Launcher(abc.ABC):
     """Base URL of the server (``http://127.0.0.1:30000``)."""
     store: StateStore
     """The unit's state file, and beside it the run's work folder and result journal."""
+    restored_on_exit = False
+    """Whether the last :meth:`session`'s exit restored the service, and the restore succeeded
+    (``False`` when it changed nothing and so restarted nothing)."""
 
     @abc.abstractmethod
     def current_argv(self) -> list[str]:
@@ -631,7 +634,7 @@ class GuardedLauncher(Launcher):
                 recipe = {**self._own_settings(), **self.settings}
                 self._state = state.model_copy(update={"extra": {**state.extra, "settings": recipe}})
                 self.store.save(self._state)
-            self._changed = self._committed = self._held = False
+            self._changed = self._committed = self._held = self.restored_on_exit = False
             self._adopted = left is not None
             if not restore_on_exit:
                 try:
@@ -647,6 +650,7 @@ class GuardedLauncher(Launcher):
                     if self.needs_restore:
                         with deferred_signals():
                             self.restore()
+                        self.restored_on_exit = True
                     elif not self._committed and not self._changed and not self._adopted:
                         self.store.clear()  # nothing was changed: nothing is restarted either
         finally:

@@ -273,8 +273,8 @@ class StudyRun:
         replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
         if replayed:
             self.progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "
-                               "last run on this host measured and kept in its result journal, but did not finish "
-                               "storing (it was stopped, or the database did not answer)", phase="recovered")
+                               "last run kept in its result journal but did not finish storing (it was stopped, or "
+                               "the database did not answer)", phase="recovered")
         self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
         context_tokens = info.context_tokens or context_tokens
         self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
