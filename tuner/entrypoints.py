@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig
-from tuner.errors import ConfigError, ServiceControlError, TunerError
+from tuner.errors import ConfigError, HookError, ServiceControlError, TunerError
 from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
@@ -26,7 +27,7 @@ from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.study.baseline import latest_baseline, study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
-from tuner.study.loop import run_study
+from tuner.study.loop import restored_text, run_study
 from tuner.study.optuna_io import records
 from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunSummary
@@ -163,10 +164,13 @@ def tune(
         TunerError: Bad config, unit, storage, budget or environment, found by
             :func:`tuner.preflight.check_run` before the lock or any change (nothing was changed
             then); or a failure during the run, after the service was restored.
-        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored.
+        KeyboardInterrupt: Ctrl-C or SIGTERM, after the service was restored (when the run had
+            changed it); its ``service`` attribute says which, as :attr:`RunSummary.service` does.
 
     .. note:: Restarts the production service for every trial and restores it at the end, on
-       Ctrl-C, on SIGTERM and on any error.
+       Ctrl-C, on SIGTERM and on any error; a run that started no trial restarts nothing, and a
+       ``pre_restart`` drain that fails stops the run without a restart (the message says what the
+       service runs and what to do).
     """
     gpu = resolve_gpu_monitor(config)
     launcher = resolve_launcher(config, gpu=gpu)
@@ -184,29 +188,67 @@ def tune(
             # Per-trial files live in the unit's work folder until run_study uploads them to the
             # artifact store; a killed run's folder is emptied by the next run or `tuner restore`.
             work_dir = launcher.store.fresh_work_dir()
+            stopped: BaseException | None = None
             try:
                 server = LaunchedServer(config, launcher, gpu=gpu, environment=environment)
                 executor = TrialExecutor(config, server, table, work_dir=work_dir)
-                return run_study(
+                summary = run_study(
                     config, executor, budget_s=budget_s, max_trials=max_trials, journal=journal,
                     allow_mixed_environment=allow_mixed_environment, storage_url=url, on_progress=on_progress,
                 )
+            except BaseException as err:
+                stopped = err
+                raise
             finally:
                 launcher.store.drop_work_dir()
-                _restore_hook(server, "pre_restart")  # the session's exit restarts the original next
+                if launcher.needs_restore and server is not None:
+                    _drain_before_restore(server, launcher, stopped)  # the session's exit restarts the original next
+    except KeyboardInterrupt as err:  # the CLI's line says what became of the service
+        setattr(err, "service", _service_text(config, launcher.restored_on_exit))  # noqa: B010 - an exception's attribute
+        raise
     finally:
-        _restore_hook(server, "post_ready")  # the original runs again (the session checked it healthy)
+        if launcher.restored_on_exit and server is not None:  # put back, and checked healthy
+            _restore_hook(server, "post_ready")
+    summary.service = _service_text(config, launcher.restored_on_exit)
+    return summary
 
 
-def _restore_hook(server: LaunchedServer | None, name: str) -> None:
-    """Run ``[service]`` hook ``name`` around the final restore when a trial restarted the service; a
-    failure there is logged (the run is ending, the restore goes on), not raised."""
-    if server is None or not server.restarted:
-        return
+def _service_text(config: TunerConfig, restored: bool) -> str:
+    """What the run's end did to the service (:attr:`RunSummary.service`)."""
+    if restored:
+        return restored_text(config, datetime.now())
+    return "not restarted: the run changed nothing, the service runs its own flags as before"
+
+
+def _drain_before_restore(server: LaunchedServer, launcher: Launcher, stopped: BaseException | None) -> None:
+    """``[service] pre_restart`` before the final restore. A drain that fails means no restart:
+    the service is held as it is (:meth:`~tuner.launch.base.GuardedLauncher.hold`, the state file
+    kept for ``tuner restore``) and the run stops in one line saying so, and why the run had
+    stopped when it was an error or an interrupt (``stopped``).
+
+    Raises:
+        HookError: The hook failed (the message says what the service runs and what to do).
+    """
+    try:
+        server.hook("pre_restart", "restore")
+    except HookError as err:
+        why = ""
+        if isinstance(stopped, TunerError):
+            why = f" (the run had stopped: {stopped.message})"
+        elif isinstance(stopped, KeyboardInterrupt):
+            why = " (the run was interrupted)"
+        raise HookError(f"{err.message} before the final restore; {launcher.hold()}{why}", hook=err.hook,
+                        hint=err.hint) from stopped
+
+
+def _restore_hook(server: LaunchedServer, name: str) -> None:
+    """Run ``[service]`` hook ``name`` after the final restore; a failure there is logged (the
+    service runs its own flags again; the hook must be run by hand), not raised."""
     try:
         server.hook(name, "restore")
     except ServiceControlError as err:
-        _log.warning("%s (around the final restore; run it by hand)", err.message)
+        _log.warning("%s (after the final restore: the service runs its own flags again; run the hook by hand)",
+                     err.message)
 
 
 def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,

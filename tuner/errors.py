@@ -87,6 +87,19 @@ class ServiceControlError(LaunchError):
     unwritable): not the candidate's failure, so the run stops instead of recording a crash."""
 
 
+class HookError(ServiceControlError):
+    """A ``[service]`` hook (``pre_restart``, ``post_ready``) failed: exited non-zero, was killed
+    by a signal, timed out or could not be run (:func:`tuner.launch.hooks.run_hook`).
+
+    Attributes:
+        hook: ``pre_restart`` or ``post_ready``.
+    """
+
+    def __init__(self, message: str, *, hook: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.hook = hook
+
+
 class LockHeldError(LaunchError):
     """Another tuner process holds the lock of this unit."""
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tuner.config import TunerConfig
-from tuner.errors import LaunchError, LoadError, ServerError, ServiceControlError, TunerError
+from tuner.errors import HookError, LaunchError, LoadError, ServerError, ServiceControlError, TunerError
 from tuner.gpu import GPUMonitor, GPUWindow
 from tuner.launch.base import Launcher, LaunchPhase
 from tuner.launch.hooks import run_hook
@@ -61,7 +61,6 @@ class LaunchedServer:
         self._environment = dict(environment or {})
         self._baseline_argv = list(launcher.current_argv())
         self._pinned_now_bytes = 0  # host pools of the server the tuner started last (freed at its restart)
-        self.restarted = False  # a trial restarted the service (the final restore then runs the hooks too)
 
     # ---- the study's facts ---------------------------------------------------------------------------
 
@@ -111,12 +110,18 @@ class LaunchedServer:
 
         Raises:
             ServiceControlError: The host refused the change (a read-only drop-in folder);
-                nothing was stopped. Or a ``[service]`` hook failed (``pre_restart`` before the
-                restart, ``post_ready`` once ready).
+                nothing was stopped.
+            HookError: A ``[service]`` hook failed. ``pre_restart``: the service is not
+                restarted, neither for this trial nor by the session's final restore
+                (:meth:`~tuner.launch.base.GuardedLauncher.hold`; the message says what it runs
+                and what to do). ``post_ready``: the server is up on ``argv`` but was not returned;
+                the run stops and the session restores it.
         """
         self._pinned_now_bytes = 0
-        self.hook("pre_restart", "trial")
-        self.restarted = True
+        try:
+            self.hook("pre_restart", "trial")
+        except HookError as err:
+            raise HookError(f"{err.message}; {self.launcher.hold()}", hook=err.hook, hint=err.hint) from None
         try:
             self.launcher.start(argv)
             with _StartupLines(self.launcher, on_progress):
@@ -134,7 +139,11 @@ class LaunchedServer:
         pools = host_pools(report, argv)
         if pools is not None:
             self._pinned_now_bytes = int(pools[0] * 1e9 * pools[1])
-        self.hook("post_ready", "trial")
+        try:
+            self.hook("post_ready", "trial")
+        except HookError as err:
+            raise HookError(f"{err.message} once the trial's server was ready; the run stops and the service "
+                            "is restored", hook=err.hook, hint=err.hint) from None
         return StartOutcome(failure=None, log_lines=lines)
 
     def hook(self, name: str, reason: str) -> None:
@@ -142,7 +151,7 @@ class LaunchedServer:
         (:func:`tuner.launch.hooks.run_hook`; ``reason``: ``trial`` or ``restore``).
 
         Raises:
-            ServiceControlError: The hook failed: the run stops, the service is restored.
+            HookError: The hook failed (what that does to the service is the caller's rule).
         """
         command = getattr(self.config.service, name)
         if command:

@@ -75,8 +75,9 @@ _SPAN = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
 
 @dataclass(frozen=True)
 class MaintenanceWindow:
-    """A daily window of local time (``02:00-05:00``; ``22:00-04:00`` wraps midnight) in which a
-    restart may start.
+    """A daily window of local time (``02:00-05:00``; ``22:00-04:00`` wraps midnight) in which the
+    tuner restarts the service: a trial starts only when it and the final restore fit before it
+    closes (:meth:`tuner.study.loop.StudyRun.in_window`).
 
     Attributes:
         start_min: Its first minute of the day (0-1439).
@@ -115,6 +116,31 @@ class MaintenanceWindow:
         if self.start_min < self.end_min:
             return self.start_min <= minute < self.end_min
         return minute >= self.start_min or minute < self.end_min
+
+    def seconds_until_close(self, when: datetime) -> float:
+        """Seconds from ``when`` until the window closes (0 when it is closed; ``inf`` for a window
+        of the whole day)."""
+        if not self.contains(when):
+            return 0.0
+        if self.start_min == self.end_min:
+            return float("inf")
+        closes = when.replace(hour=self.end_min // 60, minute=self.end_min % 60, second=0, microsecond=0)
+        if closes <= when:
+            closes += timedelta(days=1)
+        return (closes - when).total_seconds()
+
+    def length_s(self) -> float:
+        """How long the window is open each day, seconds."""
+        return float(((self.end_min - self.start_min) % 1440 or 1440) * 60)
+
+    def seconds_since_close(self, when: datetime) -> float:
+        """Seconds from the window's last close until ``when`` (0 while it is open)."""
+        if self.contains(when):
+            return 0.0
+        closed = when.replace(hour=self.end_min // 60, minute=self.end_min % 60, second=0, microsecond=0)
+        if closed > when:
+            closed -= timedelta(days=1)
+        return (when - closed).total_seconds()
 
     def seconds_until_open(self, when: datetime) -> float:
         """Seconds from ``when`` until the window is open (0 when it is)."""

@@ -153,3 +153,49 @@ def test_the_shipped_configs_and_unit_name_the_folders_the_launcher_writes() -> 
         for folder in re.findall(r"(/[\w/]+)/[\w.@-]+\.d/80-tuner\.conf", text):
             assert folder == str(DEFAULT_DROPIN_DIR), (path.name, folder)
     assert named >= 2
+
+
+_HOLD_AS = ("import sys,time;from tuner.launch.session import UnitLock as U;"
+            "U('sglang.service',lock_dir=sys.argv[-1]).acquire();print('held',flush=True);time.sleep(99)")
+"""Holds the lock; the lock folder last, after a ``--storage`` URL (the command line is kept to 300 characters)."""
+
+
+def test_the_lock_file_is_the_owners_alone_and_masks_the_storage_password(tmp_path: Path) -> None:
+    """The holder's command line goes into the lock file and the "being tuned by another tuner"
+    refusal; a `--storage postgresql+psycopg://user:PW@...` in it is masked there, and the file is
+    0600 (it was world-readable, and kept after a kill -9)."""
+    import signal
+    import subprocess
+    import sys
+
+    secret = "s3cret-PW"
+    locks = tmp_path / "locks"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_AS, "--storage",
+                               f"postgresql+psycopg://tuner:{secret}@db:5432/tuner?password={secret}", str(locks)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        path = locks / "sglang.service.lock"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        text = path.read_text()
+        assert secret not in text and "postgresql+psycopg://tuner:***@db:5432/tuner?password=***" in text, text
+        with pytest.raises(LaunchError, match="being tuned by another tuner") as err:
+            UnitLock("sglang.service", lock_dir=locks).acquire()
+        assert secret not in str(err.value) and "tuner:***@db" in str(err.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+
+
+def test_a_released_lock_file_is_removed_but_never_another_holders(tmp_path: Path) -> None:
+    lock = UnitLock("sglang.service", lock_dir=tmp_path)
+    with lock:
+        assert lock.path.exists()
+    assert not lock.path.exists()  # released by its owner: removed
+    # a lock whose file was replaced meanwhile (another tuner's, at the same path) leaves that one
+    lock.acquire()
+    lock.path.unlink()
+    with UnitLock("sglang.service", lock_dir=tmp_path) as other:
+        lock.release()
+        assert other.path.exists() and other.holder()["pid"]
+    assert not lock.path.exists()

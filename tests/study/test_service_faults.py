@@ -11,12 +11,10 @@ server process, real SQLite files, a real tmpfs, a real read-only bind mount.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,129 +29,14 @@ from tests.support.configs import load_study as load
 from tests.support.configs import study_created
 from tests.support.net import free_port
 from tests.support.sandbox import SystemdSandbox
+from tests.support.served_unit import Calls, Served, background_run, running, wait_for
 from tests.support.sim import is_healthy
-from tuner.launch.unit import format_exec_command
 from tuner.records import TrialRecord
 
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
 TRIAL_DROPIN = "90-tuner-trial.conf"
 
-
-
-class Served:
-    """The unit under test: the simulator on a free port, started before the module's cases."""
-
-    def __init__(self, box: SystemdSandbox) -> None:
-        self.box = box
-        self.unit = f"sglang-faults-{free_port()}.service"
-        self.dropin_folder = box.unit_dir / f"{self.unit}.d"
-        self.trial_folder = box.runtime_dir / f"{self.unit}.d"  # systemd's runtime folder: a trial's drop-in
-        self._service = ""
-        self._listen_on(free_port())
-
-    def _listen_on(self, port: int) -> None:
-        """Serve on ``port``; the served model name is the unit's own, so a reply proves who answers."""
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.argv = [sys.executable, "-m", "tuner.sim", "--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB",
-                     "--mem-fraction-static", "0.80", "--sim-time-scale", "0.01", "--host", "127.0.0.1",
-                     "--port", str(port), "--served-model-name", self.unit.removesuffix(".service")]
-
-    def add_to(self, box: SystemdSandbox, service: str = "") -> None:
-        """Write the unit file for the current port; ``service`` = more ``[Service]`` lines (kept
-        when :meth:`ensure_serving` moves the unit to another port)."""
-        self._service = service
-        box.add_unit(self.unit, "[Unit]\nDescription=simulated SGLang (fault suite)\n[Service]\n"
-                                f"Environment=PYTHONUNBUFFERED=1\n{service}ExecStart={format_exec_command(self.argv)}\n")
-
-    def answers(self) -> bool:
-        """Whether the server on :attr:`url` is this unit's (not another test's simulator that took
-        the port while the unit was down, e.g. across a sandbox reboot)."""
-        if not is_healthy(self.url, 0.5):
-            return False
-        with contextlib.suppress(requests.RequestException, ValueError):
-            info = requests.get(f"{self.url}/get_server_info", timeout=5).json()
-            return bool(info.get("served_model_name") == self.unit.removesuffix(".service"))
-        return False
-
-    def pid_state(self) -> tuple[int, str]:
-        """``(MainPID, ActiveState)`` as systemd reports them now."""
-        out = self.box.systemctl_run("show", "-p", "MainPID", "-p", "ActiveState", self.unit).stdout
-        props = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-        return int(props["MainPID"]), props["ActiveState"]
-
-    def ensure_serving(self) -> tuple[int, str]:
-        """Start the unit on its own command if it is not serving; return ``pid_state()``.
-
-        While the unit was down (a reboot of the sandbox), a simulator of another test worker can
-        have taken its port: a health check would then pass on that server while the unit's own
-        process fails to bind and the unit turns ``failed`` moments later. So the unit must answer
-        under its own name; if the port is someone else's, the unit moves to a free one.
-        """
-        if self.pid_state()[1] != "active":
-            if is_healthy(self.url, 0.5) and not self.answers():
-                self._listen_on(free_port())
-                self.add_to(self.box, self._service)
-            self.box.systemctl_run("start", self.unit)
-        deadline = time.monotonic() + 90
-        while not self.answers():
-            assert time.monotonic() < deadline, f"the unit did not come up: {self.pid_state()}"
-            time.sleep(0.2)
-        before = self.pid_state()
-        assert before[0] > 0 and before[1] == "active", before
-        return before
-
-    def journal_tail(self, lines: int = 15) -> str:
-        """The unit's last journal lines (why it is in the state it is), for assertion messages."""
-        proc = subprocess.run([*self.box.journalctl, "-u", self.unit, "-n", str(lines), "--no-pager"],
-                              capture_output=True, text=True, timeout=30)
-        return proc.stdout[-3000:] or proc.stderr[-1000:]
-
-    def tuner_dropins(self) -> list[str]:
-        """The unit's drop-in names in the persistent and the runtime folder."""
-        return sorted({p.name for d in (self.dropin_folder, self.trial_folder) for p in d.glob("*.conf")})
-
-    def config(self, tmp: Path, *, name: str = "sd", state: str = "state", url: str | None = None,
-               journalctl: list[str] | None = None, measure_s: int = 4, storage: str = "") -> Path:
-        """A systemd config for this unit; storage defaults to ``studies/<name>.db`` under ``tmp``."""
-        text = (
-            f'[study]\nname = "{name}"\n\n'
-            + (f'[storage]\nurl = "{storage}"\n\n' if storage else "")
-            + f'[service]\nlauncher = "systemd"\nunit = "{self.unit}"\nurl = "{url or self.url}"\n'
-            f"systemctl = {json.dumps(self.box.systemctl)}\njournalctl = {json.dumps(journalctl or self.box.journalctl)}\n"
-            f'dropin_dir = "{self.box.unit_dir}"\nruntime_dropin_dir = "{self.box.runtime_dir}"\n'
-            f'state_dir = "{tmp / state}"\nstart_timeout_s = 90\n'
-            'gpu_monitor = "sim"\n\n[space]\nmem_fraction_step = 0.01\n\n'
-            '[workload]\nkind = "random"\ninput_len = 1000\noutput_len = 16\n\n'
-            '[slo]\nitl_ms = { p99 = 5000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
-            f"[budget]\nwarmup_s = 1\nmeasure_s = {measure_s}\nstress_s = 2\nmax_concurrency = 16\n"
-        )
-        path = tmp / f"{name}.toml"
-        path.write_text(text)
-        return path
-
-
-@pytest.fixture(scope="module")
-def served(systemd_sandbox: SystemdSandbox) -> Iterator[Served]:
-    box = systemd_sandbox
-    box.require_real()
-    unit = Served(box)
-    unit.add_to(box)
-    box.enable(unit.unit)  # up again right after a reboot of the sandbox (its port held, not lent out)
-    try:
-        unit.ensure_serving()
-        yield unit
-    finally:
-        box.systemctl_run("stop", unit.unit, check=False)
-
-
-@pytest.fixture
-def locks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The host-wide lock folder, private to this test (the product's default is /run/lock/sglang-tuner)."""
-    folder = tmp_path / "locks"
-    monkeypatch.setenv("SGLANG_TUNER_LOCK_DIR", str(folder))
-    return folder
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -241,35 +124,6 @@ def test_broken_journal_is_refused_before_any_change(served: Served, tmp_path: P
     assert served.tuner_dropins() == []
 
 
-def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            out = proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"the tuner exited ({proc.returncode}) before {what}: {out[-2000:]}")
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _background_run(config: Path, cwd: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), *args], cwd=cwd,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-@contextlib.contextmanager
-def _running(config: Path, cwd: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """``tuner run`` in the background for the block; killed at the block's end if it still runs."""
-    run = _background_run(config, cwd, *args)
-    try:
-        yield run
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait(30)
-
-
 def _in_trial(served: Served) -> bool:
     return TRIAL_DROPIN in served.tuner_dropins() and is_healthy(served.url, 0.5)
 
@@ -289,9 +143,9 @@ def test_second_tuner_refused_then_restore_never_makes_things_worse(served: Serv
     served.ensure_serving()
     first = served.config(tmp_path, name="first", state="state-first", measure_s=40)
     second = served.config(tmp_path, name="second", state="state-second")
-    holder = _background_run(first, tmp_path, "--trials", "2")
+    holder = background_run(first, tmp_path, "--trials", "2")
     try:
-        _wait(lambda: _in_trial(served), 150, "the first tuner's baseline to serve", holder)
+        wait_for(lambda: _in_trial(served), 150, "the first tuner's baseline to serve", holder)
         time.sleep(2.0)  # inside its load phase: the first tuner does not restart the unit for 40 s
         before = served.pid_state()
         proc = run_tuner("run", "--config", str(second), "--trials", "1", cwd=tmp_path, timeout_s=120)
@@ -340,8 +194,8 @@ def test_journal_dying_mid_run_is_reported_not_a_silent_success(served: Served, 
     served.ensure_serving()
     journalctl, flag = _dying_journalctl(tmp_path, served.box)
     config = served.config(tmp_path, journalctl=journalctl, measure_s=8)
-    with _running(config, tmp_path, "--trials", "3") as run:
-        _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
+    with running(config, tmp_path, "--trials", "3") as run:
+        wait_for(lambda: _in_trial(served), 150, "the baseline to serve", run)
         flag.touch()
         _, err = run.communicate(timeout=300)
     assert run.returncode == 1, err[-3000:]
@@ -360,8 +214,8 @@ def test_drop_in_folder_unwritable_mid_run_stops_the_run(served: Served, tmp_pat
     served.ensure_serving()
     config = served.config(tmp_path, measure_s=4)
     storage = f"sqlite:///{tmp_path}/studies/sd.db"
-    with _running(config, tmp_path, "--trials", "4") as run:
-        _wait(lambda: _completed(storage) >= 1 and _in_trial(served), 200, "the baseline to finish", run)
+    with running(config, tmp_path, "--trials", "4") as run:
+        wait_for(lambda: _completed(storage) >= 1 and _in_trial(served), 200, "the baseline to finish", run)
         with _read_only(served.trial_folder):
             _, err = run.communicate(timeout=300)
             after = served.pid_state()
@@ -395,10 +249,10 @@ def test_drop_in_folder_turning_read_only_while_the_unit_stops_is_no_crash(serve
         unit.ensure_serving()
         config = unit.config(tmp_path, measure_s=4)
         storage = f"sqlite:///{tmp_path}/studies/sd.db"
-        with _running(config, tmp_path, "--trials", "3") as run:
-            _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
+        with running(config, tmp_path, "--trials", "3") as run:
+            wait_for(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
             marker.unlink(missing_ok=True)
-            _wait(marker.exists, 200, "the unit to be stopped for trial 1", run)
+            wait_for(marker.exists, 200, "the unit to be stopped for trial 1", run)
             with _read_only(unit.trial_folder):  # holds the baseline's trial drop-in until the next is written
                 _, err = run.communicate(timeout=300)
         assert run.returncode == 1, err[-3000:]
@@ -453,8 +307,8 @@ def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_
         db = disk / "sd.db"
         storage = f"sqlite:///{db}"
         config = served.config(tmp_path, storage=storage)
-        with _running(config, tmp_path, "--trials", "4") as run:
-            _wait(lambda: _completed(storage) >= 1, 200, "the first completed trial", run)
+        with running(config, tmp_path, "--trials", "4") as run:
+            wait_for(lambda: _completed(storage) >= 1, 200, "the first completed trial", run)
             filler = _fill(disk)
             _, err = run.communicate(timeout=300)
         assert run.returncode == 1, err[-3000:]
@@ -484,8 +338,8 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
     """The tuner is killed (SIGKILL) while a trial serves, or after the trial's drop-in was written
     and before its server started (the unit held in ExecStartPre); the host reboots: the unit comes
     up at boot on its own command with no `tuner restore`, because the trial's drop-in lived in
-    systemd's runtime folder (/run), which a boot empties. `tuner restore` afterwards is a clean no-op
-    restart on the original."""
+    systemd's runtime folder (/run), which a boot empties. `tuner restore` afterwards sees the unit
+    on its own command and only removes the killed run's state file: no restart."""
     box = served.box
     unit = Served(box)
     gate = tmp_path / "hold-start"
@@ -498,22 +352,22 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
         unit.ensure_serving()
         config = unit.config(tmp_path, measure_s=30)
         storage = f"sqlite:///{tmp_path}/studies/sd.db"
-        with _running(config, tmp_path, "--trials", "4") as run:
-            _wait(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
+        with running(config, tmp_path, "--trials", "4") as run:
+            wait_for(lambda: _completed(storage) >= 1, 300, "the baseline to finish", run)
             if when == "starting":
                 gate.touch()
-                _wait(lambda: TRIAL_DROPIN in unit.tuner_dropins() and unit.pid_state()[1] == "activating", 200,
+                wait_for(lambda: TRIAL_DROPIN in unit.tuner_dropins() and unit.pid_state()[1] == "activating", 200,
                       "trial 1's drop-in with the unit held before its start", run)
             else:
                 baseline_pid = unit.pid_state()[0]
-                _wait(lambda: unit.pid_state()[0] not in (0, baseline_pid) and _in_trial(unit), 200,
+                wait_for(lambda: unit.pid_state()[0] not in (0, baseline_pid) and _in_trial(unit), 200,
                       "trial 1 to serve", run)
             run.send_signal(signal.SIGKILL)
             run.wait(30)
         assert TRIAL_DROPIN in unit.tuner_dropins()
         gate.unlink(missing_ok=True)
         box.reboot()
-        _wait(lambda: is_healthy(unit.url, 0.5), 120, "the unit to come up after the reboot")
+        wait_for(lambda: is_healthy(unit.url, 0.5), 120, "the unit to come up after the reboot")
         shown = _show(box, unit.unit)
         assert shown["ActiveState"] == "active", shown
         assert TRIAL_DROPIN not in shown["DropInPaths"] and "10-site.conf" in shown["DropInPaths"], shown
@@ -521,10 +375,14 @@ def test_reboot_after_the_tuner_was_killed_mid_trial_brings_the_unit_up_on_its_o
         assert requests.get(f"{unit.url}/get_server_info", timeout=5).json()["mem_fraction_static"] == 0.80
         assert unit.tuner_dropins() == ["10-site.conf"]
         # the killed run's state file is still there: restore (a fresh config: the reboot changed the
-        # nsenter target) puts the same original back and clears it
-        proc = run_tuner("restore", "--config", str(unit.config(tmp_path, name="after")), "--unit", unit.unit,
-                         "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout_s=200)
+        # nsenter target) sees the unit already on its own command, healthy, and only clears the file
+        calls = Calls(tmp_path, unit)
+        up = unit.pid_state()
+        proc = run_tuner("restore", "--config", str(unit.config(tmp_path, name="after", systemctl=calls.systemctl)),
+                         "--unit", unit.unit, "--state-dir", str(tmp_path / "state"), cwd=tmp_path, timeout_s=200)
         assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "already runs its own command" in proc.stdout and "restarted nothing" in proc.stdout, proc.stdout
+        assert calls.changing() == [] and unit.pid_state() == up, calls.lines()
         assert not list((tmp_path / "state").glob("*.state.json"))
         assert unit.tuner_dropins() == ["10-site.conf"] and is_healthy(unit.url, 60)
     finally:
@@ -578,8 +436,8 @@ def test_journald_stopping_mid_trial_stops_the_run_and_is_not_the_candidates_fai
     config = served.config(tmp_path, measure_s=20)
     storage = f"sqlite:///{tmp_path}/studies/sd.db"
     try:
-        with _running(config, tmp_path, "--trials", "4") as run:
-            _wait(lambda: _in_trial(served), 150, "the baseline to serve", run)
+        with running(config, tmp_path, "--trials", "4") as run:
+            wait_for(lambda: _in_trial(served), 150, "the baseline to serve", run)
             time.sleep(3.0)  # inside its 20 s load phase
             box.systemctl_run("stop", "systemd-journald.service", "systemd-journald.socket",
                               "systemd-journald-dev-log.socket")

@@ -302,14 +302,15 @@ def run_cmd(
             summary = entrypoints.tune(cfg, budget_s=budget_s, max_trials=max_trials,
                                      allow_mixed_environment=allow_mixed_environment, storage_url=storage,
                                      on_progress=renderer)
-    except KeyboardInterrupt:  # tune() restored the service before re-raising
+    except KeyboardInterrupt as stop:  # tune() restored the service (when it had changed it) before re-raising
         from tuner.study.storage import display_url
 
         what = (f"trial {renderer.in_flight} recorded as failed (interrupted)" if renderer.in_flight is not None
                 else "no trial was in flight")
         again = (f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
                  + (f" --storage {display_url(storage)}" if storage else ""))
-        said = f"interrupted: {what}, service restored to its original flags; resume with `{again}`"
+        service = getattr(stop, "service", "restored to its original flags")
+        said = f"interrupted: {what}, service {service}; resume with `{again}`"
         err_console.print(said, highlight=False, markup=False, soft_wrap=True)
         if sink is not None:
             sink.ended("interrupted", said)
@@ -329,7 +330,7 @@ def run_cmd(
         sink.close()
     if metrics is not None:
         metrics.close()
-    out.print("service restored to its original flags", highlight=False)
+    out.print(f"service {summary.service}", highlight=False, soft_wrap=True)
     from tuner import results
 
     stored = results.open_study(results.StudyLocation(storage_url=summary.storage_url, study_name=summary.study_name))

@@ -81,6 +81,10 @@ def restore_cmd(
                       f"{state.phase.value}",
                       highlight=False, soft_wrap=True)  # fmt: skip
         return
+    if source == "already original":
+        console.print(f"{launcher.key} already runs its own command ({state.phase.value}): removed the state file, "
+                      f"restarted nothing; command: {shown}", highlight=False, soft_wrap=True)  # fmt: skip
+        return
     console.print(f"restored {launcher.key} from the {source}: {state.phase.value}, command: {shown}",
                   highlight=False, soft_wrap=True)  # fmt: skip
 

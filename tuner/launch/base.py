@@ -112,6 +112,9 @@ class Launcher(abc.ABC):
     """Base URL of the server (``http://127.0.0.1:30000``)."""
     store: StateStore
     """The unit's state file, and beside it the run's work folder and result journal."""
+    restored_on_exit = False
+    """Whether the last :meth:`session`'s exit restored the service, and the restore succeeded
+    (``False`` when it changed nothing and so restarted nothing)."""
 
     @abc.abstractmethod
     def current_argv(self) -> list[str]:
@@ -175,6 +178,17 @@ class Launcher(abc.ABC):
     def commit(self) -> None:
         """Keep the session's change: clear the state file; the session's exit restores nothing."""
 
+    @property
+    @abc.abstractmethod
+    def needs_restore(self) -> bool:
+        """Whether the session's exit will restart the service to put it back (see
+        :attr:`GuardedLauncher.needs_restore`)."""
+
+    @abc.abstractmethod
+    def hold(self) -> str:
+        """Restart nothing at the session's exit (see :meth:`GuardedLauncher.hold`); one sentence on
+        the service's state and what to do."""
+
 
 class GuardedLauncher(Launcher):
     """The session discipline and the fail-fast watch loop, written once for every launcher.
@@ -230,13 +244,18 @@ class GuardedLauncher(Launcher):
         self._journal_warned = False
         self._state: SessionState | None = None
         self._changed = False  # start() ran in this session (the service may differ from its state file)
+        self._adopted = False  # the session adopted a killed run's state file (its change is to undo)
         self._committed = False
+        self._held = False  # hold(): the session's exit restarts nothing (a drain refused the restart)
         self._watcher = LogWatcher()
         self._lines: list[str] = []
         self._t0 = time.monotonic()
         self._started = False
         self._healthy_since: float | None = None
         self.ready_line_grace_s = ready_line_grace_s
+        self.already_original = False
+        """Set by :meth:`restore` when the service already ran its recorded original: only the state
+        file was removed."""
         self._client = SGLangClient(self.url, timeout_s=2.0)
         self.settings: dict[str, Any] = {}
         """Settings this launcher was built from (see :mod:`tuner.launch.factory`); recorded in
@@ -297,6 +316,12 @@ class GuardedLauncher(Launcher):
 
     def has_leftover_change(self) -> bool:
         """Whether the service carries a tuner change no state file records (a stray trial drop-in)."""
+        return False
+
+    def _runs_original(self, state: SessionState) -> bool:
+        """Whether the service already is what ``state`` records (its own command and drop-ins, no
+        trial change, running and healthy exactly when it was): e.g. after a reboot dropped a
+        killed run's runtime drop-in. Changes nothing. Default: not known (``False``)."""
         return False
 
     @abc.abstractmethod
@@ -489,7 +514,10 @@ class GuardedLauncher(Launcher):
         leftover trial change (the systemd trial drop-in) is removed and the service restarted,
         and when there is none nothing is touched (so ``tuner restore`` is safe to run at any
         time, e.g. as ``ExecStopPost=``). Takes the unit's lock when not already held. Clears the
-        state file on success.
+        state file on success. When the service
+        already runs the recorded original, healthy (:meth:`_runs_original`: e.g. a reboot dropped
+        a killed run's runtime drop-in and the unit came up on its own command), only the state
+        file is removed and :attr:`already_original` is set: nothing is restarted.
 
         .. note:: Changes the production service.
 
@@ -505,6 +533,7 @@ class GuardedLauncher(Launcher):
                 healthy.
         """
         owned = not self.lock.held
+        self.already_original = False
         if owned:
             self.preflight(restore=True)  # an unknown unit fails here, before a lock file is created
             self.lock.acquire()
@@ -517,6 +546,13 @@ class GuardedLauncher(Launcher):
                     log.info("%s: no state file and no trial change; nothing to restore", self.key)
                     phase = LaunchPhase.READY if self._healthy() else LaunchPhase.STOPPED
                     return LaunchState(phase=phase)
+            if not self._changed and self._runs_original(state):
+                log.info("%s already runs its own command (%s); removing the state file, restarting nothing",
+                         self.key, "healthy" if state.was_running else "stopped")
+                self.store.clear()
+                self._state = None
+                self.already_original = True
+                return LaunchState(phase=LaunchPhase.READY if state.was_running else LaunchPhase.STOPPED)
             self._check_can_put_back(state)
             self._watcher = LogWatcher()
             self._lines = []
@@ -544,6 +580,7 @@ class GuardedLauncher(Launcher):
                 self._restoring = False
             self.store.clear()
             self._state = None
+            self._changed = self._adopted = False  # the service is its original again
             return st
         finally:
             if owned:
@@ -567,6 +604,11 @@ class GuardedLauncher(Launcher):
         does not catch signals, and its exit restores nothing: left without a commit or a restore
         after :meth:`start`, its state file stays for ``tuner restore``; left before any
         :meth:`start`, the state file is removed (nothing was changed).
+
+        The invariant: a session that changed nothing changes nothing. Its exit restores only
+        when :attr:`needs_restore` (this session started the service with another command, or
+        adopted a killed run's state file); otherwise it removes its state file and releases the
+        lock, and the service is not stopped, started, reloaded or reset.
 
         Runs :meth:`preflight` first unless it already ran: every refusal comes before the lock.
 
@@ -592,7 +634,8 @@ class GuardedLauncher(Launcher):
                 recipe = {**self._own_settings(), **self.settings}
                 self._state = state.model_copy(update={"extra": {**state.extra, "settings": recipe}})
                 self.store.save(self._state)
-            self._changed = self._committed = False
+            self._changed = self._committed = self._held = self.restored_on_exit = False
+            self._adopted = left is not None
             if not restore_on_exit:
                 try:
                     yield self
@@ -604,12 +647,40 @@ class GuardedLauncher(Launcher):
                 try:
                     yield self
                 finally:
-                    if not self._committed:
+                    if self.needs_restore:
                         with deferred_signals():
                             self.restore()
+                        self.restored_on_exit = True
+                    elif not self._committed and not self._changed and not self._adopted:
+                        self.store.clear()  # nothing was changed: nothing is restarted either
         finally:
             self._state = None
+            self._changed = self._adopted = self._held = False
             self.lock.release()
+
+    @property
+    def needs_restore(self) -> bool:
+        """Whether the session's exit will restart the service to put it back: this session
+        changed it (:meth:`start` ran) or adopted a killed run's state file, and neither
+        :meth:`commit` nor :meth:`hold` ended that. A session that changed nothing restores
+        nothing: no stop, start, ``daemon-reload`` or ``reset-failed``."""
+        return (self._changed or self._adopted) and not self._committed and not self._held
+
+    def hold(self) -> str:
+        """Leave the service as it is at the session's exit: no restart (a ``pre_restart`` drain
+        refused it). The state file stays when the service carries a change (``tuner restore``
+        puts it back later) and is removed when it does not.
+
+        Returns:
+            One sentence on the service's state and what the operator must do.
+        """
+        self._held = True
+        if self._changed or self._adopted:
+            return (f"{self.key} was not restarted and still runs a trial's flags; the state file {self.store.path} "
+                    f"is kept: once the drain works, run 'tuner restore --unit {self.key} --state-dir {self.state_dir}'")
+        if self._state is not None and not self._state.was_running:
+            return f"{self.key} was not started: it stays stopped as it was, and nothing is left to undo"
+        return f"{self.key} was not restarted: it still runs its own flags, and nothing is left to undo"
 
     def commit(self) -> None:
         """Keep the session's change: the service as it runs now becomes its own configuration.

@@ -126,7 +126,9 @@ def restore_service(
 
     Returns:
         ``(launcher, final state, what was restored)``: ``"state file"``, ``"leftover trial
-        change"`` (no state file, but a stray trial drop-in was removed) or ``"nothing"``.
+        change"`` (no state file, but a stray trial drop-in was removed), ``"already original"``
+        (a state file, but the service already ran its own command, healthy: only the file was
+        removed, nothing restarted) or ``"nothing"``.
 
     Raises:
         LockHeldError: A live tuner holds the unit.
@@ -158,4 +160,5 @@ def restore_service(
         source = "leftover trial change"
     else:
         source = "nothing"
-    return launcher, launcher.restore(timeout_s=timeout_s), source
+    state = launcher.restore(timeout_s=timeout_s)
+    return launcher, state, "already original" if launcher.already_original else source

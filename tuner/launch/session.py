@@ -6,7 +6,8 @@ A session changes a production service, so three things protect it:
   (``/run/lock/sglang-tuner/<unit>.lock``, whatever the state folder and the study). The kernel
   drops it when the holder dies (even by SIGKILL), so a stale lock never blocks; while it is held,
   a second tuner (``run``, ``apply``, ``restore``) is refused with the holder's PID and command
-  line.
+  line (passwords masked, :func:`mask_secrets`). The file is ``0600`` and removed when its holder
+  releases it; one a killed holder left is taken over.
 * **State file** (:class:`StateStore`, :class:`SessionState`): written atomically *before the first
   change*, recording the original command, drop-ins and whether the service was running. After a
   crash or ``kill -9`` it is what ``tuner restore`` (and the next session) put back.
@@ -45,6 +46,7 @@ from tuner.launch.unit import atomic_write_text, disk_full
 
 __all__ = [
     "LOCK_DIR_ENV",
+    "mask_secrets",
     "default_lock_dir",
     "default_state_dir",
     "writable_folder",
@@ -104,13 +106,26 @@ def _nearest_existing(folder: Path) -> Path:
     return probe
 
 
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+_KEY_PASSWORD = re.compile(r"(?P<head>(?:password|passwd|pwd)=)[^&\s]+", re.IGNORECASE)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with every password it holds replaced by ``***``: the one of a URL's user part
+    (``postgresql+psycopg://tuner:***@db/tuner``, as ``--storage`` takes it) and ``password=...``
+    (a libpq query parameter). For any command line the tuner keeps or shows (lock file, state
+    file, the "being tuned by another tuner" refusal, logs)."""
+    return _KEY_PASSWORD.sub(r"\g<head>***", _URL_PASSWORD.sub(r"\g<head>***@", text))
+
+
 def _own_command() -> str:
-    """This process's command line as the kernel has it (``tuner run --config ...``)."""
+    """This process's command line as the kernel has it (``tuner run --config ...``), one line,
+    passwords masked (:func:`mask_secrets`)."""
     try:
         words = psutil.Process().cmdline()
     except psutil.Error:
         words = list(sys.argv)
-    text = " ".join(re.sub(r"[\x00-\x1f\x7f\s]+", " ", w) for w in words).strip()  # one line, always
+    text = mask_secrets(" ".join(re.sub(r"[\x00-\x1f\x7f\s]+", " ", w) for w in words).strip())  # one line, always
     return (text[:297] + "...") if len(text) > 300 else (text or sys.executable)
 
 
@@ -223,7 +238,7 @@ class UnitLock:
         h = self.holder()
         return LockHeldError(
             f"{self.key} is being tuned by another tuner: PID {h.get('pid', '?')} "
-            f"({h.get('command', 'unknown command')}) since {h.get('since', '?')}",
+            f"({mask_secrets(str(h.get('command', 'unknown command')))}) since {h.get('since', '?')}",
             hint=f"wait for it to finish or stop it (kill {h.get('pid', 'PID')}); it restores the service on exit",
         )
 
@@ -244,16 +259,7 @@ class UnitLock:
         except OSError as err:
             raise LaunchError(f"cannot create the lock folder {folder}: {err.strerror}",
                               hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
-                              hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise self._held_error() from None
+        fd = self._open_locked()
         previous = self.holder()
         if previous and _alive(previous):
             # The file was replaced under a live holder (deleted and re-created): still its lock.
@@ -265,7 +271,7 @@ class UnitLock:
             # back from it first keeps the original (and spares a second restart of the service).
             os.close(fd)
             raise LockHeldError(
-                f"{self.key}: tuner PID {previous.get('pid', '?')} ({previous.get('command', '?')}) ended "
+                f"{self.key}: tuner PID {previous.get('pid', '?')} ({mask_secrets(str(previous.get('command', '?')))}) ended "
                 f"without restoring it and left its state in {left}",
                 hint=f"put the service back first: tuner restore --unit {self.key} --state-dir {Path(left).parent}",
             )
@@ -289,10 +295,47 @@ class UnitLock:
                               hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
         self._fd = fd
 
+    def _open_locked(self) -> int:
+        """Open (creating it ``0600``: it names the holder's command) and lock the lock file.
+
+        A releasing holder removes the file while it still holds the lock (:meth:`release`), so a
+        lock taken on a file that is no longer the one at :attr:`path` (removed or replaced in
+        between) is dropped and the open is tried again: two tuners never hold two inodes of one
+        path.
+
+        Raises:
+            LockHeldError: Another process holds it.
+            LaunchError: The lock file cannot be opened.
+        """
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            except OSError as err:
+                raise LaunchError(f"cannot open the lock file {self.path}: {err.strerror}",
+                                  hint=f"run as root, or set ${LOCK_DIR_ENV} to a writable folder") from err
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._held_error() from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if same:
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)  # a lock file an older version made world-readable
+                return fd
+            os.close(fd)
+
     def release(self) -> None:
-        """Release the lock (the file stays; its content is cleared)."""
+        """Release the lock and remove the lock file: only the file this object locked, while it
+        still holds it (a waiting tuner that opened it meanwhile sees it gone and opens anew)."""
         if self._fd is None:
             return
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(self._fd), os.stat(self.path, follow_symlinks=False)):
+                self.path.unlink()
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -199,6 +199,18 @@ class SystemdLauncher(GuardedLauncher):
         before the runtime folder wrote it)."""
         return any(self.unit.read_dropin(TRIAL_DROPIN, runtime=r) is not None for r in (True, False))
 
+    def _runs_original(self, state: SessionState) -> bool:
+        """No trial drop-in in either folder, the persistent drop-ins and the loaded ``ExecStart=``
+        as recorded, and the unit active (and ``/health`` answering) exactly when it was: a reboot
+        after a killed run brings the unit up this way (the runtime folder is a tmpfs)."""
+        if self.has_leftover_change() or self.unit.dropins() != state.original_dropins:
+            return False
+        cmd = self.unit.exec_command()
+        if cmd.argv != state.original_argv or cmd.prefix != state.original_prefix:
+            return False
+        active = self.unit.properties().active_state == "active"
+        return active and self._healthy() if state.was_running else not active
+
     def dry_run(self, argv: list[str]) -> str:
         """The drop-in :meth:`start` would write and the change of command, as text.
 

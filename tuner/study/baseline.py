@@ -9,13 +9,14 @@ is broken, and every other trial would fail the same way: the run stops.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import TunerConfig
 from tuner.load.workloads import build_workload, estimate_reuse
@@ -26,7 +27,7 @@ from tuner.sglang.hicache import HostMemory
 from tuner.study.budget import reachable_slots
 from tuner.study.hosts import own, same_environment
 from tuner.study.lever_space import LeverChoice, attentions_of_log, derive_levers, study_model
-from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, records, set_baseline_params
+from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, record_of, set_baseline_params
 from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
 
 __all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "resolve_study_space",
@@ -35,7 +36,10 @@ __all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", 
 WAIT_POLL_S = 1.0
 """Seconds between looks at the study while another host measures the baseline."""
 BASELINE_VISIBLE_S = 30.0
-"""How long a host waits for a baseline whose space is stored to show among the finished trials."""
+"""How long a host waits for a baseline whose space is stored to show among the finished trials
+(counted from when no host was seen measuring it)."""
+
+_log = logging.getLogger(__name__)
 
 
 def could_not_start(record: TrialRecord) -> bool:
@@ -69,13 +73,18 @@ def claim_baseline(
     taken; else, while another host measures it (or its stored space has not shown up among the
     finished trials yet, at most :data:`BASELINE_VISIBLE_S`), this host waits, polling every
     :data:`WAIT_POLL_S`; else it asks a trial for it and claims it (:func:`tuner.study.hosts.own`).
+    Each look is one read of the trials (a baseline finishing meanwhile is seen running or
+    finished); a claim whose lock the database dropped inside the hold (:attr:`Section.lost`, as
+    :func:`tuner.study.hosts.claim_trial` checks) is checked again and yields (told FAIL, no
+    record) to another host's baseline claimed in that gap.
 
     Args:
         study: The study.
         environment: This run's environment.
         host: This host's name.
         claim: The claim lock's context (:meth:`tuner.study.loop.StudyRun.claim`).
-        can_continue: Whether the budget and the trial cap leave room for one more trial.
+        can_continue: Whether the budget and the trial cap leave room for one more trial (asked
+            outside the claim lock: it may wait for the maintenance window).
         own_environment: Whether this run's environment is the study's own.
         on_wait: Told once, with one line, when this host starts waiting for another's.
 
@@ -83,29 +92,52 @@ def claim_baseline(
         ``(trial to measure it in, None)``, or ``(None, (number, record))`` of the finished
         baseline, or ``(None, None)`` when no trial fits the budget or the cap.
     """
-    waited_s = 0.0
+    waited_s = 0.0  # since no host measures it (the stored space's trial may not be visible yet)
     while True:
-        with claim():
-            found = latest_baseline([(t.number, r) for t, r in records(study)
-                                     if same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)])
-            if found is not None or not can_continue():
+        go_on = can_continue()  # never inside the claim lock: it may wait for [service] window to open
+        with claim() as section:
+            found, measuring, done_elsewhere = _baseline_state(study, environment, own_environment)
+            if found is not None or not go_on:
                 return None, found
-            # The study attribute the baseline's tell stores first: a baseline of this
-            # environment is done even if its trial is not in this host's view yet.
-            done_elsewhere = SPACE_ATTR in study.user_attrs and own_environment()
-            measuring = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                         if t.user_attrs.get(KIND_ATTR) == "baseline"
-                         and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)]
+            trial = None
             if not measuring and not (done_elsewhere and waited_s < BASELINE_VISIBLE_S):
                 trial = study.ask()
                 trial.set_user_attr(KIND_ATTR, "baseline")
                 own(study, trial, host, environment)
-                return trial, None
+        if trial is not None and not getattr(section, "lost", False):
+            return trial, None
+        if trial is not None:
+            # The database dropped the claim lock inside the hold (as tuner.study.hosts.claim_trial
+            # checks): another host may have claimed a baseline in that gap. Hold it again and look.
+            _log.warning("trial %d: the database dropped the claim lock during the baseline's claim; checking "
+                         "the claim again", trial.number)
+            with claim():
+                found, measuring, _ = _baseline_state(study, environment, own_environment, besides=trial.number)
+                if found is None and not measuring:
+                    return trial, None
+                study.tell(trial, state=TrialState.FAIL)  # no record: the other host's baseline is the study's
+            continue
         if not waited_s and measuring:  # another host measures this environment's baseline now
             on_wait(f"waiting for the baseline (trial {measuring[0].number}) on host "
                     f"{measuring[0].user_attrs.get(HOST_ATTR, '?')}")
-        waited_s += WAIT_POLL_S
+        waited_s = 0.0 if measuring else waited_s + WAIT_POLL_S
         time.sleep(WAIT_POLL_S)
+
+
+def _baseline_state(study: optuna.Study, environment: Mapping[str, Any], own_environment: Callable[[], bool], *,
+                    besides: int | None = None) -> tuple[tuple[int, TrialRecord] | None, list[FrozenTrial], bool]:
+    """``(finished baseline, baselines being measured, stored space of it)`` of ``environment`` from
+    one read of the study's trials, so a baseline that finishes meanwhile is seen either running or
+    finished, never neither (two reads, finished then running, let a host measure it twice).
+    ``besides``: a trial number left out (this host's own claim)."""
+    done_elsewhere = SPACE_ATTR in study.user_attrs and own_environment()
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                  TrialState.RUNNING))
+              if t.number != besides and same_environment(t.user_attrs.get(ENVIRONMENT_ATTR), environment)]
+    done = [(t.number, r) for t in trials if t.state is not TrialState.RUNNING and (r := record_of(t)) is not None]
+    found = latest_baseline(done)
+    measuring = [t for t in trials if t.state is TrialState.RUNNING and t.user_attrs.get(KIND_ATTR) == "baseline"]
+    return found, measuring, done_elsewhere
 
 
 def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, config: TunerConfig,

@@ -20,7 +20,7 @@ from tuner.errors import ConfigError
 from tuner.load.search import context_slo
 from tuner.units import format_duration
 
-__all__ = ["prior_trial_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "restore_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
@@ -37,8 +37,21 @@ def prior_trial_cost_s(config: TunerConfig) -> float:
     estimated from the study's measured durations (:meth:`Budget.estimate`), which include them.
     """
     budget = config.budget
-    start = min(config.service.start_timeout_s / 3.0, 600.0)
-    return start + budget.warmup_s + budget.measure_s + budget.stress_s + slo_bracket_cost_s(config) + 5.0
+    return _start_share_s(config) + budget.warmup_s + budget.measure_s + budget.stress_s + slo_bracket_cost_s(config) + 5.0
+
+
+def _start_share_s(config: TunerConfig) -> float:
+    """A start's expected seconds before any is measured: a third of ``[service] start_timeout_s``,
+    at most 10 min."""
+    return min(config.service.start_timeout_s / 3.0, 600.0)
+
+
+def restore_cost_s(config: TunerConfig) -> float:
+    """Seconds the final restore is expected to take (a restart of the service on its own flags,
+    until healthy): ``[budget] restore_reserve_s`` when set, else a start's share of
+    ``[service] start_timeout_s`` as in :func:`prior_trial_cost_s`. The maintenance window holds it
+    after the last trial (:meth:`tuner.study.loop.StudyRun.in_window`)."""
+    return config.budget.restore_reserve_s or _start_share_s(config)
 
 
 def slo_bracket_cost_s(config: TunerConfig) -> float:

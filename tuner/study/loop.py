@@ -25,7 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import optuna
@@ -38,7 +38,7 @@ from tuner.records import StudyInfo, TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
 from tuner.study.baseline import claim_baseline, could_not_start, fix_space
 from tuner.study.best import best_by, probe_floor
-from tuner.study.budget import Budget, require_one_trial
+from tuner.study.budget import Budget, require_one_trial, restore_cost_s
 from tuner.study.calibration import ModelSettings
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
@@ -87,7 +87,8 @@ from tuner.study.view import RecordCache, StudyView
 from tuner.study.warm import Prior, is_fresh, warm_start
 from tuner.units import MaintenanceWindow, format_duration
 
-__all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Streaks", "StudyRun", "run_study"]
+__all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Streaks", "StudyRun", "restored_text",
+           "run_study"]
 
 _log = logging.getLogger(__name__)
 
@@ -272,7 +273,8 @@ class StudyRun:
         replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
         if replayed:
             self.progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "
-                               "last run kept while the database did not answer", phase="recovered")
+                               "last run kept in its result journal but did not finish storing (it was stopped, or "
+                               "the database did not answer)", phase="recovered")
         self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
         context_tokens = info.context_tokens or context_tokens
         self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
@@ -530,25 +532,39 @@ class StudyRun:
         return self.in_window()
 
     def in_window(self) -> bool:
-        """``[service] window``: whether a restart may start now. Outside it the run waits for it
-        (``outside_window = "wait"`` and the budget holds the wait and a trial) or stops as
-        ``window``; a line says which, and no restart starts outside it."""
+        """``[service] window``: whether the next trial may start now. It may when the window is
+        open and the trial's estimated cost (:meth:`cost_s`) plus the final restore's
+        (:func:`tuner.study.budget.restore_cost_s`) end before it closes, so no restart (the
+        trial's nor the restore's) falls outside it. Otherwise the run waits for the next opening
+        (``outside_window = "wait"``, the budget holding the wait and a trial, the window long
+        enough for both) or stops as ``window``; a line says which."""
         service = self.config.service
         if service.window is None:
             return True
         window = MaintenanceWindow.parse(service.window)
-        wait_s = window.seconds_until_open(datetime.now())
-        if wait_s <= 0:
+        now = datetime.now()
+        trial_s, restore_s = self.cost_s(), restore_cost_s(self.config)
+        left_s = window.seconds_until_close(now)
+        if left_s >= trial_s + restore_s:
             return True
-        if service.outside_window == "wait" and self.budget.fits(wait_s + self.cost_s()):
-            self.progress.note(None, f"outside the maintenance window {window.text} (local time): waiting "
-                                     f"{format_duration(wait_s)} until it opens; no restart before", phase="waiting")
+        if left_s > 0:
+            where = (f"the maintenance window {window.text} (local time) closes in {format_duration(left_s)}, before the "
+                     f"next trial (about {format_duration(trial_s)}) and the final restore (about "
+                     f"{format_duration(restore_s)}) would end")
+            wait_s = left_s + window.seconds_until_open(now + timedelta(seconds=left_s + 1)) + 1
+        else:
+            where = f"outside the maintenance window {window.text} (local time)"
+            wait_s = window.seconds_until_open(now)
+        fits = window.length_s() >= trial_s + restore_s
+        if service.outside_window == "wait" and fits and self.budget.fits(wait_s + trial_s):
+            self.progress.note(None, f"{where}: waiting {format_duration(wait_s)} until it opens; no restart before",
+                               phase="waiting")
             time.sleep(wait_s)
             return True
         why = ("[service] outside_window = \"stop\"" if service.outside_window == "stop"
+               else f"the window ({format_duration(window.length_s())}) is shorter than a trial and the restore" if not fits
                else f"the budget does not hold the {format_duration(wait_s)} until it opens and a trial")
-        self.progress.note(None, f"outside the maintenance window {window.text} (local time; {why}): stopping, "
-                                 "no restart started")
+        self.progress.note(None, f"{where} ({why}): stopping, no restart started")
         self.stop("window")
         return False
 
@@ -639,3 +655,18 @@ def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSu
     :meth:`StudyRun.run` for the result and the raised errors.
     """
     return StudyRun(config, runner, **options).run()
+
+
+def restored_text(config: TunerConfig, when: datetime) -> str:
+    """How the run's final restore ended, for :attr:`RunSummary.service`: ``restored to its
+    original flags``, and under ``[service] window`` the time it ended (``when``, local) and whether
+    inside the window or how long after it closed (a trial that ran past its estimate)."""
+    text = "restored to its original flags"
+    if config.service.window is None:
+        return text
+    window = MaintenanceWindow.parse(config.service.window)
+    late_s = window.seconds_since_close(when)
+    if late_s <= 0:
+        return f"{text} at {when:%H:%M:%S}, inside the maintenance window {window.text}"
+    return (f"{text} at {when:%H:%M:%S}, {format_duration(late_s)} after the maintenance window {window.text} "
+            "closed (the last trial ran past its estimate)")

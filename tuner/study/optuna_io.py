@@ -259,8 +259,12 @@ def tell_record(study: optuna.Study, trial: optuna.Trial, record: TrialRecord) -
         The finished trial.
     """
     trial.set_user_attr(RECORD_ATTR, record.model_dump(mode="json"))
-    for name, value in constraints_of(record).items():
-        trial.set_constraint(name, value)
+    with warnings.catch_warnings():
+        # A tell cut short (kill -9 inside the write, replayed from the result journal) set some
+        # already, from the same record: Optuna keeps those and would warn once per constraint.
+        warnings.filterwarnings("ignore", message="The constraint value is ignored because this constraint")
+        for name, value in constraints_of(record).items():
+            trial.set_constraint(name, value)
     if record.outcome in ("skipped", "budget"):
         frozen = study.tell(trial, state=TrialState.PRUNED)
     else:

@@ -84,6 +84,9 @@ class RunSummary(BaseModel):
             ``[objective]``, over every trial of the study).
         elapsed_s: Wall-clock seconds of the run.
         skip_reasons: Skips of this run by reason (:func:`skip_kind` → count).
+        service: What the run's end did to the service, in words: ``restored to its original
+            flags`` (with, under ``[service] window``, when the restore ended and whether inside
+            the window), or ``not restarted: ...`` when the run changed nothing.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -100,6 +103,7 @@ class RunSummary(BaseModel):
     best: BestChoice | None = None
     elapsed_s: float = 0.0
     skip_reasons: dict[str, int] = Field(default_factory=dict)
+    service: str = ""
 
     def count_skip(self, reason: str) -> None:
         """Count one skip of this run under its :func:`skip_kind`."""
@@ -123,7 +127,7 @@ class RunSummary(BaseModel):
     def as_json(self) -> dict[str, Any]:
         """The run's summary for machines (``tuner run --json-progress``'s last object, ``event``
         ``summary``): study, storage (password masked), host, trials_run, trials_skipped,
-        recovered, stop_reason, stop_detail, elapsed_s, skip_reasons (reason → count), and the baseline and the best as ``{"number": n,
+        recovered, stop_reason, stop_detail, service, elapsed_s, skip_reasons (reason → count), and the baseline and the best as ``{"number": n,
         **result_fields}`` (the best with ``reason`` and ``tied``), ``None`` when there is none."""
         from tuner.study.storage import display_url
 
@@ -132,7 +136,8 @@ class RunSummary(BaseModel):
                  **result_fields(self.best.record)} if self.best is not None else None)
         return {"study": self.study_name, "storage": display_url(self.storage_url), "host": self.host,
                 "trials_run": self.trials_run, "trials_skipped": self.trials_skipped, "recovered": self.recovered,
-                "stop_reason": self.stop_reason, "stop_detail": self.stop_detail, "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
+                "stop_reason": self.stop_reason, "stop_detail": self.stop_detail, "service": self.service,
+                "elapsed_s": round(self.elapsed_s, 3), "baseline": baseline,
                 "best": best, "skip_reasons": dict(self.skip_reasons)}
 
 

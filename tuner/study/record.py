@@ -24,7 +24,7 @@ from optuna.distributions import distribution_to_json, json_to_distribution
 from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.errors import StudyError, first_line
+from tuner.errors import HookError, StudyError, first_line
 from tuner.records import RECORD_ATTR, TrialRecord
 from tuner.sglang.numerics import numerics_changes
 from tuner.study.decide import Proposal, Skip, record_kind
@@ -135,10 +135,15 @@ class Recorder:
         self.writer.store(draw.optuna_params, draw.distributions, draw.record, {HOST_ATTR: self.host})
 
     def interrupted(self, trial: optuna.Trial, job: TrialJob, err: BaseException, *, elapsed_s: float) -> None:
-        """Store a trial cut short (Ctrl-C or SIGTERM, or a service the host refused to change,
-        ``err``) as FAIL with a partial record; a candidate's params are queued again."""
-        why = ("interrupted (Ctrl-C or SIGTERM) during the trial" if isinstance(err, KeyboardInterrupt)
-               else f"not run: the service could not be changed ({getattr(err, 'message', err)})")
+        """Store a trial cut short (Ctrl-C or SIGTERM, a ``[service]`` hook that failed, or a
+        service the host refused to change, ``err``) as FAIL with a partial record naming which; a
+        candidate's params are queued again."""
+        if isinstance(err, KeyboardInterrupt):
+            why = "interrupted (Ctrl-C or SIGTERM) during the trial"
+        elif isinstance(err, HookError):  # the drain or the return to the load balancer, not the service
+            why = f"not measured: {err.message}"
+        else:
+            why = f"not run: the service could not be changed ({getattr(err, 'message', err)})"
         partial = TrialRecord(params=job.params, kind=record_kind(job.kind), outcome="failed", failure_evidence=why,
                               started_at=job.started_at, duration_s=elapsed_s)
         fail_trial(self.study, trial, partial, requeue=bool(job.params))

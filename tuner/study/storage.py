@@ -602,9 +602,9 @@ def storage_errors(url: str) -> Iterator[None]:
     committed (one transaction per tell), so nothing finished is lost.
 
     Raises:
-        StudyError: For a full disk, a storage that became read-only, or a disk I/O error on a disk
-            that is not full (an immutable file, a failing disk) (chained to the cause); other
-            errors pass through unchanged.
+        StudyError: For a full disk, a storage that became read-only, a disk I/O error on a disk
+            that is not full (an immutable file, a failing disk), or a folder that refuses the
+            database's journal file (chained to the cause); other errors pass through unchanged.
     """
     try:
         yield
@@ -616,14 +616,18 @@ def storage_errors(url: str) -> Iterator[None]:
         folder = path.parent if path else None
         # SQLite says "disk I/O error" of a full disk and of a file it may not write (chattr +i, a failing disk)
         unwritable = "disk i/o error" in text and folder is not None and not disk_full(folder)
-        if any(k in text for k in DISK_FULL) and not unwritable:
+        # ... and "unable to open database file" when it may not create the file's rollback journal
+        # beside it (a folder turned read-only or immutable while the run holds the database open)
+        no_journal = "unable to open database file" in text and folder is not None and not disk_full(folder)
+        if any(k in text for k in DISK_FULL) and not (unwritable or no_journal):
             raise StudyError(
                 f"storage {display_url(url)!r}: the disk holding {where} is full; {kept}",
                 hint=(f"free space on it (df -h {folder}) " if folder else "free space on it ")
                 + "and run the same command again to resume",
             ) from err
-        if unwritable or any(k in text for k in READ_ONLY):
-            cause = "became read-only" if any(k in text for k in READ_ONLY) else "could not be written (disk I/O error)"
+        if unwritable or no_journal or any(k in text for k in READ_ONLY):
+            cause = ("became read-only" if any(k in text for k in READ_ONLY) else
+                     f"could not be written ({'disk I/O error' if unwritable else 'its folder refused the journal file'})")
             raise StudyError(f"storage {display_url(url)!r}: {where} {cause} during the run; {kept}",
                              hint="make it writable again (ls -l, lsattr, dmesg) and run the same command to resume") from err
         raise
