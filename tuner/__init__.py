@@ -4,6 +4,7 @@ The layers, top to bottom: a module imports only from layers below it (``|`` sep
 that do not import each other). ``[tool.importlinter]`` in ``pyproject.toml`` states the same
 order and ``tests/test_architecture.py`` runs it, so an upward import fails the suite::
 
+    script                                the console script: the CLI imported under a Ctrl-C guard
     cli                                   the commands (one module per group), the one-line error boundary
     report | apply                        rendering of stored results; persisting a trial's flags
     results | entrypoints | starter       the read model; the composition root (tune, dry_run); tuner init

@@ -56,3 +56,31 @@ def test_an_interrupted_command_is_130(tmp_path: Path) -> None:
         conn, err = signal_when(proc, connected, signal.SIGINT, timeout_s=60)
         conn.close()
     assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])
+
+
+def test_ctrl_c_at_any_moment_of_the_start_is_one_line_never_a_traceback(tmp_path: Path) -> None:
+    """A new user's sweep: Ctrl-C in the first seconds (while the commands were imported) was a
+    ``KeyboardInterrupt`` traceback; later it was the one line. SIGINT at spread moments of a
+    ``--dry-run`` start, each: exit 130 with one line, or the dry run's own end."""
+    import signal
+    import subprocess
+    import time
+
+    from tests.support.cli import TUNER
+    from tests.support.configs import config_copy
+
+    config = config_copy("demo-sim.toml", tmp_path)
+    interrupted = 0
+    for delay in (0.05, 0.15, 0.3, 0.5, 0.8, 1.2):
+        proc = subprocess.Popen([TUNER, "run", "--config", str(config), "--dry-run"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert "Traceback" not in err, (delay, err[-2000:])
+        if proc.returncode == 130:
+            interrupted += 1
+            assert len(err.strip().splitlines()) <= 1, (delay, err)  # "interrupted", or nothing at all
+        else:
+            assert proc.returncode == 0, (delay, proc.returncode, err[-1000:])
+    assert interrupted, "no SIGINT landed before the dry run ended"
