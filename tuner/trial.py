@@ -1042,10 +1042,14 @@ class TrialExecutor:
         over the ramp, ``warmup_s`` more of warm-up, ``stress_s`` measured. Each window draws its
         own prompts (``step`` seeds them): with an earlier load's, the server's radix cache would
         hold them already and its TTFT would measure a cache hit (a real run of the reference twin
-        saw p99 TTFT 72 ms at 3 × 32k after 15.7 s at 4)."""
+        saw p99 TTFT 72 ms at 3 × 32k after 15.7 s at 4). The seed is the study's and the step's,
+        not the trial number's: every trial's n-th window sends the same prompts (common random
+        numbers: configs compared on the same traffic), and a window's traffic does not depend on
+        how many skipped proposals were numbered before its trial (which a background writer
+        decides: the decision trace flapped on it)."""
         budget = self.config.budget
         window = budget.steady_window()
-        seed = self.config.study.seed + job.number + _STEP_SEED * step
+        seed = self.config.study.seed + _STEP_SEED * step
         base = build_workload(self.config.workload, seed=seed) if self._workload.spec is not None else self._workload
         try:
             workload = session_workload(base, job.context_tokens, self.config.objective.longest_share, sessions=sessions)
