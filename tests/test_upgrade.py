@@ -56,9 +56,12 @@ def test_upgrade_check_reports_on_the_best_config_and_changes_nothing(tmp_path: 
     assert "no bundled flag table" not in proc.stdout
     # a release with no bundled table: read from the nearest one, and said so (the sweep of issue 28
     # saw "SGLang 0.5.5 → 9.9.9" with 0.5.23's flags and no word of it)
-    newer = run_tuner("upgrade-check", "--storage", url, "--study", cfg.study.name, "--version", "9.9.9")
+    newer = run_tuner("upgrade-check", "--storage", url, "--study", cfg.study.name, "--version", "0.5.99")
     assert newer.returncode == 0, newer.stderr
-    assert "SGLang 9.9.9 has no bundled flag table: its flags are those of 0.5.23" in newer.stdout, newer.stdout
+    assert "SGLang 0.5.99 has no bundled flag table: its flags are those of 0.5.23" in newer.stdout, newer.stdout
+    # a series no bundled table covers is refused (the sweep of stop 37: 9.9 reported default changes)
+    one_error_line(run_tuner("upgrade-check", "--storage", url, "--study", cfg.study.name, "--version", "9.9.9"),
+                   "outside the bundled flag tables' series")
     one_error_line(run_tuner("upgrade-check", "--storage", url, "--study", cfg.study.name), "exactly one of --python")
     one_error_line(run_tuner("upgrade-check", "--storage", url, "--study", cfg.study.name, "--python",
                              str(tmp_path / "no-python")), "no-python")

@@ -142,5 +142,5 @@ def test_a_foreign_server_on_the_port_is_refused_before_any_start(tmp_path: Path
         with pytest.raises(LaunchError, match=f"port {port} .* in use"):
             launcher.start(settings["command"])
         assert not (tmp_path / "logs").exists() and not launcher.record_path.exists()
-        done = run_tuner("run", "--config", str(config_copy("demo-sim.toml", tmp_path, port=port)), "--budget", "1m", timeout_s=180, cwd=tmp_path)
+        done = run_tuner("run", "--config", str(config_copy("demo-sim.toml", tmp_path, port=port)), "--budget", "3m", timeout_s=180, cwd=tmp_path)
         one_error_line(done, f"port {port}", "free port")

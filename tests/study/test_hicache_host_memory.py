@@ -38,7 +38,9 @@ def _config(tmp_path: Path, name: str, workload: str, space: str = "") -> Path:
         f'state_dir = "{tmp_path / "state"}"\nstart_timeout_s = 60\nstop_timeout_s = 30\ngpu_monitor = "sim"\n\n'
         f"[space]\nmem_fraction_step = 0.01\n{space}\n"
         f"[workload]\n{workload}\n"
-        '[slo]\nitl_ms = { p99 = 10000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
+        '[slo]\nitl_ms = { p99 = 10000 }\n\n[objective]\n'
+        # a multi-turn session's longest context (3 turns: 1024 + 2 × (64 + 8) + 8 + ...) is what it reaches
+        f'context_tokens = {1176 if "multi_turn" in workload else 2048}\n\n'
         "[budget]\nwarmup_s = 1\nmeasure_s = 4\nstress_s = 0\nmax_concurrency = 8\n"
     )
     return path

@@ -55,7 +55,7 @@ def test_memory_max_of_the_unit_prunes_a_pool_that_would_be_oom_killed(systemd_s
             "hicache_ratio = [2.0, 4.5]\n\n"
             '[workload]\nkind = "multi_turn"\nnum_sessions = 4\nturns = 2\nfirst_input_len = 512\n'
             "turn_input_len = 32\noutput_len = 8\n\n"
-            '[slo]\nitl_ms = { p99 = 10000 }\n\n[objective]\ncontext_tokens = 2048\n\n'
+            '[slo]\nitl_ms = { p99 = 10000 }\n\n[objective]\ncontext_tokens = 560\n\n'  # what a session reaches
             "[budget]\nwarmup_s = 1\nmeasure_s = 3\nstress_s = 0\nmax_concurrency = 4\n"
         )
         first = tuner("run", "--config", str(config), "--trials", "1", cwd=tmp_path, timeout_s=400)

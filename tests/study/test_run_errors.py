@@ -65,7 +65,7 @@ def test_budget_without_unit_or_shorter_than_a_trial_is_one_line(workdir: Path, 
     proc = run_tuner("run", "--config", str(config), "--budget", budget, cwd=workdir, timeout_s=120)
     line = one_error_line(proc, needle)
     if budget == "10s":
-        assert "give at least --budget 1m" in line
+        assert "give at least --budget 2m" in line  # the steady windows and the burst: about 1m16s
 
 
 def test_require_one_trial_names_the_minimum_in_whole_minutes() -> None:

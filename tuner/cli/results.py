@@ -115,7 +115,7 @@ def copy_study_cmd(
     study: Annotated[str, typer.Option("--study", help="The study to copy.")],
     to_study: Annotated[str | None, typer.Option("--to-study", help="Its name in the target (default: the same).")] = None,
 ) -> None:
-    """Copy a study between storages (SQLite <-> PostgreSQL): share a local study with a fleet."""
+    """Copy a study between storages (SQLite <-> PostgreSQL)."""
     from tuner.errors import ConfigError
     from tuner.study.storage import copy_study, display_url
 
