@@ -92,6 +92,7 @@ def check_output_path(path: Path | None, flag: str) -> None:
     import os
 
     from tuner.errors import ConfigError
+    from tuner.launch.session import virtual_fs
 
     if path is None:
         return
@@ -102,7 +103,7 @@ def check_output_path(path: Path | None, flag: str) -> None:
         problem = f"is in a folder that does not exist ({folder})"
     elif not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         problem = "is not writable"
-    elif not path.exists() and os.statvfs(folder).f_blocks == 0:  # /proc, /sys: root's W_OK, yet no new file
+    elif not path.exists() and virtual_fs(folder):  # /proc, /sys: root's W_OK, yet no new file
         problem = f"is on a virtual file system ({folder}) where no file can be created"
     else:
         return

@@ -135,13 +135,14 @@ def writable_folder(folder: Path) -> Path | None:
     system (``/proc``, ``/sys``: no blocks) blocks: root's permission check passes there, yet no file
     or folder can be created. Changes nothing."""
     probe = _nearest_existing(folder)
-    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) and not _virtual(probe):
+    if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK) and not virtual_fs(probe):
         return None
     return probe
 
 
-def _virtual(folder: Path) -> bool:
-    """Whether ``folder`` is on a file system without blocks (procfs, sysfs)."""
+def virtual_fs(folder: Path) -> bool:
+    """Whether ``folder`` is on a file system without blocks (procfs, sysfs), where root's
+    permission check passes yet no file can be created; ``False`` when it cannot be examined."""
     try:
         return os.statvfs(folder).f_blocks == 0
     except OSError:
