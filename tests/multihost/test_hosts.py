@@ -135,3 +135,27 @@ def test_a_requeued_trial_starts_without_its_dead_predecessors_constraints(postg
         retried.set_constraint("oom_or_crash", -1.0)
     alive.tell(retried, 1.0)
     assert alive.get_trials()[retried.number].system_attrs["constraints:oom_or_crash"] == -1.0
+
+
+def test_missed_beats_warn_once_when_the_trial_nears_its_grace_period(tmp_path, caplog) -> None:  # noqa: ANN001
+    """A storage that stops taking beats (its heartbeat table gone, a real SQLite file): each miss
+    is an INFO line, and one WARNING comes when the streak reaches the grace period less one
+    interval, naming the risk; a shorter outage prints nothing on the terminal."""
+    import logging
+    import sqlite3
+
+    db = tmp_path / "beats.db"
+    study = _host_study(f"sqlite:///{db}", interval=1, grace=3)
+    trial = _claim(study, "host-a", 0.5)
+    with caplog.at_level(logging.INFO, logger="tuner.study.hosts"):
+        with TrialHeartbeat(study, trial.number):
+            time.sleep(1.3)  # one beat recorded
+            with sqlite3.connect(db) as conn:
+                conn.execute("DROP TABLE trial_heartbeats")
+            time.sleep(4.0)  # misses at ~2, 3, 4 and 5 s
+    misses = [r for r in caplog.records if "not recorded" in r.getMessage()]
+    warned = [r for r in misses if r.levelno == logging.WARNING]
+    assert len(misses) >= 3 and len(warned) == 1, [r.getMessage() for r in misses]
+    assert "3 s grace period: another host may mark the trial FAIL" in warned[0].getMessage()
+    first_warning = misses.index(warned[0])
+    assert first_warning >= 1 and all(r.levelno == logging.INFO for r in misses[:first_warning])

@@ -306,7 +306,9 @@ def test_disk_full_is_one_line_and_loses_no_completed_trial(served: Served, tmp_
     with _tmpfs(tmp_path / "disk", "8m") as disk:
         db = disk / "sd.db"
         storage = f"sqlite:///{db}"
-        config = served.config(tmp_path, storage=storage)
+        # A grace period longer than the test: the heartbeat's own warning (a trial near its grace
+        # period, tests/multihost/test_hosts.py) is not what this test reads.
+        config = served.config(tmp_path, storage=storage, storage_lines="grace_period_s = 3600\n")
         with running(config, tmp_path, "--trials", "4") as run:
             wait_for(lambda: _completed(storage) >= 1, 200, "the first completed trial", run)
             filler = _fill(disk)

@@ -95,13 +95,14 @@ class Served:
 
     def config(self, tmp: Path, *, name: str = "sd", state: str = "state", url: str | None = None,
                journalctl: list[str] | None = None, measure_s: int = 4, storage: str = "",
-               systemctl: list[str] | None = None, service: str = "", budget: str = "") -> Path:
+               systemctl: list[str] | None = None, service: str = "", budget: str = "",
+               storage_lines: str = "") -> Path:
         """A systemd config for this unit; storage defaults to ``studies/<name>.db`` under ``tmp``.
-        ``systemctl``: the command (default the sandbox's); ``service``/``budget``: more lines for
-        ``[service]``/``[budget]``."""
+        ``systemctl``: the command (default the sandbox's); ``service``/``budget``/``storage_lines``:
+        more lines for ``[service]``/``[budget]``/``[storage]`` (the last with ``storage`` only)."""
         text = (
             f'[study]\nname = "{name}"\n\n'
-            + (f'[storage]\nurl = "{storage}"\n\n' if storage else "")
+            + (f'[storage]\nurl = "{storage}"\n{storage_lines}\n' if storage else "")
             + f'[service]\nlauncher = "systemd"\nunit = "{self.unit}"\nurl = "{url or self.url}"\n'
             f"systemctl = {json.dumps(systemctl or self.box.systemctl)}\njournalctl = {json.dumps(journalctl or self.box.journalctl)}\n"
             f'dropin_dir = "{self.box.unit_dir}"\nruntime_dropin_dir = "{self.box.runtime_dir}"\n'

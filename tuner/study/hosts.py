@@ -399,7 +399,10 @@ class TrialHeartbeat:
     ``with TrialHeartbeat(study, number):`` records one heartbeat at once (so the trial is never
     without one), then one every ``heartbeat_interval`` seconds until the block ends. Database
     errors in the thread are logged, never raised: a host that cannot beat for the grace period
-    has its trial failed by the others, which is the point.
+    has its trial failed by the others, which is the point. A missed beat is logged at INFO; one
+    WARNING per streak says when the next miss may let another host fail the trial (the streak
+    has reached the grace period less one interval). A shorter streak needs no word: the run's
+    own next write reports a failure that lasts (a full disk, a lost server) in one line.
 
     Args:
         study: The study.
@@ -431,14 +434,24 @@ class TrialHeartbeat:
 
     def _beat(self) -> None:
         interval = float(heartbeat_interval(self._storage) or 30)
+        rdb = rdb_of(self._storage)
+        grace = float(rdb.grace_period if rdb is not None and rdb.grace_period is not None else 2 * interval)
+        last_beat, warned = time.monotonic(), False
         while not self._stop.wait(interval):
             try:
                 with impatient():  # a missed beat is logged; the next one comes in `interval` s
                     self._storage.record_heartbeat(self._trial_id)  # type: ignore[attr-defined]
                     reaped = reap_stale(self._study)
             except Exception as err:  # noqa: BLE001 - never kill the trial for a missed beat
-                _log.warning("heartbeat of trial id %d not recorded: %s", self._trial_id, db_reason(err))
+                silent = time.monotonic() - last_beat
+                _log.info("heartbeat of trial id %d not recorded: %s", self._trial_id, db_reason(err))
+                if not warned and silent >= grace - interval:
+                    warned = True
+                    _log.warning("heartbeat of trial id %d not recorded for %.0f s of the storage's %.0f s grace "
+                                 "period: another host may mark the trial FAIL (%s)", self._trial_id, silent,
+                                 grace, db_reason(err))
                 continue
+            last_beat, warned = time.monotonic(), False
             if reaped and self._on_reaped is not None:
                 self._on_reaped(reaped)
 
