@@ -181,3 +181,28 @@ def test_every_toml_example_of_the_readme_and_the_manual_is_a_valid_config_table
         for table, keys in tomllib.loads(block).items():
             config.setdefault(table, {}).update(keys)
         parse_config(config, source=where)
+
+
+def _first_block_after(text: str, heading: str) -> str:
+    """The first fenced code block after ``heading`` in a Markdown ``text``."""
+    rest = text.split(heading, 1)[1]
+    return rest.split("```", 2)[1].strip()
+
+
+def test_the_readme_test_command_installs_first_and_is_what_ci_runs() -> None:
+    """The README's test command works first on a fresh clone (it creates the venv it uses), and
+    every step of it is a step of ``.ci/run`` (so CI runs what the README promises); the manual's
+    getting-started page shows the same two commands."""
+    readme = (ROOT / "README.md").read_text()
+    tests_cmd = _first_block_after(readme, "## Run the tests")
+    demo_cmd = _first_block_after(readme, "## Install and try it")
+    install = "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]'"
+    assert tests_cmd.startswith(install) and demo_cmd.startswith(install), (tests_cmd, demo_cmd)
+    ci = (ROOT / ".ci" / "run").read_text()
+    ci_lines = {line.strip() for line in ci.splitlines()}
+    steps = [s.strip() for s in tests_cmd[len(install):].split(" && ") if s.strip()]
+    assert steps, tests_cmd
+    for step in steps:
+        assert any(step in line for line in ci_lines), f"README step {step!r} is not run by .ci/run"
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    assert tests_cmd in page and demo_cmd in page
