@@ -34,7 +34,7 @@ import pytest
 from tests.support.cli import CliResult, in_process_cli, run_tuner
 from tests.support.configs import DemoRun, config_copy
 from tests.support.postgres import PostgresCluster, boot_postgres, missing_reason
-from tests.support.sandbox import SandboxBusy, SystemdSandbox, boot_sandbox
+from tests.support.sandbox import SystemdSandbox, boot_sandbox
 
 REAL_STATE_DIR = Path("/var/lib/sglang-tuner")
 """The launcher's default state dir for root: no test may write there."""
@@ -168,31 +168,38 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(private, ignore_errors=True)
 
 
-_XDIST_GROUPS = {"systemd_sandbox": "systemd", "demo_run": "demo-run"}
+_XDIST_GROUPS = {"demo_run": "demo-run"}
 """Fixture → ``pytest-xdist`` group, for fixtures shared beyond a module."""
 
 
 def _xdist_group(item: pytest.Item) -> str:
     """The worker group of a test under ``--dist loadgroup``: one group runs on one worker.
 
-    The tests that boot the systemd sandbox share one group (the sandbox lock is machine-wide, so
-    the suite never waits for itself), as do the readers of the session's demo study (run once,
-    not once per worker); every other test runs with the rest of its module, whose module-scoped
-    fixtures (servers, explained logs) are then built once.
+    The readers of the session's demo study share one group (run once, not once per worker); every
+    other test runs with the rest of its module, whose module-scoped fixtures (servers, explained
+    logs, a systemd sandbox: any number run at once) are then built once.
     """
     fixtures = getattr(item, "fixturenames", ())
-    if item.get_closest_marker("systemd") or "systemd_sandbox" in fixtures:
-        return "systemd"
     for fixture, group in _XDIST_GROUPS.items():
         if fixture in fixtures:
             return group
     return item.nodeid.split("::", 1)[0]
 
 
+def _slow_groups_first(items: list[pytest.Item]) -> None:
+    """Put the groups holding a ``slow`` test first (a stable sort: each group's tests keep their
+    order). ``--dist loadgroup`` hands groups to workers in collection order (``pyproject.toml``
+    sets ``--no-loadscope-reorder``, which would order them by test count): a module of two
+    ten-minute tests starts at once instead of last, when it would alone set the run's length."""
+    slow = {_xdist_group(i) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: _xdist_group(i) not in slow)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+    _slow_groups_first(items)
     if config.getoption("--run-benchmarks"):
         return
     skip = pytest.mark.skip(reason="benchmark: run with `pytest tests/benchmarks --run-benchmarks`")
@@ -222,16 +229,10 @@ def workdir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def systemd_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdSandbox]:
-    """One sandboxed service manager per test module (``tests/support/sandbox.py``).
-
-    While another test run holds the machine-wide lock it waits, saying so on stderr; past the wait
-    it skips the module's tests with the holder's PID and command line.
-    """
-    try:
-        with boot_sandbox(tmp_path_factory.mktemp("sandbox")) as box:
-            yield box
-    except SandboxBusy as busy:
-        pytest.skip(str(busy))
+    """One sandboxed service manager per test module (``tests/support/sandbox.py``), beside any
+    other module's (each in its own namespaces and cgroup folder)."""
+    with boot_sandbox(tmp_path_factory.mktemp("sandbox")) as box:
+        yield box
 
 
 @pytest.fixture(scope="session")

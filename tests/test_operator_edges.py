@@ -172,6 +172,7 @@ def test_failed_baseline_hint_works_with_two_studies(tmp_path: Path) -> None:
     assert "no-such-sglang-flag" in shown.stdout
 
 
+@pytest.mark.slow
 def test_following_a_failed_baseline_s_hint_leads_to_a_run_not_a_second_refusal(tmp_path: Path) -> None:
     """Operator review 2, R3: a typo in the model path stored a failed baseline with that
     environment; after fixing the typo as told, ``run`` refused a "mixed environment". A study

@@ -114,6 +114,7 @@ def test_the_dry_run_plans_against_the_run_s_storage_and_makes_the_run_s_checks(
     assert not (tmp_path / "studies").exists() or not any((tmp_path / "studies").iterdir())
 
 
+@pytest.mark.slow
 def test_apply_checks_write_and_state_dir_before_anything_with_dry_run_too(tmp_path: Path) -> None:
     """``apply --dry-run --write <folder>`` and ``--state-dir /proc/nope`` were accepted, and without
     ``--dry-run`` the path was checked only after the plan was printed (review N14, #176-178)."""

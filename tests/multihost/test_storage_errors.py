@@ -39,6 +39,7 @@ def _untouched(tmp_path: Path, server_url: str) -> None:
     assert not (tmp_path / "studies").exists()
 
 
+@pytest.mark.slow
 def test_bad_postgresql_storages_are_refused_before_the_unit_is_touched(
         postgres_cluster: PostgresCluster, tmp_path: Path) -> None:
     config, server_url = _config(tmp_path)

@@ -16,6 +16,7 @@ import pytest
 from tests.support.decision_trace import GOLDEN, render
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_decisions_on_every_search_scenario_match_the_golden_trace() -> None:
     expected = GOLDEN.read_text(encoding="utf-8")

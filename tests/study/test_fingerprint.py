@@ -61,6 +61,7 @@ def _study(url: str, name: str) -> optuna.Study:
     return optuna.load_study(study_name=name, storage=url)
 
 
+@pytest.mark.slow
 def test_a_study_stores_its_fingerprint_and_the_next_one_on_the_deployment_starts_from_it(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/fleet.db"
     first, _ = _run(_config("first"), url)

@@ -68,6 +68,7 @@ def test_dp_attention_is_searched_at_a_fraction_where_it_starts(twin_study) -> N
     assert best >= 4 * (baseline.context_capacity or 0)  # a rung's capacity across the deployment
 
 
+@pytest.mark.slow
 def test_the_twin_reaches_its_best_rung_within_five_launches(tmp_path: Path) -> None:
     """Issue 23's acceptance on the twin (0.5.23, 32k contexts, OOM-safe capacity): the launch
     after the baseline is the rung the ladder prices highest, at its own predicted optimum; the

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.configs import config_copy
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\x1b[()][A-Z0-9]")
@@ -55,6 +57,7 @@ def _run_in_pty(argv: list[str], cwd: Path, timeout_s: float) -> tuple[int, str]
     return proc.returncode, b"".join(chunks).decode("utf-8", errors="replace")
 
 
+@pytest.mark.slow
 def test_readme_demo_progress_line_in_a_terminal(workdir: Path) -> None:
     config = config_copy("demo-sim.toml", workdir)  # the README's demo on a free port, its own state dir
     events_file = workdir / "progress.jsonl"

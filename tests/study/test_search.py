@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.support.offline_server import OfflineExecutor
 from tests.support.views import plan
 from tuner.config import SpaceSection, load_config
@@ -256,6 +258,7 @@ def test_the_trial_cap_counts_launches_not_skips() -> None:
     assert summary.trials_skipped > 0  # the skips it made between launches did not spend the cap
 
 
+@pytest.mark.slow
 def test_new_skips_in_a_row_stop_a_spent_study_as_exhausted_and_say_why() -> None:
     """The trial cap counts launches, so skips need their own bound: on the 70B tp 4 H100 (a
     memory-bound space of ~4,000 configs that the planner spends in a few launches), every config

@@ -50,6 +50,7 @@ def _hook(tmp_path: Path, log: Path, code: int = 0) -> str:
     return str(script)
 
 
+@pytest.mark.slow
 def test_hooks_run_around_every_restart_and_the_final_restore(workdir: Path) -> None:
     log = workdir / "hooks.log"
     hook = _hook(workdir, log)

@@ -10,13 +10,12 @@ why: :attr:`SystemdSandbox.why_emulated` is set, a warning is emitted, and tests
 systemd semantics (``NRestarts``, ``Restart=``, journald cursors) call
 :meth:`SystemdSandbox.require_real`, which skips them with the reason — never a silent pass.
 
-Boots are serialized across processes (other engineers' test runs too) with an ``fcntl`` lock on
-:data:`LOCK_PATH`, held for the sandbox's whole life: two systemd instances would share the root
-cgroup folders. The holder writes its PID and command line into the lock file; a waiter prints
-who holds it every :data:`_PROGRESS_EVERY_S` seconds and, after ``$TUNER_SANDBOX_WAIT_S``
-(default :data:`_LOCK_WAIT_S`), skips with the holder's PID and command line named. A sandbox
-left by a killed test run is ended (by its recorded host PID, verified by its command line) when
-the next one takes the lock.
+Any number of sandboxes run at once (in this and other test runs): each one's PID 1 moves itself
+into a cgroup folder of its own (``tuner-sandbox-<pid>-<n>`` in the ``name=systemd`` and unified
+hierarchies) before it becomes systemd, which then takes that folder as its root; its ``/run``
+(journald's socket and journal) is a tmpfs of its own mount namespace. Each live sandbox has a
+record in :data:`REGISTRY`; a sandbox left by a killed test run (its owner gone) is ended by the
+next boot, by its recorded host PID checked by creation time and command line.
 
 Use the module-scoped ``systemd_sandbox`` fixture (``tests/conftest.py``; one boot per module,
 reuse it for several scenarios)::
@@ -41,7 +40,7 @@ or without pytest: ``with boot_sandbox(Path(tmp)) as box: ...``. Units under tes
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import itertools
 import json
 import logging
 import os
@@ -59,17 +58,17 @@ import pytest
 
 from tuner.launch.unit import SystemdUnit
 
-__all__ = ["LOCK_PATH", "SandboxBusy", "SystemdSandbox", "boot_sandbox", "lock_holder"]
+__all__ = ["REGISTRY", "SystemdSandbox", "boot_sandbox"]
 
 log = logging.getLogger(__name__)
 
-LOCK_PATH = Path("/tmp/tuner-systemd-sandbox.lock")
-"""Lock serializing sandboxes across processes (held while a sandbox lives)."""
+REGISTRY = Path("/tmp/tuner-systemd-sandboxes")
+"""One record per live sandbox (its owner, its systemd's host PID, its cgroup folder), so the next
+boot ends the sandboxes of test runs that were killed."""
 SYSTEMD = Path("/lib/systemd/systemd")
 TARGET = "tuner-sandbox.target"
 _JOURNALD_UNITS = ("systemd-journald.service", "systemd-journald.socket", "systemd-journald-dev-log.socket")
-_LOCK_WAIT_S = 240.0  # under pytest-timeout's 300 s, so a busy sandbox skips with its holder named
-_PROGRESS_EVERY_S = 15.0
+_BOOTS = itertools.count(1)
 _BOOT_TIMEOUT_S = 30.0
 
 
@@ -158,93 +157,77 @@ class SystemdSandbox:
                 self.systemctl_run("stop", name, check=False, timeout_s=60)
 
 
-class SandboxBusy(Exception):
-    """Another process held :data:`LOCK_PATH` for the whole wait; the message names it."""
+def _cgroup_roots() -> list[Path]:
+    """The cgroup hierarchies systemd places its units in: every ``cgroup2`` mount (the unified
+    one of a hybrid host, or the only one) and the v1 ``name=systemd`` one, from ``/proc/self/mounts``."""
+    roots = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        if fields[2] == "cgroup2" or (fields[2] == "cgroup" and "name=systemd" in fields[3].split(",")):
+            roots.append(Path(fields[1]))
+    return roots
 
 
-def lock_holder(fd: int) -> str:
-    """Who holds the sandbox lock, from what the holder wrote into it: ``PID n (command line)``."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        info = {}
-    pid = info.get("owner_pid")
-    if not pid:
-        return "a process that wrote no owner (an older test run)"
-    cmdline = info.get("owner_cmdline") or ""
-    with contextlib.suppress(psutil.Error):
-        cmdline = " ".join(psutil.Process(pid).cmdline()) or cmdline
-    return f"PID {pid} ({cmdline[:200]})"
-
-
-def _acquire_lock(wait_s: float, progress: Callable[[str], None]) -> int:
-    """Take :data:`LOCK_PATH`, waiting up to ``wait_s`` and reporting every :data:`_PROGRESS_EVERY_S`.
-
-    Raises:
-        SandboxBusy: Still held after ``wait_s`` (the message names the holder).
-    """
-    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o666)
-    began = time.monotonic()
-    reported = began
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            waited = time.monotonic() - began
-            if waited > wait_s:
-                holder = lock_holder(fd)
-                os.close(fd)
-                raise SandboxBusy(f"the systemd sandbox lock {LOCK_PATH} is held by {holder} after waiting "
-                                  f"{waited:.0f} s; wait for that test run (or set TUNER_SANDBOX_WAIT_S)") from None
-            if time.monotonic() - reported >= _PROGRESS_EVERY_S:
-                reported = time.monotonic()
-                progress(f"waiting {waited:.0f} s for the systemd sandbox lock, held by {lock_holder(fd)}")
-            time.sleep(0.5)
-    _write_lock_info(fd, {})
-    return fd
-
-
-def _write_lock_info(fd: int, extra: dict[str, object]) -> None:
-    info = {"owner_pid": os.getpid(), "owner_cmdline": " ".join(sys.argv), **extra}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
-
-
-def _end_stale_sandbox(fd: int) -> None:
-    """End a sandbox whose test run died without tearing down (we hold the lock now)."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        info = {}
-    pid = info.get("host_pid")
-    if pid:
-        try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - info.get("create_time", 0)) < 1 and str(SYSTEMD) in " ".join(proc.cmdline()):
-                log.warning("ending a stale systemd sandbox (host PID %d)", pid)
-                os.kill(pid, signal.SIGKILL)
-                proc.wait(10)
-        except (psutil.Error, ProcessLookupError):
-            pass
-    _clean_cgroups()
-
-
-def _clean_cgroups() -> None:
-    """Remove the empty ``init.scope`` / ``system.slice`` folders systemd leaves (§1, teardown)."""
-    root = Path("/sys/fs/cgroup")
-    if not root.is_dir():
-        return
-    for top in [root, *[p for p in root.iterdir() if p.is_dir()]]:
-        for name in ("init.scope", "system.slice"):
-            d = top / name
-            if not d.is_dir():
-                continue
-            for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
+def _remove_cgroup(name: str) -> None:
+    """Remove the sandbox's cgroup folder ``name`` (and what its systemd made below it) in every
+    hierarchy; folders still holding a process stay."""
+    for root in _cgroup_roots():
+        top = root / name
+        if not top.is_dir():
+            continue
+        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
-                d.rmdir()
+                sub.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
+
+
+def _same_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
+    """The live process ``pid`` if it is the one created at ``create_time`` (not a reused PID)."""
+    if not pid:
+        return None
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(pid)
+        if create_time is None or abs(proc.create_time() - create_time) < 1:
+            return proc
+    return None
+
+
+def _end_stale_sandboxes() -> None:
+    """End the sandboxes of test runs that died without tearing down: the systemd (by its host PID,
+    checked by creation time and command line) of each record in :data:`REGISTRY` whose owner
+    process is gone, then its cgroup folders and its record."""
+    if not REGISTRY.is_dir():
+        return
+    for record in REGISTRY.glob("*.json"):
+        try:
+            info = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if _same_process(info.get("owner_pid"), info.get("owner_create_time")) is not None:
+            continue  # a live test run's sandbox
+        host = _same_process(info.get("host_pid"), info.get("host_create_time"))
+        if host is not None and str(SYSTEMD) in " ".join(host.cmdline()):
+            log.warning("ending a stale systemd sandbox (host PID %d)", host.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(host.pid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                host.wait(10)
+        _remove_cgroup(str(info.get("cgroup", record.stem)))
+        record.unlink(missing_ok=True)
+
+
+def _register(name: str, host: psutil.Process) -> Path:
+    """Record sandbox ``name`` in :data:`REGISTRY` (its owner and its systemd's host PID)."""
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    record = REGISTRY / f"{name}.json"
+    record.write_text(json.dumps({"cgroup": name, "owner_pid": me.pid, "owner_create_time": me.create_time(),
+                                  "owner_cmdline": " ".join(sys.argv), "host_pid": host.pid,
+                                  "host_create_time": host.create_time()}))
+    return record
 
 
 def _why_not_real() -> str | None:
@@ -286,17 +269,26 @@ def _systemd_child(unshare_pid: int, timeout_s: float) -> psutil.Process | None:
     return None
 
 
-def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subprocess.Popen[bytes] | None]:
+def _boot_real(workdir: Path, name: str) -> tuple[SystemdSandbox | None, str, subprocess.Popen[bytes] | None]:
     unit_dir = workdir / "units"
     runtime_dir = workdir / "run-units"
     if not unit_dir.is_dir():
         unit_dir.mkdir(parents=True, exist_ok=True)
         _write_base_units(unit_dir)
     runtime_dir.mkdir(parents=True, exist_ok=True)
+    roots = _cgroup_roots()
+    try:
+        for root in roots:
+            (root / name).mkdir(exist_ok=True)
+    except OSError as err:
+        return None, f"cannot make the sandbox's cgroup folder: {err}", None
+    # The namespace's PID 1 moves itself into the sandbox's own cgroup folder before it becomes
+    # systemd, which then takes that folder as its root: sandboxes never share a cgroup.
+    move = "".join(f'echo $$ > "{root / name}/cgroup.procs" && ' for root in roots)
     console = open(workdir / "systemd-console.log", "ab")  # noqa: SIM115
     cmd = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--mount", "--uts", "--ipc",
-           "--", "env", f"SYSTEMD_UNIT_PATH={unit_dir}:{runtime_dir}", str(SYSTEMD), "--system", f"--unit={TARGET}",
-           "--log-target=console"]
+           "--", "sh", "-c", f'{move}exec env SYSTEMD_UNIT_PATH="$0" "$1" --system --unit="$2" --log-target=console',
+           f"{unit_dir}:{runtime_dir}", str(SYSTEMD), TARGET]
     unshare = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT,
                                start_new_session=True)
     console.close()
@@ -304,9 +296,10 @@ def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subp
     if child is None:
         unshare.kill()
         unshare.wait(10)
+        _remove_cgroup(name)
         tail = (workdir / "systemd-console.log").read_text(errors="replace")[-300:]
         return None, f"unshare did not start systemd (exit {unshare.poll()}): {tail.strip()}", None
-    _write_lock_info(fd, {"host_pid": child.pid, "create_time": child.create_time()})
+    _register(name, child)
     prefix = ["nsenter", "-t", str(child.pid), "-m", "-p"]
     box = SystemdSandbox("systemd", unit_dir, [*prefix, "systemctl"], [*prefix, "journalctl"], host_pid=child.pid,
                          runtime_dir=runtime_dir)
@@ -319,12 +312,13 @@ def _boot_real(workdir: Path, fd: int) -> tuple[SystemdSandbox | None, str, subp
         if state in ("running", "degraded") and journald == "active":
             return box, "", unshare
         time.sleep(0.1)
-    _kill_real(child.pid, unshare)
+    _kill_real(child.pid, unshare, name)
     return None, f"systemd did not reach 'running' in {_BOOT_TIMEOUT_S:.0f} s (state {state!r})", None
 
 
-def _kill_real(host_pid: int, unshare: subprocess.Popen[bytes] | None) -> None:
-    """End the namespace: SIGKILL its systemd (unshare ignores SIGTERM), then clean cgroups."""
+def _kill_real(host_pid: int, unshare: subprocess.Popen[bytes] | None, name: str) -> None:
+    """End the namespace: SIGKILL its systemd (unshare ignores SIGTERM), then remove its cgroup
+    folders and its record."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(host_pid, signal.SIGKILL)
     if unshare is not None:
@@ -336,7 +330,8 @@ def _kill_real(host_pid: int, unshare: subprocess.Popen[bytes] | None) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and psutil.pid_exists(host_pid):
         time.sleep(0.05)
-    _clean_cgroups()
+    _remove_cgroup(name)
+    (REGISTRY / f"{name}.json").unlink(missing_ok=True)
 
 
 def _emulator(workdir: Path, why: str) -> SystemdSandbox:
@@ -357,23 +352,18 @@ def _emulator(workdir: Path, why: str) -> SystemdSandbox:
 
 
 @contextlib.contextmanager
-def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> Iterator[SystemdSandbox]:
+def boot_sandbox(workdir: Path, *, force_emulator: str | None = None) -> Iterator[SystemdSandbox]:
     """Boot a sandbox under ``workdir``, yield it, tear it down.
 
     Args:
         workdir: An empty folder for unit files and the console log.
         force_emulator: Use the emulator and give this as the reason (tests of the fallback).
-        progress: Receives a line while the lock is held by another process (default: stderr).
 
     Yields:
-        The sandbox. The cross-process lock is held until the block ends (not for a forced emulator,
-        whose state lives under ``workdir``).
-
-    Raises:
-        SandboxBusy: Another test run held the lock for ``$TUNER_SANDBOX_WAIT_S`` (default 240 s).
+        The sandbox: real systemd in its own namespaces and cgroup folder (any number may run at
+        once, in this and other test runs), or the emulator with the reason it is used.
     """
-    if force_emulator:  # the emulator keeps its state under workdir: no machine-wide lock needed
+    if force_emulator:  # the emulator keeps its state under workdir
         warnings.warn(f"systemd sandbox: real systemd unavailable ({force_emulator}); using "
                       "docker-systemctl-replacement", stacklevel=3)
         box = _emulator(workdir, force_emulator)
@@ -382,24 +372,23 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
         finally:
             box.stop_units()
         return
-    wait_s = float(os.environ.get("TUNER_SANDBOX_WAIT_S", _LOCK_WAIT_S))
-    fd = _acquire_lock(wait_s, progress or (lambda line: print(line, file=sys.__stderr__, flush=True)))
+    name = f"tuner-sandbox-{os.getpid()}-{next(_BOOTS)}"
     box: SystemdSandbox | None = None
     unshare = None
     try:
-        _end_stale_sandbox(fd)
+        _end_stale_sandboxes()
         why = _why_not_real()
         if why is None:
-            box, why, unshare = _boot_real(workdir, fd)
+            box, why, unshare = _boot_real(workdir, name)
         if box is not None:
             real = box
 
             def reboot() -> None:
                 nonlocal unshare
                 assert real.host_pid is not None
-                _kill_real(real.host_pid, unshare)
+                _kill_real(real.host_pid, unshare, name)
                 shutil.rmtree(real.runtime_dir, ignore_errors=True)  # /run is a tmpfs: gone at boot
-                again, why_not, unshare = _boot_real(workdir, fd)
+                again, why_not, unshare = _boot_real(workdir, name)
                 assert again is not None, f"the sandbox did not boot again: {why_not}"
                 real.systemctl, real.journalctl, real.host_pid = again.systemctl, again.journalctl, again.host_pid
 
@@ -412,9 +401,6 @@ def boot_sandbox(workdir: Path, *, force_emulator: str | None = None,
     finally:
         if box is not None:
             if box.real and box.host_pid:
-                _kill_real(box.host_pid, unshare)
+                _kill_real(box.host_pid, unshare, name)
             else:
                 box.stop_units()
-        os.ftruncate(fd, 0)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
