@@ -560,7 +560,7 @@ def test_request_path_delays_the_first_token_by_its_fixed_cost_and_tokenization(
 
 def test_the_tokenizer_manager_tokenizes_one_text_request_at_a_time_and_skips_token_ids():
     base = make_spec()
-    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, tokenize_s_per_token=1e-4)))
+    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, tokenize_s_per_token=1e-4, cold_prefill_s=0.0)))
     rng = random.Random(4)
     engine = Engine(spec)
     engine.add_request(SimRequest("t1", ids(1000, rng), 2, arrival_s=0.0, text=True))
