@@ -12,6 +12,7 @@ from tuner.sim import costmodel
 from tuner.sim.clock import RealClock, VirtualClock
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import (
+    WARMUP_PREFILL_TOKENS,
     Engine,
     EngineSpec,
     FinishEvent,
@@ -625,3 +626,26 @@ def test_the_overlap_scheduler_schedules_a_request_that_arrives_mid_step_one_bat
         raise AssertionError("never admitted")
     assert prefill_step(False) == 3
     assert prefill_step(True) == 4
+
+
+def test_the_first_real_prefill_batch_of_a_fresh_server_pays_the_cold_cost_once():
+    """A fresh server's first prefill batch longer than SGLang's start-up warm-up costs
+    ``cold_prefill_s`` more, once: the warm-up (8 tokens) and health checks leave it cold, so a
+    served simulator and the offline evaluation see the same first real batch."""
+    base = make_spec()
+    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, cold_prefill_s=0.5)))
+    rng = random.Random(7)
+
+    def prefill_s(engine: Engine, rid: str, n: int) -> float:
+        engine.add_request(SimRequest(rid, ids(n, rng), 1, arrival_s=0.0))
+        result = engine.step(0.0)
+        while engine.has_work():
+            engine.step(0.0)
+        return result.duration_s
+
+    never_cold = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, cold_prefill_s=0.0)))
+    fresh, ref = Engine(spec), Engine(never_cold)
+    assert prefill_s(fresh, "warmup", WARMUP_PREFILL_TOKENS) == pytest.approx(prefill_s(ref, "warmup", WARMUP_PREFILL_TOKENS))
+    first, second = prefill_s(fresh, "a", 1000), prefill_s(fresh, "b", 1000)
+    assert first == pytest.approx(second + 0.5, rel=0.01)
+    assert second == pytest.approx(prefill_s(ref, "a", 1000), rel=0.01)

@@ -25,7 +25,8 @@ Rules modelled (§2.4 unless noted):
   Σ max_new_tokens)`` (``ScheduleBatch.retract_decode``, ``python/sglang/srt/managers/
   schedule_batch.py``); the §4.4 line is logged in the mimicked version's format.
 - ``enable_mixed_chunk``: running requests decode one token inside each prefill step.
-- The first prefill batch of a freshly started server takes ``cold_prefill_s`` longer
+- The first prefill batch of a freshly started server longer than SGLang's start-up warm-up
+  (:data:`WARMUP_PREFILL_TOKENS`) takes ``cold_prefill_s`` longer
   (:class:`tuner.sim.costmodel.CostFactors`: the first real batch's shapes; fitted on the first
   bursts of the fidelity points, ``docs/simulator-fidelity.md``).
 - ``schedule_policy``: ``fcfs`` keeps arrival order; ``lpm`` orders the queue by longest cached
@@ -69,6 +70,7 @@ from tuner.sim.models import GIB
 from tuner.sim.speculative import SpecModel, classify_ids
 
 __all__ = [
+    "WARMUP_PREFILL_TOKENS",
     "EngineSpec",
     "Engine",
     "SimRequest",
@@ -279,6 +281,12 @@ class EngineSpec:
     speculative: SpecModel | None = None
     scheduler_recv_interval: int = 1
     overlap_schedule: bool = False
+
+
+WARMUP_PREFILL_TOKENS = 8
+"""New tokens of a prefill batch that leaves a fresh server cold: SGLang's start-up warm-up (a
+one-line prompt, 0.5.5 ``entrypoints/http_server.py`` ``_execute_server_warmup``; the simulated
+server sends 8 ids) and the 1-token health checks do not run a real batch's shapes."""
 
 
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
@@ -934,7 +942,7 @@ class Engine:
             kv_read += self._running_kv
         self._check_activations(tokens, seqs)
         duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True, extend=True))
-        if self._cold:  # the server's first real batch (module docstring)
+        if self._cold and new_tokens > WARMUP_PREFILL_TOKENS:  # the server's first real batch (module docstring)
             duration += spec.cost.factors.cold_prefill_s
             self._cold = False
         if load_back:
