@@ -649,3 +649,20 @@ def test_the_first_real_prefill_batch_of_a_fresh_server_pays_the_cold_cost_once(
     first, second = prefill_s(fresh, "a", 1000), prefill_s(fresh, "b", 1000)
     assert first == pytest.approx(second + 0.5, rel=0.01)
     assert second == pytest.approx(prefill_s(ref, "a", 1000), rel=0.01)
+
+
+def test_dp_attention_decode_replays_the_graph_of_its_busiest_rank():
+    """Under DP attention a decode step replays the CUDA graph of the busiest rank's batch
+    (0.5.5 ``cuda_graph_runner.py`` ``can_run``: ``max(global_num_tokens_cpu)``): 256 requests over
+    8 ranks are 32 a rank, inside 64-wide graphs, where the whole batch is not."""
+    base = make_spec()
+    logs: list[str] = []
+    spec = make_spec(max_running_requests=256, cuda_graph_max_bs=64, decode_log_interval=1, max_total_num_tokens=200_000,
+                     cost=base.cost.with_parallel(dp_size=8))
+    e = Engine(spec, logs.append)
+    rng = random.Random(3)
+    for i in range(256):
+        e.add_request(SimRequest(f"r{i}", ids(32, rng), 12))
+    run(e)
+    full = [line for line in logs if line.startswith("Decode batch, #running-req: 256,")]
+    assert full and all("cuda graph: True" in line for line in full)
