@@ -36,7 +36,7 @@ def test_code_constants_are_the_calibrated_factors():
 def test_reproduces_aiconfigurator_sglang_estimates():
     points = calibration()["points"]
     assert len(points) >= 100
-    errors, moe_errors = [], []
+    errors, prefill_errors, moe_errors = [], [], []
     for p in points:
         c = inputs(p["model"], p["gpu"], p["tp"])
         if p["kind"] == "decode_tpot_ms":
@@ -45,10 +45,18 @@ def test_reproduces_aiconfigurator_sglang_estimates():
             isl = p["isl"]
             ms = 1e3 * step_time_s(c, StepShape(isl, 1, isl * (isl + 1) / 2, isl, eager=False))
         assert ms == pytest.approx(p["costmodel_ms"], rel=1e-3)
-        (moe_errors if p["model"] == "deepseek-v3" else errors).append(math.log(ms / p["aiconfigurator_ms"]))
-    # dense Llama points: RMS 6.3%, every point within 25%
+        e = math.log(ms / p["aiconfigurator_ms"])
+        if p["model"] == "deepseek-v3":
+            moe_errors.append(e)
+        else:
+            (errors if p["kind"] == "decode_tpot_ms" else prefill_errors).append(e)
+    # dense Llama decode points (memory-bound): RMS 5.8 %, every point within 25 %
     assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.08
     assert max(abs(e) for e in errors) < math.log(1.25)
+    # dense prefill on H100/H200 (compute-bound) runs at GPU_COMPUTE_EFF 0.72 of the fitted factors:
+    # real SGLang prefill there is slower than aiconfigurator's estimates (issue 37; sglang#1060), so
+    # these 24 sit above aiconfigurator by design (+32 % on average), kept as a record.
+    assert len(prefill_errors) == 24 and all(e > 0 for e in prefill_errors)
     # DeepSeek-V3 (MoE + MLA): its factors are fitted to real SGLang measurements now (issue 37;
     # held to them by tests/sim/test_fidelity_alarm.py), no longer to aiconfigurator's low-fidelity
     # MLA estimates, so those 14 points are kept as a record (the predictions above), not a target.

@@ -12,6 +12,7 @@ from tuner.sim import costmodel
 from tuner.sim.clock import RealClock, VirtualClock
 from tuner.sim.costmodel import CostInputs
 from tuner.sim.engine import (
+    WARMUP_PREFILL_TOKENS,
     Engine,
     EngineSpec,
     FinishEvent,
@@ -560,7 +561,7 @@ def test_request_path_delays_the_first_token_by_its_fixed_cost_and_tokenization(
 
 def test_the_tokenizer_manager_tokenizes_one_text_request_at_a_time_and_skips_token_ids():
     base = make_spec()
-    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, tokenize_s_per_token=1e-4)))
+    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, tokenize_s_per_token=1e-4, cold_prefill_s=0.0)))
     rng = random.Random(4)
     engine = Engine(spec)
     engine.add_request(SimRequest("t1", ids(1000, rng), 2, arrival_s=0.0, text=True))
@@ -625,3 +626,43 @@ def test_the_overlap_scheduler_schedules_a_request_that_arrives_mid_step_one_bat
         raise AssertionError("never admitted")
     assert prefill_step(False) == 3
     assert prefill_step(True) == 4
+
+
+def test_the_first_real_prefill_batch_of_a_fresh_server_pays_the_cold_cost_once():
+    """A fresh server's first prefill batch longer than SGLang's start-up warm-up costs
+    ``cold_prefill_s`` more, once: the warm-up (8 tokens) and health checks leave it cold, so a
+    served simulator and the offline evaluation see the same first real batch."""
+    base = make_spec()
+    spec = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, cold_prefill_s=0.5)))
+    rng = random.Random(7)
+
+    def prefill_s(engine: Engine, rid: str, n: int) -> float:
+        engine.add_request(SimRequest(rid, ids(n, rng), 1, arrival_s=0.0))
+        result = engine.step(0.0)
+        while engine.has_work():
+            engine.step(0.0)
+        return result.duration_s
+
+    never_cold = make_spec(cost=base.cost.with_factors(replace(base.cost.factors, cold_prefill_s=0.0)))
+    fresh, ref = Engine(spec), Engine(never_cold)
+    assert prefill_s(fresh, "warmup", WARMUP_PREFILL_TOKENS) == pytest.approx(prefill_s(ref, "warmup", WARMUP_PREFILL_TOKENS))
+    first, second = prefill_s(fresh, "a", 1000), prefill_s(fresh, "b", 1000)
+    assert first == pytest.approx(second + 0.5, rel=0.01)
+    assert second == pytest.approx(prefill_s(ref, "a", 1000), rel=0.01)
+
+
+def test_dp_attention_decode_replays_the_graph_of_its_busiest_rank():
+    """Under DP attention a decode step replays the CUDA graph of the busiest rank's batch
+    (0.5.5 ``cuda_graph_runner.py`` ``can_run``: ``max(global_num_tokens_cpu)``): 256 requests over
+    8 ranks are 32 a rank, inside 64-wide graphs, where the whole batch is not."""
+    base = make_spec()
+    logs: list[str] = []
+    spec = make_spec(max_running_requests=256, cuda_graph_max_bs=64, decode_log_interval=1, max_total_num_tokens=200_000,
+                     cost=base.cost.with_parallel(dp_size=8))
+    e = Engine(spec, logs.append)
+    rng = random.Random(3)
+    for i in range(256):
+        e.add_request(SimRequest(f"r{i}", ids(32, rng), 12))
+    run(e)
+    full = [line for line in logs if line.startswith("Decode batch, #running-req: 256,")]
+    assert full and all("cuda graph: True" in line for line in full)

@@ -1,8 +1,8 @@
 """Replaying real, published SGLang measurements through the simulator, and the error per metric.
 
 The points live in ``tests/benchmarks/fidelity/points-*.json`` (each with its source, launch flags,
-client definition and measured figures, as the source ran it); ``sets.json`` there names the
-training and validation points and the real figures excluded as artifacts. Used by
+client definition and measured figures, as the source ran it, and any real figure excluded as an
+artifact with its reason); ``sets.json`` there names the training and validation points. Used by
 ``tests/benchmarks/bench_fidelity.py`` (all points, the summary, ``--record``) and by the fast
 regression alarm ``tests/sim/test_fidelity_alarm.py`` (a few points against the stored figures).
 
@@ -13,6 +13,7 @@ faster for a throughput).
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 from collections.abc import Iterable
@@ -53,11 +54,13 @@ class Point:
 
     Attributes:
         id: The point's id.
-        argv: The simulator's command line: the source's server flags, the model preset and the GPU.
+        argv: The simulator's command line: the source's server flags (``sim_args`` where the
+            point renames them for the simulator's SGLang version), the model preset and the GPU.
         workload: The client definition (``input_len``, ``output_len``, ``range_ratio``,
             ``num_requests``, ``concurrency``).
         real: The measured figures (bench_serving names: ms, tokens/s).
-        excluded: Real metrics not compared on this point (artifacts), with the reason.
+        excluded: Real metrics not compared on this point (artifacts), with the reason (the
+            point's ``excluded`` in its file).
         raw: The whole record as stored.
     """
 
@@ -73,55 +76,69 @@ def _sets() -> dict[str, Any]:
     return json.loads((DATA / "sets.json").read_text())
 
 
-def _cold_start(workload: dict[str, Any], server_args: list[str]) -> bool:
-    """Whether the first burst fits one prefill batch (see ``sets.json`` ``cold_start_tail``)."""
-    budget = 16384  # SGLang's --max-prefill-tokens default (§2.4)
-    if "--max-prefill-tokens" in server_args:
-        budget = int(server_args[server_args.index("--max-prefill-tokens") + 1])
-    return int(workload["concurrency"]) * int(workload["input_len"]) <= budget
-
-
 def load_points() -> list[Point]:
     """Every point of every ``points-*.json``, in file order.
 
     Raises:
         KeyError: A point lacks ``sim_model``, ``gpu``, ``server_args``, ``workload`` or ``real``.
     """
-    sets = _sets()
-    cold = sets["cold_start_tail"]
     points = []
     for path in sorted(DATA.glob("points-*.json")):
         for raw in json.loads(path.read_text())["points"]:
-            args = [a for a in raw["server_args"] if a != "--trust-remote-code"]
-            excluded = {}
-            if _cold_start(raw["workload"], args):
-                excluded = {m: "first-batch cold start (sets.json cold_start_tail)" for m in cold["metrics"]}
+            args = [a for a in raw.get("sim_args", raw["server_args"]) if a != "--trust-remote-code"]
+            excluded = dict(raw.get("excluded", {}))
             points.append(Point(raw["id"], ["--model-path", raw["sim_model"], "--sim-gpu", raw["gpu"], *args],
                                 raw["workload"], raw["real"], excluded, raw))
     return points
 
 
 def split(points: Iterable[Point]) -> dict[str, list[Point]]:
-    """``{"train": [...], "validation": [...]}`` as ``sets.json`` names them (a point in neither
-    is left out)."""
+    """``{"train": [...], "validation": [...], "validation_other": [...]}`` as ``sets.json`` names
+    them (a point in none is left out)."""
     sets = _sets()
     by_id = {p.id: p for p in points}
-    return {name: [by_id[i] for i in sets[name] if i in by_id] for name in ("train", "validation")}
+    return {name: [by_id[i] for i in ids if i in by_id] for name, ids in sets.items() if isinstance(ids, list)}
+
+
+def _sharegpt_lengths(rng: random.Random, rec: dict[str, Any]) -> tuple[int, int]:
+    """One (input, output) length pair of a reconstructed ShareGPT workload: lognormal lengths with
+    the stated means and ``sigma`` (``rec``), kept only where bench_serving's ShareGPT sampler keeps
+    a conversation (prompt 4-1,024 tokens, output at least 4, prompt + output at most 2,048)."""
+    sigma = 1.0
+    mu_in = math.log(rec["mean_input"]) - sigma * sigma / 2
+    mu_out = math.log(rec["mean_output"]) - sigma * sigma / 2
+    while True:
+        n_in = int(rng.lognormvariate(mu_in, sigma))
+        n_out = int(rng.lognormvariate(mu_out, sigma))
+        if 4 <= n_in <= 1024 and n_out >= 4 and n_in + n_out <= 2048:
+            return n_in, n_out
 
 
 def workload(w: dict[str, Any], seed: int = 0, *, text: bool = True) -> list[SimRequest]:
-    """The client's requests: vLLM's ``benchmark_serving.py`` random dataset with ``--ignore-eos``:
-    input and output lengths uniform in ``[range_ratio × L, L]``, random token ids (no shared
-    prefixes), ``num_requests`` of them, sent as text (the server tokenizes them) unless ``text``
-    is False."""
+    """The client's requests, sent as text (the server tokenizes them) unless ``text`` is False.
+
+    ``kind`` ``random``: bench_serving's random dataset with ``--ignore-eos`` (vLLM's and SGLang's):
+    input and output lengths uniform in ``[range_ratio × L, L]`` (at least 1 token), random token
+    ids (no shared prefixes). ``kind`` ``sharegpt``: lengths drawn by :func:`_sharegpt_lengths` from
+    ``w["reconstructed"]`` (the source does not give them per request). ``num_requests`` of them; a
+    ``rate`` gives Poisson arrivals at that many requests/s (bench_serving's
+    ``np.random.exponential(1 / rate)`` gaps), else all arrive at once (or the closed loop sends them).
+    """
     rng = random.Random(seed)
     ratio = float(w.get("range_ratio", 1.0))
+    rate = w.get("rate")
     reqs = []
+    t = 0.0
     for i in range(int(w["num_requests"])):
-        n_in = rng.randint(int(w["input_len"] * ratio), int(w["input_len"]))
-        n_out = rng.randint(int(w["output_len"] * ratio), int(w["output_len"]))
+        if w.get("kind") == "sharegpt":
+            n_in, n_out = _sharegpt_lengths(rng, w["reconstructed"])
+        else:
+            n_in = max(1, rng.randint(int(w["input_len"] * ratio), int(w["input_len"])))
+            n_out = max(1, rng.randint(int(w["output_len"] * ratio), int(w["output_len"])))
+        if rate:
+            t += rng.expovariate(float(rate))
         reqs.append(SimRequest(f"f{i}", [rng.randrange(100, 120_000) for _ in range(n_in)], n_out, ignore_eos=True,
-                               text=text))
+                               arrival_s=t if rate else 0.0, text=text))
     return reqs
 
 

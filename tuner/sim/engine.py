@@ -25,6 +25,10 @@ Rules modelled (§2.4 unless noted):
   Σ max_new_tokens)`` (``ScheduleBatch.retract_decode``, ``python/sglang/srt/managers/
   schedule_batch.py``); the §4.4 line is logged in the mimicked version's format.
 - ``enable_mixed_chunk``: running requests decode one token inside each prefill step.
+- The first prefill batch of a freshly started server longer than SGLang's start-up warm-up
+  (:data:`WARMUP_PREFILL_TOKENS`) takes ``cold_prefill_s`` longer
+  (:class:`tuner.sim.costmodel.CostFactors`: the first real batch's shapes; fitted on the first
+  bursts of the fidelity points, ``docs/simulator-fidelity.md``).
 - ``schedule_policy``: ``fcfs`` keeps arrival order; ``lpm`` orders the queue by longest cached
   prefix, falling back to fcfs when more than 128 requests wait. Other policies act as fcfs.
 - The radix cache (:mod:`tuner.sim.cache`) matches each request's input minus its last token,
@@ -66,6 +70,7 @@ from tuner.sim.models import GIB
 from tuner.sim.speculative import SpecModel, classify_ids
 
 __all__ = [
+    "WARMUP_PREFILL_TOKENS",
     "EngineSpec",
     "Engine",
     "SimRequest",
@@ -278,6 +283,12 @@ class EngineSpec:
     overlap_schedule: bool = False
 
 
+WARMUP_PREFILL_TOKENS = 8
+"""New tokens of a prefill batch that leaves a fresh server cold: SGLang's start-up warm-up (a
+one-line prompt, 0.5.5 ``entrypoints/http_server.py`` ``_execute_server_warmup``; the simulated
+server sends 8 ids) and the 1-token health checks do not run a real batch's shapes."""
+
+
 def graph_batch(spec: EngineSpec, bs: int) -> int | None:
     """The captured size a decode batch of ``bs`` replays, or ``None`` when it runs eagerly (§2.1,
     ``CudaGraphRunner.can_run`` / ``replay_prepare``): above the largest captured size it runs
@@ -376,6 +387,7 @@ class Engine:
         self._received: list[_Req] = []  # taken in during a busy step (overlap): queued at the next one
         self._recv_counter = 0  # SchedulerRecvSkipper's counter
         self._tokenizer_free_s = 0.0  # when the tokenizer manager finishes its queue
+        self._cold = True  # no prefill batch has run yet (CostFactors.cold_prefill_s)
         self.idle_wait = False  # the last step only waited for a request on the request path
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
@@ -930,6 +942,9 @@ class Engine:
             kv_read += self._running_kv
         self._check_activations(tokens, seqs)
         duration = costmodel.step_time_s(spec.cost, StepShape(tokens, seqs, pairs, kv_read, True, extend=True))
+        if self._cold and new_tokens > WARMUP_PREFILL_TOKENS:  # the server's first real batch (module docstring)
+            duration += spec.cost.factors.cold_prefill_s
+            self._cold = False
         if load_back:
             duration = max(duration, costmodel.load_back_s(spec.cost, load_back))
         self._last_input_throughput = new_tokens / duration if duration > 0 else 0.0
@@ -1084,7 +1099,12 @@ class Engine:
                     f"Try to allocate {len(self._running)} tokens.\nAvailable tokens: {self._free()}"
                 )
         bs = len(self._running)
-        graph = graph_batch(spec, bs)
+        # DP attention: each rank replays the graph of the busiest rank's batch, ceil(bs / dp)
+        # (0.5.5 cuda_graph_runner.py can_run: max(global_num_tokens_cpu) under the MLP gather);
+        # the gathered MoE/linear rows are dp × that size
+        dp = max(1, spec.cost.dp_size)
+        rank_graph = graph_batch(spec, -(-bs // dp))
+        graph = None if rank_graph is None else rank_graph * dp
         eager = graph is None
         if eager:
             self._check_activations(bs * (spec.cost.spec_num_draft_tokens if spec.cost.speculative else 1), bs)

@@ -211,7 +211,7 @@ class SpecModel:
         verify = costmodel.step_time_s(c, StepShape(rows * k, batch_size, float(kv_tokens) * k, kv_tokens, eager))
         f = c.factors
         bw = c.hbm_gb_s * 1e9 * f.eff_hbm
-        peak = c.bf16_tflops * 1e12 * f.eff_gemm
+        peak = c.peak_flops * f.eff_gemm
         draft_params = self.draft_weight_bytes / c.dtype_bytes
         one = max(self.draft_weight_bytes / bw, 2.0 * draft_params * rows * self.eagle_topk / peak)
         extend = max(self.draft_weight_bytes / bw, 2.0 * draft_params * rows * k / peak)
