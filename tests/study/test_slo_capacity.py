@@ -14,7 +14,7 @@ from tuner.config import load_config
 from tuner.load.metrics import quantile_interval
 from tuner.load.search import bracket_level
 from tuner.records import MeasuredLoad, PhaseResult, SloCapacity, SloStep, TrialRecord
-from tuner.study.best import admission_line, binding_phase, choose_best
+from tuner.study.best import admission_limit, admission_line, binding_phase, choose_best
 from tuner.study.loop import run_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,9 +180,13 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     queued = _bound(8, 6, 100.0, broke={"p99_ttft_ms": 0.59, "p99_itl_ms": -0.5}, measured={"p99_ttft_ms": 47600.0})
     assert admission_line(queued) == (
         "admits 8 longest contexts at once, holds the SLO up to 6 sessions (bound by prefill queueing (p99 TTFT "
-        "47,600 ms > 30,000 ms at 8 sessions: new prompts wait behind the others' prefills)): set "
+        "47,600 ms > 30,000 ms at 8 sessions: new prompts wait behind the others' prefills)); applying "
         "--max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT grows with the wait, "
-        "the 6 running keep the SLO)")
+        "the 6 running keep the SLO; --keep-admission keeps the trial's own)")
+    assert admission_limit(queued) == 6
+    assert admission_line(queued, applied=False).endswith(
+        "; keeping the trial's own admission (--keep-admission): set --max-running-requests 6 to hold the SLO "
+        "(requests beyond 6 wait in SGLang's queue: their TTFT grows with the wait, the 6 running keep the SLO)")
     decode = _bound(8, 6, 100.0, broke={"p99_ttft_ms": -0.3, "p99_itl_ms": 0.24}, measured={"p99_itl_ms": 4970.0})
     assert binding_phase(decode).startswith("decode step time (p99 ITL 4,970 ms > 4,000 ms at 8 sessions")
     edge = _bound(48, 6, 100.0, broke={"p99_itl_ms": 0.1}, measured={"p99_itl_ms": 4400.0}, graphs=4)
@@ -192,6 +196,10 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     none = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"contexts": 0})})
     assert "holds the SLO at no session count measured (below 8)" in admission_line(none)
     assert "loosen the SLO or choose another config" in admission_line(none)
+    # no limit where none is needed, none makes it hold, a capped figure proves none, or the figure is a stored burst's
+    capped = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"at_least": True})})
+    burst = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"measure": "burst"})})
+    assert [admission_limit(r) for r in (held, none, capped, burst)] == [None, None, None, None]
 
 
 def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() -> None:
