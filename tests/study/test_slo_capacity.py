@@ -5,6 +5,7 @@ and the choice among throughput ties (lower p99 latency, then fewer request slot
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,31 @@ def test_the_concurrency_a_config_implies_is_the_objective_s(tmp_path: Path) -> 
     assert load_config(ROOT / "configs" / "reference-sim.toml").objective.concurrency is None
     batch = config_copy("reference-sim.toml", tmp_path, replace={"max_concurrency = 16": "max_concurrency = 16\nconcurrency = 96"})
     assert load_config(batch).objective.concurrency == 96
+
+
+def test_an_slo_no_session_count_meets_is_one_line_naming_the_fix_and_keeps_every_trial(tmp_path: Path) -> None:
+    """A p99 TTFT of 50 ms that no session count of 2k-token prompts meets on the demo's L4: every
+    trial is stored with SLO-safe 0 and its reason, ``tuner best`` and ``tuner apply best`` say in
+    one line to relax the SLO, and nothing is lost or written."""
+    from tests.support.cli import run_tuner
+    from tests.support.configs import config_copy
+
+    config = config_copy("demo-sim.toml", tmp_path, replace={"ttft_ms = { p99 = 10000 }": "ttft_ms = { p99 = 50 }"})
+    cfg = load_config(config)
+    url = f"sqlite:///{tmp_path}/demo.db"
+    runner = OfflineExecutor(cfg)
+    runner.work_dir = tmp_path / "work"
+    run_study(cfg, runner, max_trials=2, storage_url=url)
+    launched = [n for n, r in runner.history if r.outcome == "ok"]
+    assert launched and all(dict(runner.history)[n].slo_capacity.contexts == 0 for n in launched)
+    before = (tmp_path / "demo.db").read_bytes()
+    for args in (("best",), ("apply", "best", "--dry-run", "--config", str(config))):
+        proc = run_tuner(*args, "--storage", url, cwd=tmp_path)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+        assert "has no feasible trial" in errors[0] and "relax its slo" in errors[0]
+    shown = run_tuner("show", str(launched[0]), "--storage", url, cwd=tmp_path).stdout
+    assert "holds the SLO at no session count measured" in shown and "loosen the SLO or choose another config" in shown
+    rows = json.loads(run_tuner("trials", "--storage", url, "--json", cwd=tmp_path).stdout)
+    assert [r["number"] for r in rows if r["outcome"] == "ok"] == launched  # every trial kept
+    assert (tmp_path / "demo.db").read_bytes() == before
