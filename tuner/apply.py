@@ -180,6 +180,9 @@ class ApplyPlan(BaseModel):
         load: The load check (``None``: none).
         undoes: For an undo: the id of the apply record being undone.
         settings: The launcher settings (the config's ``[service]``, ``state_dir``).
+        admission_limit: The ``max_running_requests`` the apply carries instead of the trial's
+            own, so that the applied config holds the SLO it was measured to hold
+            (:func:`tuner.study.best.admission_limit`); ``None``: the trial's own admission.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -199,6 +202,7 @@ class ApplyPlan(BaseModel):
     load: LoadCheck | None = None
     undoes: int | None = None
     settings: dict[str, Any] = Field(default_factory=dict)
+    admission_limit: int | None = None
 
     def command_diff(self) -> str:
         """The command-line change, one flag (with its values) per line, as a unified diff."""
@@ -463,17 +467,20 @@ def service_settings(config: Any, *, state_dir: Path | None = None) -> dict[str,
     return settings
 
 
-def load_check_for(config: Any, view: TrialView, *, duration_s: float) -> LoadCheck:
+def load_check_for(config: Any, view: TrialView, *, duration_s: float, admission_limit: int | None = None) -> LoadCheck:
     """The load check of an apply: the study's workload and SLO at the trial's concurrency.
 
     The concurrency is ``[budget] concurrency`` when set, else the concurrency the trial's
     measured window achieved (rounded up), else its context capacity; at most
-    ``[budget] max_concurrency``.
+    ``[budget] max_concurrency``, and at most ``admission_limit`` where the apply carries one (the
+    sessions the applied config promises the SLO for; more would queue in SGLang's scheduler and
+    wait, by design, past the TTFT limit).
 
     Args:
         config: The study's :class:`tuner.config.TunerConfig`.
         view: The trial applied.
         duration_s: Measured window of the check, s.
+        admission_limit: The apply's :attr:`ApplyPlan.admission_limit`, or ``None``.
     """
     budget = config.budget
     concurrency = budget.concurrency
@@ -484,7 +491,7 @@ def load_check_for(config: Any, view: TrialView, *, duration_s: float) -> LoadCh
             concurrency = math.ceil(achieved - 1e-6)
     if not concurrency:
         concurrency = int(view.metric("context_capacity") or 1)
-    cap = getattr(budget, "max_concurrency", concurrency)
+    cap = min(getattr(budget, "max_concurrency", concurrency), admission_limit or concurrency)
     return LoadCheck(
         workload=config.workload.model_dump(mode="json"),
         concurrency=max(1, min(int(concurrency), cap)),
@@ -504,8 +511,10 @@ def _expected_capacity(view: TrialView) -> int | None:
     return int(value) if value is not None else None
 
 
-def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: FlagTable) -> list[str]:
-    """The service's command with the trial's tuned flags.
+def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: FlagTable,
+              overrides: Mapping[str, Any] | None = None) -> list[str]:
+    """The service's command with the trial's tuned flags (``overrides`` replacing the trial's
+    values: the admission limit the apply carries, :attr:`ApplyPlan.admission_limit`).
 
     Every field the study tuned (the params of its non-baseline trials; the baseline's record
     also lists flags it merely resolved) is set to this trial's value, or removed (``None``) when
@@ -516,13 +525,15 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
     operator review 2, R9).
     """
     tuned = [v for v in stored.trials if v.kind != "baseline"] or list(stored.trials)
-    names = sorted({name for v in tuned for name in v.params})
+    overrides = dict(overrides or {})
+    names = sorted({name for v in tuned for name in v.params} | set(overrides))
+    params = {**view.params, **overrides}
     current = parse_argv(argv, table)
     baseline = stored.baseline()
     defaults = baseline.params if baseline is not None else {}
     changes = {}
     for name in names:
-        value = view.params.get(name)
+        value = params.get(name)
         now = current.get(table.canonical(table.option(name).dest))
         if (value is None and now is None) or (value is not None and now is not None and _same(now, value)):
             continue
@@ -571,11 +582,15 @@ def plan_apply(
     *,
     state_dir: Path | None = None,
     load: LoadCheck | None = None,
+    admission_limit: int | None = None,
 ) -> ApplyPlan:
     """Decide what applying ``view`` changes; reads the service, changes nothing.
 
     The new command is the service's current command with the trial's tuned flags replaced
     (:func:`tuner.sglang.flags.replace_flags`), so flags the operator set outside the study stay.
+    With ``admission_limit`` (:func:`tuner.study.best.admission_limit`: the trial admits more
+    longest contexts than the sessions that held the SLO) it carries ``--max-running-requests
+    admission_limit`` instead of the trial's own, and the server must report it back.
 
     Args:
         stored: The study.
@@ -583,6 +598,7 @@ def plan_apply(
         config: The study's :class:`tuner.config.TunerConfig` (its ``[service]``).
         state_dir: Folder of state files (default: the config's, else the launcher's).
         load: The load check to run after the restart, or ``None``.
+        admission_limit: The ``max_running_requests`` to carry instead of the trial's, or ``None``.
 
     Returns:
         The plan.
@@ -615,7 +631,9 @@ def plan_apply(
                  "(`tuner trials` shows it)",
         )
     settings = service_settings(config, state_dir=state_dir)
-    expected_flags = {k: view.params[k] for k in _SERVER_FLAGS if view.params.get(k) is not None}
+    overrides = {"max_running_requests": admission_limit} if admission_limit else {}
+    params = {**view.params, **overrides}
+    expected_flags = {k: params[k] for k in _SERVER_FLAGS if params.get(k) is not None}
     launcher = _build(settings)
     common: dict[str, Any] = dict(
         study=stored.name,
@@ -624,6 +642,7 @@ def plan_apply(
         expected_flags=expected_flags,
         load=load,
         settings=settings,
+        admission_limit=admission_limit or None,
     )
     if not isinstance(launcher, SystemdLauncher):
         current = launcher.current_argv()
@@ -631,7 +650,7 @@ def plan_apply(
             launcher="process",
             target=launcher.key,
             previous_argv=current,
-            new_argv=_new_argv(stored, view, current, _flag_table(stored, config, current)),
+            new_argv=_new_argv(stored, view, current, _flag_table(stored, config, current), overrides),
             **common,
         )
     unit = launcher.unit
@@ -642,7 +661,7 @@ def plan_apply(
             hint="pass the config the study was run with (--config FILE)",
         )
     command = unit.exec_command()
-    new_argv = _new_argv(stored, view, command.argv, _flag_table(stored, config, command.argv))
+    new_argv = _new_argv(stored, view, command.argv, _flag_table(stored, config, command.argv), overrides)
     header = (
         f"Written by `tuner apply`: study {stored.name}, trial {view.number}, {now_iso()}.\n"
         "Undo with `tuner apply --undo`; see `tuner applies`."

@@ -10,7 +10,11 @@ launches through the product's own trial on the simulator's offline server
 context capacity within 5 and within all launches and the launch that reached it, tokens per rank,
 failed launches, rungs skipped without a launch; and the best capacity over every derived rung at
 the top of the fraction range up to the study's own slot cap (a small grid: the reference "best
-feasible rung"). Asserted: no failed launch with the levers (a rung that cannot start is screened).
+feasible rung"). Beside each arm's OOM-safe capacity, its SLO-safe sessions (steady windows, issue
+36): those of the config with the most longest contexts, and the most any feasible launch held.
+``BENCH_CAPACITY=auto`` ranks the studies by the SLO-safe sessions (the default objective; the
+twin's ``[slo]`` is set on every deployment). Asserted: no failed launch with the levers (a rung
+that cannot start is screened).
 
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_levers.py --run-benchmarks -s``
 (figures in docs/tuner-explain.md, structural levers).
@@ -96,6 +100,12 @@ def _found(history: list[tuple[int, TrialRecord]]) -> TrialRecord | None:
     return max(feasible, key=lambda r: r.context_capacity or 0, default=None)
 
 
+def _slo_safe(record: TrialRecord | None) -> str:
+    """A record's steady SLO-safe sessions (``"5"``, ``"≥ 16"``; ``"—"`` where none was measured)."""
+    slo = None if record is None else record.slo_capacity
+    return "—" if slo is None or slo.contexts is None else f"{'≥ ' if slo.at_least else ''}{slo.contexts}"
+
+
 def _study(cfg: TunerConfig) -> tuple[list[tuple[int, TrialRecord]], int, Space]:
     runner = OfflineExecutor(cfg, world_seed=0)
     skips: list[str] = []
@@ -147,18 +157,23 @@ def test_levers_vs_knobs(name: str) -> None:
         failed = sum(1 for _, r in history if r.outcome == "failed")
         first = next((i + 1 for i, (_, r) in enumerate(history) if r.feasible and best and
                       (r.context_capacity or 0) >= (best.context_capacity or 0)), None)
+        held = max((r for _, r in history if r.feasible), key=lambda r: r.capacity("slo_safe") or 0, default=None)
+        held_at = next((i + 1 for i, (_, r) in enumerate(history) if held is not None and r is held), None)
         rows.append((levers, at5.context_capacity if at5 else 0, best.context_capacity if best else 0,
                      best.token_capacity if best else 0, len(history), failed, skipped, first,
                      {k: v for k, v in (best.params if best else {}).items()
-                      if k in ("kv_cache_dtype", "dcp_size", "dp_size", "mem_fraction_static")}))
+                      if k in ("kv_cache_dtype", "dcp_size", "dp_size", "mem_fraction_static")},
+                     f"SLO-safe sessions {_slo_safe(best)} (most held: {_slo_safe(held)} at launch {held_at}, "
+                     f"{held.context_capacity if held else 0} contexts OOM-safe)"))
     assert space is not None
     reference, where = _rung_reference(_config(name, True), space, history[0][1])
     print(f"\n{name}: derived levers: " + "; ".join(r.split(":")[0] + (" yes" if ": derived" in r else " no")
                                                    for r in space.lever_reasons))
     print(f"  best feasible rung (grid, max_running_requests ≤ {space.max_running_requests[1]}) {reference} requests of {_config(name, True).objective.context_tokens} tokens at {where}")
-    for levers, at5, cap, tokens, launches, failed, skipped, first, flags in rows:
+    print(f"  [capacity = {_config(name, True).objective.capacity}]")
+    for levers, at5, cap, tokens, launches, failed, skipped, first, flags, slo_safe in rows:
         arm = "levers derived" if levers else "four knobs alone"
         print(f"  {arm:17s} capacity@5 {at5:3d}  capacity@{launches} {cap:3d} (first at launch {first})  tokens/rank {tokens:>9,}  "
-              f"failed {failed}  rungs skipped {skipped}  best {flags}")
+              f"failed {failed}  rungs skipped {skipped}  best {flags}  {slo_safe}")
     knobs, with_levers = rows
     assert with_levers[5] == 0  # never a launch that fails (a rung that cannot start is screened)

@@ -12,8 +12,17 @@ and 20 launches: the share of the grid optimum's context capacity reached by the
 failed (startup or runtime OOM), the first launch where both shares reach 98 %, exact repeats of a
 launched config, and launches with more request slots than the workload can ever run at once.
 
+Under both objectives (issue 36): ``BENCH_CAPACITY=oom_safe`` (the default) ranks and scores the
+OOM-safe context capacity; ``BENCH_CAPACITY=auto`` (the tuner's default objective) ranks by the
+steady SLO-safe sessions where the scenario sets an SLO, and scores that figure: the strategy's
+best's SLO-safe sessions against the grid optimum's under the same objective (the grid's trials
+run the same steady windows, offline, so every grid point carries its SLO-safe sessions).
+``BENCH_SLO=off`` drops each scenario's ``[slo]`` (then both objectives rank by the OOM-safe
+capacity); ``BENCH_SEEDS=n`` keeps each scenario's first ``n`` study seeds (a reduced run).
+
 Run: ``.venv/bin/python -m pytest tests/benchmarks/bench_search.py --run-benchmarks -s``
-(figures in docs/benchmarks.md). ``BENCH_SEARCH_JSON=path`` also writes the figures as JSON.
+(figures in docs/benchmarks.md and docs/capacity.md). ``BENCH_SEARCH_JSON=path`` also writes the
+figures as JSON.
 """
 
 from __future__ import annotations
@@ -30,12 +39,12 @@ from typing import Any
 import pytest
 
 from tests.support.offline_server import OfflineExecutor
-from tests.support.scenarios import bench_capacity, with_seed
+from tests.support.scenarios import bench_capacity, bench_seeds, bench_slo, with_seed
 from tests.support.scenarios import scenarios as _all_scenarios
 from tuner.config import TunerConfig
 from tuner.load import build_workload
 from tuner.records import TrialRecord
-from tuner.study.best import best_by, choose_best
+from tuner.study.best import best_by, capacity_basis, capacity_label, choose_best
 from tuner.study.budget import reachable_slots
 from tuner.study.job import TrialJob
 from tuner.study.loop import run_study
@@ -44,8 +53,10 @@ from tuner.study.space import Space
 
 def scenarios() -> dict[str, dict[str, Any]]:
     """The search scenarios under the objective ``BENCH_CAPACITY`` names (default ``oom_safe``;
-    ``BENCH_CAPACITY=auto`` runs them under the default objective)."""
-    return _all_scenarios(bench_capacity())
+    ``BENCH_CAPACITY=auto`` runs them under the default objective), with their ``[slo]`` unless
+    ``BENCH_SLO=off``, and their first ``BENCH_SEEDS`` seeds when that is set."""
+    return {name: item | {"seeds": bench_seeds(item["seeds"])}
+            for name, item in _all_scenarios(bench_capacity(), slo=bench_slo()).items()}
 
 
 CHECKPOINTS = (5, 10, 20)
@@ -57,6 +68,13 @@ def _best(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, *, noise: fl
                          throughput_noise=cfg.objective.throughput_noise if noise is None else noise,
                          capacity=cfg.objective.capacity)
     return choice.record if choice else None
+
+
+def _scored(record: TrialRecord, cfg: TunerConfig) -> int:
+    """The capacity the benchmark scores ``record`` by: the objective's own figure
+    (:func:`tuner.study.best.capacity_basis` of ``[objective] capacity`` over the record: under
+    ``auto`` with an SLO judged, the steady SLO-safe sessions; else the OOM-safe contexts)."""
+    return record.capacity(capacity_basis(cfg.objective.capacity, [record])) or 0
 
 
 def _resolved_space(cfg: TunerConfig) -> tuple[Space, TrialRecord, int]:
@@ -133,6 +151,12 @@ def _grid_of(world: str, stride: int, name: str = "") -> tuple[list[tuple[int, T
     return runner.history, optimum, space, baseline, context_tokens
 
 
+def _slo_safe_text(record: TrialRecord) -> str:
+    """A record's steady SLO-safe sessions for the benchmark's header (``"6"``, ``"≥ 16"``, ``"—"``)."""
+    slo = record.slo_capacity
+    return "—" if slo.contexts is None else f"{'≥ ' if slo.at_least else ''}{slo.contexts}"
+
+
 def _unit_graph_bs(runner: OfflineExecutor) -> int:
     """The unit's largest captured decode batch (its own ``cuda_graph_max_bs``, or SGLang's default
     for the GPU, §2.1), from a start of the unit's own command line."""
@@ -170,9 +194,9 @@ def _shares(history: list[tuple[int, TrialRecord]], cfg: TunerConfig, optimum: T
     if best is None:
         return 0.0, 0.0, sum(1 for _, r in part if r.outcome == "failed") / max(1, len(part)), None
     tput = _true_throughput(cfg, best) if noisy else (best.output_throughput_tok_s or 0.0)
-    cap = (best.context_capacity or 0) / optimum.context_capacity
+    cap = _scored(best, cfg) / max(1, _scored(optimum, cfg))
     failed = sum(1 for _, r in part if r.outcome == "failed") / max(1, len(part))
-    return cap, tput / optimum.output_throughput_tok_s, failed, best.context_capacity
+    return cap, tput / optimum.output_throughput_tok_s, failed, _scored(best, cfg)
 
 
 def _waste(history: list[tuple[int, TrialRecord]], space: Space, cfg: TunerConfig) -> tuple[int, int]:
@@ -226,7 +250,7 @@ def _false_skips(cfg: TunerConfig, skips: list[tuple[dict[str, Any], str]], opti
     capacity and throughput (the skip cost the search).
     Each such config is evaluated once, noise-free, as a launch would run it."""
     best = _best(history, cfg)
-    short = best is None or (best.context_capacity or 0) < 0.98 * optimum.context_capacity or (
+    short = best is None or _scored(best, cfg) < 0.98 * _scored(optimum, cfg) or (
         _true_throughput(cfg, best) < 0.98 * (optimum.output_throughput_tok_s or 0))
     if short and best is not None:
         # Below 98 % of the optimum's throughput yet preferred to it by the study's own rule (a tie
@@ -247,7 +271,7 @@ def _false_skips(cfg: TunerConfig, skips: list[tuple[dict[str, Any], str]], opti
                             lambda _p: None)
         if not (record.feasible and record.outcome == "ok"):
             continue
-        good = ((record.context_capacity or 0) >= 0.98 * optimum.context_capacity
+        good = (_scored(record, cfg) >= 0.98 * _scored(optimum, cfg)
                 and (record.output_throughput_tok_s or 0) >= 0.98 * (optimum.output_throughput_tok_s or 0))
         if proof or good:
             out.append(f"{params}: {reason[:120]}")
@@ -275,16 +299,24 @@ def test_search_quality(name: str) -> None:
     t0 = time.monotonic()
     grid, optimum, space, baseline, context_tokens = _grid(name)
     noisy = noise > 0
-    rows = [f"\n{name}: grid optimum {optimum.context_capacity} contexts × {context_tokens} tokens, "
+    basis = capacity_basis(cfg.objective.capacity, [optimum])
+    rows = [f"\n{name} [capacity = {cfg.objective.capacity}: scored on the {capacity_label(basis)}]: grid optimum "
+            f"{optimum.context_capacity} contexts × {context_tokens} tokens OOM-safe, "
+            f"{_slo_safe_text(optimum)} SLO-safe, "
             f"{optimum.output_throughput_tok_s:.0f} tok/s (params {optimum.params}); baseline "
-            f"{baseline.context_capacity} contexts, {baseline.output_throughput_tok_s or 0:.0f} tok/s, "
+            f"{baseline.context_capacity} contexts OOM-safe, {_slo_safe_text(baseline)} SLO-safe, "
+            f"{baseline.output_throughput_tok_s or 0:.0f} tok/s, "
             f"{'feasible' if baseline.feasible else 'infeasible'}; exhaustive grid = {len(grid)} launches"]
     figures: dict[str, Any] = {"scenario": name, "binds": item["binds"], "noise": noise, "seeds": seeds,
+                               "capacity": cfg.objective.capacity, "scored": basis,
                                "optimum": {"context_capacity": optimum.context_capacity,
+                                           "slo_safe_sessions": optimum.slo_capacity.contexts,
+                                           "scored_capacity": _scored(optimum, cfg),
                                            "output_throughput_tok_s": optimum.output_throughput_tok_s,
                                            "params": optimum.params},
-                               "baseline_capacity": baseline.context_capacity, "grid_launches": len(grid),
-                               "strategies": {}}
+                               "baseline_capacity": baseline.context_capacity,
+                               "baseline_slo_safe_sessions": baseline.slo_capacity.contexts,
+                               "grid_launches": len(grid), "strategies": {}}
     skips: dict[int, list[tuple[dict[str, Any], str]]] = {s: [] for s in seeds}
     histories = {("tuner", s): _study(cfg, s, planner=True, noise=noise, skips=skips[s]) for s in seeds}
     histories |= {("random", s): _study(cfg, s, planner=False, noise=noise) for s in seeds}
@@ -328,10 +360,10 @@ def test_search_quality(name: str) -> None:
             measured = [(n, r.model_copy(update={"output_throughput_tok_s": _true_throughput(cfg, r)})
                          if r.outcome == "ok" and r.feasible else r) for n, r in histories[("tuner", s)][:LAUNCHES]]
             best = _best(measured, cfg)
-            truth.append(best.context_capacity if best else None)
+            truth.append(_scored(best, cfg) if best else None)
         clean = [_best(_study(cfg, s, planner=True, noise=0.0), cfg) for s in seeds]
         chosen = figures["strategies"]["tuner"][20]["chosen_capacity"]
-        clean_caps = [r.context_capacity if r else None for r in clean]
+        clean_caps = [_scored(r, cfg) if r else None for r in clean]
         figures["noise_free_choice"] = truth
         figures["noise_free_study_choice"] = clean_caps
         rows.append(f"  chosen capacity @20 with noise {chosen} vs noise-free on the same trials {truth} "

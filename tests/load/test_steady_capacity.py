@@ -96,6 +96,7 @@ def test_sessions_that_never_reach_the_longest_context_are_refused_in_one_line(t
     assert len(line) == 1 and "never the longest context of 16384 tokens" in line[0], proc.stderr
     assert "raise [workload] turns or turn_input_len" in proc.stderr and "context_tokens = 14848" in proc.stderr
     assert config.read_text() == before and not (tmp_path / "studies").exists()  # nothing written
+    _refused_before_any_write(config, tmp_path, "never the longest context of 16384 tokens")
 
 
 def test_a_ramp_longer_than_the_window_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -109,6 +110,19 @@ def test_a_ramp_longer_than_the_window_is_refused_in_one_line(tmp_path: Path) ->
     proc = run_tuner("run", "--config", str(config), "--dry-run", cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "[budget] ramp_s 30 s) is longer than the measured window ([budget] stress_s 10 s)" in proc.stderr
+    _refused_before_any_write(config, tmp_path, "is longer than the measured window ([budget] stress_s 10 s)")
+
+
+def _refused_before_any_write(config: Path, tmp_path: Path, needle: str) -> None:
+    """A real ``tuner run`` (no ``--dry-run``) of ``config`` stops at one ``error:`` line naming
+    ``needle`` before any server, lock or storage exists: nothing is written."""
+    db = tmp_path / "refused.db"
+    before = config.read_text()
+    proc = run_tuner("run", "--config", str(config), "--storage", f"sqlite:///{db}", "--budget", "5m",
+                     cwd=tmp_path, timeout_s=60)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(errors) == 1 and needle in errors[0], proc.stderr
+    assert not db.exists() and not (tmp_path / "studies").exists() and config.read_text() == before
 
 
 def test_multi_turn_sessions_grow_their_prefix_a_block_of_sessions_at_a_time() -> None:

@@ -5,6 +5,7 @@ and the choice among throughput ties (lower p99 latency, then fewer request slot
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from tuner.config import load_config
 from tuner.load.metrics import quantile_interval
 from tuner.load.search import bracket_level
 from tuner.records import MeasuredLoad, PhaseResult, SloCapacity, SloStep, TrialRecord
-from tuner.study.best import admission_line, binding_phase, choose_best
+from tuner.study.best import admission_limit, admission_line, binding_phase, choose_best
 from tuner.study.loop import run_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,9 +181,13 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     queued = _bound(8, 6, 100.0, broke={"p99_ttft_ms": 0.59, "p99_itl_ms": -0.5}, measured={"p99_ttft_ms": 47600.0})
     assert admission_line(queued) == (
         "admits 8 longest contexts at once, holds the SLO up to 6 sessions (bound by prefill queueing (p99 TTFT "
-        "47,600 ms > 30,000 ms at 8 sessions: new prompts wait behind the others' prefills)): set "
+        "47,600 ms > 30,000 ms at 8 sessions: new prompts wait behind the others' prefills)); applying "
         "--max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT grows with the wait, "
-        "the 6 running keep the SLO)")
+        "the 6 running keep the SLO; --keep-admission keeps the trial's own)")
+    assert admission_limit(queued) == 6
+    assert admission_line(queued, applied=False).endswith(
+        "; keeping the trial's own admission (--keep-admission): set --max-running-requests 6 to hold the SLO "
+        "(requests beyond 6 wait in SGLang's queue: their TTFT grows with the wait, the 6 running keep the SLO)")
     decode = _bound(8, 6, 100.0, broke={"p99_ttft_ms": -0.3, "p99_itl_ms": 0.24}, measured={"p99_itl_ms": 4970.0})
     assert binding_phase(decode).startswith("decode step time (p99 ITL 4,970 ms > 4,000 ms at 8 sessions")
     edge = _bound(48, 6, 100.0, broke={"p99_itl_ms": 0.1}, measured={"p99_itl_ms": 4400.0}, graphs=4)
@@ -192,6 +197,10 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     none = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"contexts": 0})})
     assert "holds the SLO at no session count measured (below 8)" in admission_line(none)
     assert "loosen the SLO or choose another config" in admission_line(none)
+    # no limit where none is needed, none makes it hold, a capped figure proves none, or the figure is a stored burst's
+    capped = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"at_least": True})})
+    burst = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"measure": "burst"})})
+    assert [admission_limit(r) for r in (held, none, capped, burst)] == [None, None, None, None]
 
 
 def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() -> None:
@@ -229,3 +238,31 @@ def test_the_concurrency_a_config_implies_is_the_objective_s(tmp_path: Path) -> 
     assert load_config(ROOT / "configs" / "reference-sim.toml").objective.concurrency is None
     batch = config_copy("reference-sim.toml", tmp_path, replace={"max_concurrency = 16": "max_concurrency = 16\nconcurrency = 96"})
     assert load_config(batch).objective.concurrency == 96
+
+
+def test_an_slo_no_session_count_meets_is_one_line_naming_the_fix_and_keeps_every_trial(tmp_path: Path) -> None:
+    """A p99 TTFT of 50 ms that no session count of 2k-token prompts meets on the demo's L4: every
+    trial is stored with SLO-safe 0 and its reason, ``tuner best`` and ``tuner apply best`` say in
+    one line to relax the SLO, and nothing is lost or written."""
+    from tests.support.cli import run_tuner
+    from tests.support.configs import config_copy
+
+    config = config_copy("demo-sim.toml", tmp_path, replace={"ttft_ms = { p99 = 10000 }": "ttft_ms = { p99 = 50 }"})
+    cfg = load_config(config)
+    url = f"sqlite:///{tmp_path}/demo.db"
+    runner = OfflineExecutor(cfg)
+    runner.work_dir = tmp_path / "work"
+    run_study(cfg, runner, max_trials=2, storage_url=url)
+    launched = [n for n, r in runner.history if r.outcome == "ok"]
+    assert launched and all(dict(runner.history)[n].slo_capacity.contexts == 0 for n in launched)
+    before = (tmp_path / "demo.db").read_bytes()
+    for args in (("best",), ("apply", "best", "--dry-run", "--config", str(config))):
+        proc = run_tuner(*args, "--storage", url, cwd=tmp_path)
+        errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+        assert "has no feasible trial" in errors[0] and "relax its slo" in errors[0]
+    shown = run_tuner("show", str(launched[0]), "--storage", url, cwd=tmp_path).stdout
+    assert "holds the SLO at no session count measured" in shown and "loosen the SLO or choose another config" in shown
+    rows = json.loads(run_tuner("trials", "--storage", url, "--json", cwd=tmp_path).stdout)
+    assert [r["number"] for r in rows if r["outcome"] == "ok"] == launched  # every trial kept
+    assert (tmp_path / "demo.db").read_bytes() == before

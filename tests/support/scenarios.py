@@ -40,10 +40,40 @@ def bench_capacity() -> str:
     return value
 
 
-def scenarios(capacity: str = "oom_safe") -> dict[str, dict[str, Any]]:
+def bench_slo() -> bool:
+    """Whether the search benchmarks keep each scenario's ``[slo]``: ``BENCH_SLO=off`` drops it
+    (every scenario of the file sets one; without it ``capacity = "auto"`` ranks by the OOM-safe
+    capacity, the run that shows both objectives agree there).
+
+    Raises:
+        ValueError: ``BENCH_SLO`` names another value than ``on`` / ``off``.
+    """
+    value = os.environ.get("BENCH_SLO", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"BENCH_SLO={value!r}: use on or off")
+    return value == "on"
+
+
+def bench_seeds(seeds: list[int]) -> list[int]:
+    """A scenario's study ``seeds``, the first ``BENCH_SEEDS`` of them when that is set (a reduced
+    run; the docs say which figures are reduced).
+
+    Raises:
+        ValueError: ``BENCH_SEEDS`` is not a positive integer.
+    """
+    raw = os.environ.get("BENCH_SEEDS")
+    if raw is None:
+        return seeds
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"BENCH_SEEDS={raw!r}: use a positive number of seeds")
+    return seeds[:int(raw)]
+
+
+def scenarios(capacity: str = "oom_safe", *, slo: bool = True) -> dict[str, dict[str, Any]]:
     """The scenarios: name → ``config`` (a :class:`TunerConfig`), ``binds``, ``noise``, ``seeds``,
     ``grid_stride`` (see the TOML file's header); a scenario that names no ``[objective] capacity``
-    ranks by ``capacity`` (the benchmarks pass :func:`bench_capacity`)."""
+    ranks by ``capacity`` (the benchmarks pass :func:`bench_capacity`); ``slo=False`` drops each
+    scenario's ``[slo]`` (:func:`bench_slo`)."""
     data = tomllib.loads(SCENARIOS_FILE.read_text(encoding="utf-8"))
     out = {}
     for item in data["scenario"]:
@@ -58,6 +88,8 @@ def scenarios(capacity: str = "oom_safe") -> dict[str, dict[str, Any]]:
         config = _merge({"study": {"name": item["name"], "seed": 0}}, config)
         if "capacity" not in item.get("config", {}).get("objective", {}):
             config = _merge(config, {"objective": {"capacity": capacity}})
+        if not slo:
+            config = {k: v for k, v in config.items() if k != "slo"}
         out[item["name"]] = {
             "config": parse_config(config), "binds": item.get("binds", "memory"), "noise": float(item.get("noise", 0.0)),
             "seeds": list(item.get("seeds", [0, 1, 2])), "grid_stride": int(item.get("grid_stride", 1)),

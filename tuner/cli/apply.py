@@ -36,13 +36,22 @@ def apply_cmd(
     verify_s: Annotated[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be ready.")] = 900.0,
     write: Annotated[Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,
+    keep_admission: Annotated[bool, typer.Option(
+        "--keep-admission",
+        help="Keep the trial's own max_running_requests where its memory admits more longest contexts than the "
+             "sessions that held the SLO (by default the apply sets --max-running-requests to that count).")] = False,
 ) -> None:
-    """Persist a trial's flags (systemd drop-in 80-tuner.conf), restart, verify; roll back on failure."""
+    """Persist a trial's flags (systemd drop-in 80-tuner.conf), restart, verify; roll back on failure.
+
+    Where the trial admits more longest contexts at once than the sessions its steady windows held
+    the SLO at, the applied config carries --max-running-requests set to that count (the SLO-safe
+    capacity), so that it holds what the study measured; --keep-admission keeps the trial's own.
+    """
     from tuner import apply as applying
     from tuner import results
     from tuner.errors import ConfigError
     from tuner.report import tables
-    from tuner.study.best import admission_line, max_running_requests_cut
+    from tuner.study.best import admission_limit, admission_line, max_running_requests_cut
 
     check_seconds(timeout_s, "--timeout-s")
     check_seconds(verify_s, "--verify-s", allow_zero=True, example="20")
@@ -61,15 +70,17 @@ def apply_cmd(
     if view is None:
         plan = applying.plan_undo(stored, cfg, log, state_dir=state_dir)
     else:
-        load = applying.load_check_for(cfg, view, duration_s=verify_s) if verify_s > 0 else None
-        plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load)
+        limit = None if keep_admission else admission_limit(view.record)
+        load = applying.load_check_for(cfg, view, duration_s=verify_s, admission_limit=limit) if verify_s > 0 else None
+        plan = applying.plan_apply(stored, view, cfg, state_dir=state_dir, load=load, admission_limit=limit)
     # soft_wrap: a command line or drop-in is printed whole, never cut at the terminal width,
     # so it can be pasted and piped
     console.print(plan.render(timeout_s=timeout_s), markup=False, highlight=False, soft_wrap=True)
-    cut = max_running_requests_cut(view.record, baseline.record if (baseline := stored.baseline()) else None) if view is not None else None
+    cut = max_running_requests_cut(view.record, baseline.record if (baseline := stored.baseline()) else None,
+                                   applied=not keep_admission) if view is not None else None
     if cut is not None:
         console.print(cut, markup=False, highlight=False, soft_wrap=True)
-    admits = admission_line(view.record) if view is not None else None
+    admits = admission_line(view.record, applied=not keep_admission) if view is not None else None
     if admits is not None:
         console.print(admits, markup=False, highlight=False, soft_wrap=True)
     if dry_run:

@@ -30,6 +30,7 @@ __all__ = [
     "override_policy",
     "MRR_CUT_RATIO",
     "max_running_requests_cut",
+    "admission_limit",
     "admission_line",
     "binding_phase",
     "band_floor",
@@ -443,15 +444,18 @@ def _max_running_requests(record: TrialRecord) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
-def max_running_requests_cut(record: TrialRecord | None, baseline: TrialRecord | None) -> str | None:
+def max_running_requests_cut(record: TrialRecord | None, baseline: TrialRecord | None, *,
+                             applied: bool = True) -> str | None:
     """One line when ``record`` caps ``max_running_requests`` well below the baseline's effective value.
 
     A lower cap means at most that many requests of any length run at once (the rest queue), a
-    limit the context-capacity figure alone does not show.
+    limit the context-capacity figure alone does not show. The cap is the one ``tuner apply``
+    carries: the :func:`admission_limit` where there is one (``applied``), else the trial's own.
 
     Args:
         record: The chosen trial's record (``None``: no line).
         baseline: The baseline trial's record, or ``None``.
+        applied: Whether the apply carries the admission limit (``False``: ``--keep-admission``).
 
     Returns:
         ``"max_running_requests 2048 → 22: at most 22 requests of any length run at once"`` when
@@ -459,33 +463,69 @@ def max_running_requests_cut(record: TrialRecord | None, baseline: TrialRecord |
     """
     if baseline is None or record is None:
         return None
-    old, new = _max_running_requests(baseline), _max_running_requests(record)
+    old = _max_running_requests(baseline)
+    new = (admission_limit(record) if applied else None) or _max_running_requests(record)
     if old is None or new is None or new > old * MRR_CUT_RATIO:
         return None
     return f"max_running_requests {old} → {new}: at most {new} requests of any length run at once"
 
 
-def admission_line(record: TrialRecord | None) -> str | None:
+def _admits(record: TrialRecord) -> int | None:
+    """Longest contexts a config admits at once: the smaller of its OOM-safe context capacity and
+    its effective ``max_running_requests`` (§2.3); ``None`` when unknown."""
+    if record.context_capacity is None:
+        return None
+    mrr = _max_running_requests(record)
+    return min(record.context_capacity, mrr) if mrr is not None else record.context_capacity
+
+
+def admission_limit(record: TrialRecord | None) -> int | None:
+    """The admission limit an applied config carries so that it holds the SLO it was measured to
+    hold: the steady SLO-safe sessions ``M`` (:attr:`tuner.records.SloCapacity.contexts`, sessions
+    of :mod:`tuner.load.steady`) where the config admits more longest contexts than ``M``.
+
+    Set as SGLang's ``--max-running-requests M`` (§2.3: the scheduler runs at most ``M`` requests
+    at once; the others wait in its queue): the ``M`` running keep the latency the steady window
+    measured at ``M`` sessions. ``None`` where no limit is needed or none can be said: no SLO, a
+    figure capped by ``[budget] max_concurrency`` (``≥ M``), the SLO held at every count the
+    memory admits, no count measured to hold it (0: no limit makes it hold), or a burst-based figure
+    of a study stored before steady windows (never advised on).
+    """
+    if record is None or not record.slo_capacity.limits:
+        return None
+    slo, admits = record.slo_capacity, _admits(record)
+    held = slo.contexts
+    if admits is None or held is None or slo.measure != "steady" or slo.at_least or held <= 0 or held >= admits:
+        return None
+    return held
+
+
+def admission_line(record: TrialRecord | None, *, applied: bool = True) -> str | None:
     """One line saying what a config admits against what holds the SLO, and the admission limit
-    to set where they differ: ``"admits 8 longest contexts at once, holds the SLO up to 6
-    sessions: set --max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT
-    grows with the wait, the 6 running keep the SLO)"``.
+    ``tuner apply`` carries where they differ (:func:`admission_limit`): ``"admits 8 longest
+    contexts at once, holds the SLO up to 6 sessions (bound by ...); applying
+    --max-running-requests 6 (requests beyond 6 wait in SGLang's queue: their TTFT grows with the
+    wait, the 6 running keep the SLO; --keep-admission keeps the trial's own)"``.
 
     What it admits is the smaller of the OOM-safe context capacity and the effective
     ``max_running_requests`` (§2.3); what holds the SLO is the steady SLO-safe capacity
     (:attr:`tuner.records.SloCapacity.contexts`, sessions of :mod:`tuner.load.steady`). A burst-based
     figure of a study stored before steady windows is named as such, never advised on.
 
+    Args:
+        record: The trial's record (``None``: no line).
+        applied: Whether the apply carries the limit (``tuner apply`` without ``--keep-admission``,
+            and every reader, which says what ``tuner apply`` will do); ``False``: the trial's own
+            admission is kept and the line says which value to set instead.
+
     Returns:
         The line, or ``None`` without an SLO-safe figure.
     """
     if record is None or not record.slo_capacity.limits:
         return None
-    slo, capacity, held = record.slo_capacity, record.context_capacity, record.slo_capacity.contexts
-    if capacity is None or held is None:
+    slo, admits, held = record.slo_capacity, _admits(record), record.slo_capacity.contexts
+    if admits is None or held is None:
         return None
-    mrr = _max_running_requests(record)
-    admits = min(capacity, mrr) if mrr is not None else capacity
     text = f"admits {admits} longest contexts at once"
     if slo.measure == "burst":
         return f"{text}; {held} met the SLO in a burst of longest prompts (stored before steady windows: rerun for sessions)"
@@ -495,9 +535,13 @@ def admission_line(record: TrialRecord | None) -> str | None:
         return (f"{text}, holds the SLO at no session count measured (below {slo.broken_at}): "
                 "no admission limit makes it hold; loosen the SLO or choose another config")
     phase = binding_phase(record)
-    return (f"{text}, holds the SLO up to {held} sessions" + (f" (bound by {phase})" if phase else "")
-            + f": set --max-running-requests {held} (requests beyond {held} wait in SGLang's queue: their TTFT "
-            f"grows with the wait, the {held} running keep the SLO)")
+    queue = (f"requests beyond {held} wait in SGLang's queue: their TTFT grows with the wait, the {held} running "
+             "keep the SLO")
+    head = f"{text}, holds the SLO up to {held} sessions" + (f" (bound by {phase})" if phase else "")
+    if applied:
+        return f"{head}; applying --max-running-requests {held} ({queue}; --keep-admission keeps the trial's own)"
+    return (f"{head}; keeping the trial's own admission (--keep-admission): set --max-running-requests {held} "
+            f"to hold the SLO ({queue})")
 
 
 def binding_phase(record: TrialRecord) -> str | None:
