@@ -146,6 +146,15 @@ class RequestRejected(ValueError):
     """
 
 
+@dataclass
+class _LogWindow:
+    """The decode log line's window: tokens generated since ``since_s`` (the first decode step
+    after the last line; ``None`` before any), for its ``gen throughput (token/s)``."""
+
+    tokens: int = 0
+    since_s: float | None = None
+
+
 @dataclass(frozen=True)
 class SimRequest:
     """One generation request as the engine sees it.
@@ -396,8 +405,7 @@ class Engine:
         self._private_total = 0
         self._running_kv = 0  # Σ kv_len over the running batch
         self._decode_steps = 0
-        self._decode_log_tokens = 0
-        self._decode_log_t_s: float | None = None
+        self._decode_log = _LogWindow()
         self._last_input_throughput = 0.0
         self._usage_at_admission = 0
         self.gen_throughput = 0.0
@@ -1034,7 +1042,7 @@ class Engine:
         if c.speculative:
             self._spec_window[1] += len(reqs)
         self._running_kv += added
-        self._decode_log_tokens += added
+        self._decode_log.tokens += added
         if finished:
             done = set(map(id, finished))
             self._running = [r for r in self._running if id(r) not in done]
@@ -1113,16 +1121,16 @@ class Engine:
         else:
             duration = costmodel.decode_step_s(spec.cost, bs, self._running_kv, eager=eager, padded_bs=graph)
         running_before = self._running
-        self._decode_log_t_s = now_s if self._decode_log_t_s is None else self._decode_log_t_s
+        log = self._decode_log
+        log.since_s = now_s if log.since_s is None else log.since_s
         token_reqs, finished = self._advance_decode(running_before)
         self._decode_steps += 1
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self._ratio_decay)
         if self._decode_steps % max(1, spec.decode_log_interval) == 0:
             end_s = now_s + duration
-            elapsed = end_s - self._decode_log_t_s
-            self.gen_throughput = self._decode_log_tokens / elapsed if elapsed > 0 else 0.0
-            self._decode_log_tokens = 0
-            self._decode_log_t_s = end_s
+            elapsed = end_s - log.since_s
+            self.gen_throughput = log.tokens / elapsed if elapsed > 0 else 0.0
+            log.tokens, log.since_s = 0, end_s
             self._log_decode(bs, not eager)
         return duration, token_reqs, finished
 
