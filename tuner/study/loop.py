@@ -44,7 +44,6 @@ from tuner.study.budget import Budget, require_one_trial
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.fingerprint import fingerprint_of, save_fingerprint
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
     Section,
@@ -399,19 +398,13 @@ class StudyRun:
         return record.model_copy(update={"repeat_of": job.repeat_of}) if job.repeat_of is not None else record
 
     def record(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> TrialRecord:
-        """Tell ``record`` (:meth:`tuner.study.record.Recorder.tell`), read the study afresh, tell
-        the listener."""
+        """Tell ``record`` (:meth:`tuner.study.record.Recorder.tell`), read the study afresh, call the
+        opening's listeners (:mod:`tuner.study.hooks`), tell the progress listener."""
         opened = self._opened()
         record = opened.recorder.tell(trial, record)
         self.view = None
-        if record.outcome in ("ok", "failed"):  # the deployment's fingerprint, with this start's facts
-            fingerprint = fingerprint_of(self.config.study.name, opened.deployment, self.finished(),
-                                         workload=opened.workload, context_tokens=opened.context_tokens)
-            try:
-                with impatient():  # for later studies only: a run never waits for the database for it
-                    save_fingerprint(opened.study, fingerprint)
-            except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
-                _log.warning("trial %d: fingerprint not stored: %s", trial.number, db_reason(err))
+        for listener in opened.after_tell:  # tuner.study.hooks: the deployment's fingerprint, ...
+            listener.after_tell(trial.number, record, self.finished())
         self.progress.trial_end(job, record)
         return record
 

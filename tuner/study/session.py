@@ -19,6 +19,7 @@ from tuner.load.workloads import build_workload
 from tuner.records import StudyInfo
 from tuner.study.calibration import ModelSettings
 from tuner.study.fingerprint import DeploymentKey, deployment_key, workload_key
+from tuner.study.hooks import AfterTell, SaveFingerprint
 from tuner.study.hosts import ClaimLock, is_postgres, reap_stale, recover_own, schema_lock, study_heartbeat
 from tuner.study.job import TrialRunner
 from tuner.study.optuna_io import ensure_study_info, make_sampler, open_study
@@ -47,6 +48,8 @@ class Opened:
         records: The records read so far (:class:`tuner.study.view.RecordCache`).
         deployment: The deployment's fingerprint key.
         workload: The workload's fingerprint key.
+        after_tell: The listeners called after each told launch (:mod:`tuner.study.hooks`: the
+            deployment's fingerprint).
         prior: The warm start's prior (another study's fingerprint), once known.
     """
 
@@ -60,6 +63,7 @@ class Opened:
     records: RecordCache
     deployment: DeploymentKey
     workload: str
+    after_tell: tuple[AfterTell, ...] = ()
     prior: Prior | None = None
 
 
@@ -116,9 +120,9 @@ def open_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, prog
                            "the database did not answer)", phase="recovered")
     summary.recovered = recover_own(study, summary.host, shared=shared) + reap_stale(study)
     context_tokens = info.context_tokens or context_tokens
+    deployment, workload = deployment_key(environment, runner.baseline_argv(), config), workload_key(config, context_tokens)
     return Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
                   environment=environment, context_tokens=context_tokens,
                   settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
-                  records=RecordCache(),
-                  deployment=deployment_key(environment, runner.baseline_argv(), config),
-                  workload=workload_key(config, context_tokens))
+                  records=RecordCache(), deployment=deployment, workload=workload,
+                  after_tell=(SaveFingerprint(study, config.study.name, deployment, workload, context_tokens),))
