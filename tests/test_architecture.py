@@ -63,6 +63,14 @@ def test_an_upward_import_breaks_the_layers(tmp_path: Path) -> None:
     assert "tuner.records -> tuner.study.loop" in proc.stdout
 
 
+def test_an_sglang_fact_that_reaches_up_into_the_knobs_breaks_the_layers(tmp_path: Path) -> None:
+    # tuner.knobs sits between tuner.study and tuner.config (issue 39): the facts the levers' rules
+    # read (tuner.sglang), the config and the records never import it.
+    proc = _planted(tmp_path, "sglang/ladder.py", "from tuner.knobs import LEVERS")
+    assert proc.returncode != 0
+    assert "tuner.sglang.ladder -> tuner.knobs" in proc.stdout
+
+
 def test_a_product_import_in_the_simulator_breaks_its_isolation(tmp_path: Path) -> None:
     proc = _planted(tmp_path, "sim/clock.py", "from tuner.sglang import failures")
     assert proc.returncode != 0
@@ -261,6 +269,30 @@ def test_no_class_of_the_package_grows_its_mutable_state(tmp_path: Path) -> None
     planted.write_text("class GuardedLauncher:\n    def __init__(self):\n"
                        + "".join(f"        self.a{i} = {i}\n" for i in range(25)))
     assert _wide_counts(tmp_path / "tuner") == {"tuner/launch/base.py GuardedLauncher": 25}
+
+
+STUDY_RUN_CEILING = {"lines": 394, "methods": 25, "loop_imports": 24}
+""":class:`tuner.study.loop.StudyRun`'s length and methods and ``loop.py``'s product modules
+imported, frozen when the stop rules (``stops.py``), the run's opening (``session.py``) and the
+after-tell listeners (``hooks.py``) left it (issue 39: 487 lines and 25 modules before): each may only
+go down, towards 300 lines and 12 modules."""
+
+
+def _study_run_size(path: Path) -> dict[str, int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StudyRun")
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tuner")}
+    return {"lines": (run.end_lineno or run.lineno) - run.lineno + 1,
+            "methods": sum(isinstance(b, ast.FunctionDef) for b in run.body), "loop_imports": len(imported)}
+
+
+def test_the_study_run_does_not_grow_past_its_ceiling(tmp_path: Path) -> None:
+    size = _study_run_size(ROOT / "tuner" / "study" / "loop.py")
+    assert {k: v for k, v in size.items() if v > STUDY_RUN_CEILING[k]} == {}, size
+    planted = tmp_path / "loop.py"
+    planted.write_text("from tuner.study import a\nclass StudyRun:\n" + "".join(f"    def m{i}(self): pass\n" for i in range(26)))
+    assert _study_run_size(planted) == {"lines": 27, "methods": 26, "loop_imports": 1}
+    assert _study_run_size(planted)["methods"] > STUDY_RUN_CEILING["methods"]
 
 
 COMPLEX_FUNCTIONS = frozenset({

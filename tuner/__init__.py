@@ -14,6 +14,7 @@ order and ``tests/test_architecture.py`` runs it, so an upward import fails the 
                                           the checks every command makes before it takes a unit
     study                                 storage, Optuna I/O, space, the decisions (decide/), budget,
                                           the loop, record, hosts, best
+    knobs                                 the structural levers declared, one module each (LEVERS), and the Knob row
     config                                the TOML schema (uses load's workload/SLO models, units)
     launch | load | gpu                   service control; the load generator; the GPU monitor
     records                               TrialRecord, PhaseResult, Constraints: what a trial produces

@@ -8,7 +8,9 @@ lock and write the state file (:meth:`tuner.launch.base.GuardedLauncher.session`
 * **config**: a budget or a trial cap; ``[service] url`` on the command's ``--port``
   (:func:`tuner.config.check_url_matches_port`, ``shared/sglang-reference.md`` §2.4); an explicit
   artifacts folder that exists; a ``[quality] tasks`` evaluation JSONL that reads
-  (:func:`tuner.load.quality.read_tasks`).
+  (:func:`tuner.load.quality.read_tasks`); the structural levers ``[space]`` lists, each by its
+  own rule (:func:`tuner.knobs.check_listed_levers`: not an empty list, a flag the version has, a
+  size that divides ``--tp-size``).
 * **storage** (:func:`tuner.study.storage.check_run_storage`): an explicit SQLite folder that
   exists and is writable; an existing file that is an SQLite database (not 0 bytes, not corrupt),
   empty or an Optuna storage; the study, when stored, recorded in this environment.
@@ -32,7 +34,9 @@ import optuna
 
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import ConfigError, StudyError
+from tuner.knobs import check_listed_levers
 from tuner.load.quality import read_tasks
+from tuner.sglang.flags import flag_int
 from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
 from tuner.study.optuna_io import check_environment, environment_binds, records, study_info
 from tuner.study.storage import (
@@ -90,6 +94,8 @@ def check_run(
     if budget_s is None and max_trials is None and not planning:
         raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
     check_url_matches_port(launcher.url, launcher.current_argv())
+    check_listed_levers(config.space, version=environment.get("sglang_version"),
+                        tp=flag_int(launcher.current_argv(), "--tp-size", "--tp", "--tensor-parallel-size") or 1)
     if config.quality.enabled and config.quality.tasks:
         read_tasks(config.quality.tasks)  # a malformed evaluation JSONL: one line, before anything changes
     url = storage_url or study_storage_url(config)

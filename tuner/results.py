@@ -26,7 +26,7 @@ from tuner.config import ObjectiveSection, load_config
 from tuner.errors import ConfigError, StudyError
 from tuner.records import CONSTRAINT_NAMES, RECORD_ATTR, STUDY_ATTR, Constraints, StudyInfo, TrialRecord
 from tuner.study.best import BestChoice, MetricDelta, admission_line, capacity_label, choose_best, stored_policy
-from tuner.study.decide.rungs import LEVER_NEUTRAL, rung_flags
+from tuner.study.decide.rungs import lever_neutral, rung_flags
 from tuner.study.hosts import REQUEUED_ATTR
 from tuner.study.optuna_io import HOST_ATTR, KIND_ATTR
 from tuner.study.storage import (
@@ -799,7 +799,7 @@ def _lever_names(flags: Mapping[str, Any], base: Mapping[str, Any]) -> list[str]
     """``kv_cache_dtype auto → fp8_e4m3`` for each lever ``flags`` moves from ``base`` (:func:`rung_flags`)."""
     words = {"enable_dp_attention": None, "dp_size": "dp_size (DP attention)"}
     out = []
-    for key, neutral in LEVER_NEUTRAL.items():
+    for key, neutral in lever_neutral().items():
         old, new = base.get(key, neutral), flags.get(key, neutral)
         if old != new:
             out.append(f"{words.get(key) or key} {old} → {new}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import tuner.knobs
 from tuner.config import BudgetSection, TunerConfig
 from tuner.errors import LoadError, ServerError, TunerError
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload, capacity_probe
@@ -68,7 +69,7 @@ from tuner.sglang.speculative import DRAFT_ALGORITHMS, DraftMemory, SpecShape, a
 from tuner.study.budget import load_concurrency
 from tuner.study.hostcheck import ranks_of
 from tuner.study.job import PhaseProgress, TrialJob
-from tuner.study.launch import launch_changes
+from tuner.study.launch import launch_changes, render_levers
 from tuner.study.space import SEARCHED_FIELDS, SPEC_SHAPE_KNOBS
 
 __all__ = [
@@ -271,12 +272,14 @@ class ServerUnderTest(Protocol):
 
 
 def without_neutral_levers(params: Mapping[str, Any], table: FlagTable) -> dict[str, Any]:
-    """``params`` less a structural lever at its no-op value that this version has no flag for
-    (``dcp_size`` 1 on a version without ``--dcp-size``: the space's baseline value; issue 23's
-    lever screen skips the other values before a launch)."""
+    """``params`` less a structural lever at its no-op value (:attr:`tuner.knobs.Lever.neutral`) that
+    this version has no flag for (``dcp_size`` 1 on a version without ``--dcp-size``: the space's
+    baseline value; the lever screen skips the other values before a launch)."""
     out = dict(params)
-    if out.get("dcp_size") in (None, 1) and not table.has("dcp_size"):
-        out.pop("dcp_size", None)
+    for lever in tuner.knobs.LEVERS:
+        name = lever.knob.name
+        if out.get(name) in (None, lever.neutral) and not table.has(lever.flag):
+            out.pop(name, None)
     return out
 
 
@@ -427,14 +430,17 @@ def resolve_facts(
     # three knobs every study searches (the others stay at SGLang's own default).
     explicit = parse_argv(argv, table)
     # Across the deployment (issue 23): DCP interleaves a request over dcp ranks (the pool SGLang
-    # 0.5.23 reports is one rank's), DP attention runs dp pools of their own (§1.5b).
-    dcp = int(explicit.get("dcp_size") or 1)
-    dp = int(explicit.get("dp_size") or explicit.get("data_parallel_size") or 1) if explicit.get("enable_dp_attention") else 1
+    # 0.5.23 reports is one rank's), DP attention runs dp pools of their own (§1.5b): each lever's
+    # Lever.interleave / Lever.pools of the baseline's value.
+    levers = [(lever, lever.base(explicit)) for lever in tuner.knobs.LEVERS]
+    dcp = math.prod(lever.interleave(value) for lever, value in levers)
+    dp = math.prod(lever.pools(value) for lever, value in levers)
     capacity = dp * context_capacity(mrr, tokens * dcp, context_tokens) if tokens else None
     ceiling = per_request_max_tokens(tokens * dcp, context_len) if tokens else None
     params: dict[str, Any] = {name: explicit[name] for name in SEARCHED_FIELDS if explicit.get(name) is not None}
-    if dp == 1:  # the dp_size knob is DP attention's size: plain data parallelism is not searched
-        params.pop("dp_size", None)
+    for lever, value in levers:  # a lever's knob the command sets for something else: plain --dp-size is not DP attention
+        if lever.knob.name in params and params[lever.knob.name] != value:
+            params.pop(lever.knob.name)
     for name in ("mem_fraction_static", "max_running_requests", "chunked_prefill_size"):
         if name not in params and name in resolved:
             params[name] = resolved[name]["value"]
@@ -907,7 +913,8 @@ class TrialExecutor:
         """Render: the command line for the job's knobs, or why SGLang would reject them (no start)."""
         asked = without_neutral_levers(job.params, self.table)
         # The speculative switch is the tuner's (on: the baseline's algorithm), not a flag value.
-        checked = {k: v for k, v in asked.items() if not (k == "speculative_algorithm" and isinstance(v, bool))}
+        # A structural lever's knob is checked as the flags it launches (tuner.knobs: dp_size → --enable-dp-attention).
+        checked = {k: v for k, v in render_levers(asked).items() if not (k == "speculative_algorithm" and isinstance(v, bool))}
         reasons = validate(checked, self.table) if checked else []
         try:
             argv = self.argv_for(asked)

@@ -77,7 +77,7 @@ _SPAN = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
 class MaintenanceWindow:
     """A daily window of local time (``02:00-05:00``; ``22:00-04:00`` wraps midnight) in which the
     tuner restarts the service: a trial starts only when it and the final restore fit before it
-    closes (:meth:`tuner.study.loop.StudyRun.in_window`).
+    closes (:class:`tuner.study.stops.Window`).
 
     Attributes:
         start_min: Its first minute of the day (0-1439).

@@ -28,24 +28,24 @@ def _derive(model: str, version: str, **flags):
 @pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
 def test_mla_on_h200_derives_fp8_kv_on_sglangs_default_fa3(model: str, version: str):
     choice = _derive(model, version)
-    assert choice.kv_cache_dtype == ("auto", "fp8_e4m3")
+    assert choice.of("kv_cache_dtype") == ("auto", "fp8_e4m3")
     fp8, dcp, _ = choice.reasons
     assert "derived: auto, fp8_e4m3" in fp8 and "default backend here is fa3" in fp8
     assert "get_key_buffer(layer.layer_id).to(q.dtype)" in fp8  # the deciding line, quoted
     if version == "0.5.5":
-        assert choice.dcp_size is None and "has no --dcp-size" in dcp
+        assert choice.of("dcp_size") is None and "has no --dcp-size" in dcp
     else:  # fa3 has no DCP path in 0.5.23 and nothing refuses it: unknown, not guessed
-        assert choice.dcp_size is None and "not derived" in dcp and "unknown" in dcp
+        assert choice.of("dcp_size") is None and "not derived" in dcp and "unknown" in dcp
 
 
 @pytest.mark.parametrize("model", ["kimi-k2.5-int4", "deepseek-v3"])
 @pytest.mark.parametrize("backend", ["flashinfer", "flashmla"])
 def test_mla_on_h200_derives_dcp_where_the_backend_has_it_on_0523(model: str, backend: str):
     choice = _derive(model, "0.5.23", attention_backend=backend)
-    assert choice.kv_cache_dtype == ("auto", "fp8_e4m3")
-    assert choice.dcp_size == (1, 8, 4)
+    assert choice.of("kv_cache_dtype") == ("auto", "fp8_e4m3")
+    assert choice.of("dcp_size") == (1, 8, 4)
     assert ("31514" if backend == "flashinfer" else "flashmla_backend.py") in choice.reasons[1]
-    assert _derive(model, "0.5.5", attention_backend=backend).dcp_size is None  # no flag on 0.5.5
+    assert _derive(model, "0.5.5", attention_backend=backend).of("dcp_size") is None  # no flag on 0.5.5
 
 
 # (lever, arch, backend, attention, value, version) -> verdict, a fragment of its source
@@ -93,5 +93,5 @@ def test_a_release_between_the_ones_read_stays_unknown():
 def test_an_unsupported_cell_still_refuses_the_rung():
     # trtllm_mla on Hopper: the table says no, so no fp8 rung is derived on it
     choice = _derive("deepseek-v3", "0.5.23", attention_backend="trtllm_mla")
-    assert choice.kv_cache_dtype is None and "not supported" in choice.reasons[0]
+    assert choice.of("kv_cache_dtype") is None and "not supported" in choice.reasons[0]
     assert "only supported on Blackwell" in choice.reasons[0]

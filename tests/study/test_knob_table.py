@@ -6,6 +6,7 @@ import optuna
 import pytest
 
 from tuner.config import SpaceSection
+from tuner.knobs import LEVERS
 from tuner.report.tables import KEY_PARAMS
 from tuner.study.space import HICACHE_KNOBS, KNOBS, MEMORY_KNOBS, SEARCHED_FIELDS, Space, suggest_param
 
@@ -26,14 +27,17 @@ def test_the_table_is_well_formed() -> None:
         if knob.kind == "float":  # a grid: the knob's step, or a third item in the space's range
             assert knob.step is not None or knob.name == "mem_fraction_static", knob.name
         assert knob.help.strip(), knob.name
-    # Every Space field but the reason and the fixed knobs holds one knob's range or choices.
+    # Every Space field but the reason and the fixed knobs holds one knob's range or choices; the
+    # structural levers' choices are in one field, ``levers`` (tuner.knobs.LEVERS).
     assert set(Space.model_fields) - {"hicache_reason", "lever_reasons", "fixed"} == {knob.field for knob in KNOBS}
+    assert {knob.name for knob in KNOBS if knob.field == "levers"} == {lever.knob.name for lever in LEVERS}
 
 
 def test_the_config_space_section_has_one_key_per_knob() -> None:
     # tuner.config sits below tuner.study (the layers contract): it cannot import the table, so this
     # ties the two. [space] adds the grid step of mem_fraction_static.
-    assert set(SpaceSection.model_fields) == {knob.field for knob in KNOBS} | {"mem_fraction_step", "exclude_levers"}
+    keys = {knob.name if knob.field == "levers" else knob.field for knob in KNOBS}
+    assert set(SpaceSection.model_fields) == keys | {"mem_fraction_step", "exclude_levers"}
 
 
 def test_the_names_derive_from_the_table() -> None:

@@ -26,9 +26,9 @@ def _derive(version: str, section: SpaceSection | None = None, **flags):
 
 def test_the_twin_on_0523_derives_fp8_dcp_and_dp_attention():
     choice = _derive("0.5.23")
-    assert choice.kv_cache_dtype == ("auto", "fp8_e4m3")
-    assert choice.dp_size == (1, 8, 4)
-    assert choice.dcp_size == (1, 8, 4)
+    assert choice.of("kv_cache_dtype") == ("auto", "fp8_e4m3")
+    assert choice.of("dp_size") == (1, 8, 4)
+    assert choice.of("dcp_size") == (1, 8, 4)
     fp8, dcp, dp = choice.reasons
     assert fp8.startswith("fp8 KV") and "derived" in fp8 and "sglang#20479" in fp8 and "default backend here is triton" in fp8
     # the Triton MLA backend's DCP path, read in 0.5.23's triton_backend.py (issue 44); unknown before that cell
@@ -42,40 +42,40 @@ def test_fp8_kv_is_no_rung_where_sglang_resolves_a_dsa_models_auto_kv_to_fp8():
     (the DSA cell read from SGLang's source: fp8_e4m3 decodes with flashmla_kv below SM100)."""
     dsa = load_model_config(KIMI.parent / "deepseek-v3.2")
     b200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="B200-180GB", model=dsa)
-    assert b200.kv_cache_dtype is None
+    assert b200.of("kv_cache_dtype") is None
     assert "resolves to fp8_e4m3 for DeepSeek DSA on sm100" in b200.reasons[0]
-    assert b200.dp_size == (1, 8, 4)  # the other levers are still derived
+    assert b200.of("dp_size") == (1, 8, 4)  # the other levers are still derived
     h200 = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu="H200-141GB", model=dsa)
-    assert "resolves" not in h200.reasons[0] and h200.kv_cache_dtype == ("auto", "fp8_e4m3")
+    assert "resolves" not in h200.reasons[0] and h200.of("kv_cache_dtype") == ("auto", "fp8_e4m3")
     assert "flashmla_kv" in h200.reasons[0]
 
 
 def test_the_twin_on_055_has_no_fp8_path_and_no_dcp_flag():
     choice = _derive("0.5.5")
-    assert choice.kv_cache_dtype is None and choice.dcp_size is None
+    assert choice.of("kv_cache_dtype") is None and choice.of("dcp_size") is None
     assert "doesn't support quantized kv cache" in choice.reasons[0]
     assert "has no --dcp-size" in choice.reasons[1]
 
 
 def test_space_pins_and_excludes_each_lever():
     pinned = _derive("0.5.23", SpaceSection(kv_cache_dtype=["auto"], exclude_levers=["dp_attention"]))
-    assert pinned.kv_cache_dtype is None and "pinned by [space] kv_cache_dtype" in pinned.reasons[0]
-    assert pinned.dp_size is None and "exclude_levers" in pinned.reasons[2]
+    assert pinned.of("kv_cache_dtype") is None and "pinned by [space] kv_cache_dtype" in pinned.reasons[0]
+    assert pinned.of("dp_size") is None and "exclude_levers" in pinned.reasons[2]
     given = _derive("0.5.23", SpaceSection(dcp_size=[8]))
-    assert given.dcp_size == (1, 8) and "as [space] dcp_size lists" in given.reasons[1]
+    assert given.of("dcp_size") == (1, 8) and "as [space] dcp_size lists" in given.reasons[1]
 
 
 def test_a_lever_the_baseline_runs_or_an_unknown_model_is_not_derived():
     running = _derive("0.5.23", kv_cache_dtype="fp8_e4m3", enable_dp_attention=True, dp_size=8)
-    assert running.kv_cache_dtype is None and "runs it already" in running.reasons[0]
-    assert running.dp_size is None and "runs it already" in running.reasons[2]
+    assert running.of("kv_cache_dtype") is None and "runs it already" in running.reasons[0]
+    assert running.of("dp_size") is None and "runs it already" in running.reasons[2]
     blind = derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu=TWIN)
-    assert (blind.kv_cache_dtype, blind.dcp_size, blind.dp_size) == (None, None, None)
+    assert (blind.of("kv_cache_dtype"), blind.of("dcp_size"), blind.of("dp_size")) == (None, None, None)
     assert all("attention type is unknown" in r for r in blind.reasons)
     # From the baseline's log alone: one KV buffer is MLA or DSA; fp8 on DSA here is unknown, so not derived.
     log = attentions_of_log({"TP0": {"kv_size_gib": 10.0}})
     assert log == ("mla", "dsa")
-    assert derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu=TWIN, log_attentions=log).kv_cache_dtype is None
+    assert derive_levers(SpaceSection(), {"tp_size": 8}, version="0.5.23", gpu=TWIN, log_attentions=log).of("kv_cache_dtype") is None
     assert attentions_of_log({"TP0": {"k_size_gib": 1.0, "v_size_gib": 1.0}}) == ("mha",)
 
 

@@ -21,7 +21,7 @@ def _space():
 
 def test_levers_are_dimensions_only_when_the_space_names_them():
     space = _space()
-    assert space.kv_cache_dtype == ("auto", "fp8_e4m3") and space.dcp_size == (1, 8, 3)
+    assert space.levers == {"kv_cache_dtype": ("auto", "fp8_e4m3"), "dcp_size": (1, 8, 3)}
     assert {"kv_cache_dtype", "dcp_size"} <= set(space.distributions())
     assert not {"kv_cache_dtype", "dcp_size"} & set(resolve_space(SpaceSection(), BASELINE).distributions())
 

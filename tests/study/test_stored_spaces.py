@@ -78,3 +78,18 @@ def test_a_stored_space_has_the_planners_neighbours(case: dict[str, Any]) -> Non
     for item in case["neighbours"]:
         got = [config_key(config) for config in space.neighbours(item["params"])]
         assert got == [tuple(tuple(pair) for pair in family) for family in item["families"]], item["params"]
+
+
+def test_a_space_stored_with_the_levers_as_fields_loads_them_into_levers() -> None:
+    # Before tuner.knobs, a space stored each structural lever as a field of its own (kv_cache_dtype,
+    # dcp_size, dp_size; None = not searched). It reads into Space.levers with the same distributions,
+    # in the knob table's order, and a model_dump / model_validate round trip keeps them.
+    stored = {"mem_fraction_static": [0.8, 0.95, 0.01], "max_running_requests": [1, 64], "chunked_prefill_size": [4096],
+              "kv_cache_dtype": ["auto", "fp8_e4m3"], "dcp_size": [1, 8, 4], "dp_size": None, "lever_reasons": ["x"]}
+    space = Space.model_validate(stored)
+    assert space.levers == {"kv_cache_dtype": ("auto", "fp8_e4m3"), "dcp_size": (1, 8, 4)}
+    dists = space.distributions()
+    assert list(dists)[-2:] == ["kv_cache_dtype", "dcp_size"] and "dp_size" not in dists
+    assert dists["dcp_size"].choices == (1, 8, 4)  # type: ignore[attr-defined]
+    again = Space.model_validate(space.model_dump(mode="json"))
+    assert again == space and again.distributions() == dists

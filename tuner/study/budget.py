@@ -50,7 +50,7 @@ def restore_cost_s(config: TunerConfig) -> float:
     """Seconds the final restore is expected to take (a restart of the service on its own flags,
     until healthy): ``[budget] restore_reserve_s`` when set, else a start's share of
     ``[service] start_timeout_s`` as in :func:`prior_trial_cost_s`. The maintenance window holds it
-    after the last trial (:meth:`tuner.study.loop.StudyRun.in_window`)."""
+    after the last trial (:class:`tuner.study.stops.Window`)."""
     return config.budget.restore_reserve_s or _start_share_s(config)
 
 

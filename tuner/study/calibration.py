@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+import tuner.knobs
 from tuner.config import BudgetSection, ObjectiveSection, TunerConfig
 from tuner.load.workloads import build_workload
 from tuner.records import TrialRecord
@@ -508,6 +509,7 @@ def deployment_capacity(family: Mapping[str, Any] | Family, mrr: int, tokens: in
     interleaves one request over ``dcp_size`` ranks (the logical pool is ``dcp ×`` one rank's),
     DP attention runs ``dp_size`` pools of their own with ``max_running_requests // dp`` slots each
     (§1.5b): ``dp × min(mrr // dp, tokens × dcp // context)``; without either, :func:`tuner.records.context_capacity`.
+    Each lever says how capacity counts under it (:meth:`tuner.knobs.Lever.pools`, :meth:`tuner.knobs.Lever.interleave`).
 
     Args:
         family: The config's knobs (``dcp_size``, ``dp_size``; a :data:`Family` or a mapping).
@@ -516,7 +518,8 @@ def deployment_capacity(family: Mapping[str, Any] | Family, mrr: int, tokens: in
         context_tokens: The context length (tokens).
     """
     knobs = dict(family)
-    dp, dcp = int(knobs.get("dp_size") or 1), int(knobs.get("dcp_size") or 1)
+    dp = math.prod(lever.pools(knobs.get(lever.knob.name)) for lever in tuner.knobs.LEVERS)
+    dcp = math.prod(lever.interleave(knobs.get(lever.knob.name)) for lever in tuner.knobs.LEVERS)
     return dp * min(max(0, mrr) // dp, max(0, tokens) * dcp // max(1, context_tokens))
 
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tuner.config import TunerConfig
 from tuner.errors import FlagError, StudyError
+from tuner.knobs import LEVERS
 from tuner.records import TrialRecord, now_iso
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.memory import KVCapacityModel
@@ -65,9 +66,10 @@ FINGERPRINT_ATTR = "tuner.fingerprint"
 SCHEMA = 1
 """The stored fingerprint's schema; another schema is foreign (read as one line, never used)."""
 
-LAYOUT_FLAGS = ("tp_size", "pp_size", "dp_size", "ep_size", "dcp_size", "enable_dp_attention", "nnodes")
+LAYOUT_FLAGS = ("tp_size", "pp_size", "ep_size", "nnodes", *(flag for lever in LEVERS for flag in lever.layout))
 """SGLang's parallel layout flags: how the model and its KV cache are split over the GPUs (§1.3,
-§1.5b: ``attn_tp = tp / dp`` divides the KV heads)."""
+§1.5b: ``attn_tp = tp / dp`` divides the KV heads), the structural levers' own included
+(:attr:`tuner.knobs.Lever.layout`: ``dcp_size``, ``dp_size``, ``enable_dp_attention``)."""
 STRUCTURAL_FLAGS = (
     "quantization", "kv_cache_dtype", "speculative_algorithm", "speculative_draft_model_path",
     "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "page_size",

@@ -6,11 +6,12 @@ key the same launch the same way (issue 38: the "failed the gate already" screen
 ``dp_size: 4`` / ``speculative_algorithm: True`` where the record keyed the launched
 ``enable_dp_attention`` / ``'eagle3'``, and never matched).
 
-The params are the study's knobs (``tuner.study.space.KNOBS``); three are switches that stand for
-several flags:
+The params are the study's knobs (``tuner.study.space.KNOBS``); a structural lever's knob renders
+as its declaration says (:meth:`tuner.knobs.Lever.render`), and some knobs are switches that stand
+for several flags:
 
 - ``dp_size`` (DP attention's size; 1 = off): ``--enable-dp-attention --dp-size N`` above 1, both
-  removed at 1 (``shared/sglang-reference.md`` §1.5b);
+  removed at 1 (``shared/sglang-reference.md`` §1.5b; :mod:`tuner.knobs.dp_attention`);
 - ``enable_hierarchical_cache`` off removes its conditional knobs too (§7);
 - ``speculative_algorithm``: ``False`` removes every ``--speculative-*`` flag; ``True`` keeps the
   baseline's algorithm and draft model (§1.5); a string names the algorithm as such.
@@ -21,20 +22,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import tuner.knobs
 from tuner.sglang.numerics import numerics_key
 from tuner.study.space import HICACHE_KNOBS
 
-__all__ = ["launch_changes", "launch_fields", "launch_numerics"]
+__all__ = ["launch_changes", "launch_fields", "launch_numerics", "render_levers"]
 
 
-def _with_dp_attention_switch(params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` with DP attention's switch set by its size (the ``dp_size`` knob, issue 23):
-    above 1, ``enable_dp_attention`` on; 1, both flags removed (``None``); no ``dp_size``, as is (§1.5b)."""
+def render_levers(params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with each structural lever's knob rendered to the fields it launches
+    (:meth:`tuner.knobs.Lever.render`: ``dp_size`` above 1 sets ``enable_dp_attention`` with it, 1
+    removes both, §1.5b); a knob that renders to itself keeps its place."""
     out = dict(params)
-    if "dp_size" in out:
-        dp = out.pop("dp_size")
-        on = dp is not None and int(dp) > 1
-        out.update(enable_dp_attention=True if on else None, dp_size=int(dp) if on else None)
+    for lever in tuner.knobs.LEVERS:
+        name = lever.knob.name
+        if name in out and (fields := lever.render(out[name])) != {name: out[name]}:
+            del out[name]
+            out.update(fields)
     return out
 
 
@@ -52,7 +56,7 @@ def launch_changes(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> di
     rendered = dict(params)
     if rendered.get("enable_hierarchical_cache") is False:
         rendered.update(dict.fromkeys(("enable_hierarchical_cache", *HICACHE_KNOBS)))
-    rendered = _with_dp_attention_switch(rendered)
+    rendered = render_levers(rendered)
     switch = rendered.pop("speculative_algorithm", None)
     if switch is False:
         rendered.update(dict.fromkeys(k for k in baseline if k.startswith("speculative_")))

@@ -1,5 +1,8 @@
 """The tuning run: stop rules, then view → decide → claim → run → record, until a stop.
 
+The stop rules are objects of their own (:mod:`tuner.study.stops`: the trial cap, the budget, the
+maintenance window, the streaks), asked in one place (:meth:`StudyRun.can_continue`).
+
 One run of ``tuner run`` is one :class:`StudyRun`, in the shape of Optuna's own ``_optimize``: open
 (or resume) the study, check the environment, recover trials a killed run left RUNNING, measure
 the baseline (the unit's current flags; its record fixes the space), then repeat until the budget
@@ -25,38 +28,30 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.config import TunerConfig, check_url_matches_port
+from tuner.config import TunerConfig
 from tuner.errors import ServiceControlError, StudyError
-from tuner.load.workloads import build_workload
-from tuner.records import StudyInfo, TrialRecord, now_iso
+from tuner.records import TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
 from tuner.study.baseline import claim_baseline, could_not_start, fix_space
 from tuner.study.best import best_by, probe_floor
-from tuner.study.budget import Budget, require_one_trial, restore_cost_s
-from tuner.study.calibration import ModelSettings
+from tuner.study.budget import Budget, require_one_trial
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.fingerprint import DeploymentKey, deployment_key, fingerprint_of, save_fingerprint, workload_key
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
-    ClaimLock,
     Section,
     TrialHeartbeat,
     claim_trial,
     host_name,
-    is_postgres,
     reap_stale,
-    recover_own,
     same_environment,
-    schema_lock,
-    study_heartbeat,
 )
 from tuner.study.job import TrialJob, TrialRunner, quality_context
 from tuner.study.optuna_io import (
@@ -65,71 +60,38 @@ from tuner.study.optuna_io import (
     PREDICTION_ATTR,
     REPEAT_ATTR,
     SPACE_ATTR,
-    ensure_study_info,
     make_sampler,
-    open_study,
     study_info,
 )
 from tuner.study.outage import ResultJournal, db_reason, impatient, storage_refuses
 from tuner.study.progress import Progress, RunProgress, RunSummary
-from tuner.study.record import Recorder, server_reason
+from tuner.study.record import server_reason
+from tuner.study.session import Opened, open_run
 from tuner.study.space import Space
+from tuner.study.stops import (
+    MAX_INVALID_IN_A_ROW,
+    MAX_REPEATS_IN_A_ROW,
+    MAX_SKIPS_IN_A_ROW,
+    BudgetLeft,
+    Stop,
+    Streaks,
+    TrialCap,
+    Window,
+    first_stop,
+)
 from tuner.study.storage import (
-    check_run_storage,
-    check_storage_folder,
-    open_artifacts_folder,
-    open_storage,
     show_command,
     storage_errors,
     study_storage_url,
 )
-from tuner.study.view import RecordCache, StudyView
-from tuner.study.warm import Prior, is_fresh, warm_start
+from tuner.study.view import StudyView
+from tuner.study.warm import is_fresh, warm_start
 from tuner.units import MaintenanceWindow, format_duration
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Streaks", "StudyRun", "restored_text",
            "run_study"]
 
 _log = logging.getLogger(__name__)
-
-MAX_INVALID_IN_A_ROW = 3
-"""Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
-command itself is wrong (or the environment), not the candidate."""
-MAX_REPEATS_IN_A_ROW = 200
-"""The sampler's draws in a row of configs measured or skipped already (no launch and no new
-skip between them) after which the search counts as exhausted: it finds nothing new in the
-space. Skips of new configs do not count: a sampler exploring below the capacity band is not
-done (with four hosts, 200 skips in a row happened mid-study)."""
-MAX_SKIPS_IN_A_ROW = 50
-"""New skips in a row (configs skipped without a restart, each stored once) with no launch
-between them, on any host of the study, after which the run stops as exhausted: the planner
-has nothing left and every config the sampler draws is proved or predicted not worth a
-restart. This is the rule that bounds skips, so the trial cap (``--trials``) counts launches
-only. Why 50: with a bound of 100, the decision trace's studies (``tests/study/golden/
-decision-trace.txt``, 36 studies at 20 launches) made 33 launches after 50 or more new skips in a
-row, and by their figures one changed the chosen best (the planner now proposes that config at
-launch 5); the trace was 7.2k lines and 4 CPU minutes, 3.5k and 2 with 50. Without the rule,
-studies whose useful configs were spent drew thousands of new skips (every fraction step × chunk
-× slot count the screens refuse) before :data:`MAX_REPEATS_IN_A_ROW` stopped them."""
-
-
-@dataclass
-class Streaks:
-    """The loop's counts in a row that stop a run (the state of its stop rules).
-
-    Attributes:
-        invalid: Launches in a row that failed ``invalid_arguments`` (:data:`MAX_INVALID_IN_A_ROW`).
-        repeats: Sampler draws in a row of configs measured or skipped already, with no launch and
-            no new skip between them (:data:`MAX_REPEATS_IN_A_ROW`).
-        skips: New skips in a row with no launch of any host between them (:data:`MAX_SKIPS_IN_A_ROW`).
-        launched_seen: The study's launched trials (every host's) when ``skips`` last counted.
-    """
-
-    invalid: int = 0
-    repeats: int = 0
-    skips: int = 0
-    launched_seen: int = 0
-
 
 @dataclass(frozen=True)
 class _Options:
@@ -140,23 +102,6 @@ class _Options:
     allow_mixed_environment: bool
     use_planner: bool
     journal: ResultJournal | None
-
-
-@dataclass(frozen=True)
-class _Opened:
-    """What :meth:`StudyRun.open` opened: the study and what works on it."""
-
-    study: optuna.Study
-    claims: ClaimLock
-    recorder: Recorder
-    shared: bool
-    environment: dict[str, Any]
-    context_tokens: int
-    settings: ModelSettings
-    records: RecordCache
-    deployment: DeploymentKey
-    workload: str
-    prior: Prior | None = None
 
 
 class StudyRun:
@@ -197,9 +142,11 @@ class StudyRun:
                                   host=host_name())
         self.progress = RunProgress(on_progress, self.summary, self.budget, self.cost_s, max_trials=max_trials,
                                     clock=clock)
-        self.opened: _Opened | None = None
+        self.opened: Opened | None = None
         self.view: StudyView | None = None  # this decision's read of the study (None: read again)
         self.streaks = Streaks()
+        self.rules = (TrialCap(max_trials, lambda: self.summary.trials_run), BudgetLeft(self.budget, self.cost_s),
+                      Window(config, self.budget, self.cost_s, self.progress))
         self.stopped = False
 
     # ---- the run -------------------------------------------------------------------------------
@@ -241,50 +188,12 @@ class StudyRun:
         self.summary.elapsed_s = self.clock() - started
         return self.summary
 
-    def open(self) -> _Opened:
-        """Check storage and target, open the study, store or check its environment, recover
-        RUNNING trials, check the budget holds one trial, and open the artifact store."""
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        config, url = self.config, self.summary.storage_url
-        check_storage_folder(url, config.study.name)
-        check_run_storage(url, config.study.name)
-        check_url_matches_port(self.runner.target().get("url"), self.runner.baseline_argv())
-        own_beat = (config.storage.heartbeat_interval_s, config.storage.grace_period_s)
-        storage = open_storage(url, heartbeat_interval_s=own_beat[0], grace_period_s=own_beat[1],
-                               outage_s=config.storage.outage_s)
-        environment = self.runner.environment()
-        context_tokens = config.objective.context_tokens or build_workload(config.workload, seed=config.study.seed).context_tokens
-        new = StudyInfo(environment=environment, target=self.runner.target(), baseline_argv=self.runner.baseline_argv(),
-                        policy=config.objective.model_dump(mode="json"), context_tokens=context_tokens,
-                        config_path=config.path)
-        with schema_lock(url):  # hosts starting together: one creates the study and its info
-            study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
-            info = ensure_study_info(study, new, allow_mixed=self.options.allow_mixed_environment)
-            beat = study_heartbeat(study, *own_beat)
-        if beat != own_beat:  # one rule per study for when a trial is dead: the study's
-            self.progress.note(None, f"the study's trials beat every {beat[0]} s with a {beat[1]} s grace period "
-                               f"(set by its first host); this host's [storage] {own_beat[0]} s / {own_beat[1]} s "
-                               "are not used")
-            storage = open_storage(url, heartbeat_interval_s=beat[0], grace_period_s=beat[1],
-                                   outage_s=config.storage.outage_s)
-            study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
-        shared = is_postgres(storage)
-        recorder = Recorder(study, open_artifacts_folder(config, url), self.summary.host, environment, journal=self.options.journal)
-        replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
-        if replayed:
-            self.progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "
-                               "last run kept in its result journal but did not finish storing (it was stopped, or "
-                               "the database did not answer)", phase="recovered")
-        self.summary.recovered = recover_own(study, self.summary.host, shared=shared) + reap_stale(study)
-        context_tokens = info.context_tokens or context_tokens
-        self.opened = _Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
-                              environment=environment, context_tokens=context_tokens,
-                              settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
-                              records=RecordCache(),
-                              deployment=deployment_key(environment, self.runner.baseline_argv(), config),
-                              workload=workload_key(config, context_tokens))
+    def open(self) -> Opened:
+        """Open the run (:func:`tuner.study.session.open_run`), then check the budget holds one trial."""
+        self.opened = open_run(self.config, self.runner, self.summary, self.progress,
+                               allow_mixed_environment=self.options.allow_mixed_environment, journal=self.options.journal)
         if self.options.budget_s is not None:
-            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
+            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=self.config.budget.restore_reserve_s)
         return self.opened
 
     def baseline(self) -> tuple[int, TrialRecord] | None:
@@ -424,24 +333,12 @@ class StudyRun:
         :data:`MAX_REPEATS_IN_A_ROW`; a stored (new) skip counts towards
         :data:`MAX_SKIPS_IN_A_ROW`. Either streak stops the run as exhausted, with a line saying
         which (:attr:`RunSummary.stop_detail`)."""
-        streaks = self.streaks
         if not stored:
-            streaks.repeats += 1
-            if streaks.repeats >= MAX_REPEATS_IN_A_ROW:
-                self.stop("exhausted", f"the sampler drew {streaks.repeats} configs in a row that were measured "
-                                       "or skipped already: nothing new in the space")
+            self.stop_on(self.streaks.repeat())
             return
-        streaks.repeats = 0
         self.summary.count_skip(text)
         self.progress.skip(number, params, kind, text)
-        launched = self._launched()
-        if launched != streaks.launched_seen:  # another host launched since: its result may open new configs
-            streaks.launched_seen, streaks.skips = launched, 0
-        streaks.skips += 1
-        if streaks.skips >= MAX_SKIPS_IN_A_ROW:
-            self.stop("exhausted", f"{streaks.skips} new configs in a row were skipped without a restart "
-                                   "(proved or predicted not worth one) and no host launched one: nothing left "
-                                   "worth a launch")
+        self.stop_on(self.streaks.skip(self._launched()))
 
     def _launched(self) -> int:
         """The study's launched trials (finished with a result, every host's) in this decision's
@@ -495,78 +392,29 @@ class StudyRun:
         if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
             raise opened.recorder.journal_lost(trial, job, record)
         self.summary.trials_run += 1
-        self.streaks.repeats = self.streaks.skips = 0
+        self.streaks.launch()
         if record.duration_s is None:
             record = record.model_copy(update={"duration_s": self.clock() - begun})
         return record.model_copy(update={"repeat_of": job.repeat_of}) if job.repeat_of is not None else record
 
     def record(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> TrialRecord:
-        """Tell ``record`` (:meth:`tuner.study.record.Recorder.tell`), read the study afresh, tell
-        the listener."""
+        """Tell ``record`` (:meth:`tuner.study.record.Recorder.tell`), read the study afresh, call the
+        opening's listeners (:mod:`tuner.study.hooks`), tell the progress listener."""
         opened = self._opened()
         record = opened.recorder.tell(trial, record)
         self.view = None
-        if record.outcome in ("ok", "failed"):  # the deployment's fingerprint, with this start's facts
-            fingerprint = fingerprint_of(self.config.study.name, opened.deployment, self.finished(),
-                                         workload=opened.workload, context_tokens=opened.context_tokens)
-            try:
-                with impatient():  # for later studies only: a run never waits for the database for it
-                    save_fingerprint(opened.study, fingerprint)
-            except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
-                _log.warning("trial %d: fingerprint not stored: %s", trial.number, db_reason(err))
+        for listener in opened.after_tell:  # tuner.study.hooks: the deployment's fingerprint, ...
+            listener.after_tell(trial.number, record, self.finished())
         self.progress.trial_end(job, record)
         return record
 
     # ---- stopping ------------------------------------------------------------------------------
 
     def can_continue(self) -> bool:
-        """Whether the trial cap (launches) and the budget leave room for one more trial (else
+        """Whether the stop rules (:mod:`tuner.study.stops`: the trial cap, the budget, the
+        maintenance window, which may wait for it to open) leave room for one more trial (else
         :meth:`stop`)."""
-        max_trials = self.options.max_trials
-        if max_trials is not None and self.summary.trials_run >= max_trials:
-            self.stop("trials")
-            return False
-        if not self.budget.fits(self.cost_s()):
-            self.stop("budget")
-            return False
-        return self.in_window()
-
-    def in_window(self) -> bool:
-        """``[service] window``: whether the next trial may start now. It may when the window is
-        open and the trial's estimated cost (:meth:`cost_s`) plus the final restore's
-        (:func:`tuner.study.budget.restore_cost_s`) end before it closes, so no restart (the
-        trial's nor the restore's) falls outside it. Otherwise the run waits for the next opening
-        (``outside_window = "wait"``, the budget holding the wait and a trial, the window long
-        enough for both) or stops as ``window``; a line says which."""
-        service = self.config.service
-        if service.window is None:
-            return True
-        window = MaintenanceWindow.parse(service.window)
-        now = datetime.now()
-        trial_s, restore_s = self.cost_s(), restore_cost_s(self.config)
-        left_s = window.seconds_until_close(now)
-        if left_s >= trial_s + restore_s:
-            return True
-        if left_s > 0:
-            where = (f"the maintenance window {window.text} (local time) closes in {format_duration(left_s)}, before the "
-                     f"next trial (about {format_duration(trial_s)}) and the final restore (about "
-                     f"{format_duration(restore_s)}) would end")
-            wait_s = left_s + window.seconds_until_open(now + timedelta(seconds=left_s + 1)) + 1
-        else:
-            where = f"outside the maintenance window {window.text} (local time)"
-            wait_s = window.seconds_until_open(now)
-        fits = window.length_s() >= trial_s + restore_s
-        if service.outside_window == "wait" and fits and self.budget.fits(wait_s + trial_s):
-            self.progress.note(None, f"{where}: waiting {format_duration(wait_s)} until it opens; no restart before",
-                               phase="waiting")
-            time.sleep(wait_s)
-            return True
-        why = ("[service] outside_window = \"stop\"" if service.outside_window == "stop"
-               else f"the window ({format_duration(window.length_s())}) is shorter than a trial and the restore" if not fits
-               else f"the budget does not hold the {format_duration(wait_s)} until it opens and a trial")
-        self.progress.note(None, f"{where} ({why}): stopping, no restart started")
-        self.stop("window")
-        return False
+        return not self.stop_on(first_stop(self.rules))
 
     def check_invalid_streak(self, number: int, record: TrialRecord) -> None:
         """Stop the run after :data:`MAX_INVALID_IN_A_ROW` ``invalid_arguments`` failures in a row.
@@ -574,14 +422,18 @@ class StudyRun:
         Raises:
             StudyError: The streak is reached (the message quotes the server's reason).
         """
-        invalid = record.outcome == "failed" and record.failure_class is FailureClass.INVALID_ARGUMENTS
-        self.streaks.invalid = self.streaks.invalid + 1 if invalid else 0
-        if self.streaks.invalid >= MAX_INVALID_IN_A_ROW:
+        if self.streaks.result(record):
             raise StudyError(
                 f"{self.streaks.invalid} trials in a row (the last {number}) were rejected as invalid_arguments: "
                 f"{server_reason(record)}; the service was restored to its original flags",
                 hint=f"fix the service command or the [space] and run again (`{show_command(self.config, self.summary.storage_url, number)}` has the log)",
             )
+
+    def stop_on(self, stop: Stop | None) -> bool:
+        """:meth:`stop` on a rule's :class:`~tuner.study.stops.Stop`; whether there was one."""
+        if stop is not None:
+            self.stop(stop.reason, stop.detail)
+        return stop is not None
 
     def stop(self, reason: str, detail: str = "") -> None:
         """Record the stop reason (and ``detail``, a line saying why), end the loop after this
@@ -642,7 +494,7 @@ class StudyRun:
         info = study_info(opened.study)
         return info is None or same_environment(info.environment, opened.environment)
 
-    def _opened(self) -> _Opened:
+    def _opened(self) -> Opened:
         if self.opened is None:
             raise RuntimeError("StudyRun.open() was not called")
         return self.opened

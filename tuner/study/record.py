@@ -45,6 +45,7 @@ from tuner.study.optuna_io import (
     tell_record,
 )
 from tuner.study.outage import ResultJournal, StorageOutage, storage_refuses
+from tuner.study.space import Space
 
 __all__ = ["Recorder", "SkipWriter", "server_reason"]
 
@@ -105,9 +106,9 @@ class Recorder:
         gate's scope (issues 23, 24, 38: ``dp_size`` 4 over 1 read as no change)."""
         baseline = self._baseline_numerics()
         if baseline is None:
-            space = self.study.user_attrs.get(SPACE_ATTR) or {}
-            baseline = {name: choices[0] for name in ("kv_cache_dtype", "dcp_size", "dp_size")
-                        if (choices := space.get(name))}
+            stored = self.study.user_attrs.get(SPACE_ATTR)
+            levers = Space.model_validate(stored).levers if stored else {}
+            baseline = {name: choices[0] for name, choices in levers.items() if choices}
         return numerics_changes(launch_fields(params, baseline), launch_fields({}, baseline))
 
     def _baseline_numerics(self) -> dict[str, Any] | None:

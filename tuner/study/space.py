@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from functools import cache
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import optuna
 from optuna.distributions import (
@@ -24,9 +24,11 @@ from optuna.distributions import (
     FloatDistribution,
     IntDistribution,
 )
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+import tuner.knobs
 from tuner.config import SpaceSection
+from tuner.knobs.knob import Knob
 from tuner.load.workloads import ReuseEstimate
 from tuner.sglang.flags import FlagTable
 from tuner.sglang.hicache import (
@@ -41,57 +43,6 @@ from tuner.study.lever_space import LeverChoice
 __all__ = ["Knob", "KNOBS", "SEARCHED_FIELDS", "SPEC_SHAPE_KNOBS", "HICACHE_KNOBS", "MEMORY_KNOBS", "Space", "HiCacheChoice",
            "decide_hicache", "resolve_space", "default_chunked_prefill_size", "MIN_REUSE_SHARE", "config_key",
            "suggest_param"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Knob:
-    """One SGLang knob the study can change: everything the tuner knows of it, declared once.
-
-    Attributes:
-        name: SGLang's field name: the Optuna param's name and a candidate's key.
-        kind: ``float`` (a range on a grid), ``int`` (a range of integers), ``categorical`` (a
-            list of choices) or ``bool`` (a switch the study turns off and on).
-        help: What it sets, with its unit.
-        domain: The :class:`Space` field holding its range ``(low, high)`` (``(low, high, step)``
-            for ``mem_fraction_static``), its choices, or (``bool``) whether it is searched; unset
-            (``None``, empty, false), the knob is not searched. Default: :attr:`name`.
-        step: The grid step of a ``float`` knob whose range has no third item.
-        log: Sample an ``int`` range on a log scale.
-        condition: The switch (a ``bool`` knob) this knob is set under: with the switch off a
-            candidate leaves it out (the hierarchical cache's knobs, §7).
-        replaces: A knob of the same switch this one is searched instead of when the space holds
-            both ranges (``hicache_size`` replaces ``hicache_ratio``).
-        memory: It sizes the memory pools or the requests in flight (``mem_fraction_static``,
-            ``max_running_requests``): the planner's memory model moves it, and its one-step
-            neighbours (:meth:`Space.neighbours`) leave it out.
-        absent: Where :meth:`Space.snap` puts a candidate that leaves it out: the range's
-            ``"low"`` end (the first choice) or ``"high"`` end, or this value (SGLang's default).
-        drawn_digits: Decimals the sampler's value is rounded to in :meth:`Space.suggest`
-            (``None``: as drawn; a stepped float is drawn as ``low + k × step``, with float noise).
-        neighbour_step: A ``float`` knob's one step either side in :meth:`Space.neighbours`
-            (``None``: no float neighbours). A categorical knob's neighbours are its other
-            choices, a switch's is the switch flipped; knobs under a switch have none.
-        shown_first: Trial tables show it before the other knobs (``tuner.report.tables.KEY_PARAMS``).
-    """
-
-    name: str
-    kind: Literal["float", "int", "categorical", "bool"]
-    help: str
-    domain: str | None = None
-    step: float | None = None
-    log: bool = False
-    condition: str | None = None
-    replaces: str | None = None
-    memory: bool = False
-    absent: Literal["low", "high"] | float | bool = "low"
-    drawn_digits: int | None = None
-    neighbour_step: float | None = None
-    shown_first: bool = False
-
-    @property
-    def field(self) -> str:
-        """The :class:`Space` field holding its range or choices (:attr:`domain`, else :attr:`name`)."""
-        return self.domain or self.name
 
 
 _HICACHE = "enable_hierarchical_cache"
@@ -141,22 +92,24 @@ KNOBS: tuple[Knob, ...] = (
     Knob(name="schedule_conservativeness", kind="float", step=0.1, absent=1.0, neighbour_step=0.3,
          help="How much KV the scheduler reserves for running requests' future tokens before admitting "
               "more (factor; SGLang's default 1.0; lower admits more and retracts more, §2.4)."),
-    Knob(name="kv_cache_dtype", kind="categorical",
-         help="The KV cache's dtype: auto (the model's) or fp8 (half the bytes per token, so about twice the "
-              "tokens; a structural lever, tuner/sglang/levers.py; it changes the model's answers, so a candidate "
-              "must pass the quality gate, §1.3)."),
-    Knob(name="dcp_size", kind="categorical",
-         help="Decode context parallelism (ranks a request's KV is interleaved over; logical pool × dcp; SGLang "
-              "0.5.23, MLA; tuner/sglang/levers.py)."),
-    Knob(name="dp_size", kind="categorical",
-         help="DP attention's size (--enable-dp-attention --dp-size N; 1 = off): N pools of their own, attention "
-              "weights replicated over N, max_running_requests and chunked_prefill_size divided by N, one request "
-              "≤ one rank's pool (§1.5b; tuner/sglang/levers.py)."),
+    *(lever.knob for lever in tuner.knobs.LEVERS),
 )
-"""Every knob the study can change, in the order the sampler is asked for them."""
+"""Every knob the study can change, in the order the sampler is asked for them: the memory,
+scheduling, cache and speculative rows, then each structural lever's row (:data:`tuner.knobs.LEVERS`)."""
+_OWN_KNOBS = KNOBS[:len(KNOBS) - len(tuner.knobs.LEVERS)]
 
-_KNOB = MappingProxyType({knob.name: knob for knob in KNOBS})
-_REPLACED_BY = MappingProxyType({knob.replaces: knob for knob in KNOBS if knob.replaces})
+
+@cache
+def _tables(levers: tuple[tuner.knobs.Lever, ...]) -> tuple[tuple[Knob, ...], Mapping[str, Knob], Mapping[str, Knob]]:
+    """The knob table with ``levers``' rows, by name, and by the knob each replaces."""
+    knobs = (*_OWN_KNOBS, *(lever.knob for lever in levers))
+    return (knobs, MappingProxyType({knob.name: knob for knob in knobs}),
+            MappingProxyType({knob.replaces: knob for knob in knobs if knob.replaces}))
+
+
+def _table() -> tuple[tuple[Knob, ...], Mapping[str, Knob], Mapping[str, Knob]]:
+    """The knob table as :data:`tuner.knobs.LEVERS` holds the levers now (read at call time)."""
+    return _tables(tuner.knobs.LEVERS)
 
 SEARCHED_FIELDS = tuple(knob.name for knob in KNOBS)
 """Every knob the study can change, by SGLang field name (:data:`KNOBS`' names)."""
@@ -246,9 +199,10 @@ class Space(BaseModel):
         page_size: Choices, or ``None`` (left as the baseline has it).
         cuda_graph_max_bs: Choices, or ``None``.
         schedule_conservativeness: ``(low, high)``, or ``None``.
-        kv_cache_dtype: Choices (the baseline's first), or ``None``.
-        dcp_size: Choices (the baseline's first), or ``None``.
-        dp_size: DP-attention sizes (1 = off first), or ``None``.
+        levers: Each searched structural lever's choices (:data:`tuner.knobs.LEVERS`), the baseline's
+            first, by knob name (``kv_cache_dtype``, ``dcp_size``, ``dp_size``: 1 = DP attention off);
+            a lever not searched has no entry. A study stored before this field held them as
+            fields of their own: they are read into it.
         lever_reasons: Per structural lever, whether it is searched and why
             (:func:`tuner.study.lever_space.derive_levers`).
         speculative: Whether speculative decoding is searched (on/off; the baseline runs a draft).
@@ -274,9 +228,7 @@ class Space(BaseModel):
     page_size: tuple[int, ...] | None = None
     cuda_graph_max_bs: tuple[int, ...] | None = None
     schedule_conservativeness: tuple[float, float] | None = None
-    kv_cache_dtype: tuple[str, ...] | None = None
-    dcp_size: tuple[int, ...] | None = None
-    dp_size: tuple[int, ...] | None = None
+    levers: dict[str, tuple[Any, ...]] = Field(default_factory=dict)
     lever_reasons: tuple[str, ...] = ()
     speculative: bool = False
     speculative_num_steps: tuple[int, ...] | None = None
@@ -286,10 +238,28 @@ class Space(BaseModel):
     fixed: dict[str, Any] = Field(default_factory=dict)
     _knobs: tuple[_Bound, ...] = PrivateAttr(default=())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_levers(cls, data: Any) -> Any:
+        """A stored space of an earlier version: its lever fields (``kv_cache_dtype: [...]``) read into :attr:`levers`."""
+        if not isinstance(data, Mapping):
+            return data
+        names = [lever.knob.name for lever in tuner.knobs.LEVERS if lever.knob.name in data]
+        if not names:
+            return data
+        data = dict(data)
+        levers = dict(data.get("levers") or {})
+        for name in names:
+            choices = data.pop(name)
+            if choices:
+                levers.setdefault(name, choices)
+        data["levers"] = levers
+        return data
+
     def model_post_init(self, context: Any, /) -> None:
         """Read the knob table against the fields once (:meth:`snap` runs for every record a screen
         compares a candidate with)."""
-        self._knobs = tuple(self._bind(knob) for knob in KNOBS if self.searches(knob.name))
+        self._knobs = tuple(self._bind(knob) for knob in _table()[0] if self.searches(knob.name))
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Space:
         """A copy (pydantic's), with the knob table read again against its fields (``update``
@@ -303,17 +273,22 @@ class Space(BaseModel):
     def searches(self, name: str) -> bool:
         """Whether the space searches knob ``name``: its range or choices are set, its switch is
         searched, and no knob that replaces it is searched; ``False`` for a name not in :data:`KNOBS`."""
-        knob = _KNOB.get(name)
-        if knob is None or not getattr(self, knob.field):
+        _, by_name, replaced_by = _table()
+        knob = by_name.get(name)
+        if knob is None or not self._domain(knob):
             return False
         if knob.condition is not None and not self.searches(knob.condition):
             return False
-        rival = _REPLACED_BY.get(name)
+        rival = replaced_by.get(name)
         return rival is None or not self.searches(rival.name)
+
+    def _domain(self, knob: Knob) -> Any:
+        """``knob``'s range, choices or switch in this space (a lever's: its :attr:`levers` entry)."""
+        return self.levers.get(knob.name) if knob.field == "levers" else getattr(self, knob.field)
 
     def _bind(self, knob: Knob) -> _Bound:
         """``knob`` with this space's range or choices, and the value a candidate without it gets."""
-        domain = getattr(self, knob.field)
+        domain = self._domain(knob)
         if knob.kind == "bool":
             return _Bound(knob, (False, True), None, None, None, knob.absent)
         if knob.kind == "categorical":
@@ -370,7 +345,7 @@ class Space(BaseModel):
         """
         params: dict[str, Any] = dict(self.fixed)
         for name, dist in self.distributions().items():
-            knob = _KNOB[name]
+            knob = _table()[1][name]
             if knob.condition is not None and not params.get(knob.condition):
                 continue
             value = suggest_param(trial, name, dist)
@@ -407,7 +382,7 @@ class Space(BaseModel):
         if not self.searches(switch):
             return {}
         snapped = self.snap({switch: True})
-        return {k: v for k, v in snapped.items() if k == switch or _KNOB[k].condition == switch}
+        return {k: v for k, v in snapped.items() if k == switch or _table()[1][k].condition == switch}
 
     def neighbours(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The configs one step from ``params`` in the knobs that are not memory knobs, for the planner.
@@ -698,24 +673,25 @@ def resolve_space(
         page_size=page_size,
         cuda_graph_max_bs=graph_bs,
         schedule_conservativeness=conservativeness,
-        kv_cache_dtype=levers.kv_cache_dtype if levers else _levers_first(section.kv_cache_dtype,
-                                                                          baseline.get("kv_cache_dtype") or "auto"),
-        dcp_size=levers.dcp_size if levers else _levers_first(section.dcp_size, int(baseline.get("dcp_size") or 1)),
-        dp_size=levers.dp_size if levers else _levers_first(section.dp_size, int(baseline.get("dp_size") or 1)),
+        levers=dict(levers.choices) if levers else _listed_levers(section, baseline),
         lever_reasons=levers.reasons if levers else (),
         **spec,
         fixed=fixed,
     )
 
 
-def _levers_first(choices: Sequence[Any] | None, value: Any) -> tuple[Any, ...] | None:
-    """A structural lever's choices with the baseline's value first (where a candidate that leaves
-    the knob out lands), or ``None`` when ``[space]`` does not name the lever or pins it (the
-    baseline's value alone)."""
-    if not choices:
-        return None
-    out = tuple(dict.fromkeys([value, *choices]))
-    return out if len(out) > 1 else None
+def _listed_levers(section: SpaceSection, baseline: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """The structural levers ``[space]`` lists, each with the baseline's value first (where a
+    candidate that leaves the knob out lands); a lever ``[space]`` does not name, or pins (the
+    baseline's value alone), is left out."""
+    out = {}
+    for lever in tuner.knobs.LEVERS:
+        name = lever.knob.name
+        value = baseline.get(name)
+        choices = tuple(dict.fromkeys([lever.neutral if value is None else value, *(getattr(section, name, None) or ())]))
+        if len(choices) > 1:
+            out[name] = choices
+    return out
 
 
 def _speculative_space(section: SpaceSection, baseline: Mapping[str, Any], *, draft_kv_dtype: bool = False

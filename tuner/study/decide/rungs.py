@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import tuner.knobs
 from tuner.config import ObjectiveSection
 from tuner.records import TrialRecord
 from tuner.sglang.flags import flag_int, flag_value
@@ -30,20 +31,21 @@ from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
 from tuner.study.view import StudyView
 
-__all__ = ["RungCandidate", "RungPrices", "LEVER_GAIN", "LEVER_KNOBS", "LEVER_NEUTRAL", "same_rung", "rung_points"]
+__all__ = ["RungCandidate", "RungPrices", "lever_gain", "lever_neutral", "rung_flags", "same_rung", "rung_points"]
 
-LEVER_GAIN = {
-    "dcp_size": lambda value: float(value),
-    "dp_size": lambda value: float(value),
-    "kv_cache_dtype": lambda value: 2.0 if str(value).startswith("fp8") else 1.0,
-}
-"""The most a lever's value can multiply the logical pool at an unchanged budget (plain MLA for
-DCP; ``tuner.sglang.levers.dcp_gain`` is smaller with a DSA indexer), for the order of the rungs."""
-LEVER_KNOBS = tuple(LEVER_GAIN)
-"""The structural levers' knobs (SGLang field names; ``dp_size`` is DP attention's size)."""
-LEVER_NEUTRAL: dict[str, Any] = {"kv_cache_dtype": "auto", "dcp_size": 1, "dp_size": 1}
-"""Each lever's value that sets nothing in SGLang (the KV cache at the model's dtype, no DCP, no
-DP attention): a config without the knob runs it."""
+
+
+def lever_gain(name: str, value: Any) -> float:
+    """The most knob ``name``'s ``value`` can multiply the logical pool at an unchanged budget
+    (:meth:`tuner.knobs.Lever.gain`: plain MLA for DCP; ``tuner.sglang.levers.dcp_gain`` is smaller
+    with a DSA indexer), for the order of the rungs."""
+    return next(lever.gain(value) for lever in tuner.knobs.LEVERS if lever.knob.name == name)
+
+
+def lever_neutral() -> dict[str, Any]:
+    """Each lever's value that sets nothing in SGLang by knob name (:attr:`tuner.knobs.Lever.neutral`:
+    the KV cache at the model's dtype, no DCP, no DP attention): a config without the knob runs it."""
+    return {lever.knob.name: lever.neutral for lever in tuner.knobs.LEVERS}
 
 
 class RungPrices:
@@ -124,14 +126,10 @@ def same_rung(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def rung_flags(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The ladder's flags of a candidate's levers (``dp_size`` > 1 is DP attention on)."""
-    flags: dict[str, Any] = {"kv_cache_dtype": params.get("kv_cache_dtype") or LEVER_NEUTRAL["kv_cache_dtype"]}
-    if int(params.get("dcp_size") or 1) > 1:
-        flags["dcp_size"] = int(params["dcp_size"])
-    dp = int(params.get("dp_size") or 1)
-    flags["enable_dp_attention"] = dp > 1
-    if dp > 1:
-        flags["dp_size"] = dp
+    """The ladder's flags of a candidate's levers (:meth:`tuner.knobs.Lever.rung`: ``dp_size`` > 1 is DP attention on)."""
+    flags: dict[str, Any] = {}
+    for lever in tuner.knobs.LEVERS:
+        flags.update(lever.rung(params.get(lever.knob.name)))
     return flags
 
 
@@ -158,7 +156,7 @@ class RungCandidate:
 
     Where a fresh rung has no price (no baseline memory model yet, or no model ``config.json``:
     the ladder cannot size the KV cell or DP attention's weights), each lever value is launched once on the best flags, largest
-    :data:`LEVER_GAIN` first. A rung the version cannot take is skipped by the screens with the
+    :func:`lever_gain` first. A rung the version cannot take is skipped by the screens with the
     fact (:class:`tuner.study.decide.screens.Unavailable`), never launched.
 
     Args:
@@ -174,7 +172,7 @@ class RungCandidate:
         """``None`` when the space names no lever, nothing is measured yet, or every rung that can
         win was tried."""
         space = view.space
-        levers = {name: space.grid(name) for name in LEVER_GAIN if space.searches(name)}
+        levers = {name: space.grid(name) for lever in tuner.knobs.LEVERS if space.searches(name := lever.knob.name)}
         if not levers:
             return None
         choice = best_by([(n, r) for n, r in view.finished if r.params], self.objective)
@@ -267,10 +265,10 @@ class RungCandidate:
 
     def _unpriced(self, levers: Mapping[str, Sequence[Any]], best: Mapping[str, Any], best_number: int,
                   view: StudyView) -> Proposal | None:
-        """Each lever value once on the best flags, largest :data:`LEVER_GAIN` first."""
+        """Each lever value once on the best flags, largest :func:`lever_gain` first."""
         space = view.space
         for name, value in sorted(((n, v) for n, grid in levers.items() for v in grid[1:]),
-                                  key=lambda lv: -LEVER_GAIN[lv[0]](lv[1])):
+                                  key=lambda lv: -lever_gain(*lv)):
             if any(r.params.get(name) == value for _, r in view.finished if r.params):
                 continue  # this rung was launched (or skipped) once: the frontier takes it from there
             params = space.snap({**best, name: value})
@@ -278,7 +276,7 @@ class RungCandidate:
                 continue
             return Proposal(params=params, prediction={
                 "why": f"rung {name}={value} on the best flags so far (trial {best_number}): up to "
-                       f"{LEVER_GAIN[name](value):g}× the logical KV pool at the same budget (issue 23)",
+                       f"{lever_gain(name, value):g}× the logical KV pool at the same budget (issue 23)",
                 "compare_with_trial": best_number})
         return None
 
@@ -291,5 +289,7 @@ def rung_points(points: Sequence[Point], family: Mapping[str, Any] | Family) -> 
 
 
 def _moved(flags: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-    """The rung flags ``flags`` sets differently from ``base`` (``enable_dp_attention`` said by ``dp_size``)."""
-    return {k: v for k, v in flags.items() if base.get(k, LEVER_NEUTRAL.get(k)) != v and k != "enable_dp_attention"}
+    """The rung flags ``flags`` sets differently from ``base`` (:func:`rung_flags` of both), less the
+    levers' switches (:attr:`tuner.knobs.Lever.switch`: ``enable_dp_attention`` is said by ``dp_size``)."""
+    switches = {lever.switch for lever in tuner.knobs.LEVERS}
+    return {k: v for k, v in flags.items() if k not in switches and base.get(k) != v}

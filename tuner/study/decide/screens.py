@@ -15,7 +15,8 @@ PRUNED with the reason and the proving trial:
 - :class:`HostMemory` — its hierarchical-cache pools do not fit this host.
 - :class:`RunningElsewhere` — another host runs the same config now (the sampler's draws).
 - :class:`Unavailable` — a structural lever this SGLang version does not have (its flag table), or
-  a ``--dcp-size`` that does not divide ``--tp-size`` (issue 23: never launched, the skip names the fact).
+  a ``--dcp-size`` or DP-attention ``--dp-size`` that does not divide ``--tp-size`` (each lever's
+  rule, :meth:`tuner.knobs.Lever.unavailable`; never launched, the skip names the fact).
 - :class:`WontStart` — the ladder's arithmetic says the config's structural rung does not start
   (issue 23: DP attention's replicated weights above the fraction's budget; the skip names the GiB).
 """
@@ -25,14 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import tuner.knobs
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.flags import flag_int
 from tuner.sglang.hicache import HostMemory as HostReading
-from tuner.sglang.levers import flag_available
 from tuner.sglang.memory import must_fail
 from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
-from tuner.study.decide.rungs import LEVER_NEUTRAL, RungPrices, same_rung
+from tuner.study.decide.rungs import RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
 from tuner.study.launch import launch_numerics
 from tuner.study.optuna_io import HOST_ATTR
@@ -43,31 +44,25 @@ from tuner.study.view import StudyView
 __all__ = ["MeasuredAlready", "MustFail", "QualityFailed", "Predicted", "HostMemory", "RunningElsewhere", "Unavailable",
            "WontStart"]
 
-_FLAG_LEVERS = ("kv_cache_dtype", "dcp_size")
-"""Structural levers whose values the flag tables answer for (DP attention's switch is checked
-where the levers are derived, :mod:`tuner.study.lever_space`)."""
-
-
 class Unavailable:
-    """A structural lever the deployment cannot take: the SGLang version has no such flag or value
-    (the bundled flag tables, :func:`tuner.sglang.levers.flag_available`), or ``--dcp-size`` does not
-    divide ``--tp-size`` (0.5.23 ``arg_groups/attention_hook.py``). The proof is the baseline (trial
-    0): its version and command are the fact."""
+    """A structural lever the deployment cannot take (:meth:`tuner.knobs.Lever.unavailable`, each
+    lever's rule: the SGLang version has no such flag or value in the bundled flag tables,
+    :func:`tuner.sglang.levers.flag_available`; a ``--dcp-size`` or a DP-attention ``--dp-size``
+    that does not divide ``--tp-size``). The proof is the baseline (trial 0): its version and
+    command are the fact."""
 
     def __init__(self, version: str, argv: Sequence[str]) -> None:
         self._version = version
         self._tp = flag_int(argv, "--tp-size", "--tp", "--tensor-parallel-size") or 1
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
-        for field in _FLAG_LEVERS:
-            value = params.get(field)
-            if value is None or value == LEVER_NEUTRAL[field]:
+        for lever in tuner.knobs.LEVERS:
+            value = params.get(lever.knob.name)
+            if value is None or value == lever.neutral:
                 continue
-            verdict = flag_available(self._version, field, value if field == "kv_cache_dtype" else None)
-            if verdict.ok is False:
-                return Skip(f"unavailable: {verdict.why}", 0)
-            if field == "dcp_size" and self._tp % int(value):
-                return Skip(f"unavailable: --dcp-size {value} must divide --tp-size {self._tp} (SGLang 0.5.23 attention_hook.py)", 0)
+            why = lever.unavailable(value, version=self._version, tp=self._tp)
+            if why is not None:
+                return Skip(f"unavailable: {why}", 0)
         return None
 
 

@@ -1,0 +1,128 @@
+"""The opening of a run: storage, the study, its environment and heartbeat rule, the result journal's replay, recovery.
+
+One concept: what :class:`tuner.study.loop.StudyRun` holds before its baseline (:func:`open_run`),
+in the order a run needs it: the storage and the target checked, the study opened (or created,
+under the schema lock, with its environment and first host's heartbeat rule), the results a
+stopped run kept in its journal stored, this host's and dead hosts' RUNNING trials recovered, and
+the model settings and fingerprint keys of this run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from tuner.config import TunerConfig, check_url_matches_port
+from tuner.load.workloads import build_workload
+from tuner.records import StudyInfo
+from tuner.study.calibration import ModelSettings
+from tuner.study.fingerprint import DeploymentKey, deployment_key, workload_key
+from tuner.study.hooks import AfterTell, SaveFingerprint
+from tuner.study.hosts import ClaimLock, is_postgres, reap_stale, recover_own, schema_lock, study_heartbeat
+from tuner.study.job import TrialRunner
+from tuner.study.optuna_io import ensure_study_info, make_sampler, open_study
+from tuner.study.outage import ResultJournal
+from tuner.study.progress import RunProgress, RunSummary
+from tuner.study.record import Recorder
+from tuner.study.storage import check_run_storage, check_storage_folder, open_artifacts_folder, open_storage
+from tuner.study.view import RecordCache
+from tuner.study.warm import Prior
+
+__all__ = ["Opened", "open_run"]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What :func:`open_run` opened: the study and what works on it.
+
+    Attributes:
+        study: The Optuna study (on the study's heartbeat rule).
+        claims: The study's claim lock (:class:`tuner.study.hosts.ClaimLock`).
+        recorder: Tells records and stores skips (:class:`tuner.study.record.Recorder`).
+        shared: The storage is PostgreSQL (several hosts may run the study).
+        environment: This run's environment (SGLang version, GPU, driver, model).
+        context_tokens: The study's context length (tokens; the stored study's wins).
+        settings: The memory model's settings for this run.
+        records: The records read so far (:class:`tuner.study.view.RecordCache`).
+        deployment: The deployment's fingerprint key.
+        workload: The workload's fingerprint key.
+        after_tell: The listeners called after each told launch (:mod:`tuner.study.hooks`: the
+            deployment's fingerprint).
+        prior: The warm start's prior (another study's fingerprint), once known.
+    """
+
+    study: optuna.Study
+    claims: ClaimLock
+    recorder: Recorder
+    shared: bool
+    environment: dict[str, Any]
+    context_tokens: int
+    settings: ModelSettings
+    records: RecordCache
+    deployment: DeploymentKey
+    workload: str
+    after_tell: tuple[AfterTell, ...] = ()
+    prior: Prior | None = None
+
+
+def open_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, progress: RunProgress, *,
+             allow_mixed_environment: bool = False, journal: ResultJournal | None = None) -> Opened:
+    """Check storage and target, open the study, store or check its environment, take the study's
+    heartbeat rule, store the results the journal kept, and recover RUNNING trials.
+
+    Args:
+        config: The validated config.
+        runner: The trial runner (its environment, target and baseline command).
+        summary: The run's summary (its storage URL and host; the recovered trials are set on it).
+        progress: Where the notes go (the study's heartbeat rule, replayed results).
+        allow_mixed_environment: Add to a study recorded in another environment.
+        journal: The result journal (``None``: memory only).
+
+    Returns:
+        The :class:`Opened` run.
+
+    Raises:
+        StudyError: Storage (an explicit SQLite folder that does not exist), environment mismatch,
+            ``[service] url`` not on the command's ``--port``.
+    """
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = summary.storage_url
+    check_storage_folder(url, config.study.name)
+    check_run_storage(url, config.study.name)
+    check_url_matches_port(runner.target().get("url"), runner.baseline_argv())
+    own_beat = (config.storage.heartbeat_interval_s, config.storage.grace_period_s)
+    storage = open_storage(url, heartbeat_interval_s=own_beat[0], grace_period_s=own_beat[1],
+                           outage_s=config.storage.outage_s)
+    environment = runner.environment()
+    context_tokens = config.objective.context_tokens or build_workload(config.workload, seed=config.study.seed).context_tokens
+    new = StudyInfo(environment=environment, target=runner.target(), baseline_argv=runner.baseline_argv(),
+                    policy=config.objective.model_dump(mode="json"), context_tokens=context_tokens,
+                    config_path=config.path)
+    with schema_lock(url):  # hosts starting together: one creates the study and its info
+        study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
+        info = ensure_study_info(study, new, allow_mixed=allow_mixed_environment)
+        beat = study_heartbeat(study, *own_beat)
+    if beat != own_beat:  # one rule per study for when a trial is dead: the study's
+        progress.note(None, f"the study's trials beat every {beat[0]} s with a {beat[1]} s grace period "
+                           f"(set by its first host); this host's [storage] {own_beat[0]} s / {own_beat[1]} s "
+                           "are not used")
+        storage = open_storage(url, heartbeat_interval_s=beat[0], grace_period_s=beat[1],
+                               outage_s=config.storage.outage_s)
+        study = open_study(config.study.name, storage, make_sampler(config.study.sampler, config.study.seed))
+    shared = is_postgres(storage)
+    recorder = Recorder(study, open_artifacts_folder(config, url), summary.host, environment, journal=journal)
+    replayed = recorder.replay()  # before recovery: a kept result is stored, not re-run
+    if replayed:
+        progress.note(None, f"stored the result(s) of trial(s) {', '.join(map(str, replayed))} that the "
+                           "last run kept in its result journal but did not finish storing (it was stopped, or "
+                           "the database did not answer)", phase="recovered")
+    summary.recovered = recover_own(study, summary.host, shared=shared) + reap_stale(study)
+    context_tokens = info.context_tokens or context_tokens
+    deployment, workload = deployment_key(environment, runner.baseline_argv(), config), workload_key(config, context_tokens)
+    return Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,
+                  environment=environment, context_tokens=context_tokens,
+                  settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
+                  records=RecordCache(), deployment=deployment, workload=workload,
+                  after_tell=(SaveFingerprint(study, config.study.name, deployment, workload, context_tokens),))
