@@ -210,7 +210,7 @@ class LaunchedServer:
                     self.url, plan.workload, concurrency=plan.concurrency, rate=plan.rate, warmup_s=plan.warmup_s,
                     duration_s=plan.duration_s, max_requests=plan.max_requests, slo=plan.slo, on_tick=on_tick,
                     timeout_s=plan.timeout_s, request_timeout_s=plan.request_timeout_s, seed=plan.seed,
-                    ramp_s=plan.ramp_s,
+                    ramp_s=plan.ramp_s, cooldown_s=plan.cooldown_s,
                 )
             except LoadError as err:
                 error = str(err)

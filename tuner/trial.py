@@ -130,6 +130,8 @@ class LoadPlan:
         slo: The limits the summary's goodput and violations are judged by, or ``None``.
         ramp_s: Closed-loop streams start staggered over this many seconds, inside ``warmup_s``
             (:func:`tuner.load.run_load`'s ``ramp_s``); 0: together.
+        cooldown_s: Seconds the streams keep sending, unmeasured, after the window while its
+            measured requests finish (a steady window: :meth:`tuner.load.steady.SteadyWindow.cooldown_s`).
     """
 
     name: str
@@ -144,6 +146,7 @@ class LoadPlan:
     max_requests: int | None = None
     slo: SLO | None = None
     ramp_s: float = 0.0
+    cooldown_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -1063,10 +1066,12 @@ class TrialExecutor:
         except LoadError as err:  # a resumed study's stored context its sessions never reach
             return LoadOutcome(result=None, load_error=str(err))
         limit_s = window.warmup_s + window.duration_s
+        request_timeout_s = max(60.0, limit_s * 4)
         return self.server.load(LoadPlan(
             name="steady", workload=workload, concurrency=sessions, duration_s=window.duration_s,
             warmup_s=window.warmup_s, ramp_s=window.ramp, seed=seed, slo=slo,
-            timeout_s=limit_s * 4 + 120.0, request_timeout_s=max(60.0, limit_s * 4),
+            timeout_s=limit_s * 4 + 120.0, request_timeout_s=request_timeout_s,
+            cooldown_s=window.cooldown_s(request_timeout_s),
         ), _load_ticks(on_phase, "stress", expected=None, duration_s=limit_s))
 
     def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None]) -> QualityFacts:

@@ -304,7 +304,7 @@ class OfflineServer:
         excluded, cut at ``warmup_s + duration_s``. Its requests are drawn per call (a window's
         prompts are its own, and longest prompts would fill memory if every window's were kept).
         As the load generator's window, it holds at least ``concurrency`` sends and its requests
-        run to their end."""
+        run to their end, the streams sending on meanwhile (``plan.cooldown_s``)."""
         n = self.pool_requests or max(64, 6 * plan.concurrency)
         after: dict[str, str] = {}
         key = f"steady|{plan.workload.describe()}|{n}"
@@ -319,7 +319,8 @@ class OfflineServer:
         return _noisy(_evaluate(self._argv, pool, key,
                                 startup_lines=startup_lines, concurrency=plan.concurrency,
                                 send_until_s=plan.warmup_s + plan.duration_s, min_measured=plan.concurrency,
-                                after=after, ramp_s=plan.ramp_s, measure_from_s=plan.warmup_s), self._factor)
+                                after=after, ramp_s=plan.ramp_s, measure_from_s=plan.warmup_s,
+                                steady=plan.cooldown_s > 0), self._factor)
 
     def _stress(self, plan: LoadPlan, startup_lines: int) -> EvalResult:
         """The stress load, every request to its end. The trial's stress workload is a capacity

@@ -222,7 +222,8 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
             result = run_sync(run_load(
                 url, wl, concurrency=concurrency, rate=rate, burstiness=burstiness,
                 warmup_s=steady.warmup_s if steady is not None else warmup or 0.0, ramp_s=steady.ramp if steady else 0.0,
-                duration_s=duration, max_requests=max_requests, cooldown_s=cooldown, api=api,  # type: ignore[arg-type]
+                duration_s=duration, max_requests=max_requests, api=api,  # type: ignore[arg-type]
+                cooldown_s=steady.cooldown_s(request_timeout) if steady is not None and not cooldown else cooldown,
                 slo=limits, on_tick=tick, request_timeout_s=request_timeout, timeout_s=timeout, seed=seed, model=model,
                 transport=transport,  # type: ignore[arg-type]
             ))

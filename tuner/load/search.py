@@ -431,6 +431,7 @@ async def find_max_under_slo_async(  # noqa: C901 - over the complexity ceiling 
             concurrency=int(value) if integer else None,
             rate=None if integer else value,
             warmup_s=warm, ramp_s=window.ramp, duration_s=window_s, api=api, slo=slo, seed=seed,
+            cooldown_s=window.cooldown_s(request_timeout_s) if integer else 0.0,
             on_tick=watch if watch is not None else on_tick,
             request_timeout_s=request_timeout_s, timeout_s=max(left(), 1.0),
             tick_s=min(1.0, max(0.2, window_s / 10)), transport=transport,

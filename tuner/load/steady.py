@@ -13,6 +13,12 @@ One definition, used by ``tuner load --sessions`` and by the trial's capacity ph
   the radix cache holds it as an agent's context grows);
 * **warm-up excluded** — the ramp and ``settle_s`` after it are warm-up (bench_serving's
   definition, §6.1): the window starts once every session runs;
+* **steady to the end** — the sessions keep sending (unmeasured, as cool-down) until the last
+  measured request has ended (:meth:`SteadyWindow.cooldown_s`): every measured request decodes
+  beside the prefills of arriving requests, as in the steady state it stands for. A window whose
+  sends stop at its end lets its last requests finish on an emptying server: on the reference
+  twin (32k contexts, requests longer than the window) a 10 s window read 6 sessions SLO-safe
+  where 60 s of steady load at 6 broke p99 ITL (5.7 s against 4 s);
 * **window** — ``duration_s`` of measured load; its p99 TTFT / ITL / TPOT carry 95 % order-statistic
   intervals and the SLO attainment (the share of requests meeting every limit: DistServe's
   goodput, :func:`tuner.load.metrics.summarize`) a Wilson interval
@@ -70,6 +76,13 @@ class SteadyWindow:
     def warmup_s(self) -> float:
         """What precedes the window and is excluded from it: the ramp plus ``settle_s``."""
         return self.ramp + self.settle_s
+
+    @staticmethod
+    def cooldown_s(request_timeout_s: float) -> float:
+        """How long the sessions keep sending after the window (seconds): until the last measured
+        request ends, which is at most a request's timeout ``request_timeout_s`` (the load ends as
+        soon as it has: :func:`tuner.load.run_load`'s cool-down)."""
+        return request_timeout_s
 
     def check(self, *, ramp_flag: str = "--ramp", window_flag: str = "--duration") -> SteadyWindow:
         """This window, validated (before anything is sent).

@@ -177,6 +177,7 @@ def evaluate(
     measure_from_s: float = 0.0,
     send_until_s: float | None = None,
     min_measured: int = 0,
+    steady: bool = False,
 ) -> EvalResult:
     """Start a simulated server from ``argv`` and run ``requests`` through it on virtual time.
 
@@ -198,6 +199,9 @@ def evaluate(
         send_until_s: Closed loop: no request is sent after this time (once ``min_measured``
             were sent at or after ``measure_from_s``); the requests in flight run to their end,
             as the load generator's measured window does (:class:`tuner.load.arrivals.PhasePlan`).
+        steady: Closed loop with ``send_until_s``: the streams keep sending after the window,
+            unmeasured, until its last measured request ends, and the run ends then (a steady
+            window: :meth:`tuner.load.steady.SteadyWindow.cooldown_s`).
 
     Returns:
         The startup outcome and the workload metrics.
@@ -222,7 +226,8 @@ def evaluate(
         return EvalResult(started=False, startup_failure=sized.failure, runtime_oom=False, log_lines=logs, **base)
     base["host_pool_bytes_per_rank"] = sized.hicache_host_bytes
     return _run(sized.engine_spec, requests, logs, base, concurrency, duration_s, max_steps, dict(after or {}),
-                ramp_s=ramp_s, measure_from_s=measure_from_s, send_until_s=send_until_s, min_measured=min_measured)
+                ramp_s=ramp_s, measure_from_s=measure_from_s, send_until_s=send_until_s, min_measured=min_measured,
+                steady=steady)
 
 
 def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
@@ -239,6 +244,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     measure_from_s: float = 0.0,
     send_until_s: float | None = None,
     min_measured: int = 0,
+    steady: bool = False,
 ) -> EvalResult:
     """Drive an engine over the workload on a virtual clock and summarise it."""
     engine = Engine(spec, logs.append)
@@ -250,7 +256,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     pending = [] if source is not None else (list(requests) if closed else sorted(requests, key=lambda r: r.arrival_s))
     n = len(pending)
     nxt = 0
-    # rid -> [arrival_s, first_token_s, last_token_s, output tokens]
+    # rid -> [arrival_s, first_token_s, last_token_s, output tokens, measured (1.0) or not (0.0)]
     timing: dict[str, list[float]] = {}
     itls: list[float] = []
     ttfts: list[float] = []
@@ -266,18 +272,21 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
     finished_rids: set[str] = set()
 
     measured_sent = 0
+    measured_in_flight = 0
+    window_end_s: float | None = None  # when the window stopped counting sends
 
     def submit(req: SimRequest, at_s: float) -> bool:
-        nonlocal rejected, measured_sent
+        nonlocal rejected, measured_sent, measured_in_flight
         try:
             engine.add_request(replace(req, arrival_s=at_s))
         except RequestRejected:
             rejected += 1
             finished_rids.add(req.rid)  # its next turn may go (it never will be answered)
             return False
-        timing[req.rid] = [at_s, -1.0, at_s, 0]
-        if at_s >= measure_from_s:
-            measured_sent += 1
+        measured = at_s >= measure_from_s and not (steady and window_end_s is not None)
+        timing[req.rid] = [at_s, -1.0, at_s, 0, float(measured)]
+        measured_sent += measured
+        measured_in_flight += measured
         return True
 
     def streams(at_s: float) -> int:
@@ -293,7 +302,11 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             break
         active = streams(now) if closed else 0
         if send_until_s is not None and now >= send_until_s and measured_sent >= min_measured:
-            active = 0  # the window is over: no more sends, the requests in flight finish
+            window_end_s = now if window_end_s is None else window_end_s
+            if steady and not measured_in_flight:
+                break  # the window's last request ended while the streams kept sending
+            if not steady:
+                active = 0  # the window is over: no more sends, the requests in flight finish
         if closed and after:
             while in_flight < active and queue:
                 ready = next((i for i, q in enumerate(queue) if after.get(q.rid) in (None, *finished_rids)), None)
@@ -347,7 +360,7 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             if not k:
                 continue
             rec = timing[r.rid]
-            measured = rec[0] >= measure_from_s
+            measured = rec[4] > 0
             if rec[1] < 0:
                 rec[1] = t
                 if measured:
@@ -361,10 +374,11 @@ def _run(  # noqa: C901 - over the complexity ceiling when it was set (15); it o
             in_flight -= 1
             finished_rids.add(r.rid)
             rec = timing.pop(r.rid)
+            measured_in_flight -= rec[4] > 0
             if r.finish_reason["type"] == "abort":  # the pool can never admit it (§1.4)
                 rejected += 1
                 continue
-            if rec[0] < measure_from_s:
+            if not rec[4]:
                 continue
             e2es.append(t - rec[0])
             if rec[3] > 1 and rec[1] >= 0:
