@@ -33,16 +33,16 @@ def test_a_state_dir_on_a_virtual_file_system_is_refused_by_the_dry_run(tmp_path
     one_error_line(proc, "--state-dir /proc/nope", "cannot be written")
 
 
-@pytest.mark.parametrize(("option", "value", "needle"), [
-    ("--prometheus-textfile", "nodir/t.prom", "folder that does not exist"),  # t4-49: the dry run passed
-    ("--json-progress", "", "--json-progress is empty"),  # t4-48: ran with no JSON anywhere
+@pytest.mark.parametrize(("option", "value", "needle", "code"), [
+    ("--prometheus-textfile", "nodir/t.prom", "folder that does not exist", 1),  # t4-49: the dry run passed
+    ("--json-progress", "", "'--json-progress': is empty", 2),  # t4-48: ran with no JSON anywhere
 ])
 def test_the_dry_run_refuses_an_output_the_run_could_not_write(tmp_path: Path, option: str, value: str,
-                                                               needle: str) -> None:
+                                                               needle: str, code: int) -> None:
     config = config_copy("demo-sim.toml", tmp_path)
     arg = str(tmp_path / value) if value else value
     for dry in (("--dry-run",), ("--trials", "1")):
-        one_error_line(run_tuner("run", "--config", str(config), *dry, option, arg), needle)
+        one_error_line(run_tuner("run", "--config", str(config), *dry, option, arg), needle, code=code)
     assert not (tmp_path / "studies").exists()  # the run was refused before its storage
 
 

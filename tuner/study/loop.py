@@ -38,7 +38,7 @@ from tuner.records import StudyInfo, TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
 from tuner.study.baseline import claim_baseline, could_not_start, fix_space
 from tuner.study.best import best_by, probe_floor
-from tuner.study.budget import Budget, require_one_trial, restore_cost_s
+from tuner.study.budget import Budget, budget_name, require_one_trial, restore_cost_s
 from tuner.study.calibration import ModelSettings
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
@@ -284,7 +284,8 @@ class StudyRun:
                               deployment=deployment_key(environment, self.runner.baseline_argv(), config),
                               workload=workload_key(config, context_tokens))
         if self.options.budget_s is not None:
-            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s)
+            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=config.budget.restore_reserve_s,
+                              name=budget_name(config, self.options.budget_s))
         return self.opened
 
     def baseline(self) -> tuple[int, TrialRecord] | None:
