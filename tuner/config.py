@@ -33,6 +33,7 @@ from pydantic import (
 from tuner.errors import ConfigError, StudyError, TunerError
 from tuner.load.metrics import SLO
 from tuner.load.quality import QualityConfig
+from tuner.load.runner import MAX_CONCURRENCY
 from tuner.load.steady import SteadyWindow, sessions_reach
 from tuner.load.workloads import MultiTurnSpec, WorkloadSpec, build_workload
 from tuner.sglang.client import url_problem
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+DAY_S = 86_400.0
+"""The longest phase, timeout or reserve a key may ask for, in seconds: ``warmup_s = 1e30`` passed
+the dry run as a run that would never end (a new user's sweep)."""
 
 
 class _Section(BaseModel):
@@ -150,15 +155,15 @@ class ServiceSection(_Section):
     runtime_dropin_dir: NonEmptyStr | None = None
     python: NonEmptyStr | None = None
     sglang_version: NonEmptyStr | None = None
-    start_timeout_s: float = Field(default=900.0, gt=0)
-    stop_timeout_s: float = Field(default=120.0, gt=0)
+    start_timeout_s: float = Field(default=900.0, gt=0, le=DAY_S)
+    stop_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S)
     workdir: NonEmptyStr | None = None
     gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
     allow_foreign: StrictBool = False
     state_dir: NonEmptyStr | None = None
     pre_restart: Argv | None = None
     post_ready: Argv | None = None
-    hook_timeout_s: float = Field(default=300.0, gt=0)
+    hook_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S)
     window: NonEmptyStr | None = None
     outside_window: Literal["wait", "stop"] = "wait"
 
@@ -384,7 +389,7 @@ class ObjectiveSection(_Section):
     context_tokens: int | None = Field(default=None, gt=0)
     capacity: Literal["auto", "slo_safe", "oom_safe"] = "auto"
     longest_share: float = Field(default=1.0, ge=0.0, le=1.0)
-    concurrency: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
 
 
 class BudgetSection(_Section):
@@ -416,18 +421,18 @@ class BudgetSection(_Section):
 
     total: NonEmptyStr | None = None
     trials: int | None = Field(default=None, ge=1)
-    warmup_s: float = Field(default=10.0, ge=0)
-    measure_s: float = Field(default=60.0, gt=0)
-    stress_s: float = Field(default=30.0, ge=0)
+    warmup_s: float = Field(default=10.0, ge=0, le=DAY_S)
+    measure_s: float = Field(default=60.0, gt=0, le=DAY_S)
+    stress_s: float = Field(default=30.0, ge=0, le=DAY_S)
     max_requests: int | None = Field(default=None, ge=1)
-    concurrency: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
     request_rate: float | None = Field(default=None, gt=0)
-    max_concurrency: int = Field(default=256, ge=1)
+    max_concurrency: int = Field(default=256, ge=1, le=MAX_CONCURRENCY)
     early_stop: StrictBool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
-    restore_reserve_s: float = Field(default=0.0, ge=0)
+    restore_reserve_s: float = Field(default=0.0, ge=0, le=DAY_S)
     slo_capacity_steps: int = Field(default=2, ge=0, le=8)
-    ramp_s: float | None = Field(default=None, ge=0)
+    ramp_s: float | None = Field(default=None, ge=0, le=DAY_S)
 
     @model_validator(mode="after")
     def _ramp_inside_window(self) -> BudgetSection:
@@ -514,9 +519,9 @@ class TunerConfig(_Section):
     def _implied_concurrency(cls, data: Any) -> Any:
         """``[objective] concurrency`` left unset takes what the config implies: ``[budget]
         concurrency`` (the load the operator measures at), else a multi-turn workload's sessions."""
-        if not isinstance(data, dict):
-            return data
-        objective: dict[str, Any] = data["objective"] if isinstance(data.get("objective"), dict) else {}
+        if not isinstance(data, dict) or not isinstance(data.get("objective", {}), dict):
+            return data  # `objective = 1` is refused as not a table, not replaced by one
+        objective: dict[str, Any] = data.get("objective", {})
         if objective.get("concurrency") is not None:
             return data
         budget: dict[str, Any] = data["budget"] if isinstance(data.get("budget"), dict) else {}
@@ -579,7 +584,7 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig
         if kind in ("missing", "too_long") and isinstance(first["loc"][-1], int) or kind == "too_long" and \
                 isinstance(value, list) and where.startswith("space."):  # a [low, high] range of one or three numbers
             raise ConfigError(f"{source}: {where} is a range: it takes two numbers, [low, high]",
-                              hint=f"write e.g. {_key(first['loc'])} = {_example(first['loc']) or '[low, high]'}") from None
+                              hint=f"write {where} like {_key(first['loc'])} = {_example(first['loc']) or '[low, high]'}") from None
         if kind == "missing":
             raise ConfigError(
                 f"{source}: missing key {where}",
@@ -653,14 +658,14 @@ def _type_error(source: str, loc: tuple[Any, ...], kind: str, value: Any) -> Con
             number = None
         if number is not None and (kind == "float_type" or number.is_integer()):
             return ConfigError(f"{source}: {where} = {value!r} is a string where {wants} belongs",
-                               hint=f"write it without quotes: {key} = {value.strip()}")
+                               hint=f"write {where} without quotes: {key} = {value.strip()}")
     if isinstance(value, str) and kind == "bool_type" and value.strip().lower() in ("true", "false", "yes", "no"):
         return ConfigError(f"{source}: {where} = {value!r} is a string where true or false belongs",
-                           hint=f"write {key} = true or {key} = false, without quotes")
+                           hint=f"write {where} without quotes: {key} = true or {key} = false")
     shown = "a table" if isinstance(value, dict) else repr(value)
     example = _example(loc)
     return ConfigError(f"{source}: {where} = {shown} is not {wants}",
-                       hint=f"write e.g. {key} = {example}" if example else
+                       hint=f"write {where} like {key} = {example}" if example else
                        f"fix {where} in {source} (configs/demo-sim.toml shows a valid one)")
 
 

@@ -177,6 +177,7 @@ def check_command(config: TunerConfig, argv: list[str], table: FlagTable) -> Non
         problem = _simulator_refuses(sim_args)
         if problem is not None:
             raise FlagError(f"the service's command is refused by the simulator: {problem}", hint=_FIX_COMMAND)
+        _check_values(parse_argv(sim_args, table), table)  # what SGLang refuses at startup, the simulator too
         check_context(config, parse_argv(sim_args, table), preset=True)
         return
     _check_sglang_command(argv, table)
@@ -232,7 +233,11 @@ def _check_sglang_command(argv: list[str], table: FlagTable) -> None:
         unknown = unknown_flags(args, table)
         if unknown:
             raise FlagError(f"the service's command: {unknown[0].split(' — ')[0]}", hint=_FIX_COMMAND)
-    params = parse_argv(args if args is not None else argv, table)
+    _check_values(parse_argv(args if args is not None else argv, table), table)
+
+
+def _check_values(params: dict[str, Any], table: FlagTable) -> None:
+    """The command's values: of the flag's type, and none :func:`tuner.sglang.flags.validate` refuses."""
     for field, value in params.items():
         option = table.option(field)
         if option.type in ("int", "float", "human_readable_int") and isinstance(value, str):

@@ -159,14 +159,17 @@ def check_state_dir(state_dir: Path | None, flag: str = "--state-dir") -> None:
 
 
 def check_seconds(value: float, flag: str, *, allow_zero: bool = False, example: str = "900") -> None:
-    """Refuse a duration that is negative (or zero, unless ``allow_zero``), before any work.
+    """Refuse a duration that is negative (or zero, unless ``allow_zero``) or not finite (``inf``
+    waited forever), before any work.
 
     Raises:
         ConfigError: Naming ``flag`` and the value.
     """
+    import math
+
     from tuner.errors import ConfigError
 
-    if value > 0 or (allow_zero and value == 0):
+    if math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
         return
-    what = "a number of seconds ≥ 0" if allow_zero else "a positive number of seconds"
+    what = "a finite number of seconds ≥ 0" if allow_zero else "a finite, positive number of seconds"
     raise ConfigError(f"{flag} {value:g} is not {what}", hint=f"pass e.g. {flag} {example}")

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from tuner.cli.common import app, check_output_path, console, err_console, non_empty_path, non_empty_text
+from tuner.load.runner import MAX_CONCURRENCY
 from tuner.report import tables
 
 
@@ -59,9 +60,6 @@ def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - Load
     return server
 
 
-MAX_CONCURRENCY = 100_000
-"""The most requests in flight ``tuner load`` opens (each is a connection and a task: 10⁸ exhausted
-memory before the first request)."""
 
 
 def _check_pace(*, concurrency: int | None, rate: float | None, burstiness: float, seed: int,

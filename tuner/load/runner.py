@@ -39,9 +39,14 @@ from tuner.load.metrics import SLO, LoadSummary, RequestRecord, summarize
 from tuner.load.workloads import Request, Workload
 from tuner.records import PhaseResult
 
-__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync", "run_sync", "check_fits_server"]
+__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync", "run_sync", "check_fits_server", "MAX_CONCURRENCY"]
 
 T = TypeVar("T")
+
+MAX_CONCURRENCY = 100_000
+"""The most requests in flight a load opens (``tuner load --concurrency``, ``[budget] concurrency``
+and ``max_concurrency``): each is a connection and a task, and 10⁸ exhausted memory before the
+first request."""
 
 _POLL_S = 0.05
 """How often the run's supervisor wakes up to check phases, stops and server death."""
