@@ -18,16 +18,27 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tuner.errors import ConfigError, StudyError, TunerError
 from tuner.load.metrics import SLO
 from tuner.load.quality import QualityConfig
+from tuner.load.runner import MAX_CONCURRENCY
 from tuner.load.steady import SteadyWindow, sessions_reach
 from tuner.load.workloads import MultiTurnSpec, WorkloadSpec, build_workload
 from tuner.sglang.client import url_problem
-from tuner.sglang.flags import flag_value
-from tuner.units import MaintenanceWindow, parse_duration_s
+from tuner.sglang.flags import check_bundled_series, flag_value
+from tuner.units import EMPTY_TEXT, MaintenanceWindow, NonEmptyStr, parse_duration_s
 
 __all__ = [
     "check_url_matches_port",
@@ -45,16 +56,26 @@ __all__ = [
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
+DAY_S = 86_400.0
+"""The longest phase, timeout or reserve a key may ask for, in seconds: ``warmup_s = 1e30`` passed
+the dry run as a run that would never end (a new user's sweep)."""
+
 
 class _Section(BaseModel):
     """A TOML table: unknown keys refused, values frozen, no ``inf``/``nan`` (``stress_s = inf`` ran
-    into the dry run's duration formatting as a traceback: operator review 2's sweep)."""
+    into the dry run's duration formatting as a traceback: operator review 2's sweep), and strict
+    types: a number written as a string (``start_timeout_s = "60"``), a boolean where a number
+    belongs (``seed = true``) or ``2.0`` where an integer belongs is refused with the key's name,
+    not coerced (:func:`parse_config` words the error)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
-FloatRange = Annotated[tuple[float, float], Field(description="[low, high]")]
-IntRange = Annotated[tuple[int, int], Field(description="[low, high]")]
+# TOML has no tuple: a range is a list of two numbers (the list→tuple step lax, the numbers strict).
+FloatRange = Annotated[tuple[StrictFloat, StrictFloat], Field(strict=False, description="[low, high]")]
+IntRange = Annotated[tuple[StrictInt, StrictInt], Field(strict=False, description="[low, high]")]
+# A command (argv): at least one word, none empty.
+Argv = Annotated[list[NonEmptyStr], Field(min_length=1)]
 
 
 class StudySection(_Section):
@@ -125,25 +146,25 @@ class ServiceSection(_Section):
     """
 
     launcher: Literal["systemd", "process"] = "systemd"
-    unit: str | None = None
-    command: list[str] | None = None
+    unit: NonEmptyStr | None = None
+    command: Argv | None = None
     url: str = "http://127.0.0.1:30000"
-    systemctl: list[str] = Field(default_factory=lambda: ["systemctl"])
-    journalctl: list[str] = Field(default_factory=lambda: ["journalctl"])
-    dropin_dir: str | None = None
-    runtime_dropin_dir: str | None = None
-    python: str | None = None
-    sglang_version: str | None = None
-    start_timeout_s: float = Field(default=900.0, gt=0)
-    stop_timeout_s: float = Field(default=120.0, gt=0)
-    workdir: str | None = None
+    systemctl: Argv = Field(default_factory=lambda: ["systemctl"])
+    journalctl: Argv = Field(default_factory=lambda: ["journalctl"])
+    dropin_dir: NonEmptyStr | None = None
+    runtime_dropin_dir: NonEmptyStr | None = None
+    python: NonEmptyStr | None = None
+    sglang_version: NonEmptyStr | None = None
+    start_timeout_s: float = Field(default=900.0, gt=0, le=DAY_S)
+    stop_timeout_s: float = Field(default=120.0, gt=0, le=DAY_S)
+    workdir: NonEmptyStr | None = None
     gpu_monitor: Literal["auto", "nvml", "sim", "none"] = "auto"
     allow_foreign: StrictBool = False
-    state_dir: str | None = None
-    pre_restart: list[str] | None = None
-    post_ready: list[str] | None = None
-    hook_timeout_s: float = Field(default=300.0, gt=0)
-    window: str | None = None
+    state_dir: NonEmptyStr | None = None
+    pre_restart: Argv | None = None
+    post_ready: Argv | None = None
+    hook_timeout_s: float = Field(default=300.0, gt=0, le=DAY_S)
+    window: NonEmptyStr | None = None
     outside_window: Literal["wait", "stop"] = "wait"
 
     @field_validator("pre_restart", "post_ready", mode="before")
@@ -181,6 +202,18 @@ class ServiceSection(_Section):
             value = [sys.executable if word == "{python}" else word for word in value]
         return value
 
+    @field_validator("sglang_version")
+    @classmethod
+    def _version_bundled(cls, value: str | None) -> str | None:
+        """A version no bundled flag table covers is refused as ``upgrade-check --version`` refuses it."""
+        if value is not None:
+            try:
+                check_bundled_series(value, name="sglang_version", fix="set [service] python to the interpreter that runs "
+                                     "SGLang (its own parser is read), or leave sglang_version out")
+            except TunerError as err:
+                raise ValueError(str(err)) from None
+        return value
+
     @field_validator("url")
     @classmethod
     def _url_ok(cls, value: str) -> str:
@@ -207,8 +240,8 @@ class ModelSection(_Section):
         name: A display name for reports.
     """
 
-    config_json: str | None = None
-    name: str | None = None
+    config_json: NonEmptyStr | None = None
+    name: NonEmptyStr | None = None
 
 
 class SpaceSection(_Section):
@@ -356,7 +389,7 @@ class ObjectiveSection(_Section):
     context_tokens: int | None = Field(default=None, gt=0)
     capacity: Literal["auto", "slo_safe", "oom_safe"] = "auto"
     longest_share: float = Field(default=1.0, ge=0.0, le=1.0)
-    concurrency: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
 
 
 class BudgetSection(_Section):
@@ -386,20 +419,20 @@ class BudgetSection(_Section):
             (default: ``min(10, stress_s / 2)``); at most ``stress_s``.
     """
 
-    total: str | None = None
+    total: NonEmptyStr | None = None
     trials: int | None = Field(default=None, ge=1)
-    warmup_s: float = Field(default=10.0, ge=0)
-    measure_s: float = Field(default=60.0, gt=0)
-    stress_s: float = Field(default=30.0, ge=0)
+    warmup_s: float = Field(default=10.0, ge=0, le=DAY_S)
+    measure_s: float = Field(default=60.0, gt=0, le=DAY_S)
+    stress_s: float = Field(default=30.0, ge=0, le=DAY_S)
     max_requests: int | None = Field(default=None, ge=1)
-    concurrency: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
     request_rate: float | None = Field(default=None, gt=0)
-    max_concurrency: int = Field(default=256, ge=1)
+    max_concurrency: int = Field(default=256, ge=1, le=MAX_CONCURRENCY)
     early_stop: StrictBool = True
     probe_only_below: float = Field(default=0.8, ge=0.0, le=1.0)
-    restore_reserve_s: float = Field(default=0.0, ge=0)
+    restore_reserve_s: float = Field(default=0.0, ge=0, le=DAY_S)
     slo_capacity_steps: int = Field(default=2, ge=0, le=8)
-    ramp_s: float | None = Field(default=None, ge=0)
+    ramp_s: float | None = Field(default=None, ge=0, le=DAY_S)
 
     @model_validator(mode="after")
     def _ramp_inside_window(self) -> BudgetSection:
@@ -446,8 +479,8 @@ class StorageSection(_Section):
             result in flight kept on this host for the next run (:mod:`tuner.study.outage`).
     """
 
-    url: str | None = None
-    artifacts_dir: str | None = None
+    url: NonEmptyStr | None = None
+    artifacts_dir: NonEmptyStr | None = None
     heartbeat_interval_s: int = Field(default=30, ge=1, le=3600)
     grace_period_s: int = Field(default=120, ge=2, le=86400)
     outage_s: float = Field(default=300.0, ge=0, le=86400)
@@ -486,9 +519,9 @@ class TunerConfig(_Section):
     def _implied_concurrency(cls, data: Any) -> Any:
         """``[objective] concurrency`` left unset takes what the config implies: ``[budget]
         concurrency`` (the load the operator measures at), else a multi-turn workload's sessions."""
-        if not isinstance(data, dict):
-            return data
-        objective: dict[str, Any] = data["objective"] if isinstance(data.get("objective"), dict) else {}
+        if not isinstance(data, dict) or not isinstance(data.get("objective", {}), dict):
+            return data  # `objective = 1` is refused as not a table, not replaced by one
+        objective: dict[str, Any] = data.get("objective", {})
         if objective.get("concurrency") is not None:
             return data
         budget: dict[str, Any] = data["budget"] if isinstance(data.get("budget"), dict) else {}
@@ -547,20 +580,93 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> TunerConfig
                 f"{source}: unknown key {where}",
                 hint="remove it or fix its spelling (see configs/demo-sim.toml for every key)",
             ) from None
+        value = first.get("input")
+        if kind in ("missing", "too_long") and isinstance(first["loc"][-1], int) or kind == "too_long" and \
+                isinstance(value, list) and where.startswith("space."):  # a [low, high] range of one or three numbers
+            raise ConfigError(f"{source}: {where} is a range: it takes two numbers, [low, high]",
+                              hint=f"write {where} like {_key(first['loc'])} = {_example(first['loc']) or '[low, high]'}") from None
         if kind == "missing":
             raise ConfigError(
                 f"{source}: missing key {where}",
                 hint="add it (see configs/demo-sim.toml for an example)",
             ) from None
-        value = first.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
+        if kind in _TYPE_WORDS:  # strict types (_Section): nothing coerced, "60" is not 60
+            raise _type_error(source, first["loc"], kind, value) from None
         message = first["msg"].removeprefix("Value error, ")
+        if message == EMPTY_TEXT:  # NonEmptyStr: "" is not "left out"
+            what = "holds an empty word" if isinstance(first["loc"][-1], int) else "is empty"
+            raise ConfigError(f"{source}: {where} {what}",
+                              hint=f"give it a value, or leave {_key(first['loc'])} out for its default") from None
         if " — " in message:  # a check that names its own fix (a TunerError's message — hint)
             message, fix = message.split(" — ", 1)
             raise ConfigError(f"{source}: {message}" if where == "(top level)" else
                               f"{source}: {where} is invalid: {message}", hint=fix) from None
         raise ConfigError(f"{source}: {where}{shown} is invalid: {message}",
                           hint=f"fix {where} in {source} (configs/demo-sim.toml shows a valid one)") from None
+
+
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+               "string_type": "a string", "list_type": "a list", "tuple_type": "a list", "dict_type": "a table",
+               "model_type": "a table"}
+"""What a strict type error's key takes, by pydantic's error type."""
+
+
+def _key(loc: tuple[Any, ...]) -> str:
+    """The key as written in its table (``start_timeout_s``; ``p99`` inside ``ttft_ms``)."""
+    return next((str(p) for p in reversed(loc) if isinstance(p, str)), "(top level)")
+
+
+def _example(loc: tuple[Any, ...]) -> str | None:
+    """A valid value of the key at ``loc``, in TOML: its default where it has a scalar one, the demo
+    config's range for a ``[space]`` range; ``None`` where neither is known."""
+    from pydantic_core import PydanticUndefined
+
+    model: Any = TunerConfig
+    field = None
+    for part in (p for p in loc if isinstance(p, str)):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            if field is not None and part in ("random", "shared_prefix", "multi_turn", "trace", "text"):
+                continue  # the workload's tag
+            return None
+        field = fields[part]
+        model = field.annotation if isinstance(field.annotation, type) else None
+    if field is None:
+        return None
+    default = field.get_default(call_default_factory=True) if field.default is not PydanticUndefined or \
+        field.default_factory is not None else None
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if isinstance(default, (int, float)):
+        return f"{default:g}" if isinstance(default, float) else str(default)
+    if isinstance(default, str):
+        return f'"{default}"'
+    if "Range" in str(field.metadata) or field.description == "[low, high]" or "tuple" in str(field.annotation):
+        return "[0.80, 0.95]" if "float" in str(field.annotation).lower() else "[8, 512]"
+    return None
+
+
+def _type_error(source: str, loc: tuple[Any, ...], kind: str, value: Any) -> ConfigError:
+    """A value of the wrong TOML type, worded with the key and a valid example: a number in quotes
+    (``start_timeout_s = "60"``) is told to lose them, anything else is shown a valid value."""
+    where, key, wants = _location(loc), _key(loc), _TYPE_WORDS[kind]
+    if isinstance(value, str) and kind in ("int_type", "float_type"):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+        if number is not None and (kind == "float_type" or number.is_integer()):
+            return ConfigError(f"{source}: {where} = {value!r} is a string where {wants} belongs",
+                               hint=f"write {where} without quotes: {key} = {value.strip()}")
+    if isinstance(value, str) and kind == "bool_type" and value.strip().lower() in ("true", "false", "yes", "no"):
+        return ConfigError(f"{source}: {where} = {value!r} is a string where true or false belongs",
+                           hint=f"write {where} without quotes: {key} = true or {key} = false")
+    shown = "a table" if isinstance(value, dict) else repr(value)
+    example = _example(loc)
+    return ConfigError(f"{source}: {where} = {shown} is not {wants}",
+                       hint=f"write {where} like {key} = {example}" if example else
+                       f"fix {where} in {source} (configs/demo-sim.toml shows a valid one)")
 
 
 def check_url_matches_port(url: str | None, argv: Sequence[str]) -> None:

@@ -21,7 +21,7 @@ from tuner.launch.base import Launcher
 from tuner.launch.hostmem import read_host_memory
 from tuner.load import build_workload
 from tuner.load.workloads import for_speculation
-from tuner.preflight import check_run
+from tuner.preflight import check_command, check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.study.baseline import latest_baseline, study_hicache, study_levers
@@ -176,6 +176,7 @@ def tune(
     launcher = resolve_launcher(config, gpu=gpu)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
+    check_command(config, argv, table)  # the plan and the environment read the command: a broken one first
     config = speculative_workload(config, argv, table)
     environment = resolve_environment(config, argv, table, gpu)
     check_run(config, launcher, environment=environment, storage_url=storage_url, budget_s=budget_s,
@@ -213,11 +214,15 @@ def tune(
     return summary
 
 
+UNCHANGED_SERVICE = "not restarted: the run changed nothing, the service runs its own flags as before"
+"""What a run that never restarted the service says of it (:attr:`RunSummary.service`)."""
+
+
 def _service_text(config: TunerConfig, restored: bool) -> str:
     """What the run's end did to the service (:attr:`RunSummary.service`)."""
     if restored:
         return restored_text(config, datetime.now())
-    return "not restarted: the run changed nothing, the service runs its own flags as before"
+    return UNCHANGED_SERVICE
 
 
 def _drain_before_restore(server: LaunchedServer, launcher: Launcher, stopped: BaseException | None) -> None:
@@ -261,6 +266,7 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
+    check_command(config, argv, table)  # the plan and the environment read the command: a broken one first
     config = speculative_workload(config, argv, table)
     explicit = parse_argv(argv, table)
     baseline = {k: explicit[k] for k in SEARCHED_FIELDS if k in explicit}
@@ -336,6 +342,7 @@ def dry_run_checks(config: TunerConfig, *, budget_s: float | None, max_trials: i
     launcher = resolve_launcher(config, gpu=None)
     argv = launcher.current_argv()
     table = resolve_flag_table(config, argv)
+    check_command(config, argv, table)  # the plan and the environment read the command: a broken one first
     check_run(config, launcher, environment=resolve_environment(config, argv, table, None), storage_url=storage_url,
               budget_s=budget_s, max_trials=max_trials, allow_mixed_environment=allow_mixed_environment,
               planning=True)

@@ -14,6 +14,10 @@ lock and write the state file (:meth:`tuner.launch.base.GuardedLauncher.session`
 * **storage** (:func:`tuner.study.storage.check_run_storage`): an explicit SQLite folder that
   exists and is writable; an existing file that is an SQLite database (not 0 bytes, not corrupt),
   empty or an Optuna storage; the study, when stored, recorded in this environment.
+* **command** (:func:`check_command`, first, as soon as the flag table is known: the plan reads
+  the command): the service's own command (the baseline) as its SGLang version reads it: no flag
+  the version lacks, values of the flag's type and range; the simulator's command through the
+  simulator's own parser (its model, GPU and ``--sim-*`` values).
 * **budget**: at least one trial's estimated cost (:func:`tuner.study.budget.require_one_trial`,
   with the stored trials' durations when the study exists).
 * **service** (:meth:`tuner.launch.base.GuardedLauncher.preflight`): ``systemctl`` reachable, the
@@ -33,11 +37,12 @@ from typing import Any
 import optuna
 
 from tuner.config import TunerConfig, check_url_matches_port
-from tuner.errors import ConfigError, StudyError
+from tuner.errors import ConfigError, FlagError, StudyError
 from tuner.knobs import check_listed_levers
 from tuner.load.quality import read_tasks
-from tuner.sglang.flags import flag_int
-from tuner.study.budget import Budget, prior_trial_cost_s, require_one_trial
+from tuner.sglang.flags import FlagTable, flag_int, parse_argv, unknown_flags, validate
+from tuner.sglang.versions import release
+from tuner.study.budget import Budget, budget_name, prior_trial_cost_s, require_one_trial
 from tuner.study.optuna_io import check_environment, environment_binds, records, study_info
 from tuner.study.storage import (
     check_artifacts_folder,
@@ -47,7 +52,7 @@ from tuner.study.storage import (
     study_storage_url,
 )
 
-__all__ = ["check_run", "check_service"]
+__all__ = ["check_run", "check_service", "check_command"]
 
 
 def check_service(launcher: Any, *, restore: bool = False) -> None:
@@ -105,10 +110,147 @@ def check_run(
         durations = _check_stored_study(config.study.name, url, environment, allow_mixed_environment)
     if budget_s is not None:
         require_one_trial(budget_s, Budget.estimate(durations, prior_trial_cost_s(config)).seconds,
-                          reserve_s=config.budget.restore_reserve_s)
+                          reserve_s=config.budget.restore_reserve_s, name=budget_name(config, budget_s))
     check_hooks(config)
     check_paths(config)
     check_service(launcher)
+
+
+_FIX_COMMAND = "fix the service's command ([service] command, or the unit's ExecStart): its first trial, the baseline, runs it as it is"
+
+
+def _server_args(argv: list[str], marker: str) -> list[str] | None:
+    """The words after the program that reads the server's flags (``-m sglang.launch_server``,
+    ``sglang serve``, ``-m tuner.sim``, ``tuner sim serve``); ``None`` when ``marker`` is not there
+    (a wrapper's own flags, ``docker run --gpus``, are not the server's)."""
+    for i, word in enumerate(argv):
+        if word == marker or word.endswith("/" + marker):
+            return argv[i + 1:]
+        if word == "serve" and i and argv[i - 1].rsplit("/", 1)[-1] in (marker.split(".")[0], "sim"):
+            return argv[i + 1:]
+    return None
+
+
+def _simulator_refuses(args: list[str]) -> str | None:
+    """What the simulator (:mod:`tuner.sim`) says of its command line before it starts, as its own
+    parser reads it (exit 2 at launch: an unknown flag, an unknown ``--model-path`` preset or
+    ``--sim-gpu``, a value SGLang's server-args checks reject); ``None`` when it accepts it."""
+    import contextlib
+    import io
+
+    from tuner.sim.errors import SimError
+    from tuner.sim.startup import plan_from_argv
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            plan_from_argv(args)
+    except SimError as err:
+        return str(err)
+    except SystemExit as done:  # argparse: "usage: ...\nprog: error: unrecognized arguments: --x"
+        if not done.code:
+            return None
+        last = (said.getvalue().strip().splitlines() or ["it refuses its arguments"])[-1]
+        return last.split("error: ", 1)[-1]
+    return None
+
+
+def check_command(config: TunerConfig, argv: list[str], table: FlagTable) -> None:
+    """The service's own command, the study's baseline, as the server would read it at launch: the
+    run would otherwise create its study and store a failed baseline before anyone read why; and
+    the workload's longest request within the model's context length (:func:`check_context`).
+
+    SGLang's command (after ``sglang.launch_server`` or ``sglang serve``) is read with the
+    version's flag table (``shared/sglang-flags/``, :class:`tuner.sglang.flags.FlagTable`): a
+    flag the version lacks (only when the table is the version's own, not the nearest older one:
+    a newer patch release may add flags), a value not of the flag's type
+    (``--mem-fraction-static abc``), or one :func:`tuner.sglang.flags.validate` refuses
+    (``--mem-fraction-static 1.5``, ``--port 70000``). The simulator's command is read by the
+    simulator's own parser (:func:`tuner.sim.startup.plan_from_argv`).
+
+    Args:
+        config: The validated config (its workload and model).
+        argv: The service's command (:meth:`tuner.launch.base.Launcher.current_argv`).
+        table: The service's SGLang flag table.
+
+    Raises:
+        FlagError: The first problem of the command, naming the flag and the fix.
+        ConfigError: The workload does not fit the model's context length.
+    """
+    sim_args = _server_args(argv, "tuner.sim")
+    if sim_args is not None:
+        problem = _simulator_refuses(sim_args)
+        if problem is not None:
+            raise FlagError(f"the service's command is refused by the simulator: {problem}", hint=_FIX_COMMAND)
+        _check_values(parse_argv(sim_args, table), table)  # what SGLang refuses at startup, the simulator too
+        check_context(config, parse_argv(sim_args, table), preset=True)
+        return
+    _check_sglang_command(argv, table)
+    check_context(config, parse_argv(argv, table), preset=False)
+
+
+def check_context(config: TunerConfig, flags: Mapping[str, Any], *, preset: bool) -> None:
+    """The workload's longest request (input + output, and ``[objective] context_tokens``) within
+    the server's context length: ``--context-length``, else the model's ``max_position_embeddings``
+    (SGLang's ``context_len``, ``sglang-reference.md`` §1.6) from ``[model] config_json`` or a
+    local ``--model-path`` (:func:`tuner.study.lever_space.study_model`), or, for the simulator
+    (``preset``), its bundled preset (``tuner/data/models/<name>/config.json``). SGLang refuses a
+    longer request (HTTP 400), so every request of the study would fail. Unknown context: no check.
+
+    Raises:
+        ConfigError: Naming the longest request, the context length, where it came from, and the fix.
+    """
+    from importlib import resources
+
+    from tuner.errors import TunerError
+    from tuner.load.workloads import build_workload
+    from tuner.sglang.modelconfig import load_model_config
+    from tuner.study.lever_space import study_model
+
+    context, source = flags.get("context_length"), "--context-length"
+    if not isinstance(context, int):
+        model = study_model(config, flags)
+        name = flags.get("model_path")
+        if model is None and preset and isinstance(name, str) and "/" not in name:
+            try:
+                model = load_model_config(str(resources.files("tuner.data") / "models" / name))
+            except TunerError:
+                model = None
+        context, source = (model.max_position_embeddings if model else None), "the model's max_position_embeddings"
+    if not context:
+        return
+    longest = build_workload(config.workload, seed=config.study.seed).context_tokens
+    if longest > context:
+        raise ConfigError(f"[workload]'s longest request ({longest:,} tokens, input + output) exceeds the server's "
+                          f"context length ({context:,} tokens, {source})",
+                          hint="shorten [workload] (input_len, output_len), or raise the server's --context-length")
+    wanted = config.objective.context_tokens
+    if wanted is not None and wanted > context:
+        raise ConfigError(f"[objective] context_tokens {wanted:,} exceeds the server's context length "
+                          f"({context:,} tokens, {source})",
+                          hint=f"set context_tokens to at most {context}, or raise the server's --context-length")
+
+
+def _check_sglang_command(argv: list[str], table: FlagTable) -> None:
+    """SGLang's own command read with the version's flag table (see :func:`check_command`)."""
+    args = _server_args(argv, "sglang.launch_server")
+    if args is not None and release(table.version) == release(table.table_version):
+        unknown = unknown_flags(args, table)
+        if unknown:
+            raise FlagError(f"the service's command: {unknown[0].split(' — ')[0]}", hint=_FIX_COMMAND)
+    _check_values(parse_argv(args if args is not None else argv, table), table)
+
+
+def _check_values(params: dict[str, Any], table: FlagTable) -> None:
+    """The command's values: of the flag's type, and none :func:`tuner.sglang.flags.validate` refuses."""
+    for field, value in params.items():
+        option = table.option(field)
+        if option.type in ("int", "float", "human_readable_int") and isinstance(value, str):
+            kind = "a number" if option.type == "float" else "an integer"
+            raise FlagError(f"the service's command: {option.flags[0]} {value!r} is not {kind}", hint=_FIX_COMMAND)
+    reasons = validate(params, table)
+    if reasons:
+        raise FlagError(f"the service's command: {reasons[0].split(' — ')[0]}", hint=_FIX_COMMAND)
 
 
 def check_paths(config: TunerConfig) -> None:

@@ -18,6 +18,6 @@ def main() -> None:
     try:
         from tuner.cli import main as cli_main
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        sys.stderr.write("interrupted before the command started: nothing was changed\n")
         raise SystemExit(130) from None
     cli_main()

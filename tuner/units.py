@@ -1,5 +1,5 @@
-"""Units the config and the CLI share: durations (``4h``, ``90m``, ``1h30m``), GiB, and a daily
-window of local time (``[service] window``).
+"""Units the config and the CLI share: durations (``4h``, ``90m``, ``1h30m``), GiB, a daily window
+of local time (``[service] window``), and the non-empty text every string key and option takes.
 
 Lowest layer with :mod:`tuner.errors`: it imports nothing else of the product.
 """
@@ -9,13 +9,44 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from tuner.errors import ConfigError
 
-__all__ = ["GIB", "parse_duration_s", "format_duration", "MaintenanceWindow"]
+__all__ = ["GIB", "parse_duration_s", "format_duration", "MaintenanceWindow", "non_empty", "NonEmptyStr", "EMPTY_TEXT"]
 
 GIB = float(2**30)
 """Bytes in a GiB (binary; SGLang logs memory in GB meaning GiB, ``sglang-reference.md`` §4.2)."""
+
+EMPTY_TEXT = "is empty (give a value, or leave it out for its default)"
+"""What :func:`non_empty` says of an empty value; the config and the CLI put the key's or the
+option's name before it."""
+
+
+def non_empty(value: str) -> str:
+    """A string key's or option's value, refused when empty or only whitespace: ``--budget ''``,
+    ``[storage] url = ""`` or ``--systemctl ''`` were read as "not given" (the default used, exit 0)
+    or ran as an empty command. The one rule of :data:`NonEmptyStr` (the config's string keys) and
+    of the CLI's string options (typer's ``parser=``, :mod:`tuner.cli.common`).
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        ValueError: The value is empty, or holds a NUL character (pydantic and click name the key
+            or option before it).
+    """
+    if not value.strip():
+        raise ValueError(EMPTY_TEXT)
+    if "\x00" in value:  # no path, argument or URL holds one (a ValueError deep in open() or exec)
+        raise ValueError("holds a NUL character (\\x00), which no path, argument or URL can hold")
+    return value
+
+
+NonEmptyStr = Annotated[str, AfterValidator(non_empty)]
+"""A config string that may not be empty or blank (:func:`non_empty`)."""
 
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(h|m|s)", re.IGNORECASE)
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0}

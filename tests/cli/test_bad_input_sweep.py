@@ -33,16 +33,16 @@ def test_a_state_dir_on_a_virtual_file_system_is_refused_by_the_dry_run(tmp_path
     one_error_line(proc, "--state-dir /proc/nope", "cannot be written")
 
 
-@pytest.mark.parametrize(("option", "value", "needle"), [
-    ("--prometheus-textfile", "nodir/t.prom", "folder that does not exist"),  # t4-49: the dry run passed
-    ("--json-progress", "", "--json-progress is empty"),  # t4-48: ran with no JSON anywhere
+@pytest.mark.parametrize(("option", "value", "needle", "code"), [
+    ("--prometheus-textfile", "nodir/t.prom", "folder that does not exist", 1),  # t4-49: the dry run passed
+    ("--json-progress", "", "'--json-progress': is empty", 2),  # t4-48: ran with no JSON anywhere
 ])
 def test_the_dry_run_refuses_an_output_the_run_could_not_write(tmp_path: Path, option: str, value: str,
-                                                               needle: str) -> None:
+                                                               needle: str, code: int) -> None:
     config = config_copy("demo-sim.toml", tmp_path)
     arg = str(tmp_path / value) if value else value
     for dry in (("--dry-run",), ("--trials", "1")):
-        one_error_line(run_tuner("run", "--config", str(config), *dry, option, arg), needle)
+        one_error_line(run_tuner("run", "--config", str(config), *dry, option, arg), needle, code=code)
     assert not (tmp_path / "studies").exists()  # the run was refused before its storage
 
 
@@ -144,3 +144,101 @@ def test_load_refuses_a_pace_it_cannot_keep_before_any_request(args: tuple[str, 
     proc = run_tuner("load", "--url", "http://127.0.0.1:9", "--input-len", "64", "--output-len", "4",
                      "--duration", "3", *args)
     one_error_line(proc, needle)
+
+
+# ---- issue 42's last sweep (a new user's, ≈ 2,230 inputs: every command, option and config key): each
+# case below was an exit 0, a value coerced or accepted that the run then failed on, or a line naming the
+# wrong thing. In-process (the script's entry point, `tuner_cli`), each refused before anything starts.
+
+def _cmd(old: str, new: str) -> tuple[str, str]:
+    """The demo (on port 30000) with ``old`` text replaced by ``new`` (a ``replace`` case of the test below)."""
+    return "replace", f"{old}=>{new}"
+
+
+@pytest.mark.parametrize(("section", "line", "needles"), [
+    # empty strings were "left out" (the default, exit 0)
+    ("storage", 'url = ""', ("storage.url is empty",)),
+    ("service", 'python = ""', ("service.python is empty",)),
+    ("service", 'sglang_version = ""', ("service.sglang_version is empty",)),
+    ("service", 'state_dir = " "', ("service.state_dir is empty",)),
+    ("model", 'config_json = "a\\u0000b"', ("model.config_json", "NUL")),  # a ValueError traceback at open()
+    # numbers in quotes were coerced (pydantic's lax mode)
+    ("service", 'start_timeout_s = "60"', ("service.start_timeout_s = '60' is a string", "start_timeout_s = 60")),
+    ("budget", 'trials = "2"', ("budget.trials = '2' is a string", "trials = 2")),
+    ("study", "seed = true", ("study.seed = True is not an integer", "seed = 0")),
+    ("workload", 'input_len = "2016"', ("workload.input_len = '2016' is a string",)),
+    ("slo", 'ttft_ms = { p99 = "9000" }', ("slo.ttft_ms.p99 = '9000' is a string",)),
+    # the baseline's own command: the run stored a failed baseline, then said why
+    (*_cmd('"--enable-metrics"', '"--enable-metrics", "--no-such-flag"'), ("unrecognized arguments: --no-such-flag",)),
+    (*_cmd('"0.80"', '"1.5"'), ("mem_fraction_static=1.5",)),
+    (*_cmd('"L4-24GB"', '"NOPE"'), ("--sim-gpu", "'NOPE'")),
+    (*_cmd('"llama-3.1-8b"', '"no-such-model"'), ("--model-path 'no-such-model'",)),
+    # a workload the model cannot hold (every request refused), a version no flag table covers
+    ("workload", "input_len = 200000", ("200,032 tokens", "context length (131,072 tokens")),
+    ("objective", "context_tokens = 140000", ("[objective] context_tokens 140,000",)),
+    ("service", 'sglang_version = "9.9.9"', ("sglang_version 9.9.9 is outside the bundled",)),
+    # lines that named the wrong thing
+    ("service", 'state_dir = "/proc/nope"', ("cannot be written", "[service] state_dir")),  # named a key log_dir
+    ("space", "mem_fraction_static = [0.8]", ("is a range", "[low, high]")),  # "missing key"
+    ("budget", 'total = "1s"', ("[budget] total 1s is shorter", 'total = "')),  # "--budget", never passed
+    (*_cmd('"http://127.0.0.1:30000"', '"http://192.0.2.1:30000"'), ("is not this machine",)),  # "port in use"
+])
+def test_a_config_the_run_would_refuse_is_refused_first(tmp_path: Path, tuner_cli, section: str, line: str,  # noqa: ANN001
+                                                       needles: tuple[str, ...]) -> None:
+    if section == "replace":
+        old, new = line.split("=>")
+        config = config_copy("demo-sim.toml", tmp_path, replace={old: new}, port=30000)
+    else:
+        config = _with(tmp_path, section, line)
+    proc = tuner_cli("run", "--config", str(config), "--dry-run")
+    error = one_error_line(proc, *needles)
+    assert "log_dir" not in error and "missing key" not in error
+    assert not (tmp_path / "studies").exists()
+
+
+@pytest.mark.parametrize(("args", "needle", "code"), [
+    (("run", "--config", "{demo}", "--dry-run", "--budget", ""), "'--budget' / '-b': is empty", 2),  # exit 0
+    (("run", "--config", "", "--dry-run"), "'--config' / '-c': is empty", 2),  # read as the folder "."
+    (("trials", "--study", "", "--storage", "{store}"), "'--study': is empty", 2),
+    (("restore", "--unit", "x.service", "--systemctl", ""), "'--systemctl': is empty", 2),  # the default systemctl
+    (("launch", "--config", "{demo}", "--set", "port=31000"), "has --port 31000", 1),  # the url's port ignored
+    (("load", "--url", "http://127.0.0.1:9", "--knob", "rate"), "--knob is an option of --max-under-slo", 1),
+    (("load", "--url", "http://127.0.0.1:9", "--time-budget", "60"), "--time-budget is an option of", 1),
+    (("trials", "--storage", "sqlite:///{tmp}"), "is a folder, not a study file", 1),  # "does not exist"
+    (("apply", "best", "--dry-run", "--storage", "{store}", "--verify-s", "inf"), "--verify-s inf", 1),
+    (("applies", "--storage", "{store}", "--study", "nope"), "has no study 'nope'", 1),  # exit 0: "no apply yet"
+])
+def test_an_option_the_command_would_misread_is_refused(tmp_path: Path, tuner_cli, args: tuple[str, ...],  # noqa: ANN001
+                                                        needle: str, code: int) -> None:
+    import shutil
+
+    store = tmp_path / "store.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "studies" / "records-2639f26.db", store)
+    demo = config_copy("demo-sim.toml", tmp_path, port=30000)
+    filled = [a.format(demo=demo, store=f"sqlite:///{store}", tmp=tmp_path) for a in args]
+    one_error_line(tuner_cli(*filled), needle, code=code)
+
+
+def test_upgrade_check_with_a_program_that_is_not_python_says_so_in_one_short_line(tmp_path: Path, tuner_cli) -> None:  # noqa: ANN001
+    """``--python /bin/ls`` printed SGLang's introspection script (30 lines of code) inside its error."""
+    import shutil
+
+    store = tmp_path / "store.db"
+    shutil.copy(Path(__file__).resolve().parents[1] / "fixtures" / "studies" / "records-2639f26.db", store)
+    line = one_error_line(tuner_cli("upgrade-check", "--storage", f"sqlite:///{store}", "--study",
+                                    "l4-chunks-2639f26", "--python", "/bin/ls"), "sglang is not importable with /bin/ls")
+    assert "import" not in line.split("/bin/ls", 1)[1] and len(line) < 300, line
+
+
+def test_load_refuses_a_prompt_longer_than_the_server_s_context_before_sending(tmp_path: Path, tuner_cli) -> None:  # noqa: ANN001
+    """``--input-len 999999`` on a 131,072-token model: every request was refused by the server and the
+    load said "no request completed"; now one line naming the server's limit, before the first request."""
+    from tests.support.sim import start_healthy
+
+    sim = start_healthy(["--model-path", "llama-3.1-8b", "--sim-gpu", "H100-80GB"], tmp_path)
+    try:
+        one_error_line(tuner_cli("load", "--url", sim.url, "--input-len", "999999", "--output-len", "4",
+                                 "--concurrency", "1", "--duration", "2"), "longest", "(999,999 tokens)",
+                       "exceeds the server's")
+    finally:
+        sim.stop()

@@ -89,7 +89,7 @@ def test_hints_name_what_the_user_can_do(tmp_path: Path) -> None:
     driver named a module, not the package that installs it (N18)."""
     config = tmp_path / "trace.toml"
     config.write_text('[study]\nname = "t"\n[service]\nlauncher = "process"\ncommand = ["python3", "-m", "tuner.sim", '
-                      '"--port", "30999"]\nurl = "http://127.0.0.1:30999"\n[workload]\nkind = "trace"\n'
+                      '"--model-path", "llama-3.1-8b", "--port", "30999"]\nurl = "http://127.0.0.1:30999"\n[workload]\nkind = "trace"\n'
                       'path = "/nonexistent/trace.jsonl"\n')
     one_error_line(tuner("run", "--config", str(config), "--budget", "2m", "--dry-run"), "[workload] path")
     one_error_line(tuner("trials", "--storage", "mysql://127.0.0.1:30998/x"), "pip install mysqlclient")
@@ -138,7 +138,7 @@ def test_init_output_folder_and_an_empty_copy_name_are_refused(tmp_path: Path) -
     for force in ((), ("--force",)):
         one_error_line(tuner("init", "--sim", "-o", str(tmp_path), *force), "is a folder")
     one_error_line(tuner("copy-study", "--from", f"sqlite:///{tmp_path}/a.db", "--to", f"sqlite:///{tmp_path}/b.db",
-                         "--study", "s", "--to-study", ""), "--to-study is empty")
+                         "--study", "s", "--to-study", ""), "'--to-study': is empty", code=2)  # every option's rule
     assert not (tmp_path / "b.db").exists()
 
 

@@ -27,8 +27,21 @@ def main() -> None:
     """Entry point of the ``tuner`` script.
 
     Turns every user error into one line on stderr: a :class:`TunerError` exits 1, a command-line
-    usage error (unknown option, bad value) exits 2 as click does, Ctrl-C exits 130.
+    usage error (unknown option, bad value) exits 2 as click does, Ctrl-C exits 130. Once the
+    command is over, SIGINT is ignored: the interpreter's shutdown restores SIGINT's default, and a
+    Ctrl-C there killed a finished command silently (a new user's sweep: exit 130, no line, after a
+    dry run had printed its whole plan).
     """
+    import signal
+
+    try:
+        _run()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run() -> None:
+    """:func:`main` without its exit guard."""
     try:
         rc = app(standalone_mode=False)
     except TunerError as err:

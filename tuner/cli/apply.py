@@ -19,23 +19,25 @@ from tuner.cli.common import (
     check_seconds,
     check_state_dir,
     console,
+    non_empty_path,
+    non_empty_text,
     open_stored_study,
 )
 
 
 @app.command("apply", short_help="Persist a trial's flags, restart, verify; roll back on failure.")
 def apply_cmd(
-    target: Annotated[str | None, typer.Argument(help="`best` or a trial number.")] = None,
+    target: Annotated[str | None, typer.Argument(parser=non_empty_text, help="`best` or a trial number.")] = None,
     undo: Annotated[bool, typer.Option("--undo", help="Return to the state before the last verified apply.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the drop-in and the command-line diff; change nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", parser=non_empty_path, help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
     verify_s: Annotated[float, typer.Option("--verify-s", help="Seconds of the verifying load check (0: none).")] = 20.0,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be ready.")] = 900.0,
-    write: Annotated[Path | None, typer.Option("--write", help="Process launcher: write the command line to this file.")] = None,
+    write: Annotated[Path | None, typer.Option("--write", parser=non_empty_path, help="Process launcher: write the command line to this file.")] = None,
     keep_admission: Annotated[bool, typer.Option(
         "--keep-admission",
         help="Keep the trial's own max_running_requests where its memory admits more longest contexts than the "
@@ -108,6 +110,8 @@ def applies_cmd(
     from tuner.report import tables
 
     location = results.resolve_location(study=study, storage=storage, config=config)
+    if location.study_name:  # a study the storage lacks (a typo) was "no apply recorded" (exit 0)
+        results.open_study(location)
     records = applying.ApplyLog(location.storage_url).records()
     if as_json:
         print(tables.json_text([r.model_dump(mode="json") for r in records]))

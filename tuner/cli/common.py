@@ -14,10 +14,11 @@ import typer
 from rich.console import Console
 
 from tuner.results import StoredStudy, open_study, resolve_location
+from tuner.units import non_empty
 
 __all__ = [
     "app", "console", "err_console", "StudyOpt", "StorageOpt", "ConfigOpt", "JsonOpt", "open_stored_study",
-    "check_output_path", "check_seconds", "check_state_dir", "STATE_DIR_DEFAULT",
+    "check_output_path", "check_seconds", "check_state_dir", "STATE_DIR_DEFAULT", "non_empty_text", "non_empty_path",
 ]
 
 app = typer.Typer(
@@ -61,9 +62,35 @@ def _root(
     `tuner best`, `tuner apply best`.
     """
 
-StudyOpt = Annotated[str | None, typer.Option("--study", help="Study name (default: [study] of --config, or the only studies/*.db).")]
-StorageOpt = Annotated[str | None, typer.Option("--storage", help="Optuna storage URL, e.g. sqlite:///studies/demo.db (must exist).")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="Config file whose [study]/[storage] name the study.")]
+def non_empty_text(value: str) -> str:
+    """A string option's value (typer's ``parser=``), refused when empty or blank: the config's rule
+    (:func:`tuner.units.non_empty`) for the command line, where ``--budget ''`` was read as no budget
+    and ``--systemctl ''`` as the default command.
+
+    Raises:
+        typer.BadParameter: The value is empty (a usage error, exit 2; click names the option:
+            ``Invalid value for '--budget'``).
+    """
+    try:
+        return non_empty(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def non_empty_path(value: str) -> Path:
+    """A path option's value (typer's ``parser=``), refused when empty as :func:`non_empty_text`:
+    ``Path("")`` is the working directory, so ``--config ''`` was read as a folder and
+    ``--state-dir ''`` as the working directory.
+
+    Raises:
+        typer.BadParameter: The value is empty.
+    """
+    return Path(non_empty_text(value))
+
+
+StudyOpt = Annotated[str | None, typer.Option("--study", parser=non_empty_text, help="Study name (default: [study] of --config, or the only studies/*.db).")]
+StorageOpt = Annotated[str | None, typer.Option("--storage", parser=non_empty_text, help="Optuna storage URL, e.g. sqlite:///studies/demo.db (must exist).")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", parser=non_empty_path, help="Config file whose [study]/[storage] name the study.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 STATE_DIR_DEFAULT = "/var/lib/sglang-tuner as root, else ~/.local/state/sglang-tuner"
 """``--state-dir``'s default as help shows it (:func:`tuner.launch.safety.default_state_dir`)."""
@@ -132,14 +159,17 @@ def check_state_dir(state_dir: Path | None, flag: str = "--state-dir") -> None:
 
 
 def check_seconds(value: float, flag: str, *, allow_zero: bool = False, example: str = "900") -> None:
-    """Refuse a duration that is negative (or zero, unless ``allow_zero``), before any work.
+    """Refuse a duration that is negative (or zero, unless ``allow_zero``) or not finite (``inf``
+    waited forever), before any work.
 
     Raises:
         ConfigError: Naming ``flag`` and the value.
     """
+    import math
+
     from tuner.errors import ConfigError
 
-    if value > 0 or (allow_zero and value == 0):
+    if math.isfinite(value) and (value > 0 or (allow_zero and value == 0)):
         return
-    what = "a number of seconds ≥ 0" if allow_zero else "a positive number of seconds"
+    what = "a finite number of seconds ≥ 0" if allow_zero else "a finite, positive number of seconds"
     raise ConfigError(f"{flag} {value:g} is not {what}", hint=f"pass e.g. {flag} {example}")

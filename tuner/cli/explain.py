@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli.common import ConfigOpt, StorageOpt, StudyOpt, app, console, open_stored_study
+from tuner.cli.common import ConfigOpt, StorageOpt, StudyOpt, app, console, non_empty_text, open_stored_study
 
 
 def _explain_trial(number: int, study: str | None, storage: str | None, config: Path | None, *, given: list[str]):  # noqa: ANN202 - (Explanation, StoredStudy)
@@ -88,13 +88,13 @@ def _check_options(*, trial: int | None, mem_fraction_static: float | None, gpu:
 
 @app.command("explain", short_help="Where a server's GPU memory went and what limits capacity.")
 def explain_cmd(
-    log: Annotated[str | None, typer.Option("--log", help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
-    unit: Annotated[str | None, typer.Option("--unit", help="systemd unit whose journal to read.")] = None,
-    url: Annotated[str | None, typer.Option("--url", help="running server, e.g. http://127.0.0.1:30000.")] = None,
-    model_config: Annotated[str | None, typer.Option("--model-config", help="the model's Hugging Face config.json (or its directory).")] = None,
-    journalctl: Annotated[str, typer.Option("--journalctl", help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
+    log: Annotated[str | None, typer.Option("--log", parser=non_empty_text, help="SGLang log file (plain or .gz; journalctl -o short / short-iso), or - for stdin.")] = None,
+    unit: Annotated[str | None, typer.Option("--unit", parser=non_empty_text, help="systemd unit whose journal to read.")] = None,
+    url: Annotated[str | None, typer.Option("--url", parser=non_empty_text, help="running server, e.g. http://127.0.0.1:30000.")] = None,
+    model_config: Annotated[str | None, typer.Option("--model-config", parser=non_empty_text, help="the model's Hugging Face config.json (or its directory).")] = None,
+    journalctl: Annotated[str, typer.Option("--journalctl", parser=non_empty_text, help="journalctl command, e.g. 'nsenter -t PID -m -p journalctl'.")] = "journalctl",
     mem_fraction_static: Annotated[float | None, typer.Option("--mem-fraction-static", help="the server's fraction in (0, 1), used only when the input does not state it (a stated value wins; a different one here is reported).")] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="the GPU's name or architecture (e.g. 'RTX PRO 6000', sm120) for the ladder's feasibility cells; unknown without it.")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", parser=non_empty_text, help="the GPU's name or architecture (e.g. 'RTX PRO 6000', sm120) for the ladder's feasibility cells; unknown without it.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the explanation as JSON (docs/explain-schema.md).")] = False,
     trial: Annotated[int | None, typer.Option("--trial", min=0, help="a stored trial: its server log, bounded by what its study measured (with --study, --storage or --config).")] = None,
     study: StudyOpt = None,

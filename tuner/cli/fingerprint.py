@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli.common import ConfigOpt, JsonOpt, StorageOpt, StudyOpt, app, open_stored_study
+from tuner.cli.common import ConfigOpt, JsonOpt, StorageOpt, StudyOpt, app, non_empty_text, open_stored_study
 
 
 @app.command("fingerprints", short_help="What is known of each deployment's memory, per study, with the figures.")
@@ -39,34 +39,15 @@ def fingerprints_cmd(
             print(line)
 
 
-def _check_bundled_series(version: str) -> None:
-    """Refuse a ``--version`` outside the release series of the bundled flag tables (``9.9``,
-    ``0.6.0``): nothing bundled says what its flags or defaults are. A newer patch release of a
-    bundled series (``0.5.24``) is read with the series' newest table, as the help says.
-
-    Raises:
-        ConfigError: Naming the version, the bundled tables and the fix.
-        FlagError: ``version`` is not a version number.
-    """
-    from tuner.errors import ConfigError
-    from tuner.sglang.flags import FlagTable
-    from tuner.sglang.versions import release
-
-    bundled = FlagTable.bundled_versions()
-    if release(version)[:2] not in {release(v)[:2] for v in bundled}:
-        raise ConfigError(f"--version {version} is outside the bundled flag tables' series ({', '.join(bundled)})",
-                          hint="pass --python with that version's interpreter, whose SGLang parser is read instead")
-
-
 @app.command("upgrade-check", short_help="What another SGLang installation changes of the best config's flags.")
 def upgrade_check_cmd(
     config: ConfigOpt = None,
-    python: Annotated[str | None, typer.Option("--python", help="The other SGLang installation's Python (its flag table is read from SGLang's own parser).")] = None,
-    version: Annotated[str | None, typer.Option("--version", help="Another SGLang version, from the bundled flag tables (the simulator stands in for it).")] = None,
+    python: Annotated[str | None, typer.Option("--python", parser=non_empty_text, help="The other SGLang installation's Python (its flag table is read from SGLang's own parser).")] = None,
+    version: Annotated[str | None, typer.Option("--version", parser=non_empty_text, help="Another SGLang version, from the bundled flag tables (the simulator stands in for it).")] = None,
     study: StudyOpt = None,
     storage: StorageOpt = None,
     boot: Annotated[bool, typer.Option("--boot", help="Consent: start the best flags once on the new version (the unit's lock, restored afterwards, as a trial); needs --config.")] = False,
-    window: Annotated[str | None, typer.Option("--window", help="Only boot inside this local-time window, HH:MM-HH:MM (e.g. 02:00-04:00).")] = None,
+    window: Annotated[str | None, typer.Option("--window", parser=non_empty_text, help="Only boot inside this local-time window, HH:MM-HH:MM (e.g. 02:00-04:00).")] = None,
     load: Annotated[bool, typer.Option("--load", help="With --boot: one short load after the boot probe ([budget] phases).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -77,7 +58,7 @@ def upgrade_check_cmd(
     from tuner.config import load_config
     from tuner.errors import ConfigError
     from tuner.report import tables
-    from tuner.sglang.flags import FlagTable
+    from tuner.sglang.flags import FlagTable, check_bundled_series
     from tuner.upgrade import boot as boot_new
     from tuner.upgrade import in_window, plan_upgrade
 
@@ -85,7 +66,8 @@ def upgrade_check_cmd(
         raise ConfigError("upgrade-check needs exactly one of --python and --version",
                           hint="pass --python /opt/sglang-new/bin/python (or --version 0.5.23 for a bundled table)")
     if version is not None:
-        _check_bundled_series(version)
+        check_bundled_series(version, name="--version",
+                             fix="pass --python with that version's interpreter, whose SGLang parser is read instead")
     if (window is not None or load) and not boot:
         raise ConfigError("--window and --load only apply with --boot", hint="add --boot to start the new version once")
     if boot and config is None:

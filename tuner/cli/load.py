@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from tuner.cli.common import app, check_output_path, console, err_console
+from tuner.cli.common import app, check_output_path, console, err_console, non_empty_path, non_empty_text
+from tuner.load.runner import MAX_CONCURRENCY
 from tuner.report import tables
 
 
@@ -59,9 +60,6 @@ def _print_acceptance(summary, url: str) -> float | None:  # noqa: ANN001 - Load
     return server
 
 
-MAX_CONCURRENCY = 100_000
-"""The most requests in flight ``tuner load`` opens (each is a connection and a task: 10⁸ exhausted
-memory before the first request)."""
 
 
 def _check_pace(*, concurrency: int | None, rate: float | None, burstiness: float, seed: int,
@@ -93,9 +91,10 @@ def _check_pace(*, concurrency: int | None, rate: float | None, burstiness: floa
 
 @app.command("load", short_help='Load a server with a streaming workload; bench_serving metrics.')
 def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); it only goes down
-    url: Annotated[str, typer.Option("--url", help="the server's base URL, e.g. http://127.0.0.1:30000.")],
-    api: Annotated[str, typer.Option("--api", help="generate (/generate, input_ids) or completions (/v1/completions).")] = "generate",
-    workload: Annotated[str, typer.Option("--workload", help="random, shared-prefix, multi-turn, trace or text (prompts sent as text: use it for a speculative deployment).")] = "random",
+    ctx: typer.Context,
+    url: Annotated[str, typer.Option("--url", parser=non_empty_text, help="the server's base URL, e.g. http://127.0.0.1:30000.")],
+    api: Annotated[str, typer.Option("--api", parser=non_empty_text, help="generate (/generate, input_ids) or completions (/v1/completions).")] = "generate",
+    workload: Annotated[str, typer.Option("--workload", parser=non_empty_text, help="random, shared-prefix, multi-turn, trace or text (prompts sent as text: use it for a speculative deployment).")] = "random",
     input_len: Annotated[int | None, typer.Option("--input-len", help="random: prompt tokens [1024].")] = None,
     output_len: Annotated[int | None, typer.Option("--output-len", help="output tokens (ignore_eos) [256].")] = None,
     range_ratio: Annotated[float | None, typer.Option("--range-ratio", help="random: lengths uniform in [L*r, L] [1.0].")] = None,
@@ -108,12 +107,12 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     turns: Annotated[int | None, typer.Option("--turns", help="multi-turn: turns per conversation [4].")] = None,
     first_input_len: Annotated[int | None, typer.Option("--first-input-len", help="multi-turn: first prompt tokens [1024].")] = None,
     turn_input_len: Annotated[int | None, typer.Option("--turn-input-len", help="multi-turn: new user tokens per turn [128].")] = None,
-    trace: Annotated[Path | None, typer.Option("--trace", help="trace: the tuner's JSONL (timestamp_s, input_len, output_len, ...), bench_serving's ShareGPT JSON, or an OpenAI-format request log (JSONL).")] = None,
-    trace_format: Annotated[str | None, typer.Option("--trace-format", help="trace: auto, jsonl, sharegpt or openai [auto].")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", parser=non_empty_path, help="trace: the tuner's JSONL (timestamp_s, input_len, output_len, ...), bench_serving's ShareGPT JSON, or an OpenAI-format request log (JSONL).")] = None,
+    trace_format: Annotated[str | None, typer.Option("--trace-format", parser=non_empty_text, help="trace: auto, jsonl, sharegpt or openai [auto].")] = None,
     bytes_per_token: Annotated[float | None, typer.Option("--bytes-per-token", help="trace: UTF-8 bytes per token for text traces, no tokenizer [4.0].")] = None,
     time_scale: Annotated[float | None, typer.Option("--time-scale", help="trace: multiply its time offsets [1.0].")] = None,
     send_text: Annotated[bool, typer.Option("--send-text", help="trace: send the prompts as text (its messages; a JSONL trace gets the shipped prompts at its lengths): use it for a speculative deployment.")] = False,
-    prompts: Annotated[Path | None, typer.Option("--prompts", help="text: a JSONL of {\"prompt\": text, \"class\": chat|code} [the shipped chat-like set].")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", parser=non_empty_path, help="text: a JSONL of {\"prompt\": text, \"class\": chat|code} [the shipped chat-like set].")] = None,
     prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="text: grow each prompt to about this many tokens [as written].")] = None,
     seed: Annotated[int, typer.Option("--seed", help="seed of prompts and arrivals.")] = 0,
     vocab_size: Annotated[int, typer.Option("--vocab-size", help="token ids are drawn below this.")] = 32000,
@@ -121,12 +120,12 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     rate: Annotated[float | None, typer.Option("--rate", help="open loop: mean arrivals, requests/s.")] = None,
     burstiness: Annotated[float, typer.Option("--burstiness", help="gamma shape of arrivals: 1 = Poisson, < 1 burstier.")] = 1.0,
     max_under_slo: Annotated[bool, typer.Option("--max-under-slo", help="search the highest --knob level meeting --slo.")] = False,
-    knob: Annotated[str, typer.Option("--knob", help="--max-under-slo: concurrency or rate.")] = "concurrency",
+    knob: Annotated[str, typer.Option("--knob", parser=non_empty_text, help="--max-under-slo: concurrency or rate.")] = "concurrency",
     start: Annotated[float, typer.Option("--start", help="--max-under-slo: first level.")] = 1,
     max_value: Annotated[float, typer.Option("--max-value", help="--max-under-slo: highest level.")] = 1024,
     time_budget: Annotated[float, typer.Option("--time-budget", help="--max-under-slo: seconds for the whole search.")] = 600,
     target_attainment: Annotated[float, typer.Option("--target-attainment", help="--max-under-slo: share of requests that must meet the SLO.")] = 0.9,
-    slo: Annotated[str | None, typer.Option("--slo", help='limits, e.g. "p99_ttft_ms=2000,p99_itl_ms=100".')] = None,
+    slo: Annotated[str | None, typer.Option("--slo", parser=non_empty_text, help='limits, e.g. "p99_ttft_ms=2000,p99_itl_ms=100".')] = None,
     duration: Annotated[float | None, typer.Option("--duration", help="measured window, s (per level with --max-under-slo).")] = None,
     warmup: Annotated[float | None, typer.Option("--warmup", help="unmeasured warm-up, s (after --ramp).")] = None,
     ramp: Annotated[float | None, typer.Option("--ramp", help="closed loop: start the sessions staggered over this many s (warm-up, at most --duration): the steady window of the trial's SLO-safe capacity.")] = None,
@@ -136,10 +135,10 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     max_requests: Annotated[int | None, typer.Option("--max-requests", help="measured requests to send.")] = None,
     request_timeout: Annotated[float, typer.Option("--request-timeout", help="limit per request, s.")] = 600.0,
     timeout: Annotated[float | None, typer.Option("--timeout", help="limit for the whole run, s.")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="completions: model name [from /v1/models].")] = None,
-    transport: Annotated[str, typer.Option("--transport", help="raw (own HTTP/1.1, least CPU) or aiohttp.")] = "raw",
-    json_out: Annotated[Path | None, typer.Option("--json", help="write the summary (or search result) as JSON.")] = None,
-    csv_out: Annotated[Path | None, typer.Option("--csv", help="write one row per request as CSV.")] = None,
+    model: Annotated[str | None, typer.Option("--model", parser=non_empty_text, help="completions: model name [from /v1/models].")] = None,
+    transport: Annotated[str, typer.Option("--transport", parser=non_empty_text, help="raw (own HTTP/1.1, least CPU) or aiohttp.")] = "raw",
+    json_out: Annotated[Path | None, typer.Option("--json", parser=non_empty_path, help="write the summary (or search result) as JSON.")] = None,
+    csv_out: Annotated[Path | None, typer.Option("--csv", parser=non_empty_path, help="write one row per request as CSV.")] = None,
     max_error_rate: Annotated[float, typer.Option("--max-error-rate", help="exit 1 above this share of errored requests (0-1); always when none completed.")] = 0.1,
 ) -> None:
     """Load an SGLang server with a streaming workload and report bench_serving's metrics.
@@ -157,7 +156,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
 
     from tuner.errors import ConfigError, LoadError
     from tuner.load import SLO, build_workload, find_max_under_slo_async, run_load
-    from tuner.load.runner import run_sync
+    from tuner.load.runner import check_fits_server, run_sync
     from tuner.load.steady import SteadyWindow, session_workload
     from tuner.load.workloads import spec_from_options
 
@@ -167,6 +166,11 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
         raise ConfigError(f"--transport {transport!r} is unknown", hint="use --transport raw or --transport aiohttp")
     if max_under_slo and (concurrency is not None or rate is not None):
         raise ConfigError("--max-under-slo searches the level itself", hint="drop --concurrency / --rate")
+    search_only = [f"--{name.replace('_', '-')}" for name in ("knob", "start", "max_value", "time_budget",
+                   "target_attainment") if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+    if search_only and not max_under_slo:  # each was ignored without the search
+        raise ConfigError(f"{search_only[0]} is an option of --max-under-slo",
+                          hint=f"add --max-under-slo --slo ... to search, or drop {search_only[0]}")
     if max_under_slo and knob not in ("concurrency", "rate"):
         raise ConfigError(f"--knob {knob!r} is unknown", hint="use --knob concurrency or --knob rate")
     if max_under_slo and not slo:
@@ -196,6 +200,7 @@ def load_cmd(  # noqa: C901 - over the complexity ceiling when it was set (15); 
     wl = build_workload(spec, seed=seed, vocab_size=vocab_size)
     if longest_context is not None:
         wl = session_workload(wl, longest_context, longest_share, where="--longest-context", sessions=concurrency)
+    check_fits_server(url, wl)
 
     with Live(console=err_console, transient=True, refresh_per_second=4) as live:
         def tick(stats) -> None:  # noqa: ANN001 - LiveStats

@@ -15,6 +15,8 @@ from tuner.cli.common import (
     app,
     check_output_path,
     console,
+    non_empty_path,
+    non_empty_text,
     open_stored_study,
 )
 
@@ -26,7 +28,7 @@ def trials_cmd(
     config: ConfigOpt = None,
     feasible: Annotated[bool, typer.Option("--feasible", help="Only feasible trials.")] = False,
     failed: Annotated[bool, typer.Option("--failed", help="Only failed or skipped trials.")] = False,
-    sort: Annotated[str | None, typer.Option("--sort", help="capacity, tokens, throughput, goodput, ttft, itl or number.", show_default="number")] = None,
+    sort: Annotated[str | None, typer.Option("--sort", parser=non_empty_text, help="capacity, tokens, throughput, goodput, ttft, itl or number.", show_default="number")] = None,
     as_json: JsonOpt = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="Print CSV (params as param.<name> columns).")] = False,
 ) -> None:
@@ -71,7 +73,7 @@ def best_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    policy: Annotated[str | None, typer.Option("--policy", help="throughput_within_capacity, max_capacity or max_throughput (default: the study's).")] = None,
+    policy: Annotated[str | None, typer.Option("--policy", parser=non_empty_text, help="throughput_within_capacity, max_capacity or max_throughput (default: the study's).")] = None,
     tolerance: Annotated[float | None, typer.Option("--tolerance", help="Capacity tolerance of throughput_within_capacity only (0.05 = 5%).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -110,17 +112,14 @@ def studies_cmd(
 
 @app.command("copy-study")
 def copy_study_cmd(
-    from_url: Annotated[str, typer.Option("--from", help="Source storage URL, e.g. sqlite:///studies/demo.db.")],
-    to_url: Annotated[str, typer.Option("--to", help="Target storage URL, e.g. postgresql+psycopg://user:pw@db/tuner.")],
-    study: Annotated[str, typer.Option("--study", help="The study to copy.")],
-    to_study: Annotated[str | None, typer.Option("--to-study", help="Its name in the target (default: the same).")] = None,
+    from_url: Annotated[str, typer.Option("--from", parser=non_empty_text, help="Source storage URL, e.g. sqlite:///studies/demo.db.")],
+    to_url: Annotated[str, typer.Option("--to", parser=non_empty_text, help="Target storage URL, e.g. postgresql+psycopg://user:pw@db/tuner.")],
+    study: Annotated[str, typer.Option("--study", parser=non_empty_text, help="The study to copy.")],
+    to_study: Annotated[str | None, typer.Option("--to-study", parser=non_empty_text, help="Its name in the target (default: the same).")] = None,
 ) -> None:
     """Copy a study between storages (SQLite <-> PostgreSQL)."""
-    from tuner.errors import ConfigError
     from tuner.study.storage import copy_study, display_url
 
-    if to_study is not None and not to_study.strip():  # '' became the source's name silently (review #139)
-        raise ConfigError("--to-study is empty", hint="pass the study's name in the target, or leave --to-study out")
     count = copy_study(from_url, to_url, study, to_study)
     console.print(f"copied study {study} ({count} trials) from {display_url(from_url)} to "
                   f"{display_url(to_url)} as {to_study or study}; artifact files stay where they are",
@@ -132,7 +131,7 @@ def report_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="HTML file (default studies/<study>-report.html).")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", parser=non_empty_path, help="HTML file (default studies/<study>-report.html).")] = None,
 ) -> None:
     """Write one self-contained HTML report (plots inlined; opens offline)."""
     from tuner.report import html
@@ -167,7 +166,7 @@ def dashboard_cmd(
     study: StudyOpt = None,
     storage: StorageOpt = None,
     config: ConfigOpt = None,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", parser=non_empty_text, help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8080,
 ) -> None:
     """Run optuna-dashboard on the study's storage (Ctrl-C stops it).

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tuner.cli.common import app, console, err_console
+from tuner.cli.common import app, console, err_console, non_empty_path, non_empty_text
 from tuner.report.tables import terminal_safe
 
 
@@ -145,18 +145,15 @@ class JsonProgress:
 
 
 def _check_sinks(json_progress: str | None, prometheus_textfile: Path | None) -> None:
-    """Refuse, before the dry run and the run alike, an output the run could not write: an empty
-    ``--json-progress``, or either file in a folder that does not exist (nothing is created).
+    """Refuse, before the dry run and the run alike, an output the run could not write: either file
+    in a folder that does not exist (nothing is created); an empty one is refused by its parser.
 
     Raises:
         ConfigError: Naming the option, the path and the fix.
     """
     from tuner.cli.common import check_output_path
-    from tuner.errors import ConfigError
 
-    if json_progress is not None and json_progress != "-":
-        if not json_progress.strip():
-            raise ConfigError("--json-progress is empty", hint="pass a file path, or - for standard output")
+    if json_progress is not None and json_progress != "-":  # an empty one is refused by its parser
         check_output_path(Path(json_progress), "--json-progress")
     check_output_path(prometheus_textfile, "--prometheus-textfile")
 
@@ -243,21 +240,21 @@ class _RunProgress:
 
 @app.command("run", short_help='Run or resume the study: relaunch, load, measure, learn, restore.')
 def run_cmd(
-    config: Annotated[Path, typer.Option("--config", "-c", help="The tuning config (TOML).")],
-    budget: Annotated[str | None, typer.Option("--budget", "-b", help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
+    config: Annotated[Path, typer.Option("--config", "-c", parser=non_empty_path, help="The tuning config (TOML).")],
+    budget: Annotated[str | None, typer.Option("--budget", "-b", parser=non_empty_text, help="Wall-clock budget with a unit: 4h, 90m, 1h30m, 3m, 90s (a bare number is an error). At least one trial's estimated cost.")] = None,
     trials: Annotated[int | None, typer.Option("--trials", "-n", metavar="N", help="Cap on trials launched in this run (restarts; skipped proposals do not count), at least 1.", show_default="the config's [budget] trials, else none")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the first launch; change nothing.")] = False,
-    storage: Annotated[str | None, typer.Option("--storage", help="Override the config's storage url.")] = None,
+    storage: Annotated[str | None, typer.Option("--storage", parser=non_empty_text, help="Override the config's storage url.")] = None,
     allow_mixed_environment: Annotated[bool, typer.Option(
         "--allow-mixed-environment", help="Add trials to a study recorded with another SGLang/GPU/driver/model.")] = False,
     apply_best: Annotated[bool, typer.Option(
         "--apply-best", help="After the run, persist the best trial like `tuner apply best --yes` (verify, roll back on failure).")] = False,
     json_progress: Annotated[str | None, typer.Option(
-        "--json-progress", metavar="FILE|-",
+        "--json-progress", metavar="FILE|-", parser=non_empty_text,
         help="Also write every progress event (trial start/end, phase and its progress, flags, launch n of ~N, "
              "budget left) as one JSON object per line to FILE (appended), or to standard output with -.")] = None,
     prometheus_textfile: Annotated[Path | None, typer.Option(
-        "--prometheus-textfile", metavar="FILE",
+        "--prometheus-textfile", metavar="FILE", parser=non_empty_path,
         help="Keep FILE a Prometheus text exposition of the run (restarts, trials by result, the phase in "
              "flight, best so far, budget left), rewritten at every step: point it into node_exporter's "
              "textfile directory (e.g. /var/lib/node_exporter/textfile/sglang-tuner.prom).")] = None,
@@ -276,25 +273,29 @@ def run_cmd(
 
     if trials is not None and trials < 1:
         raise ConfigError(f"--trials {trials} is not a number of trials", hint="pass --trials 1 or more, or leave it out")
-    _check_sinks(json_progress, prometheus_textfile)
-    cfg = load_config(config)
-    text = budget or cfg.budget.total
-    budget_s = parse_duration_s(text) if text else None
-    max_trials = trials or cfg.budget.trials
-    if budget_s is None and max_trials is None and not dry_run:
-        raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
-                          hint="pass e.g. --budget 4h")
-    from tuner import entrypoints
+    try:  # a Ctrl-C before the run holds the service: nothing changed, and the line says so
+        _check_sinks(json_progress, prometheus_textfile)
+        cfg = load_config(config)
+        text = budget or cfg.budget.total
+        budget_s = parse_duration_s(text) if text else None
+        max_trials = trials or cfg.budget.trials
+        if budget_s is None and max_trials is None and not dry_run:
+            raise ConfigError("no budget: neither --budget nor --trials nor [budget] total/trials is set",
+                              hint="pass e.g. --budget 4h")
+        from tuner import entrypoints
 
-    if dry_run:
-        console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage),
-                      highlight=False, markup=False, soft_wrap=True)
-        entrypoints.dry_run_checks(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage,
-                                   allow_mixed_environment=allow_mixed_environment)
-        console.print("checks: every check a run makes before it changes anything passes", highlight=False)
-        return
-    sink = JsonProgress(json_progress) if json_progress else None
-    metrics = _prometheus_textfile(prometheus_textfile, cfg, storage)
+        if dry_run:
+            console.print(entrypoints.dry_run(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage),
+                          highlight=False, markup=False, soft_wrap=True)
+            entrypoints.dry_run_checks(cfg, budget_s=budget_s, max_trials=max_trials, storage_url=storage,
+                                       allow_mixed_environment=allow_mixed_environment)
+            console.print("checks: every check a run makes before it changes anything passes", highlight=False)
+            return
+        sink = JsonProgress(json_progress) if json_progress else None
+        metrics = _prometheus_textfile(prometheus_textfile, cfg, storage)
+    except KeyboardInterrupt:
+        err_console.print("interrupted before the run started: nothing was changed", highlight=False, markup=False)
+        raise typer.Exit(130) from None
     out = err_console if json_progress == "-" else console  # `-`: standard output carries JSON only
     renderer = _RunProgress(also=[s for s in (sink, metrics) if s is not None], out=out)
     try:
@@ -309,7 +310,8 @@ def run_cmd(
                 else "no trial was in flight")
         again = (f"tuner run --config {config}" + (f" --budget {budget}" if budget else "")
                  + (f" --storage {display_url(storage)}" if storage else ""))
-        service = getattr(stop, "service", "restored to its original flags")
+        # No `service`: tune() stopped before it held the service (its checks), so nothing changed.
+        service = getattr(stop, "service", entrypoints.UNCHANGED_SERVICE)
         said = f"interrupted: {what}, service {service}; resume with `{again}`"
         err_console.print(said, highlight=False, markup=False, soft_wrap=True)
         if sink is not None:
@@ -346,8 +348,8 @@ def run_cmd(
 
 @app.command("init", short_help='Write a starter config from a running unit or for the simulator.')
 def init_cmd(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the config.")] = Path("tuner.toml"),
-    unit: Annotated[str | None, typer.Option("--unit", help="Read a running systemd unit (ExecStart, model, GPU, version).")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", parser=non_empty_path, help="Where to write the config.")] = Path("tuner.toml"),
+    unit: Annotated[str | None, typer.Option("--unit", parser=non_empty_text, help="Read a running systemd unit (ExecStart, model, GPU, version).")] = None,
     sim: Annotated[bool, typer.Option("--sim", help="Write a config for the simulated server instead.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
 ) -> None:

@@ -7,7 +7,15 @@ from typing import Annotated, Any
 
 import typer
 
-from tuner.cli.common import STATE_DIR_DEFAULT, app, check_seconds, check_state_dir, console
+from tuner.cli.common import (
+    STATE_DIR_DEFAULT,
+    app,
+    check_seconds,
+    check_state_dir,
+    console,
+    non_empty_path,
+    non_empty_text,
+)
 
 
 def _launch_settings(config: Path | None, unit: str | None, state_dir: Path | None,
@@ -45,14 +53,14 @@ def _check_unit_is_the_configs(config: Path, unit: str) -> None:
 
 @app.command("restore", short_help='Put the service back as it was before a tuning run.')
 def restore_cmd(
-    unit: Annotated[str | None, typer.Option("--unit", help="The unit (or process launcher name) to put back.")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="The run's TOML config (its service section).")] = None,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
-    systemctl: Annotated[str | None, typer.Option(help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
-    journalctl: Annotated[str | None, typer.Option(help="journalctl command.")] = None,
-    dropin_dir: Annotated[Path | None, typer.Option(help="Folder holding <unit>.d/.")] = None,
-    runtime_dropin_dir: Annotated[Path | None, typer.Option(help="systemd's runtime unit folder, holding a trial's <unit>.d/ (default /run/systemd/system).")] = None,
-    url: Annotated[str | None, typer.Option(help="Server URL checked for health.")] = None,
+    unit: Annotated[str | None, typer.Option("--unit", parser=non_empty_text, help="The unit (or process launcher name) to put back.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", parser=non_empty_path, help="The run's TOML config (its service section).")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", parser=non_empty_path, help="Folder of the run's state files.", show_default=STATE_DIR_DEFAULT)] = None,
+    systemctl: Annotated[str | None, typer.Option(parser=non_empty_text, help="systemctl command (e.g. 'nsenter -t PID -m -p systemctl').")] = None,
+    journalctl: Annotated[str | None, typer.Option(parser=non_empty_text, help="journalctl command.")] = None,
+    dropin_dir: Annotated[Path | None, typer.Option(parser=non_empty_path, help="Folder holding <unit>.d/.")] = None,
+    runtime_dropin_dir: Annotated[Path | None, typer.Option(parser=non_empty_path, help="systemd's runtime unit folder, holding a trial's <unit>.d/ (default /run/systemd/system).")] = None,
+    url: Annotated[str | None, typer.Option(parser=non_empty_text, help="Server URL checked for health.")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Seconds the server may take to be healthy.")] = 900.0,
 ) -> None:
     """Put the service back as it was before a tuning run (after a crash, kill -9 or Ctrl-C).
@@ -91,7 +99,7 @@ def restore_cmd(
 
 @app.command("launch", short_help="Preview a trial's drop-in or command for --set flags.")
 def launch_cmd(
-    config: Annotated[Path, typer.Option("--config", help="The run's TOML config (its service section).")],
+    config: Annotated[Path, typer.Option("--config", parser=non_empty_path, help="The run's TOML config (its service section).")],
     set_flags: Annotated[list[str] | None, typer.Option("--set", metavar="FLAG=VALUE", help="A flag to change, e.g. mem-fraction-static=0.8; repeat --set for several (--set A=1 --set B=2); checked against the service's SGLang flags.")] = None,
 ) -> None:
     """Preview a trial: the drop-in (or command) the tuner would write for --set flags. Changes nothing.
@@ -99,13 +107,17 @@ def launch_cmd(
     Starting a trial for real is `tuner run`'s job: it holds the lock and restores the service.
     After the preview the service checks a run makes first are made (exit 1 with the reason when one fails).
     """
-    from tuner.config import load_config
+    from tuner.config import check_url_matches_port, load_config
     from tuner.entrypoints import resolve_flag_table, resolve_launcher
-    from tuner.launch.preview import preview
+    from tuner.launch.preview import parse_settings, preview
     from tuner.preflight import check_service
 
     cfg = load_config(config)
     launcher = resolve_launcher(cfg)
-    text = preview(launcher, set_flags or [], resolve_flag_table(cfg, launcher.current_argv()))
+    table = resolve_flag_table(cfg, launcher.current_argv())
+    port = parse_settings(set_flags or [], table).get("port")
+    if port is not None:  # a trial on another port than [service] url would wait its whole start timeout
+        check_url_matches_port(cfg.service.url, ["--port", str(port)])
+    text = preview(launcher, set_flags or [], table)
     console.print(text, highlight=False, soft_wrap=True, markup=False)
     check_service(launcher)  # after the preview: what `tuner run` would refuse this service for (exit 1)

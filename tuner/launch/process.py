@@ -167,7 +167,34 @@ class ProcessLauncher(GuardedLauncher):
                 f"  {shlex.join(argv)}\nCommand change:\n{''.join(diff) or '(none)'}")
 
     def _check_startable(self) -> None:
+        self._check_url_is_here()
         self._check_port_free()
+
+    def _check_url_is_here(self) -> None:
+        """The URL's host is this machine: the process launcher starts the server here, and a trial
+        would wait its whole start timeout for one elsewhere (and a host that answers, say a proxy,
+        read as "port in use").
+
+        Raises:
+            LaunchError: The host does not resolve, or resolves to no address of this machine.
+        """
+        host = urlsplit(self.url).hostname or "127.0.0.1"
+        if host in ("0.0.0.0", "::", "localhost"):
+            return
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as err:
+            raise LaunchError(f"service.url {self.url}: host {host!r} does not resolve ({err.strerror or err})",
+                              hint="the process launcher starts the server on this machine: use http://127.0.0.1:PORT") from None
+        for family, _type, _proto, _name, address in infos:
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as probe:
+                    probe.bind((address[0], 0))  # binds only to an address of this machine
+                return
+            except OSError:
+                continue
+        raise LaunchError(f"service.url {self.url} is not this machine ({host} is no address of it)",
+                          hint="the process launcher starts the server here: use http://127.0.0.1:PORT (the command's --port)")
 
     def _check_service(self, *, restore: bool) -> None:
         """The server log's folder can be written and the command's executable exists (the state
@@ -175,7 +202,8 @@ class ProcessLauncher(GuardedLauncher):
         blocked = writable_folder(self.log_dir)
         if blocked is not None and not restore:
             raise LaunchError(f"the server log folder {self.log_dir} cannot be written ({blocked} is not writable)",
-                              hint="set service.log_dir to a writable folder")
+                              hint="set [service] state_dir to a writable folder (the log goes in its logs/)"
+                              if self.log_dir == self.state_dir / "logs" else "pass a writable log folder")
         executable = self.command[0] if self.command else ""
         if not restore and shutil.which(executable) is None:
             raise LaunchError(f"server command not found or not executable: {executable!r}",
@@ -217,7 +245,8 @@ class ProcessLauncher(GuardedLauncher):
             logf = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
         except OSError as err:
             raise LaunchError(f"cannot write the server log {self.log_path}: {err.strerror}",
-                              hint="set service.log_dir to a writable folder") from err
+                              hint="set [service] state_dir to a writable folder (the log goes in its logs/)"
+                              if self.log_dir == self.state_dir / "logs" else "pass a writable log folder") from err
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,

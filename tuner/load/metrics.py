@@ -71,10 +71,11 @@ class SLO(BaseModel):
     Per request (goodput and attainment), a request meets the SLO when it completed and its own
     TTFT, TPOT and E2E latency are within the *loosest* limit given for that metric (bench_serving's
     ``--goodput`` checks these three), and, when ITL limits are given, its own ITL at each limit's
-    percentile is within that limit.
+    percentile is within that limit. Strict types: a limit written as a string (``{ p99 = "2000" }``)
+    is refused, not read as a number.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     ttft_ms: dict[str, float] = Field(default_factory=dict)
     itl_ms: dict[str, float] = Field(default_factory=dict)

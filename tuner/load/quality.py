@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from tuner.errors import QualityError, ServerError
 from tuner.records import QualityFacts
 from tuner.sglang.client import GreedyAnswer
+from tuner.units import NonEmptyStr
 
 __all__ = [
     "QualityConfig",
@@ -88,14 +89,14 @@ class QualityConfig(BaseModel):
         timeout_s: Limit of one probe, seconds.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # "48" is not a number of tokens
 
     enabled: StrictBool = True
     max_new_tokens: int = Field(default=48, ge=8, le=512)
     min_exact_match: float = Field(default=0.5, ge=0.0, le=1.0)
     min_first_divergence: int = Field(default=4, ge=0, le=512)
     max_mean_abs_logprob_delta: float = Field(default=0.05, gt=0.0, le=10.0)
-    tasks: str | None = None
+    tasks: NonEmptyStr | None = None
     task_max_new_tokens: int = Field(default=16, ge=1, le=256)
     max_task_accuracy_drop: float = Field(default=0.05, ge=0.0, le=1.0)
     timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)

@@ -39,9 +39,14 @@ from tuner.load.metrics import SLO, LoadSummary, RequestRecord, summarize
 from tuner.load.workloads import Request, Workload
 from tuner.records import PhaseResult
 
-__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync", "run_sync"]
+__all__ = ["LiveStats", "PhaseWindow", "LoadResult", "run_load", "run_load_sync", "run_sync", "check_fits_server", "MAX_CONCURRENCY"]
 
 T = TypeVar("T")
+
+MAX_CONCURRENCY = 100_000
+"""The most requests in flight a load opens (``tuner load --concurrency``, ``[budget] concurrency``
+and ``max_concurrency``): each is a connection and a task, and 10⁸ exhausted memory before the
+first request."""
 
 _POLL_S = 0.05
 """How often the run's supervisor wakes up to check phases, stops and server death."""
@@ -455,6 +460,37 @@ class _Run:
         if end_s > last:
             windows.append(PhaseWindow(name="drain", start_s=last, end_s=end_s, sent=0))
         return windows
+
+
+def check_fits_server(url: str, workload: Workload) -> None:
+    """Refuse, before any request, a workload whose longest request the server would reject: input +
+    output beyond its ``context_length``, or an input beyond its ``max_req_input_len`` (SGLang's
+    "The input (N tokens) is longer than the model's context length", ``sglang-reference.md`` §4.4;
+    ``GET /get_server_info``, §5.2). Every request would fail, read as "no request completed". A
+    server that cannot be asked is left to the load's own probe.
+
+    Raises:
+        LoadError: Naming the longest request, the server's limit and the fix.
+    """
+    from tuner.errors import TunerError
+    from tuner.sglang.client import SGLangClient
+
+    try:
+        with SGLangClient(url) as client:
+            info = client.server_info()
+    except TunerError:
+        return
+    longest = workload.context_tokens
+    output = getattr(workload.spec, "output_len", 0) or 0
+    if info.context_length and longest > info.context_length:
+        raise LoadError(f"the workload's longest request ({longest:,} tokens, input + output) exceeds the server's "
+                        f"context length ({info.context_length:,} tokens)", hint=_SHORTEN)
+    if info.max_req_input_len and longest - output > info.max_req_input_len:
+        raise LoadError(f"the workload's longest prompt ({longest - output:,} tokens) exceeds the server's longest "
+                        f"input ({info.max_req_input_len:,} tokens, max_req_input_len)", hint=_SHORTEN)
+
+
+_SHORTEN = "shorten the prompts (--input-len, --first-input-len, --system-prompt-len, --longest-context) or the output"
 
 
 def _validate(

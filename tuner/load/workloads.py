@@ -102,9 +102,17 @@ MAX_TOKENS = 2**21
 """The longest prompt or output a workload may ask for, in tokens (2,097,152: past every served
 context; larger values overflowed numpy's sampler or exhausted memory before the first request)."""
 
+MAX_COUNT = 2**20
+"""The most groups, prompts per group, sessions or turns a workload may ask for (1,048,576): each is
+built up front, so ``num_sessions = 1e30`` hung the dry run (a new user's sweep)."""
+
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    """A workload spec: a ``[workload]`` table or the ``tuner load`` options. Strict types (as the
+    config's tables, :class:`tuner.config._Section`): ``input_len = "2016"`` is refused, not read as
+    a number; a file's path is the one key a string converts (to a :class:`~pathlib.Path`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class RandomSpec(_Spec):
@@ -128,8 +136,8 @@ class SharedPrefixSpec(_Spec):
     """Groups of prompts sharing a system prompt (bench_serving ``generated-shared-prefix``, §6.3)."""
 
     kind: Literal["shared_prefix"] = "shared_prefix"
-    num_groups: int = Field(64, ge=1)
-    prompts_per_group: int = Field(16, ge=1)
+    num_groups: int = Field(64, ge=1, le=MAX_COUNT)
+    prompts_per_group: int = Field(16, ge=1, le=MAX_COUNT)
     system_prompt_len: int = Field(2048, ge=1, le=MAX_TOKENS)
     question_len: int = Field(128, ge=1, le=MAX_TOKENS)
     output_len: int = Field(256, ge=1, le=MAX_TOKENS)
@@ -144,8 +152,8 @@ class MultiTurnSpec(_Spec):
     """
 
     kind: Literal["multi_turn"] = "multi_turn"
-    num_sessions: int = Field(32, ge=1)
-    turns: int = Field(4, ge=1)
+    num_sessions: int = Field(32, ge=1, le=MAX_COUNT)
+    turns: int = Field(4, ge=1, le=MAX_COUNT)
     first_input_len: int = Field(1024, ge=1, le=MAX_TOKENS)
     turn_input_len: int = Field(128, ge=1, le=MAX_TOKENS)
     output_len: int = Field(256, ge=1, le=MAX_TOKENS)
@@ -170,7 +178,7 @@ class TraceSpec(_Spec):
     """
 
     kind: Literal["trace"] = "trace"
-    path: Path
+    path: Annotated[Path, Field(strict=False)]
     time_scale: float = Field(1.0, gt=0.0)
     trace_format: Literal["auto", "jsonl", "sharegpt", "openai"] = "auto"
     bytes_per_token: float = Field(BYTES_PER_TOKEN, gt=0.0)
@@ -198,7 +206,7 @@ class TextSpec(_Spec):
     """
 
     kind: Literal["text"] = "text"
-    prompts: Path | None = None
+    prompts: Annotated[Path, Field(strict=False)] | None = None
     prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     output_len: int = Field(256, ge=1, le=MAX_TOKENS)
     num_requests: int | None = Field(None, ge=1)

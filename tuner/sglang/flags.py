@@ -41,6 +41,7 @@ __all__ = [
     "validate",
     "unknown_flags",
     "parse_human_int",
+    "check_bundled_series",
 ]
 
 log = logging.getLogger(__name__)
@@ -190,8 +191,10 @@ class FlagTable:
                 introspection timed out or printed something unreadable.
         """
         try:
+            # The script on standard input: a program that is not Python (`--python /bin/ls`) then
+            # says so about "-", not with the whole script in its error line.
             proc = subprocess.run(
-                [python, "-c", _INTROSPECT], capture_output=True, text=True, timeout=timeout_s,
+                [python, "-"], input=_INTROSPECT, capture_output=True, text=True, timeout=timeout_s,
                 env=dict(env) if env is not None else None, check=False,
             )
         except FileNotFoundError as err:
@@ -269,6 +272,28 @@ class FlagTable:
 
 _HUMAN = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
 _HUMAN_SCALE = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def check_bundled_series(version: str, *, name: str, fix: str) -> None:
+    """Refuse a version outside the release series of the bundled flag tables (``9.9.9``,
+    ``0.6.0``): nothing bundled says what its flags or defaults are, and :meth:`FlagTable.for_version`
+    would read it with the newest table. A newer patch release of a bundled series (``0.5.24``) is
+    read with the series' newest table. The one rule of ``tuner upgrade-check --version`` and
+    ``[service] sglang_version``.
+
+    Args:
+        version: The version given.
+        name: The option or key it came from (``--version``, ``[service] sglang_version``).
+        fix: What to do instead (the error's hint).
+
+    Raises:
+        FlagError: Naming ``name``, the version and the bundled tables; or ``version`` is not a
+            version number.
+    """
+    bundled = FlagTable.bundled_versions()
+    if release(version)[:2] not in {release(v)[:2] for v in bundled}:
+        raise FlagError(f"{name} {version} is outside the bundled flag tables' series ({', '.join(bundled)})",
+                        hint=fix)
 
 
 def flag_value(argv: Sequence[str], *names: str) -> str | None:

@@ -20,7 +20,7 @@ from tuner.errors import ConfigError
 from tuner.load.search import context_slo
 from tuner.units import format_duration
 
-__all__ = ["prior_trial_cost_s", "restore_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "TrialCostEstimate", "Budget"]
+__all__ = ["prior_trial_cost_s", "restore_cost_s", "slo_bracket_cost_s", "load_concurrency", "reachable_slots", "require_one_trial", "budget_name", "TrialCostEstimate", "Budget"]
 
 def prior_trial_cost_s(config: TunerConfig) -> float:
     """A first trial's expected cost in seconds, before the study has any history: a third of
@@ -112,6 +112,16 @@ def reachable_slots(
     return max(1, max_total_num_tokens // max(1, context_tokens), min(streams, by_mean))
 
 
+def budget_name(config: TunerConfig, budget_s: float) -> str:
+    """Where a run's budget came from, for its messages: ``[budget] total`` when it is the config's
+    (no ``--budget`` given, or the same duration), else ``--budget`` (a ``[budget] total = "1s"``
+    was told to "give at least --budget 2m", an option the user never passed)."""
+    from tuner.units import parse_duration_s
+
+    total = config.budget.total
+    return "[budget] total" if total is not None and parse_duration_s(total) == budget_s else "--budget"
+
+
 def require_one_trial(total_s: float, cost_s: float, *, reserve_s: float = 0.0, name: str = "--budget") -> None:
     """Refuse a budget too short for even one trial (it would stop before doing anything).
 
@@ -132,7 +142,8 @@ def require_one_trial(total_s: float, cost_s: float, *, reserve_s: float = 0.0, 
     raise ConfigError(
         f"{name} {format_duration(total_s)} is shorter than one trial (about {format_duration(needed_s)}: "
         "restart, warm-up, measure and stress phases)",
-        hint=f"give at least {name} {minimum}",
+        hint=f'set total = "{minimum}" or more in [budget], or pass --budget {minimum}' if name.startswith("[")
+        else f"give at least {name} {minimum}",
     )
 
 

@@ -40,7 +40,7 @@ from tuner.records import TrialRecord, now_iso
 from tuner.sglang.failures import FailureClass
 from tuner.study.baseline import claim_baseline, could_not_start, fix_space
 from tuner.study.best import best_by, probe_floor
-from tuner.study.budget import Budget, require_one_trial
+from tuner.study.budget import Budget, budget_name, require_one_trial
 from tuner.study.decide import Decider, Skip
 from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
@@ -183,8 +183,7 @@ class StudyRun:
                 opened.recorder.flush()
             finally:
                 opened.recorder.close()  # an interrupted run's last skips are stored, not raised over it
-        objective = self.config.objective
-        self.summary.best = best_by(self.finished(), objective)
+        self.summary.best = best_by(self.finished(), self.config.objective)
         self.summary.elapsed_s = self.clock() - started
         return self.summary
 
@@ -193,7 +192,8 @@ class StudyRun:
         self.opened = open_run(self.config, self.runner, self.summary, self.progress,
                                allow_mixed_environment=self.options.allow_mixed_environment, journal=self.options.journal)
         if self.options.budget_s is not None:
-            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=self.config.budget.restore_reserve_s)
+            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=self.config.budget.restore_reserve_s,
+                              name=budget_name(self.config, self.options.budget_s))
         return self.opened
 
     def baseline(self) -> tuple[int, TrialRecord] | None:

@@ -270,6 +270,13 @@ def check_storage_folder(url: str, study_name: str) -> None:
         )
 
 
+def _is_folder(url: str, path: Path, flag: str) -> StudyError:
+    """An SQLite URL whose path is a folder (``sqlite:////tmp``): one line for the readers and the
+    run alike (the readers said "does not exist" where the run said "is a folder")."""
+    return StudyError(f"storage {display_url(url)!r}: {str(path)!r} is a folder, not a study file",
+                      hint=f"name a .db file in it, e.g. {flag} sqlite:///{path / 'study.db'}")
+
+
 def check_storage(storage_url: str, *, flag: str = "--storage") -> None:
     """Check that ``storage_url`` names an existing Optuna storage, creating nothing.
 
@@ -290,6 +297,8 @@ def check_storage(storage_url: str, *, flag: str = "--storage") -> None:
         ) from err
     if url.get_backend_name() == "sqlite":
         database = url.database or ""
+        if database not in ("", ":memory:") and Path(database).is_dir():  # the run's rule, the run's words
+            raise _is_folder(storage_url, Path(database), flag)
         if database in ("", ":memory:") or not Path(database).is_file():
             raise StudyError(
                 f"storage {display_url(storage_url)} does not exist (no file {database or '(none)'})",
@@ -512,8 +521,7 @@ def check_run_storage(url: str, study_name: str, *, flag: str = "--storage") -> 
         return False
     where = f"storage {display_url(url)!r}: the file {str(path)!r}"
     if path.is_dir():
-        raise StudyError(f"storage {display_url(url)!r}: {str(path)!r} is a folder, not a study file",
-                         hint=f"name a .db file in it, e.g. {flag} sqlite:///{path / 'study.db'}")
+        raise _is_folder(url, path, flag)
     if path.stat().st_size == 0:
         raise StudyError(f"{where} is empty (0 bytes), not a study database",
                          hint=f"delete the empty file to start a new study there, or point {flag} at the study's file")
