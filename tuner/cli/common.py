@@ -77,15 +77,16 @@ def non_empty_text(value: str) -> str:
         raise typer.BadParameter(str(err)) from None
 
 
-def non_empty_path(value: str) -> Path:
+def non_empty_path(value: str | Path) -> Path:
     """A path option's value (typer's ``parser=``), refused when empty as :func:`non_empty_text`:
     ``Path("")`` is the working directory, so ``--config ''`` was read as a folder and
-    ``--state-dir ''`` as the working directory.
+    ``--state-dir ''`` as the working directory. An option's default reaches the parser as the
+    ``Path`` it is (``tuner init``'s ``--output tuner.toml``).
 
     Raises:
         typer.BadParameter: The value is empty.
     """
-    return Path(non_empty_text(value))
+    return Path(non_empty_text(str(value)))
 
 
 StudyOpt = Annotated[str | None, typer.Option("--study", parser=non_empty_text, help="Study name (default: [study] of --config, or the only studies/*.db).")]
