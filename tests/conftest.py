@@ -8,7 +8,7 @@
   but pytest's own ``tmp_path`` folders was left in a temp folder, if the checkout's ``studies/``
   gained entries, or if ``/var/lib/sglang-tuner`` gained entries (only a warning when another test run was seen on the machine meanwhile: its
   entries cannot be told from ours).
-- Parallel runs (``-n 6 --dist loadgroup``, as ``.ci/run``): a test runs on the worker of its
+- Parallel runs (``-n 4 --dist loadgroup``, as ``.ci/run``): a test runs on the worker of its
   module, of the systemd sandbox's tests, or of the demo study's readers (:func:`_xdist_group`).
 - Every test runs in its own ``tmp_path`` as the working directory (:func:`_private_cwd`), so a
   relative default (``studies/``, a config's storage) never reads or writes the checkout; the run
