@@ -215,6 +215,20 @@ def _private_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def _sigint_kept() -> Iterator[None]:
+    """Fail a test that leaves this worker's SIGINT handler changed: every process a later test
+    starts inherits an ignored SIGINT (CI saw ``tuner load`` survive its Ctrl-C after an in-process
+    ``tuner`` call had left ``SIG_IGN`` behind)."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, handler)
+    assert left is handler, f"the test left SIGINT's handler changed ({left!r}, was {handler!r})"
+
+
 @pytest.fixture()
 def tuner_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliResult]:
     """Run ``tuner`` in this process: ``tuner_cli("trials", "--storage", url)`` → :class:`CliResult`."""

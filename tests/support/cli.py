@@ -62,8 +62,13 @@ def in_process_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     """Run ``tuner.cli.main()`` (the script's entry point) in this process: the ``tuner_cli`` fixture.
 
     It spares the interpreter start of a subprocess for each call; ``sys.argv`` is the only thing
-    patched, ``COLUMNS=200`` and ``NO_COLOR=1`` keep the tables on one line each.
+    patched, ``COLUMNS=200`` and ``NO_COLOR=1`` keep the tables on one line each. ``main()`` ignores
+    SIGINT once its command is over (the script's shutdown guard); the worker's own SIGINT handler is
+    put back after each call, or every process a later test starts would inherit the ignore (CI saw
+    ``tuner load`` survive its Ctrl-C).
     """
+    import signal
+
     from tuner import cli
 
     monkeypatch.setenv("COLUMNS", "200")
@@ -73,10 +78,13 @@ def in_process_cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
         capsys.readouterr()
         monkeypatch.setattr(sys, "argv", ["tuner", *args])
         code = 0
+        handler = signal.getsignal(signal.SIGINT)
         try:
             cli.main()
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        finally:
+            signal.signal(signal.SIGINT, handler)
         out = capsys.readouterr()
         return CliResult(code, out.out, out.err)
 
