@@ -175,15 +175,27 @@ _XDIST_GROUPS = {"demo_run": "demo-run"}
 def _xdist_group(item: pytest.Item) -> str:
     """The worker group of a test under ``--dist loadgroup``: one group runs on one worker.
 
-    The readers of the session's demo study share one group (run once, not once per worker); every
-    other test runs with the rest of its module, whose module-scoped fixtures (servers, explained
-    logs, a systemd sandbox: any number run at once) are then built once.
+    The readers of the session's demo study share one group (run once, not once per worker); a
+    ``slow`` test that uses no module- or class-scoped fixture is a group of its own (the suite's
+    length is its longest worker's: two ten-minute tests of one module ran one after the other);
+    every other test runs with the rest of its module, whose module-scoped fixtures (servers,
+    explained logs, a systemd sandbox: any number run at once) are then built once.
     """
     fixtures = getattr(item, "fixturenames", ())
     for fixture, group in _XDIST_GROUPS.items():
         if fixture in fixtures:
             return group
+    if item.get_closest_marker("slow") and not _shares_a_fixture(item):
+        return item.nodeid
     return item.nodeid.split("::", 1)[0]
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture built once for its module, class or package."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return True
+    return any(defs and defs[-1].scope in ("module", "class", "package") for defs in info.name2fixturedefs.values())
 
 
 def _slow_groups_first(items: list[pytest.Item]) -> None:

@@ -46,7 +46,7 @@ def _demo_config(folder: Path, *, extra_flags: str = "", name: str = "demo-sim")
     replace = {'name = "demo-sim"': f'name = "{name}"'}
     if extra_flags:
         replace['"--enable-metrics"]'] = f'"--enable-metrics", {extra_flags}]'
-    copy = config_copy("demo-sim.toml", folder, replace=replace)
+    copy = config_copy("demo-sim.toml", folder, replace=replace, slo=False)
     return copy.rename(folder / f"{name}.toml")
 
 

@@ -23,7 +23,7 @@ from tuner.study.hosts import HEARTBEAT_ATTR, HOST_ATTR
 
 def _config(folder: Path, url: str, interval_s: int, grace_s: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 6, "stress_s": 2})
+    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 6, "stress_s": 2}, slo=False)
     path.write_text(path.read_text() + f'\n[storage]\nurl = "{url}"\nheartbeat_interval_s = {interval_s}\n'
                     f"grace_period_s = {grace_s}\n")
     return path

@@ -12,7 +12,18 @@ from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from tuner.errors import StudyError
-from tuner.study.hosts import HOST_ATTR, REQUEUED_ATTR, ClaimLock, RequeueOnce, TrialHeartbeat, own, recover_own
+from tuner.study.hosts import (
+    HOST_ATTR,
+    REQUEUED_ATTR,
+    ClaimLock,
+    Reaped,
+    RequeueOnce,
+    TrialHeartbeat,
+    claim_trial,
+    own,
+    reap_stale,
+    recover_own,
+)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -100,6 +111,22 @@ def test_a_dead_hosts_trial_fails_within_the_grace_period_and_is_queued_once(pos
     trials = alive.get_trials()
     assert trials[retried.number].state is TrialState.FAIL
     assert not [t for t in trials if t.state is TrialState.WAITING]
+
+
+def test_a_trial_reaped_while_its_host_chose_is_no_traceback_and_nothing_is_written_to_it(postgres_url: str) -> None:
+    """Host A asks a trial and chooses longer than the grace period (a loaded box); host B fails it
+    as never claimed and queues its params again. A's claim is then :class:`Reaped` (CI saw an
+    ``UpdateFinishedTrialError`` traceback end a three-host run): nothing written, the copy queued."""
+    a, b = _host_study(postgres_url), _host_study(postgres_url)
+    trial = a.ask()
+    trial.suggest_float("x", 0.0, 1.0)
+    time.sleep(2.5)  # past the 2 s grace period, unclaimed
+    assert reap_stale(b) == [trial.number]
+    found = claim_trial(a, trial, "host-a", {}, hold=ClaimLock.of(a).held)
+    assert isinstance(found, Reaped) and found.number == trial.number and "choosing again" in str(found)
+    after = a.get_trials(deepcopy=False)
+    assert after[trial.number].state is TrialState.FAIL and HOST_ATTR not in after[trial.number].user_attrs
+    assert [t.state for t in after[trial.number + 1:]] == [TrialState.WAITING]
 
 
 def test_recover_own_leaves_other_hosts_running_trials(postgres_url: str) -> None:

@@ -24,7 +24,7 @@ def _tuner(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(600)
 def test_no_output_log_line_progress_event_or_report_holds_the_password(postgres_url: str, tmp_path: Path) -> None:
     assert f":{PASSWORD}@" in postgres_url
-    config = config_copy("demo-sim.toml", tmp_path, phases={"warmup_s": 1, "measure_s": 3, "stress_s": 1})
+    config = config_copy("demo-sim.toml", tmp_path, phases={"warmup_s": 1, "measure_s": 3, "stress_s": 1}, slo=False)
     store = ("--storage", postgres_url)
     study = ("--study", "demo-sim", *store)
     report = tmp_path / "report.html"

@@ -156,7 +156,7 @@ def test_a_server_error_that_waiting_cannot_mend_is_not_waited_for(cluster: Post
 
 def _host_config(folder: Path, url: str, outage_s: float) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 4, "stress_s": 2})
+    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 4, "stress_s": 2}, slo=False)
     path.write_text(path.read_text() + f'\n[storage]\nurl = "{url}"\nheartbeat_interval_s = 2\n'
                     f"grace_period_s = 60\noutage_s = {outage_s}\n")
     return path

@@ -16,7 +16,7 @@ from tests.support.postgres import PASSWORD, PostgresCluster
 
 
 def _config(tmp_path: Path) -> tuple[Path, str]:
-    path = config_copy("demo-sim.toml", tmp_path)
+    path = config_copy("demo-sim.toml", tmp_path, slo=False)
     return path, service_url(path)
 
 

@@ -34,7 +34,7 @@ INTERVAL_S, GRACE_S = 1, 4
 def _host_config(folder: Path, url: str) -> Path:
     """``configs/demo-sim.toml`` on a free port with short load phases, sharing ``url``."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 4, "stress_s": 2})
+    path = config_copy("demo-sim.toml", folder, phases={"warmup_s": 1, "measure_s": 4, "stress_s": 2}, slo=False)
     path.write_text(path.read_text() + f'\n[storage]\nurl = "{url}"\nheartbeat_interval_s = {INTERVAL_S}\n'
                     f"grace_period_s = {GRACE_S}\n")
     return path

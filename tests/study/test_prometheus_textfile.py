@@ -35,7 +35,7 @@ def _scrape(path: Path) -> dict[str, float]:
 def test_a_running_study_is_scraped_and_the_dashboard_asks_for_what_is_there(tmp_path: Path) -> None:
     config = config_copy("demo-sim.toml", tmp_path, phases={"warmup_s": 1, "measure_s": 3, "stress_s": 1})
     prom, events = tmp_path / "tuner.prom", tmp_path / "progress.jsonl"
-    proc = subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "4", "--prometheus-textfile",
+    proc = subprocess.Popen([TUNER, "run", "--config", str(config), "--trials", "2", "--prometheus-textfile",
                              str(prom), "--json-progress", str(events)], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     during: dict[str, float] = {}

@@ -89,7 +89,7 @@ def test_readme_demo_command_stores_trials_and_prints_best_vs_baseline(demo_run:
 
 @pytest.mark.slow
 def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, phases=FAST)
+    config = config_copy("demo-sim.toml", workdir, phases=FAST, slo=False)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
     proc = _start_run(config, workdir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -121,7 +121,7 @@ def test_sigkill_mid_trial_then_resume(workdir: Path) -> None:
 
 @pytest.mark.slow
 def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, phases=FAST)
+    config = config_copy("demo-sim.toml", workdir, phases=FAST, slo=False)
     storage = f"sqlite:///{workdir}/studies/demo-sim.db"
     events = workdir / "events.jsonl"
     proc = _start_run(config, workdir, "--json-progress", str(events), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -178,7 +178,7 @@ def test_a_storage_elsewhere_keeps_its_artifacts_beside_it_and_in_the_resume_hin
     readers find them there, and the SIGTERM resume hint keeps ``--storage``."""
     import json
 
-    config = config_copy("demo-sim.toml", workdir, phases=FAST)
+    config = config_copy("demo-sim.toml", workdir, phases=FAST, slo=False)
     elsewhere = workdir / "elsewhere"
     elsewhere.mkdir()
     db = elsewhere / "copy.db"

@@ -36,7 +36,7 @@ def test_a_window_is_local_minutes_and_may_wrap_midnight() -> None:
     ('outside_window = "later"', "service.outside_window"),
 ])
 def test_bad_hook_or_window_values_are_one_line(tmp_path: Path, line: str, needle: str) -> None:
-    config = config_copy("demo-sim.toml", tmp_path, extra_service=line + "\n")
+    config = config_copy("demo-sim.toml", tmp_path, extra_service=line + "\n", slo=False)
     with pytest.raises(ConfigError) as err:
         load_config(config)
     assert needle in str(err.value)
@@ -55,7 +55,7 @@ def test_hooks_run_around_every_restart_and_the_final_restore(workdir: Path) -> 
     log = workdir / "hooks.log"
     hook = _hook(workdir, log)
     config = config_copy("demo-sim.toml", workdir, phases=PHASES,
-                         extra_service=f'pre_restart = ["{hook}"]\npost_ready = "{hook}"\n')
+                         extra_service=f'pre_restart = ["{hook}"]\npost_ready = "{hook}"\n', slo=False)
     proc = run_tuner("run", "--config", str(config), "--trials", "2", cwd=workdir, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     calls = [line.split()[:2] for line in log.read_text().splitlines()]
@@ -67,7 +67,7 @@ def test_hooks_run_around_every_restart_and_the_final_restore(workdir: Path) -> 
 def test_a_failing_drain_stops_the_run_in_one_line_and_restarts_nothing(workdir: Path) -> None:
     log = workdir / "hooks.log"
     config = config_copy("demo-sim.toml", workdir, phases=PHASES,
-                         extra_service=f'pre_restart = ["{_hook(workdir, log, code=3)}"]\n')
+                         extra_service=f'pre_restart = ["{_hook(workdir, log, code=3)}"]\n', slo=False)
     proc = run_tuner("run", "--config", str(config), "--trials", "3", cwd=workdir, timeout_s=300)
     line = one_error_line(proc, "[service] pre_restart hook", "exited 3", "drain refused by the balancer",
                           "nothing is left to undo")
@@ -81,7 +81,7 @@ def test_outside_the_window_no_restart_starts_and_the_run_says_so(workdir: Path)
     window = f"{later:%H}:00-{(later + timedelta(hours=1)):%H}:00"
     log = workdir / "hooks.log"
     config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service=(
-        f'window = "{window}"\noutside_window = "stop"\npre_restart = ["{_hook(workdir, log)}"]\n'))
+        f'window = "{window}"\noutside_window = "stop"\npre_restart = ["{_hook(workdir, log)}"]\n'), slo=False)
     proc = run_tuner("run", "--config", str(config), "--trials", "2", cwd=workdir, timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = " ".join((proc.stdout + proc.stderr).split())
@@ -89,14 +89,14 @@ def test_outside_the_window_no_restart_starts_and_the_run_says_so(workdir: Path)
     assert "stopped by window" in out
     assert not log.exists()  # no restart, so no hook either
     # the budget cannot hold the wait: "wait" stops too, saying why
-    config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service=f'window = "{window}"\n')
+    config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service=f'window = "{window}"\n', slo=False)
     proc = run_tuner("run", "--config", str(config), "--budget", "5m", cwd=workdir, timeout_s=300)
     out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "the budget does not hold the" in out and "stopped by window" in out
 
 
 def test_a_hook_that_cannot_run_is_refused_before_anything_changes(workdir: Path) -> None:
-    config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service='post_ready = ["/nonexistent/drain"]\n')
+    config = config_copy("demo-sim.toml", workdir, phases=PHASES, extra_service='post_ready = ["/nonexistent/drain"]\n', slo=False)
     for args in (("--dry-run",), ("--trials", "1")):
         proc = run_tuner("run", "--config", str(config), *args, cwd=workdir, timeout_s=120)
         one_error_line(proc, "[service] post_ready program '/nonexistent/drain'")

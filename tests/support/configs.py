@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def config_copy(name: str, tmp_path: Path, *, extra_service: str = "", replace: dict[str, str] | None = None,
-                phases: dict[str, float] | None = None, storage: bool = False, port: int | None = None) -> Path:
+                phases: dict[str, float] | None = None, storage: bool = False, port: int | None = None,
+                slo: bool = True) -> Path:
     """``configs/<name>`` written to ``tmp_path/<name>``, ready for one test.
 
     Args:
@@ -29,6 +30,8 @@ def config_copy(name: str, tmp_path: Path, *, extra_service: str = "", replace: 
         replace: Exact text replacements (each must occur).
         phases: ``[budget]`` values to set, e.g. ``{"measure_s": 4, "stress_s": 2}`` (s).
         port: The port to serve on (default: a free one).
+        slo: ``False`` drops the config's ``[slo]`` table: a test of storage or service control
+            then spares each trial the SLO bracket's steady windows (about a minute a trial).
         storage: Also pin ``[storage]`` to ``tmp_path/studies/<study>.db`` and
             ``tmp_path/studies/<study>/artifacts`` (the default paths, made absolute, so readers
             find the study from any working directory).
@@ -43,6 +46,9 @@ def config_copy(name: str, tmp_path: Path, *, extra_service: str = "", replace: 
     for old, new in (replace or {}).items():
         assert old in text, old
         text = text.replace(old, new)
+    if not slo:
+        text, n = re.subn(r"(?ms)^\[slo\]\n.*?(?=^\[)", "", text)
+        assert n == 1, "no [slo] table to drop"
     for key, value in (phases or {}).items():
         text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value:g}", text)
         assert n == 1, key

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,17 +96,35 @@ def hicache_trace(name: str) -> list[str]:
     return recorder.lines
 
 
-def render() -> str:
-    """The whole trace: every search scenario at :data:`SEEDS`, then the HiCache studies; a header line per study."""
-    out = []
+def studies() -> list[tuple[str, Callable[[], list[str]]]]:
+    """Every study of the trace in order, as (its header line, what computes its decisions): each
+    search scenario at :data:`SEEDS`, then the HiCache studies."""
+    out: list[tuple[str, Callable[[], list[str]]]] = []
     for name in scenarios():
-        for seed in SEEDS:
-            out.append(f"## {name} | seed {seed}")
-            out.extend(trace(name, seed))
-    for name in hicache_scenarios():
-        out.append(f"## HiCache: {name}")
-        out.extend(hicache_trace(name))
+        out.extend((f"## {name} | seed {seed}", partial(trace, name, seed)) for seed in SEEDS)
+    out.extend((f"## HiCache: {name}", partial(hicache_trace, name)) for name in hicache_scenarios())
+    return out
+
+
+def render() -> str:
+    """The whole trace: each study's header line, then its decisions (:func:`studies`)."""
+    out = []
+    for header, decisions in studies():
+        out.append(header)
+        out.extend(decisions())
     return "\n".join(out) + "\n"
+
+
+def golden_sections() -> dict[str, list[str]]:
+    """The checked-in trace as {header line: its decision lines}."""
+    sections: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in GOLDEN.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            lines = sections.setdefault(line, [])
+        else:
+            lines.append(line)
+    return sections
 
 
 if __name__ == "__main__":

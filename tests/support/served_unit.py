@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import requests
+from optuna.trial import TrialState
 
+from tests.support.configs import load_study, study_created
 from tests.support.net import free_port
 from tests.support.sandbox import SystemdSandbox
 from tests.support.sim import is_healthy
@@ -175,3 +178,38 @@ class Calls:
         script.write_text(f'#!/bin/sh\necho "HOOK $SGLANG_TUNER_HOOK $SGLANG_TUNER_REASON" >> {self.log}\n{body}\n')
         script.chmod(0o755)
         return str(script)
+
+
+TRIAL_DROPIN = "90-tuner-trial.conf"
+"""The drop-in a trial writes beside the unit (``tuner.launch.unit``)."""
+
+
+def in_trial(served: Served) -> bool:
+    """Whether the unit runs a trial's flags and serves."""
+    return TRIAL_DROPIN in served.tuner_dropins() and is_healthy(served.url, 0.5)
+
+
+def completed_trials(storage: str, study: str = "sd") -> int:
+    """How many trials of ``study`` are complete in the SQLite ``storage`` (0 before the run made it)."""
+    if not study_created(Path(storage.removeprefix("sqlite:///"))):
+        return 0  # read only once the run made it (a second schema creation can collide with the run's)
+    try:
+        return sum(1 for t in load_study(storage, study).trials if t.state == TrialState.COMPLETE)
+    except Exception:  # noqa: BLE001 - not created yet
+        return 0
+
+
+def left_over(tmp: Path, served: Served) -> list[str]:
+    """What a run that changed nothing must not leave: a state file, a lock file, a tuner drop-in."""
+    files = [p.name for d in (tmp / "state", tmp / "locks") if d.exists() for p in d.glob("*")
+             if p.suffix in (".json", ".lock")]
+    return files + served.tuner_dropins()
+
+
+def logged_run(config: Path, cwd: Path, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    """``tuner run`` in the background, its stdout and stderr in ``cwd/run.out`` (returned beside it)."""
+    out = cwd / "run.out"
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "run", "--config", str(config), *args], cwd=cwd,
+                            stdout=out.open("w"), stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, COLUMNS="200", NO_COLOR="1"))
+    return proc, out

@@ -77,6 +77,7 @@ __all__ = [
     "ClaimLock",
     "Section",
     "claim_trial",
+    "Reaped",
     "schema_lock",
     "TrialHeartbeat",
     "storage_of",
@@ -511,6 +512,19 @@ def add_record(study: optuna.Study, params: Mapping[str, Any], distributions: Ma
     return storage.get_trial_number_from_id(created)
 
 
+@dataclasses.dataclass(frozen=True)
+class Reaped:
+    """An asked trial that another host failed before this host claimed it: no host claimed it
+    within the grace period (:func:`_fail_unclaimed`: choosing took longer on a loaded host), its
+    params re-queued once. Nothing is written to it; the run chooses again."""
+
+    number: int
+
+    def __str__(self) -> str:
+        return (f"trial {self.number} was failed by another host before this host claimed it (unclaimed longer "
+                "than [storage] grace_period_s; its params are queued again): choosing again")
+
+
 def own(study: optuna.Study, trial: optuna.Trial, host: str, environment: Mapping[str, Any]) -> None:
     """Mark ``trial`` as ``host``'s: its host name, environment and a first heartbeat (on a storage
     with heartbeats), so no other host reaps it before its own heartbeat thread starts."""
@@ -550,7 +564,8 @@ def claimed_reason(trial: optuna.Trial, others: Sequence[FrozenTrial]) -> tuple[
 
 
 def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment: Mapping[str, Any], *,
-                hold: Callable[[], contextlib.AbstractContextManager[Section]], check: bool = True) -> tuple[str, int] | None:
+                hold: Callable[[], contextlib.AbstractContextManager[Section]],
+                check: bool = True) -> tuple[str, int] | Reaped | None:
     """Claim ``trial`` for ``host`` (:func:`own`) under the claim lock, unless another trial has its
     config (:func:`claimed_reason`, when ``check``; a deliberate noise repeat is not checked).
 
@@ -570,7 +585,8 @@ def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment
         check: Whether to look for another trial of the same config.
 
     Returns:
-        ``None`` (claimed: launch it), or ``(reason, trial number)`` of why not.
+        ``None`` (claimed: launch it), ``(reason, trial number)`` of why not, or :class:`Reaped`
+        when another host failed the trial before this one claimed it.
 
     Raises:
         StudyError: The lock or the database failed (see :meth:`ClaimLock.held`).
@@ -580,7 +596,10 @@ def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment
             found = claimed_reason(trial, study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
                                                                                    TrialState.RUNNING))) if check else None
             if found is None:
-                own(study, trial, host, environment)
+                try:
+                    own(study, trial, host, environment)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    return Reaped(trial.number)
         if found is not None or not section.lost or not check:
             return found
         _log.warning("trial %d: the database dropped the claim lock during its claim; checking the claim again",

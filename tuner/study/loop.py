@@ -46,6 +46,7 @@ from tuner.study.decide.chain import build_chain
 from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
 from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import (
+    Reaped,
     Section,
     TrialHeartbeat,
     claim_trial,
@@ -312,6 +313,9 @@ class StudyRun:
         if skip is None:  # RUNNING with its params, host and heartbeat before the lock goes
             found = claim_trial(opened.study, trial, self.summary.host, opened.environment, hold=self.claim,
                                 check=repeat_of is None)
+            if isinstance(found, Reaped):
+                _log.warning("%s", found)
+                return None
             skip = Skip(*found) if found is not None else None
         if skip is not None:
             opened.recorder.skip(trial, params, kind, prediction, skip)
