@@ -23,7 +23,7 @@ from tuner.load import build_workload
 from tuner.load.workloads import for_speculation
 from tuner.preflight import check_command, check_run
 from tuner.served import LaunchedServer
-from tuner.sglang.flags import FlagTable, flag_value, parse_argv
+from tuner.sglang.flags import FlagTable, flag_value, parse_argv, runs_simulator
 from tuner.study.baseline import latest_baseline, study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
@@ -54,8 +54,7 @@ def resolve_gpu_monitor(config: TunerConfig) -> Any | None:
     asked = config.service.gpu_monitor
     kind = asked
     if kind == "auto":
-        command = " ".join(config.service.command or [])
-        kind = "sim" if "tuner.sim" in command else "nvml"
+        kind = "sim" if runs_simulator(config.service.command or []) else "nvml"
     if kind == "none":
         return None
     try:
@@ -89,7 +88,7 @@ def resolve_flag_table(config: TunerConfig, argv: list[str]) -> FlagTable:
     version = service.sglang_version
     if version is None:
         version = flag_value(argv, "--sim-version")
-    if version is None and any("tuner.sim" in word for word in argv):
+    if version is None and runs_simulator(argv):
         version = "0.5.5"  # the simulator's default mimicked version
     return FlagTable.for_version(version or FlagTable.bundled_versions()[-1])
 

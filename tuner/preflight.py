@@ -40,7 +40,7 @@ from tuner.config import TunerConfig, check_url_matches_port
 from tuner.errors import ConfigError, FlagError, StudyError
 from tuner.knobs import check_listed_levers
 from tuner.load.quality import read_tasks
-from tuner.sglang.flags import FlagTable, flag_int, parse_argv, unknown_flags, validate
+from tuner.sglang.flags import FlagTable, flag_int, parse_argv, server_args, unknown_flags, validate
 from tuner.sglang.versions import release
 from tuner.study.budget import Budget, budget_name, prior_trial_cost_s, require_one_trial
 from tuner.study.optuna_io import check_environment, environment_binds, records, study_info
@@ -119,18 +119,6 @@ def check_run(
 _FIX_COMMAND = "fix the service's command ([service] command, or the unit's ExecStart): its first trial, the baseline, runs it as it is"
 
 
-def _server_args(argv: list[str], marker: str) -> list[str] | None:
-    """The words after the program that reads the server's flags (``-m sglang.launch_server``,
-    ``sglang serve``, ``-m tuner.sim``, ``tuner sim serve``); ``None`` when ``marker`` is not there
-    (a wrapper's own flags, ``docker run --gpus``, are not the server's)."""
-    for i, word in enumerate(argv):
-        if word == marker or word.endswith("/" + marker):
-            return argv[i + 1:]
-        if word == "serve" and i and argv[i - 1].rsplit("/", 1)[-1] in (marker.split(".")[0], "sim"):
-            return argv[i + 1:]
-    return None
-
-
 def _simulator_refuses(args: list[str]) -> str | None:
     """What the simulator (:mod:`tuner.sim`) says of its command line before it starts, as its own
     parser reads it (exit 2 at launch: an unknown flag, an unknown ``--model-path`` preset or
@@ -177,7 +165,7 @@ def check_command(config: TunerConfig, argv: list[str], table: FlagTable) -> Non
         FlagError: The first problem of the command, naming the flag and the fix.
         ConfigError: The workload does not fit the model's context length.
     """
-    sim_args = _server_args(argv, "tuner.sim")
+    sim_args = server_args(argv, "tuner.sim")
     if sim_args is not None:
         problem = _simulator_refuses(sim_args)
         if problem is not None:
@@ -233,7 +221,7 @@ def check_context(config: TunerConfig, flags: Mapping[str, Any], *, preset: bool
 
 def _check_sglang_command(argv: list[str], table: FlagTable) -> None:
     """SGLang's own command read with the version's flag table (see :func:`check_command`)."""
-    args = _server_args(argv, "sglang.launch_server")
+    args = server_args(argv, "sglang.launch_server")
     if args is not None and release(table.version) == release(table.table_version):
         unknown = unknown_flags(args, table)
         if unknown:

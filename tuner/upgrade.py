@@ -30,7 +30,7 @@ from tuner.config import TunerConfig
 from tuner.errors import ConfigError, FlagError
 from tuner.results import StoredStudy, TrialView, best_trial
 from tuner.served import LaunchedServer
-from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
+from tuner.sglang.flags import FlagTable, parse_argv, replace_flags, runs_simulator
 from tuner.study.fingerprint import (
     FINGERPRINT_ATTR,
     LAYOUT_FLAGS,
@@ -294,7 +294,7 @@ def _on_new_version(argv: Sequence[str], *, python: str | None, version: str | N
     """The command on the other installation: its Python as the interpreter (a command run as
     ``PYTHON -m ...``), or the simulator's ``--sim-version`` standing in for a version."""
     out = list(argv)
-    if version is not None and any("tuner.sim" in w for w in out):
+    if version is not None and runs_simulator(out):
         if "--sim-version" in out:
             out[out.index("--sim-version") + 1] = version
         else:

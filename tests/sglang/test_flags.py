@@ -148,3 +148,30 @@ def test_unknown_flags_of_a_command() -> None:
     assert reasons[0] == "SGLang 0.5.23 has no flag --cuda-graph-max-bs; its spelling is --cuda-graph-max-bs-decode"
     assert "--mem-fracton-static" in reasons[1] and "--mem-fraction-static" in reasons[1] and len(reasons) == 2
     assert unknown_flags(argv[:-2], FlagTable.for_version("0.5.10")) == []
+
+
+@pytest.mark.parametrize(("argv", "sim"), [
+    (["python3", "-m", "tuner.sim", "--model-path", "m"], True),
+    (["/opt/venv/bin/tuner", "sim", "serve", "--model-path", "m"], True),
+    (["python3", "-m", "sglang.launch_server", "--model-path", "tuner.sim-like"], False),
+    (["sglang", "serve", "--model-path", "m"], False),
+    (["docker", "run", "img", "python3", "-m", "sglang.launch_server"], False),
+])
+def test_one_rule_says_whether_a_command_runs_the_simulator(argv: list[str], sim: bool) -> None:
+    from tuner.sglang.flags import runs_simulator
+
+    assert runs_simulator(argv) is sim
+
+
+def test_the_auto_gpu_monitor_reads_the_simulator_of_a_tuner_sim_serve_command(tmp_path: Path) -> None:
+    """``tuner sim serve`` is the simulator too: ``gpu_monitor = "auto"`` chose NVML for it (a
+    substring test on ``tuner.sim``), which fails on a machine without a GPU."""
+    from tests.support.configs import config_copy
+    from tuner.config import load_config
+    from tuner.entrypoints import resolve_gpu_monitor
+    from tuner.gpu import SimBackend
+
+    config = config_copy("demo-sim.toml", tmp_path, replace={
+        '"{python}", "-m", "tuner.sim"': '"tuner", "sim", "serve"', 'gpu_monitor = "sim"': 'gpu_monitor = "auto"'})
+    monitor = resolve_gpu_monitor(load_config(config))
+    assert monitor is not None and isinstance(monitor.backend, SimBackend)

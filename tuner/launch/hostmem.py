@@ -24,7 +24,7 @@ from typing import Any
 import requests
 
 from tuner.errors import LaunchError
-from tuner.sglang.flags import flag_value
+from tuner.sglang.flags import flag_value, runs_simulator
 from tuner.sglang.hicache import GIB, HostMemory
 
 __all__ = ["read_host_memory", "cgroup_limit", "meminfo"]
@@ -126,7 +126,7 @@ def read_host_memory(argv: Sequence[str], *, url: str | None = None, unit: Any |
     Returns:
         The :class:`~tuner.sglang.hicache.HostMemory` reading.
     """
-    sim = any("tuner.sim" in word for word in argv)
+    sim = runs_simulator(argv)
     own = flag_value(argv, "--sim-memory-max") if sim else None
     if unit is not None:
         limit, current = _unit_limit(unit, cgroup_root)

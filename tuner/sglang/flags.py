@@ -31,6 +31,8 @@ from tuner.sglang.versions import at_least, release
 
 __all__ = [
     "flag_value",
+    "server_args",
+    "runs_simulator",
     "flag_int",
     "FlagOption",
     "FlagTable",
@@ -294,6 +296,31 @@ def check_bundled_series(version: str, *, name: str, fix: str) -> None:
     if release(version)[:2] not in {release(v)[:2] for v in bundled}:
         raise FlagError(f"{name} {version} is outside the bundled flag tables' series ({', '.join(bundled)})",
                         hint=fix)
+
+
+def server_args(argv: Sequence[str], marker: str) -> list[str] | None:
+    """The words after the program that reads the server's flags in a command line.
+
+    ``marker`` is the module (``"sglang.launch_server"`` or ``"tuner.sim"``): ``-m MODULE``, a
+    path ending in it, or its CLI form (``sglang serve``, ``tuner sim serve``).
+
+    Returns:
+        The flags after it; ``None`` when the command does not run ``marker`` (a wrapper's own
+        flags, ``docker run --gpus``, are not the server's).
+    """
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word == marker or word.endswith("/" + marker):
+            return words[i + 1:]
+        if word == "serve" and i and words[i - 1].rsplit("/", 1)[-1] in (marker.split(".")[0], "sim"):
+            return words[i + 1:]
+    return None
+
+
+def runs_simulator(argv: Sequence[str]) -> bool:
+    """Whether a service command runs this project's SGLang simulator (:mod:`tuner.sim`:
+    ``python -m tuner.sim ...`` or ``tuner sim serve ...``), the one rule every reader uses."""
+    return server_args(argv, "tuner.sim") is not None
 
 
 def flag_value(argv: Sequence[str], *names: str) -> str | None:

@@ -599,6 +599,7 @@ def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment
                 try:
                     own(study, trial, host, environment)
                 except optuna.exceptions.UpdateFinishedTrialError:
+                    _log.warning("%s", Reaped(trial.number))
                     return Reaped(trial.number)
         if found is not None or not section.lost or not check:
             return found

@@ -280,8 +280,8 @@ class StudyRun:
     # ---- one step: decide, claim ------------------------------------------------------------------
 
     def decide(self, decider: Decider, sampler: Sampler) -> tuple[optuna.Trial, TrialJob] | None:
-        """The next trial to launch and its job, or ``None`` (a skip was stored, or the sampler's
-        draws of this decision were all skipped).
+        """The next trial to launch and its job, or ``None`` (a skip was stored, the sampler's draws
+        of this decision were all skipped, or another host failed the asked trial: choose again).
 
         The planner decides under the study's claim lock (on a shared study), from a read made
         inside it, and its proposal is enqueued and asked before the lock goes: the next host's
@@ -313,8 +313,7 @@ class StudyRun:
         if skip is None:  # RUNNING with its params, host and heartbeat before the lock goes
             found = claim_trial(opened.study, trial, self.summary.host, opened.environment, hold=self.claim,
                                 check=repeat_of is None)
-            if isinstance(found, Reaped):
-                _log.warning("%s", found)
+            if isinstance(found, Reaped):  # another host failed it while this one chose: choose again
                 return None
             skip = Skip(*found) if found is not None else None
         if skip is not None:
