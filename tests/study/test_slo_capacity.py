@@ -194,13 +194,36 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     assert binding_phase(edge).startswith("a graph-size edge (8 sessions exceed cuda_graph_max_bs 4")
     held = _record(8, 8, 100.0)
     assert admission_line(held).endswith("holds the SLO at 8 sessions: no admission limit needed")
-    none = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"contexts": 0})})
-    assert "holds the SLO at no session count measured (below 8)" in admission_line(none)
-    assert "loosen the SLO or choose another config" in admission_line(none)
+    none = _none_held(8, 1)
+    assert admission_line(none) == ("admits 8 longest contexts at once; no session count meets the SLO (1 session "
+                                    "breaks it): loosen the SLO or choose another config")
     # no limit where none is needed, none makes it hold, a capped figure proves none, or the figure is a stored burst's
     capped = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"at_least": True})})
     burst = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"measure": "burst"})})
     assert [admission_limit(r) for r in (held, none, capped, burst)] == [None, None, None, None]
+
+
+def _none_held(cap: int, *broken: int) -> TrialRecord:
+    """A trial whose steady windows at ``broken`` sessions (in order) all broke the SLO."""
+    limits = {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
+    steps = [SloStep(contexts=n, completed=n, violations={"p99_itl_ms": 0.3}, met=False, p99_itl_ms=5200.0)
+             for n in broken]
+    return _record(cap, 0, 100.0).model_copy(update={"slo_capacity": SloCapacity(
+        limits=limits, contexts=0, broken_at=min(broken), steps=steps, basis="slo_safe", measure="steady")})
+
+
+def test_a_bracket_that_ran_out_of_windows_above_one_session_names_more_windows_as_the_fix() -> None:
+    """Windows at 8, 6 and 5 sessions all broke the SLO and ``[budget] slo_capacity_steps`` (2)
+    allowed no fourth: the SLO-safe figure is 0, but 1-4 sessions were never measured, so the line
+    names more windows, not a looser SLO (before, it said no admission limit makes it hold)."""
+    ran_out = _none_held(8, 8, 6, 5)
+    line = admission_line(ran_out)
+    assert line == ("admits 8 longest contexts at once; no session count measured meets the SLO (8, 6, 5 sessions "
+                    "broke it; 1-4 not measured: the bracket's windows ran out): raise [budget] slo_capacity_steps, "
+                    "or measure the count with `tuner load --max-under-slo --ramp ...`")
+    assert "loosen the SLO" not in line and admission_limit(ran_out) is None
+    assert "1-4 not measured" in ran_out.slo_capacity.describe()
+    assert "1 session breaks it" in _none_held(8, 8, 3, 1).slo_capacity.describe()
 
 
 def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() -> None:
@@ -262,7 +285,7 @@ def test_an_slo_no_session_count_meets_is_one_line_naming_the_fix_and_keeps_ever
         assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
         assert "has no feasible trial" in errors[0] and "relax its slo" in errors[0]
     shown = run_tuner("show", str(launched[0]), "--storage", url, cwd=tmp_path).stdout
-    assert "holds the SLO at no session count measured" in shown and "loosen the SLO or choose another config" in shown
+    assert "no session count meets the SLO (1 session breaks it): loosen the SLO or choose another config" in shown
     rows = json.loads(run_tuner("trials", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert [r["number"] for r in rows if r["outcome"] == "ok"] == launched  # every trial kept
     assert (tmp_path / "demo.db").read_bytes() == before

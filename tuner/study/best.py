@@ -488,7 +488,7 @@ def admission_limit(record: TrialRecord | None) -> int | None:
     at once; the others wait in its queue): the ``M`` running keep the latency the steady window
     measured at ``M`` sessions. ``None`` where no limit is needed or none can be said: no SLO, a
     figure capped by ``[budget] max_concurrency`` (``≥ M``), the SLO held at every count the
-    memory admits, no count measured to hold it (0: no limit makes it hold), or a burst-based figure
+    memory admits, no count measured to hold it (0: :meth:`tuner.records.SloCapacity.none_held` says why), or a burst-based figure
     of a study stored before steady windows (never advised on).
     """
     if record is None or not record.slo_capacity.limits:
@@ -532,8 +532,7 @@ def admission_line(record: TrialRecord | None, *, applied: bool = True) -> str |
     if slo.at_least or held >= admits:
         return f"{text}, holds the SLO at {'≥ ' if slo.at_least else ''}{held} sessions: no admission limit needed"
     if held == 0:
-        return (f"{text}, holds the SLO at no session count measured (below {slo.broken_at}): "
-                "no admission limit makes it hold; loosen the SLO or choose another config")
+        return f"{text}; {slo.none_held()}"
     phase = binding_phase(record)
     queue = (f"requests beyond {held} wait in SGLang's queue: their TTFT grows with the wait, the {held} running "
              "keep the SLO")
