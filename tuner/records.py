@@ -480,6 +480,25 @@ class SloCapacity(BaseModel):
         """The burst's own verdict, or ``None`` when it was not judged."""
         return self.burst if self.burst is not None else (self.steps[0] if self.steps else None)
 
+    def none_held(self) -> str | None:
+        """Why no session count holds the SLO, with the fix, in one clause; ``None`` unless the
+        steady windows measured 0 (:attr:`contexts`).
+
+        Where 1 session broke the SLO, no admission limit makes the config hold it: ``"no session
+        count meets the SLO (1 session breaks it): loosen the SLO or choose another config"``.
+        Where the bracket's windows ran out above 1 (``[budget] slo_capacity_steps``, every count
+        measured broke it), the counts below :attr:`broken_at` were never measured and may hold:
+        the fix is more windows, not another SLO.
+        """
+        if self.contexts != 0 or self.measure != "steady":
+            return None
+        if self.broken_at is None or self.broken_at <= 1:
+            return "no session count meets the SLO (1 session breaks it): loosen the SLO or choose another config"
+        measured = ", ".join(str(s.contexts) for s in self.steps)
+        return (f"no session count measured meets the SLO ({measured} sessions broke it; 1-{self.broken_at - 1} "
+                f"not measured: the bracket's windows ran out): raise [budget] slo_capacity_steps, or measure "
+                f"the count with `tuner load --max-under-slo --ramp ...`")
+
     def describe(self) -> str:
         """One line: the SLO-safe count with its evidence, the burst admission beside it, or why
         there is none.
@@ -505,7 +524,7 @@ class SloCapacity(BaseModel):
         if met is not None:
             parts.append(f"{met.contexts} meet the SLO: {_latencies(met)}")
         elif self.contexts == 0:
-            parts.append(f"no session count measured meets the SLO (below {self.broken_at})")
+            parts.append(self.none_held() or "no session count measured meets the SLO")
         broken = next((s for s in self.steps if not s.met and s.contexts == self.broken_at), None)
         if broken is not None:
             parts.append(f"{broken.contexts} break the SLO: {_latencies(broken)}")

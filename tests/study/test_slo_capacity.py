@@ -15,7 +15,7 @@ from tuner.config import load_config
 from tuner.load.metrics import quantile_interval
 from tuner.load.search import bracket_level
 from tuner.records import MeasuredLoad, PhaseResult, SloCapacity, SloStep, TrialRecord
-from tuner.study.best import admission_limit, admission_line, binding_phase, choose_best
+from tuner.study.best import admission_limit, admission_line, binding_phase, choose_best, edge_noise
 from tuner.study.loop import run_study
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,13 +194,67 @@ def test_the_admission_limit_that_holds_the_slo_is_named_with_its_binding_phase(
     assert binding_phase(edge).startswith("a graph-size edge (8 sessions exceed cuda_graph_max_bs 4")
     held = _record(8, 8, 100.0)
     assert admission_line(held).endswith("holds the SLO at 8 sessions: no admission limit needed")
-    none = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"contexts": 0})})
-    assert "holds the SLO at no session count measured (below 8)" in admission_line(none)
-    assert "loosen the SLO or choose another config" in admission_line(none)
+    none = _none_held(8, 1)
+    assert admission_line(none) == ("admits 8 longest contexts at once; no session count meets the SLO (1 session "
+                                    "breaks it): loosen the SLO or choose another config")
     # no limit where none is needed, none makes it hold, a capped figure proves none, or the figure is a stored burst's
     capped = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"at_least": True})})
     burst = queued.model_copy(update={"slo_capacity": queued.slo_capacity.model_copy(update={"measure": "burst"})})
     assert [admission_limit(r) for r in (held, none, capped, burst)] == [None, None, None, None]
+
+
+def _none_held(cap: int, *broken: int) -> TrialRecord:
+    """A trial whose steady windows at ``broken`` sessions (in order) all broke the SLO."""
+    limits = {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
+    steps = [SloStep(contexts=n, completed=n, violations={"p99_itl_ms": 0.3}, met=False, p99_itl_ms=5200.0)
+             for n in broken]
+    return _record(cap, 0, 100.0).model_copy(update={"slo_capacity": SloCapacity(
+        limits=limits, contexts=0, broken_at=min(broken), steps=steps, basis="slo_safe", measure="steady")})
+
+
+def test_a_bracket_that_ran_out_of_windows_above_one_session_names_more_windows_as_the_fix() -> None:
+    """Windows at 8, 6 and 5 sessions all broke the SLO and ``[budget] slo_capacity_steps`` (2)
+    allowed no fourth: the SLO-safe figure is 0, but 1-4 sessions were never measured, so the line
+    names more windows, not a looser SLO (before, it said no admission limit makes it hold)."""
+    ran_out = _none_held(8, 8, 6, 5)
+    line = admission_line(ran_out)
+    assert line == ("admits 8 longest contexts at once; no session count measured meets the SLO (8, 6, 5 sessions "
+                    "broke it; 1-4 not measured: the bracket's windows ran out): raise [budget] slo_capacity_steps, "
+                    "or measure the count with `tuner load --max-under-slo --ramp ...`")
+    assert "loosen the SLO" not in line and admission_limit(ran_out) is None
+    assert "1-4 not measured" in ran_out.slo_capacity.describe()
+    assert "1 session breaks it" in _none_held(8, 8, 3, 1).slo_capacity.describe()
+
+
+def test_an_slo_edge_within_the_windows_noise_is_said_beside_the_admission_limit() -> None:
+    """The reference twin's default study (real time, 10 s windows, trial 1 at 0.93): 5 sessions
+    held p99 ITL at 3,360 ms (no upper bound over 5 requests), 6 broke it at 5,032 ms (95 % from
+    3,363 ms); the applied limit of 5, re-measured over 60 s, read 5,036 ms (broken) with one seed
+    and 3,583 ms (held) with another. The line says the edge is within the noise; a window that
+    decided it (the broken p99's lower bound past the limit) gets no such clause."""
+    limits = {"p99_ttft_ms": 30000.0, "p99_itl_ms": 4000.0}
+
+    def twin(broken_low: float, held_high: float | None) -> TrialRecord:
+        steps = [SloStep(contexts=7, completed=7, p99_itl_ms=5034.0, p99_itl_low_ms=4469.0, met=False,
+                         violations={"p99_ttft_ms": -0.56, "p99_itl_ms": 0.26}),
+                 SloStep(contexts=5, completed=5, p99_ttft_ms=9885.0, p99_itl_ms=3360.0, p99_itl_low_ms=3360.0,
+                         p99_itl_high_ms=held_high, met=True, violations={"p99_ttft_ms": -0.67, "p99_itl_ms": -0.16}),
+                 SloStep(contexts=6, completed=6, p99_ttft_ms=10037.0, p99_itl_ms=5032.0, p99_itl_low_ms=broken_low,
+                         p99_itl_high_ms=8369.0, met=False, violations={"p99_ttft_ms": -0.67, "p99_itl_ms": 0.258})]
+        return _record(7, 5, 123.0).model_copy(update={"slo_capacity": SloCapacity(
+            limits=limits, contexts=5, broken_at=6, steps=steps, basis="slo_safe", measure="steady")})
+
+    noisy = twin(3363.0, None)
+    assert edge_noise(noisy) == (
+        "the edge is within the windows' noise (6 sessions broke p99 ITL at 5,032 ms, 95 % from 3,363 ms; 5 held "
+        "it at 3,360 ms, 95 % up to ∞): 5 may break it when re-measured; longer windows ([budget] stress_s) narrow it")
+    line = admission_line(noisy)
+    assert "holds the SLO up to 5 sessions (bound by decode step time" in line and "; the edge is within" in line
+    assert line.endswith("; applying --max-running-requests 5 (requests beyond 5 wait in SGLang's queue: their TTFT "
+                         "grows with the wait, the 5 running keep the SLO; --keep-admission keeps the trial's own)")
+    assert admission_limit(noisy) == 5
+    assert edge_noise(twin(4100.0, None)) is None  # 6 broke it past its noise
+    assert edge_noise(twin(3363.0, 3900.0)) is None  # 5 held it past its noise
 
 
 def test_memory_that_holds_no_more_sessions_is_named_with_the_binding_phase() -> None:
@@ -262,7 +316,7 @@ def test_an_slo_no_session_count_meets_is_one_line_naming_the_fix_and_keeps_ever
         assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
         assert "has no feasible trial" in errors[0] and "relax its slo" in errors[0]
     shown = run_tuner("show", str(launched[0]), "--storage", url, cwd=tmp_path).stdout
-    assert "holds the SLO at no session count measured" in shown and "loosen the SLO or choose another config" in shown
+    assert "no session count meets the SLO (1 session breaks it): loosen the SLO or choose another config" in shown
     rows = json.loads(run_tuner("trials", "--storage", url, "--json", cwd=tmp_path).stdout)
     assert [r["number"] for r in rows if r["outcome"] == "ok"] == launched  # every trial kept
     assert (tmp_path / "demo.db").read_bytes() == before

@@ -20,6 +20,7 @@ from tuner.records import CapacityBasis, StudyInfo, TrialRecord
 __all__ = [
     "BestChoice",
     "choose_best",
+    "edge_noise",
     "best_by",
     "capacity_basis",
     "capacity_label",
@@ -488,7 +489,7 @@ def admission_limit(record: TrialRecord | None) -> int | None:
     at once; the others wait in its queue): the ``M`` running keep the latency the steady window
     measured at ``M`` sessions. ``None`` where no limit is needed or none can be said: no SLO, a
     figure capped by ``[budget] max_concurrency`` (``≥ M``), the SLO held at every count the
-    memory admits, no count measured to hold it (0: no limit makes it hold), or a burst-based figure
+    memory admits, no count measured to hold it (0: :meth:`tuner.records.SloCapacity.none_held` says why), or a burst-based figure
     of a study stored before steady windows (never advised on).
     """
     if record is None or not record.slo_capacity.limits:
@@ -532,16 +533,58 @@ def admission_line(record: TrialRecord | None, *, applied: bool = True) -> str |
     if slo.at_least or held >= admits:
         return f"{text}, holds the SLO at {'≥ ' if slo.at_least else ''}{held} sessions: no admission limit needed"
     if held == 0:
-        return (f"{text}, holds the SLO at no session count measured (below {slo.broken_at}): "
-                "no admission limit makes it hold; loosen the SLO or choose another config")
-    phase = binding_phase(record)
+        return f"{text}; {slo.none_held()}"
+    phase, noise = binding_phase(record), edge_noise(record)
     queue = (f"requests beyond {held} wait in SGLang's queue: their TTFT grows with the wait, the {held} running "
              "keep the SLO")
-    head = f"{text}, holds the SLO up to {held} sessions" + (f" (bound by {phase})" if phase else "")
+    head = (f"{text}, holds the SLO up to {held} sessions" + (f" (bound by {phase})" if phase else "")
+            + (f"; {noise}" if noise else ""))
     if applied:
         return f"{head}; applying --max-running-requests {held} ({queue}; --keep-admission keeps the trial's own)"
     return (f"{head}; keeping the trial's own admission (--keep-admission): set --max-running-requests {held} "
             f"to hold the SLO ({queue})")
+
+
+def edge_noise(record: TrialRecord) -> str | None:
+    """Whether the SLO's edge lies within the steady windows' sampling noise: the smallest count
+    that broke the binding limit (the one it overshot most) broke it by no more than its window's
+    95 % interval (the p99's lower bound is within the limit), and the count that held it held it
+    by no more than its own (the p99's upper bound is unknown or past the limit). Then a
+    re-measurement at the held count can break the SLO: on the reference twin the 10 s windows held
+    5 sessions (p99 ITL 3,360 ms, bounded above by nothing) and broke 6 (5,032 ms, 95 % from 3,363
+    ms), and two 60 s windows at 5 read 5,036 ms (broken) and 3,583 ms (held).
+
+    Returns:
+        ``"the edge is within the windows' noise (6 sessions broke p99 ITL at 5,032 ms, 95 % from
+        3,363 ms; 5 held it at 3,360 ms, 95 % up to ∞): 5 may break it when re-measured; longer
+        windows ([budget] stress_s) narrow it"``, or ``None`` where a window decided it (or none
+        broke it, or the figure is not a steady one).
+    """
+    slo = record.slo_capacity
+    held = next((s for s in slo.steps if s.met and s.contexts == slo.contexts), None)
+    broken = next((s for s in slo.steps if not s.met and s.contexts == slo.broken_at), None)
+    if slo.measure != "steady" or held is None or broken is None:
+        return None
+    over = {k: v for k, v in broken.violations.items() if v is not None and v > 0 and k in _INTERVALS}
+    if not over:
+        return None
+    key = max(over, key=lambda k: over[k])
+    limit, (name, point, low, high) = slo.limits.get(key), _INTERVALS[key]
+    b_point, b_low = getattr(broken, point), getattr(broken, low)
+    h_point, h_high = getattr(held, point), getattr(held, high)
+    if (limit is None or b_point is None or h_point is None or b_low is None or b_low > limit
+            or (h_high is not None and h_high <= limit)):
+        return None
+    return (f"the edge is within the windows' noise ({broken.contexts} sessions broke {name} at {b_point:,.0f} ms, "
+            f"95 % from {b_low:,.0f} ms; {held.contexts} held it at {h_point:,.0f} ms, 95 % up to "
+            f"{'∞' if h_high is None else f'{h_high:,.0f} ms'}): {held.contexts} may break it when re-measured; "
+            "longer windows ([budget] stress_s) narrow it")
+
+
+_INTERVALS = {"p99_ttft_ms": ("p99 TTFT", "p99_ttft_ms", "p99_ttft_low_ms", "p99_ttft_high_ms"),
+              "p99_itl_ms": ("p99 ITL", "p99_itl_ms", "p99_itl_low_ms", "p99_itl_high_ms")}
+"""The limits whose steady-window p99 carries a 95 % interval (:class:`tuner.records.SloStep`):
+key → (name, p99 field, lower bound field, upper bound field)."""
 
 
 def binding_phase(record: TrialRecord) -> str | None:
