@@ -151,3 +151,28 @@ def test_requests_the_engine_aborts_count_as_rejected_and_the_run_ends():
     # no GPU time: only the request path of the first two, then of the third (sent when they ended)
     path_s = spec.cost.factors.request_path_s
     assert r.rejected == 3 and r.completed == 0 and r.error is None and r.duration_s == pytest.approx(2 * path_s)
+
+
+def test_the_pre_04_scheduler_generation_adds_its_cpu_cost_to_every_step():
+    """``--sim-scheduler pre-0.4`` (SGLang 0.2-0.3, replayed for their published runs): every decode
+    step costs 2 ms + 25 µs per running request more CPU than the default's 0.3 ms + 2 µs
+    (costmodel.SCHEDULER_CPU), visible as TPOT; the memory side and TTFT's request path stay."""
+    rng = random.Random(3)
+    base = LLAMA_H100 + ["--disable-overlap-schedule"]
+
+    def run(argv: list[str], n: int) -> tuple:
+        reqs = [SimRequest(f"r{i}", ids(64, rng), 200, ignore_eos=True) for i in range(n)]
+        return evaluate(argv, reqs, concurrency=n), size_server(argv)
+
+    for n in (1, 64):
+        (new, new_size), (old, old_size) = run(base, n), run(base + ["--sim-scheduler", "pre-0.4"], n)
+        assert new_size.max_total_num_tokens == old_size.max_total_num_tokens
+        extra_ms = (old.p50_tpot_ms or 0) - (new.p50_tpot_ms or 0)
+        assert extra_ms == pytest.approx(1.7 + 0.023 * n, rel=0.05), (n, old.p50_tpot_ms, new.p50_tpot_ms)
+    assert size_server(base).engine_spec.cost.factors.step_overhead_s == pytest.approx(0.3e-3)
+
+
+def test_an_unknown_scheduler_generation_is_refused_as_sglang_refuses_a_bad_choice():
+    with pytest.raises(SystemExit) as err:
+        size_server(LLAMA_H100 + ["--sim-scheduler", "0.3"])
+    assert err.value.code == 2

@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     from tuner.sim.answers import NumericsFault
     from tuner.sim.server import SimServer  # aiohttp and prometheus only once startup succeeded
 
-    server = SimServer(plan, log, seed=parsed.sim.seed,
+    server = SimServer(plan, log, seed=parsed.sim.seed, scheduler=parsed.sim.scheduler,
                        skip_warmup=bool(cfg.server_args.get("skip_server_warmup")),
                        numerics_fault=NumericsFault(parsed.sim.numerics_fault) if parsed.sim.numerics_fault else None)
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from tuner.sim.costmodel import SCHEDULER_CPU
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import GPUS
 
@@ -130,6 +131,9 @@ class SimOptions:
         seed: Seed of generated output tokens (``--sim-seed``).
         numerics_fault: ``--sim-numerics-fault NAME=VALUE[,...]``: a launch that sets every named
             flag to its value answers badly (:mod:`tuner.sim.answers`); empty: none.
+        scheduler: ``--sim-scheduler``: the scheduler generation whose CPU cost per step the clock
+            charges (:data:`tuner.sim.costmodel.SCHEDULER_CPU`): ``0.5`` (default) or ``pre-0.4``
+            (SGLang 0.2-0.3, for replaying their published runs).
     """
 
     gpu: str = "H100-80GB"
@@ -140,6 +144,7 @@ class SimOptions:
     foreign_gib: float = 0.0
     seed: int = 0
     numerics_fault: str = ""
+    scheduler: str = "0.5"
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,9 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sim-numerics-fault", default=SimOptions.numerics_fault, metavar="NAME=VALUE[,...]",
                        help="plant a numerics fault: a launch setting these flags (e.g. kv_cache_dtype=fp8_e4m3) "
                             "gives broken greedy answers")
+    group.add_argument("--sim-scheduler", choices=list(SCHEDULER_CPU), default=SimOptions.scheduler,
+                       help="scheduler generation whose CPU cost per step the clock charges: 0.5 (every mimicked "
+                            "version) or pre-0.4 (SGLang 0.2-0.3, no overlap, per-request Python work each step)")
 
 
 def build_parser(version: str, prog: str = PROG) -> argparse.ArgumentParser:
@@ -285,6 +293,7 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> ParsedArgs:
         foreign_gib=values.pop("sim_foreign_gib"),
         seed=values.pop("sim_seed"),
         numerics_fault=values.pop("sim_numerics_fault"),
+        scheduler=values.pop("sim_scheduler"),
     )
     if values.get("model_path") is None:
         parser.error("the following arguments are required: --model-path")

@@ -36,7 +36,9 @@ layer, plus launch and communication overheads:
   This factor is not part of the aiconfigurator fit. A MoE layer launches several times a dense
   layer's kernels (router, top-k, token permutation, two grouped GEMMs, the shared expert), so a
   MoE model's eager step adds ``eager_moe_layer_overhead_s`` per layer: a short prefill of
-  DeepSeek-R1 is bound by it (fitted on the fidelity training points' median TTFT).
+  DeepSeek-R1 is bound by it (61 layers x 1.51 ms = 92 ms for a 1k prompt, where the GPU work is
+  ~45 ms). Its value is what a 1k DeepSeek-R1 prompt's TTFT leaves once the request path is the
+  one a dense model shows (``request_path_s``, below).
 - **Per-GPU compute efficiency** (:data:`GPU_COMPUTE_EFF`): the compute-bound terms run at
   ``eff_gemm`` / ``eff_attn`` times the GPU family's factor (H100/H200 0.72: real prefill there is
   slower than the aiconfigurator fit said; A100 1).
@@ -69,7 +71,9 @@ SGLang measurements instead (issue 37): the training points of ``tests/benchmark
 (DeepSeek-R1 FP8 tp 8 on H200, SGLang 0.5.6, InferenceMAX), replayed through the offline
 evaluation, by coordinate search on the log error of output throughput, median TTFT, median / mean
 TPOT and (weight 1/4) p99 TTFT; the Hopper compute factor on one prefill-bound Llama-3.1-8B run on
-H100 (sglang#1060); the validation points measure the result
+H100 (sglang#1060); the request path on one low-load dense run (Llama-3.1-8B on A100 at 4 requests/s,
+SGLang 0.3.0, ``benchmark/benchmark_vllm_060/README.md``), with the MoE eager floor moved so that a
+1k DeepSeek-R1 prompt keeps its fitted TTFT; the validation points measure the result
 (``tests/benchmarks/bench_fidelity.py``; figures and the factor table in
 ``docs/simulator-fidelity.md``). aiconfigurator's DeepSeek-V3 estimates had priced the latent KV
 read at 15 % of HBM bandwidth (``eff_mla`` 0.17), which made decode at 16-64 in flight 21-95 %
@@ -106,7 +110,7 @@ from typing import Any
 
 __all__ = [
     "CostFactors", "CostInputs", "StepShape", "step_time_s", "decode_step_s", "activation_bytes", "load_back_s",
-    "NVLINK_GB_S", "GPU_COMPUTE_EFF", "dp_rank_share",
+    "NVLINK_GB_S", "GPU_COMPUTE_EFF", "SCHEDULER_CPU", "dp_rank_share",
 ]
 
 NVLINK_GB_S: Mapping[str, float] = MappingProxyType({"H100": 450.0, "H200": 450.0, "A100": 300.0, "B200": 900.0})
@@ -152,7 +156,10 @@ class CostFactors:
         allreduce_latency_s: Fixed latency of one tp all-reduce, seconds.
         request_path_s: Fixed time a request spends outside the GPU steps: HTTP, the hop to the
             scheduler and the first token's way back (:meth:`tuner.sim.engine.Engine.add_request`),
-            seconds.
+            seconds. 6 ms: fitted on a dense low-load run (Llama-3.1-8B, 1x A100, 4 requests/s,
+            median TTFT 32.0 ms, SGLang 0.3.0 ``benchmark/benchmark_vllm_060/README.md``, replayed
+            with that version's scheduler cost, :data:`SCHEDULER_CPU`); the held-out dense runs at
+            8 requests/s and on 4x H100 (70B) measure it (``docs/simulator-fidelity.md``).
         tokenize_s_per_token: Tokenizer-manager time per prompt token of a text prompt, seconds
             (one request at a time).
         cold_prefill_s: Extra time of the first prefill batch a freshly started server runs, seconds
@@ -169,13 +176,37 @@ class CostFactors:
     moe_layer_overhead_s: float = 80e-6
     graph_step_overhead_s: float = 0.7e-3
     eager_layer_overhead_s: float = 0.45e-3
-    eager_moe_layer_overhead_s: float = 0.7e-3
+    eager_moe_layer_overhead_s: float = 1.06e-3
     step_overhead_s: float = 0.3e-3
     per_seq_overhead_s: float = 2e-6
     allreduce_latency_s: float = 20e-6
-    request_path_s: float = 0.028
+    request_path_s: float = 0.006
     tokenize_s_per_token: float = 3e-6
     cold_prefill_s: float = 0.8
+
+
+SCHEDULER_CPU: Mapping[str, tuple[float, float]] = MappingProxyType({
+    "0.5": (CostFactors.step_overhead_s, CostFactors.per_seq_overhead_s),
+    "pre-0.4": (2.0e-3, 25e-6),
+})
+"""The scheduler's CPU cost, by scheduler generation (``--sim-scheduler``): ``(seconds per step,
+seconds per running sequence per step)``, added to every step (``step_overhead_s`` and
+``per_seq_overhead_s`` of :class:`CostFactors`).
+
+``0.5`` (the default, every SGLang version this simulator mimics): 0.3 ms + 2 µs, the stated
+defaults (not fitted; the fidelity points of 0.5.6 run with the overlap scheduler, whose TPOT they
+match within ~4 %).
+
+``pre-0.4``: SGLang 0.2-0.3, whose scheduler ran in the same loop as the GPU with no overlap (the
+overlap scheduler came in 0.3.5 and became the default in 0.4: "an unoptimized inference engine can
+spend as much as half of its time on CPU overhead", LMSYS, *SGLang v0.4*, 2024-12-04) and did
+per-request Python work every step (building the batch, checking stop conditions, streaming each
+token out). 25 µs per running request: fitted on sglang#1262's "main" run (0.2.14, Llama-3.1-8B on
+one H100, ~2,000 requests decoding at once: median TPOT 152 ms where the GPU work is ~100 ms);
+2.0 ms per step: fitted on the low-load median TPOT of Llama-3.1-8B on one A100 at 4 requests/s
+(13.2 ms, 0.3.0, ``benchmark/benchmark_vllm_060/README.md``). The fidelity points of 0.2/0.3 run
+with it (``tests/benchmarks/fidelity/points-sglang-dense.json``, ``sim_args``); their other points
+measure it (``docs/simulator-fidelity.md``)."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +370,15 @@ class CostInputs:
         """A copy for a DeepSeek DSA model (its indexer and top-k sparse attention)."""
         return replace(self, index_cell_bytes=index_cell_bytes, index_topk=index_topk, index_n_heads=index_n_heads,
                        index_head_dim=index_head_dim)
+
+    def with_scheduler(self, generation: str) -> CostInputs:
+        """A copy with the scheduler CPU cost of ``generation`` (a key of :data:`SCHEDULER_CPU`).
+
+        Raises:
+            KeyError: Unknown generation (the command line offers only the keys).
+        """
+        step_s, per_seq_s = SCHEDULER_CPU[generation]
+        return replace(self, factors=replace(self.factors, step_overhead_s=step_s, per_seq_overhead_s=per_seq_s))
 
     def with_factors(self, factors: CostFactors) -> CostInputs:
         """A copy with other efficiency factors (used by the calibration fit)."""

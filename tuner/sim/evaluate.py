@@ -76,7 +76,7 @@ def size_server(argv: Sequence[str]) -> SizedServer:
         kind = plan.failure.kind if plan.failure is not None else "startup"
         return SizedServer(None, kind, lines, plan.max_total_num_tokens, 0.0, plan.max_running_requests)
     return SizedServer(
-        engine_spec(plan, parsed.sim.seed), None, lines, plan.max_total_num_tokens,
+        engine_spec(plan, parsed.sim.seed, parsed.sim.scheduler), None, lines, plan.max_total_num_tokens,
         plan.available_bytes / GIB, plan.max_running_requests,
         plan.hicache_host_bytes if plan.config.enable_hierarchical_cache else 0,
     )

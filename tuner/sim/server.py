@@ -117,16 +117,17 @@ class SimServer:
         skip_warmup: Mimic ``--skip-server-warmup``.
         numerics_fault: A planted numerics fault (``--sim-numerics-fault``): greedy answers break
             when the launch matches it (:mod:`tuner.sim.answers`).
+        scheduler: Scheduler generation (``--sim-scheduler``): its CPU cost per step.
     """
 
     def __init__(self, plan: MemoryPlan, log: SimLogger, *, seed: int = 0, skip_warmup: bool = False,
-                 numerics_fault: NumericsFault | None = None) -> None:
+                 numerics_fault: NumericsFault | None = None, scheduler: str = "0.5") -> None:
         self.plan = plan
         self.numerics_fault = numerics_fault
         self.cfg = plan.config
         self.log = log
         self.skip_warmup = skip_warmup
-        self.engine = Engine(engine_spec(plan, seed), log=lambda msg: log.line(msg, 0))
+        self.engine = Engine(engine_spec(plan, seed, scheduler), log=lambda msg: log.line(msg, 0))
         self.version = self.cfg.version
         self.ready = False
         self.startup_s = 0.0

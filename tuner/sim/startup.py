@@ -542,12 +542,14 @@ def kill_process_tree() -> None:
     os.kill(os.getpid(), 9)
 
 
-def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
+def engine_spec(plan: MemoryPlan, seed: int = 0, scheduler: str = "0.5") -> EngineSpec:
     """The engine's settings from a successful startup: pool size, limits, headroom, cost inputs.
 
     Args:
         plan: A ledger without failure.
         seed: Seed of generated tokens.
+        scheduler: Scheduler generation (``--sim-scheduler``, a key of
+            :data:`tuner.sim.costmodel.SCHEDULER_CPU`): its CPU cost per step.
     """
     cfg = plan.config
     spec = cfg.speculative if cfg.draft is not None else None
@@ -556,7 +558,7 @@ def engine_spec(plan: MemoryPlan, seed: int = 0) -> EngineSpec:
         weight_bytes_per_gpu=plan.weight_bytes,
         spec_num_steps=spec.num_steps if spec else 0,
         spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
-    ).with_parallel(dp_size=cfg.dp_size, dcp_size=cfg.dcp_size)
+    ).with_parallel(dp_size=cfg.dp_size, dcp_size=cfg.dcp_size).with_scheduler(scheduler)
     if cfg.dsa is not None:
         cost = cost.with_dsa(index_cell_bytes=int(cfg.dsa.indexer_row_bytes * cfg.model.num_layers),
                              index_topk=cfg.model.index_topk or 0, index_n_heads=cfg.model.index_n_heads or 0,
