@@ -100,3 +100,41 @@ def test_wait_ready_fails_fast_and_times_out() -> None:
     with pytest.raises(ServerNotReady) as err:
         c.wait_ready(0.3, poll_s=0.05)
     assert err.value.failure is not None and err.value.failure.failure_class is FailureClass.STARTUP_TIMEOUT
+
+
+@pytest.mark.parametrize("version", ["0.5.5", "0.5.23"])
+def test_the_info_endpoints_read_without_a_deprecation_warning(version: str, tmp_path) -> None:  # noqa: ANN001
+    """SGLang 0.5.23 logs a warning on every call of ``/get_model_info`` and ``/get_server_info``
+    (deprecated for ``/model_info`` and ``/server_info``); the client asked the old paths first, so
+    a study's server log filled with them. Against the simulator as a real server: 0.5.23 is asked
+    the new paths (no warning), 0.5.5 (old paths only) still answers, one 404 the first time."""
+    from tests.support.sim import start_healthy
+
+    sim = start_healthy(["--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--mem-fraction-static", "0.8",
+                         "--sim-version", version], tmp_path)
+    try:
+        with SGLangClient(sim.url) as c:
+            for _ in range(3):
+                assert c.server_info().max_total_num_tokens > 0 and c.model_info()["model_path"] == "llama-3.1-8b"
+        log = sim.log()
+    finally:
+        sim.stop()
+    assert "is deprecated" not in log, log[-2000:]
+    old_paths = ("GET /get_server_info", "GET /get_model_info")
+    asked_old = sum(log.count(p) for p in old_paths)
+    assert asked_old == (6 if version == "0.5.5" else 0), log[-2000:]
+
+
+def test_the_simulator_warns_as_sglang_0523_on_a_deprecated_info_path(tmp_path) -> None:  # noqa: ANN001
+    import requests
+
+    from tests.support.sim import start_healthy
+
+    sim = start_healthy(["--model-path", "llama-3.1-8b", "--sim-gpu", "L4-24GB", "--mem-fraction-static", "0.8",
+                         "--sim-version", "0.5.23"], tmp_path)
+    try:
+        assert requests.get(f"{sim.url}/get_model_info", timeout=10).json()["model_path"] == "llama-3.1-8b"
+        log = sim.log()
+    finally:
+        sim.stop()
+    assert "Endpoint '/get_model_info' is deprecated and will be removed in a future version. Please use '/model_info' instead." in log

@@ -239,6 +239,7 @@ class SGLangClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._session = requests.Session()
+        self._answered: dict[tuple[str, ...], str] = {}  # _json's paths → the one that answered
 
     def close(self) -> None:
         """Close the HTTP session."""
@@ -270,11 +271,14 @@ class SGLangClient:
             ) from err
 
     def _json(self, *paths: str) -> dict[str, Any]:
-        """GET the first path that exists (404 → try the next) and decode its JSON."""
+        """GET the first path that exists (404 → try the next; the one that answered is asked
+        first from then on) and decode its JSON."""
         resp = None
-        for path in paths:
+        known = self._answered.get(paths)
+        for path in ([known] if known else []) + [p for p in paths if p != known]:
             resp = self._request("GET", path)
             if resp.status_code != 404:
+                self._answered[paths] = path
                 break
         assert resp is not None
         if resp.status_code != 200:
@@ -341,20 +345,22 @@ class SGLangClient:
         return [_greedy_answer(self.url, item) for item in items]
 
     def server_info(self) -> ServerInfo:
-        """``GET /get_server_info``, falling back to ``/server_info`` (0.5.10+; §5.2).
+        """``GET /server_info`` (0.5.10+), falling back to ``/get_server_info`` (0.5.5; deprecated in
+        0.5.23, which logs a warning per call of it; §5.2).
 
         Raises:
             ServerError: Unreachable, non-200, or not JSON.
         """
-        return ServerInfo.from_json(self._json("/get_server_info", "/server_info"))
+        return ServerInfo.from_json(self._json("/server_info", "/get_server_info"))
 
     def model_info(self) -> dict[str, Any]:
-        """``GET /get_model_info``, falling back to ``/model_info`` (§5.1).
+        """``GET /model_info`` (0.5.10+), falling back to ``/get_model_info`` (0.5.5; deprecated in
+        0.5.23, which logs a warning per call of it; §5.1).
 
         Raises:
             ServerError: Unreachable, non-200, or not JSON.
         """
-        return self._json("/get_model_info", "/model_info")
+        return self._json("/model_info", "/get_model_info")
 
     def metrics(self) -> dict[str, float]:
         """Scrape ``/metrics`` (§5.5) with ``prometheus_client``'s parser.

@@ -152,11 +152,11 @@ class SimServer:
         r = app.router
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
-        info_paths = ["/get_server_info"] + (["/server_info"] if self.version != "0.5.5" else [])
-        for path in info_paths:
-            r.add_get(path, self.server_info)
-        for path in ["/get_model_info"] + (["/model_info"] if self.version != "0.5.5" else []):
-            r.add_get(path, self.model_info)
+        for old, new, handler in (("/get_server_info", "/server_info", self.server_info),
+                                  ("/get_model_info", "/model_info", self.model_info)):
+            r.add_get(old, self._deprecated(old, new, handler) if self.version == "0.5.23" else handler)
+            if self.version != "0.5.5":
+                r.add_get(new, handler)
         r.add_get("/v1/models", self.models)
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -172,6 +172,18 @@ class SimServer:
         if self.version == "0.5.23":
             r.add_get("/ready", self.ready_probe)
         return app
+
+    def _deprecated(self, old: str, new: str, handler: Any) -> Any:
+        """``handler`` behind SGLang 0.5.23's deprecation warning, logged on every call of the old
+        path (``sglang/srt/entrypoints/http_server.py`` 0.5.23, ``get_model_info`` and
+        ``get_server_info``; §5.1-5.2)."""
+
+        async def warned(request: web.Request) -> web.StreamResponse:
+            self.log.line(f"Endpoint '{old}' is deprecated and will be removed in a future version. "
+                          f"Please use '{new}' instead.", None)
+            return await handler(request)
+
+        return warned
 
     @web.middleware
     async def _access_log(self, request: web.Request, handler: Any) -> web.StreamResponse:
