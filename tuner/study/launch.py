@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import tuner.knobs
+from tuner.records import TrialRecord
 from tuner.sglang.numerics import numerics_key
 from tuner.study.space import HICACHE_KNOBS
 
-__all__ = ["launch_changes", "launch_fields", "launch_numerics", "render_levers"]
+__all__ = ["launch_changes", "launch_fields", "launch_numerics", "record_numerics", "render_levers"]
 
 
 def render_levers(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,3 +77,12 @@ def launch_numerics(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> d
     """The numerics key (:func:`tuner.sglang.numerics.numerics_key`, as a mapping) of the launch
     of ``params`` on the baseline's fields: the key a trial's record stores for the same launch."""
     return dict(numerics_key(launch_fields(params, baseline)))
+
+
+def record_numerics(record: TrialRecord) -> dict[str, Any]:
+    """A stored trial's numerics key, rebuilt from what it launched: its params rendered over its
+    recorded numerics (:func:`launch_numerics`), so a record stored before the key was resolved
+    (a speculative baseline's shape left to SGLang, recorded as ``speculative_algorithm`` alone
+    while its params hold the shape SGLang resolved) reads as the key a new record stores. A new
+    record's key is its own: rebuilding it changes nothing."""
+    return launch_numerics(record.params, record.quality.numerics)
