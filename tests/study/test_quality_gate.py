@@ -145,3 +145,21 @@ def test_a_malformed_evaluation_jsonl_is_one_line_before_the_run_changes_anythin
         (line,) = proc.stderr.strip().splitlines()
         assert "eval.jsonl' line 2: not JSON" in line and "one JSON object per line" in line
     assert not (tmp_path / "studies").exists() and not list(tmp_path.glob("*.db"))  # nothing stored
+
+
+def test_a_task_probe_without_signal_launches_no_candidate_of_changed_numerics(tmp_path: Path) -> None:
+    """A GSM8K-style file scored by the first word reads 0 % on the baseline: the gate records no
+    reference and says why, and no fp8 KV candidate is launched (it could only be unprobed)."""
+    from tests.load.test_task_gate import _word_problems
+
+    tasks = tmp_path / "gsm8k-style.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in _word_problems(24)), encoding="utf-8")
+    config = _config(tmp_path, fault=False, quality=f'tasks = {json.dumps(str(tasks))}\ntask_scoring = "exact"')
+    runner = OfflineExecutor(config)
+    skips: list[str] = []
+    run_study(config, runner, max_trials=10, storage_url=f"sqlite:///{tmp_path / 'quality.db'}",
+              on_progress=lambda e: skips.append(e.message or "") if e.event == "skip" else None)
+    baseline = runner.history[0][1].quality
+    assert baseline.status == "same" and baseline.task_accuracy == 0.0 and "carries no signal" in (baseline.reason or "")
+    assert all(not r.quality.changes for _, r in runner.history), [r.params for _, r in runner.history]
+    assert any("no reference to compare it with" in s and "task_scoring" in s for s in skips), skips

@@ -23,8 +23,15 @@ the rest of the answer follows another prefix (a divergence). How the sources dr
   that scale is added to the launch's own drift and a token flips where it exceeds the logit
   margin, as a healthy drift does: a graded degradation (issue 38's detection benchmark).
 
-Arithmetic prompts (``What is 17 + 25?``) are answered with the correct number first (a large
-margin), so a task probe scores the healthy model at 100 %.
+Arithmetic prompts (``What is 17 + 25? Answer with the number only.``) are answered with the
+correct number first (a large margin), so a task probe scores the healthy model at 100 %. A word
+problem (a prompt holding a sum, difference or product, ``a + b``, without "number only", as a
+GSM8K-style item does once its arithmetic is written out) is answered the way a chain-of-thought
+model answers GSM8K: reasoning words, then ``The answer is N`` (the number at token 12, or the last
+token of a shorter answer), then more words. Its number's logit margin is the question's own (a
+hash: some are near ties), and one question in ten the model gets wrong (it answers ``N + 1``):
+the healthy model scores about 90 % with an extractor that reads the last number, 0 % with one
+that reads the first word, and a graded fault lowers the score with its size.
 
 This module reads only its inputs: flags by SGLang field name, the prompt's token ids.
 """
@@ -71,6 +78,14 @@ _FAULT_SIGMA = 2.0
 _MASK = 2**64 - 1
 
 _ARITH = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)")
+
+_NUMBER_ONLY = re.compile(r"number only", re.IGNORECASE)
+
+_ANSWER_AT = 12
+"""The token position of a word problem's number (``The answer is N`` just before it)."""
+
+_WRONG_SHARE = 0.1
+"""Share of word problems the healthy simulated model answers wrongly (``N + 1``)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +240,8 @@ def answer(prompt: str, prompt_ids: list[int], max_new_tokens: int, server_args:
     seed = zlib.crc32(key.encode())
     state = zlib.crc32(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)) if prompt_ids else 7
     number = _arith_answer(prompt)
+    reasons = number is not None and not _NUMBER_ONLY.search(prompt)  # a word problem: reasoning first
+    answer_at = min(_ANSWER_AT, max(0, max_new_tokens - 1))
     ids: list[int] = []
     lps: list[float] = []
     texts: list[str] = []
@@ -236,8 +253,15 @@ def answer(prompt: str, prompt_ids: list[int], max_new_tokens: int, server_args:
         if _unit(state, 17) < _NEAR_TIES * min(1.0, (i / 32.0) ** 2):  # a near tie: the opening is confident
             margin = -0.005 * math.log(_unit(state, 19))
         logprob = -3.0 * _unit(state, 13) ** 3
-        if i == 0 and number is not None:
+        if number is not None and not reasons and i == 0:
             true_word, runner_word, margin, logprob = str(number), str(number + 1), 8.0, -0.01
+        elif number is not None and reasons and answer_at - 3 <= i < answer_at:
+            true_word, margin, logprob = ("The", "answer", "is")[i - answer_at + 3], 8.0, -0.01
+        elif number is not None and reasons and i == answer_at:
+            asked = zlib.crc32(prompt.encode())
+            said = number + (_unit(asked, 23) < _WRONG_SHARE)
+            true_word, runner_word = str(said), str(said + 1)
+            margin, logprob = 0.05 - 1.5 * math.log(_unit(asked, 29)), -0.05
         chosen_word, noise = true_word, 0.0
         if key:
             sigma = sigma0 * (1.0 + growth * (len(prompt_ids) + i) / 1024.0)
