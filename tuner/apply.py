@@ -634,9 +634,9 @@ def plan_apply(
         raise ApplyError(
             f"trial {view.number} changes numerics ({', '.join(changes)}) and its answers were never compared with "
             f"the baseline's ({why}); applying it could change what the model answers",
-            hint=f"probe it: run the study with [quality] enabled = true (`tuner run --config {path}`), where a "
-                 "numerics change never probed counts as not yet measured, or apply a trial that passed the quality gate "
-                 "(`tuner trials` shows it)",
+            hint=f"probe it: run the study with [quality] enabled = true (`tuner run --config {path}`): its first "
+                 "launches record the baseline's reference answers and probe this config (`tuner run --dry-run` says "
+                 "so); then apply the trial that probed it, or one that passed the quality gate (`tuner trials` shows it)",
         )
     settings = service_settings(config, state_dir=state_dir)
     overrides = {"max_running_requests": admission_limit} if admission_limit else {}

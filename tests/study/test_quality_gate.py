@@ -163,3 +163,28 @@ def test_a_task_probe_without_signal_launches_no_candidate_of_changed_numerics(t
     assert baseline.status == "same" and baseline.task_accuracy == 0.0 and "carries no signal" in (baseline.reason or "")
     assert all(not r.quality.changes for _, r in runner.history), [r.params for _, r in runner.history]
     assert any("no reference to compare it with" in s and "task_scoring" in s for s in skips), skips
+
+
+def test_apply_s_hint_enable_the_gate_and_run_again_leads_to_a_probed_result(tmp_path: Path, tuner_cli: Any) -> None:
+    """Issue 38: the study ran with the gate off (no reference recorded); following apply's hint
+    (the gate on, the same study run again) launches the baseline's flags first (they record the
+    reference) and then the unprobed candidate's config (probed), and that result is appliable."""
+    runner, _summary, url = _study(tmp_path, fault=False, quality="enabled = false", trials=14)
+    unprobed = [(n, r) for n, r in _fp8(runner.history) if r.feasible]
+    assert unprobed and unprobed[0][1].quality.status == "unprobed"
+    number = unprobed[0][0]
+    hint = tuner_cli("apply", str(number), "--storage", url, "--dry-run")
+    assert hint.returncode == 1 and "[quality] enabled = true" in hint.stderr and "reference" in hint.stderr
+    config = _config(tmp_path, fault=False)  # the hint followed: the gate on, the same study
+    dry = tuner_cli("run", "--config", str(config.path), "--storage", url, "--dry-run")
+    assert dry.returncode == 0 and "the baseline's flags (trial 0) run first to record them" in dry.stdout, dry.stderr
+    notes: list[str] = []
+    again = OfflineExecutor(config)
+    run_study(config, again, max_trials=3, storage_url=url,
+              on_progress=lambda e: notes.append(e.message or "") if e.event == "note" else None)
+    assert any("the baseline's flags (trial 0) run first" in n and f"trial {number}'s config" in n for n in notes), notes
+    (_, reference), (probed_number, probed), *_ = again.history
+    assert reference.quality.status == "reference" and not reference.quality.changes
+    assert probed.params == unprobed[0][1].params and probed.quality.status == "passed", probed.quality
+    dry = tuner_cli("apply", str(probed_number), "--storage", url, "--dry-run")
+    assert dry.returncode == 0 and "--kv-cache-dtype fp8_e4m3" in dry.stdout, dry.stderr
