@@ -108,3 +108,15 @@ def test_the_extractor_and_the_paired_drop() -> None:
     assert drop == 0.025 and low < 0 < high and p == 0.5
     drop, (low, _), p = task_drop(8, 1, 40)
     assert drop == 0.175 and low > 0 and p < 0.05
+
+
+def test_the_simulator_behind_a_logprob_stripping_proxy_is_refused_by_the_client_in_one_line(tmp_path: Path) -> None:
+    from tuner.errors import QualityError
+
+    sim = start_healthy([*SIM, "--sim-no-logprobs"], tmp_path)
+    try:
+        with pytest.raises(QualityError, match="returned no output_token_logprobs") as err:
+            SGLangClient(sim.url).greedy_answers(["What is 2 + 3?"], max_new_tokens=4, timeout_s=30)
+        assert "native /generate" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        sim.stop()

@@ -188,3 +188,26 @@ def test_apply_s_hint_enable_the_gate_and_run_again_leads_to_a_probed_result(tmp
     assert probed.params == unprobed[0][1].params and probed.quality.status == "passed", probed.quality
     dry = tuner_cli("apply", str(probed_number), "--storage", url, "--dry-run")
     assert dry.returncode == 0 and "--kv-cache-dtype fp8_e4m3" in dry.stdout, dry.stderr
+
+
+def test_a_server_without_logprobs_is_one_line_naming_the_fix_and_no_changed_numerics_is_launched(
+        tmp_path: Path, tuner_cli: Any) -> None:
+    """Issue 38: a server behind a proxy that strips logprobs (``--sim-no-logprobs``): the
+    baseline's record names the fix in one line, no fp8 KV candidate is launched (it could only
+    be unprobed), each skip says why."""
+    config = _config(tmp_path, fault=False)
+    path = tmp_path / "nologprobs.toml"
+    path.write_text(Path(config.path).read_text(encoding="utf-8").replace('"--enable-metrics"', '"--enable-metrics", "--sim-no-logprobs"'),
+                    encoding="utf-8")
+    config = load_config(path)
+    runner = OfflineExecutor(config)
+    skips: list[str] = []
+    url = f"sqlite:///{tmp_path / 'nolp.db'}"
+    run_study(config, runner, max_trials=8, storage_url=url,
+              on_progress=lambda e: skips.append(e.message or "") if e.event == "skip" else None)
+    reason = runner.history[0][1].quality.reason or ""
+    assert "returned no output_token_logprobs" in reason and "native /generate" in reason and "\n" not in reason
+    assert all(not r.quality.changes for _, r in runner.history), [r.params for _, r in runner.history]
+    assert any("no reference to compare it with" in s and "native /generate" in s for s in skips), skips
+    show = tuner_cli("show", "0", "--storage", url)
+    assert "native /generate" in show.stdout

@@ -133,6 +133,9 @@ class SimOptions:
             every named flag to its value answers badly (without a size: broken answers; with one:
             that much noise per token, nats, from answer token ``TOKEN``; :mod:`tuner.sim.answers`);
             empty: none.
+        no_logprobs: ``--sim-no-logprobs``: ``/generate`` leaves ``meta_info.output_token_logprobs``
+            out, as a proxy or an OpenAI-only gateway in front of SGLang does (the quality gate's
+            "no logprobs" case).
     """
 
     gpu: str = "H100-80GB"
@@ -143,6 +146,7 @@ class SimOptions:
     foreign_gib: float = 0.0
     seed: int = 0
     numerics_fault: str = ""
+    no_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,8 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
                        help="plant a numerics fault: a launch setting these flags (e.g. kv_cache_dtype=fp8_e4m3) "
                             "gives broken greedy answers; ':NATS' makes it a noise of that many nats per token "
                             "(a graded fault), '@TOKEN' starts it at that answer token")
+    group.add_argument("--sim-no-logprobs", action="store_true",
+                       help="answer /generate without meta_info.output_token_logprobs (a proxy in front of SGLang)")
 
 
 def build_parser(version: str, prog: str = PROG) -> argparse.ArgumentParser:
@@ -289,6 +295,7 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> ParsedArgs:
         foreign_gib=values.pop("sim_foreign_gib"),
         seed=values.pop("sim_seed"),
         numerics_fault=values.pop("sim_numerics_fault"),
+        no_logprobs=values.pop("sim_no_logprobs"),
     )
     if values.get("model_path") is None:
         parser.error("the following arguments are required: --model-path")
