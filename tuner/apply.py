@@ -53,7 +53,7 @@ from tuner.sglang.client import SGLangClient
 from tuner.sglang.flags import FlagTable, parse_argv, replace_flags
 from tuner.sglang.numerics import numerics_changes
 from tuner.study.hosts import host_name
-from tuner.study.launch import launch_changes
+from tuner.study.launch import launch_changes, record_numerics
 from tuner.study.storage import check_storage, display_url, is_shared_url
 
 __all__ = [
@@ -546,13 +546,21 @@ def _new_argv(stored: StoredStudy, view: TrialView, argv: list[str], table: Flag
 def unprobed_numerics(stored: StoredStudy, view: TrialView) -> tuple[list[str], str] | None:
     """The numerics-relevant flags a trial changes without a quality probe that passed, and why
     (:mod:`tuner.load.quality`), or ``None`` when it is safe on that count: the baseline's
-    numerics, or a passed gate. A record stored before the gate is read from its command line
-    against the study's baseline command (:func:`tuner.sglang.numerics.numerics_changes`)."""
+    numerics, or a passed gate. Both keys are rebuilt from the stored launches
+    (:func:`tuner.study.launch.record_numerics`): a trial stored before the key was resolved, that
+    named the shape SGLang chose for the baseline, is the baseline's numerics. A record stored
+    before the gate is read from its command line against the study's baseline command
+    (:func:`tuner.sglang.numerics.numerics_changes`)."""
     record = view.record
     if record is None:
         return None
     facts = record.quality
     if facts.status in ("reference", "same", "passed"):
+        return None
+    base_view = stored.baseline()
+    baseline = base_view.record if base_view is not None else None
+    if facts.status is not None and baseline is not None and baseline.quality.status is not None and (
+            record_numerics(record) == record_numerics(baseline)):
         return None
     if facts.status is None:
         info = stored.info
@@ -626,9 +634,9 @@ def plan_apply(
         raise ApplyError(
             f"trial {view.number} changes numerics ({', '.join(changes)}) and its answers were never compared with "
             f"the baseline's ({why}); applying it could change what the model answers",
-            hint=f"probe it: run the study with [quality] enabled = true (`tuner run --config {path}`), where a "
-                 "numerics change never probed counts as not yet measured, or apply a trial that passed the quality gate "
-                 "(`tuner trials` shows it)",
+            hint=f"probe it: run the study with [quality] enabled = true (`tuner run --config {path}`): its first "
+                 "launches record the baseline's reference answers and probe this config (`tuner run --dry-run` says "
+                 "so); then apply the trial that probed it, or one that passed the quality gate (`tuner trials` shows it)",
         )
     settings = service_settings(config, state_dir=state_dir)
     overrides = {"max_running_requests": admission_limit} if admission_limit else {}

@@ -24,7 +24,7 @@ from tuner.load.workloads import for_speculation
 from tuner.preflight import check_command, check_run
 from tuner.served import LaunchedServer
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv, runs_simulator
-from tuner.study.baseline import latest_baseline, study_hicache, study_levers
+from tuner.study.baseline import latest_baseline, reference_plan, study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
 from tuner.study.loop import restored_text, run_study
@@ -304,6 +304,8 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
         lines.append(f"host memory before each launch: {host.source}; a config whose pools (per rank × {ranks} "
                      "ranks) do not fit MemAvailable or the unit's MemoryMax is skipped without a restart")
     stored = _stored_progress(config, storage_url)
+    if stored is not None and stored[2] is not None:
+        lines.append(stored[2])
     if stored is None or stored[1] is None:
         lines.append("first candidate: the baseline (the service's current flags), launched as:")
     else:
@@ -313,8 +315,9 @@ def dry_run(config: TunerConfig, *, budget_s: float | None, max_trials: int | No
     return "\n".join(lines)
 
 
-def _stored_progress(config: TunerConfig, storage_url: str | None) -> tuple[int, int | None] | None:
-    """``(measured trials, the latest baseline's number or None)`` of the study a run would resume,
+def _stored_progress(config: TunerConfig, storage_url: str | None) -> tuple[int, int | None, str | None] | None:
+    """``(measured trials, the latest baseline's number or None, the quality gate's reference
+    line or None)`` of the study a run would resume (:func:`tuner.study.baseline.reference_plan`),
     or ``None`` when there is none yet or it cannot be read (the checks after the plan say why)."""
     url = storage_url or study_storage_url(config)
     try:
@@ -323,8 +326,11 @@ def _stored_progress(config: TunerConfig, storage_url: str | None) -> tuple[int,
             done = records(study)
     except (TunerError, KeyError, SQLAlchemyError):
         return None
-    found = latest_baseline([(t.number, r) for t, r in done])
-    return sum(1 for _, r in done if r.outcome in ("ok", "failed")), (found[0] if found is not None else None)
+    finished = [(t.number, r) for t, r in done]
+    found = latest_baseline(finished)
+    plan = reference_plan(finished, gate_on=config.quality.enabled)
+    return (sum(1 for _, r in done if r.outcome in ("ok", "failed")), (found[0] if found is not None else None),
+            plan[0] if plan is not None else None)
 
 
 def dry_run_checks(config: TunerConfig, *, budget_s: float | None, max_trials: int | None,

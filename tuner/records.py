@@ -345,8 +345,13 @@ class QualityFacts(BaseModel):
             ``None``: none differs).
         mean_abs_logprob_delta: Mean |Δ logprob| of the chosen tokens over each answer's prefix
             shared with the reference (nats).
-        task_accuracy: Exact-answer share on the task set (0-1), when one is configured.
+        task_accuracy: Share of the task set answered right (0-1, scored by ``[quality]
+            task_scoring``), when one is configured.
         reference_task_accuracy: The reference's on the same set (0-1).
+        task_lost, task_gained: Tasks the reference answered right and this launch wrong, and the
+            other way round (the paired comparison's discordant items), of ``task_items``.
+        task_drop_ci: The 95 % confidence interval of the accuracy drop below the reference's
+            (paired, 0-1 each; ``[low, high]``).
         probe_s: The probe's wall time, seconds.
         digest: What the probe asked (prompts, answer lengths, tasks): probes are comparable only
             with the same digest.
@@ -368,6 +373,10 @@ class QualityFacts(BaseModel):
     mean_abs_logprob_delta: float | None = None
     task_accuracy: float | None = None
     reference_task_accuracy: float | None = None
+    task_lost: int | None = None
+    task_gained: int | None = None
+    task_items: int | None = None
+    task_drop_ci: list[float] | None = None
     probe_s: float | None = None
     digest: str | None = None
     reason: str | None = None

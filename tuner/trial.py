@@ -891,7 +891,9 @@ class TrialExecutor:
         on_phase("measure")
         measured = self._measure(argv, started, probe, on_phase, files)
         stressed = self._stress(job, probe, measured, on_phase)
-        quality = self._quality(job, argv, alive=measured.failure is None and stressed.failure is None, on_phase=on_phase)
+        rank = started.report.primary()
+        quality = self._quality(job, argv, alive=measured.failure is None and stressed.failure is None, on_phase=on_phase,
+                                model_class=rank.model_class if rank is not None else None)
         on_phase("record")
         lines = self.server.logs()
         record = self._record(record, probe, measured, stressed, lines)
@@ -1074,13 +1076,17 @@ class TrialExecutor:
             cooldown_s=window.cooldown_s(request_timeout_s),
         ), _load_ticks(on_phase, "stress", expected=None, duration_s=limit_s))
 
-    def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None]) -> QualityFacts:
-        """Quality: the launch's numerics against the baseline's; a change is probed (after the
+    def _quality(self, job: TrialJob, argv: list[str], *, alive: bool, on_phase: Callable[..., None],
+                 model_class: str | None) -> QualityFacts:
+        """Quality: the launch's numerics against the baseline's, both as SGLang resolves them
+        (``model_class``, the startup log's, chooses a speculative shape the command leaves to
+        SGLang: :func:`tuner.sglang.numerics.resolve_numerics`); a change is probed (after the
         load phases, on a server that still serves) unless this study already probed the same
         numerics; the baseline's numerics record the study's reference answers once
         (:func:`tuner.load.quality.gate`)."""
         flags, baseline = parse_argv(argv, self.table), parse_argv(self._baseline_argv, self.table)
-        numerics, changes = dict(numerics_key(flags)), numerics_changes(flags, baseline)
+        numerics = dict(numerics_key(flags, model_class=model_class))
+        changes = numerics_changes(flags, baseline, model_class=model_class)
         config = self.config.quality
         if not alive:
             return QualityFacts(numerics=numerics, changes=changes, status="same" if not changes else "unprobed",

@@ -63,3 +63,30 @@ def test_a_malformed_numerics_fault_is_refused_at_startup(tmp_path) -> None:  # 
 def test_every_low_precision_kv_dtype_drifts_more_with_context(kv: str) -> None:
     _, sigma0, growth, _ = numerics_drift({"kv_cache_dtype": kv})
     assert sigma0 > 0 and growth > 0
+
+
+def _share_equal(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def test_a_graded_fault_degrades_answers_by_its_size_from_its_token() -> None:
+    """``:NATS`` is a noise per token added to the launch's drift (tokens flip where it passes the
+    margin), ``@TOKEN`` where it starts; the old spelling still breaks answers from token 0."""
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    healthy = _answers(fp8)
+    shares = [_share_equal(healthy, _answers(fp8, NumericsFault(f"kv_cache_dtype=fp8_e4m3:{size}")))
+              for size in (0.02, 0.2, 1.0)]
+    assert 1.0 >= shares[0] > shares[1] > shares[2], shares  # more nats, fewer answers unchanged
+    late = _answers(fp8, NumericsFault("kv_cache_dtype=fp8_e4m3:1.0@24"))
+    firsts = [d for a, b in zip(healthy, late, strict=True) if (d := _first_divergence(a, b)) is not None]
+    assert firsts and min(firsts) >= 24
+    assert NumericsFault("kv_cache_dtype=fp8_e4m3").size is None and NumericsFault("a=b:0.5@3").start == 3
+    for bad in ("kv_cache_dtype=fp8_e4m3:-1", "kv_cache_dtype=fp8_e4m3:x", "kv_cache_dtype=fp8_e4m3@-2"):
+        with pytest.raises(ValueError, match="nats per token above 0"):
+            NumericsFault(bad)
+
+
+def test_a_malformed_graded_fault_is_refused_at_startup(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    status, log = run_to_exit(["--model-path", "llama-3.1-8b", "--sim-numerics-fault", "kv_cache_dtype=fp8_e4m3:big"],
+                              tmp_path)
+    assert status != 0 and "the size after ':' must be nats per token above 0" in log

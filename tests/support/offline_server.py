@@ -45,7 +45,7 @@ from tuner.launch.hostmem import read_host_memory
 from tuner.load import SLO, LiveStats, LoadResult, Workload, build_workload
 from tuner.load.metrics import LoadSummary, itl_exceedance, itl_exceedance_low, slo_violations
 from tuner.records import TrialRecord
-from tuner.sglang.client import GreedyAnswer, ServerInfo
+from tuner.sglang.client import GreedyAnswer, ServerInfo, greedy_answer
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.flags import FlagTable, flag_value, parse_argv
 from tuner.sglang.hicache import HostMemory
@@ -240,6 +240,7 @@ class OfflineServer:
 
         Raises:
             ServerError: No server runs.
+            QualityError: ``--sim-no-logprobs`` (the product's client reads the body).
         """
         if self._startup is None:
             raise ServerError("the server is not running")
@@ -250,7 +251,10 @@ class OfflineServer:
         for text in texts:
             got = answer(text, tokenize(text, vocab), max_new_tokens, parsed.server, vocab_size=vocab, words=_WORDS,
                          fault=fault)
-            out.append(GreedyAnswer(token_ids=got.token_ids, logprobs=got.logprobs, text=got.text))
+            meta: dict[str, Any] = {"completion_tokens": len(got.token_ids)}
+            if not parsed.sim.no_logprobs:  # --sim-no-logprobs: as a proxy in front of SGLang answers
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
+            out.append(greedy_answer("offline", {"text": got.text, "output_ids": got.token_ids, "meta_info": meta}))
         return out
 
     def logs(self) -> list[str]:

@@ -22,7 +22,7 @@ from tuner.errors import QualityError, ServerError
 from tuner.sglang.failures import Failure, FailureClass
 from tuner.sglang.levers import rank_tokens
 
-__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "GreedyAnswer", "url_problem"]
+__all__ = ["ServerInfo", "SGLangClient", "ServerNotReady", "GreedyAnswer", "greedy_answer", "url_problem"]
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ _NO_LOGPROBS_HINT = ("the quality gate needs SGLang's native /generate with retu
                      "(then a candidate that changes numerics can never be applied)")
 
 
-def _greedy_answer(url: str, item: Any) -> GreedyAnswer:
+def greedy_answer(url: str, item: Any) -> GreedyAnswer:
     """One ``/generate`` result → :class:`GreedyAnswer`.
 
     Raises:
@@ -342,7 +342,7 @@ class SGLangClient:
         if len(items) != len(texts):
             raise QualityError(f"the server at {self.url} answered {len(items)} of {len(texts)} prompts on /generate",
                                hint=_NO_LOGPROBS_HINT)
-        return [_greedy_answer(self.url, item) for item in items]
+        return [greedy_answer(self.url, item) for item in items]
 
     def server_info(self) -> ServerInfo:
         """``GET /server_info`` (0.5.10+), falling back to ``/get_server_info`` (0.5.5; deprecated in

@@ -80,7 +80,8 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
     server = SimServer(plan, log, seed=parsed.sim.seed, scheduler=parsed.sim.scheduler,
                        skip_warmup=bool(cfg.server_args.get("skip_server_warmup")),
-                       numerics_fault=NumericsFault(parsed.sim.numerics_fault) if parsed.sim.numerics_fault else None)
+                       numerics_fault=NumericsFault(parsed.sim.numerics_fault) if parsed.sim.numerics_fault else None,
+                       no_logprobs=parsed.sim.no_logprobs)
     try:
         asyncio.run(_serve(server, cfg.host, cfg.port, parsed.sim.time_scale))
     except KeyboardInterrupt:

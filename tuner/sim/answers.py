@@ -16,12 +16,22 @@ the rest of the answer follows another prefix (a divergence). How the sources dr
   MoE runner: a small position-independent error (other accumulation orders);
 - speculative decoding (``speculative_*``): none, the target model verifies every token, so
   greedy answers are identical;
-- a planted fault (``--sim-numerics-fault NAME=VALUE[,NAME=VALUE]``): when the launch sets every
-  named flag to its value, the noise is large and ignores the margins: answers break from the
-  first tokens, as with ROCm/ATOM#1772's fp8 KV dtype bug.
+- a planted fault (``--sim-numerics-fault NAME=VALUE[,NAME=VALUE][:NATS][@TOKEN]``): when the
+  launch sets every named flag to its value, answers degrade from token ``TOKEN`` on (default 0).
+  Without a size the noise is large and ignores the margins: answers break from the first tokens,
+  as with ROCm/ATOM#1772's fp8 KV dtype bug. With a size (``:0.05``: nats per token), a noise of
+  that scale is added to the launch's own drift and a token flips where it exceeds the logit
+  margin, as a healthy drift does: a graded degradation (issue 38's detection benchmark).
 
-Arithmetic prompts (``What is 17 + 25?``) are answered with the correct number first (a large
-margin), so a task probe scores the healthy model at 100 %.
+Arithmetic prompts (``What is 17 + 25? Answer with the number only.``) are answered with the
+correct number first (a large margin), so a task probe scores the healthy model at 100 %. A word
+problem (a prompt holding a sum, difference or product, ``a + b``, without "number only", as a
+GSM8K-style item does once its arithmetic is written out) is answered the way a chain-of-thought
+model answers GSM8K: reasoning words, then ``The answer is N`` (the number at token 12, or the last
+token of a shorter answer), then more words. Its number's logit margin is the question's own (a
+hash: some are near ties), and one question in ten the model gets wrong (it answers ``N + 1``):
+the healthy model scores about 90 % with an extractor that reads the last number, 0 % with one
+that reads the first word, and a graded fault lowers the score with its size.
 
 This module reads only its inputs: flags by SGLang field name, the prompt's token ids.
 """
@@ -69,6 +79,14 @@ _MASK = 2**64 - 1
 
 _ARITH = re.compile(r"(-?\d+)\s*([-+*x×])\s*(-?\d+)")
 
+_NUMBER_ONLY = re.compile(r"number only", re.IGNORECASE)
+
+_ANSWER_AT = 12
+"""The token position of a word problem's number (``The answer is N`` just before it)."""
+
+_WRONG_SHARE = 0.1
+"""Share of word problems the healthy simulated model answers wrongly (``N + 1``)."""
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -87,26 +105,57 @@ class Answer:
 
 @dataclass(frozen=True)
 class NumericsFault:
-    """A planted numerics fault: ``flags`` (field name → value as text) that together break answers.
+    """A planted numerics fault: ``flags`` (field name → value as text) that together degrade answers.
 
     Args:
-        spec: ``NAME=VALUE[,NAME=VALUE...]`` by SGLang field name or flag (``kv_cache_dtype=fp8_e4m3``,
-            ``--kv-cache-dtype=fp8_e4m3``); empty: no fault.
+        spec: ``NAME=VALUE[,NAME=VALUE...][:NATS][@TOKEN]`` by SGLang field name or flag
+            (``kv_cache_dtype=fp8_e4m3``, ``--kv-cache-dtype=fp8_e4m3:0.05@8``); ``NATS``: the
+            fault's noise per token (nats; absent: answers break, the first spelling's fault);
+            ``TOKEN``: the answer position it starts at (tokens, default 0). Empty: no fault.
 
     Raises:
-        ValueError: A part without ``=``.
+        ValueError: A part without ``=``, a size that is not a number above 0, a token that is
+            not an integer ≥ 0.
     """
 
     spec: str = ""
+
+    def __post_init__(self) -> None:
+        self.flags  # noqa: B018 - validates the spec (raises ValueError)
+
+    def _parts(self) -> tuple[str, float | None, int]:
+        """``(flags text, size in nats or None, first token)`` of :attr:`spec`."""
+        text, at, token = self.spec.partition("@")
+        text, colon, size = text.partition(":")
+        try:
+            nats = float(size) if colon else None
+            start = int(token) if at else 0
+        except ValueError:
+            nats, start = -1.0, -1
+        if (nats is not None and not (nats > 0 and math.isfinite(nats))) or start < 0:
+            raise ValueError(f"--sim-numerics-fault {self.spec!r}: the size after ':' must be nats per token above 0 "
+                             "and the token after '@' an integer >= 0 (e.g. kv_cache_dtype=fp8_e4m3:0.05@8)")
+        return text, nats, start
+
+    @property
+    def size(self) -> float | None:
+        """The fault's noise per token (nats), ``None``: answers break (margins ignored)."""
+        return self._parts()[1]
+
+    @property
+    def start(self) -> int:
+        """The answer position (tokens) from which the fault acts."""
+        return self._parts()[2]
 
     @property
     def flags(self) -> dict[str, str]:
         """Field name → value (lowercased text)."""
         out: dict[str, str] = {}
-        for part in (p.strip() for p in self.spec.split(",") if p.strip()):
+        for part in (p.strip() for p in self._parts()[0].split(",") if p.strip()):
             name, eq, value = part.partition("=")
             if not eq:
-                raise ValueError(f"--sim-numerics-fault part {part!r} is not NAME=VALUE (e.g. kv_cache_dtype=fp8_e4m3)")
+                raise ValueError(f"--sim-numerics-fault {self.spec!r} must be NAME=VALUE[,NAME=VALUE][:NATS][@TOKEN] "
+                             f"({part!r} has no '='; e.g. kv_cache_dtype=fp8_e4m3:0.05@8)")
             out[name.strip().lstrip("-").replace("-", "_")] = value.strip().lower()
         return out
 
@@ -191,6 +240,8 @@ def answer(prompt: str, prompt_ids: list[int], max_new_tokens: int, server_args:
     seed = zlib.crc32(key.encode())
     state = zlib.crc32(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)) if prompt_ids else 7
     number = _arith_answer(prompt)
+    reasons = number is not None and not _NUMBER_ONLY.search(prompt)  # a word problem: reasoning first
+    answer_at = min(_ANSWER_AT, max(0, max_new_tokens - 1))
     ids: list[int] = []
     lps: list[float] = []
     texts: list[str] = []
@@ -202,14 +253,25 @@ def answer(prompt: str, prompt_ids: list[int], max_new_tokens: int, server_args:
         if _unit(state, 17) < _NEAR_TIES * min(1.0, (i / 32.0) ** 2):  # a near tie: the opening is confident
             margin = -0.005 * math.log(_unit(state, 19))
         logprob = -3.0 * _unit(state, 13) ** 3
-        if i == 0 and number is not None:
+        if number is not None and not reasons and i == 0:
             true_word, runner_word, margin, logprob = str(number), str(number + 1), 8.0, -0.01
+        elif number is not None and reasons and answer_at - 3 <= i < answer_at:
+            true_word, margin, logprob = ("The", "answer", "is")[i - answer_at + 3], 8.0, -0.01
+        elif number is not None and reasons and i == answer_at:
+            asked = zlib.crc32(prompt.encode())
+            said = number + (_unit(asked, 23) < _WRONG_SHARE)
+            true_word, runner_word = str(said), str(said + 1)
+            margin, logprob = 0.05 - 1.5 * math.log(_unit(asked, 29)), -0.05
         chosen_word, noise = true_word, 0.0
         if key:
-            sigma = _FAULT_SIGMA if faulty else sigma0 * (1.0 + growth * (len(prompt_ids) + i) / 1024.0)
+            sigma = sigma0 * (1.0 + growth * (len(prompt_ids) + i) / 1024.0)
+            breaks = False
+            if faulty and fault is not None and i >= fault.start:
+                size = fault.size
+                sigma, breaks = (_FAULT_SIGMA, True) if size is None else (math.hypot(sigma, size), False)
             noise = sigma * _normal(seed, state, i)
             flip = sigma * _normal(seed, state, i, 5)
-            if (faulty and abs(flip) > 0.5) or abs(flip) > margin:
+            if (breaks and abs(flip) > 0.5) or abs(flip) > margin:
                 chosen_word = runner_word
                 logprob -= min(margin, 1.0)
         chosen_id = zlib.crc32(chosen_word.encode()) % vocab_size if chosen_word.lstrip("-").isdigit() else (

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from tuner.sim.answers import NumericsFault
 from tuner.sim.costmodel import SCHEDULER_CPU
 from tuner.sim.errors import SimError
 from tuner.sim.gpus import GPUS
@@ -129,8 +130,13 @@ class SimOptions:
         time_scale: Multiplier on realistic startup delays (``--sim-time-scale``); 0 = instant.
         foreign_gib: Memory held by a foreign process on GPU 0, GiB (``--sim-foreign-gib``).
         seed: Seed of generated output tokens (``--sim-seed``).
-        numerics_fault: ``--sim-numerics-fault NAME=VALUE[,...]``: a launch that sets every named
-            flag to its value answers badly (:mod:`tuner.sim.answers`); empty: none.
+        numerics_fault: ``--sim-numerics-fault NAME=VALUE[,...][:NATS][@TOKEN]``: a launch that sets
+            every named flag to its value answers badly (without a size: broken answers; with one:
+            that much noise per token, nats, from answer token ``TOKEN``; :mod:`tuner.sim.answers`);
+            empty: none.
+        no_logprobs: ``--sim-no-logprobs``: ``/generate`` leaves ``meta_info.output_token_logprobs``
+            out, as a proxy or an OpenAI-only gateway in front of SGLang does (the quality gate's
+            "no logprobs" case).
         scheduler: ``--sim-scheduler``: the scheduler generation whose CPU cost per step the clock
             charges (:data:`tuner.sim.costmodel.SCHEDULER_CPU`): ``0.5`` (default) or ``pre-0.4``
             (SGLang 0.2-0.3, for replaying their published runs).
@@ -145,6 +151,7 @@ class SimOptions:
     seed: int = 0
     numerics_fault: str = ""
     scheduler: str = "0.5"
+    no_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,12 +200,15 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sim-foreign-gib", type=float, default=SimOptions.foreign_gib,
                        help="GiB held by a foreign process on GPU 0 at startup")
     group.add_argument("--sim-seed", type=int, default=SimOptions.seed, help="seed of generated tokens")
-    group.add_argument("--sim-numerics-fault", default=SimOptions.numerics_fault, metavar="NAME=VALUE[,...]",
+    group.add_argument("--sim-numerics-fault", default=SimOptions.numerics_fault, metavar="NAME=VALUE[,...][:NATS][@TOKEN]",
                        help="plant a numerics fault: a launch setting these flags (e.g. kv_cache_dtype=fp8_e4m3) "
-                            "gives broken greedy answers")
+                            "gives broken greedy answers; ':NATS' makes it a noise of that many nats per token "
+                            "(a graded fault), '@TOKEN' starts it at that answer token")
     group.add_argument("--sim-scheduler", choices=list(SCHEDULER_CPU), default=SimOptions.scheduler,
                        help="scheduler generation whose CPU cost per step the clock charges: 0.5 (every mimicked "
                             "version) or pre-0.4 (SGLang 0.2-0.3, no overlap, per-request Python work each step)")
+    group.add_argument("--sim-no-logprobs", action="store_true",
+                       help="answer /generate without meta_info.output_token_logprobs (a proxy in front of SGLang)")
 
 
 def build_parser(version: str, prog: str = PROG) -> argparse.ArgumentParser:
@@ -294,6 +304,7 @@ def parse_args(argv: Sequence[str], prog: str = PROG) -> ParsedArgs:
         seed=values.pop("sim_seed"),
         numerics_fault=values.pop("sim_numerics_fault"),
         scheduler=values.pop("sim_scheduler"),
+        no_logprobs=values.pop("sim_no_logprobs"),
     )
     if values.get("model_path") is None:
         parser.error("the following arguments are required: --model-path")
@@ -340,7 +351,10 @@ def _check_values(v: dict[str, Any], sim: SimOptions) -> None:
             ok = False
         if not ok:
             raise SimError(f"--sim-memory-max {sim.memory_max!r} must be none, auto or a size in GiB above 0.")
-    if sim.numerics_fault and not all("=" in part for part in sim.numerics_fault.split(",") if part.strip()):
-        raise SimError(f"--sim-numerics-fault {sim.numerics_fault!r} must be NAME=VALUE[,NAME=VALUE] (e.g. kv_cache_dtype=fp8_e4m3).")
+    if sim.numerics_fault:
+        try:
+            NumericsFault(sim.numerics_fault)
+        except ValueError as err:
+            raise SimError(f"{err}.") from None
     if sim.time_scale < 0 or sim.foreign_gib < 0 or sim.host_memory_gib <= 0:
         raise SimError("--sim-time-scale and --sim-foreign-gib must be >= 0, --sim-host-memory-gib > 0.")

@@ -117,13 +117,15 @@ class SimServer:
         skip_warmup: Mimic ``--skip-server-warmup``.
         numerics_fault: A planted numerics fault (``--sim-numerics-fault``): greedy answers break
             when the launch matches it (:mod:`tuner.sim.answers`).
+        no_logprobs: ``--sim-no-logprobs``: answers carry no ``output_token_logprobs``.
         scheduler: Scheduler generation (``--sim-scheduler``): its CPU cost per step.
     """
 
     def __init__(self, plan: MemoryPlan, log: SimLogger, *, seed: int = 0, skip_warmup: bool = False,
-                 numerics_fault: NumericsFault | None = None, scheduler: str = "0.5") -> None:
+                 numerics_fault: NumericsFault | None = None, no_logprobs: bool = False,
+                 scheduler: str = "0.5") -> None:
         self.plan = plan
-        self.numerics_fault = numerics_fault
+        self.answering = (numerics_fault, no_logprobs)  # how /generate answers: the fault, logprobs left out
         self.cfg = plan.config
         self.log = log
         self.skip_warmup = skip_warmup
@@ -683,8 +685,10 @@ class SimServer:
         (``TokenizerManager.detokenize_logprob_tokens``, ``return_text_in_logprobs`` false)."""
         n = int(out["meta_info"].get("completion_tokens") or len(out.get("output_ids") or []))
         got = answer(text, prompt_ids, n, self.cfg.server_args, vocab_size=self.cfg.model.vocab_size, words=_WORDS,
-                     fault=self.numerics_fault)
+                     fault=self.answering[0])
         meta = dict(out["meta_info"], output_token_logprobs=[[lp, t, None] for lp, t in zip(got.logprobs, got.token_ids, strict=True)])
+        if self.answering[1]:
+            meta.pop("output_token_logprobs")
         return {**out, "text": got.text, "output_ids": got.token_ids, "meta_info": meta}
 
     def _spec_meta(self, completion_tokens: int, verify_ct: int) -> dict[str, Any]:

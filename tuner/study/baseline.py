@@ -26,11 +26,20 @@ from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.hicache import HostMemory
 from tuner.study.budget import reachable_slots
 from tuner.study.hosts import own, same_environment
+from tuner.study.launch import needs_reference, record_numerics
 from tuner.study.lever_space import LeverChoice, attentions_of_log, derive_levers, study_model
-from tuner.study.optuna_io import ENVIRONMENT_ATTR, HOST_ATTR, KIND_ATTR, SPACE_ATTR, record_of, set_baseline_params
+from tuner.study.optuna_io import (
+    ENVIRONMENT_ATTR,
+    HOST_ATTR,
+    KIND_ATTR,
+    REPEAT_ATTR,
+    SPACE_ATTR,
+    record_of,
+    set_baseline_params,
+)
 from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
 
-__all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "resolve_study_space",
+__all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "queue_reference", "reference_plan", "resolve_study_space",
            "study_hicache", "study_levers"]
 
 WAIT_POLL_S = 1.0
@@ -60,6 +69,57 @@ def latest_baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, Trial
     """The newest baseline of ``done`` that started (one that could not start is measured again:
     the command was fixed)."""
     return next(((n, r) for n, r in reversed(done) if r.kind == "baseline" and not could_not_start(r)), None)
+
+
+def reference_plan(finished: Sequence[tuple[int, TrialRecord]], *, gate_on: bool
+                   ) -> tuple[str, list[tuple[int, dict[str, Any]]]] | None:
+    """What turning the quality gate on needs in a study that ran without it: one launch of the
+    baseline's flags (it records the reference answers, :func:`tuner.load.quality.gate`), then
+    each feasible trial whose numerics change was never probed (one per distinct numerics, in
+    trial order), which is then probed; so ``tuner apply``'s hint ("enable the gate and run
+    again") leads to a probed result.
+
+    Args:
+        finished: The study's finished trials.
+        gate_on: ``[quality] enabled``.
+
+    Returns:
+        ``(the one line the run and its dry run print, (trial, params) to launch again in order)``, or ``None``
+        when the gate is off or the study holds a reference (or a try to record one).
+    """
+    found = latest_baseline(finished)
+    if not gate_on or found is None or not needs_reference(finished):
+        return None
+    queue: dict[str, tuple[int, dict[str, Any]]] = {"": (found[0], dict(found[1].params))}
+    for number, record in finished:
+        if record.feasible and record.quality.changes and record.quality.status == "unprobed":
+            queue.setdefault(repr(sorted(record_numerics(record).items())), (number, dict(record.params)))
+    probed = [str(n) for n, _ in list(queue.values())[1:]]
+    line = (f"quality gate: this study holds no reference answers (the gate was off): the baseline's flags (trial "
+            f"{found[0]}) run first to record them"
+            + (f", then trial {', '.join(probed)}'s config{'s' if len(probed) > 1 else ''} to probe "
+               f"{'their' if len(probed) > 1 else 'its'} numerics" if probed else ""))
+    return line, list(queue.values())
+
+
+def queue_reference(study: optuna.Study, finished: Sequence[tuple[int, TrialRecord]], *, gate_on: bool,
+                    note: Callable[[int | None, str], None]) -> None:
+    """Enqueue :func:`reference_plan`'s launches, once (a trial already waiting with the same
+    params is not queued again), each a deliberate re-measurement of its trial
+    (:data:`~tuner.study.optuna_io.REPEAT_ATTR`: the screens and the claim let it through, it is
+    measured through to its quality phase, and its figures join the trial's), and tell ``note``
+    the plan's line (``(None, line)``)."""
+    plan = reference_plan(finished, gate_on=gate_on)
+    if plan is None:
+        return
+    stored = study.user_attrs.get(SPACE_ATTR)
+    space = Space.model_validate(stored) if stored else None
+    waiting = [t.params for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
+    for number, params in plan[1]:
+        params = space.snap(params) if space is not None else params  # every searched knob, the sampler draws none
+        if params not in waiting:
+            study.enqueue_trial(params, user_attrs={KIND_ATTR: "enqueued", REPEAT_ATTR: number})
+    note(None, plan[0])
 
 
 def claim_baseline(

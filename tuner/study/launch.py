@@ -19,14 +19,15 @@ for several flags:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import tuner.knobs
+from tuner.records import TrialRecord
 from tuner.sglang.numerics import numerics_key
 from tuner.study.space import HICACHE_KNOBS
 
-__all__ = ["launch_changes", "launch_fields", "launch_numerics", "render_levers"]
+__all__ = ["launch_changes", "launch_fields", "launch_numerics", "needs_reference", "record_numerics", "render_levers"]
 
 
 def render_levers(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,3 +77,25 @@ def launch_numerics(params: Mapping[str, Any], baseline: Mapping[str, Any]) -> d
     """The numerics key (:func:`tuner.sglang.numerics.numerics_key`, as a mapping) of the launch
     of ``params`` on the baseline's fields: the key a trial's record stores for the same launch."""
     return dict(numerics_key(launch_fields(params, baseline)))
+
+
+def record_numerics(record: TrialRecord) -> dict[str, Any]:
+    """A stored trial's numerics key, rebuilt from what it launched: its params rendered over its
+    recorded numerics (:func:`launch_numerics`), so a record stored before the key was resolved
+    (a speculative baseline's shape left to SGLang, recorded as ``speculative_algorithm`` alone
+    while its params hold the shape SGLang resolved) reads as the key a new record stores. A new
+    record's key is its own: rebuilding it changes nothing."""
+    return launch_numerics(record.params, record.quality.numerics)
+
+
+def needs_reference(finished: Sequence[tuple[int, TrialRecord]]) -> bool:
+    """Whether the study holds no reference answers of the baseline's numerics and no launch of
+    them tried to record some (a try that failed says why in its ``reason``: no logprobs, a task
+    probe without signal): the quality gate was off when they ran, and turning it on needs one
+    launch of the baseline's numerics to record them.
+
+    Args:
+        finished: ``(number, record)`` of the study's finished trials.
+    """
+    return not any(r.quality.status == "reference" or (not r.quality.changes and r.quality.reason)
+                   for _, r in finished if r.outcome in ("ok", "failed"))

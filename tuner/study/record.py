@@ -31,7 +31,7 @@ from tuner.study.decide import Proposal, Skip, record_kind
 from tuner.study.decide.sampler import Draw
 from tuner.study.hosts import add_record, trial_id
 from tuner.study.job import TrialJob
-from tuner.study.launch import launch_fields
+from tuner.study.launch import launch_fields, record_numerics
 from tuner.study.optuna_io import (
     ENVIRONMENT_ATTR,
     HOST_ATTR,
@@ -117,7 +117,7 @@ class Recorder:
             for trial in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
                 record = record_of(trial)
                 if record is not None and record.kind == "baseline" and record.outcome == "ok":
-                    self._base_numerics = dict(record.quality.numerics)
+                    self._base_numerics = record_numerics(record)
                     break
         return self._base_numerics
 

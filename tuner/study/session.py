@@ -17,12 +17,13 @@ import optuna
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.load.workloads import build_workload
 from tuner.records import StudyInfo
+from tuner.study.baseline import queue_reference
 from tuner.study.calibration import ModelSettings
 from tuner.study.fingerprint import DeploymentKey, deployment_key, workload_key
 from tuner.study.hooks import AfterTell, SaveFingerprint
 from tuner.study.hosts import ClaimLock, is_postgres, reap_stale, recover_own, schema_lock, study_heartbeat
 from tuner.study.job import TrialRunner
-from tuner.study.optuna_io import ensure_study_info, make_sampler, open_study
+from tuner.study.optuna_io import ensure_study_info, make_sampler, open_study, records
 from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunProgress, RunSummary
 from tuner.study.record import Recorder
@@ -119,6 +120,7 @@ def open_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, prog
                            "last run kept in its result journal but did not finish storing (it was stopped, or "
                            "the database did not answer)", phase="recovered")
     summary.recovered = recover_own(study, summary.host, shared=shared) + reap_stale(study)
+    queue_reference(study, [(t.number, r) for t, r in records(study)], gate_on=config.quality.enabled, note=progress.note)
     context_tokens = info.context_tokens or context_tokens
     deployment, workload = deployment_key(environment, runner.baseline_argv(), config), workload_key(config, context_tokens)
     return Opened(study=study, claims=ClaimLock.of(study), recorder=recorder, shared=shared,

@@ -35,7 +35,7 @@ from tuner.study.calibration import Calibration, deployment_capacity
 from tuner.study.decide import Skip
 from tuner.study.decide.rungs import RungPrices, same_rung
 from tuner.study.hostcheck import host_skip_reason, ranks_of
-from tuner.study.launch import launch_numerics
+from tuner.study.launch import launch_numerics, record_numerics
 from tuner.study.optuna_io import HOST_ATTR
 from tuner.study.slo_bound import family_of
 from tuner.study.space import config_key
@@ -140,16 +140,27 @@ class QualityFailed:
     """A trial with the same numerics failed the quality gate: its answers would be the same. The
     config's numerics are those of its launch (:func:`tuner.study.launch.launch_numerics`: the
     switches rendered as the trial renders them, over the baseline's numerics), the key its record
-    would store."""
+    would store; a stored record's is rebuilt from its launch (:func:`tuner.study.launch.record_numerics`).
+
+    Also: the gate could not record the baseline's reference answers and says why (the server
+    returns no logprobs, the task probe carries no signal: the baseline's ``reason``), and no
+    launch recorded one since: a config that changes numerics could only be ``unprobed``, never
+    feasible nor appliable, so it is not launched (the skip names the reason and its fix)."""
 
     def why_not(self, params: Mapping[str, Any], view: StudyView) -> Skip | None:
         failed = [(n, r) for n, r in view.finished if r.quality.status == "failed"]
-        base = next((r.quality.numerics for _, r in view.finished if r.kind == "baseline"), None)
-        if not failed or base is None:
+        baseline = next(((n, r) for n, r in view.finished if r.kind == "baseline"), None)
+        if baseline is None:
             return None
+        base = record_numerics(baseline[1])
         numerics = launch_numerics(params, base)
+        refused = baseline[1].quality.reason
+        if (refused and baseline[1].quality.status == "same" and numerics != base
+                and not any(r.quality.status == "reference" for _, r in view.finished)):
+            return Skip(f"changes numerics ({', '.join(f'{k}={v}' for k, v in numerics.items()) or 'defaults'}) and the "
+                        f"quality gate has no reference to compare it with: {refused}", baseline[0])
         for number, record in failed:
-            if record.quality.numerics == numerics:
+            if record_numerics(record) == numerics:
                 return Skip(f"fails the quality gate: trial {number} with the same numerics "
                             f"({', '.join(f'{k}={v}' for k, v in numerics.items())}) failed it: {record.quality.reason}",
                             number)
