@@ -96,7 +96,7 @@ def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, view w
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
     run = StudyRun(config, OfflineExecutor(config), max_trials=1 + launches, storage_url=":memory:")
     run.run()
-    history, space = list(run.finished()), run.space()
+    history, space = list(run.finished()), run.read().space
     settings = ModelSettings.for_config(config, 4096)
 
     def view(tried=(), pending=()):  # noqa: ANN001, ANN202 - StudyView
@@ -209,11 +209,11 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     assert summary.handled < cap and summary.trials_run <= 36
     stored = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in run.opened.study.trials
               if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
-    keys = [tuple(sorted(run.space().snap(r.params).items())) for r in stored]
+    keys = [tuple(sorted(run.read().space.snap(r.params).items())) for r in stored]
     assert len(keys) == len(set(keys))  # each config's skip stored once
     assert summary.trials_skipped == len(stored)  # a skip is counted and shown once, as stored
     assert run.streaks.repeats >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
-    measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
+    measured = {tuple(sorted(run.read().space.snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
 
 
@@ -239,7 +239,7 @@ def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path, monkeypatch) -> 
     trials = second.opened.study.trials
     skips = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in trials
              if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
-    keys = [tuple(sorted(second.space().snap(r.params).items())) for r in skips]
+    keys = [tuple(sorted(second.read().space.snap(r.params).items())) for r in skips]
     assert len(keys) == len(set(keys))  # each config's skip stored once, study-wide
     assert len(trials) - before < summary.trials_skipped  # the held ones were not stored again
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from tuner.records import Constraints, Prediction, TrialRecord, now_iso
 from tuner.study.view import StudyView
 
-__all__ = ["Proposal", "Skip", "Proposer", "Screen", "Decider", "first_skip", "record_kind"]
+__all__ = ["Proposal", "Skip", "Draw", "Proposer", "Screen", "Decider", "first_skip", "record_kind"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,31 @@ class Skip:
                            proved_by_trial=self.proof, prediction=Prediction.model_validate(dict(prediction or {})),
                            started_at=now_iso(),
                            duration_s=0.0, constraints=Constraints.all_violated())
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A sampler's proposal that a screen rejected.
+
+    Attributes:
+        params: Its knobs by SGLang field name (:meth:`tuner.study.space.Space.suggest`).
+        optuna_params: Its Optuna params, as the mirror's trial holds them.
+        distributions: Their distributions.
+        skip: Why it needs no restart.
+        record: Its record (``outcome="skipped"``), told to the mirror and stored.
+        write: Store it in the study (a config the study holds no skip of; a host-memory skip,
+            each host's own, always).
+        repeat: A config measured, or skipped by this run, already: no trial, only a count
+            towards the exhaustion stop.
+    """
+
+    params: dict[str, Any]
+    optuna_params: dict[str, Any]
+    distributions: dict[str, Any]
+    skip: Skip
+    record: TrialRecord
+    write: bool
+    repeat: bool
 
 
 class Proposer(Protocol):
