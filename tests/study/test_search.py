@@ -123,11 +123,11 @@ def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_t
     assert believer is not None and sequential is not None
     assert believer.params not in [p for p, _ in pending]
     band = ahead["context_capacity"] * (1 - config.objective.capacity_tolerance)
-    assert believer.prediction["context_capacity"] >= band
+    assert believer.prediction.context_capacity >= band
     # built on the believed incumbent's knobs: the same chunk, more request slots
     assert believer.params["chunked_prefill_size"] == ahead_params["chunked_prefill_size"]
     assert believer.params["max_running_requests"] > ahead_params["max_running_requests"]
-    assert "given trials running on other hosts" in believer.prediction["why"]
+    assert "given trials running on other hosts" in believer.prediction.why
     assert believer.params != sequential.params  # without them: the sequential plan's next step
 
 
@@ -140,12 +140,12 @@ def test_beside_a_running_first_step_a_host_takes_the_step_the_checked_model_wou
     assert first is not None
     beside = plan(view(pending=[(first.params, first.prediction)]))
     assert beside is not None
-    assert beside.prediction["context_capacity"] > first.prediction["context_capacity"]
-    assert beside.prediction["need_gib"] < first.prediction["need_gib"]  # the checked margin
+    assert beside.prediction.context_capacity > first.prediction.context_capacity
+    assert beside.prediction.need_gib < first.prediction.need_gib  # the checked margin
     _config, _run, space, after = _l4_after(1)  # the first step measured
     sequential = plan(after())
     assert sequential is not None
-    assert sequential.prediction["context_capacity"] == beside.prediction["context_capacity"]
+    assert sequential.prediction.context_capacity == beside.prediction.context_capacity
 
 
 def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_band() -> None:

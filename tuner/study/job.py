@@ -14,7 +14,7 @@ import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuner.config import TunerConfig
-from tuner.records import TrialRecord, now_iso
+from tuner.records import Prediction, TrialRecord, now_iso
 from tuner.sglang.hicache import HostMemory
 from tuner.study.best import probe_floor
 from tuner.study.optuna_io import KIND_ATTR, PREDICTION_ATTR, REPEAT_ATTR
@@ -30,7 +30,7 @@ class TrialJob(BaseModel):
         number: Optuna trial number.
         kind: ``baseline``, ``predicted``, ``sampled`` or ``enqueued``.
         params: Knobs to set by SGLang field name; empty for the baseline (the argv as it is).
-        prediction: The planner's prediction, stored in the record.
+        prediction: The planner's prediction (:class:`tuner.records.Prediction`), stored in the record.
         context_tokens: The context length of context capacity (tokens).
         capacity_floor: Capacity-first fidelity: when the boot probe shows a context capacity
             below this, the full load is skipped (0 = always load).
@@ -48,7 +48,7 @@ class TrialJob(BaseModel):
     number: int
     kind: str
     params: dict[str, Any] = Field(default_factory=dict)
-    prediction: dict[str, Any] = Field(default_factory=dict)
+    prediction: Prediction = Field(default_factory=Prediction)
     context_tokens: int
     capacity_floor: int = 0
     started_at: str = ""
@@ -64,7 +64,7 @@ def job_for(trial: optuna.Trial, view: StudyView, config: TunerConfig, context_t
     and the quality gate's context (:func:`quality_context`)."""
     kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
     params = view.space.suggest(trial)
-    prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
+    prediction = Prediction.model_validate(trial.user_attrs.get(PREDICTION_ATTR) or {})
     repeat_of = trial.user_attrs.get(REPEAT_ATTR)
     floor = 0 if repeat_of is not None else probe_floor(view.finished, config.budget.probe_only_below,
                                                         config.objective.capacity)

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.errors import HookError, ServiceControlError, StudyError, first_line
-from tuner.records import RECORD_ATTR, TrialRecord
+from tuner.records import RECORD_ATTR, Prediction, TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.sglang.numerics import numerics_changes
 from tuner.study.decide import Draw, Proposal, Skip, record_kind
@@ -88,8 +88,8 @@ class Recorder:
         :attr:`~tuner.study.decide.Proposal.from_queue`)."""
         if not proposal.from_queue:
             attrs: dict[str, Any] = {KIND_ATTR: proposal.kind}
-            if proposal.prediction:
-                attrs[PREDICTION_ATTR] = proposal.prediction
+            if proposal.prediction.stored():
+                attrs[PREDICTION_ATTR] = proposal.prediction.stored()
             if proposal.repeat_of is not None:
                 attrs[REPEAT_ATTR] = proposal.repeat_of
             changed = self.numerics_changes(proposal.params)
@@ -123,7 +123,7 @@ class Recorder:
                     break
         return self._base_numerics
 
-    def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any],
+    def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Prediction,
              skip: Skip) -> None:
         """Tell the asked ``trial`` PRUNED with the reason and the proving trial (no restart)."""
         trial.set_user_attr(HOST_ATTR, self.host)
