@@ -103,7 +103,8 @@ class RungPrices:
             draft_weight_gib=draft("weight_gib"), draft_kv_gib=draft("kv_gib"), draft_graph_gib=draft("graph_gib"),
             graphs_captured=memory.graph_gib is not None,
             flags={k: v for k, v in (("kv_cache_dtype", params.get("kv_cache_dtype")),
-                                     ("enable_dp_attention", True if dp > 1 else None)) if v is not None})
+                                     ("enable_dp_attention", True if dp > 1 else None)) if v is not None},
+            levers=tuner.knobs.LEVERS)
 
     def price(self, params: Mapping[str, Any], view: StudyView) -> tuple[int, Rung] | None:
         """``(baseline trial, rung)`` of ``params``' levers at its fraction, or ``None`` when the
