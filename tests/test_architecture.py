@@ -271,12 +271,15 @@ def test_no_class_of_the_package_grows_its_mutable_state(tmp_path: Path) -> None
     assert _wide_counts(tmp_path / "tuner") == {"tuner/launch/base.py GuardedLauncher": 25}
 
 
-STUDY_RUN_CEILING = {"lines": 396, "methods": 25, "loop_imports": 24}
+STUDY_RUN_CEILING = {"lines": 301, "methods": 17, "loop_imports": 12}
 """:class:`tuner.study.loop.StudyRun`'s length and methods and ``loop.py``'s product modules
-imported, frozen when the stop rules (``stops.py``), the run's opening (``session.py``) and the
-after-tell listeners (``hooks.py``) left it (issue 39: 487 lines and 25 modules before): each may only
-go down, towards 300 lines and 12 modules. (394 → 396 lines once, for a named bug fix: a claim of a
-trial another host failed meanwhile chooses again, :class:`tuner.study.hosts.Reaped`.)"""
+imported (issue 39's targets: ≤ 300 lines, ≤ 30 methods, ≤ 12 modules), frozen when what is not
+the loop left it: the stop rules and the invalid-launch streak's error (``stops.py``), the run's
+opening, warm start and decision chain (``session.py``), the after-tell listeners (``hooks.py``),
+the baseline's space notes and failure (``baseline.py``), a trial's job (``job.py``), its phase
+writes and interrupts (``record.py``). 487 lines and 25 modules before the issue, 394 and 24 after
+its first part; 299 → 301 once, for a named bug fix (a claim of a trial another host failed
+meanwhile chooses again, :class:`tuner.study.hosts.Reaped`). Each may only go down."""
 
 
 def _study_run_size(path: Path) -> dict[str, int]:
@@ -294,6 +297,12 @@ def test_the_study_run_does_not_grow_past_its_ceiling(tmp_path: Path) -> None:
     planted.write_text("from tuner.study import a\nclass StudyRun:\n" + "".join(f"    def m{i}(self): pass\n" for i in range(26)))
     assert _study_run_size(planted) == {"lines": 27, "methods": 26, "loop_imports": 1}
     assert _study_run_size(planted)["methods"] > STUDY_RUN_CEILING["methods"]
+    # a StudyRun at the review's 767 lines, and a loop.py importing 13 product modules
+    planted.write_text("".join(f"from tuner.m{i} import x\n" for i in range(13)) + "class StudyRun:\n    def run(self):\n"
+                       + "        pass\n" * 766)
+    grown = _study_run_size(planted)
+    assert grown["lines"] == 768 and grown["lines"] > STUDY_RUN_CEILING["lines"]
+    assert grown["loop_imports"] == 13 > STUDY_RUN_CEILING["loop_imports"]
 
 
 COMPLEX_FUNCTIONS = frozenset({

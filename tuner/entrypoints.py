@@ -27,11 +27,12 @@ from tuner.sglang.flags import FlagTable, flag_value, parse_argv, runs_simulator
 from tuner.study.baseline import latest_baseline, reference_plan, study_hicache, study_levers
 from tuner.study.budget import prior_trial_cost_s, slo_bracket_cost_s
 from tuner.study.hostcheck import ranks_of
-from tuner.study.loop import restored_text, run_study
+from tuner.study.loop import run_study
 from tuner.study.optuna_io import records
 from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunSummary
 from tuner.study.space import SEARCHED_FIELDS, resolve_space
+from tuner.study.stops import restored_text
 from tuner.study.storage import display_url, read_storage, stored_values, study_artifacts_dir, study_storage_url
 from tuner.trial import TrialExecutor
 from tuner.units import format_duration

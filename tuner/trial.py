@@ -50,7 +50,6 @@ from tuner.records import (
     MeasuredLoad,
     MemoryFacts,
     PhaseResult,
-    Prediction,
     QualityFacts,
     SloCapacity,
     SloStep,
@@ -908,7 +907,7 @@ class TrialExecutor:
         return TrialRecord(
             params=dict(job.params) or {k: explicit[k] for k in SEARCHED_FIELDS if explicit.get(k) is not None},
             kind=job.kind,  # type: ignore[arg-type]
-            prediction=Prediction.model_validate(job.prediction),
+            prediction=job.prediction,
             context_tokens=job.context_tokens,
             started_at=job.started_at or None,
             repeat_of=job.repeat_of,

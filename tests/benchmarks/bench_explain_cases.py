@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tuner.knobs import LEVERS
 from tuner.sglang.explain import explain
 from tuner.sglang.ladder import LadderBase, evaluate, ladder
 from tuner.sglang.logs import outcome_of, parse_log
@@ -45,7 +46,7 @@ def _numbers(doc: Any) -> list[float]:
 
 def _case_row(case: dict[str, Any]) -> tuple[bool, bool | None, int, int]:
     """(class right, lever right or None without a lever field, observed numbers found, observed numbers printed)."""
-    e = explain(parse_log(case["log_excerpt"]))
+    e = explain(parse_log(case["log_excerpt"]), structural=LEVERS)
     want = case.get("expected_class")
     got_class = e.diagnosis.failure_class.value if e.diagnosis is not None else None
     if isinstance(want, list):
@@ -74,7 +75,7 @@ def _ladder_errors(folder: Path) -> dict[str, float]:
         obs = case["lever"]["observed"]
         mem = KVCapacityModel(baseline_gib=180.0, static_gib=0.8 * 180.0 - obs["kv_size_gb"], cell_bytes=cell, observed_mem_fraction_static=0.8,
                               observed_tokens=obs["max_total_num_tokens"])
-        base = LadderBase(memory=mem, model=model, version="0.5.5", tp=8, dp=8, mem_fraction_static=0.8, kv_cache_dtype="fp8_e4m3",
+        base = LadderBase(levers=LEVERS, memory=mem, model=model, version="0.5.5", tp=8, dp=8, mem_fraction_static=0.8, kv_cache_dtype="fp8_e4m3",
                           page_size=64, context_len=163840, gpu="B200", flags={"enable_dp_attention": True, "kv_cache_dtype": "fp8_e4m3"})
         got = ladder(base)[0].tokens_per_rank or 0
         out["ladder-01 tokens per DP rank (DSA cell from the logged KV size)"] = got / case["expected"]["tokens_per_rank"] - 1
@@ -97,7 +98,7 @@ def _ladder_errors(folder: Path) -> dict[str, float]:
         mem = KVCapacityModel(baseline_gib=22.4, static_gib=0.65 * 22.4 - (obs["max_total_num_tokens"] + 0.5) * cell / GIB, cell_bytes=cell,
                               observed_mem_fraction_static=0.65, observed_tokens=obs["max_total_num_tokens"],
                               observed_free_after_graphs_gib=obs["avail_after_graphs_gb"])
-        base = LadderBase(memory=mem, model=model, mem_fraction_static=0.65, context_len=131072)
+        base = LadderBase(levers=LEVERS, memory=mem, model=model, mem_fraction_static=0.65, context_len=131072)
         wrong = sum(evaluate(base, {"mem_fraction_static": float(f)}).starts is not ok for f, ok in case["expected"]["feasible"].items())
         out["ladder-09 fractions read wrong (of 7)"] = float(wrong)
     return out

@@ -121,3 +121,20 @@ def test_a_planted_lever_reaches_the_space_the_render_the_rungs_and_the_screen(p
     # The availability screen: the value its rule refuses is skipped with the fact, never launched.
     assert not any(r.params.get(NAME) == 3 for _, r in runner.history)
     assert any("unavailable: planted: 3 continuous decode steps are not available here" in s for s in skips), skips
+
+
+def test_the_ladder_reads_the_planted_lever_from_the_declarations_it_is_handed() -> None:
+    """``tuner explain``'s ladder and the rung proposer price a rung's availability with the levers
+    they hand the ladder (:attr:`tuner.sglang.ladder.LadderBase.levers`, issue 39): the planted
+    lever's own layout rule refuses its value 3; the ladder handed the shipped levers alone does not
+    know that rule (before, the ladder kept its own map of three levers)."""
+    from tuner.sglang.ladder import LadderBase, evaluate
+    from tuner.sglang.memory import KVCapacityModel
+
+    mem = KVCapacityModel(baseline_gib=80.0, static_gib=20.0, cell_bytes=131072, observed_mem_fraction_static=0.8,
+                          observed_tokens=100_000)
+    base = LadderBase(memory=mem, mem_fraction_static=0.8, levers=(*tuner.knobs.LEVERS, PLANTED))
+    refused = evaluate(base, {FLAG: 3})
+    assert refused.available is False and "planted: 3 continuous decode steps are not available here" in refused.why
+    assert evaluate(base, {FLAG: 2}).available is not False
+    assert evaluate(base.model_copy(update={"levers": tuner.knobs.LEVERS}), {FLAG: 3}).available is not False

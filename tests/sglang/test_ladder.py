@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.support.cli import run_tuner
+from tuner.knobs import LEVERS
 from tuner.sglang.explain import explain_from
 from tuner.sglang.ladder import LadderBase, Rung, evaluate, ladder
 from tuner.sglang.logs import parse_log
@@ -33,7 +34,7 @@ def _rung(rungs: list[Rung], **lever: Any) -> Rung:
 
 @pytest.fixture(scope="module")
 def reference() -> list[Rung]:
-    return explain_from(log=str(REFERENCE), model_config=str(KIMI), gpu="NVIDIA RTX PRO 6000 Blackwell Server Edition").ladder
+    return explain_from(structural=LEVERS, log=str(REFERENCE), model_config=str(KIMI), gpu="NVIDIA RTX PRO 6000 Blackwell Server Edition").ladder
 
 
 def test_reference_as_observed_and_the_fraction_ceiling(reference):
@@ -43,7 +44,7 @@ def test_reference_as_observed_and_the_fraction_ceiling(reference):
     ceil = top.lever["mem_fraction_static"]
     assert 0.95 <= ceil < 0.96 and top.starts is True and 0 <= top.free_after_graphs_gib < 0.2
     assert 1.6 < top.tokens_per_rank / 159277 < 1.75  # the issue: the fraction alone gives at most ~1.6-1.7x
-    base = explain_from(log=str(REFERENCE), model_config=str(KIMI)).ladder
+    base = explain_from(structural=LEVERS, log=str(REFERENCE), model_config=str(KIMI)).ladder
     assert base[0].tokens_per_rank == 159277
 
 
@@ -56,7 +57,7 @@ def test_reference_fp8_doubles_the_pool_with_the_sm120_backend_condition(referen
     assert "14,436 speculative headroom" in fp8.why
     assert fp8.lever.get("attention_backend") == "triton" and fp8.changes_numerics is True
     assert fp8.available is False and "20479" in fp8.why  # the Triton MLA fp8 path is not in 0.5.5
-    unknown_gpu = _rung(explain_from(log=str(REFERENCE), model_config=str(KIMI)).ladder, kv_cache_dtype="fp8_e4m3")
+    unknown_gpu = _rung(explain_from(structural=LEVERS, log=str(REFERENCE), model_config=str(KIMI)).ladder, kv_cache_dtype="fp8_e4m3")
     assert unknown_gpu.available is None  # no GPU given: unknown, never guessed yes
 
 
@@ -114,7 +115,7 @@ def test_ladder_01_dsa_per_rank_pool_under_dp_attention():
     baseline = 180.0
     mem = KVCapacityModel(baseline_gib=baseline, static_gib=0.8 * baseline - kv_gib, cell_bytes=cell, observed_mem_fraction_static=0.8,
                           observed_tokens=tokens)
-    base = LadderBase(memory=mem, model=model, version="0.5.5", tp=8, dp=8, mem_fraction_static=0.8, kv_cache_dtype="fp8_e4m3",
+    base = LadderBase(levers=LEVERS, memory=mem, model=model, version="0.5.5", tp=8, dp=8, mem_fraction_static=0.8, kv_cache_dtype="fp8_e4m3",
                       page_size=page, context_len=163840, gpu="B200", flags={"enable_dp_attention": True, "kv_cache_dtype": "fp8_e4m3"})
     now = ladder(base)[0]
     assert now.tokens_per_rank == pytest.approx(case["expected"]["tokens_per_rank"], rel=0.01)
@@ -159,7 +160,7 @@ def test_ladder_06_hybrid_gdn_cell_and_no_guessed_speculative_rung():
     assert model_arch_from_dict({**config, "full_attention_interval": None, "layer_types": types}).kv_layers == 16
     base_mem = KVCapacityModel(baseline_gib=25.0, static_gib=25.0 * 0.8 - case["baseline"]["observed"]["max_total_num_tokens"] * cell / GIB,
                                cell_bytes=cell, observed_mem_fraction_static=0.8, observed_tokens=case["baseline"]["observed"]["max_total_num_tokens"])
-    off = LadderBase(memory=base_mem, model=model, version="0.5.23", mem_fraction_static=0.8, context_len=262144)
+    off = LadderBase(levers=LEVERS, memory=base_mem, model=model, version="0.5.23", mem_fraction_static=0.8, context_len=262144)
     assert not any(r.lever.get("speculative_algorithm") for r in ladder(off))  # no spec-on rung is offered
     lever_mem = base_mem.model_copy(update={"observed_tokens": case["lever"]["observed"]["max_total_num_tokens"]})
     on = LadderBase(**{**off.model_dump(), "memory": lever_mem, "speculative_algorithm": "DFLASH"})
@@ -180,7 +181,7 @@ def test_ladder_09_fraction_rungs_from_one_start_at_065():
     mem = KVCapacityModel(baseline_gib=baseline, static_gib=0.65 * baseline - (obs["max_total_num_tokens"] + 0.5) * cell / GIB, cell_bytes=cell,
                           observed_mem_fraction_static=0.65, observed_tokens=obs["max_total_num_tokens"],
                           observed_free_after_graphs_gib=obs["avail_after_graphs_gb"])
-    base = LadderBase(memory=mem, model=model, mem_fraction_static=0.65, context_len=131072)
+    base = LadderBase(levers=LEVERS, memory=mem, model=model, mem_fraction_static=0.65, context_len=131072)
     rungs = ladder(base)
     assert rungs[0].tokens_per_rank == obs["max_total_num_tokens"]
     ceiling = next(r for r in rungs if set(r.lever) == {"mem_fraction_static"})

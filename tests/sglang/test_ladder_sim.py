@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tuner.knobs import LEVERS
 from tuner.sglang.ladder import LadderBase, evaluate
 from tuner.sglang.memory import GIB, KVCapacityModel
 from tuner.sglang.modelconfig import load_model_config
@@ -50,7 +51,7 @@ def _base(plan: MemoryPlan, model: str, tp: int, version: str, mfs: float) -> La
         headroom = plan.max_num_reqs * spec.num_steps * spec.eagle_topk + plan.max_num_reqs * spec.num_draft_tokens + 100
     mem = KVCapacityModel(baseline_gib=plan.baseline_bytes / GIB, static_gib=(plan.baseline_bytes - plan.post_load_bytes) / GIB,
                           cell_bytes=int(plan.cell_bytes), observed_mem_fraction_static=mfs, observed_tokens=plan.max_total_num_tokens)
-    return LadderBase(memory=mem, model=load_model_config(MODELS / model), version=version, tp=tp, mem_fraction_static=mfs,
+    return LadderBase(levers=LEVERS, memory=mem, model=load_model_config(MODELS / model), version=version, tp=tp, mem_fraction_static=mfs,
                       speculative_algorithm=spec.algorithm if spec else None, context_len=cfg.context_len, spec_headroom_tokens=headroom,
                       page_size=cfg.page_size, gpu=GPU_ARCH[cfg.gpu.name],
                       draft_weight_gib=cfg.draft.weight_bytes / GIB if cfg.draft is not None else None)
@@ -171,8 +172,8 @@ def _explained_live_and_logged(args: list[str], model: str, gpu: str, tmp_path: 
 
     sim = start_healthy(args, tmp_path)
     try:
-        live = explain_from(url=sim.url, model_config=str(MODELS / model), gpu=gpu)
-        logged = explain_from(log=str(sim.log_path), model_config=str(MODELS / model), gpu=gpu)
+        live = explain_from(structural=LEVERS, url=sim.url, model_config=str(MODELS / model), gpu=gpu)
+        logged = explain_from(structural=LEVERS, log=str(sim.log_path), model_config=str(MODELS / model), gpu=gpu)
     finally:
         sim.stop()
     return live, logged

@@ -84,7 +84,7 @@ def test_cuda_graph_max_bs_moves_with_the_request_slots(space) -> None:
     assert proposal is not None
     mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
     assert mrr > 24 and graph_bs >= min(mrr, 64), proposal
-    assert "moves with max_running_requests" in proposal.prediction["why"]
+    assert "moves with max_running_requests" in proposal.prediction.why
 
 
 def test_inside_an_slo_bracket_the_next_count_is_launched_on_graphs_that_cover_it(space) -> None:
@@ -111,7 +111,7 @@ def test_windows_that_differ_in_the_graphs_share_one_slo_bracket(space) -> None:
     mrr, graph_bs = proposal.params["max_running_requests"], proposal.params["cuda_graph_max_bs"]
     assert 40 < mrr < 100, proposal.params
     assert graph_bs == min(c for c in (24, 32, 48, 64) if c > mrr), proposal.params
-    assert proposal.prediction["slo_broken_trial"] == 0 and proposal.prediction["slo_safe_trial"] == 1
+    assert proposal.prediction.slo_broken_trial == 0 and proposal.prediction.slo_safe_trial == 1
 
 
 def test_a_line_from_the_broken_side_joins_windows_of_one_graph_coverage_only() -> None:

@@ -34,12 +34,29 @@ def test_the_lever_screen_names_the_missing_flag_and_the_divisor():
     view = _view()
     old, new = Unavailable("0.5.5", ARGV), Unavailable("0.5.23", ARGV)
     skip = old.why_not({**BASELINE, "dcp_size": 8}, view)
-    assert skip is not None and "has no --dcp-size" in skip.reason and skip.proof == 0
+    assert skip is not None and "has no --dcp-size" in skip.reason and skip.proof is None  # no baseline yet: no trial
     assert new.why_not({**BASELINE, "dcp_size": 8}, view) is None
     bad = new.why_not({**BASELINE, "dcp_size": 3}, view)
     assert bad is not None and "must divide --tp-size 8" in bad.reason
     assert old.why_not({**BASELINE, "kv_cache_dtype": "fp8_e4m3", "dcp_size": 1}, view) is None
     assert Unavailable("0.5.5", ARGV).why_not({"kv_cache_dtype": "mxfp8"}, view) is not None  # 0.5.23's dtype
+
+
+def test_the_lever_screen_cites_the_study_baseline_not_trial_0():
+    """A version fact is proved by the study's baseline, whichever trial it is: here trial 0 was a
+    baseline that could not start (the command was fixed) and trial 1 an interrupted trial, so the
+    baseline is trial 2 (before, the screen cited trial 0 whatever it was)."""
+    from tuner.records import TrialRecord
+
+    broken = TrialRecord(params=BASELINE, kind="baseline", outcome="failed", failure_evidence="no such file")
+    other = TrialRecord(params=BASELINE, kind="sampled", outcome="failed", failure_evidence="interrupted")
+    baseline = TrialRecord(params=BASELINE, kind="baseline", outcome="ok", token_capacity=159277)
+    view = study_view(_space(), [(0, broken), (1, other), (2, baseline)], context_tokens=32768, budget=BudgetSection(),
+                      mean_request_tokens=4096)
+    assert view.baseline == 2
+    skip = Unavailable("0.5.5", ARGV).why_not({**BASELINE, "dcp_size": 8}, view)
+    assert skip is not None and skip.proof == 2
+    assert skip.record(BASELINE, "sampled").proved_by_trial == 2
 
 
 def test_a_candidate_without_dcp_renders_on_a_version_without_the_flag():

@@ -155,7 +155,7 @@ def test_with_no_feasible_trial_the_planner_gets_feasible_first(space) -> None:
     assert candidate.params["chunked_prefill_size"] == 8192
     # the smallest fraction whose pool still holds 35 contexts: the bottom of the range here
     assert candidate.params["mem_fraction_static"] == space.mem_fraction_static[0]
-    assert candidate.prediction["slo_broken_trial"] == 0 and candidate.prediction["running_requests"] == 35
+    assert candidate.prediction.slo_broken_trial == 0 and candidate.prediction.running_requests == 35
 
 
 def test_inside_the_feasible_region_the_planner_narrows_the_bracket_then_stops_below_the_break(space) -> None:
@@ -192,7 +192,7 @@ def test_a_closed_bracket_tries_the_chunk_size_that_eases_its_limit_at_the_break
     candidate = plan(_view(space, history))
     assert candidate is not None
     assert (candidate.params["chunked_prefill_size"], candidate.params["max_running_requests"]) == (chunk, 35)
-    assert "at the load that broke the SLO on trial 1" in candidate.prediction["why"]
+    assert "at the load that broke the SLO on trial 1" in candidate.prediction.why
     history.append((3, measured(_params(low, 35, chunk), 35, 0.01)))
     then = plan(_view(space, history))  # it broke at 35 too: its safe load is the incumbent's
     assert then is not None
@@ -366,7 +366,7 @@ def test_calibration_charges_the_slots_the_server_ran_not_the_snapped_count(l4_s
         candidate = plan(_l4_view(l4_space, history, tried=tried))
         assert candidate is not None
         truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
-        assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.05, candidate
+        assert abs(candidate.prediction.free_gib_after_graphs - truth) < 0.05, candidate
         tried.append(candidate.params)
 
 
@@ -378,8 +378,8 @@ def test_more_request_slots_try_the_reachable_count_first(l4_space) -> None:
     view = _l4_view(l4_space, history)
     candidate = plan(view)
     assert candidate is not None and candidate.params["mem_fraction_static"] == 0.96
-    assert "more request slots" in candidate.prediction["why"]
-    assert candidate.params["max_running_requests"] == view.calibration.slots_cap(candidate.prediction["token_capacity"]) > 12
+    assert "more request slots" in candidate.prediction.why
+    assert candidate.params["max_running_requests"] == view.calibration.slots_cap(candidate.prediction.token_capacity) > 12
 
 
 def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4_space) -> None:
@@ -395,9 +395,9 @@ def test_a_baseline_that_ooms_under_load_still_calibrates_and_bounds_the_need(l4
     assert candidate is not None
     ratio = candidate.params["chunked_prefill_size"] / 8192
     # more free memory after graphs than the OOM had, scaled to the candidate's chunk, plus the margin
-    assert candidate.prediction["free_gib_after_graphs"] >= baseline.free_gib_after_graphs * ratio + L4_SETTINGS.margin_gib
+    assert candidate.prediction.free_gib_after_graphs >= baseline.free_gib_after_graphs * ratio + L4_SETTINGS.margin_gib
     truth = size_server(render_argv(L4, candidate.params, TABLE)).free_gib_after_graphs
-    assert abs(candidate.prediction["free_gib_after_graphs"] - truth) < 0.1
+    assert abs(candidate.prediction.free_gib_after_graphs - truth) < 0.1
     # a sampled config with less room than the OOM had at its chunk is not launched
     text, proof = _l4_screen(l4_space, _params(0.9, 9, 8192), history)
     assert proof == 0 and "runtime OOM under load implies" in text
@@ -415,7 +415,7 @@ def test_one_views_screens_answer_as_a_fresh_views_after_the_believer(l4_space) 
     assert running is not None
     view = _l4_view(l4_space, history, pending=[(running.params, running.prediction)])
     believed = MemoryFrontier().propose(view)
-    assert believed is not None and believed.prediction["need_gib"] < running.prediction["need_gib"]
+    assert believed is not None and believed.prediction.need_gib < running.prediction.need_gib
     assert view.calibration.margin_gib == L4_SETTINGS.margin_gib  # the believer's margin was its own
     grid = [_params(mfs / 100, mrr, cps) for mfs in range(80, 100) for mrr in (6, 9, 12, 16)
             for cps in (2048, 8192, 16384)]

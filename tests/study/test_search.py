@@ -96,7 +96,7 @@ def _l4_after(launches: int):  # noqa: ANN202 - (config, StudyRun, space, view w
         "budget": {"warmup_s": 2, "measure_s": 30, "stress_s": 10, "max_concurrency": 64}})
     run = StudyRun(config, OfflineExecutor(config), max_trials=1 + launches, storage_url=":memory:")
     run.run()
-    history, space = list(run.finished()), run.space()
+    history, space = list(run.finished()), run.read().space
     settings = ModelSettings.for_config(config, 4096)
 
     def view(tried=(), pending=()):  # noqa: ANN001, ANN202 - StudyView
@@ -123,11 +123,11 @@ def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_t
     assert believer is not None and sequential is not None
     assert believer.params not in [p for p, _ in pending]
     band = ahead["context_capacity"] * (1 - config.objective.capacity_tolerance)
-    assert believer.prediction["context_capacity"] >= band
+    assert believer.prediction.context_capacity >= band
     # built on the believed incumbent's knobs: the same chunk, more request slots
     assert believer.params["chunked_prefill_size"] == ahead_params["chunked_prefill_size"]
     assert believer.params["max_running_requests"] > ahead_params["max_running_requests"]
-    assert "given trials running on other hosts" in believer.prediction["why"]
+    assert "given trials running on other hosts" in believer.prediction.why
     assert believer.params != sequential.params  # without them: the sequential plan's next step
 
 
@@ -140,12 +140,12 @@ def test_beside_a_running_first_step_a_host_takes_the_step_the_checked_model_wou
     assert first is not None
     beside = plan(view(pending=[(first.params, first.prediction)]))
     assert beside is not None
-    assert beside.prediction["context_capacity"] > first.prediction["context_capacity"]
-    assert beside.prediction["need_gib"] < first.prediction["need_gib"]  # the checked margin
+    assert beside.prediction.context_capacity > first.prediction.context_capacity
+    assert beside.prediction.need_gib < first.prediction.need_gib  # the checked margin
     _config, _run, space, after = _l4_after(1)  # the first step measured
     sequential = plan(after())
     assert sequential is not None
-    assert sequential.prediction["context_capacity"] == beside.prediction["context_capacity"]
+    assert sequential.prediction.context_capacity == beside.prediction.context_capacity
 
 
 def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_band() -> None:
@@ -209,11 +209,11 @@ def test_a_spent_space_stores_each_sampler_skip_once_and_stops_as_exhausted() ->
     assert summary.handled < cap and summary.trials_run <= 36
     stored = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in run.opened.study.trials
               if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
-    keys = [tuple(sorted(run.space().snap(r.params).items())) for r in stored]
+    keys = [tuple(sorted(run.read().space.snap(r.params).items())) for r in stored]
     assert len(keys) == len(set(keys))  # each config's skip stored once
     assert summary.trials_skipped == len(stored)  # a skip is counted and shown once, as stored
     assert run.streaks.repeats >= MAX_REPEATS_IN_A_ROW  # the stop: repeats, neither stored nor counted
-    measured = {tuple(sorted(run.space().snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
+    measured = {tuple(sorted(run.read().space.snap(r.params).items())) for _, r in run.finished() if r.outcome != "skipped"}
     assert not measured & set(keys)  # a draw of a measured config is never stored as a skip
 
 
@@ -239,7 +239,7 @@ def test_a_resumed_run_stores_no_skip_the_study_holds(tmp_path, monkeypatch) -> 
     trials = second.opened.study.trials
     skips = [TrialRecord.model_validate(t.user_attrs[RECORD_ATTR]) for t in trials
              if t.state is TrialState.PRUNED and t.user_attrs.get("tuner.kind", "sampled") == "sampled"]
-    keys = [tuple(sorted(second.space().snap(r.params).items())) for r in skips]
+    keys = [tuple(sorted(second.read().space.snap(r.params).items())) for r in skips]
     assert len(keys) == len(set(keys))  # each config's skip stored once, study-wide
     assert len(trials) - before < summary.trials_skipped  # the held ones were not stored again
 

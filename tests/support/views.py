@@ -15,7 +15,7 @@ import optuna
 from optuna.trial import TrialState
 
 from tuner.config import BudgetSection, ObjectiveSection
-from tuner.records import TrialRecord
+from tuner.records import Prediction, TrialRecord
 from tuner.study.calibration import ModelSettings
 from tuner.study.decide import Decider, Proposal
 from tuner.study.decide.memory import MemoryFrontier
@@ -28,13 +28,13 @@ from tuner.study.view import StudyView
 def study_view(space: Space, history: Sequence[tuple[int, TrialRecord]], *, context_tokens: int,
                budget: BudgetSection | None = None, mean_request_tokens: int | None = None,
                objective: ObjectiveSection | None = None, tried: Iterable[Mapping[str, Any]] = (),
-               pending: Iterable[tuple[Mapping[str, Any], Mapping[str, Any]]] = ()) -> StudyView:
+               pending: Iterable[tuple[Mapping[str, Any], Prediction]] = ()) -> StudyView:
     """The view of ``history`` with ``tried`` configs and ``pending`` planner trials running."""
     dists = space.distributions()
     number = max((n for n, _ in history), default=-1) + 1
     running = []
     for params, attrs in [*((p, {}) for p in tried),
-                          *((p, {KIND_ATTR: "predicted", PREDICTION_ATTR: dict(pred)}) for p, pred in pending)]:
+                          *((p, {KIND_ATTR: "predicted", PREDICTION_ATTR: pred.stored()}) for p, pred in pending)]:
         snapped = space.snap(dict(params))
         trial = optuna.trial.create_trial(state=TrialState.RUNNING, params=snapped,
                                           distributions={k: dists[k] for k in snapped},

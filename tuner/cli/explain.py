@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tuner.cli.common import ConfigOpt, StorageOpt, StudyOpt, app, console, non_empty_text, open_stored_study
+from tuner.knobs import LEVERS
 
 
 def _explain_trial(number: int, study: str | None, storage: str | None, config: Path | None, *, given: list[str]):  # noqa: ANN202 - (Explanation, StoredStudy)
@@ -30,7 +31,7 @@ def _explain_trial(number: int, study: str | None, storage: str | None, config: 
         where = "none was stored" if path is None else f"{path} is missing"
         raise StudyError(f"trial {number} of study {stored.name!r} has no server log to explain ({where})",
                          hint="pick a launched trial (`tuner trials`), or pass the log with --log FILE")
-    return explain_from(log=str(path)), stored
+    return explain_from(log=str(path), structural=LEVERS), stored
 
 
 def _device_free_gib(url: str) -> tuple[float, str] | None:
@@ -117,7 +118,8 @@ def explain_cmd(
             raise ConfigError("--study, --storage and --config name the study of --trial",
                               hint="pass --trial N with them, or drop them to explain --log, --unit or --url")
         result = explain_from(log=log, unit=unit, url=url, model_config=model_config, journalctl=journalctl,
-                              mem_fraction_static=mem_fraction_static, gpu=gpu, device_free=_device_free_gib)
+                              mem_fraction_static=mem_fraction_static, gpu=gpu, device_free=_device_free_gib,
+                              structural=LEVERS)
     if as_json:
         print(result.model_dump_json(indent=2))
     else:

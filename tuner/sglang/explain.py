@@ -26,7 +26,7 @@ from tuner.errors import ConfigError, LogError, ServerError
 from tuner.sglang.activation import FALLBACK_GIB, prefill_peak_gib
 from tuner.sglang.client import ServerInfo
 from tuner.sglang.failures import LEVERS, Failure, FailureClass, Lever
-from tuner.sglang.ladder import LadderBase, Rung, ladder
+from tuner.sglang.ladder import LadderBase, PricedLever, Rung, ladder
 from tuner.sglang.levers import attention_type, dcp_per_rank_cell_bytes, draft_budget, dsa_kv_settings
 from tuner.sglang.logs import KVShortfall, LoggedLine, LogReport, OOMDetail, non_memory_fatal, parse_log_bytes
 from tuner.sglang.memory import (
@@ -357,6 +357,7 @@ def explain(
     fractions: Sequence[float] | None = None,
     metrics: Mapping[str, float] | None = None,
     gpu: str | None = None,
+    structural: Sequence[PricedLever] = (),
 ) -> Explanation:
     """Explain one server start.
 
@@ -372,6 +373,8 @@ def explain(
         metrics: A ``/metrics`` scrape of the running server (:meth:`SGLangClient.metrics`), if any.
         gpu: The GPU's name or architecture (``RTX PRO 6000``, ``sm120``), for the ladder's
             feasibility cells (unknown without it).
+        structural: The structural levers' declarations for the ladder (:data:`tuner.knobs.LEVERS`,
+            handed in by ``tuner explain``'s command; empty: no lever's cell or rule is asked).
 
     Returns:
         The :class:`Explanation`.
@@ -419,7 +422,7 @@ def explain(
         waterfall=waterfall, capacity=capacity, model=_model_out(kv_model, cell, cell_source, page), predictions=predictions, traps=traps,
         findings=findings, warnings=warnings, logged=dict(report.logged) if report else {}, oom=report.oom if report else None,
         kv_shortfall=report.kv_shortfall if report else None, retractions=_retraction_summary(report),
-        ladder=_ladder(report, info, model, kv_model, settings, mfs, gpu),
+        ladder=_ladder(report, info, model, kv_model, settings, mfs, gpu, structural),
     )
 
 
@@ -435,7 +438,7 @@ def _arg(report: LogReport | None, info: ServerInfo | None, *names: str) -> Any:
 
 
 def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch | None, kv_model: KVCapacityModel | None,
-            settings: dict[str, Setting], mfs: Any, gpu: str | None) -> list[Rung]:
+            settings: dict[str, Setting], mfs: Any, gpu: str | None, levers: Sequence[PricedLever] = ()) -> list[Rung]:
     """The ladder from the calibrated model and the launch arguments (empty when uncalibrated)."""
     if kv_model is None or mfs is None or (report is not None and report.failure is not None):
         return []
@@ -469,7 +472,7 @@ def _ladder(report: LogReport | None, info: ServerInfo | None, model: ModelArch 
         draft_weight_gib=draft.weight_gib if draft else None, draft_kv_gib=draft.kv_pool_gib if draft else None,
         draft_graph_gib=draft.graph_gib if draft else None, spec_headroom_tokens=headroom,
         graphs_captured=_graphs_captured(report),
-        flags={k: v for k, v in flags.items() if v is not None},
+        flags={k: v for k, v in flags.items() if v is not None}, levers=tuple(levers),
     )
     return ladder(base)
 
@@ -1852,6 +1855,7 @@ def explain_from(
     timeout_s: float = 10.0,
     gpu: str | None = None,
     device_free: Callable[[str], tuple[float, str] | None] | None = None,
+    structural: Sequence[PricedLever] = (),
 ) -> Explanation:
     """Gather the inputs ``tuner explain`` names and explain them (the CLI's one entry point).
 
@@ -1864,6 +1868,7 @@ def explain_from(
         mem_fraction_static: The fraction, used only if no input states it; in (0, 1).
         timeout_s: HTTP timeout for ``url``.
         gpu: The GPU's name or architecture, for the ladder's feasibility cells.
+        structural: The structural levers' declarations for the ladder (:func:`explain`).
         device_free: For ``url`` without a log: reads the server's GPU memory free now (GiB, and
             where it was read: NVML, the simulator's ledger), the same figure as the log's
             ``available_gpu_mem`` after CUDA graphs (§4.2) when the server is idle; used when
@@ -1920,4 +1925,5 @@ def explain_from(
     model = load_model_config(model_config) if model_config else None
     if model_config:
         sources.append(f"model config {model_config}")
-    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static, metrics=metrics, gpu=gpu)
+    return explain(report, info=info, model=model, sources=sources, mem_fraction_static=mem_fraction_static, metrics=metrics, gpu=gpu,
+                   structural=structural)

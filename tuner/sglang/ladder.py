@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,7 +45,7 @@ from tuner.sglang.modelconfig import ModelArch
 from tuner.sglang.numerics import numerics_changes
 from tuner.sglang.versions import at_least
 
-__all__ = ["Rung", "LadderBase", "evaluate", "ladder", "fraction_ceiling", "per_request_max_tokens"]
+__all__ = ["Rung", "LadderBase", "PricedLever", "evaluate", "ladder", "fraction_ceiling", "per_request_max_tokens"]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _FP8 = "fp8_e4m3"
@@ -84,6 +84,49 @@ class Rung(BaseModel):
     why: str
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str:
+        """An SGLang field name."""
+        ...
+
+
+@runtime_checkable
+class PricedLever(Protocol):
+    """What the ladder reads of a structural lever's declaration (:class:`tuner.knobs.Lever`): the
+    layers above hand :data:`tuner.knobs.LEVERS` in (:attr:`LadderBase.levers`); this module, a
+    fact of SGLang's, never imports them."""
+
+    @property
+    def name(self) -> str:
+        """The feasibility table's lever (``tuner/data/levers.json``)."""
+        ...
+
+    @property
+    def flag(self) -> str:
+        """The SGLang field whose value in a rung's flags turns the lever on."""
+        ...
+
+    @property
+    def knob(self) -> _Named:
+        """The knob row (its ``name``: the field that sizes the lever)."""
+        ...
+
+    @property
+    def switch(self) -> str | None:
+        """A flag the knob's value turns on and off (then the table is asked about the switch, not the size)."""
+        ...
+
+    @property
+    def probe(self) -> Any:
+        """The value the flag table is asked about (``None``: the flag alone)."""
+        ...
+
+    def unavailable(self, value: Any, *, version: str | None, tp: int) -> str | None:
+        """Why ``value`` cannot launch at ``--tp-size tp`` (``version`` ``None``: the layout's rules only)."""
+        ...
+
+
 class LadderBase(BaseModel):
     """The observed deployment the ladder starts from.
 
@@ -109,9 +152,13 @@ class LadderBase(BaseModel):
             calibrated on the logged count holds them in its budget: add ``headroom × cell`` to its
             static memory, as :func:`tuner.sglang.explain.explain` does).
         flags: The deployment's flags by SGLang field name (for the numerics comparison).
+        levers: The structural levers' declarations (:data:`tuner.knobs.LEVERS`, handed in by the
+            rung proposer and ``tuner explain``'s command): which flag turns each on, the
+            feasibility table's name for it, its layout rules. Empty: no lever's cell or rule is
+            asked. Not dumped.
     """
 
-    model_config = _FROZEN
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     memory: KVCapacityModel
     model: ModelArch | None = None
@@ -131,6 +178,7 @@ class LadderBase(BaseModel):
     draft_graph_gib: float | None = None
     spec_headroom_tokens: int = 0
     flags: dict[str, Any] = Field(default_factory=dict)
+    levers: tuple[PricedLever, ...] = Field(default=(), exclude=True)
 
 
 class _Shape(BaseModel):
@@ -298,17 +346,20 @@ def _availability(base: LadderBase, flags: Mapping[str, Any]) -> Verdict:
         s = _shape(base, flags, None)
         backend = dsa_backends(gpu=base.gpu, kv_cache_dtype=_kv(base, s)[0], dcp=s.dcp, prefill_backend=s.dsa_backends[0],
                                decode_backend=s.dsa_backends[1])[1]
+    sized = {lever.knob.name for lever in base.levers if lever.switch}  # the switch is asked, not the size
+    probed = {lever.flag for lever in base.levers if lever.probe is not None}  # a value the flag table lists
     for field, value in flags.items():
-        if field == "mem_fraction_static" or value is None or field == "dp_size":
+        if field == "mem_fraction_static" or value is None or field in sized:
             continue
-        verdicts.append(flag_available(base.version, field, value if field == "kv_cache_dtype" else None))
-    lever_of = {"kv_cache_dtype": "fp8_kv", "dcp_size": "dcp", "enable_dp_attention": "dp_attention"}
-    for field, lever in lever_of.items():
-        if flags.get(field) and attn is not None:
-            verdicts.append(feasibility(lever, gpu=base.gpu, version=base.version, backend=backend, attention=attn,
+        verdicts.append(flag_available(base.version, field, value if field in probed else None))
+    for lever in base.levers:  # the cells of each lever the rung turns on (a DCP cell names the rung's KV dtype)
+        if flags.get(lever.flag) and attn is not None:
+            verdicts.append(feasibility(lever.name, gpu=base.gpu, version=base.version, backend=backend, attention=attn,
                                         value=flags.get("kv_cache_dtype")))
-    if "dcp_size" in flags and base.tp % int(flags["dcp_size"]):
-        verdicts.append(Verdict(ok=False, why=f"--dcp-size {flags['dcp_size']} must divide --tp-size {base.tp} (0.5.23 arg_groups/attention_hook.py)"))
+    for lever in base.levers:  # the layout's rules (a size dividing --tp-size), on the lever's value in the rung
+        value = flags.get(lever.knob.name if lever.knob.name in flags or lever.switch else lever.flag)
+        if value is not None and (why := lever.unavailable(value, version=None, tp=base.tp)):
+            verdicts.append(Verdict(ok=False, why=why))
     if not verdicts:
         return Verdict(ok=True, why="")
     bad = [v for v in verdicts if v.ok is False]
@@ -387,13 +438,14 @@ def _newest_with(field: str) -> str | None:
 def _fp8_flags(base: LadderBase) -> dict[str, Any]:
     """fp8 KV, with the backend the table says supports it where the deployment's is not known to."""
     flags: dict[str, Any] = {"kv_cache_dtype": _FP8}
-    if base.model is None:
+    lever = next((lv for lv in base.levers if lv.flag == "kv_cache_dtype"), None)
+    if base.model is None or lever is None:
         return flags
     attn = attention_type(base.model)
-    if feasibility("fp8_kv", gpu=base.gpu, version=base.version, backend=base.attention_backend, attention=attn).ok is True:
+    if feasibility(lever.name, gpu=base.gpu, version=base.version, backend=base.attention_backend, attention=attn).ok is True:
         return flags
     for version in (base.version, *reversed(FlagTable.bundled_versions())):
-        backend = supporting_backend("fp8_kv", gpu=base.gpu, version=version, attention=attn)
+        backend = supporting_backend(lever.name, gpu=base.gpu, version=version, attention=attn)
         if backend:
             flags["attention_backend"] = backend
             break

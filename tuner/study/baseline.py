@@ -19,12 +19,14 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import TunerConfig
+from tuner.errors import StudyError
 from tuner.load.workloads import build_workload, estimate_reuse
 from tuner.records import TrialRecord
 from tuner.sglang.failures import STARTUP_MEMORY_FAILURES
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.hicache import HostMemory
 from tuner.study.budget import reachable_slots
+from tuner.study.hostcheck import ranks_of
 from tuner.study.hosts import own, same_environment
 from tuner.study.launch import needs_reference, record_numerics
 from tuner.study.lever_space import LeverChoice, attentions_of_log, derive_levers, study_model
@@ -37,10 +39,13 @@ from tuner.study.optuna_io import (
     record_of,
     set_baseline_params,
 )
+from tuner.study.record import launch_stopped
 from tuner.study.space import HiCacheChoice, Space, decide_hicache, resolve_space
+from tuner.study.storage import show_command
 
-__all__ = ["could_not_start", "latest_baseline", "claim_baseline", "fix_space", "queue_reference", "reference_plan", "resolve_study_space",
-           "study_hicache", "study_levers"]
+__all__ = ["could_not_start", "check_started", "latest_baseline", "claim_baseline", "fix_space", "queue_reference",
+           "reference_plan", "space_notes", "stored_space", "has_space", "resolve_study_space", "study_hicache",
+           "study_levers"]
 
 WAIT_POLL_S = 1.0
 """Seconds between looks at the study while another host measures the baseline."""
@@ -63,6 +68,19 @@ def could_not_start(record: TrialRecord) -> bool:
         and record.token_capacity is None
         and record.failure_class not in STARTUP_MEMORY_FAILURES
     )
+
+
+def check_started(record: TrialRecord, number: int, config: TunerConfig, url: str) -> None:
+    """Stop the run when the baseline (trial ``number`` of the study stored at ``url``, its stored
+    ``record``) :func:`could_not_start`.
+
+    Raises:
+        StudyError: Quoting the server's reason and the ``tuner show`` command that has its log.
+    """
+    if could_not_start(record):
+        raise launch_stopped(f"the baseline (trial {number}, the service's own flags) could not start "
+                             f"({record.failure_class.value if record.failure_class else 'failed'})", record,
+                             fix="environment", show=show_command(config, url, number))
 
 
 def latest_baseline(done: Sequence[tuple[int, TrialRecord]]) -> tuple[int, TrialRecord] | None:
@@ -201,19 +219,19 @@ def _baseline_state(study: optuna.Study, environment: Mapping[str, Any], own_env
 
 
 def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, config: TunerConfig,
-              environment: Mapping[str, Any], context_tokens: int, *, host: HostMemory | None, ranks: int,
+              environment: Mapping[str, Any], context_tokens: int, *, host: HostMemory | None,
               own_environment: bool, argv: Sequence[str] = ()) -> Space:
     """Resolve the study's space from the baseline's ``record``, store it (study attribute
     :data:`~tuner.study.optuna_io.SPACE_ATTR`) and record the baseline's knobs as its running
     ``trial``'s Optuna params.
 
     A host of another environment mixed into the study (``own_environment`` false) keeps the
-    study's stored space.
+    study's stored space. ``argv`` is the service's command (its ranks on the host, its levers).
 
     Returns:
         The study's space.
     """
-    space = resolve_study_space(config, record, environment, context_tokens, host=host, ranks=ranks, argv=argv)
+    space = resolve_study_space(config, record, environment, context_tokens, host=host, ranks=ranks_of(argv), argv=argv)
     stored = study.user_attrs.get(SPACE_ATTR)
     if stored is None or own_environment:
         study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
@@ -221,6 +239,36 @@ def fix_space(study: optuna.Study, trial: optuna.Trial, record: TrialRecord, con
         space = Space.model_validate(stored)
     set_baseline_params(trial, space, record.params)
     return space
+
+
+def has_space(study: optuna.Study) -> bool:
+    """Whether the study's space is fixed (its baseline was measured)."""
+    return SPACE_ATTR in study.user_attrs
+
+
+def stored_space(study: optuna.Study, name: str) -> Space:
+    """The resolved space study ``name`` stored when its baseline was measured (:func:`fix_space`).
+
+    Raises:
+        StudyError: The study has no baseline to derive it from.
+    """
+    data = study.user_attrs.get(SPACE_ATTR)
+    if data is None:
+        raise StudyError(f"study {name!r} has no baseline trial to derive its search space from",
+                         hint="run again with a budget long enough for one trial")
+    return Space.model_validate(data)
+
+
+def space_notes(space: Space) -> list[str]:
+    """The progress lines of a space the baseline fixed: the hierarchical cache's place, each
+    structural lever derived, and one short line naming those not derived (``tuner run
+    --dry-run`` prints each reason with its source)."""
+    notes = [f"hierarchical cache {space.hicache_reason}"]
+    notes += [f"structural lever {reason}" for reason in space.lever_reasons if ": not derived:" not in reason]
+    left_out = [reason.split(":", 1)[0] for reason in space.lever_reasons if ": not derived:" in reason]
+    if left_out:
+        notes.append(f"structural levers not derived: {', '.join(left_out)} (`tuner run --dry-run` says why)")
+    return notes
 
 
 def study_hicache(config: TunerConfig, *, device_tokens: int | None, version: str | None,

@@ -218,6 +218,16 @@ class Budget:
         seconds = max(statistics.median(full), statistics.fmean(full))
         return TrialCostEstimate(seconds=seconds, source="history", samples=len(full))
 
+    def require_one(self, cost_s: Callable[[], float], config: TunerConfig) -> None:
+        """:func:`require_one_trial` of this budget, at the next trial's estimated ``cost_s()`` (s),
+        named as :func:`budget_name` says; an unbounded budget is not checked.
+
+        Raises:
+            ConfigError: The budget is shorter than one trial and the restore reserve.
+        """
+        if self.total_s is not None:
+            require_one_trial(self.total_s, cost_s(), reserve_s=self.reserve_s, name=budget_name(config, self.total_s))
+
     def fits(self, cost_s: float) -> bool:
         """Whether a trial expected to take ``cost_s`` seconds can finish inside the budget."""
         return cost_s <= self.remaining_s()

@@ -57,6 +57,7 @@ from tuner.study.optuna_io import (
     constraints_of,
     is_complete,
     record_of,
+    study_info,
     tell_record,
 )
 from tuner.study.outage import db_reason, impatient, is_transient, patiently
@@ -72,6 +73,7 @@ __all__ = [
     "rdb_of",
     "heartbeat_interval",
     "same_environment",
+    "own_environment",
     "RequeueOnce",
     "study_heartbeat",
     "ClaimLock",
@@ -86,6 +88,7 @@ __all__ = [
     "own",
     "claimed_reason",
     "reap_stale",
+    "reaped_text",
     "recover_own",
 ]
 
@@ -140,6 +143,13 @@ def same_environment(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -
     if not a or not b:
         return True
     return all(a.get(k) == b.get(k) for k in ENVIRONMENT_KEYS if a.get(k) is not None and b.get(k) is not None)
+
+
+def own_environment(study: optuna.Study, environment: Mapping[str, Any]) -> bool:
+    """Whether ``environment`` is the study's own (:func:`same_environment` with the one it was
+    created in; a study without one: yes), not a host of another environment mixed in."""
+    info = study_info(study)
+    return info is None or same_environment(info.environment, environment)
 
 
 def rdb_of(storage: BaseStorage) -> RDBStorage | None:
@@ -200,6 +210,12 @@ def reap_stale(study: optuna.Study) -> list[int]:
     _fail_unclaimed(study, running)
     still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return [t.number for t in running if t.number not in still]
+
+
+def reaped_text(numbers: Sequence[int], grace_period_s: float) -> str:
+    """The line that says :func:`reap_stale` failed other hosts' trials ``numbers`` (``grace_period_s``: the study's)."""
+    return (f"trial(s) {list(numbers)} of another host had no heartbeat for {grace_period_s} s: "
+            "marked FAIL, params queued again")
 
 
 def _fail_unclaimed(study: optuna.Study, running: list[FrozenTrial]) -> None:

@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import optuna
 from pydantic import BaseModel, ConfigDict, Field
 
-from tuner.records import TrialRecord
+from tuner.config import TunerConfig
+from tuner.records import Prediction, TrialRecord, now_iso
 from tuner.sglang.hicache import HostMemory
+from tuner.study.best import probe_floor
+from tuner.study.optuna_io import KIND_ATTR, PREDICTION_ATTR, REPEAT_ATTR
+from tuner.study.view import StudyView
 
-__all__ = ["TrialJob", "TrialRunner", "PhaseProgress", "quality_context"]
+__all__ = ["TrialJob", "TrialRunner", "PhaseProgress", "job_for", "quality_context"]
 
 
 class TrialJob(BaseModel):
@@ -25,7 +30,7 @@ class TrialJob(BaseModel):
         number: Optuna trial number.
         kind: ``baseline``, ``predicted``, ``sampled`` or ``enqueued``.
         params: Knobs to set by SGLang field name; empty for the baseline (the argv as it is).
-        prediction: The planner's prediction, stored in the record.
+        prediction: The planner's prediction (:class:`tuner.records.Prediction`), stored in the record.
         context_tokens: The context length of context capacity (tokens).
         capacity_floor: Capacity-first fidelity: when the boot probe shows a context capacity
             below this, the full load is skipped (0 = always load).
@@ -43,13 +48,29 @@ class TrialJob(BaseModel):
     number: int
     kind: str
     params: dict[str, Any] = Field(default_factory=dict)
-    prediction: dict[str, Any] = Field(default_factory=dict)
+    prediction: Prediction = Field(default_factory=Prediction)
     context_tokens: int
     capacity_floor: int = 0
     started_at: str = ""
     repeat_of: int | None = None
     quality_reference: dict[str, Any] | None = None
     quality_probes: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def job_for(trial: optuna.Trial, view: StudyView, config: TunerConfig, context_tokens: int) -> TrialJob:
+    """The job of an asked ``trial``: its kind, prediction and the trial it repeats (its
+    attributes), its params suggested on ``view``'s space, the capacity floor of capacity-first
+    fidelity (:func:`tuner.study.best.probe_floor`; none for a repeat, which measures the noise)
+    and the quality gate's context (:func:`quality_context`)."""
+    kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
+    params = view.space.suggest(trial)
+    prediction = Prediction.model_validate(trial.user_attrs.get(PREDICTION_ATTR) or {})
+    repeat_of = trial.user_attrs.get(REPEAT_ATTR)
+    floor = 0 if repeat_of is not None else probe_floor(view.finished, config.budget.probe_only_below,
+                                                        config.objective.capacity)
+    return TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction, context_tokens=context_tokens,
+                    started_at=now_iso(), capacity_floor=floor, repeat_of=None if repeat_of is None else int(repeat_of),
+                    **quality_context(view.finished))
 
 
 def quality_context(finished: Sequence[tuple[int, TrialRecord]]) -> dict[str, Any]:

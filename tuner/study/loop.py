@@ -1,74 +1,53 @@
-"""The tuning run: stop rules, then view → decide → claim → run → record, until a stop.
+"""The tuning run: open → baseline → while no stop: decide → claim → run → tell → hooks.
 
-The stop rules are objects of their own (:mod:`tuner.study.stops`: the trial cap, the budget, the
-maintenance window, the streaks), asked in one place (:meth:`StudyRun.can_continue`).
+One run of ``tuner run`` is one :class:`StudyRun`, in the shape of Optuna's own ``_optimize``; each
+step is owned by the module named, the loop only orders them::
 
-One run of ``tuner run`` is one :class:`StudyRun`, in the shape of Optuna's own ``_optimize``: open
-(or resume) the study, check the environment, recover trials a killed run left RUNNING, measure
-the baseline (the unit's current flags; its record fixes the space), then repeat until the budget
-or the trial cap is spent::
+    open      storage, study, environment, journal replay, recovery: tuner.study.session.opened_run
+    baseline  the unit's current flags, once per study; its record fixes the space: tuner.study.baseline
+    warm      another study's fingerprint of this deployment: tuner.study.session.with_prior
+    stop?     the trial cap, the budget, the maintenance window, the streaks: tuner.study.stops
+    decide    one read of the study (tuner.study.view.StudyView); the queue, the planner's
+              proposers, else the sampler (tuner.study.decide, built by tuner.study.session.decision_chain)
+    claim     the screens, then under the study's claim lock: measured or claimed by another host?
+              (tuner.study.hosts); the job (tuner.study.job.job_for)
+    run       the runner (tuner.trial.TrialExecutor) restarts the service and measures, the trial
+              beating as this host's; an interrupt is stored (tuner.study.record.Recorder)
+    tell      tell Optuna: tuner.study.record.Recorder
+    hooks     the opening's after-tell listeners (tuner.study.hooks), then the progress listener
 
-    view     one read of the study (every host's trials): tuner.study.view.StudyView
-    decide   the queue, the planner's proposers, else the sampler: tuner.study.decide
-    claim    screens, then under the study's claim lock: measured or claimed by another host?
-    run      the runner (tuner.trial.TrialExecutor) restarts the service and measures
-    record   tell Optuna: tuner.study.record.Recorder
-
-The loop chooses no parameter and stores nothing itself: the proposers and screens decide, the
-recorder stores, the hosts module coordinates hosts (:mod:`tuner.study.hosts`), and progress goes
-to a listener (:class:`tuner.study.progress.RunProgress`).
+The loop chooses no parameter and stores nothing itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import optuna
-from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.config import TunerConfig
-from tuner.errors import ServiceControlError, StudyError
 from tuner.records import TrialRecord, now_iso
-from tuner.sglang.failures import FailureClass
-from tuner.study.baseline import claim_baseline, could_not_start, fix_space
-from tuner.study.best import best_by, probe_floor
-from tuner.study.budget import Budget, budget_name, require_one_trial
-from tuner.study.decide import Decider, Skip
-from tuner.study.decide.chain import build_chain
-from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
-from tuner.study.hostcheck import ranks_of
+from tuner.study.baseline import check_started, claim_baseline, fix_space, has_space, space_notes, stored_space
+from tuner.study.budget import Budget
+from tuner.study.decide import Decider, Draw, Proposer, Skip
 from tuner.study.hosts import (
     Reaped,
     Section,
     TrialHeartbeat,
     claim_trial,
-    host_name,
+    own_environment,
     reap_stale,
-    same_environment,
+    reaped_text,
 )
-from tuner.study.job import TrialJob, TrialRunner, quality_context
-from tuner.study.optuna_io import (
-    KIND_ATTR,
-    PHASE_ATTR,
-    PREDICTION_ATTR,
-    REPEAT_ATTR,
-    SPACE_ATTR,
-    make_sampler,
-    study_info,
-)
-from tuner.study.outage import ResultJournal, db_reason, impatient, storage_refuses
+from tuner.study.job import TrialJob, TrialRunner, job_for
+from tuner.study.outage import ResultJournal
 from tuner.study.progress import Progress, RunProgress, RunSummary
-from tuner.study.record import server_reason
-from tuner.study.session import Opened, open_run
-from tuner.study.space import Space
+from tuner.study.session import Opened, decision_chain, opened_run, run_summary, with_prior
 from tuner.study.stops import (
     MAX_INVALID_IN_A_ROW,
     MAX_REPEATS_IN_A_ROW,
@@ -79,18 +58,11 @@ from tuner.study.stops import (
     TrialCap,
     Window,
     first_stop,
-)
-from tuner.study.storage import (
-    show_command,
-    storage_errors,
-    study_storage_url,
+    require_a_stop,
 )
 from tuner.study.view import StudyView
-from tuner.study.warm import is_fresh, warm_start
-from tuner.units import MaintenanceWindow, format_duration
 
-__all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Streaks", "StudyRun", "restored_text",
-           "run_study"]
+__all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Streaks", "StudyRun", "run_study"]
 
 _log = logging.getLogger(__name__)
 
@@ -132,15 +104,13 @@ class StudyRun:
                  max_trials: int | None = None, allow_mixed_environment: bool = False, storage_url: str | None = None,
                  on_progress: Callable[[Progress], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  use_planner: bool = True, journal: ResultJournal | None = None) -> None:
-        if budget_s is None and max_trials is None:
-            raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
+        require_a_stop(budget_s, max_trials)
         self.config = config
         self.runner = runner
         self.options = _Options(budget_s, max_trials, allow_mixed_environment, use_planner, journal)
         self.clock = clock
         self.budget = Budget(budget_s, reserve_s=config.budget.restore_reserve_s, clock=clock)
-        self.summary = RunSummary(study_name=config.study.name, storage_url=storage_url or study_storage_url(config),
-                                  host=host_name())
+        self.summary = run_summary(config, storage_url)
         self.progress = RunProgress(on_progress, self.summary, self.budget, self.cost_s, max_trials=max_trials,
                                     clock=clock)
         self.opened: Opened | None = None
@@ -168,34 +138,30 @@ class StudyRun:
             KeyboardInterrupt: Ctrl-C or SIGTERM; the trial in flight is stored as FAIL with its
                 partial record and its params re-enqueued.
         """
-        started = self.clock()
-        with storage_errors(self.summary.storage_url):
-            opened = self.open()
+        started, options = self.clock(), self.options
+        with opened_run(self.config, self.runner, self.summary, self.progress, journal=options.journal,
+                        allow_mixed_environment=options.allow_mixed_environment) as opened:
+            self.opened = opened
+            self.budget.require_one(self.cost_s, self.config)
             self.summary.baseline = self.baseline()
             if not self.stopped:
                 self.warm_start()
             try:
                 if not self.stopped:  # a stop before the baseline (the window) leaves nothing to decide
-                    decider, sampler = self.decider(self.space())
+                    space = stored_space(opened.study, self.config.study.name)
+                    decider, sampler = decision_chain(self._opened(), self.config, self.runner, space,
+                                                      self.summary.host, use_planner=options.use_planner,
+                                                      on_skip=self.on_draw)
                 while not self.stopped and self.can_continue():
                     step = self.decide(decider, sampler)
-                    if step is not None:
-                        self.check_invalid_streak(step[0].number, self.launch(*step))
+                    if step is not None:  # launch: a restart of the service
+                        self.streaks.check(step[0].number, self.record(*step, self.run_trial(*step)), self.config,
+                                           self.summary.storage_url)
                 opened.recorder.flush()
             finally:
                 opened.recorder.close()  # an interrupted run's last skips are stored, not raised over it
-        self.summary.best = best_by(self.finished(), self.config.objective)
-        self.summary.elapsed_s = self.clock() - started
+        self.summary.finish(self.finished(), self.config.objective, self.clock() - started)
         return self.summary
-
-    def open(self) -> Opened:
-        """Open the run (:func:`tuner.study.session.open_run`), then check the budget holds one trial."""
-        self.opened = open_run(self.config, self.runner, self.summary, self.progress,
-                               allow_mixed_environment=self.options.allow_mixed_environment, journal=self.options.journal)
-        if self.options.budget_s is not None:
-            require_one_trial(self.options.budget_s, self.cost_s(), reserve_s=self.config.budget.restore_reserve_s,
-                              name=budget_name(self.config, self.options.budget_s))
-        return self.opened
 
     def baseline(self) -> tuple[int, TrialRecord] | None:
         """The study's baseline (the service's own flags), measured now when the study has none of
@@ -206,80 +172,38 @@ class StudyRun:
             StudyError: The baseline could not start for a reason other than memory.
         """
         opened = self._opened()
-        study, environment = opened.study, opened.environment
+        study, environment, argv = opened.study, opened.environment, self.runner.baseline_argv()
         trial, found = claim_baseline(study, environment, self.summary.host, claim=self.claim,
-                                      can_continue=self.can_continue, own_environment=self._own_environment,
+                                      can_continue=self.can_continue,
+                                      own_environment=lambda: own_environment(study, environment),
                                       on_wait=lambda text: self.progress.note(None, text, phase="waiting"))
         if trial is None:
             return found
         job = TrialJob(number=trial.number, kind="baseline", context_tokens=opened.context_tokens, started_at=now_iso())
         record = self.run_trial(trial, job)
         space = fix_space(study, trial, record, self.config, environment, opened.context_tokens,
-                          host=self.runner.host_memory(), ranks=ranks_of(self.runner.baseline_argv()),
-                          own_environment=self._own_environment(), argv=self.runner.baseline_argv())
-        self.progress.note(trial.number, f"hierarchical cache {space.hicache_reason}")
-        left_out = [reason.split(":", 1)[0] for reason in space.lever_reasons if ": not derived:" in reason]
-        for reason in space.lever_reasons:
-            if ": not derived:" not in reason:
-                self.progress.note(trial.number, f"structural lever {reason}")
-        if left_out:  # one short line; `tuner run --dry-run` prints each reason with its source
-            self.progress.note(trial.number, f"structural levers not derived: {', '.join(left_out)} "
-                                             "(`tuner run --dry-run` says why)")
+                          host=self.runner.host_memory(), own_environment=own_environment(study, environment), argv=argv)
+        for line in space_notes(space):
+            self.progress.note(trial.number, line)
         record = self.record(trial, job, record)
-        if could_not_start(record):
-            raise StudyError(
-                f"the baseline (trial {trial.number}, the service's own flags) could not start "
-                f"({record.failure_class.value if record.failure_class else 'failed'}): "
-                f"{server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or environment and run again (`{show_command(self.config, self.summary.storage_url, trial.number)}` has the log)",
-            )
+        check_started(record, trial.number, self.config, self.summary.storage_url)
         return trial.number, record
 
-    def space(self) -> Space:
-        """The study's resolved space (stored when its baseline was measured).
-
-        Raises:
-            StudyError: The study has no baseline to derive it from.
-        """
-        data = self._opened().study.user_attrs.get(SPACE_ATTR)
-        if data is None:
-            raise StudyError(
-                f"study {self.config.study.name!r} has no baseline trial to derive its search space from",
-                hint="run again with a budget long enough for one trial",
-            )
-        return Space.model_validate(data)
-
-    def decider(self, space: Space) -> tuple[Decider, Sampler]:
-        """This run's decision chain (:func:`tuner.study.decide.chain.build_chain`); on a shared
-        study each host's sampler has a seed of its own."""
-        opened = self._opened()
-        seed = self.config.study.seed + (zlib.crc32(self.summary.host.encode()) % 1_000_003 if opened.shared else 0)
-        mirror = ProposalMirror(opened.study.directions, make_sampler(self.config.study.sampler, seed), space,
-                                self.summary.host)
-        if opened.prior is not None and opened.prior.trials:
-            mirror.add_prior(opened.prior.trials)
-        return build_chain(self.config, mirror, read_host=self.runner.host_memory,
-                           version=str(opened.environment.get("sglang_version") or "0.5.5"),
-                           argv=self.runner.baseline_argv(), use_planner=self.options.use_planner, on_skip=self.on_draw,
-                           gpu=opened.environment.get("gpu_name"))
-
     def warm_start(self) -> None:
-        """Reuse another study's fingerprint of this deployment (:mod:`tuner.study.warm`): the
-        models' settings start from its checks; the sampler gets its measured trials."""
+        """Reuse another study's fingerprint of this deployment (:func:`tuner.study.session.with_prior`):
+        the models' settings start from its checks; the sampler gets its measured trials."""
         opened = self._opened()
-        baseline = self.summary.baseline
         with self.claim(reap=False):  # hosts starting together: one looks up and enqueues, the others read it
-            prior = warm_start(opened.study, self.summary.storage_url, opened.deployment, workload=opened.workload,
-                               baseline=baseline[1] if baseline else None, config=self.config, space=self.space(),
-                               fresh=is_fresh(self.finished()))
-        self.opened = dataclasses.replace(opened, prior=prior, settings=prior.settings(opened.settings, self.space()))
+            self.opened, line = with_prior(opened, self.config, self.summary.storage_url,
+                                           baseline=self.summary.baseline, finished=self.finished(),
+                                           space=stored_space(opened.study, self.config.study.name))
         self.view = None
-        if prior.warm.source is not None or prior.warm.not_used:  # nothing found: nothing to say
-            self.progress.note(None, prior.warm.line())
+        if line is not None:
+            self.progress.note(None, line)
 
     # ---- one step: decide, claim ------------------------------------------------------------------
 
-    def decide(self, decider: Decider, sampler: Sampler) -> tuple[optuna.Trial, TrialJob] | None:
+    def decide(self, decider: Decider, sampler: Proposer) -> tuple[optuna.Trial, TrialJob] | None:
         """The next trial to launch and its job, or ``None`` (a skip was stored, the sampler's draws
         of this decision were all skipped, or another host failed the asked trial: choose again).
 
@@ -300,25 +224,17 @@ class StudyRun:
             if proposal is None:
                 return None
             trial = opened.recorder.ask(proposal)  # the oldest waiting trial (another host's: no matter)
-        kind = str(trial.user_attrs.get(KIND_ATTR, "sampled"))
-        params = view.space.suggest(trial)
-        prediction = dict(trial.user_attrs.get(PREDICTION_ATTR) or {})
-        repeat_of = trial.user_attrs.get(REPEAT_ATTR)
-        job = TrialJob(number=trial.number, kind=kind, params=params, prediction=prediction,
-                       context_tokens=opened.context_tokens, started_at=now_iso(),
-                       capacity_floor=0 if repeat_of is not None else probe_floor(view.finished, self.config.budget.probe_only_below,
-                                                                        self.config.objective.capacity),
-                       repeat_of=None if repeat_of is None else int(repeat_of), **quality_context(view.finished))
-        skip = None if repeat_of is not None else decider.screen(params, kind, view)
+        job = job_for(trial, view, self.config, opened.context_tokens)
+        skip = None if job.repeat_of is not None else decider.screen(job.params, job.kind, view)
         if skip is None:  # RUNNING with its params, host and heartbeat before the lock goes
             found = claim_trial(opened.study, trial, self.summary.host, opened.environment, hold=self.claim,
-                                check=repeat_of is None)
+                                check=job.repeat_of is None)
             if isinstance(found, Reaped):  # another host failed it while this one chose: choose again
                 return None
             skip = Skip(*found) if found is not None else None
         if skip is not None:
-            opened.recorder.skip(trial, params, kind, prediction, skip)
-            self.count_skip(trial.number, params, kind, skip.reason)
+            opened.recorder.skip(trial, job.params, job.kind, job.prediction, skip)
+            self.count_skip(trial.number, job.params, job.kind, skip.reason)
             return None
         return trial, job
 
@@ -341,19 +257,10 @@ class StudyRun:
             return
         self.summary.count_skip(text)
         self.progress.skip(number, params, kind, text)
-        self.stop_on(self.streaks.skip(self._launched()))
-
-    def _launched(self) -> int:
-        """The study's launched trials (finished with a result, every host's) in this decision's
-        view: a change resets the skip streak."""
-        return sum(1 for _, r in self.finished() if r.outcome in ("ok", "failed"))
+        launched = sum(1 for _, r in self.finished() if r.outcome in ("ok", "failed"))  # every host's: a change resets
+        self.stop_on(self.streaks.skip(launched))
 
     # ---- run, record ------------------------------------------------------------------------------
-
-    def launch(self, trial: optuna.Trial, job: TrialJob) -> TrialRecord:
-        """Run ``job`` through the runner and record it (a restart of the service); see
-        :meth:`run_trial` for the errors."""
-        return self.record(trial, job, self.run_trial(trial, job))
 
     def run_trial(self, trial: optuna.Trial, job: TrialJob) -> TrialRecord:
         """Run ``job`` through the runner, its trial beating as this host's.
@@ -371,29 +278,16 @@ class StudyRun:
 
         def on_phase(name: str, detail: Any = None) -> None:
             if detail is None:  # a phase begins (main thread); its progress ticks are not stored
-                try:
-                    with impatient():  # for readers only: a trial never waits for the database for it
-                        trial.set_user_attr(PHASE_ATTR, name)
-                except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
-                    # a full disk is named once, by the result's write that fails after it
-                    (_log.debug if storage_refuses(err) else _log.warning)(
-                        "trial %d: phase %s not stored: %s", trial.number, name, db_reason(err))
+                opened.recorder.phase(trial, name)
             self.progress.phase(job, name, detail)
 
-        def on_reaped(numbers: list[int]) -> None:
-            self.summary.recovered.extend(numbers)
-            self.progress.note(None, self._reaped_text(numbers), phase="reaped", in_trial=True)
-
         try:
-            with TrialHeartbeat(opened.study, trial.number, on_reaped=on_reaped):
+            with (opened.recorder.interruptible(trial, job, lambda: self.clock() - begun),
+                  TrialHeartbeat(opened.study, trial.number, on_reaped=lambda numbers: self.reaped(numbers, True))):
                 record = self.runner.run(job, on_phase)
-        except (KeyboardInterrupt, ServiceControlError) as err:
-            opened.recorder.interrupted(trial, job, err, elapsed_s=self.clock() - begun)
-            raise
         finally:
             self.progress.trial_aborted()
-        if record.failure_class is FailureClass.JOURNAL_UNREADABLE:
-            raise opened.recorder.journal_lost(trial, job, record)
+        opened.recorder.check_journal(trial, job, record)
         self.summary.trials_run += 1
         self.streaks.launch()
         if record.duration_s is None:
@@ -419,41 +313,28 @@ class StudyRun:
         :meth:`stop`)."""
         return not self.stop_on(first_stop(self.rules))
 
-    def check_invalid_streak(self, number: int, record: TrialRecord) -> None:
-        """Stop the run after :data:`MAX_INVALID_IN_A_ROW` ``invalid_arguments`` failures in a row.
-
-        Raises:
-            StudyError: The streak is reached (the message quotes the server's reason).
-        """
-        if self.streaks.result(record):
-            raise StudyError(
-                f"{self.streaks.invalid} trials in a row (the last {number}) were rejected as invalid_arguments: "
-                f"{server_reason(record)}; the service was restored to its original flags",
-                hint=f"fix the service command or the [space] and run again (`{show_command(self.config, self.summary.storage_url, number)}` has the log)",
-            )
-
     def stop_on(self, stop: Stop | None) -> bool:
-        """:meth:`stop` on a rule's :class:`~tuner.study.stops.Stop`; whether there was one."""
+        """Whether a rule stops the run (its :class:`~tuner.study.stops.Stop`, else ``None``): its
+        reason and line are recorded, the loop ends after this step, and the listener is told."""
         if stop is not None:
-            self.stop(stop.reason, stop.detail)
+            self.summary.stop_reason, self.summary.stop_detail, self.stopped = stop.reason, stop.detail, True
+            self.progress.stop(stop.reason, stop.detail)
         return stop is not None
-
-    def stop(self, reason: str, detail: str = "") -> None:
-        """Record the stop reason (and ``detail``, a line saying why), end the loop after this
-        step, and tell the listener."""
-        self.summary.stop_reason = reason
-        self.summary.stop_detail = detail
-        self.stopped = True
-        self.progress.stop(reason, detail)
 
     # ---- shared state --------------------------------------------------------------------------
 
     def read(self) -> StudyView:
         """This decision's view of the study (read once, until a launch is recorded or the next
-        decision begins): on a shared PostgreSQL study each read is a round trip per table."""
+        decision begins): on a shared PostgreSQL study each read is a round trip per table. Its
+        :attr:`~tuner.study.view.StudyView.space` is the study's space, stored by the baseline.
+
+        Raises:
+            StudyError: The study has no baseline (:func:`tuner.study.baseline.stored_space`).
+        """
         if self.view is None:
             opened = self._opened()
-            self.view = StudyView.read(opened.study, self.space(), opened.settings, opened.records)
+            space = stored_space(opened.study, self.config.study.name)
+            self.view = StudyView.read(opened.study, space, opened.settings, opened.records)
         return self.view
 
     def finished(self) -> Sequence[tuple[int, TrialRecord]]:
@@ -462,7 +343,7 @@ class StudyRun:
         opened = self.opened
         if opened is None:
             return ()
-        if self.view is None and SPACE_ATTR not in opened.study.user_attrs:
+        if self.view is None and not has_space(opened.study):
             return opened.records.finished(opened.study.get_trials(deepcopy=False))
         return self.read().finished
 
@@ -483,23 +364,19 @@ class StudyRun:
             reaped = reap_stale(opened.study) if reap else []
             if reaped:
                 self.view = None
-                self.summary.recovered.extend(reaped)
-                self.progress.note(None, self._reaped_text(reaped), phase="reaped")
+                self.reaped(reaped)
             yield section
 
-    def _reaped_text(self, numbers: list[int]) -> str:
-        return (f"trial(s) {numbers} of another host had no heartbeat for {self.config.storage.grace_period_s} s: "
-                "marked FAIL, params queued again")
-
-    def _own_environment(self) -> bool:
-        """Whether this run's environment is the study's own (not a mixed-in host)."""
-        opened = self._opened()
-        info = study_info(opened.study)
-        return info is None or same_environment(info.environment, opened.environment)
+    def reaped(self, numbers: list[int], in_trial: bool = False) -> None:
+        """Other hosts' dead trials ``numbers`` were failed (their params queued again): counted
+        and told (``in_trial``: by this host's trial heartbeat, during a trial)."""
+        self.summary.recovered.extend(numbers)
+        self.progress.note(None, reaped_text(numbers, self.config.storage.grace_period_s), phase="reaped",
+                           in_trial=in_trial)
 
     def _opened(self) -> Opened:
         if self.opened is None:
-            raise RuntimeError("StudyRun.open() was not called")
+            raise RuntimeError("StudyRun.run() has not opened the study yet")
         return self.opened
 
 
@@ -510,18 +387,3 @@ def run_study(config: TunerConfig, runner: TrialRunner, **options: Any) -> RunSu
     :meth:`StudyRun.run` for the result and the raised errors.
     """
     return StudyRun(config, runner, **options).run()
-
-
-def restored_text(config: TunerConfig, when: datetime) -> str:
-    """How the run's final restore ended, for :attr:`RunSummary.service`: ``restored to its
-    original flags``, and under ``[service] window`` the time it ended (``when``, local) and whether
-    inside the window or how long after it closed (a trial that ran past its estimate)."""
-    text = "restored to its original flags"
-    if config.service.window is None:
-        return text
-    window = MaintenanceWindow.parse(config.service.window)
-    late_s = window.seconds_since_close(when)
-    if late_s <= 0:
-        return f"{text} at {when:%H:%M:%S}, inside the maintenance window {window.text}"
-    return (f"{text} at {when:%H:%M:%S}, {format_duration(late_s)} after the maintenance window {window.text} "
-            "closed (the last trial ran past its estimate)")

@@ -10,13 +10,14 @@ count, the estimate of launches to come and the budget left.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuner.config import ObjectiveSection
 from tuner.records import TrialRecord
-from tuner.study.best import BestChoice
+from tuner.study.best import BestChoice, best_by
 from tuner.study.budget import Budget
 from tuner.study.job import PhaseProgress, TrialJob
 
@@ -104,6 +105,12 @@ class RunSummary(BaseModel):
     elapsed_s: float = 0.0
     skip_reasons: dict[str, int] = Field(default_factory=dict)
     service: str = ""
+
+    def finish(self, finished: Sequence[tuple[int, TrialRecord]], objective: ObjectiveSection, elapsed_s: float) -> None:
+        """The run's end: :attr:`best` chosen from the study's ``finished`` trials by ``objective``'s
+        policy (:func:`tuner.study.best.best_by`), and the run's ``elapsed_s`` (s)."""
+        self.best = best_by(finished, objective)
+        self.elapsed_s = elapsed_s
 
     def count_skip(self, reason: str) -> None:
         """Count one skip of this run under its :func:`skip_kind`."""

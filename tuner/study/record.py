@@ -10,10 +10,11 @@ cannot take is logged in one line with its values, and the run stops.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,11 @@ from optuna.distributions import distribution_to_json, json_to_distribution
 from optuna.trial import TrialState
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.errors import HookError, StudyError, first_line
-from tuner.records import RECORD_ATTR, TrialRecord
+from tuner.errors import HookError, ServiceControlError, StudyError, first_line
+from tuner.records import RECORD_ATTR, Prediction, TrialRecord
+from tuner.sglang.failures import FailureClass
 from tuner.sglang.numerics import numerics_changes
-from tuner.study.decide import Proposal, Skip, record_kind
-from tuner.study.decide.sampler import Draw
+from tuner.study.decide import Draw, Proposal, Skip, record_kind
 from tuner.study.hosts import add_record, trial_id
 from tuner.study.job import TrialJob
 from tuner.study.launch import launch_fields, record_numerics
@@ -37,6 +38,7 @@ from tuner.study.optuna_io import (
     HOST_ATTR,
     KIND_ATTR,
     LATE_ATTR,
+    PHASE_ATTR,
     PREDICTION_ATTR,
     REPEAT_ATTR,
     SPACE_ATTR,
@@ -44,10 +46,10 @@ from tuner.study.optuna_io import (
     record_of,
     tell_record,
 )
-from tuner.study.outage import ResultJournal, StorageOutage, storage_refuses
+from tuner.study.outage import ResultJournal, StorageOutage, db_reason, impatient, storage_refuses
 from tuner.study.space import Space
 
-__all__ = ["Recorder", "SkipWriter", "server_reason"]
+__all__ = ["Recorder", "SkipWriter", "server_reason", "launch_stopped"]
 
 _log = logging.getLogger(__name__)
 
@@ -86,8 +88,8 @@ class Recorder:
         :attr:`~tuner.study.decide.Proposal.from_queue`)."""
         if not proposal.from_queue:
             attrs: dict[str, Any] = {KIND_ATTR: proposal.kind}
-            if proposal.prediction:
-                attrs[PREDICTION_ATTR] = proposal.prediction
+            if proposal.prediction.stored():
+                attrs[PREDICTION_ATTR] = proposal.prediction.stored()
             if proposal.repeat_of is not None:
                 attrs[REPEAT_ATTR] = proposal.repeat_of
             changed = self.numerics_changes(proposal.params)
@@ -121,7 +123,7 @@ class Recorder:
                     break
         return self._base_numerics
 
-    def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any],
+    def skip(self, trial: optuna.Trial, params: Mapping[str, Any], kind: str, prediction: Prediction,
              skip: Skip) -> None:
         """Tell the asked ``trial`` PRUNED with the reason and the proving trial (no restart)."""
         trial.set_user_attr(HOST_ATTR, self.host)
@@ -134,6 +136,27 @@ class Recorder:
             Exception: What an earlier background write raised (the database stopped answering).
         """
         self.writer.store(draw.optuna_params, draw.distributions, draw.record, {HOST_ATTR: self.host})
+
+    def phase(self, trial: optuna.Trial, name: str) -> None:
+        """Store that ``trial`` entered phase ``name`` (for readers only: a trial never waits for the
+        database for it; a failed write is logged, a full disk named once by the result's write)."""
+        try:
+            with impatient():
+                trial.set_user_attr(PHASE_ATTR, name)
+        except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+            (_log.debug if storage_refuses(err) else _log.warning)(
+                "trial %d: phase %s not stored: %s", trial.number, name, db_reason(err))
+
+    @contextlib.contextmanager
+    def interruptible(self, trial: optuna.Trial, job: TrialJob, elapsed_s: Callable[[], float]) -> Iterator[None]:
+        """Run ``job``'s trial in the ``with`` block: Ctrl-C or SIGTERM, or a service the host
+        refused to change (:class:`~tuner.errors.ServiceControlError`, a failed ``[service]`` hook
+        included), stores it as :meth:`interrupted` (``elapsed_s``: its seconds so far) and raises on."""
+        try:
+            yield
+        except (KeyboardInterrupt, ServiceControlError) as err:
+            self.interrupted(trial, job, err, elapsed_s=elapsed_s())
+            raise
 
     def interrupted(self, trial: optuna.Trial, job: TrialJob, err: BaseException, *, elapsed_s: float) -> None:
         """Store a trial cut short (Ctrl-C or SIGTERM, a ``[service]`` hook that failed, or a
@@ -149,11 +172,17 @@ class Recorder:
                               started_at=job.started_at, duration_s=elapsed_s)
         fail_trial(self.study, trial, partial, requeue=bool(job.params))
 
-    def journal_lost(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> StudyError:
-        """Store a trial whose journal stopped answering as FAIL (not the candidate's failure, not
-        a measurement: measured again next run) and return the error that stops the run."""
+    def check_journal(self, trial: optuna.Trial, job: TrialJob, record: TrialRecord) -> None:
+        """Stop the run on a trial whose journal stopped answering (``journal_unreadable``): stored
+        as FAIL (not the candidate's failure, not a measurement: measured again next run).
+
+        Raises:
+            StudyError: The journal stopped answering during the trial.
+        """
+        if record.failure_class is not FailureClass.JOURNAL_UNREADABLE:
+            return
         fail_trial(self.study, trial, record.model_copy(update={"artifacts": {}}), requeue=bool(job.params))
-        return StudyError(
+        raise StudyError(
             f"trial {job.number} stopped: the service manager's journal stopped answering "
             f"({record.failure_evidence}); the trial is recorded as journal_unreadable, not measured, "
             "and the service was restored",
@@ -284,6 +313,14 @@ def server_reason(record: TrialRecord) -> str:
     evidence = record.failure_evidence or "no reason recorded"
     reason = evidence.split("; server log: ", 1)[1] if "; server log: " in evidence else evidence
     return reason.rstrip(". ")
+
+
+def launch_stopped(what: str, record: TrialRecord, *, fix: str, show: str) -> StudyError:
+    """The error that stops a run on a launch whose command is wrong (the baseline that could not
+    start, a streak of ``invalid_arguments``): ``what`` happened, the server's reason
+    (:func:`server_reason`), what to ``fix`` and the ``show`` command that has the log."""
+    return StudyError(f"{what}: {server_reason(record)}; the service was restored to its original flags",
+                      hint=f"fix the service command or {fix} and run again (`{show}` has the log)")
 
 
 def _upload_artifacts(trial: optuna.Trial, record: TrialRecord,

@@ -1,14 +1,20 @@
 """The opening of a run: storage, the study, its environment and heartbeat rule, the result journal's replay, recovery.
 
-One concept: what :class:`tuner.study.loop.StudyRun` holds before its baseline (:func:`open_run`),
-in the order a run needs it: the storage and the target checked, the study opened (or created,
-under the schema lock, with its environment and first host's heartbeat rule), the results a
-stopped run kept in its journal stored, this host's and dead hosts' RUNNING trials recovered, and
-the model settings and fingerprint keys of this run.
+One concept: what :class:`tuner.study.loop.StudyRun` holds before its first decision. Before its
+baseline (:func:`open_run`), in the order a run needs it: the storage and the target checked, the
+study opened (or created, under the schema lock, with its environment and first host's heartbeat
+rule), the results a stopped run kept in its journal stored, this host's and dead hosts' RUNNING
+trials recovered, and the model settings and fingerprint keys of this run. Once the baseline fixed
+the space: the warm start's prior (:func:`with_prior`) and the run's decision chain with its
+sampler (:func:`decision_chain`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,22 +22,33 @@ import optuna
 
 from tuner.config import TunerConfig, check_url_matches_port
 from tuner.load.workloads import build_workload
-from tuner.records import StudyInfo
+from tuner.records import StudyInfo, TrialRecord
 from tuner.study.baseline import queue_reference
 from tuner.study.calibration import ModelSettings
+from tuner.study.decide import Decider, Draw, Proposer
+from tuner.study.decide.chain import build_chain
+from tuner.study.decide.sampler import ProposalMirror
 from tuner.study.fingerprint import DeploymentKey, deployment_key, workload_key
 from tuner.study.hooks import AfterTell, SaveFingerprint
-from tuner.study.hosts import ClaimLock, is_postgres, reap_stale, recover_own, schema_lock, study_heartbeat
+from tuner.study.hosts import ClaimLock, host_name, is_postgres, reap_stale, recover_own, schema_lock, study_heartbeat
 from tuner.study.job import TrialRunner
 from tuner.study.optuna_io import ensure_study_info, make_sampler, open_study, records
 from tuner.study.outage import ResultJournal
 from tuner.study.progress import RunProgress, RunSummary
 from tuner.study.record import Recorder
-from tuner.study.storage import check_run_storage, check_storage_folder, open_artifacts_folder, open_storage
+from tuner.study.space import Space
+from tuner.study.storage import (
+    check_run_storage,
+    check_storage_folder,
+    open_artifacts_folder,
+    open_storage,
+    storage_errors,
+    study_storage_url,
+)
 from tuner.study.view import RecordCache
-from tuner.study.warm import Prior
+from tuner.study.warm import Prior, is_fresh, warm_start
 
-__all__ = ["Opened", "open_run"]
+__all__ = ["Opened", "open_run", "opened_run", "run_summary", "decision_chain", "with_prior"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,27 @@ class Opened:
     workload: str
     after_tell: tuple[AfterTell, ...] = ()
     prior: Prior | None = None
+
+
+def run_summary(config: TunerConfig, storage_url: str | None = None) -> RunSummary:
+    """A new run's summary: its study, storage (``storage_url``, else the config's) and this host."""
+    return RunSummary(study_name=config.study.name, storage_url=storage_url or study_storage_url(config),
+                      host=host_name())
+
+
+@contextlib.contextmanager
+def opened_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, progress: RunProgress, *,
+               allow_mixed_environment: bool = False, journal: ResultJournal | None = None) -> Iterator[Opened]:
+    """The run's session: :func:`open_run`, then the ``with`` block, where a storage failure (of the
+    opening or of the run) is one line naming the file and the fix
+    (:func:`tuner.study.storage.storage_errors`).
+
+    Raises:
+        StudyError: :func:`open_run`'s, and the storage's failures.
+    """
+    with storage_errors(summary.storage_url):
+        yield open_run(config, runner, summary, progress, allow_mixed_environment=allow_mixed_environment,
+                       journal=journal)
 
 
 def open_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, progress: RunProgress, *,
@@ -128,3 +166,34 @@ def open_run(config: TunerConfig, runner: TrialRunner, summary: RunSummary, prog
                   settings=ModelSettings.for_config(config, context_tokens, environment.get("sglang_version")),
                   records=RecordCache(), deployment=deployment, workload=workload,
                   after_tell=(SaveFingerprint(study, config.study.name, deployment, workload, context_tokens),))
+
+
+def with_prior(opened: Opened, config: TunerConfig, url: str, *, baseline: tuple[int, TrialRecord] | None,
+               space: Space, finished: Sequence[tuple[int, TrialRecord]]) -> tuple[Opened, str | None]:
+    """``opened`` with the warm start's prior (:func:`tuner.study.warm.warm_start`: another study's
+    fingerprint of this deployment, looked up in the storage at ``url`` and beside it) and the
+    model settings it starts from, and the progress line saying what was reused or why nothing
+    was (``None`` when no fingerprint was found: nothing to say); ``finished`` says whether the
+    study is fresh."""
+    prior = warm_start(opened.study, url, opened.deployment, workload=opened.workload,
+                       baseline=baseline[1] if baseline else None, config=config, space=space,
+                       fresh=is_fresh(finished))
+    line = prior.warm.line() if prior.warm.source is not None or prior.warm.not_used else None
+    return dataclasses.replace(opened, prior=prior, settings=prior.settings(opened.settings, space)), line
+
+
+def decision_chain(opened: Opened, config: TunerConfig, runner: TrialRunner, space: Space, host: str, *,
+                   use_planner: bool, on_skip: Callable[[Draw], bool]) -> tuple[Decider, Proposer]:
+    """The run's decider and sampler (:func:`tuner.study.decide.chain.build_chain`) on ``space``.
+
+    The sampler proposes on an in-memory mirror of the study, seeded with the warm start's prior
+    trials; on a shared study each host's sampler has a seed of its own (the config's seed plus
+    the CRC-32 of ``host``), so hosts do not draw the same configs.
+    """
+    seed = config.study.seed + (zlib.crc32(host.encode()) % 1_000_003 if opened.shared else 0)
+    mirror = ProposalMirror(opened.study.directions, make_sampler(config.study.sampler, seed), space, host)
+    if opened.prior is not None and opened.prior.trials:
+        mirror.add_prior(opened.prior.trials)
+    return build_chain(config, mirror, read_host=runner.host_memory,
+                       version=str(opened.environment.get("sglang_version") or "0.5.5"), argv=runner.baseline_argv(),
+                       use_planner=use_planner, on_skip=on_skip, gpu=opened.environment.get("gpu_name"))

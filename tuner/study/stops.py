@@ -18,14 +18,17 @@ from datetime import datetime, timedelta
 from typing import Protocol
 
 from tuner.config import TunerConfig
+from tuner.errors import StudyError
 from tuner.records import TrialRecord
 from tuner.sglang.failures import FailureClass
 from tuner.study.budget import Budget, restore_cost_s
 from tuner.study.progress import RunProgress
+from tuner.study.record import launch_stopped
+from tuner.study.storage import show_command
 from tuner.units import MaintenanceWindow, format_duration
 
 __all__ = ["MAX_INVALID_IN_A_ROW", "MAX_REPEATS_IN_A_ROW", "MAX_SKIPS_IN_A_ROW", "Stop", "StopRule", "TrialCap",
-           "BudgetLeft", "Window", "Streaks", "first_stop"]
+           "BudgetLeft", "Window", "Streaks", "first_stop", "require_a_stop", "restored_text"]
 
 MAX_INVALID_IN_A_ROW = 3
 """Launched trials failing with ``invalid_arguments`` one after another that stop the run: the
@@ -71,6 +74,16 @@ class StopRule(Protocol):
 def first_stop(rules: Iterable[StopRule]) -> Stop | None:
     """The first rule's :class:`Stop`, in order (a later rule is not asked)."""
     return next((stop for rule in rules if (stop := rule.check()) is not None), None)
+
+
+def require_a_stop(budget_s: float | None, max_trials: int | None) -> None:
+    """A run needs a budget or a trial cap (the other stop rules may never fire).
+
+    Raises:
+        StudyError: Neither is given.
+    """
+    if budget_s is None and max_trials is None:
+        raise StudyError("no --budget and no --trials given", hint="pass e.g. --budget 4h or --trials 20")
 
 
 class TrialCap:
@@ -208,9 +221,36 @@ class Streaks:
         """A launch of this run: the draw and skip counts start again."""
         self.repeats = self.skips = 0
 
+    def check(self, number: int, record: TrialRecord, config: TunerConfig, url: str) -> None:
+        """Launch ``number``'s ``record`` (:meth:`result`), of the study stored at ``url``.
+
+        Raises:
+            StudyError: :data:`MAX_INVALID_IN_A_ROW` launches in a row were rejected as
+                ``invalid_arguments``, quoting the server's reason and the ``tuner show`` command that
+                has the log.
+        """
+        if self.result(record):
+            raise launch_stopped(f"{self.invalid} trials in a row (the last {number}) were rejected as invalid_arguments",
+                                 record, fix="the [space]", show=show_command(config, url, number))
+
     def result(self, record: TrialRecord) -> bool:
         """A launch's record: whether :data:`MAX_INVALID_IN_A_ROW` launches in a row were rejected as
         ``invalid_arguments`` (the loop then raises, quoting the server)."""
         invalid = record.outcome == "failed" and record.failure_class is FailureClass.INVALID_ARGUMENTS
         self.invalid = self.invalid + 1 if invalid else 0
         return self.invalid >= MAX_INVALID_IN_A_ROW
+
+
+def restored_text(config: TunerConfig, when: datetime) -> str:
+    """How the run's final restore ended, for :attr:`RunSummary.service`: ``restored to its
+    original flags``, and under ``[service] window`` the time it ended (``when``, local) and whether
+    inside the window or how long after it closed (a trial that ran past its estimate)."""
+    text = "restored to its original flags"
+    if config.service.window is None:
+        return text
+    window = MaintenanceWindow.parse(config.service.window)
+    late_s = window.seconds_since_close(when)
+    if late_s <= 0:
+        return f"{text} at {when:%H:%M:%S}, inside the maintenance window {window.text}"
+    return (f"{text} at {when:%H:%M:%S}, {format_duration(late_s)} after the maintenance window {window.text} "
+            "closed (the last trial ran past its estimate)")

@@ -17,7 +17,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.records import TrialRecord
+from tuner.records import Prediction, TrialRecord
 from tuner.study.best import band_floor
 from tuner.study.calibration import Calibration, ModelSettings
 from tuner.study.optuna_io import KIND_ATTR, PREDICTION_ATTR, REPEAT_ATTR, record_of
@@ -73,6 +73,13 @@ class StudyView:
         return cls(trials=trials, finished=records.finished(trials), space=space, settings=settings)
 
     @cached_property
+    def baseline(self) -> int | None:
+        """The newest baseline's trial number (the service's own command and version, the fact a
+        screen of a flag or a shape cites as its proof), ``None`` before any; not trial 0 by
+        assumption: a baseline that could not start is measured again under a later number."""
+        return next((number for number, record in reversed(self.finished) if record.kind == "baseline"), None)
+
+    @cached_property
     def waiting(self) -> tuple[FrozenTrial, ...]:
         """Trials enqueued and not yet asked for (every host's)."""
         return tuple(t for t in self.trials if t.state is TrialState.WAITING)
@@ -106,10 +113,11 @@ class StudyView:
                          if r.params and r.outcome == "skipped")
 
     @cached_property
-    def pending(self) -> tuple[tuple[dict[str, Any], dict[str, Any]], ...]:
+    def pending(self) -> tuple[tuple[dict[str, Any], Prediction], ...]:
         """``(params, prediction)`` of the planner's trials running now (other hosts': this host
         runs one trial at a time and decides between them)."""
-        return tuple((dict(t.params), dict(t.user_attrs.get(PREDICTION_ATTR) or {})) for t in self.running
+        return tuple((dict(t.params), Prediction.model_validate(t.user_attrs.get(PREDICTION_ATTR) or {}))
+                     for t in self.running
                      if t.user_attrs.get(KIND_ATTR) == "predicted" and t.params)
 
     @cached_property

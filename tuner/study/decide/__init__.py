@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from tuner.records import Constraints, Prediction, TrialRecord, now_iso
 from tuner.study.view import StudyView
 
-__all__ = ["Proposal", "Skip", "Proposer", "Screen", "Decider", "first_skip", "record_kind"]
+__all__ = ["Proposal", "Skip", "Draw", "Proposer", "Screen", "Decider", "first_skip", "record_kind"]
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,16 @@ class Proposal:
         params: Searched knobs by SGLang field name, on the space's grid (empty for
             :attr:`from_queue`).
         kind: ``predicted`` (the planner's models), ``sampled`` (the sampler) or ``enqueued``.
-        prediction: What the models expect (``token_capacity``, ``context_capacity``,
-            ``free_gib_after_graphs`` (GiB), ``need_gib``, ``why``, ...), stored in the record.
+        prediction: What the models expect (:class:`tuner.records.Prediction`: ``token_capacity``,
+            ``context_capacity``, ``free_gib_after_graphs`` (GiB), ``need_gib``, ``why``, ...),
+            stored with the trial and in its record.
         repeat_of: The trial this proposal re-measures (the noise), or ``None``.
         from_queue: Take the study's oldest waiting trial (its own params and attributes).
     """
 
     params: dict[str, Any] = field(default_factory=dict)
     kind: str = "predicted"
-    prediction: dict[str, Any] = field(default_factory=dict)
+    prediction: Prediction = field(default_factory=Prediction)
     repeat_of: int | None = None
     from_queue: bool = False
 
@@ -63,19 +64,47 @@ class Skip:
 
     Attributes:
         reason: One line for the user (says "predicted" when it is a prediction, not a proof).
-        proof: The trial that proves it (or calibrated the prediction).
+        proof: The trial that proves it (or calibrated the prediction); a fact of the deployment
+            (its SGLang version, its command) cites the study's baseline
+            (:attr:`tuner.study.view.StudyView.baseline`), ``None`` before it was measured. Never a
+            made-up number: stored as the record's ``proved_by_trial``.
     """
 
     reason: str
-    proof: int
+    proof: int | None
 
-    def record(self, params: Mapping[str, Any], kind: str, prediction: Mapping[str, Any] | None = None) -> TrialRecord:
+    def record(self, params: Mapping[str, Any], kind: str, prediction: Prediction | None = None) -> TrialRecord:
         """The record of a config not launched: why, and the trial that proves it (every
         constraint violated, no values)."""
         return TrialRecord(params=dict(params), kind=record_kind(kind), outcome="skipped", skipped_reason=self.reason,
-                           proved_by_trial=self.proof, prediction=Prediction.model_validate(dict(prediction or {})),
+                           proved_by_trial=self.proof, prediction=prediction or Prediction(),
                            started_at=now_iso(),
                            duration_s=0.0, constraints=Constraints.all_violated())
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A sampler's proposal that a screen rejected.
+
+    Attributes:
+        params: Its knobs by SGLang field name (:meth:`tuner.study.space.Space.suggest`).
+        optuna_params: Its Optuna params, as the mirror's trial holds them.
+        distributions: Their distributions.
+        skip: Why it needs no restart.
+        record: Its record (``outcome="skipped"``), told to the mirror and stored.
+        write: Store it in the study (a config the study holds no skip of; a host-memory skip,
+            each host's own, always).
+        repeat: A config measured, or skipped by this run, already: no trial, only a count
+            towards the exhaustion stop.
+    """
+
+    params: dict[str, Any]
+    optuna_params: dict[str, Any]
+    distributions: dict[str, Any]
+    skip: Skip
+    record: TrialRecord
+    write: bool
+    repeat: bool
 
 
 class Proposer(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tuner.config import ObjectiveSection
+from tuner.records import Prediction
 from tuner.study.best import best_by
 from tuner.study.decide import Proposal, Screen
 from tuner.study.space import HICACHE_KNOBS, config_key
@@ -65,8 +66,8 @@ class CacheCandidate:
             if config_key(params) in view.tried:
                 return None
             if self.host.why_not(params, view) is None:
-                return Proposal(params=params, prediction={
-                    "why": f"the hierarchical cache on the best flags so far (trial {choice.number}), "
-                           f"at the largest host pool that fits this host ({knob or 'default'} {value})",
-                    "compare_with_trial": choice.number})
+                return Proposal(params=params, prediction=Prediction(
+                    why=f"the hierarchical cache on the best flags so far (trial {choice.number}), "
+                        f"at the largest host pool that fits this host ({knob or 'default'} {value})",
+                    compare_with_trial=choice.number))
         return None

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from tuner.config import TunerConfig
 from tuner.sglang.flags import FlagTable, parse_argv
 from tuner.sglang.hicache import HostMemory as HostReading
-from tuner.study.decide import Decider, Proposer, Screen
+from tuner.study.decide import Decider, Draw, Proposer, Screen
 from tuner.study.decide.cache import CacheCandidate
 from tuner.study.decide.memory import MemoryFrontier
 from tuner.study.decide.repeat import NoiseRepeat
 from tuner.study.decide.rungs import RungCandidate, RungPrices
-from tuner.study.decide.sampler import Draw, ProposalMirror, Sampler
+from tuner.study.decide.sampler import ProposalMirror, Sampler
 from tuner.study.decide.screens import (
     HostMemory,
     MeasuredAlready,

@@ -20,6 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tuner.records import Prediction
 from tuner.study.calibration import Calibration, Family, Point, changed_knobs, margin_for, neighbours
 from tuner.study.decide import Proposal
 from tuner.study.decide.rungs import rung_points
@@ -49,7 +50,7 @@ class MemoryFrontier:
         best_capacity = incumbent.capacity
         believers = sorted(_believed(cal, view.pending), key=lambda p: (-p.capacity, p.number))
         believed = max((p.capacity for p in believers), default=0)
-        if any(prediction.get("free_gib_after_graphs") is not None for _, prediction in view.pending):
+        if any(prediction.free_gib_after_graphs is not None for _, prediction in view.pending):
             cal = cal.with_margin(margin_for(view.finished, view.settings, believed_check=True))
         if believed > best_capacity:
             found = _proposal(cal, believers[0], believed, view.tried)
@@ -74,22 +75,22 @@ class MemoryFrontier:
 
 def _given(found: Proposal, believed: int) -> Proposal:
     """``found`` with the pending trials it was proposed against in its prediction."""
-    prediction = {**found.prediction, "believed_pending_capacity": believed,
-                  "why": f"{found.prediction['why']}, given trials running on other hosts predicted to reach "
-                         f"{believed} contexts"}
+    prediction = found.prediction.model_copy(update={
+        "believed_pending_capacity": believed,
+        "why": f"{found.prediction.why}, given trials running on other hosts predicted to reach {believed} contexts"})
     return Proposal(params=found.params, kind=found.kind, prediction=prediction)
 
 
-def _believed(cal: Calibration, pending: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]) -> list[Point]:
+def _believed(cal: Calibration, pending: Sequence[tuple[Mapping[str, Any], Prediction]]) -> list[Point]:
     """Running planner trials as if measured at their prediction (the model they were predicted
     with, their predicted context capacity, feasible); numbered after every trial."""
     out = []
     for i, (params, prediction) in enumerate(pending):
-        capacity = int(prediction.get("context_capacity") or 0)
+        capacity = int(prediction.context_capacity or 0)
         if capacity <= 0 or "mem_fraction_static" not in params:
             continue
         snapped = cal.space.snap(dict(params))
-        ref = next((p for p in cal.model_points if p.number == prediction.get("calibrated_on_trial")), None)
+        ref = next((p for p in cal.model_points if p.number == prediction.calibrated_on_trial), None)
         ref = ref or cal.reference(family_of(snapped), int(snapped["max_running_requests"]))
         out.append(ref.model_copy(update={"number": 10**9 + i, "params": snapped, "capacity": capacity,
                                           "feasible": True}))
@@ -153,11 +154,11 @@ def _proposal(cal: Calibration, incumbent: Point, best_capacity: int, tried: fro
             # A higher predicted capacity first (the highest, whichever knobs reach it), then the
             # incumbent's own knobs before a neighbour's.
             order = (0 if capacity > best_capacity else 1, -capacity if capacity > best_capacity else 0, rank, -capacity)
-            proposals.append((order, Proposal(params=params, prediction={
-                "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
-                "need_gib": round(need, 3), "calibrated_on_trial": ref.number,
-                "why": why if graphs_note is None else f"{why}; {graphs_note}",
-            })))
+            proposals.append((order, Proposal(params=params, prediction=Prediction(
+                token_capacity=tokens, context_capacity=capacity, free_gib_after_graphs=round(free, 3),
+                need_gib=round(need, 3), calibrated_on_trial=ref.number,
+                why=why if graphs_note is None else f"{why}; {graphs_note}",
+            ))))
     if not proposals:
         return None
     proposals.sort(key=lambda item: item[0])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from tuner.config import ObjectiveSection
-from tuner.records import TrialRecord
+from tuner.records import Prediction, TrialRecord
 from tuner.study.best import best_by, measured_noise
 from tuner.study.decide import Proposal
 from tuner.study.space import config_key
@@ -78,7 +78,7 @@ class NoiseRepeat:
             if number not in repeated:
                 why = (f"re-measure trial {number}: the band's two fastest configs differ by "
                        f"{(first - second) / first:.1%} in throughput, within twice the {margin:.1%} noise margin")
-                return Proposal(params=view.space.snap(record.params), prediction={"why": why}, repeat_of=number)
+                return Proposal(params=view.space.snap(record.params), prediction=Prediction(why=why), repeat_of=number)
         return None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import tuner.knobs
 from tuner.config import ObjectiveSection
-from tuner.records import TrialRecord
+from tuner.records import Prediction, TrialRecord
 from tuner.sglang.flags import flag_int, flag_value
 from tuner.sglang.ladder import LadderBase, Rung, evaluate
 from tuner.sglang.modelconfig import ModelArch
@@ -103,7 +103,8 @@ class RungPrices:
             draft_weight_gib=draft("weight_gib"), draft_kv_gib=draft("kv_gib"), draft_graph_gib=draft("graph_gib"),
             graphs_captured=memory.graph_gib is not None,
             flags={k: v for k, v in (("kv_cache_dtype", params.get("kv_cache_dtype")),
-                                     ("enable_dp_attention", True if dp > 1 else None)) if v is not None})
+                                     ("enable_dp_attention", True if dp > 1 else None)) if v is not None},
+            levers=tuner.knobs.LEVERS)
 
     def price(self, params: Mapping[str, Any], view: StudyView) -> tuple[int, Rung] | None:
         """``(baseline trial, rung)`` of ``params``' levers at its fraction, or ``None`` when the
@@ -213,15 +214,15 @@ class RungCandidate:
             if config_key(params) in view.tried:
                 continue
             levers = ", ".join(f"{k}={v}" for k, v in _moved(rung_flags(params), rung_flags(best)).items())
-            return Proposal(params=params, prediction={
-                "token_capacity": rung.tokens_per_rank, "context_capacity": capacity,
-                "free_gib_after_graphs": rung.free_after_graphs_gib,
-                "why": f"rung {levers} on the best flags so far (trial {best_number}), the highest context capacity "
+            return Proposal(params=params, prediction=Prediction(
+                token_capacity=rung.tokens_per_rank, context_capacity=capacity,
+                free_gib_after_graphs=rung.free_after_graphs_gib,
+                why=f"rung {levers} on the best flags so far (trial {best_number}), the highest context capacity "
                        f"the ladder prices on the baseline's start: {capacity} at {params['mem_fraction_static']:g} "
                        f"with {params['max_running_requests']} request slots ({rung.tokens_per_rank:,} tokens per rank, "
                        f"{rung.free_after_graphs_gib} GiB free after the baseline's graphs; issue 23); its boot "
                        "probe calibrates the memory model for this rung",
-                "compare_with_trial": best_number})
+                compare_with_trial=best_number))
         return None
 
     def _priceable(self, params: Mapping[str, Any], view: StudyView) -> bool:
@@ -274,10 +275,10 @@ class RungCandidate:
             params = space.snap({**best, name: value})
             if config_key(params) in view.tried:
                 continue
-            return Proposal(params=params, prediction={
-                "why": f"rung {name}={value} on the best flags so far (trial {best_number}): up to "
-                       f"{lever_gain(name, value):g}× the logical KV pool at the same budget (issue 23)",
-                "compare_with_trial": best_number})
+            return Proposal(params=params, prediction=Prediction(
+                why=f"rung {name}={value} on the best flags so far (trial {best_number}): up to "
+                    f"{lever_gain(name, value):g}× the logical KV pool at the same budget (issue 23)",
+                compare_with_trial=best_number))
         return None
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -35,43 +34,18 @@ from optuna.samplers import BaseSampler
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.records import RECORD_ATTR, TrialRecord
-from tuner.study.decide import Proposal, Screen, Skip, first_skip
+from tuner.records import RECORD_ATTR
+from tuner.study.decide import Draw, Proposal, Screen, first_skip
 from tuner.study.optuna_io import HOST_ATTR, tell_record
 from tuner.study.space import Space, config_key
 from tuner.study.view import ConfigKey, StudyView
 
-__all__ = ["PROPOSALS_PER_DECISION", "Draw", "Sampler", "ProposalMirror"]
+__all__ = ["PROPOSALS_PER_DECISION", "Sampler", "ProposalMirror"]
 
 PROPOSALS_PER_DECISION = 16
 """The sampler's proposals screened per decision before the loop reads the study again."""
 
 _COPIED_STATES = (TrialState.COMPLETE, TrialState.PRUNED)
-
-
-@dataclass(frozen=True)
-class Draw:
-    """A sampler's proposal that a screen rejected.
-
-    Attributes:
-        params: Its knobs by SGLang field name (:meth:`tuner.study.space.Space.suggest`).
-        optuna_params: Its Optuna params, as the mirror's trial holds them.
-        distributions: Their distributions.
-        skip: Why it needs no restart.
-        record: Its record (``outcome="skipped"``), told to the mirror and stored.
-        write: Store it in the study (a config the study holds no skip of; a host-memory skip,
-            each host's own, always).
-        repeat: A config measured, or skipped by this run, already: no trial, only a count
-            towards the exhaustion stop.
-    """
-
-    params: dict[str, Any]
-    optuna_params: dict[str, Any]
-    distributions: dict[str, Any]
-    skip: Skip
-    record: TrialRecord
-    write: bool
-    repeat: bool
 
 
 class Sampler:

@@ -48,8 +48,8 @@ class Unavailable:
     """A structural lever the deployment cannot take (:meth:`tuner.knobs.Lever.unavailable`, each
     lever's rule: the SGLang version has no such flag or value in the bundled flag tables,
     :func:`tuner.sglang.levers.flag_available`; a ``--dcp-size`` or a DP-attention ``--dp-size``
-    that does not divide ``--tp-size``). The proof is the baseline (trial 0): its version and
-    command are the fact."""
+    that does not divide ``--tp-size``). The proof is the study's baseline
+    (:attr:`tuner.study.view.StudyView.baseline`): its version and command are the fact."""
 
     def __init__(self, version: str, argv: Sequence[str]) -> None:
         self._version = version
@@ -62,7 +62,7 @@ class Unavailable:
                 continue
             why = lever.unavailable(value, version=self._version, tp=self._tp)
             if why is not None:
-                return Skip(f"unavailable: {why}", 0)
+                return Skip(f"unavailable: {why}", view.baseline)
         return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from tuner.records import Prediction
 from tuner.study.calibration import Calibration, Family, changed_knobs, neighbours
 from tuner.study.decide import Proposal
 from tuner.study.decide.rungs import rung_points
@@ -112,14 +113,14 @@ def _at_count(cal: Calibration, key: Family, count: int, tried: frozenset[Config
         return None
     if graphs is not None:
         why = f"{why}; {graphs}"
-    return Proposal(params=params, prediction={
-        "token_capacity": tokens, "context_capacity": capacity, "free_gib_after_graphs": round(free, 3),
-        "need_gib": round(need, 3), "calibrated_on_trial": ref.number,
-        "running_requests": cal.running_requests(mrr, tokens),
-        "slo_safe_running_requests": bound.safe, "slo_safe_trial": bound.safe_trial,
-        "slo_broken_running_requests": bound.broken, "slo_broken_trial": bound.broken_trial,
-        "why": why,
-    })
+    return Proposal(params=params, prediction=Prediction(
+        token_capacity=tokens, context_capacity=capacity, free_gib_after_graphs=round(free, 3),
+        need_gib=round(need, 3), calibrated_on_trial=ref.number,
+        running_requests=cal.running_requests(mrr, tokens),
+        slo_safe_running_requests=bound.safe, slo_safe_trial=bound.safe_trial,
+        slo_broken_running_requests=bound.broken, slo_broken_trial=bound.broken_trial,
+        why=why,
+    ))
 
 
 def _limit_of(bound: SLOBound) -> str | None:

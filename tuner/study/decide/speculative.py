@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tuner.records import Constraints, TrialRecord
+from tuner.records import Constraints, Prediction, TrialRecord
 from tuner.sglang.flags import flag_int, flag_value
 from tuner.sglang.speculative import SpecShape, resolve_shape, shape_refusal
 from tuner.study.decide import Proposal, Skip
@@ -50,10 +50,6 @@ def _canonical(params: Mapping[str, Any], view: StudyView) -> tuple[tuple[str, A
     return config_key(snapped)
 
 
-def _baseline_number(view: StudyView) -> int:
-    return next((n for n, r in view.finished if r.kind == "baseline"), 0)
-
-
 class SpeculativeRules:
     """A draft shape SGLang refuses (its message and the rule), or one it runs as an already
     measured config (topk 1 resolves the draft tokens), needs no launch.
@@ -75,7 +71,7 @@ class SpeculativeRules:
         page = int(params.get("page_size") or self.page_size)
         refused = shape_refusal(self.version, shape, page_size=page, attention_backend=self.backend)
         if refused is not None:
-            return Skip(f"SGLang {self.version} refuses speculative shape {tuple(shape)}: {refused}", _baseline_number(view))
+            return Skip(f"SGLang {self.version} refuses speculative shape {tuple(shape)}: {refused}", view.baseline)
         if int(params.get("speculative_eagle_topk") or shape.eagle_topk) == 1:
             key = _canonical(params, view)
             for number, record in view.finished:
@@ -117,7 +113,7 @@ class SpeculativeShapes:
             if config_key(snapped) in view.tried or self.rules.why_not(snapped, view) is not None:
                 continue
             return Proposal(params=snapped, kind="predicted",
-                            prediction={"why": f"{WHY} (trial {number})"})
+                            prediction=Prediction(why=f"{WHY} (trial {number})"))
         return None
 
 
