@@ -9,6 +9,7 @@ import pytest
 from tests.support.offline_server import OfflineExecutor
 from tests.support.views import plan
 from tuner.config import SpaceSection, load_config
+from tuner.records import Prediction
 from tuner.sglang.memory import must_fail
 from tuner.study.loop import run_study
 from tuner.study.space import resolve_space
@@ -112,17 +113,17 @@ def test_with_planner_trials_running_on_other_hosts_the_planner_proposes_given_t
     proposal builds on the best of them (its knobs, more request slots, in its band) instead of
     the sequential plan's next step, whose value depends on their outcome."""
     config, _run, space, view = _l4_after(0)
-    pending: list[tuple[dict, dict]] = []
+    pending: list[tuple[dict, Prediction]] = []
     for _ in range(2):  # two hosts take the plan's first two steps
         step = plan(view(pending=pending))
         assert step is not None
         pending.append((step.params, step.prediction))
-    ahead_params, ahead = max(pending, key=lambda p: p[1]["context_capacity"])
+    ahead_params, ahead = max(pending, key=lambda p: p[1].context_capacity or 0)
     believer = plan(view(pending=pending))
     sequential = plan(view(tried=[p for p, _ in pending]))
     assert believer is not None and sequential is not None
     assert believer.params not in [p for p, _ in pending]
-    band = ahead["context_capacity"] * (1 - config.objective.capacity_tolerance)
+    band = (ahead.context_capacity or 0) * (1 - config.objective.capacity_tolerance)
     assert believer.prediction.context_capacity >= band
     # built on the believed incumbent's knobs: the same chunk, more request slots
     assert believer.params["chunked_prefill_size"] == ahead_params["chunked_prefill_size"]
@@ -160,18 +161,18 @@ def test_with_the_measured_plan_spent_hosts_plan_from_the_running_trials_in_the_
     while (step := plan(view(tried=taken))) is not None:  # one host, nothing in flight
         taken.append(step.params)
         alone.add(tuple(sorted(step.params.items())))
-    pending: list[tuple[dict, dict]] = []
+    pending: list[tuple[dict, Prediction]] = []
     seen = set(measured)
     while (step := plan(view(pending=pending))) is not None and len(pending) < 40:
         key = tuple(sorted(step.params.items()))
         assert key not in seen  # never a config measured or running
         seen.add(key)
         pending.append((step.params, step.prediction))
-    top = max(p["context_capacity"] for _, p in pending)
+    top = max(p.context_capacity or 0 for _, p in pending)
     extra = [p for params, p in pending if tuple(sorted(params.items())) not in alone]
     assert len(pending) >= len(alone) + 4  # four more hosts kept busy by the planner
-    assert all(p["context_capacity"] >= top * (1 - 0.05) for p in extra)  # in the believed band
-    assert all("given trials running on other hosts" in p["why"] for p in extra)
+    assert all((p.context_capacity or 0) >= top * (1 - 0.05) for p in extra)  # in the believed band
+    assert all("given trials running on other hosts" in (p.why or "") for p in extra)
 
 
 def _spent_config():  # noqa: ANN202 - TunerConfig
