@@ -168,6 +168,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(private, ignore_errors=True)
 
 
+DEMO_RUN_TIMEOUT_S = 600
+"""pytest-timeout's limit (s) for a test that reads the session's demo (its setup runs the demo)."""
+
 _XDIST_GROUPS = {"demo_run": "demo-run"}
 """Fixture → ``pytest-xdist`` group, for fixtures shared beyond a module."""
 
@@ -211,6 +214,10 @@ def _slow_groups_first(items: list[pytest.Item]) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+        if "demo_run" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            # the first reader of the session's demo pays for the demo's run (about 290 s on a loaded
+            # 2-core box, inside the default 300 s limit by too little)
+            item.add_marker(pytest.mark.timeout(DEMO_RUN_TIMEOUT_S))
     _slow_groups_first(items)
     if config.getoption("--run-benchmarks"):
         return

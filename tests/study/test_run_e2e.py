@@ -145,8 +145,11 @@ def test_sigterm_records_the_trial_restores_and_exits_nonzero(workdir: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_reference_twin_reaches_145x_capacity_without_oom_or_proved_restarts(workdir: Path) -> None:
-    config = config_copy("reference-sim.toml", workdir, replace={'measure_s = 20': 'measure_s = 8'})
+    """The twin's OOM-safe capacity (its SLO's steady windows are other tests' matter: without them the
+    two trials take about half the time)."""
+    config = config_copy("reference-sim.toml", workdir, replace={'measure_s = 20': 'measure_s = 8'}, slo=False)
     proc = run_tuner("run", "--config", str(config), "--trials", "2", cwd=workdir, timeout_s=500)
     assert proc.returncode == 0, proc.stderr[-2000:]
     study = load_study(f"sqlite:///{workdir}/studies/reference-sim.db", "reference-sim")
