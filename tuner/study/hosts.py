@@ -615,8 +615,9 @@ def claim_trial(study: optuna.Study, trial: optuna.Trial, host: str, environment
                 try:
                     own(study, trial, host, environment)
                 except optuna.exceptions.UpdateFinishedTrialError:
-                    _log.warning("%s", Reaped(trial.number))
-                    return Reaped(trial.number)
+                    reaped = Reaped(trial.number)
+                    _log.warning("%s", reaped)
+                    return reaped
         if found is not None or not section.lost or not check:
             return found
         _log.warning("trial %d: the database dropped the claim lock during its claim; checking the claim again",
